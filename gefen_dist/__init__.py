@@ -1,0 +1,11 @@
+"""gefen_dist: distributed-first Gefen, an AdamW drop-in with ~1 byte/parameter of state.
+
+Gefen is the optimizer of Benedek, Koren and Fried, "Gefen: Optimized Stochastic Optimizer"
+(arXiv 2606.13894, 2026); credit for the algorithm goes to "Gefen" and its author. gefen_dist
+re-implements it from its specification so that its state is identical in meaning at every
+world size (see docs/algorithm.md for the deliberate deviations).
+"""
+from .optimizer import Gefen, Report
+
+__all__ = ["Gefen", "Report"]
+__version__ = "0.1.0"

@@ -1,0 +1,244 @@
+"""Period detection (paper §2) made decomposable over pieces of a tensor (D1, D6).
+
+The paper picks, for each tensor, the block length ``P`` over which the second moment is
+shared.  With ``l_i = ln(f32(g_i)^2 + 1e-12)`` (float64) and ``mu_b`` the mean of ``l`` over
+block ``b`` of ``p`` consecutive elements, the score of a candidate ``p`` is
+``mean_b |mu_{b+1} - mu_b|``.  The candidates are the divisors of ``numel`` with at least four
+blocks; the chosen period is the strict local maximum (p > 8) with the largest score, capped.
+
+That score is a sum over adjacent block pairs, so it decomposes over any partition of the
+flattened tensor into contiguous *pieces* (an FSDP2 shard, a DeepSpeed segment, a ZeRO-1
+range): each piece sums the pairs it holds completely and reports the partial sums of the
+few blocks at its edges (:class:`PeriodPartials`); :func:`combine_partials` merges them into the
+exact global score.  A single process is the special case of one piece.
+
+This module is pure math: no ``torch.distributed``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+LOG_EPS = 1e-12
+MIN_BLOCKS = 4
+MIN_ELIGIBLE_PERIOD = 8  # a period must exceed this to be selected
+PERIOD_CAP = 1024
+SCALE_BLOCK_MAX = 256
+
+# Bound on the number of block boundaries materialised at once (int64 + float64 each).
+_CHUNK_ENTRIES = 1 << 23
+
+
+def divisors(n: int) -> List[int]:
+    """All divisors of ``n`` in ascending order."""
+    if n <= 0:
+        return []
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+def candidate_periods(numel: int) -> List[int]:
+    """Divisors ``p`` of ``numel`` with at least :data:`MIN_BLOCKS` blocks, ascending."""
+    return [p for p in divisors(numel) if numel // p >= MIN_BLOCKS]
+
+
+def log_sq(grad: torch.Tensor) -> torch.Tensor:
+    """``ln(f64(f32(g)^2) + 1e-12)`` of a flattened gradient, in float64."""
+    g = grad.reshape(-1).float()
+    return torch.log((g * g).double() + LOG_EPS)
+
+
+@dataclass
+class PeriodPartials:
+    """What one contiguous piece ``[start, start+length)`` of a tensor knows about each candidate.
+
+    For candidate ``k`` with period ``p``, the piece touches blocks ``b0[k]..b1[k]``. Blocks strictly
+    between them are complete and private to the piece; ``internal[k]`` is the sum of ``|dmu|``
+    over adjacent pairs of those interior blocks. ``edge_blocks[k]``/``edge_sums[k]`` hold the sums
+    of ``l`` over blocks ``b0, b0+1, b1-1, b1`` (those that exist; edge blocks may be partial).
+    """
+
+    start: int
+    length: int
+    periods: List[int]
+    internal: List[float]
+    edge_blocks: List[List[int]] = field(default_factory=list)
+    edge_sums: List[List[float]] = field(default_factory=list)
+
+    def to_payload(self) -> Tuple:
+        """A plain picklable tuple (for an all-gather of Python objects)."""
+        return (self.start, self.length, self.periods, self.internal, self.edge_blocks, self.edge_sums)
+
+    @classmethod
+    def from_payload(cls, t: Tuple) -> "PeriodPartials":
+        return cls(*t)
+
+
+def period_partials(l: torch.Tensor, start: int, numel: int, periods: Sequence[int]) -> PeriodPartials:
+    """Partial period statistics of one piece.
+
+    ``l`` is :func:`log_sq` of the piece (float64, 1-D) whose first element sits at flat offset
+    ``start`` of a tensor with ``numel`` elements; ``periods`` are the candidates (divisors of numel).
+    Vectorised over candidates: block sums come from one prefix sum, boundaries for many
+    candidates are gathered in one pass (chunked to bound memory).
+    """
+    length = int(l.numel())
+    out = PeriodPartials(start=start, length=length, periods=list(periods), internal=[0.0] * len(periods))
+    out.edge_blocks = [[] for _ in periods]
+    out.edge_sums = [[] for _ in periods]
+    if length == 0 or not periods:
+        return out
+    end = start + length
+    prefix = torch.zeros(length + 1, dtype=torch.float64)
+    torch.cumsum(l, 0, out=prefix[1:])
+
+    def span_sum(a: int, b: int) -> float:  # sum of l over global [a, b) ∩ piece
+        a, b = max(a, start), min(b, end)
+        return float(prefix[b - start] - prefix[a - start])
+
+    ps = torch.tensor(list(periods), dtype=torch.int64)
+    b0 = torch.div(start, ps, rounding_mode="floor")
+    b1 = torch.div(end - 1, ps, rounding_mode="floor")
+    n_interior = (b1 - b0 - 1).clamp(min=0)  # complete blocks strictly between the edges
+
+    # Edge information (a handful of scalars per candidate).
+    for k, p in enumerate(periods):
+        e0, e1 = int(b0[k]), int(b1[k])
+        blocks = sorted({b for b in (e0, e0 + 1, e1 - 1, e1) if e0 <= b <= e1})
+        out.edge_blocks[k] = blocks
+        out.edge_sums[k] = [span_sum(b * p, (b + 1) * p) for b in blocks]
+
+    # Interior pairs: sum |mu_{b+1} - mu_b| over interior blocks, vectorised over candidates.
+    internal = torch.zeros(len(periods), dtype=torch.float64)
+    order = [k for k in range(len(periods)) if int(n_interior[k]) >= 2]
+    i = 0
+    while i < len(order):
+        chunk = [order[i]]
+        total = int(n_interior[order[i]]) + 1
+        i += 1
+        while i < len(order) and total + int(n_interior[order[i]]) + 1 <= _CHUNK_ENTRIES:
+            total += int(n_interior[order[i]]) + 1
+            chunk.append(order[i])
+            i += 1
+        _interior_chunk(prefix, start, ps, b0, n_interior, chunk, internal)
+    out.internal = internal.tolist()
+    return out
+
+
+def _interior_chunk(prefix, start, ps, b0, n_interior, chunk, internal) -> None:
+    idx = torch.tensor(chunk, dtype=torch.int64)
+    counts = n_interior[idx] + 1  # boundaries per candidate
+    cand_of = torch.repeat_interleave(idx, counts)
+    seg_start = torch.cumsum(counts, 0) - counts
+    local = torch.arange(int(counts.sum())) - torch.repeat_interleave(seg_start, counts)
+    p_of = ps[cand_of]
+    pos = (b0[cand_of] + 1 + local) * p_of - start  # boundary positions within the piece
+    vals = prefix[pos]
+    mu = (vals[1:] - vals[:-1]) / p_of[1:].double()
+    same = cand_of[1:] == cand_of[:-1]
+    mu_cand = cand_of[1:]
+    # adjacent interior means of the same candidate
+    d = (mu[1:] - mu[:-1]).abs()
+    keep = same[1:] & same[:-1]
+    internal.index_add_(0, mu_cand[1:][keep], d[keep])
+
+
+def combine_partials(parts: Sequence[PeriodPartials], numel: int) -> List[float]:
+    """Exact global scores from the partials of pieces that tile ``[0, numel)``.
+
+    Identical pieces (replicas) are counted once; overlapping but different pieces are an error.
+    """
+    uniq: Dict[Tuple[int, int], PeriodPartials] = {}
+    for part in parts:
+        if part.length > 0:
+            uniq.setdefault((part.start, part.length), part)
+    pieces = sorted(uniq.values(), key=lambda q: q.start)
+    pos = 0
+    for q in pieces:
+        if q.start != pos:
+            raise ValueError(
+                f"period statistics: pieces do not tile the tensor (gap or overlap at offset {pos}, "
+                f"next piece starts at {q.start}); every element must be held by exactly one piece"
+            )
+        pos = q.start + q.length
+    if pos != numel:
+        raise ValueError(f"period statistics: pieces cover {pos} of {numel} elements")
+    periods = pieces[0].periods
+    scores = []
+    for k, p in enumerate(periods):
+        nblocks = numel // p
+        sums: Dict[int, float] = {}
+        internal = 0.0
+        pairs = set()
+        for q in pieces:
+            internal += q.internal[k]
+            for b, s in zip(q.edge_blocks[k], q.edge_sums[k]):
+                # edge blocks shared between pieces are summed; interior-adjacent ones appear once
+                sums[b] = sums.get(b, 0.0) + s
+            e0, e1 = q.edge_blocks[k][0], q.edge_blocks[k][-1]
+            for b in (e0 - 1, e0, e1 - 1, e1):
+                if 0 <= b and b + 1 < nblocks:
+                    pairs.add(b)
+        # An interior-adjacent block (b0+1 / b1-1) is reported by exactly one piece, an edge block
+        # by every piece that touches it: but a block reported as both edge of one piece and
+        # interior-adjacent of another cannot happen (interior blocks are private).
+        total = internal
+        for b in sorted(pairs):
+            total += abs(sums[b + 1] - sums[b]) / p
+        scores.append(total / (nblocks - 1))
+    return scores
+
+
+def select_paper_period(periods: Sequence[int], scores: Sequence[float]) -> int:
+    """The paper's selection: strict local maxima at inner list positions with p > 8, best
+    score wins (ties: the larger p); none gives 1. Then the cap: a period above 1024 becomes
+    its smallest divisor exceeding 1024."""
+    best_p, best_s = 1, -math.inf
+    for i in range(1, len(periods) - 1):
+        p, s = periods[i], scores[i]
+        if p <= MIN_ELIGIBLE_PERIOD:
+            continue
+        if s > scores[i - 1] and s > scores[i + 1]:
+            if s > best_s or (s == best_s and p > best_p):
+                best_p, best_s = p, s
+    if best_p > PERIOD_CAP:
+        best_p = next(d for d in divisors(best_p) if d > PERIOD_CAP)
+    return best_p
+
+
+def paper_period(grad: torch.Tensor) -> int:
+    """The reference's period for a whole (unsharded) gradient: one piece."""
+    n = grad.numel()
+    cands = candidate_periods(n)
+    if len(cands) < 3:
+        return 1
+    part = period_partials(log_sq(grad), 0, n, cands)
+    return select_paper_period(cands, combine_partials([part], n))
+
+
+def row_slab(shape: Sequence[int]) -> int:
+    """Elements in one dim-0 row (D1): ``prod(shape[1:])``; 1 for 0-D/1-D."""
+    return int(math.prod(shape[1:])) if len(shape) >= 2 else 1
+
+
+def resolve_period(p_paper: int, slab: int) -> int:
+    """D1: share the second moment within a row only: ``gcd(P_paper, slab)``."""
+    return math.gcd(int(p_paper), int(slab))
+
+
+def scale_block_for(period: int, slab: int) -> int:
+    """Absmax-scale block: the period itself, or for period 1 the largest divisor of the row
+    that is at most 256 (row-aligned, D1)."""
+    if period > 1:
+        return period
+    return max(d for d in divisors(slab) if d <= SCALE_BLOCK_MAX)

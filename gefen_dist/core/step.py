@@ -1,0 +1,126 @@
+"""The per-tensor update (paper §4, with D5 numerics), eager torch implementation.
+
+These functions act in place on *flat local pieces* whose length is a multiple of the blocks
+(every backend hands whole blocks here; DeepSpeed's cut blocks are reconciled by the caller).
+They are the reference for the fused kernels (``gefen_dist.kernels``), which must agree to
+rounding level.
+
+Quantized tensors, per v-block ``b`` of ``P`` elements and scale block of ``B`` elements
+(``B == P`` or ``P == 1``)::
+
+    v_b   <- beta2 * v_b + (1 - beta2) * mean(g^2 over block b)
+    sigma <- (1 / (sqrt(v_b) / sqrt(bc2) + eps)) * (1 / bc1)
+    m     <- lerp(C[idx] * M, g, 1 - beta1)          (float32)
+    M     <- max |m| over the scale block;  idx <- nearest(m / M)
+    p     <- p * (1 - lr*wd) - lr * sigma * C[idx] * M
+
+State is float32 whatever the parameter dtype (D5); the parameter is updated in float32 and
+rounded once to its dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .quant import nearest_codeword
+
+# Rows (v-blocks) processed per chunk in the eager path, to bound float32 temporaries.
+_EAGER_CHUNK_ELEMS = 1 << 22
+
+
+def bias_corrections(step: int, beta1: float, beta2: float) -> tuple[float, float]:
+    """``1 - beta^t`` in double precision, as torch's Adam computes them."""
+    return 1.0 - beta1 ** step, 1.0 - beta2 ** step
+
+
+def quantized_step_eager_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor,
+    v: torch.Tensor,
+    codebook: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bc1: float,
+    bc2: float,
+    period: int,
+    scale_block: int,
+) -> None:
+    """One Gefen update of a quantized piece, in place. All tensors are contiguous views of
+    the same ``numel`` (``scale``: numel/B, ``v``: numel/P elements)."""
+    n = param.numel()
+    if n == 0:
+        return
+    P, B = period, scale_block
+    # Process whole scale blocks (which contain whole v-blocks or are contained in one when P == 1).
+    unit = max(P, B)
+    chunk = max(unit, (_EAGER_CHUNK_ELEMS // unit) * unit)
+    pf, gf, ix = param.view(-1), grad.reshape(-1), idx.view(-1)
+    sf, vf = scale.view(-1), v.view(-1)
+    decay = 1.0 - lr * weight_decay
+    sqrt_bc2 = math.sqrt(bc2)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        g = gf[s:e].float().view(-1, P)
+        vb = vf[s // P:e // P]
+        vb.mul_(beta2).add_((g * g).mean(dim=1), alpha=1.0 - beta2)
+        sigma = vb.sqrt().div_(sqrt_bc2).add_(eps).reciprocal_().mul_(1.0 / bc1)
+
+        sb = sf[s // B:e // B].view(-1, 1)
+        ib = ix[s:e].view(-1, B)
+        m = codebook[ib.long()] * sb
+        m.lerp_(g.view(-1, B), 1.0 - beta1)
+        a = m.abs().amax(dim=1, keepdim=True)
+        sb.copy_(a)
+        z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
+        new = nearest_codeword(z, codebook)
+        ib.copy_(new)
+        u = (codebook[new.long()] * a).view(-1, P).mul_(sigma.view(-1, 1)).mul_(lr)
+
+        p = pf[s:e]
+        if p.dtype == torch.float32:
+            if weight_decay != 0.0:
+                p.mul_(decay)
+            p.sub_(u.view(-1))
+        else:
+            p32 = p.float()
+            if weight_decay != 0.0:
+                p32.mul_(decay)
+            p32.sub_(u.view(-1))
+            p.copy_(p32)
+
+
+def adamw_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bc1: float,
+    bc2: float,
+) -> None:
+    """Exact AdamW (torch's single-tensor formula) with float32 state, for small and 1-D
+    tensors (D2). The parameter is updated in float32 and rounded once to its dtype."""
+    if param.numel() == 0:
+        return
+    g = grad.float()
+    p = param if param.dtype == torch.float32 else param.float()
+    if weight_decay != 0.0:
+        p.mul_(1.0 - lr * weight_decay)
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-(lr / bc1))
+    if p is not param:
+        param.copy_(p)

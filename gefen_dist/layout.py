@@ -1,0 +1,105 @@
+"""What this rank holds of each global tensor, and the block geometry of its state.
+
+Every backend reduces to the same picture: a parameter is a *global* tensor of shape ``S``;
+this rank holds one contiguous piece ``[start, start+numel)`` of its row-major flattening
+(the whole tensor for single process and DDP, whole dim-0 rows for FSDP2 ``Shard(0)`` and
+ZeRO-1 ranges). The optimizer's math works on pieces; decisions (exact vs quantized, periods,
+the codebook) are functions of the global tensor only, so they agree on every rank and at
+every world size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .core.periods import row_slab, scale_block_for
+
+KIND_EXACT = "exact"
+KIND_QUANTIZED = "quantized"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Block geometry of one tensor's state (a function of the global shape and period)."""
+
+    kind: str
+    global_shape: Tuple[int, ...]
+    period: int = 1
+    scale_block: int = 1
+
+    @property
+    def numel(self) -> int:
+        return int(math.prod(self.global_shape))
+
+    @property
+    def slab(self) -> int:
+        return row_slab(self.global_shape)
+
+    @classmethod
+    def exact(cls, shape: Sequence[int]) -> "Geometry":
+        return cls(KIND_EXACT, tuple(int(s) for s in shape))
+
+    @classmethod
+    def quantized(cls, shape: Sequence[int], period: int) -> "Geometry":
+        shape = tuple(int(s) for s in shape)
+        slab = row_slab(shape)
+        if slab % period:
+            raise ValueError(f"period {period} does not divide the row length {slab} of shape {shape}")
+        return cls(KIND_QUANTIZED, shape, int(period), scale_block_for(int(period), slab))
+
+    def state_shapes(self, local_rows: int) -> dict:
+        """Shapes of the state tensors for a piece of ``local_rows`` dim-0 rows."""
+        if self.kind == KIND_EXACT:
+            return {}
+        rest = self.global_shape[1:]
+        return {
+            "idx": (local_rows, *rest),
+            "scale": (local_rows, self.slab // self.scale_block),
+            "v": (local_rows, self.slab // self.period),
+        }
+
+    def state_bytes_per_element(self) -> float:
+        if self.kind == KIND_EXACT:
+            return 8.0
+        return 1.0 + 4.0 / self.scale_block + 4.0 / self.period
+
+
+def is_exact(shape: Sequence[int], small_threshold: int) -> bool:
+    """D2: 0-D/1-D tensors and tensors with fewer than ``small_threshold`` global elements keep
+    exact AdamW state."""
+    return len(shape) < 2 or int(math.prod(shape)) < small_threshold
+
+
+def global_shape(p: torch.Tensor) -> Tuple[int, ...]:
+    """The global shape of a parameter (DeepSpeed ZeRO-3 partitions report ``ds_shape``)."""
+    ds_shape = getattr(p, "ds_shape", None)
+    return tuple(int(s) for s in (ds_shape if ds_shape is not None else p.shape))
+
+
+@dataclass
+class Piece:
+    """This rank's piece of a global tensor: flat elements ``[start, start + local.numel())``.
+
+    ``contributes`` is False on replicas that must not add to global statistics a second time
+    (DDP ranks other than 0, HSDP replicas), so sums match a single process exactly.
+    """
+
+    local: torch.Tensor
+    grad: Optional[torch.Tensor]
+    start: int
+    shape: Tuple[int, ...]
+    contributes: bool = True
+
+    @property
+    def local_rows(self) -> int:
+        slab = row_slab(self.shape)
+        return self.local.numel() // slab if len(self.shape) >= 2 else self.local.numel()
+
+
+def piece_of(p: torch.Tensor, rank: int = 0, replicated: bool = False) -> Piece:
+    """The piece a plain (unsharded) parameter holds: the whole tensor."""
+    return Piece(local=p, grad=p.grad, start=0, shape=global_shape(p),
+                 contributes=(not replicated) or rank == 0)

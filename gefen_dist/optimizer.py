@@ -1,0 +1,476 @@
+"""``gefen_dist.Gefen``: the paper's optimizer as a torch drop-in for AdamW.
+
+Citation: Benedek, Koren, Fried, "Gefen: Optimized Stochastic Optimizer", arXiv 2606.13894
+(2026). Implemented from the specification in ``shared/spec``; deviations (D1-D9) are listed in
+``docs/algorithm.md``.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections import Counter
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.optim import Optimizer
+
+from .comm import LocalComm, comm_for
+from .core import periods as _periods
+from .core.quant import block_histogram, NUM_BINS
+from .core.step import adamw_step_, bias_corrections, quantized_step_eager_
+from .layout import KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, global_shape, is_exact, piece_of
+
+logger = logging.getLogger(__name__)
+
+_STATE_KEYS_Q = ("step", "period", "scale_block", "learned", "idx", "scale", "v", "codebook")
+_STATE_KEYS_E = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _scalar(x: Any) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _validate_hparams(lr, betas, eps, weight_decay, where: str = "") -> None:
+    lr_v = _scalar(lr)
+    if not math.isfinite(lr_v) or lr_v < 0.0:
+        raise ValueError(f"Invalid learning rate{where}: {lr!r} (must be a finite number >= 0)")
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"Invalid learning rate{where}: a tensor lr must have one element, got shape {tuple(lr.shape)}")
+    try:
+        b1, b2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise ValueError(f"Invalid betas{where}: {betas!r} (expected a pair of floats in [0, 1))") from None
+    if not 0.0 <= b1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0{where}: {b1} (must be in [0, 1))")
+    if not 0.0 <= b2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1{where}: {b2} (must be in [0, 1))")
+    if not (math.isfinite(float(eps)) and float(eps) >= 0.0):
+        raise ValueError(f"Invalid epsilon value{where}: {eps!r} (must be a finite number >= 0)")
+    if not (math.isfinite(float(weight_decay)) and float(weight_decay) >= 0.0):
+        raise ValueError(f"Invalid weight_decay value{where}: {weight_decay!r} (must be a finite number >= 0)")
+
+
+class Report(list):
+    """Per-tensor records (dicts) with a readable table as ``str(report)``."""
+
+    def summary(self) -> str:
+        lines = [f"{'name':<40} {'shape':<18} {'kind':<9} {'period':>6} {'block':>6} {'bytes':>12} {'B/param':>8}"]
+        tot_b = tot_n = 0
+        for r in self:
+            n = max(1, r["numel"])
+            tot_b += r["state_bytes"]
+            tot_n += r["numel"]
+            lines.append(
+                f"{r['name'][:40]:<40} {str(tuple(r['shape'])):<18} {r['kind']:<9} {r['period']:>6} "
+                f"{r['scale_block']:>6} {r['state_bytes']:>12,} {r['state_bytes'] / n:>8.3f}"
+            )
+        lines.append(f"total: {tot_n:,} parameters, {tot_b:,} state bytes ({tot_b / max(1, tot_n):.4f} B/param)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+class Gefen(Optimizer):
+    r"""AdamW with ~1 byte per parameter of state (Gefen, Benedek, Koren, Fried 2026).
+
+    Large tensors keep the first moment as uint8 indices into one learned 256-entry codebook times
+    a per-block absmax scale, and share the second moment over blocks of each row whose length
+    (the *period*) is found from the first nonzero gradient. Small and 1-D tensors keep exact
+    AdamW state. Semantics follow ``torch.optim.AdamW`` (decoupled weight decay, bias correction).
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs (``model.named_parameters()``) or param
+            groups, exactly as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay: as in ``torch.optim.AdamW`` (``lr`` may be a tensor).
+        small_threshold: tensors with fewer global elements (and all 0-D/1-D tensors) keep exact
+            fp32 AdamW state (D2). Default 4096.
+        fused: ``None`` (default) uses the fused native kernel when it is available for the
+            parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
+        process_group: the group over which periods and the codebook are agreed (default: WORLD
+            when ``torch.distributed`` is initialised, otherwise single process). Plain tensors on
+            several ranks are treated as replicas (DDP).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | torch.Tensor = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        small_threshold: int = 4096,
+        fused: Optional[bool] = None,
+        process_group: Optional[Any] = None,
+    ):
+        _validate_hparams(lr, betas, eps, weight_decay)
+        if not isinstance(small_threshold, int) or small_threshold < 0:
+            raise ValueError(f"Invalid small_threshold: {small_threshold!r} (must be an int >= 0)")
+        if fused not in (None, True, False):
+            raise ValueError(f"Invalid fused: {fused!r} (expected None, True or False)")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.small_threshold = small_threshold
+        self.fused = fused
+        self._comm: LocalComm = comm_for(process_group)
+        self.codebook: Optional[torch.Tensor] = None
+        self.codebook_info: Dict[str, Any] = {}
+        self._agreement_checked = False
+        super().__init__(params, defaults)
+        if fused is True:
+            from .kernels import cpu as _cpu
+
+            if not _cpu.available():
+                raise RuntimeError(
+                    "Gefen(fused=True): the native CPU kernel could not be built (no C compiler?). "
+                    "Install gcc/clang or set CC, or pass fused=None to fall back to the eager path."
+                )
+
+    # ------------------------------------------------------------------ param groups
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        where = f" in param group {len(self.param_groups)}"
+        for p in (param_group["params"] if isinstance(param_group.get("params"), (list, tuple))
+                  else [param_group.get("params")]):
+            if isinstance(p, tuple):  # (name, param) when a group holds named params
+                p = p[1]
+            if isinstance(p, torch.Tensor) and not (p.is_floating_point()):
+                raise TypeError(
+                    f"Gefen can only optimize floating-point parameters, got dtype {p.dtype}{where} "
+                    f"(shape {tuple(p.shape)}); pass only float/bf16/fp16 parameters"
+                )
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        _validate_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"], where)
+
+    def _names(self) -> Dict[int, str]:
+        names: Dict[int, str] = {}
+        for gi, g in enumerate(self.param_groups):
+            pn = g.get("param_names")
+            for pi, p in enumerate(g["params"]):
+                names[id(p)] = pn[pi] if pn is not None else f"group{gi}.param{pi}"
+        return names
+
+    # ------------------------------------------------------------------ introspection
+    def state_bytes(self) -> int:
+        """Exact bytes held in optimizer state tensors (the shared codebook counted once)."""
+        seen = set()
+        total = 0
+        for st in self.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    key = (v.untyped_storage().data_ptr(), v.device)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    total += v.numel() * v.element_size()
+        return total
+
+    def report(self) -> Report:
+        """One record per parameter: name, shape, numel, kind, period, scale_block, state_bytes."""
+        names = self._names()
+        rep = Report()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if not p.requires_grad:
+                    continue
+                st = self.state.get(p, {})
+                shape = global_shape(p)
+                rec = dict(name=names[id(p)], shape=tuple(shape), numel=int(math.prod(shape)),
+                           dtype=str(p.dtype).replace("torch.", ""))
+                if not st:
+                    rec.update(kind="pending", period=0, scale_block=0, state_bytes=0)
+                elif "idx" in st:
+                    nbytes = sum(st[k].numel() * st[k].element_size() for k in ("idx", "scale", "v"))
+                    rec.update(kind=KIND_QUANTIZED, period=st["period"], scale_block=st["scale_block"],
+                               state_bytes=nbytes, learned=bool(st["learned"]))
+                else:
+                    nbytes = sum(st[k].numel() * st[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
+                    rec.update(kind=KIND_EXACT, period=0, scale_block=0, state_bytes=nbytes)
+                rep.append(rec)
+        return rep
+
+    # ------------------------------------------------------------------ state creation
+    def _geometry(self, p: torch.Tensor) -> Optional[Geometry]:
+        st = self.state.get(p)
+        if not st:
+            return None
+        if "idx" in st:
+            return Geometry.quantized(global_shape(p), st["period"])
+        return Geometry.exact(global_shape(p))
+
+    def _alloc(self, p: torch.Tensor, piece: Piece, geo: Geometry, *, learned: bool, step: int = 0) -> None:
+        dev = piece.local.device
+        if geo.kind == KIND_EXACT:
+            self.state[p] = {
+                "step": step,
+                "exp_avg": torch.zeros(piece.local.shape, dtype=torch.float32, device=dev),
+                "exp_avg_sq": torch.zeros(piece.local.shape, dtype=torch.float32, device=dev),
+            }
+            return
+        shapes = geo.state_shapes(piece.local_rows)
+        self.state[p] = {
+            "step": step,
+            "period": geo.period,
+            "scale_block": geo.scale_block,
+            "learned": int(learned),
+            "idx": torch.zeros(shapes["idx"], dtype=torch.uint8, device=dev),
+            "scale": torch.zeros(shapes["scale"], dtype=torch.float32, device=dev),
+            "v": torch.zeros(shapes["v"], dtype=torch.float32, device=dev),
+            "codebook": self._codebook_for(dev),
+        }
+
+    def _codebook_for(self, device: torch.device) -> torch.Tensor:
+        if self.codebook is None:
+            # Placeholder until learned: zeros (never a valid codebook, whose first entry is -1).
+            if not hasattr(self, "_placeholder_cb"):
+                self._placeholder_cb = torch.zeros(256, dtype=torch.float32, device=device)
+            return self._placeholder_cb
+        if self.codebook.device != device:
+            return self.codebook.to(device)
+        return self.codebook
+
+    def _pieces(self, entries) -> List[Piece]:
+        replicated = self._comm.world_size > 1
+        return [piece_of(p, self._comm.rank, replicated) for _, p in entries]
+
+    def _prepare(self, entries) -> None:
+        """Create state for parameters that lack it; learn periods and the codebook (D4).
+
+        Every rank reaches the same decisions from all-reduced statistics, so the collectives
+        below are entered by all ranks in the same order.
+        """
+        todo = []  # (p, piece) needing state or a period
+        for (g, p), piece in zip(entries, self._pieces(entries)):
+            st = self.state.get(p)
+            if not st or (("learned" in st) and not st["learned"]):
+                todo.append((p, piece))
+        if not todo:
+            return
+        quant = [(p, pc) for p, pc in todo if not is_exact(pc.shape, self.small_threshold)]
+        for p, pc in todo:
+            if is_exact(pc.shape, self.small_threshold) and not self.state.get(p):
+                self._alloc(p, pc, Geometry.exact(pc.shape), learned=True)
+        if not quant:
+            return
+        # Which tensors have a nonzero global gradient? (one MAX over a small vector)
+        amax = torch.tensor([float(pc.grad.abs().max()) if pc.grad is not None and pc.grad.numel() else 0.0
+                             for _, pc in quant], dtype=torch.float64)
+        self._comm.all_reduce_max_(amax)
+        nonzero = [bool(a > 0) or math.isnan(float(a)) for a in amax.tolist()]
+        live = [(p, pc) for (p, pc), nz in zip(quant, nonzero) if nz]
+        for (p, pc), nz in zip(quant, nonzero):
+            if not nz and not self.state.get(p):
+                # Zero gradient (e.g. DCP's init step): placeholder with the row as period.
+                self._alloc(p, pc, Geometry.quantized(pc.shape, _periods.row_slab(pc.shape)), learned=False)
+        if not live:
+            return
+        t0 = time.perf_counter()
+        periods = self._learn_periods(live)
+        t_periods = time.perf_counter() - t0
+        for (p, pc), per in zip(live, periods):
+            step = self.state[p]["step"] if self.state.get(p) else 0
+            self._alloc(p, pc, Geometry.quantized(pc.shape, per), learned=True, step=step)
+        if self.codebook is None:
+            self._learn_codebook(live, t_periods)
+
+    def _learn_periods(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> List[int]:
+        payload = []
+        cands_all = []
+        for _, pc in live:
+            n = int(math.prod(pc.shape))
+            cands = _periods.candidate_periods(n)
+            cands_all.append(cands)
+            if len(cands) < 3:
+                payload.append(None)
+                continue
+            g = pc.grad.reshape(-1) if pc.grad is not None else torch.zeros(0)
+            part = _periods.period_partials(_periods.log_sq(g).cpu(), pc.start, n, cands)
+            payload.append(part.to_payload())
+        gathered = self._comm.all_gather_object(payload)
+        out = []
+        for i, (_, pc) in enumerate(live):
+            n = int(math.prod(pc.shape))
+            if payload[i] is None:
+                p_paper = 1
+            else:
+                parts = [_periods.PeriodPartials.from_payload(r[i]) for r in gathered]
+                p_paper = _periods.select_paper_period(cands_all[i], _periods.combine_partials(parts, n))
+            out.append(_periods.resolve_period(p_paper, _periods.row_slab(pc.shape)))
+        return out
+
+    def _learn_codebook(self, live: Sequence[Tuple[torch.Tensor, Piece]], t_periods: float) -> None:
+        from .core.codebook import solve_codebook
+
+        t0 = time.perf_counter()
+        counts = torch.zeros(NUM_BINS, dtype=torch.int64)
+        for p, pc in live:
+            if pc.contributes and pc.grad is not None and pc.grad.numel():
+                block_histogram(pc.grad, self.state[p]["scale_block"], out=counts)
+        self._comm.all_reduce_sum_(counts)
+        res = solve_codebook(counts.numpy())
+        t_hist = time.perf_counter() - t0 - res.seconds
+        dev = live[0][1].local.device
+        self.codebook = res.codebook.to(device=dev, dtype=torch.float32)
+        for st in self.state.values():
+            if "codebook" in st:
+                st["codebook"] = self._codebook_for(st["idx"].device)
+        total = int(counts.sum())
+        self.codebook_info = dict(active_bins=res.active_bins, sse=res.sse, method=res.method,
+                                  values=total, rms_error=math.sqrt(res.sse / max(1, total)),
+                                  seconds_dp=res.seconds, seconds_hist=t_hist, seconds_periods=t_periods)
+        self._check_agreement()
+        per = Counter(self.state[p]["period"] for p, _ in live)
+        top = ", ".join(f"P={k}: {v}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:6])
+        logger.info(
+            "Gefen learned its codebook: %d tensors quantized (%s), %d values in %d active bins, "
+            "RMS quantization error %.2e (normalised units), periods %.2fs, histogram %.2fs, DP %.2fs (%s)",
+            len(live), top, total, res.active_bins, self.codebook_info["rms_error"], t_periods,
+            t_hist, res.seconds, res.method,
+        )
+
+    def _check_agreement(self) -> None:
+        if self._comm.world_size == 1:
+            return
+        h = hashlib.sha256(self.codebook.cpu().numpy().tobytes())
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state.get(p)
+                h.update(repr((st.get("period"), st.get("learned")) if st else None).encode())
+        self._comm.check_agreement("periods and codebook", h.digest())
+
+    # ------------------------------------------------------------------ step
+    def _entries(self) -> List[Tuple[dict, torch.Tensor]]:
+        names = None
+        out = []
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    names = names or self._names()
+                    raise RuntimeError(f"Gefen does not support sparse gradients (parameter {names[id(p)]!r}); "
+                                       "use torch.optim.SparseAdam for sparse embeddings")
+                if p.grad.is_complex() or p.is_complex():
+                    names = names or self._names()
+                    raise RuntimeError(f"Gefen does not support complex parameters or gradients "
+                                       f"(parameter {names[id(p)]!r}); view them as real with torch.view_as_real")
+                out.append((g, p))
+        return out
+
+    def _use_fused(self, t: torch.Tensor) -> bool:
+        if self.fused is False or t.device.type != "cpu":
+            return False
+        try:
+            from .kernels import cpu as _cpu
+        except ImportError:
+            return False
+        return _cpu.available() and t.dtype in (torch.float32, torch.bfloat16)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        """Perform one optimization step. The closure (if any) is evaluated first (D4)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries = self._entries()
+        self._prepare(entries)
+        for group, p in entries:
+            self._update(group, p)
+        return loss
+
+    def _update(self, group: dict, p: torch.Tensor) -> None:
+        st = self.state[p]
+        st["step"] += 1
+        beta1, beta2 = group["betas"]
+        lr = _scalar(group["lr"])
+        bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
+        hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                  bc1=bc1, bc2=bc2)
+        param, grad = p, p.grad
+        if "exp_avg" in st:
+            adamw_step_(param, grad, st["exp_avg"], st["exp_avg_sq"], **hp)
+            return
+        if param.numel() == 0:
+            return
+        if not st["learned"]:
+            # Gradient globally zero so far: m and v stay exactly zero, only decay applies.
+            if hp["weight_decay"] != 0.0 and lr != 0.0:
+                param.mul_(1.0 - lr * hp["weight_decay"])
+            return
+        contiguous = param.is_contiguous()
+        work = param if contiguous else param.contiguous()
+        g = grad.contiguous()
+        kw = dict(period=st["period"], scale_block=st["scale_block"], **hp)
+        cb = st["codebook"]
+        if self._use_fused(work):
+            from .kernels import cpu as _cpu
+
+            _cpu.quantized_step_(work, g.to(work.dtype), st["idx"], st["scale"], st["v"], cb, **kw)
+        else:
+            quantized_step_eager_(work, g, st["idx"], st["scale"], st["v"], cb, **kw)
+        if not contiguous:
+            param.copy_(work)
+
+    # ------------------------------------------------------------------ checkpoints
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load state, keeping stored dtypes (torch's base class would cast uint8 indices and fp32
+        scales to the parameter dtype), restoring periods and the codebook without re-learning."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
+                             f"this optimizer has {len(self.param_groups)}")
+        id_map = {}
+        for sg, g in zip(saved_groups, self.param_groups):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                                 f"the size of optimizer's group ({len(sg['params'])} vs {len(g['params'])})")
+            id_map.update(zip(sg["params"], g["params"]))
+        originals = {k: dict(v) for k, v in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        names = self._names()
+        cb = None
+        for k, saved in originals.items():
+            p = id_map[k]
+            st = {}
+            for key, val in saved.items():
+                st[key] = val.to(device=p.device) if isinstance(val, torch.Tensor) else val
+            self._validate_loaded(p, st, names[id(p)])
+            self.state[p] = st
+            if "codebook" in st and float(st["codebook"][0]) == -1.0:
+                cb = st["codebook"] if cb is None else cb
+        self.codebook = cb.to(torch.float32) if cb is not None else None
+        for st in self.state.values():
+            if "codebook" in st:
+                st["codebook"] = self._codebook_for(st["idx"].device)
+
+    def _validate_loaded(self, p: torch.Tensor, st: dict, name: str) -> None:
+        shape = global_shape(p)
+        exact = is_exact(shape, self.small_threshold)
+        keys = _STATE_KEYS_E if exact else _STATE_KEYS_Q
+        missing = [k for k in keys if k not in st]
+        if missing:
+            raise ValueError(
+                f"checkpoint state for parameter {name!r} (shape {shape}) lacks {missing}: it was saved "
+                f"from a different model, optimizer or small_threshold (this tensor is "
+                f"{'exact' if exact else 'quantized'} here); load a checkpoint of the same model"
+            )
+        ref = st["exp_avg"] if exact else st["idx"]
+        if tuple(ref.shape) != tuple(p.shape):
+            raise ValueError(
+                f"checkpoint state for parameter {name!r} has shape {tuple(ref.shape)} but the parameter "
+                f"has shape {tuple(p.shape)}; the model changed since the checkpoint was saved"
+            )
+        if not exact:
+            geo = Geometry.quantized(shape, st["period"])
+            want = geo.state_shapes(tuple(p.shape)[0])
+            for k in ("scale", "v"):
+                if tuple(st[k].shape) != want[k]:
+                    raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape "
+                                     f"{tuple(st[k].shape)}, expected {want[k]} for period {st['period']}")
+            if st["idx"].dtype != torch.uint8:
+                raise ValueError(f"checkpoint state 'idx' of {name!r} has dtype {st['idx'].dtype}, expected "
+                                 "torch.uint8 (was the state dict passed through torch.optim.Optimizer."
+                                 "load_state_dict, which casts state to the parameter dtype?)")
