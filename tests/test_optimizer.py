@@ -1,0 +1,268 @@
+"""Gefen as a torch.optim drop-in: API semantics, errors, state_dict, introspection."""
+import copy
+import io
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from gefen_dist import Gefen
+
+
+def mlp(seed=0, bias=True, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 128, bias=bias), nn.GELU(), nn.Linear(128, 128, bias=bias),
+                         nn.GELU(), nn.Linear(128, 16, bias=bias)).to(dtype)
+
+
+def data(n, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 16, generator=g)
+    out = []
+    for _ in range(n):
+        x = torch.randn(32, 64, generator=g)
+        # row-structured targets so that gradients have row structure
+        out.append((x.to(dtype), torch.tanh(x @ w).to(dtype)))
+    return out
+
+
+def train(model, opt, batches, sched=None):
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_exact_tensors_equal_torch_adamw_bitwise():
+    # with a huge small_threshold every tensor keeps exact AdamW state
+    a, b = mlp(), mlp()
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    ob = Gefen(b.parameters(), lr=1e-2, weight_decay=0.1, small_threshold=10**9)
+    batches = data(5)
+    train(a, oa, batches)
+    train(b, ob, batches)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert all(r["kind"] == "exact" for r in ob.report())
+
+
+def test_named_params_groups_kept_and_report():
+    m = mlp()
+    decay = [(n, p) for n, p in m.named_parameters() if p.ndim >= 2]
+    no_decay = [(n, p) for n, p in m.named_parameters() if p.ndim < 2]
+    opt = Gefen([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4}],
+                lr=1e-3)
+    assert len(opt.param_groups) == 2
+    assert opt.param_groups[1]["lr"] == 5e-4 and opt.param_groups[0]["weight_decay"] == 0.1
+    train(m, opt, data(2))
+    rep = opt.report()
+    names = [r["name"] for r in rep]
+    assert names == [n for n, _ in decay] + [n for n, _ in no_decay]
+    by = {r["name"]: r for r in rep}
+    assert by["2.weight"]["kind"] == "quantized" and by["2.weight"]["period"] >= 1
+    assert by["0.bias"]["kind"] == "exact"  # 1-D (D2)
+    assert by["4.weight"]["kind"] == "exact"  # 2048 elements < 4096 (D2)
+    for r in rep:
+        assert {"name", "shape", "period", "scale_block", "state_bytes", "kind"} <= set(r)
+    assert sum(r["state_bytes"] for r in rep) + 256 * 4 == opt.state_bytes()
+    assert "B/param" in str(rep)
+    # the codebook: 256 ascending fp32 codewords with pinned ends
+    cb = opt.codebook
+    assert cb.dtype == torch.float32 and cb.shape == (256,)
+    assert cb[0] == -1 and cb[-1] == 1 and bool((cb[1:] > cb[:-1]).all())
+
+
+def test_state_bytes_and_layout_of_a_quantized_tensor():
+    w = nn.Parameter(torch.zeros(64, 512))
+    opt = Gefen([w], lr=1e-3)
+    torch.manual_seed(0)
+    w.grad = torch.randn(64, 512) * torch.rand(64, 1)
+    opt.step()
+    st = opt.state[w]
+    P, B = st["period"], st["scale_block"]
+    assert st["idx"].dtype == torch.uint8 and st["idx"].shape == w.shape
+    assert st["scale"].shape == (64, 512 // B) and st["v"].shape == (64, 512 // P)
+    assert st["scale"].dtype == torch.float32 and st["v"].dtype == torch.float32
+    assert opt.state_bytes() == 64 * 512 + 4 * (64 * 512 // B + 64 * 512 // P) + 1024
+
+
+def test_closure_evaluated_before_learning():
+    m = mlp()
+    opt = Gefen(m.parameters(), lr=1e-3)
+    x, y = data(1)[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = ((m(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)  # the very first grads come from the closure
+    assert isinstance(loss, torch.Tensor)
+    assert opt.codebook is not None and opt.codebook[0] == -1
+
+
+def test_zero_grad_first_step_does_not_freeze_codebook():
+    m = mlp()
+    opt = Gefen(m.parameters(), lr=0.0)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    before = [p.clone() for p in m.parameters()]
+    opt.step()  # what DCP's _init_optim_state does: zero grads, lr=0
+    assert opt.codebook is None
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert all(not r.get("learned", True) for r in opt.report() if r["kind"] == "quantized")
+    for g in opt.param_groups:
+        g["lr"] = 1e-3
+    train(m, opt, data(2))
+    assert opt.codebook is not None and len(torch.unique(opt.codebook)) == 256
+    assert all(r["learned"] for r in opt.report() if r["kind"] == "quantized")
+
+
+def test_add_param_group_after_codebook_learned():
+    m = mlp()
+    extra = nn.Parameter(torch.zeros(32, 256))
+    opt = Gefen(m.parameters(), lr=1e-3)
+    train(m, opt, data(2))
+    cb = opt.codebook.clone()
+    opt.add_param_group({"params": [extra], "lr": 1e-2})
+    torch.manual_seed(3)
+    extra.grad = torch.randn(32, 256) * torch.rand(32, 1)
+    opt.step()
+    assert torch.equal(opt.codebook, cb)  # never re-learned
+    st = opt.state[extra]
+    assert st["learned"] == 1 and 256 % st["period"] == 0
+    assert extra.abs().sum() > 0
+
+
+def test_lr_scheduler_and_tensor_lr():
+    m = mlp()
+    opt = Gefen(m.parameters(), lr=torch.tensor(1e-3))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    losses = train(m, opt, data(4), sched)
+    assert all(math.isfinite(v) for v in losses)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-3 / 5)
+
+
+def test_params_without_grad_skipped_and_frozen_ignored():
+    m = mlp()
+    m[0].weight.requires_grad_(False)
+    opt = Gefen(m.parameters(), lr=1e-3)
+    frozen = m[0].weight.clone()
+    x, y = data(1)[0]
+    ((m[2](m[1](m[0](x))) ** 2).mean()).backward()  # layer 4 gets no grad
+    opt.step()
+    assert m[4].weight not in opt.state and m[0].weight not in opt.state
+    assert torch.equal(frozen, m[0].weight)
+    assert all(r["name"] != "group0.param0" for r in opt.report())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params(dtype):
+    m = mlp(dtype=dtype)
+    opt = Gefen(m.parameters(), lr=1e-3)
+    losses = train(m, opt, data(8, dtype=dtype))
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
+    for p in m.parameters():
+        assert p.dtype == dtype
+        st = opt.state[p]
+        for k in ("scale", "v", "exp_avg", "exp_avg_sq"):
+            if k in st:
+                assert st[k].dtype == torch.float32  # D5: fp32 state whatever the param dtype
+
+
+def test_errors_name_the_value():
+    m = mlp()
+    with pytest.raises(ValueError, match="learning rate.*-1"):
+        Gefen(m.parameters(), lr=-1)
+    with pytest.raises(ValueError, match="beta parameter at index 1.*1.5"):
+        Gefen(m.parameters(), betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="epsilon.*-1e-08"):
+        Gefen(m.parameters(), eps=-1e-8)
+    with pytest.raises(ValueError, match="weight_decay.*nan"):
+        Gefen(m.parameters(), weight_decay=float("nan"))
+    with pytest.raises(ValueError, match="small_threshold"):
+        Gefen(m.parameters(), small_threshold=-5)
+    with pytest.raises(TypeError, match="floating-point.*torch.int64"):
+        Gefen([torch.zeros(4, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="beta parameter at index 0 in param group 1: 1.0"):
+        opt = Gefen(m.parameters())
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "betas": (1.0, 0.9)})
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = Gefen(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients.*'group0.param0'"):
+        opt.step()
+    c = nn.Parameter(torch.zeros(4, dtype=torch.complex64))
+    c.grad = torch.ones(4, dtype=torch.complex64)
+    with pytest.raises((RuntimeError, TypeError), match="complex"):
+        Gefen([c]).step()
+
+
+def _roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_roundtrip_resumes_bit_identically(dtype):
+    batches = data(12, dtype=dtype)
+    a = mlp(dtype=dtype)
+    oa = Gefen(a.parameters(), lr=1e-3, weight_decay=0.05)
+    train(a, oa, batches)
+
+    b = mlp(dtype=dtype)
+    ob = Gefen(b.parameters(), lr=1e-3, weight_decay=0.05)
+    train(b, ob, batches[:6])
+    model_sd, opt_sd = _roundtrip(b.state_dict()), _roundtrip(ob.state_dict())
+
+    c = mlp(seed=99, dtype=dtype)
+    c.load_state_dict(model_sd)
+    oc = Gefen(c.parameters(), lr=1e-3, weight_decay=0.05)
+    oc.load_state_dict(opt_sd)
+    for p, q in zip(b.parameters(), c.parameters()):
+        for k, v in ob.state[p].items():
+            w = oc.state[q][k]
+            if isinstance(v, torch.Tensor):
+                assert w.dtype == v.dtype and torch.equal(w, v), k  # uint8 stays uint8
+            else:
+                assert w == v, k
+    assert torch.equal(oc.codebook, ob.codebook)
+    # the codebook is shared again, not one copy per tensor
+    cbs = {id(st["codebook"]) for st in oc.state.values() if "codebook" in st}
+    assert len(cbs) == 1
+    train(c, oc, batches[6:])
+    for p, q in zip(a.parameters(), c.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_load_state_dict_rejects_other_model():
+    a = mlp()
+    oa = Gefen(a.parameters())
+    train(a, oa, data(1))
+    torch.manual_seed(0)
+    b = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 128), nn.GELU(), nn.Linear(128, 16))
+    ob = Gefen(b.parameters())
+    with pytest.raises(ValueError, match="shape"):
+        ob.load_state_dict(oa.state_dict())
+
+
+def test_codebook_learned_log_line(caplog):
+    m = mlp()
+    opt = Gefen(m.parameters())
+    with caplog.at_level(logging.INFO, logger="gefen_dist.optimizer"):
+        train(m, opt, data(2))
+    lines = [r for r in caplog.records if "learned its codebook" in r.getMessage()]
+    assert len(lines) == 1
+    assert "RMS quantization error" in lines[0].getMessage()
