@@ -99,7 +99,74 @@ class Piece:
         return self.local.numel() // slab if len(self.shape) >= 2 else self.local.numel()
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "_local_tensor")
+
+
+def local_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The rank-local data of a DTensor (or the tensor itself)."""
+    if t is None:
+        return None
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def check_supported(p: torch.Tensor, name: str) -> None:
+    """Refuse layouts whose local piece is not a contiguous range of whole rows."""
+    if type(p).__name__ == "FlatParameter" or getattr(p, "_is_flat_param", False):
+        raise TypeError(
+            f"parameter {name!r} is an FSDP1 FlatParameter: it concatenates and cuts many tensors, so "
+            "per-tensor Gefen state cannot be kept. Use FSDP2 (torch.distributed.fsdp.fully_shard), "
+            "DDP, gefen_dist.ZeroGefen or DeepSpeed instead."
+        )
+    if not is_dtensor(p):
+        return
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+    for pl in p.placements:
+        if isinstance(pl, Replicate):
+            continue
+        if type(pl) is Shard and pl.dim == 0:
+            continue
+        if isinstance(pl, Partial):
+            raise TypeError(f"parameter {name!r} has a Partial placement; reduce it before the optimizer step")
+        raise TypeError(
+            f"parameter {name!r} has placement {pl} on mesh {p.device_mesh}: gefen_dist supports "
+            "Shard(0) (FSDP2's default) and Replicate, whose pieces are whole rows. For FSDP2 drop "
+            "shard_placement_fn (or return Shard(0)); tensor-parallel column sharding "
+            "(Shard(d>0), _StridedShard) is not supported yet."
+        )
+
+
 def piece_of(p: torch.Tensor, rank: int = 0, replicated: bool = False) -> Piece:
-    """The piece a plain (unsharded) parameter holds: the whole tensor."""
-    return Piece(local=p, grad=p.grad, start=0, shape=global_shape(p),
-                 contributes=(not replicated) or rank == 0)
+    """The piece this rank holds of parameter ``p``.
+
+    Plain tensors are whole (on several ranks, replicas: only rank 0 contributes to sums).
+    DTensors with ``Shard(0)``/``Replicate`` placements hold whole rows starting at the global
+    offset of their chunk; along replicate mesh dims only coordinate 0 contributes.
+    """
+    if not is_dtensor(p):
+        return Piece(local=p, grad=p.grad, start=0, shape=global_shape(p),
+                     contributes=(not replicated) or rank == 0)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Replicate
+
+    shape = tuple(p.shape)
+    _, offset = compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)
+    coord = p.device_mesh.get_coordinate() or []
+    contributes = all(c == 0 for c, pl in zip(coord, p.placements) if isinstance(pl, Replicate))
+    start = int(offset[0]) * row_slab(shape) if shape else 0
+    return Piece(local=p._local_tensor, grad=local_tensor(p.grad), start=start, shape=shape,
+                 contributes=contributes)
+
+
+def like_param(local: torch.Tensor, p: torch.Tensor, global_shape_: Sequence[int]) -> torch.Tensor:
+    """Wrap a state tensor's local piece as a DTensor with ``p``'s mesh and placements and an
+    explicit global shape/stride (uneven shards differ per rank), on ``local``'s device."""
+    if not is_dtensor(p):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    shape = tuple(int(s) for s in global_shape_)
+    stride = tuple(int(math.prod(shape[i + 1:])) for i in range(len(shape)))
+    out = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
+    return out

@@ -20,12 +20,18 @@ from .comm import LocalComm, comm_for
 from .core import periods as _periods
 from .core.quant import block_histogram, NUM_BINS
 from .core.step import adamw_step_, bias_corrections, quantized_step_eager_
-from .layout import KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, global_shape, is_exact, piece_of
+from .layout import (KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, check_supported, global_shape, is_exact,
+                     like_param, local_tensor, piece_of)
 
 logger = logging.getLogger(__name__)
 
 _STATE_KEYS_Q = ("step", "period", "scale_block", "learned", "idx", "scale", "v", "codebook")
 _STATE_KEYS_E = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = local_tensor(t)
+    return t.numel() * t.element_size()
 
 
 def _scalar(x: Any) -> float:
@@ -59,9 +65,9 @@ class Report(list):
         lines = [f"{'name':<40} {'shape':<18} {'kind':<9} {'period':>6} {'block':>6} {'bytes':>12} {'B/param':>8}"]
         tot_b = tot_n = 0
         for r in self:
-            n = max(1, r["numel"])
+            n = max(1, r["local_numel"])
             tot_b += r["state_bytes"]
-            tot_n += r["numel"]
+            tot_n += r["local_numel"]
             lines.append(
                 f"{r['name'][:40]:<40} {str(tuple(r['shape'])):<18} {r['kind']:<9} {r['period']:>6} "
                 f"{r['scale_block']:>6} {r['state_bytes']:>12,} {r['state_bytes'] / n:>8.3f}"
@@ -143,6 +149,9 @@ class Gefen(Optimizer):
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         _validate_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"], where)
+        pn = g.get("param_names")
+        for i, p in enumerate(g["params"]):
+            check_supported(p, pn[i] if pn is not None else f"group{len(self.param_groups) - 1}.param{i}")
 
     def _names(self) -> Dict[int, str]:
         names: Dict[int, str] = {}
@@ -160,6 +169,7 @@ class Gefen(Optimizer):
         for st in self.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor):
+                    v = local_tensor(v)
                     key = (v.untyped_storage().data_ptr(), v.device)
                     if key in seen:
                         continue
@@ -178,15 +188,15 @@ class Gefen(Optimizer):
                 st = self.state.get(p, {})
                 shape = global_shape(p)
                 rec = dict(name=names[id(p)], shape=tuple(shape), numel=int(math.prod(shape)),
-                           dtype=str(p.dtype).replace("torch.", ""))
+                           local_numel=local_tensor(p).numel(), dtype=str(p.dtype).replace("torch.", ""))
                 if not st:
                     rec.update(kind="pending", period=0, scale_block=0, state_bytes=0)
                 elif "idx" in st:
-                    nbytes = sum(st[k].numel() * st[k].element_size() for k in ("idx", "scale", "v"))
+                    nbytes = sum(_nbytes(st[k]) for k in ("idx", "scale", "v"))
                     rec.update(kind=KIND_QUANTIZED, period=st["period"], scale_block=st["scale_block"],
                                state_bytes=nbytes, learned=bool(st["learned"]))
                 else:
-                    nbytes = sum(st[k].numel() * st[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
+                    nbytes = sum(_nbytes(st[k]) for k in ("exp_avg", "exp_avg_sq"))
                     rec.update(kind=KIND_EXACT, period=0, scale_block=0, state_bytes=nbytes)
                 rep.append(rec)
         return rep
@@ -202,24 +212,55 @@ class Gefen(Optimizer):
 
     def _alloc(self, p: torch.Tensor, piece: Piece, geo: Geometry, *, learned: bool, step: int = 0) -> None:
         dev = piece.local.device
+
+        def zeros(local_shape, global_shape_, dtype):
+            return like_param(torch.zeros(local_shape, dtype=dtype, device=dev), p, global_shape_)
+
         if geo.kind == KIND_EXACT:
+            shape = tuple(piece.local.shape)
             self.state[p] = {
                 "step": step,
-                "exp_avg": torch.zeros(piece.local.shape, dtype=torch.float32, device=dev),
-                "exp_avg_sq": torch.zeros(piece.local.shape, dtype=torch.float32, device=dev),
+                "exp_avg": zeros(shape, geo.global_shape, torch.float32),
+                "exp_avg_sq": zeros(shape, geo.global_shape, torch.float32),
             }
             return
-        shapes = geo.state_shapes(piece.local_rows)
+        loc = geo.state_shapes(piece.local_rows)
+        glo = geo.state_shapes(geo.global_shape[0])
         self.state[p] = {
             "step": step,
             "period": geo.period,
             "scale_block": geo.scale_block,
             "learned": int(learned),
-            "idx": torch.zeros(shapes["idx"], dtype=torch.uint8, device=dev),
-            "scale": torch.zeros(shapes["scale"], dtype=torch.float32, device=dev),
-            "v": torch.zeros(shapes["v"], dtype=torch.float32, device=dev),
+            "idx": zeros(loc["idx"], glo["idx"], torch.uint8),
+            "scale": zeros(loc["scale"], glo["scale"], torch.float32),
+            "v": zeros(loc["v"], glo["v"], torch.float32),
             "codebook": self._codebook_for(dev),
         }
+
+    def init_state(self, periods: Optional[Dict[Any, int]] = None) -> None:
+        """Allocate (zero) state for every trainable parameter now, without a step.
+
+        ``periods`` maps parameters (or their names) to the period to use; those tensors are
+        marked learned, as after loading a checkpoint (so the state's shapes match a saved one and
+        ``torch.distributed.checkpoint`` can load into it in place). Quantized tensors without an
+        entry get a placeholder (the row as period) that is re-learned at their first nonzero
+        gradient. Existing state is kept. No collectives.
+        """
+        names = self._names()
+        periods = periods or {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if not p.requires_grad or self.state.get(p):
+                    continue
+                pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
+                if is_exact(pc.shape, self.small_threshold):
+                    self._alloc(p, pc, Geometry.exact(pc.shape), learned=True)
+                    continue
+                per = periods.get(p, periods.get(names[id(p)]))
+                if per is None:
+                    self._alloc(p, pc, Geometry.quantized(pc.shape, _periods.row_slab(pc.shape)), learned=False)
+                else:
+                    self._alloc(p, pc, Geometry.quantized(pc.shape, int(per)), learned=True)
 
     def _codebook_for(self, device: torch.device) -> torch.Tensor:
         if self.codebook is None:
@@ -315,7 +356,7 @@ class Gefen(Optimizer):
         self.codebook = res.codebook.to(device=dev, dtype=torch.float32)
         for st in self.state.values():
             if "codebook" in st:
-                st["codebook"] = self._codebook_for(st["idx"].device)
+                st["codebook"] = self._codebook_for(local_tensor(st["idx"]).device)
         total = int(counts.sum())
         self.codebook_info = dict(active_bins=res.active_bins, sse=res.sse, method=res.method,
                                   values=total, rms_error=math.sqrt(res.sse / max(1, total)),
@@ -389,9 +430,9 @@ class Gefen(Optimizer):
         bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
         hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                   bc1=bc1, bc2=bc2)
-        param, grad = p, p.grad
+        param, grad = local_tensor(p), local_tensor(p.grad)
         if "exp_avg" in st:
-            adamw_step_(param, grad, st["exp_avg"], st["exp_avg_sq"], **hp)
+            adamw_step_(param, grad, local_tensor(st["exp_avg"]), local_tensor(st["exp_avg_sq"]), **hp)
             return
         if param.numel() == 0:
             return
@@ -405,12 +446,13 @@ class Gefen(Optimizer):
         g = grad.contiguous()
         kw = dict(period=st["period"], scale_block=st["scale_block"], **hp)
         cb = st["codebook"]
+        idx, scale, v = (local_tensor(st[k]) for k in ("idx", "scale", "v"))
         if self._use_fused(work):
             from .kernels import cpu as _cpu
 
-            _cpu.quantized_step_(work, g.to(work.dtype), st["idx"], st["scale"], st["v"], cb, **kw)
+            _cpu.quantized_step_(work, g.to(work.dtype), idx, scale, v, cb, **kw)
         else:
-            quantized_step_eager_(work, g, st["idx"], st["scale"], st["v"], cb, **kw)
+            quantized_step_eager_(work, g, idx, scale, v, cb, **kw)
         if not contiguous:
             param.copy_(work)
 
@@ -444,7 +486,7 @@ class Gefen(Optimizer):
         self.codebook = cb.to(torch.float32) if cb is not None else None
         for st in self.state.values():
             if "codebook" in st:
-                st["codebook"] = self._codebook_for(st["idx"].device)
+                st["codebook"] = self._codebook_for(local_tensor(st["idx"]).device)
 
     def _validate_loaded(self, p: torch.Tensor, st: dict, name: str) -> None:
         shape = global_shape(p)

@@ -1,0 +1,447 @@
+"""Fused CPU step for quantized tensors (ctypes wrapper of ``csrc/gefen_step.c``).
+
+``quantized_step_`` has the signature and the math of
+:func:`gefen_dist.core.step.quantized_step_eager_` and runs it in one pass per scale block,
+multi-threaded with OpenMP over blocks (``torch.get_num_threads()`` threads; each block is
+handled by exactly one thread, so the result does not depend on the thread count). Extra
+memory: one block of float32 per thread (at most 16 MiB in all; longer blocks recompute
+``m`` in the second sweep instead) plus the nearest-codeword table (at most 1 MiB, cached
+per codebook).
+
+Agreement with the eager path
+-----------------------------
+The kernel replays torch's float32 CPU arithmetic operation by operation. Three details of
+torch's kernels are probed once per process (see :func:`numerics`) and replayed:
+
+* ``lerp`` with a scalar weight and ``add_(x, alpha=a)`` are fused multiply-adds in torch's
+  vectorised kernels on FMA hardware (``fma(w, g - m, m)`` and ``fma(r, 1-beta2, beta2*v)``);
+  the kernel uses ``fmaf`` exactly where torch does.
+* ``(g*g).mean(dim=1)`` is ``sum / P`` where the sum follows torch's cascade order
+  (``aten/src/ATen/native/cpu/SumKernel.cpp``: 4 interleaved vector accumulators of the
+  CPU's vector width, 4 cascade levels, then a scalar tail and the lanes in order). The
+  kernel replays that order for the probed width; if no width reproduces torch on the probe
+  it accumulates the exact squares in double and rounds once (``(float)sum / P``), which
+  differs from torch in the last bit for roughly a third of the blocks.
+* With that, ``idx``, ``scale`` and ``v`` are bitwise identical to the eager path (``m`` and
+  its quantisation never depend on ``v``), except where torch itself is order-dependent: a
+  single v-block of more than 32768 elements reduced with several threads (torch's
+  two-pass reduction).
+
+Not replayed: ``sqrt``. torch's ``Tensor.sqrt`` may use MKL's ``vsSqrt`` (observed up to
+0.75 ulp on AVX-512 machines), the kernel uses the correctly rounded ``sqrtf``. So sigma can
+differ by about one float32 ulp (6e-8 relative) per block, which changes the parameter
+update by the same relative amount: after 100 float32 steps parameters agree to ~1e-7
+relative (tests allow 1e-6). For bfloat16 parameters the update is computed in float32 and
+rounded once to bfloat16 (round to nearest even, like ``Tensor.copy_``); a one-ulp sigma
+difference flips that rounding only when the float32 result lies within ~1e-7 relative of a
+bfloat16 rounding boundary, so a small fraction of elements differ by one bfloat16 ulp
+(2^-8 relative) per step; the tests bound the mismatch fraction and the size. NaN
+parameters are written as 0x7FC0 (torch's vectorised copy writes 0xFFFF; both are NaN).
+
+Nearest codeword
+----------------
+``z = m / A`` is mapped to ``k = (int) clamp(z * H + H, 0, NB - 1)`` (``H = NB / 2`` a power
+of two, so ``z * H`` is exact and ``k`` is monotone in ``z``). The table is built from the
+reference :func:`gefen_dist.core.quant.nearest_codeword` at the exact float boundaries of
+every bucket: when each bucket's nearest codeword is one of two consecutive indices (``NB``
+is doubled from 4096 up to 2^18 until it is), the kernel compares ``z`` with those two
+codewords using the reference's tie rule; otherwise the table holds a lower bound of
+``#{C < z}`` and a short forward scan finishes the search. Both give results identical to
+``searchsorted`` + the tie rule for every float32 ``z`` (NaN -> 255).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+from gefen_dist.core.quant import NUM_CODEWORDS, nearest_codeword
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["available", "quantized_step_", "numerics", "nearest_lut", "nearest_sweep",
+           "CodebookTable", "codebook_table"]
+
+_ABI = 3
+_LIB_NAME = "gefen_step"
+_SOURCES = ["gefen_step.c"]
+_MIN_LUT_BITS = 12
+_MAX_LUT_BITS = 18
+_SCAN_LUT_BITS = 16
+_BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together
+_BUF_MAX_ELEMS = 1 << 20     # per thread
+_TABLE_CACHE_SIZE = 32
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        ("n", ctypes.c_int64),
+        ("period", ctypes.c_int64),
+        ("block", ctypes.c_int64),
+        ("buf_max", ctypes.c_int64),
+        ("dtype", ctypes.c_int32),
+        ("nthreads", ctypes.c_int32),
+        ("sum_lanes", ctypes.c_int32),
+        ("fused_lerp", ctypes.c_int32),
+        ("fused_axpy", ctypes.c_int32),
+        ("lerp_small", ctypes.c_int32),
+        ("has_wd", ctypes.c_int32),
+        ("lut_mode", ctypes.c_int32),
+        ("lut_n", ctypes.c_int32),
+        ("pad0", ctypes.c_int32),
+        ("lerp_c", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("alpha2", ctypes.c_float),
+        ("sqrt_bc2", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("inv_bc1", ctypes.c_float),
+        ("lr", ctypes.c_float),
+        ("decay", ctypes.c_float),
+        ("lut_h", ctypes.c_float),
+        ("pad1", ctypes.c_float),
+    ]
+
+
+_lock = threading.Lock()
+_configured: set = set()
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    from gefen_dist.kernels.native import load_library
+
+    lib = load_library(_LIB_NAME, _SOURCES)
+    if lib is None:
+        return None
+    with _lock:
+        if id(lib) not in _configured:
+            lib.gefen_step_abi.restype = ctypes.c_int
+            lib.gefen_step_args_size.restype = ctypes.c_int
+            if lib.gefen_step_abi() != _ABI or lib.gefen_step_args_size() != ctypes.sizeof(_Args):
+                logger.warning("gefen_dist: %s has an unexpected ABI; using the eager path", _LIB_NAME)
+                return None
+            vp, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+            lib.gefen_quantized_step.restype = ctypes.c_int
+            lib.gefen_quantized_step.argtypes = [ctypes.POINTER(_Args)] + [vp] * 7
+            lib.gefen_nearest.restype = None
+            lib.gefen_nearest.argtypes = [vp, i64, vp, vp, i32, f32, i32, vp]
+            lib.gefen_nearest_sweep.restype = i64
+            lib.gefen_nearest_sweep.argtypes = [ctypes.c_uint32, ctypes.c_uint32, vp, vp, i32, f32,
+                                                i32, i32, vp]
+            lib.gefen_probe.restype = None
+            lib.gefen_probe.argtypes = [i32, i32, i64, vp, vp, f32, f32, vp]
+            lib.gefen_sumsq_mean.restype = None
+            lib.gefen_sumsq_mean.argtypes = [vp, i64, i64, i32, vp]
+            _configured.add(id(lib))
+    return lib
+
+
+def available() -> bool:
+    """Whether the native library is built and loaded (else callers use the eager path)."""
+    return _lib() is not None
+
+
+# --------------------------------------------------------------------------------------
+# probes of torch's float32 arithmetic
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Numerics:
+    fused_lerp_small: bool  # lerp, |weight| < 0.5
+    fused_lerp_large: bool  # lerp, |weight| >= 0.5
+    fused_axpy: bool        # add_(x, alpha=a)
+    sum_lanes: int          # cascade-sum vector width replayed; 0 = double accumulation
+
+
+_numerics: Optional[Numerics] = None
+
+
+def _probe_fused(lib, op: int, torch_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 s1: float, s2: float, what: str) -> bool:
+    n = a.numel()
+    hits = []
+    for fused in (1, 0):
+        out = torch.empty(n, dtype=torch.float32)
+        lib.gefen_probe(op, fused, n, a.data_ptr(), b.data_ptr(), s1, s2, out.data_ptr())
+        hits.append(int((out.view(torch.int32) == torch_out.view(torch.int32)).sum()))
+    if max(hits) != n:
+        logger.debug("gefen_dist: torch %s matches neither fused (%d/%d) nor unfused (%d/%d)",
+                     what, hits[0], n, hits[1], n)
+    return hits[0] >= hits[1]
+
+
+def numerics() -> Optional[Numerics]:
+    """Probe (once) how torch rounds the operations the kernel replays; None without the
+    native library."""
+    global _numerics
+    if _numerics is not None:
+        return _numerics
+    lib = _lib()
+    if lib is None:
+        return None
+    gen = torch.Generator().manual_seed(1234)
+    n = 4099
+    a = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 3)
+    b = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 3)
+    flags = []
+    for w in (0.1, 0.7):
+        t = a.clone().lerp_(b, w)
+        c = float(np.float32(w)) if abs(w) < 0.5 else float(np.float32(w) - np.float32(1.0))
+        flags.append(_probe_fused(lib, 0, t, a, b, c, 1.0 if abs(w) < 0.5 else 0.0, f"lerp(w={w})"))
+    va = a.abs()
+    r = b * b
+    beta2 = 0.999
+    t = va.clone().mul_(beta2).add_(r, alpha=1.0 - beta2)
+    fa = _probe_fused(lib, 1, t, va, r, float(np.float32(beta2)), float(np.float32(1.0 - beta2)),
+                      "add_(alpha)")
+
+    lanes = 0
+    cases = []
+    for P in (1, 3, 7, 16, 17, 64, 100, 255, 768, 1031, 4099, 20000):
+        rows = 4
+        g = torch.randn(rows, P, generator=gen) * 1e-3
+        cases.append((g, (g * g).mean(dim=1)))
+    for w in (16, 8, 4, 32):
+        ok = True
+        for g, ref in cases:
+            out = torch.empty(g.shape[0], dtype=torch.float32)
+            lib.gefen_sumsq_mean(g.data_ptr(), g.shape[0], g.shape[1], w, out.data_ptr())
+            if not torch.equal(out.view(torch.int32), ref.view(torch.int32)):
+                ok = False
+                break
+        if ok:
+            lanes = w
+            break
+    if lanes == 0:
+        logger.info("gefen_dist: torch's sum order not reproduced; fused kernel sums g^2 in "
+                    "double (v may differ from the eager path in the last bit)")
+    _numerics = Numerics(flags[0], flags[1], fa, lanes)
+    logger.debug("gefen_dist: fused step numerics %s", _numerics)
+    return _numerics
+
+
+# --------------------------------------------------------------------------------------
+# nearest-codeword table
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CodebookTable:
+    cb: torch.Tensor   # float32 [257], cb[256] = +inf
+    lut: torch.Tensor  # int32 [nb]
+    mode: int          # 1: two candidates; 0: lower bound + scan
+    h: float           # nb / 2
+    nb: int
+
+
+_tables: "OrderedDict[bytes, CodebookTable]" = OrderedDict()
+_tables_lock = threading.Lock()
+
+
+def _to_ord(x: np.ndarray) -> np.ndarray:
+    b = x.astype(np.float32).view(np.int32).astype(np.int64)
+    return np.where(b >= 0, b, -(b & 0x7FFFFFFF))
+
+
+def _from_ord(o: np.ndarray) -> np.ndarray:
+    o = np.asarray(o, dtype=np.int64)
+    bits = np.where(o >= 0, o, (-o) | 0x80000000).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def _bucket(z: np.ndarray, h: np.float32, nb: int) -> np.ndarray:
+    """The kernel's bucket function, in float32 (z * h is exact; one rounding in + h)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = z.astype(np.float32) * h + h
+        t = np.where(t > 0, t, np.float32(0))
+        t = np.where(t < np.float32(nb - 1), t, np.float32(nb - 1))
+    return t.astype(np.int64)
+
+
+def _bucket_lower_bounds(nb: int) -> np.ndarray:
+    """L[k] = smallest float32 z with bucket(z) >= k (k >= 1); L[0] = -inf."""
+    h = np.float32(nb // 2)
+    k = np.arange(1, nb, dtype=np.int64)
+    lo = np.full(k.shape, int(_to_ord(np.array([-2.0]))[0]), dtype=np.int64)  # bucket < k
+    hi = np.full(k.shape, int(_to_ord(np.array([2.0]))[0]), dtype=np.int64)   # bucket >= k
+    while True:
+        open_ = hi - lo > 1
+        if not open_.any():
+            break
+        mid = (lo + hi) >> 1
+        ge = _bucket(_from_ord(mid), h, nb) >= k
+        hi = np.where(open_ & ge, mid, hi)
+        lo = np.where(open_ & ~ge, mid, lo)
+    out = np.empty(nb, dtype=np.float32)
+    out[0] = -np.inf
+    out[1:] = _from_ord(hi)
+    return out
+
+
+def _build_table(cbf: torch.Tensor) -> CodebookTable:
+    c = cbf.numpy()
+    if c.shape != (NUM_CODEWORDS,) or not np.all(np.isfinite(c)) or not np.all(np.diff(c) > 0):
+        raise ValueError("codebook must be 256 finite, strictly ascending float32 values")
+    if c[0] != -1.0 or c[-1] != 1.0:
+        raise ValueError("codebook must start at -1 and end at +1")
+    cb = torch.empty(NUM_CODEWORDS + 1, dtype=torch.float32)
+    cb[:NUM_CODEWORDS] = cbf
+    cb[NUM_CODEWORDS] = float("inf")
+    for bits in range(_MIN_LUT_BITS, _MAX_LUT_BITS + 1):
+        nb = 1 << bits
+        lower = _bucket_lower_bounds(nb)
+        upper = np.empty(nb, dtype=np.float32)
+        upper[:-1] = _from_ord(_to_ord(lower[1:]) - 1)
+        upper[-1] = np.inf
+        n_lo = nearest_codeword(torch.from_numpy(lower), cbf).to(torch.int32)
+        n_hi = nearest_codeword(torch.from_numpy(upper), cbf).to(torch.int32)
+        if int((n_hi - n_lo).max()) <= 1:
+            return CodebookTable(cb, n_lo.contiguous(), 1, float(nb // 2), nb)
+    nb = 1 << _SCAN_LUT_BITS
+    lower = torch.from_numpy(_bucket_lower_bounds(nb))
+    lut = torch.searchsorted(cbf, lower, right=False).to(torch.int32)
+    logger.debug("gefen_dist: codebook too dense for a two-candidate table; scanning")
+    return CodebookTable(cb, lut.contiguous(), 0, float(nb // 2), nb)
+
+
+def codebook_table(codebook: torch.Tensor) -> CodebookTable:
+    """The (cached) nearest-codeword table of a codebook, keyed by its float32 contents."""
+    cbf = codebook.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+    key = cbf.numpy().tobytes()
+    with _tables_lock:
+        t = _tables.get(key)
+        if t is not None:
+            _tables.move_to_end(key)
+            return t
+    t = _build_table(cbf.clone())
+    with _tables_lock:
+        _tables[key] = t
+        while len(_tables) > _TABLE_CACHE_SIZE:
+            _tables.popitem(last=False)
+    return t
+
+
+def nearest_lut(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """The kernel's table lookup on float32 ``z`` (uint8), for tests and diagnostics."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("native gefen_step library unavailable")
+    t = codebook_table(codebook)
+    zf = z.detach().to(torch.float32).contiguous().reshape(-1)
+    out = torch.empty(zf.numel(), dtype=torch.uint8)
+    lib.gefen_nearest(zf.data_ptr(), zf.numel(), t.cb.data_ptr(), t.lut.data_ptr(), t.mode,
+                      t.h, t.nb, out.data_ptr())
+    return out.view(z.shape)
+
+
+def nearest_sweep(codebook: torch.Tensor, first: int, last: int) -> Tuple[int, int]:
+    """Compare the table lookup with a brute-force searchsorted + tie rule over every
+    float32 bit pattern in [first, last] (uint32). Returns (mismatches, first mismatch)."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("native gefen_step library unavailable")
+    t = codebook_table(codebook)
+    where = ctypes.c_uint32(0)
+    bad = lib.gefen_nearest_sweep(first, last, t.cb.data_ptr(), t.lut.data_ptr(), t.mode, t.h,
+                                  t.nb, torch.get_num_threads(), ctypes.addressof(where))
+    return int(bad), int(where.value)
+
+
+# --------------------------------------------------------------------------------------
+# the step
+# --------------------------------------------------------------------------------------
+
+def _check(name: str, t: torch.Tensor, dtype, numel: int) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
+
+
+def quantized_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor,
+    v: torch.Tensor,
+    codebook: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bc1: float,
+    bc2: float,
+    period: int,
+    scale_block: int,
+) -> None:
+    """One Gefen update of a quantized piece, in place (fused kernel; same contract as
+    :func:`gefen_dist.core.step.quantized_step_eager_`). Falls back to the eager path when
+    the native library is unavailable."""
+    n = param.numel()
+    if n == 0:
+        return
+    lib = _lib()
+    if lib is None:
+        from gefen_dist.core.step import quantized_step_eager_
+
+        quantized_step_eager_(param, grad, idx, scale, v, codebook, lr=lr, beta1=beta1,
+                              beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1,
+                              bc2=bc2, period=period, scale_block=scale_block)
+        return
+    P, B = int(period), int(scale_block)
+    if P < 1 or B < 1 or not (P == 1 or P == B):
+        raise ValueError(f"need period == scale_block or period == 1 (got P={P}, B={B})")
+    if n % B or n % P:
+        raise ValueError(f"numel {n} is not a multiple of the blocks (P={P}, B={B})")
+    if param.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"param dtype {param.dtype} not supported (float32, bfloat16)")
+    _check("param", param, None, n)
+    _check("grad", grad, param.dtype, n)
+    _check("idx", idx, torch.uint8, n)
+    _check("scale", scale, torch.float32, n // B)
+    _check("v", v, torch.float32, n // P)
+    tab = codebook_table(codebook)
+    num = numerics()
+
+    w = 1.0 - beta1
+    small = abs(w) < 0.5
+    wf = np.float32(w)
+    nt = max(1, torch.get_num_threads())
+    a = _Args()
+    a.n, a.period, a.block = n, P, B
+    a.buf_max = min(_BUF_MAX_ELEMS, _BUF_BYTES_TOTAL // (4 * nt))
+    a.dtype = 0 if param.dtype == torch.float32 else 1
+    a.nthreads = nt
+    a.sum_lanes = num.sum_lanes
+    a.fused_lerp = int(num.fused_lerp_small if small else num.fused_lerp_large)
+    a.fused_axpy = int(num.fused_axpy)
+    a.lerp_small = int(small)
+    a.has_wd = int(weight_decay != 0.0)
+    a.lut_mode, a.lut_n, a.lut_h = tab.mode, tab.nb, tab.h
+    # scalars as torch converts them (Python double -> float32 opmath)
+    a.lerp_c = float(wf) if small else float(wf - np.float32(1.0))
+    a.beta2 = beta2
+    a.alpha2 = 1.0 - beta2
+    a.sqrt_bc2 = math.sqrt(bc2)
+    a.eps = eps
+    a.inv_bc1 = 1.0 / bc1
+    a.lr = lr
+    a.decay = 1.0 - lr * weight_decay
+    rc = lib.gefen_quantized_step(ctypes.byref(a), param.data_ptr(), grad.data_ptr(),
+                                  idx.data_ptr(), scale.data_ptr(), v.data_ptr(),
+                                  tab.cb.data_ptr(), tab.lut.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"gefen_quantized_step failed with code {rc}")
+    for t in (param, idx, scale, v):
+        torch.autograd.graph.increment_version(t)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create ./.venv (if needed) and install gefen_dist with its test/benchmark extras.
+# torch is pinned to the 2.13.0 CPU wheel on CPU machines: an unpinned `torch` would pull a
+# multi-GB CUDA build. Override with TORCH_SPEC (e.g. TORCH_SPEC="torch==2.13.0" on GPU hosts
+# with a matching index) if you need another build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+stamp=.venv/.gefen_dist_installed
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  python -m pip install -q --upgrade pip
+  python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+  python -m pip install -q -e ".[test,bench]"
+  echo "$want" > "$stamp"
+fi
