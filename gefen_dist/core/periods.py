@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
+import numpy as np
 import torch
 
 LOG_EPS = 1e-12
@@ -28,8 +29,6 @@ MIN_ELIGIBLE_PERIOD = 8  # a period must exceed this to be selected
 PERIOD_CAP = 1024
 SCALE_BLOCK_MAX = 256
 
-# Bound on the number of block boundaries materialised at once (int64 + float64 each).
-_CHUNK_ENTRIES = 1 << 23
 
 
 def divisors(n: int) -> List[int]:
@@ -99,8 +98,9 @@ def period_partials(l: torch.Tensor, start: int, numel: int, periods: Sequence[i
     if length == 0 or not periods:
         return out
     end = start + length
-    prefix = torch.zeros(length + 1, dtype=torch.float64)
-    torch.cumsum(l, 0, out=prefix[1:])
+    ln = l.detach().cpu().numpy()
+    prefix = np.zeros(length + 1, dtype=np.float64)
+    np.cumsum(ln, out=prefix[1:])
 
     def span_sum(a: int, b: int) -> float:  # sum of l over global [a, b) ∩ piece
         a, b = max(a, start), min(b, end)
@@ -118,39 +118,22 @@ def period_partials(l: torch.Tensor, start: int, numel: int, periods: Sequence[i
         out.edge_blocks[k] = blocks
         out.edge_sums[k] = [span_sum(b * p, (b + 1) * p) for b in blocks]
 
-    # Interior pairs: sum |mu_{b+1} - mu_b| over interior blocks, vectorised over candidates.
-    internal = torch.zeros(len(periods), dtype=torch.float64)
-    order = [k for k in range(len(periods)) if int(n_interior[k]) >= 2]
-    i = 0
-    while i < len(order):
-        chunk = [order[i]]
-        total = int(n_interior[order[i]]) + 1
-        i += 1
-        while i < len(order) and total + int(n_interior[order[i]]) + 1 <= _CHUNK_ENTRIES:
-            total += int(n_interior[order[i]]) + 1
-            chunk.append(order[i])
-            i += 1
-        _interior_chunk(prefix, start, ps, b0, n_interior, chunk, internal)
-    out.internal = internal.tolist()
+    # Interior pairs: sum |mu_{b+1} - mu_b| over the complete blocks strictly inside the piece.
+    # Block sums are differences of the prefix sum taken at stride p: a strided *view*, so each
+    # candidate costs O(length/p) and no index arrays are built; period 1 uses l directly.
+    internal = [0.0] * len(periods)
+    for k, p in enumerate(periods):
+        ni = int(n_interior[k])
+        if ni < 2:
+            continue
+        a = (int(b0[k]) + 1) * p - start  # first interior boundary, local coordinates
+        if p == 1:
+            internal[k] = float(np.abs(np.diff(ln[a:a + ni])).sum())
+            continue
+        mu = np.diff(prefix[a:a + ni * p + 1:p]) / p  # ni block means from ni + 1 boundaries
+        internal[k] = float(np.abs(np.diff(mu)).sum())
+    out.internal = internal
     return out
-
-
-def _interior_chunk(prefix, start, ps, b0, n_interior, chunk, internal) -> None:
-    idx = torch.tensor(chunk, dtype=torch.int64)
-    counts = n_interior[idx] + 1  # boundaries per candidate
-    cand_of = torch.repeat_interleave(idx, counts)
-    seg_start = torch.cumsum(counts, 0) - counts
-    local = torch.arange(int(counts.sum())) - torch.repeat_interleave(seg_start, counts)
-    p_of = ps[cand_of]
-    pos = (b0[cand_of] + 1 + local) * p_of - start  # boundary positions within the piece
-    vals = prefix[pos]
-    mu = (vals[1:] - vals[:-1]) / p_of[1:].double()
-    same = cand_of[1:] == cand_of[:-1]
-    mu_cand = cand_of[1:]
-    # adjacent interior means of the same candidate
-    d = (mu[1:] - mu[:-1]).abs()
-    keep = same[1:] & same[:-1]
-    internal.index_add_(0, mu_cand[1:][keep], d[keep])
 
 
 def combine_partials(parts: Sequence[PeriodPartials], numel: int) -> List[float]:
