@@ -6,6 +6,7 @@ re-implements it from its specification so that its state is identical in meanin
 world size (see docs/algorithm.md for the deliberate deviations).
 """
 from .optimizer import Gefen, Report
+from .zero import ZeroGefen  # noqa: F401  (ZeRO-1 for DDP, gefen_dist/zero.py)
 
-__all__ = ["Gefen", "Report"]
+__all__ = ["Gefen", "Report", "ZeroGefen"]
 __version__ = "0.1.0"

@@ -19,13 +19,16 @@ from torch.optim import Optimizer
 from .comm import LocalComm, comm_for
 from .core import periods as _periods
 from .core.quant import block_histogram, NUM_BINS
-from .core.step import adamw_step_, bias_corrections, quantized_step_eager_
-from .layout import (KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, check_supported, global_shape, is_exact,
-                     like_param, local_tensor, piece_of)
+from .core.step import (adamw_step_, bias_corrections, column_sumsq, quantized_step_eager_,
+                        quantized_step_factored_eager_)
+from .layout import (KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, check_supported, global_shape, is_dtensor,
+                     is_exact, like_param, local_tensor, piece_of)
 
 logger = logging.getLogger(__name__)
 
 _STATE_KEYS_Q = ("step", "period", "scale_block", "learned", "idx", "scale", "v", "codebook")
+_STATE_KEYS_F = ("step", "period", "scale_block", "learned", "idx", "scale", "v_row", "v_col", "codebook")
+SECOND_MOMENTS = ("shared", "factored")
 _STATE_KEYS_E = ("step", "exp_avg", "exp_avg_sq")
 
 
@@ -109,15 +112,18 @@ class Gefen(Optimizer):
         weight_decay: float = 0.0,
         *,
         small_threshold: int = 4096,
+        second_moment: str = "shared",
         fused: Optional[bool] = None,
         process_group: Optional[Any] = None,
     ):
         _validate_hparams(lr, betas, eps, weight_decay)
+        if second_moment not in SECOND_MOMENTS:
+            raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENTS})")
         if not isinstance(small_threshold, int) or small_threshold < 0:
             raise ValueError(f"Invalid small_threshold: {small_threshold!r} (must be an int >= 0)")
         if fused not in (None, True, False):
             raise ValueError(f"Invalid fused: {fused!r} (expected None, True or False)")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment)
         self.small_threshold = small_threshold
         self.fused = fused
         self._comm: LocalComm = comm_for(process_group)
@@ -149,6 +155,8 @@ class Gefen(Optimizer):
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         _validate_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"], where)
+        if g["second_moment"] not in SECOND_MOMENTS:
+            raise ValueError(f"Invalid second_moment{where}: {g['second_moment']!r} (expected one of {SECOND_MOMENTS})")
         pn = g.get("param_names")
         for i, p in enumerate(g["params"]):
             check_supported(p, pn[i] if pn is not None else f"group{len(self.param_groups) - 1}.param{i}")
@@ -192,7 +200,7 @@ class Gefen(Optimizer):
                 if not st:
                     rec.update(kind="pending", period=0, scale_block=0, state_bytes=0)
                 elif "idx" in st:
-                    nbytes = sum(_nbytes(st[k]) for k in ("idx", "scale", "v"))
+                    nbytes = sum(_nbytes(st[k]) for k in ("idx", "scale", "v", "v_row", "v_col") if k in st)
                     rec.update(kind=KIND_QUANTIZED, period=st["period"], scale_block=st["scale_block"],
                                state_bytes=nbytes, learned=bool(st["learned"]))
                 else:
@@ -210,6 +218,12 @@ class Gefen(Optimizer):
             return Geometry.quantized(global_shape(p), st["period"])
         return Geometry.exact(global_shape(p))
 
+    def _group_of(self, p: torch.Tensor) -> dict:
+        for g in self.param_groups:
+            if any(q is p for q in g["params"]):
+                return g
+        raise KeyError("parameter not in any param group")
+
     def _alloc(self, p: torch.Tensor, piece: Piece, geo: Geometry, *, learned: bool, step: int = 0) -> None:
         dev = piece.local.device
 
@@ -226,16 +240,22 @@ class Gefen(Optimizer):
             return
         loc = geo.state_shapes(piece.local_rows)
         glo = geo.state_shapes(geo.global_shape[0])
-        self.state[p] = {
+        st = {
             "step": step,
             "period": geo.period,
             "scale_block": geo.scale_block,
             "learned": int(learned),
             "idx": zeros(loc["idx"], glo["idx"], torch.uint8),
             "scale": zeros(loc["scale"], glo["scale"], torch.float32),
-            "v": zeros(loc["v"], glo["v"], torch.float32),
-            "codebook": self._codebook_for(dev),
         }
+        if self._group_of(p)["second_moment"] == "factored":
+            st["v_row"] = zeros((piece.local_rows, 1), (geo.global_shape[0], 1), torch.float32)
+            # column factor: the same on every rank (statistics are all-reduced), a plain tensor
+            st["v_col"] = torch.zeros(geo.slab, dtype=torch.float32, device=dev)
+        else:
+            st["v"] = zeros(loc["v"], glo["v"], torch.float32)
+        st["codebook"] = self._codebook_for(dev)
+        self.state[p] = st
 
     def init_state(self, periods: Optional[Dict[Any, int]] = None) -> None:
         """Allocate (zero) state for every trainable parameter now, without a step.
@@ -293,6 +313,10 @@ class Gefen(Optimizer):
         for p, pc in todo:
             if is_exact(pc.shape, self.small_threshold) and not self.state.get(p):
                 self._alloc(p, pc, Geometry.exact(pc.shape), learned=True)
+        # Fixed-size cross-rank check before the variable-size collectives below (added with the
+        # checkpoint/DDP tests): ranks about to learn different tensors (an extra parameter on one
+        # rank) would otherwise make gloo abort the process or NCCL hang instead of a clear error.
+        self._check_same_tensors([pc.shape for _, pc in quant])
         if not quant:
             return
         # Which tensors have a nonzero global gradient? (one MAX over a small vector)
@@ -371,6 +395,24 @@ class Gefen(Optimizer):
             t_hist, res.seconds, res.method,
         )
 
+    def _check_same_tensors(self, shapes) -> None:
+        """Raise on every rank if ranks hold different lists of quantized tensors to learn. The
+        collective has a fixed size (4 int64), so it cannot itself mismatch."""
+        if self._comm.world_size == 1:
+            return
+        h = int.from_bytes(hashlib.sha256(repr([tuple(s) for s in shapes]).encode()).digest()[:6], "little")
+        t = torch.tensor([len(shapes), -len(shapes), h, -h], dtype=torch.int64)
+        self._comm.all_reduce_max_(t)
+        if int(t[0]) != -int(t[1]) or int(t[2]) != -int(t[3]):
+            what = (f"this rank has {len(shapes)} quantized tensors, other ranks between {-int(t[1])} and "
+                    f"{int(t[0])}" if int(t[0]) != -int(t[1]) else
+                    f"all have {len(shapes)} quantized tensors, but their shapes differ")
+            raise RuntimeError(
+                f"gefen_dist: ranks disagree about the tensors to learn ({what}). Every rank must build "
+                "Gefen over the same parameters in the same order; check that the model and param groups "
+                "are identical on all ranks."
+            )
+
     def _check_agreement(self) -> None:
         if self._comm.world_size == 1:
             return
@@ -418,11 +460,38 @@ class Gefen(Optimizer):
                 loss = closure()
         entries = self._entries()
         self._prepare(entries)
+        col = self._column_stats(entries)
         for group, p in entries:
-            self._update(group, p)
+            self._update(group, p, col.get(p))
         return loss
 
-    def _update(self, group: dict, p: torch.Tensor) -> None:
+    def _column_stats(self, entries) -> Dict[torch.Tensor, torch.Tensor]:
+        """Column means of g^2 over all global rows for factored tensors (one all-reduce when any
+        of them is sharded; replicas contribute zeros so sums equal a single process's)."""
+        fact = [p for g, p in entries if "v_col" in self.state[p] and self.state[p]["learned"]]
+        if not fact:
+            return {}
+        sharded = self._comm.world_size > 1 and any(is_dtensor(p) for p in fact)
+        parts = []
+        for p in fact:
+            pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
+            slab = self.state[p]["v_col"].numel()
+            if pc.grad is None or pc.grad.numel() == 0 or (sharded and not pc.contributes):
+                parts.append(torch.zeros(slab, dtype=torch.float64))
+            else:
+                parts.append(column_sumsq(pc.grad, slab).cpu())
+        buf = torch.cat(parts)
+        if sharded:
+            self._comm.all_reduce_sum_(buf)
+        out, o = {}, 0
+        for p in fact:
+            slab = self.state[p]["v_col"].numel()
+            rows = global_shape(p)[0]
+            out[p] = (buf[o:o + slab] / rows).to(torch.float32).to(local_tensor(p).device)
+            o += slab
+        return out
+
+    def _update(self, group: dict, p: torch.Tensor, col_mean_sq: Optional[torch.Tensor] = None) -> None:
         st = self.state[p]
         st["step"] += 1
         beta1, beta2 = group["betas"]
@@ -444,8 +513,15 @@ class Gefen(Optimizer):
         contiguous = param.is_contiguous()
         work = param if contiguous else param.contiguous()
         g = grad.contiguous()
-        kw = dict(period=st["period"], scale_block=st["scale_block"], **hp)
         cb = st["codebook"]
+        if "v_col" in st:
+            quantized_step_factored_eager_(work, g, local_tensor(st["idx"]), local_tensor(st["scale"]),
+                                           local_tensor(st["v_row"]), st["v_col"], cb, col_mean_sq,
+                                           scale_block=st["scale_block"], **hp)
+            if not contiguous:
+                param.copy_(work)
+            return
+        kw = dict(period=st["period"], scale_block=st["scale_block"], **hp)
         idx, scale, v = (local_tensor(st[k]) for k in ("idx", "scale", "v"))
         if self._use_fused(work):
             from .kernels import cpu as _cpu
@@ -491,12 +567,13 @@ class Gefen(Optimizer):
     def _validate_loaded(self, p: torch.Tensor, st: dict, name: str) -> None:
         shape = global_shape(p)
         exact = is_exact(shape, self.small_threshold)
-        keys = _STATE_KEYS_E if exact else _STATE_KEYS_Q
+        factored = self._group_of(p)["second_moment"] == "factored"
+        keys = _STATE_KEYS_E if exact else (_STATE_KEYS_F if factored else _STATE_KEYS_Q)
         missing = [k for k in keys if k not in st]
         if missing:
             raise ValueError(
                 f"checkpoint state for parameter {name!r} (shape {shape}) lacks {missing}: it was saved "
-                f"from a different model, optimizer or small_threshold (this tensor is "
+                f"from a different model, optimizer, small_threshold or second_moment (this tensor is "
                 f"{'exact' if exact else 'quantized'} here); load a checkpoint of the same model"
             )
         ref = st["exp_avg"] if exact else st["idx"]
@@ -508,7 +585,9 @@ class Gefen(Optimizer):
         if not exact:
             geo = Geometry.quantized(shape, st["period"])
             want = geo.state_shapes(tuple(p.shape)[0])
-            for k in ("scale", "v"):
+            if factored:
+                want["v_row"], want["v_col"] = (tuple(p.shape)[0], 1), (geo.slab,)
+            for k in ("scale", "v_row", "v_col") if factored else ("scale", "v"):
                 if tuple(st[k].shape) != want[k]:
                     raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape "
                                      f"{tuple(st[k].shape)}, expected {want[k]} for period {st['period']}")

@@ -124,3 +124,94 @@ def adamw_step_(
     p.addcdiv_(exp_avg, denom, value=-(lr / bc1))
     if p is not param:
         param.copy_(p)
+
+
+def column_sumsq(grad: torch.Tensor, slab: int) -> torch.Tensor:
+    """Sum of ``g^2`` over the rows this piece holds, per column (float64, ``[slab]``, so that the
+    order in which shards are summed does not change the float32 result).
+
+    The factored second moment needs the column mean over *all* rows of the global tensor: sharded
+    callers all-reduce these partial sums (SUM) before :func:`quantized_step_factored_eager_`.
+    """
+    g = grad.reshape(-1, slab)
+    out = torch.zeros(slab, dtype=torch.float64, device=grad.device)
+    rows = max(1, _EAGER_CHUNK_ELEMS // max(1, slab))
+    for r0 in range(0, g.shape[0], rows):
+        c = g[r0:r0 + rows].double()
+        out.add_((c * c).sum(dim=0))
+    return out
+
+
+def quantized_step_factored_eager_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor,
+    v_row: torch.Tensor,
+    v_col: torch.Tensor,
+    codebook: torch.Tensor,
+    col_mean_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bc1: float,
+    bc2: float,
+    scale_block: int,
+) -> None:
+    """Gefen update with a factored (row x column) second moment, in place.
+
+    ``v_row`` ([rows] of this piece) and ``v_col`` ([slab], the same on every rank) are EMAs of
+    the row and column means of ``g^2``; the second moment of element (i, j) is
+    ``v_row_i * v_col_j / mean(v_col)`` (Adafactor's estimator; ``mean(v_col) == mean(v_row)``
+    over the global tensor, so no extra reduction is needed). ``col_mean_sq`` is the column mean
+    of ``g^2`` over all global rows. The first moment is quantized exactly as in
+    :func:`quantized_step_eager_`.
+    """
+    n = param.numel()
+    slab = v_col.numel()
+    v_col.mul_(beta2).add_(col_mean_sq, alpha=1.0 - beta2)
+    if n == 0:
+        return
+    B = scale_block
+    mean_c = float(v_col.mean())
+    col_f = (v_col / mean_c).sqrt_() if mean_c > 0 else torch.zeros_like(v_col)
+    sqrt_bc2 = math.sqrt(bc2)
+    decay = 1.0 - lr * weight_decay
+    rows_per = max(1, _EAGER_CHUNK_ELEMS // slab)
+    g_all = grad.reshape(-1, slab)
+    p_all = param.view(-1, slab)
+    i_all = idx.view(-1, slab)
+    s_all = scale.view(-1, slab // B)
+    vr_all = v_row.view(-1)
+    for r0 in range(0, g_all.shape[0], rows_per):
+        r1 = min(g_all.shape[0], r0 + rows_per)
+        g = g_all[r0:r1].float()
+        vr = vr_all[r0:r1]
+        vr.mul_(beta2).add_((g * g).mean(dim=1), alpha=1.0 - beta2)
+        denom = (vr.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).div_(sqrt_bc2).add_(eps)
+        sigma = denom.reciprocal_().mul_(1.0 / bc1)
+
+        sb = s_all[r0:r1].reshape(-1, 1)
+        ib = i_all[r0:r1].reshape(-1, B)
+        m = codebook[ib.long()] * sb
+        m.lerp_(g.reshape(-1, B), 1.0 - beta1)
+        a = m.abs().amax(dim=1, keepdim=True)
+        sb.copy_(a)
+        z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
+        new = nearest_codeword(z, codebook)
+        ib.copy_(new)
+        u = (codebook[new.long()] * a).view(r1 - r0, slab).mul_(sigma).mul_(lr)
+        p = p_all[r0:r1]
+        if p.dtype == torch.float32:
+            if weight_decay != 0.0:
+                p.mul_(decay)
+            p.sub_(u)
+        else:
+            p32 = p.float()
+            if weight_decay != 0.0:
+                p32.mul_(decay)
+            p32.sub_(u)
+            p.copy_(p32)

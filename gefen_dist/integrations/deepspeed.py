@@ -1,0 +1,442 @@
+"""Gefen under DeepSpeed ZeRO-1/2/3 with exact per-tensor state.
+
+Importing this module registers Gefen with DeepSpeed's config-driven optimizer factory
+(``torch.optim.Gefen``), so a JSON config with ``"optimizer": {"type": "Gefen", ...}`` and
+``"zero_allow_untested_optimizer": true`` works with DeepSpeed's stock engine::
+
+    import gefen_dist.integrations.deepspeed  # noqa: F401  (registers "Gefen")
+    engine, opt, _, sched = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                 config="gefen_zero2.json")
+
+or explicitly (builds the engine, refuses unsupported configs, attaches the layout at once)::
+
+    from gefen_dist.integrations import deepspeed as gds
+    engine, opt, _, sched = gds.initialize(model=model, config="gefen_zero2.json")
+
+ZeRO hands the optimizer flat fp32 partitions that concatenate and cut many tensors. This
+optimizer never treats such a buffer as one tensor: it recovers each tensor's segments from
+the ZeRO wrapper's own metadata (the buffer's real order, so ``round_robin_gradients`` is
+fine), verifies them once (``flat[segment] == parameter[segment]``) and steps them with
+:mod:`gefen_dist.segments`, reconciling blocks cut by partition edges with one small
+collective on the partition's process group. Without :func:`initialize` the layout is found
+lazily at the first ``step()``. See ``docs/deepspeed.md``.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import optimizer as _opt_mod
+from ..comm import LocalComm, ProcessGroupComm
+from ..segments import FlatSegments, LayoutError, Segment, counts_to_codebook, verify_segments
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Gefen", "initialize", "register", "check_config", "LayoutError"]
+
+_WRAPPER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+
+
+def _comm(group) -> LocalComm:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return LocalComm()
+    return ProcessGroupComm(group)
+
+
+class Gefen(_opt_mod.Gefen):
+    """:class:`gefen_dist.Gefen` that understands DeepSpeed ZeRO's flat partitions.
+
+    Outside DeepSpeed it is exactly :class:`gefen_dist.Gefen`. Under ZeRO-1/2/3 (and the bf16
+    optimizer) the state of each flat partition is kept per original tensor; see the module
+    docstring. Construct it with the model's parameters (DeepSpeed does this for the JSON path).
+    """
+
+    def __init__(self, params, *args, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        for gi, g in enumerate(self.param_groups):
+            if g.get("second_moment", "shared") != "shared":
+                raise ValueError(
+                    f"Gefen under DeepSpeed supports second_moment='shared' only (param group {gi} has "
+                    f"{g['second_moment']!r}); remove it from the JSON params or use FSDP2/DDP for the "
+                    "factored second moment")
+        self._ds_orig: List[torch.Tensor] = []
+        self._ds_names: Dict[int, str] = {}
+        for gi, g in enumerate(self.param_groups):
+            pn = g.get("param_names")
+            for pi, p in enumerate(g["params"]):
+                self._ds_names[id(p)] = pn[pi] if pn is not None else f"param{len(self._ds_orig)}"
+                self._ds_orig.append(p)
+        self._ds_orig_ids = {id(p) for p in self._ds_orig}
+        self._ds_flats: Dict[int, FlatSegments] = {}
+        self._ds_wrapper = None
+        self._ds_stage = None
+
+    # ------------------------------------------------------------------ layout discovery
+    def attach_deepspeed(self, wrapper: Any, module: Optional[torch.nn.Module] = None) -> None:
+        """Recover the layout of every flat partition from the ZeRO wrapper (``engine.optimizer``)."""
+        if module is not None:
+            for name, p in module.named_parameters():
+                if id(p) in self._ds_names and self._ds_names[id(p)].startswith("param"):
+                    self._ds_names[id(p)] = name
+        check_wrapper(wrapper)
+        layouts = extract_layout(wrapper, self._key_of, self._ds_names)
+        for flat, segs, sources, group, where in layouts:
+            verify_segments(flat, segs, sources, where)
+            self._ds_flats[id(flat)] = FlatSegments(segs, _comm(group), self.small_threshold, where)
+            st = self.state.get(flat)
+            if st:
+                self._ds_flats[id(flat)].check_state(st, flat)
+        self._ds_wrapper = wrapper
+        logger.info("Gefen attached to %s: %d flat partitions, %d segments", type(wrapper).__name__,
+                    len(layouts), sum(len(x[1]) for x in layouts))
+
+    def _key_of(self, p: torch.Tensor) -> str:
+        for i, q in enumerate(self._ds_orig):
+            if q is p:
+                return f"p{i}"
+        raise LayoutError(f"a ZeRO partition holds a parameter of shape {tuple(getattr(p, 'ds_shape', p.shape))} "
+                          "that was not given to this Gefen instance")
+
+    def _discover(self) -> None:
+        """Lazy path: find the ZeRO wrapper that owns this optimizer, or fall back to the
+        per-parameter mappings DeepSpeed leaves on the model's parameters."""
+        for p in self._ds_orig:
+            w = getattr(p, "_z3_optimizer", None)
+            if w is not None and getattr(w, "optimizer", None) is self:
+                engines = _referrers_with_optimizer(w, ("module",))
+                return self.attach_deepspeed(w, engines[0].module if engines else None)
+        for w in _referrers_with_optimizer(self, _WRAPPER_ATTRS):
+            engines = _referrers_with_optimizer(w, ("module",))  # for parameter names
+            return self.attach_deepspeed(w, engines[0].module if engines else None)
+        # Last resort (ZeRO-1/2): DeepSpeed's per-parameter fragment mappings.
+        by_flat: Dict[int, Tuple[torch.Tensor, List[Segment], List[torch.Tensor]]] = {}
+        for p in self._ds_orig:
+            m = getattr(p, "_hp_mapping", None)
+            if m is None:
+                continue
+            flat = getattr(m.hp_fragment, "_base", None)
+            flat = flat if flat is not None else m.hp_fragment
+            seg = Segment(self._key_of(p), self._ds_names[id(p)], tuple(p.shape), int(m.lp_fragment_address.start),
+                          int(m.hp_fragment_address.start), int(m.hp_fragment_address.numel))
+            ent = by_flat.setdefault(id(flat), (flat, [], []))
+            ent[1].append(seg)
+            ent[2].append(p)
+        if not by_flat:
+            raise LayoutError(
+                "Gefen is being stepped on tensors it was not constructed with (a DeepSpeed ZeRO flat partition?) "
+                "and no DeepSpeed layout could be found. Build the engine with "
+                "gefen_dist.integrations.deepspeed.initialize, or call opt.attach_deepspeed(engine.optimizer)."
+            )
+        from deepspeed.utils import groups as ds_groups
+
+        for flat, segs, srcs in by_flat.values():
+            order = sorted(range(len(segs)), key=lambda i: segs[i].flat_offset)
+            segs, srcs = [segs[i] for i in order], [srcs[i] for i in order]
+            where = f"ZeRO flat partition ({flat.numel()} elements, from parameter mappings)"
+            verify_segments(flat, segs, srcs, where)
+            self._ds_flats[id(flat)] = FlatSegments(segs, _comm(ds_groups._get_data_parallel_group()),
+                                                    self.small_threshold, where)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        entries = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not self._ds_flats and all(id(p) in self._ds_orig_ids for _, p in entries):
+            return super().step(closure)  # not under DeepSpeed: plain Gefen
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g, p in entries:
+            if id(p) not in self._ds_flats:
+                if id(p) in self._ds_orig_ids:
+                    raise LayoutError("Gefen sees both original parameters and DeepSpeed flat partitions")
+                self._discover()
+                if id(p) not in self._ds_flats:
+                    raise LayoutError(
+                        f"Gefen was handed a tensor of shape {tuple(p.shape)} that is neither one of its parameters "
+                        "nor a DeepSpeed flat partition with a known layout; refusing to treat it as one tensor")
+            self._step_flat(g, p)
+        return loss
+
+    def _step_flat(self, group: dict, flat: torch.Tensor) -> None:
+        fs = self._ds_flats[id(flat)]
+        st = self.state.get(flat)
+        if not st:
+            st = self.state[flat] = fs.new_state(flat, self._codebook_for(flat.device))
+        grad = flat.grad
+        if grad.dtype != torch.float32:
+            grad = grad.float()
+        if fs.needs_learning(st):
+            counts = fs.learn(st, grad, codebook_needed=self.codebook is None)
+            if counts is not None:
+                res = counts_to_codebook(counts)
+                self.codebook = res.codebook.to(device=flat.device, dtype=torch.float32)
+                for s in self.state.values():
+                    if "codebook" in s:
+                        s["codebook"] = self.codebook
+                total = int(counts.sum())
+                self.codebook_info = dict(active_bins=res.active_bins, sse=res.sse, method=res.method, values=total,
+                                          rms_error=math.sqrt(res.sse / max(1, total)), seconds_dp=res.seconds)
+                logger.info("Gefen (DeepSpeed) learned its codebook from %d values in %d active bins",
+                            total, res.active_bins)
+        st["step"] += 1
+        beta1, beta2 = group["betas"]
+        fused = None
+        if self._use_fused(flat):
+            from ..kernels import cpu as _cpu
+
+            fused = _cpu.quantized_step_
+        fs.step(flat, grad, st, lr=_opt_mod._scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], fused_step=fused)
+
+    # ------------------------------------------------------------------ introspection
+    def periods(self) -> Dict[str, int]:
+        """name -> period of every quantized tensor segment this rank holds (0: exact)."""
+        out = {}
+        for flat_id, fs in self._ds_flats.items():
+            st = next((s for k, s in self.state.items() if id(k) == flat_id), None)
+            if not st:
+                continue
+            for seg, per, learned in zip(fs.segments, st["periods"], st["learned"]):
+                out[seg.name] = per if learned else -1
+        return out
+
+    def report(self):
+        if not self._ds_flats:
+            return super().report()
+        rep = _opt_mod.Report()
+        for k, st in self.state.items():
+            fs = self._ds_flats.get(id(k))
+            if fs is None:
+                continue
+            nb = sum(st[x].numel() * st[x].element_size() for x in ("idx", "scale", "v", "exact_m", "exact_v"))
+            for seg, per in zip(fs.segments, st["periods"]):
+                rep.append(dict(name=seg.name, shape=seg.shape, numel=math.prod(seg.shape), local_numel=seg.numel,
+                                dtype="float32", kind="exact" if per == 0 else "quantized", period=per,
+                                scale_block=0, state_bytes=int(nb * seg.numel / max(1, k.numel()))))
+        return rep
+
+    # ------------------------------------------------------------------ checkpoints
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state saved by this optimizer under DeepSpeed, keeping dtypes (torch's base
+        class would cast the uint8 indices to fp32) and the learned codebook/periods."""
+        sample = next(iter(state_dict.get("state", {}).values()), None)
+        if not (isinstance(sample, dict) and "segments" in sample):
+            return super().load_state_dict(state_dict)
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
+                             f"this optimizer has {len(self.param_groups)}")
+        id_map = {}
+        for sg, g in zip(saved_groups, self.param_groups):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                                 f"optimizer's group ({len(sg['params'])} vs {len(g['params'])})")
+            id_map.update(zip(sg["params"], g["params"]))
+        originals = {k: dict(v) for k, v in state_dict["state"].items()}
+        torch.optim.Optimizer.load_state_dict(self, state_dict)  # hyperparameters, hooks
+        self.state.clear()
+        cb = None
+        for k, saved in originals.items():
+            p = id_map[k]
+            st = {}
+            for key, val in saved.items():
+                if isinstance(val, torch.Tensor):
+                    val = val.to(device=p.device)  # no dtype cast
+                elif isinstance(val, list):
+                    val = list(val)
+                st[key] = val
+            self.state[p] = st
+            if float(st["codebook"][0]) == -1.0 and cb is None:
+                cb = st["codebook"].to(torch.float32)
+            fs = self._ds_flats.get(id(p))
+            if fs is not None:
+                fs.check_state(st, p)
+        self.codebook = cb
+        for st in self.state.values():
+            st["codebook"] = self._codebook_for(st["idx"].device)
+
+
+# ---------------------------------------------------------------------------- layout extraction
+def _referrers_with_optimizer(opt, attrs: Sequence[str]) -> List[Any]:
+    """Objects whose ``.optimizer`` is ``opt`` and that have one of ``attrs`` (the ZeRO wrapper that
+    owns a client optimizer, or the engine that owns a wrapper)."""
+    out = []
+    for r in gc.get_referrers(opt):
+        cands = [r]
+        if isinstance(r, dict):
+            cands = [rr for rr in gc.get_referrers(r) if getattr(rr, "__dict__", None) is r]
+        for c in cands:
+            if getattr(c, "optimizer", None) is opt and any(hasattr(c, a) for a in attrs):
+                out.append(c)
+    return out
+
+
+def extract_layout(wrapper, key_of, names: Dict[int, str]):
+    """``[(flat, segments, sources, process_group, where)]`` for a ZeRO-1/2, bf16 or ZeRO-3 wrapper.
+
+    ``sources[i]`` is the tensor that holds segment ``i``'s current values in the parameter's dtype
+    (the full parameter for ZeRO-1/2, this rank's ``ds_tensor`` partition for ZeRO-3), for
+    :func:`gefen_dist.segments.verify_segments`.
+    """
+    import torch.distributed as dist
+
+    out = []
+    name = type(wrapper).__name__
+    if hasattr(wrapper, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        for sg, flat in enumerate(wrapper.fp32_partitioned_groups_flat):
+            params = wrapper.fp16_groups[sg]
+            group = (wrapper._get_sub_group_process_group(sg) if hasattr(wrapper, "sub_group_process_groups")
+                     else wrapper.dp_process_group)
+            rank = dist.get_rank(group=group)
+            segs, srcs, off = [], [], 0
+            for p in params:
+                P = int(p.ds_tensor.ds_numel)
+                lo = rank * P
+                n = max(0, min(P, int(p.ds_numel) - lo))
+                segs.append(Segment(key_of(p), names.get(id(p), key_of(p)), tuple(int(s) for s in p.ds_shape),
+                                    min(lo, int(p.ds_numel)), off, n))
+                srcs.append(p.ds_tensor)
+                off += P
+            if off != flat.numel():
+                raise LayoutError(f"{name} sub-group {sg}: partitions sum to {off} elements but the flat buffer has "
+                                  f"{flat.numel()}")
+            out.append((flat, segs, srcs, group, f"{name} sub-group {sg}"))
+        return out
+    if hasattr(wrapper, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+        for i, flat in enumerate(wrapper.single_partition_of_fp32_groups):
+            group = wrapper.real_dp_process_group[i]
+            rank = dist.get_rank(group=group)
+            ps = int(wrapper.partition_size[i])
+            params = wrapper.round_robin_bit16_groups[i]
+            offsets = wrapper.round_robin_bit16_offsets[i]
+            metas = wrapper.round_robin_bit16_meta[i]
+            out.append(_cut(flat, params, offsets, [m.numel() for m in metas], rank, ps, key_of, names, group,
+                            f"{name} group {i}"))
+        return out
+    if hasattr(wrapper, "fp32_groups_flat_partition"):  # BF16_Optimizer
+        for i, flat in enumerate(wrapper.fp32_groups_flat_partition):
+            group = wrapper.real_dp_process_group[i]
+            rank = dist.get_rank(group=group)
+            params = wrapper.bf16_groups[i]
+            ps = int(wrapper.bf16_groups_flat[i].numel() // dist.get_world_size(group=group))
+            offs, o = [], 0
+            for p in params:
+                offs.append(o)
+                o += p.numel()
+            out.append(_cut(flat, params, offs, [p.numel() for p in params], rank, ps, key_of, names, group,
+                            f"{name} group {i}"))
+        return out
+    raise LayoutError(f"unsupported DeepSpeed optimizer wrapper {name}: Gefen knows ZeRO-1/2 "
+                      "(DeepSpeedZeroOptimizer), BF16_Optimizer and ZeRO-3 (DeepSpeedZeroOptimizer_Stage3)")
+
+
+def _cut(flat, params, offsets, numels, rank, ps, key_of, names, group, where):
+    lo_r, hi_r = rank * ps, (rank + 1) * ps
+    segs, srcs = [], []
+    for p, o, n in zip(params, offsets, numels):
+        lo, hi = max(o, lo_r), min(o + n, hi_r)
+        if hi <= lo:
+            continue
+        segs.append(Segment(key_of(p), names.get(id(p), key_of(p)), tuple(int(s) for s in p.shape), lo - o,
+                            lo - lo_r, hi - lo))
+        srcs.append(p)
+    return flat, segs, srcs, group, where
+
+
+# ---------------------------------------------------------------------------- config + engine
+def _load_config(config) -> Dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return config
+    with open(config) as f:
+        return json.load(f)
+
+
+def check_config(config) -> None:
+    """Refuse DeepSpeed settings that would corrupt or bypass Gefen's state (clear errors)."""
+    cfg = _load_config(config)
+    zero = cfg.get("zero_optimization", {}) or {}
+    stage = int(zero.get("stage", 0))
+    if zero.get("elastic_checkpoint"):
+        raise ValueError("gefen_dist: zero_optimization.elastic_checkpoint is not supported: DeepSpeed's elastic "
+                         "save trims and re-pads every optimizer state tensor as if it were per-element, which "
+                         "corrupts Gefen's per-block state. Use the default (rigid) checkpoints, and "
+                         "`gefen-dist ds-universal` to change the number of ranks.")
+    off = zero.get("offload_optimizer") or {}
+    dev = str(off.get("device", "none")).lower()
+    if dev == "nvme":
+        raise ValueError("gefen_dist: offload_optimizer.device=nvme is not supported (DeepSpeed's NVMe swapper "
+                         "assumes per-element state of the parameter's size and dtype); use device=cpu.")
+    if stage == 3 and dev == "cpu" and float(off.get("ratio", 1.0)) < 1.0:
+        raise ValueError("gefen_dist: ZeRO-3 partial optimizer offload (offload_optimizer.ratio < 1) steps the "
+                         "GPU-resident sub-groups with a hidden torch AdamW (and asserts DeepSpeedCPUAdam); "
+                         "use ratio 1.0.")
+    if stage == 3 and zero.get("bf16_master_weights_and_grads"):
+        raise ValueError("gefen_dist: ZeRO-3 bf16_master_weights_and_grads requires DeepSpeedCPUAdam")
+    opt = cfg.get("optimizer")
+    if (opt and str(opt.get("type", "")).lower() == "gefen" and stage > 0
+            and not cfg.get("zero_allow_untested_optimizer")):
+        raise ValueError('gefen_dist: set "zero_allow_untested_optimizer": true in the DeepSpeed config to use Gefen '
+                         "with ZeRO (DeepSpeed checks optimizers against a fixed list)")
+
+
+def check_wrapper(wrapper) -> None:
+    """The refusals of :func:`check_config`, read from a built ZeRO wrapper (the stock-engine path)."""
+    if getattr(wrapper, "elastic_checkpoint", False):
+        check_config({"zero_optimization": {"elastic_checkpoint": True}})
+    if getattr(wrapper, "swap_optimizer", False):
+        check_config({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
+    ratio = getattr(wrapper, "partial_offload", 1.0)
+    if hasattr(wrapper, "fp32_partitioned_groups_flat") and ratio is not None and float(ratio) < 1.0:
+        check_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ratio}}})
+
+
+def register() -> None:
+    """Make ``"optimizer": {"type": "Gefen"}`` resolve to this optimizer (DeepSpeed falls back to
+    ``getattr(torch.optim, type)`` for names it does not know; the lookup is case-sensitive)."""
+    torch.optim.Gefen = Gefen
+    torch.optim.gefen = Gefen
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, config=None, config_params=None,
+               **kwargs):
+    """``deepspeed.initialize`` with Gefen: checks the config, builds the engine, attaches the layout.
+
+    ``optimizer`` may be a :class:`Gefen` (or ``gefen_dist.Gefen``, upgraded in place), or None to build
+    it from the config's ``"optimizer": {"type": "Gefen", "params": {...}}`` block.
+    Returns DeepSpeed's ``(engine, optimizer, dataloader, lr_scheduler)``.
+    """
+    import deepspeed
+
+    register()
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None and args is not None and getattr(args, "deepspeed_config", None):
+        config = args.deepspeed_config
+    check_config(config)
+    if isinstance(optimizer, _opt_mod.Gefen) and not isinstance(optimizer, Gefen):
+        raise TypeError("pass gefen_dist.integrations.deepspeed.Gefen (the DeepSpeed-aware subclass) rather than "
+                        "gefen_dist.Gefen, or omit optimizer= and configure it in the JSON")
+    if model_parameters is None and model is not None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    engine, opt, loader, sched = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                                      model_parameters=model_parameters, config=config, **kwargs)
+    basic = getattr(engine, "basic_optimizer", None)
+    if isinstance(basic, Gefen):
+        wrapper = engine.optimizer
+        if wrapper is not basic and any(hasattr(wrapper, a) for a in _WRAPPER_ATTRS):
+            basic.attach_deepspeed(wrapper, engine.module)
+    return engine, opt, loader, sched
+
+
+register()

@@ -1,0 +1,805 @@
+"""``gefen_dist.ZeroGefen``: ZeRO-1 Gefen for DDP / torchrun users (D8).
+
+Parameters are plain tensors replicated on every rank and their gradients are identical on every
+rank (DDP has all-reduced them). The optimizer state is partitioned: all trainable parameters are
+flattened and concatenated in param-group order into one *global parameter space*, and each rank
+owns one contiguous, block-aligned range of it (:func:`partition`). A rank keeps Gefen's state
+(``idx``/``scale``/``v``, or ``exp_avg``/``exp_avg_sq`` for exact tensors) only for the elements it
+owns, as flat slices of the single-process state.
+
+A step:
+
+1. every rank runs the state update of its own ranges (second moment, first moment, new scale,
+   new indices), exactly as :func:`gefen_dist.core.step.quantized_step_eager_` does, and writes the
+   update in its compressed form into one byte buffer: for a quantized range with period
+   ``P > 1`` the new ``idx`` bytes plus, per block, the new absmax scale ``M_b`` and the step size
+   ``sigma_b`` (float32); for exact tensors and ``P == 1`` tensors (whose step size is per element,
+   so the compressed form would be larger than the values) the new parameter values, bitwise, in
+   the parameter's dtype;
+2. one ``all_gather`` of the byte buffers (padded to the largest rank's size; ranks that own
+   nothing still take part);
+3. every rank applies every range with the same code: for element ``i`` of block ``b``
+   ``p_i <- p_i * (1 - lr*wd) - ((C[idx_i] * M_b) * sigma_b) * lr`` in float32, in the eager step's
+   exact operation order (decay skipped when ``wd == 0``), or copies the dense values.
+
+So replicas stay bitwise identical, and equal single-process :class:`~gefen_dist.Gefen` with the
+same ``fused`` setting bitwise: with ``fused=False`` the owner replays the eager step's
+operations; with the native kernel (``fused=None`` on CPU) the owner updates its state with the
+kernel (on a scratch copy of its parameter slice) and computes ``sigma`` with the kernel's float32
+operations and a correctly rounded sqrt, so the applied update is the kernel's.
+
+The partition balances the ranks' *state bytes* and cuts a tensor only at its blocks: a quantized
+tensor's unit is its scale block ``B`` (``P``, or the row-aligned absmax block when ``P == 1``;
+costing ``B`` idx bytes + one fp32 scale + ``B/P`` fp32 second moments), an exact tensor's unit is
+one element (8 bytes). Each rank's state is within one unit's bytes of the mean. Periods are only
+known after learning, so the partition is decided when state is first created (first step,
+:meth:`ZeroGefen.init_state`, :meth:`ZeroGefen.load_state_dict`), with a quantized tensor whose
+period is unknown cut only at its rows (every row is a whole number of blocks for every period it
+can get, so the range stays valid when its period is learned later), and decided again, once, when
+the codebook is learned and the periods are known. Only exact tensors can hold nonzero state before
+that, and only their ranges travel. Learning is split across ranks: each rank computes period
+statistics and histogram counts only for what it owns, and the base class's collectives combine
+them (the same ones, in the same order, on every rank).
+
+Checkpoints: :meth:`ZeroGefen.consolidate_state_dict` gathers the compressed state (never a
+dequantized fp32 copy of m or v) onto one rank, whose :meth:`state_dict` then has exactly
+single-process Gefen's layout, independent of the world size; :meth:`load_state_dict` at any
+world size takes this rank's slice. Plain :class:`Gefen` loads the same dict.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.optim import Optimizer
+
+from .core import periods as _periods
+from .core.quant import nearest_codeword
+from .core.step import adamw_step_, bias_corrections, quantized_step_eager_
+from .layout import Geometry, Piece, global_shape, is_dtensor, is_exact
+from .optimizer import Gefen, Report, _scalar
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ZeroGefen", "partition", "unit_cost", "step_wire_bytes", "MODE_LOCAL", "MODE_COMPRESSED", "MODE_DENSE"]
+
+# How one parameter's update travels in a step.
+MODE_LOCAL = 0       # nothing travels (a quantized tensor whose gradient was always zero: decay only)
+MODE_COMPRESSED = 1  # idx bytes + per-block fp32 (M, sigma): period > 1
+MODE_DENSE = 2       # new values in the parameter's dtype: exact tensors and period == 1
+
+_ALIGN = 8                   # every segment in a byte buffer starts at a multiple of 8 bytes
+_CHUNK_ELEMS = 1 << 22       # elements per chunk when applying / updating (bounds fp32 temporaries)
+_SCRATCH_ELEMS = 1 << 20     # scratch parameter chunk for the native kernel's state-only call
+_Q_KEYS = ("idx", "scale", "v")
+_E_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _pad(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+# ---------------------------------------------------------------------------------------------
+# partition of the global parameter space
+# ---------------------------------------------------------------------------------------------
+
+def partition(specs: Sequence[Tuple[int, int, int]], world_size: int) -> List[List[Tuple[int, int]]]:
+    """Split tensors concatenated in order into ``world_size`` contiguous, balanced ranges.
+
+    ``specs[i] = (numel, unit, cost)``: tensor ``i`` may only be cut at multiples of ``unit``
+    elements (its scale block; ``numel`` must be a multiple of it), and one unit costs ``cost``
+    (its state bytes). Cut ``k`` is the allowed cut point whose cumulative cost is nearest to
+    ``k / world_size`` of the total (ties to the later one), so every rank's cost differs from
+    the mean by at most one unit's cost of the tensors it is cut in. Returns
+    ``ranges[i][r] = (start, end)``: the flat elements of tensor ``i`` owned by rank ``r``
+    (``start == end`` when it owns none). Integer arithmetic: every rank computes the same.
+    """
+    W = int(world_size)
+    offs, coffs = [], []
+    total = ctotal = 0
+    for n, u, c in specs:
+        if u < 1 or n % u or c < 0:
+            raise ValueError(f"partition: numel {n} is not a multiple of its unit {u} (cost {c})")
+        offs.append(total)
+        coffs.append(ctotal)
+        total += n
+        ctotal += (n // u) * c
+    cuts = [0]
+    i = 0
+    for k in range(1, W):
+        # the tensor holding the target cost k*C/W (skipping zero-cost tensors at the boundary)
+        while i < len(specs) and (coffs[i] + (specs[i][0] // specs[i][1]) * specs[i][2]) * W <= k * ctotal:
+            i += 1
+        if i >= len(specs):
+            c = total
+        else:
+            n, u, cu = specs[i]
+            X = k * ctotal - coffs[i] * W  # (target - cost offset) * W, >= 0
+            units = (2 * X + cu * W) // (2 * cu * W)  # nearest whole unit, ties up
+            c = offs[i] + min(n, units * u)
+        cuts.append(max(c, cuts[-1]))
+    cuts.append(total)
+    out = []
+    for (n, _, _), off in zip(specs, offs):
+        rs = []
+        for r in range(W):
+            s = min(max(cuts[r] - off, 0), n)
+            e = min(max(cuts[r + 1] - off, 0), n)
+            rs.append((s, max(s, e)))
+        out.append(rs)
+    return out
+
+
+def unit_cost(exact: bool, period: int, scale_block: int) -> Tuple[int, int]:
+    """``(unit, cost)`` of a tensor for :func:`partition`: exact tensors are cut anywhere and
+    cost 8 bytes (fp32 m and v) per element; quantized ones only at scale blocks ``B``, which
+    cost ``B`` idx bytes + one fp32 scale + ``B/P`` fp32 second moments."""
+    if exact:
+        return 1, 8
+    B = max(int(period), int(scale_block))
+    return B, B + 4 + 4 * (B // int(period))
+
+
+@dataclass
+class _Plan:
+    """The partition in force: ``ranges[j][r]`` for parameter ``params[j]``."""
+
+    params: List[torch.Tensor]
+    units: List[int]
+    ranges: List[List[Tuple[int, int]]]
+
+    def __post_init__(self):
+        self.index = {id(p): j for j, p in enumerate(self.params)}
+        self.key = tuple(id(p) for p in self.params)
+
+    def of(self, p: torch.Tensor) -> List[Tuple[int, int]]:
+        return self.ranges[self.index[id(p)]]
+
+
+def step_wire_bytes(items: Sequence[Tuple[int, int, int, Sequence[Tuple[int, int]]]], world_size: int) -> List[int]:
+    """Bytes each rank puts in the step's all-gather (before padding to the largest).
+
+    ``items``: per updated parameter ``(mode, period, itemsize, ranges)`` with ``ranges[r]`` the
+    flat range rank ``r`` owns. Compressed: ``n`` idx bytes + ``2 * n / P`` float32 (M, sigma);
+    dense: ``n * itemsize`` bytes; each segment padded to 8 bytes. This is the function the
+    optimizer sizes its buffers with (and the benchmark counts with).
+    """
+    sizes = [0] * world_size
+    for mode, period, itemsize, ranges in items:
+        for r, (s, e) in enumerate(ranges):
+            n = e - s
+            if n == 0 or mode == MODE_LOCAL:
+                continue
+            if mode == MODE_COMPRESSED:
+                sizes[r] += _pad(n) + _pad(4 * (n // period)) * 2
+            else:
+                sizes[r] += _pad(n * itemsize)
+    return sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# the optimizer
+# ---------------------------------------------------------------------------------------------
+
+class ZeroGefen(Gefen):
+    r"""Gefen with ZeRO-1 state partitioning for DDP (replicated parameters, identical gradients).
+
+    Each rank keeps Gefen's state only for its block-aligned share of the parameters (about
+    ``1/world_size`` of it) and, after updating it, all-gathers the update in its compressed form
+    (1-byte indices plus two float32 per block: about 1 byte per parameter on the wire instead of 4
+    for an fp32 parameter all-gather). Results are bitwise identical on every rank and equal to
+    single-process :class:`Gefen` (see the module docstring for the exact statement).
+
+    Args:
+        params, lr, betas, eps, weight_decay: as for :class:`Gefen` / ``torch.optim.AdamW``.
+        process_group: the group the state is partitioned over (default: WORLD; a single process
+            when ``torch.distributed`` is not initialised).
+        **gefen_kwargs: other :class:`Gefen` options (``small_threshold``, ``fused``).
+
+    Checkpointing: call ``consolidate_state_dict(to=r)`` on every rank, then ``state_dict()`` on
+    rank ``r``. The result has single-process Gefen's layout; load it with ``load_state_dict`` at
+    any world size (or into plain :class:`Gefen`).
+    """
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, process_group: Optional[Any] = None,
+                 **gefen_kwargs):
+        self._plan: Optional[_Plan] = None
+        self._consolidated: Optional[Dict[int, dict]] = None
+        self.last_wire: Dict[str, Any] = {}
+        super().__init__(params, lr, betas, eps, weight_decay, process_group=process_group, **gefen_kwargs)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        if g.get("second_moment", "shared") != "shared":
+            raise ValueError(f"ZeroGefen supports second_moment='shared' only (got {g['second_moment']!r}): "
+                             "a factored second moment has a step size per element, so its update has no "
+                             "compressed form; use gefen_dist.Gefen with DDP for it")
+        for p in g["params"]:
+            if is_dtensor(p):
+                raise TypeError("ZeroGefen takes plain replicated parameters (DDP); for DTensor/FSDP2 "
+                                "parameters use gefen_dist.Gefen, which shards with them")
+
+    # ------------------------------------------------------------------ collectives
+    @property
+    def _world(self) -> int:
+        return self._comm.world_size
+
+    @property
+    def _rank(self) -> int:
+        return self._comm.rank
+
+    def _coll_device(self, fallback: torch.device) -> torch.device:
+        return getattr(self._comm, "_device", fallback) if self._world > 1 else fallback
+
+    def _exchange(self, parts: Sequence[torch.Tensor], sizes: Sequence[int], to: Optional[int],
+                  device: torch.device) -> Optional[List[torch.Tensor]]:
+        """Gather every rank's parts (any dtypes; each padded to 8 bytes) as raw bytes.
+
+        ``sizes[r]`` is rank ``r``'s padded byte count (every rank knows all of them). With
+        ``to=None`` an all-gather (every rank gets every chunk); else a gather onto group rank
+        ``to`` (others get None). Returns one uint8 chunk per rank. Every rank must call this,
+        even with nothing to send; it is skipped only when every rank sends nothing.
+        """
+        W = self._world
+        width = max(sizes) if sizes else 0
+        if width == 0:
+            return [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(W)]
+        dev = self._coll_device(device)
+        buf = torch.empty(width, dtype=torch.uint8, device=dev)
+        off = 0
+        for t in parts:
+            b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[off:off + b.numel()].copy_(b)
+            buf[off + b.numel():off + _pad(b.numel())].zero_()  # padding is zeros, not garbage
+            off += _pad(b.numel())
+        assert off == sizes[self._rank], (off, sizes[self._rank])
+        buf[off:].zero_()
+        if W == 1:
+            return [buf]
+        import torch.distributed as dist
+
+        group = self._comm.group
+        if to is None:
+            out = torch.empty(W * width, dtype=torch.uint8, device=dev)
+            gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather_single(out, buf, group=group)
+            return list(out.view(W, width).unbind(0))
+        dst = dist.get_global_rank(group, to) if group is not None and group != dist.group.WORLD else to
+        if self._rank == to:
+            outs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(W)]
+            dist.gather(buf, outs, dst=dst, group=group)
+            return outs
+        dist.gather(buf, None, dst=dst, group=group)
+        return None
+
+    @staticmethod
+    def _take(chunk: torch.Tensor, off: int, n: int, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
+        nb = n * dtype.itemsize
+        return chunk[off:off + nb].view(dtype), off + _pad(nb)
+
+    # ------------------------------------------------------------------ the plan
+    def _trainable(self) -> List[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]
+                if p.requires_grad or p.grad is not None or self.state.get(p)]
+
+    def _unit(self, p: torch.Tensor, pending: Optional[dict] = None) -> Tuple[int, int]:
+        """(unit, cost) of ``p`` for the partition; a quantized tensor whose period is not known
+        yet is cut only at rows (whole blocks for every period it can get)."""
+        shape = global_shape(p)
+        if is_exact(shape, self.small_threshold):
+            return unit_cost(True, 1, 1)
+        st = (pending or {}).get(p) or self.state.get(p)
+        if st and st.get("learned"):
+            return unit_cost(False, int(st["period"]), int(st["scale_block"]))
+        slab = max(1, _periods.row_slab(shape))
+        return unit_cost(False, slab, slab)
+
+    def _make_plan(self, pending: Optional[dict] = None) -> _Plan:
+        params = self._trainable()
+        units = [self._unit(p, pending) for p in params]
+        specs = [(int(math.prod(global_shape(p))), u, c) for p, (u, c) in zip(params, units)]
+        return _Plan(params, [u for u, _ in units], partition(specs, self._world))
+
+    def _mine(self, p: torch.Tensor) -> Tuple[int, int]:
+        return self._plan.of(p)[self._rank]
+
+    def _replan(self, pending: Optional[dict] = None, zero_ok: Set[int] = frozenset()) -> None:
+        """Recompute the partition and move existing state to it. States in ``zero_ok`` (ids) and
+        quantized states not learned yet are all zeros and are reallocated; others travel in
+        compressed form (an all-gather; only at the first learning, when at most exact tensors
+        have nonzero state, or after the set of trainable parameters changed)."""
+        new = self._make_plan(pending)
+        old = self._plan
+        if old is not None and old.key == new.key and old.ranges == new.ranges:
+            return
+        self._check_plan_agreement(new)
+        moving = []
+        for p in new.params:
+            st = self.state.get(p)
+            if not st:
+                continue
+            if old is not None and id(p) in old.index and old.of(p) == new.of(p):
+                continue
+            moving.append(p)
+        realloc = {id(p) for p in moving
+                   if id(p) in zero_ok or ("learned" in self.state[p] and not self.state[p]["learned"])}
+        travel = [p for p in moving if id(p) not in realloc]
+        full = {}
+        if travel:
+            if old is None or any(id(p) not in old.index for p in travel):
+                raise RuntimeError("ZeroGefen: state exists for a parameter outside the partition")
+            full = self._gather_state(travel, old, to=None)
+        self._plan = new
+        for p in moving:
+            if id(p) in realloc:
+                st = (pending or {}).get(p) or self.state[p]
+                self._zalloc(p, st.get("period"), learned=bool(st.get("learned", 1)), step=self.state[p]["step"])
+            else:
+                self._set_from_full(p, full[id(p)])
+        if moving:
+            logger.debug("ZeroGefen: repartitioned %d tensors (%d moved in compressed form)", len(moving), len(travel))
+
+    def _check_plan_agreement(self, plan: _Plan) -> None:
+        """Raise on every rank if ranks computed different partitions (different models or param
+        groups): a fixed-size collective, so it cannot itself mismatch (the step's all-gather would
+        abort gloo or hang NCCL instead)."""
+        if self._world == 1:
+            return
+        desc = repr([(tuple(global_shape(p)), u, rs) for p, u, rs in zip(plan.params, plan.units, plan.ranges)])
+        h = int.from_bytes(hashlib.sha256(desc.encode()).digest()[:6], "little")
+        t = torch.tensor([h, -h], dtype=torch.int64)
+        self._comm.all_reduce_max_(t)
+        if int(t[0]) != -int(t[1]):
+            raise RuntimeError(
+                "ZeroGefen: ranks disagree about the state partition (their parameters, param groups, "
+                "periods or trainable sets differ). Every rank must build ZeroGefen over the same "
+                "parameters in the same order, with the same requires_grad flags."
+            )
+
+    def _ensure_plan(self) -> None:
+        trainable = self._trainable()
+        if self._plan is None or self._plan.key != tuple(id(p) for p in trainable):
+            self._replan()
+
+    # ------------------------------------------------------------------ state slices
+    def _zalloc(self, p: torch.Tensor, period: Optional[int], *, learned: bool, step: int = 0) -> None:
+        """Zero state for this rank's range of ``p`` (flat slices of the single-process state)."""
+        s, e = self._mine(p)
+        n = e - s
+        dev = p.device
+        shape = global_shape(p)
+        if is_exact(shape, self.small_threshold):
+            self.state[p] = {"step": step,
+                             "exp_avg": torch.zeros(n, dtype=torch.float32, device=dev),
+                             "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=dev)}
+            return
+        geo = Geometry.quantized(shape, int(period) if period else _periods.row_slab(shape))
+        self.state[p] = {
+            "step": step,
+            "period": geo.period,
+            "scale_block": geo.scale_block,
+            "learned": int(learned),
+            "idx": torch.zeros(n, dtype=torch.uint8, device=dev),
+            "scale": torch.zeros(n // geo.scale_block, dtype=torch.float32, device=dev),
+            "v": torch.zeros(n // geo.period, dtype=torch.float32, device=dev),
+            "codebook": self._codebook_for(dev),
+        }
+
+    @staticmethod
+    def _divisors(st: dict) -> Dict[str, int]:
+        if "idx" in st:
+            return {"idx": 1, "scale": int(st["scale_block"]), "v": int(st["period"])}
+        return {"exp_avg": 1, "exp_avg_sq": 1}
+
+    def _set_from_full(self, p: torch.Tensor, full: Dict[str, torch.Tensor]) -> None:
+        """Replace ``p``'s state tensors by this rank's slices of the global (flat) ones."""
+        st = self.state[p]
+        s, e = self._mine(p)
+        for k, d in self._divisors(st).items():
+            st[k] = full[k].reshape(-1)[s // d:e // d].to(device=p.device).clone()
+
+    def _gather_state(self, params: Sequence[torch.Tensor], plan: _Plan, to: Optional[int]) -> Dict[int, Dict[str, torch.Tensor]]:
+        """Global flat state tensors of ``params`` (compressed form), on every rank (``to=None``)
+        or on group rank ``to`` only (empty dict elsewhere)."""
+        W = self._world
+        keys = []  # (p, key, divisor, dtype)
+        for p in params:
+            st = self.state[p]
+            for k, d in self._divisors(st).items():
+                keys.append((p, k, d, st[k].dtype))
+        sizes = [0] * W
+        for p, k, d, dt in keys:
+            isz = dt.itemsize
+            for r, (s, e) in enumerate(plan.of(p)):
+                sizes[r] += _pad((e - s) // d * isz)
+        dev = params[0].device if params else torch.device("cpu")
+        chunks = self._exchange([self.state[p][k] for p, k, _, _ in keys], sizes, to, dev)
+        if chunks is None:
+            return {}
+        out: Dict[int, Dict[str, torch.Tensor]] = {}
+        for p in params:
+            n = int(math.prod(global_shape(p)))
+            out[id(p)] = {k: torch.empty(n // d, dtype=self.state[p][k].dtype, device=p.device)
+                          for k, d in self._divisors(self.state[p]).items()}
+        for r in range(W):
+            off = 0
+            for p, k, d, dt in keys:
+                s, e = plan.of(p)[r]
+                seg, off = self._take(chunks[r], off, (e - s) // d, dt)
+                out[id(p)][k][s // d:e // d].copy_(seg)
+        return out
+
+    def _piece(self, p: torch.Tensor) -> Piece:
+        s, e = self._mine(p)
+        grad = p.grad.reshape(-1)[s:e] if p.grad is not None else None
+        return Piece(local=p.detach().reshape(-1)[s:e], grad=grad, start=s, shape=global_shape(p), contributes=True)
+
+    # ------------------------------------------------------------------ learning
+    def _prepare(self, entries) -> None:
+        """As :meth:`Gefen._prepare`, on this rank's ranges: statistics of owned elements only."""
+        self._ensure_plan()
+        for _, p in entries:
+            if not self.state.get(p):
+                self._zalloc(p, None, learned=is_exact(global_shape(p), self.small_threshold))
+        quant = [p for _, p in entries if "learned" in self.state[p] and not self.state[p]["learned"]]
+        if not quant:
+            return
+        amax = []
+        for p in quant:
+            pc = self._piece(p)
+            amax.append(float(pc.grad.abs().max()) if pc.grad is not None and pc.grad.numel() else 0.0)
+        amax_t = torch.tensor(amax, dtype=torch.float64)
+        self._comm.all_reduce_max_(amax_t)
+        live = [p for p, a in zip(quant, amax_t.tolist()) if a > 0 or math.isnan(a)]
+        if not live:
+            return
+        t0 = time.perf_counter()
+        periods = self._learn_periods([(p, self._piece(p)) for p in live])
+        t_periods = time.perf_counter() - t0
+        first = self.codebook is None
+        if first:
+            # Periods are known now: decide the block-aligned partition (moving only the exact
+            # tensors' state, the only state that can be nonzero before the first learning).
+            pending = {}
+            for p, per in zip(live, periods):
+                geo = Geometry.quantized(global_shape(p), per)
+                pending[p] = {"learned": 1, "period": geo.period, "scale_block": geo.scale_block}
+            zero_ok = {id(p) for p in live}
+            self._replan(pending, zero_ok)
+        for p, per in zip(live, periods):
+            self._zalloc(p, per, learned=True, step=self.state[p]["step"])
+        if first:
+            self._learn_codebook([(p, self._piece(p)) for p in live], t_periods)
+
+    def init_state(self, periods: Optional[Dict[Any, int]] = None) -> None:
+        """As :meth:`Gefen.init_state`: allocate (zero) state for this rank's ranges now; tensors
+        given a period are marked learned. Decides the partition if none is in force (or the
+        codebook is not learned yet); then it is collective (every rank must call it)."""
+        names = self._names()
+        periods = periods or {}
+        pending = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if not p.requires_grad or self.state.get(p):
+                    continue
+                shape = global_shape(p)
+                if is_exact(shape, self.small_threshold):
+                    pending[p] = None
+                    continue
+                per = periods.get(p, periods.get(names[id(p)]))
+                if per is None:
+                    pending[p] = {"learned": 0, "period": _periods.row_slab(shape)}
+                else:
+                    geo = Geometry.quantized(shape, int(per))
+                    pending[p] = {"learned": 1, "period": geo.period, "scale_block": geo.scale_block}
+        if self._plan is None or self.codebook is None or self._plan.key != tuple(id(p) for p in self._trainable()):
+            self._replan({p: v for p, v in pending.items() if v}, {id(p) for p in pending})
+        for p, v in pending.items():
+            self._zalloc(p, v["period"] if v else None, learned=bool(v["learned"]) if v else True)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimization step (collective: every rank of the group must call it)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries = self._entries()
+        self._consolidated = None
+        self._prepare(entries)
+        self._zero_update(entries)
+        return loss
+
+    def _hparams(self, group: dict, st: dict) -> dict:
+        beta1, beta2 = group["betas"]
+        bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
+        return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], bc1=bc1, bc2=bc2)
+
+    def _zero_update(self, entries) -> None:
+        W, me = self._world, self._rank
+        items = []  # (p, st, hp, mode)
+        for group, p in entries:
+            st = self.state[p]
+            st["step"] += 1
+            hp = self._hparams(group, st)
+            if "exp_avg" in st:
+                mode = MODE_DENSE
+            elif not st["learned"]:
+                mode = MODE_LOCAL
+                # Gradient globally zero so far: m and v stay zero, only decay (on every rank).
+                if hp["weight_decay"] != 0.0 and hp["lr"] != 0.0 and p.numel():
+                    p.mul_(1.0 - hp["lr"] * hp["weight_decay"])
+            elif st["period"] > 1:
+                mode = MODE_COMPRESSED
+            else:
+                mode = MODE_DENSE
+            items.append((p, st, hp, mode))
+        wire = [(mode, st.get("period", 1), p.element_size(), self._plan.of(p)) for p, st, hp, mode in items]
+        sizes = step_wire_bytes(wire, W)
+        # 1. this rank's state update, in compressed form
+        parts: List[torch.Tensor] = []
+        for p, st, hp, mode in items:
+            s, e = self._mine(p)
+            if mode == MODE_LOCAL or e == s:
+                continue
+            if mode == MODE_COMPRESSED:
+                parts.extend(self._owner_compressed(p, st, hp, s, e))
+            else:
+                parts.append(self._owner_dense(p, st, hp, s, e))
+        dev = items[0][0].device if items else torch.device("cpu")
+        chunks = self._exchange(parts, sizes, None, dev)
+        # 2. every rank applies every range, identically
+        works = {}
+        for r in range(W):
+            off = 0
+            for p, st, hp, mode in items:
+                s, e = self._plan.of(p)[r]
+                n = e - s
+                if mode == MODE_LOCAL or n == 0:
+                    continue
+                if id(p) not in works:
+                    works[id(p)] = p if p.is_contiguous() else p.detach().contiguous()
+                flat = works[id(p)].view(-1)
+                if mode == MODE_COMPRESSED:
+                    P = st["period"]
+                    idx, off = self._take(chunks[r], off, n, torch.uint8)
+                    M, off = self._take(chunks[r], off, n // P, torch.float32)
+                    sigma, off = self._take(chunks[r], off, n // P, torch.float32)
+                    self._apply_compressed(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
+                                           st["codebook"], P, hp)
+                else:
+                    vals, off = self._take(chunks[r], off, n, p.dtype)
+                    flat[s:e].copy_(vals.to(p.device))
+        for p, st, hp, mode in items:
+            w = works.get(id(p))
+            if w is not None and w is not p:
+                p.copy_(w)
+        width = max(sizes) if sizes else 0
+        self.last_wire = dict(world_size=W, bytes_per_rank=sizes, padded_bytes_per_rank=width,
+                              gathered_bytes=W * width, elements=sum(p.numel() for p, _, _, m in items if m != MODE_LOCAL))
+
+    def _scratch_buf(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = getattr(self, "_scratch", None)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = torch.zeros(n, dtype=dtype, device=device)
+            self._scratch = buf
+        return buf
+
+    def _owner_compressed(self, p, st, hp, s, e) -> List[torch.Tensor]:
+        """Update this rank's (v, m, idx, scale) of ``p[s:e]``; return (idx, M, sigma)."""
+        P = st["period"]
+        assert st["scale_block"] == P
+        g = p.grad.reshape(-1)[s:e].contiguous()
+        idx, scale, v, cb = st["idx"], st["scale"], st["v"], st["codebook"]
+        kw = dict(period=P, scale_block=P, **hp)
+        if self._use_fused(p):
+            from .kernels import cpu as _cpu
+
+            # State only, with lr = wd = 0 into a scratch buffer (chunks of whole blocks; the
+            # scratch values are never read), leaving idx/scale/v as the kernel's full step does.
+            # sigma as the kernel computes it: its float32 operations with a correctly rounded
+            # sqrt (float64 sqrt rounded once to float32 is correctly rounded), so the update
+            # applied below is the kernel's, bitwise.
+            n = e - s
+            chunk = max(P, (_SCRATCH_ELEMS // P) * P)
+            scratch = self._scratch_buf(min(n, chunk), p.dtype, p.device)
+            for c0 in range(0, n, chunk):
+                c1 = min(n, c0 + chunk)
+                _cpu.quantized_step_(scratch[:c1 - c0], g[c0:c1].to(p.dtype), idx[c0:c1], scale[c0 // P:c1 // P],
+                                     v[c0 // P:c1 // P], cb, **dict(kw, lr=0.0, weight_decay=0.0))
+            sigma = v.double().sqrt().float().div_(math.sqrt(hp["bc2"])).add_(hp["eps"]).reciprocal_()
+            sigma.mul_(1.0 / hp["bc1"])
+            return [idx, scale, sigma]
+        sigma = torch.empty_like(v)
+        n = e - s
+        chunk = max(P, (_CHUNK_ELEMS // P) * P)
+        sqrt_bc2 = math.sqrt(hp["bc2"])
+        beta1, beta2 = hp["beta1"], hp["beta2"]
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            # the operations of quantized_step_eager_, in its order, minus the parameter update
+            gb = g[c0:c1].float().view(-1, P)
+            vb = v[c0 // P:c1 // P]
+            vb.mul_(beta2).add_((gb * gb).mean(dim=1), alpha=1.0 - beta2)
+            sigma[c0 // P:c1 // P] = vb.sqrt().div_(sqrt_bc2).add_(hp["eps"]).reciprocal_().mul_(1.0 / hp["bc1"])
+            sb = scale[c0 // P:c1 // P].view(-1, 1)
+            ib = idx[c0:c1].view(-1, P)
+            m = cb[ib.long()] * sb
+            m.lerp_(gb, 1.0 - beta1)
+            a = m.abs().amax(dim=1, keepdim=True)
+            sb.copy_(a)
+            z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
+            ib.copy_(nearest_codeword(z, cb))
+        return [idx, scale, sigma]
+
+    def _owner_dense(self, p, st, hp, s, e) -> torch.Tensor:
+        """This rank's new values of ``p[s:e]`` (exact AdamW, or the full step when P == 1)."""
+        work = p.detach().reshape(-1)[s:e].clone()
+        g = p.grad.reshape(-1)[s:e].contiguous()
+        if "exp_avg" in st:
+            adamw_step_(work, g, st["exp_avg"], st["exp_avg_sq"], **hp)
+            return work
+        kw = dict(period=st["period"], scale_block=st["scale_block"], **hp)
+        if self._use_fused(work):
+            from .kernels import cpu as _cpu
+
+            _cpu.quantized_step_(work, g.to(work.dtype), st["idx"], st["scale"], st["v"], st["codebook"], **kw)
+        else:
+            quantized_step_eager_(work, g, st["idx"], st["scale"], st["v"], st["codebook"], **kw)
+        return work
+
+    @staticmethod
+    def _apply_compressed(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, sigma: torch.Tensor,
+                          cb: torch.Tensor, P: int, hp: dict) -> None:
+        """``p <- p*(1-lr*wd) - ((C[idx]*M)*sigma)*lr``: quantized_step_eager_'s update, same order."""
+        n = pf.numel()
+        lr, wd = hp["lr"], hp["weight_decay"]
+        decay = 1.0 - lr * wd
+        chunk = max(P, (_CHUNK_ELEMS // P) * P)
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            ib = idx[c0:c1].view(-1, P)
+            a = M[c0 // P:c1 // P].view(-1, 1)
+            # cb.index_select(int32) reads the same codewords as the eager cb[idx.long()], 5x faster
+            q = cb.index_select(0, ib.reshape(-1).int()).view(-1, P)
+            u = (q * a).view(-1, P).mul_(sigma[c0 // P:c1 // P].view(-1, 1)).mul_(lr)
+            p = pf[c0:c1]
+            if p.dtype == torch.float32:
+                if wd != 0.0:
+                    p.mul_(decay)
+                p.sub_(u.view(-1))
+            else:
+                p32 = p.float()
+                if wd != 0.0:
+                    p32.mul_(decay)
+                p32.sub_(u.view(-1))
+                p.copy_(p32)
+
+    # ------------------------------------------------------------------ introspection
+    def owned_range(self, p: torch.Tensor) -> Tuple[int, int]:
+        """The flat range ``[start, end)`` of ``p`` whose state this rank keeps."""
+        if self._plan is None or id(p) not in self._plan.index:
+            return (0, 0)
+        return self._mine(p)
+
+    def report(self) -> Report:
+        """As :meth:`Gefen.report`; ``local_numel`` is the number of elements this rank owns and
+        ``state_bytes`` this rank's state (``owned`` gives the flat range)."""
+        rep = super().report()
+        order = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        for rec, p in zip(rep, order):
+            s, e = self.owned_range(p)
+            rec["local_numel"] = e - s
+            rec["owned"] = (s, e)
+        return rep
+
+    # ------------------------------------------------------------------ checkpoints
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole state (compressed: idx, scale, v; exact tensors' fp32 moments) onto
+        group rank ``to``, whose :meth:`state_dict` then returns it. Every rank must call it."""
+        if not 0 <= to < self._world:
+            raise ValueError(f"consolidate_state_dict: to={to} is not a rank of the group (size {self._world})")
+        self._consolidated = None
+        if self._plan is None:  # no state on any rank yet (state is created collectively)
+            if self._rank == to:
+                self._consolidated = {}
+            return
+        params = [p for p in self._plan.params if self.state.get(p)]
+        full = self._gather_state(params, self._plan, to)
+        if self._rank != to:
+            return
+        index = {}
+        i = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                index[id(p)] = i
+                i += 1
+        cb = self.codebook.detach().clone() if self.codebook is not None else None
+        out: Dict[int, dict] = {}
+        for p in params:
+            st = self.state[p]
+            f = full[id(p)]
+            shape = global_shape(p)
+            if "exp_avg" in st:
+                out[index[id(p)]] = {"step": st["step"], "exp_avg": f["exp_avg"].view(shape),
+                                     "exp_avg_sq": f["exp_avg_sq"].view(shape)}
+                continue
+            geo = Geometry.quantized(shape, st["period"])
+            shp = geo.state_shapes(shape[0])
+            out[index[id(p)]] = {
+                "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
+                "learned": st["learned"], "idx": f["idx"].view(shp["idx"]), "scale": f["scale"].view(shp["scale"]),
+                "v": f["v"].view(shp["v"]),
+                "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
+            }
+        self._consolidated = out
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The consolidated, world-size-independent state dict (single-process Gefen's layout).
+
+        Needs :meth:`consolidate_state_dict` on all ranks first (automatic for one process); only
+        the rank it consolidated to can return it. A step discards the consolidated copy.
+        """
+        if self._consolidated is None and self._world == 1:
+            self.consolidate_state_dict(0)
+        if self._consolidated is None:
+            raise RuntimeError(
+                "ZeroGefen.state_dict(): the optimizer state has not been consolidated on this rank. "
+                "Call consolidate_state_dict(to=<rank>) on every rank (after the last step), then "
+                "state_dict() on that rank."
+            )
+        sd = Optimizer.state_dict(self)
+        sd["state"] = dict(self._consolidated)
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a consolidated (or single-process Gefen) state dict at any world size: restore
+        hyperparameters, periods and the codebook, decide the partition from the saved periods,
+        and keep this rank's slices. No collectives."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
+                             f"this optimizer has {len(self.param_groups)}")
+        id_map = {}
+        for sg, g in zip(saved_groups, self.param_groups):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                                 f"the size of optimizer's group ({len(sg['params'])} vs {len(g['params'])})")
+            id_map.update(zip(sg["params"], g["params"]))
+        saved_state = state_dict["state"]
+        Optimizer.load_state_dict(self, {**state_dict, "state": {}})
+        names = self._names()
+        full = {}
+        cb = None
+        for k, saved in saved_state.items():
+            p = id_map[k]
+            st = dict(saved)
+            self._validate_loaded(p, st, names[id(p)])
+            full[p] = st
+            if "codebook" in st and float(st["codebook"][0]) == -1.0 and cb is None:
+                cb = st["codebook"]
+        self.codebook = cb.detach().to(dtype=torch.float32).clone() if cb is not None else None
+        self._consolidated = None
+        self.state.clear()
+        for p, st in full.items():
+            self.state[p] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+            if "idx" in st:
+                self.state[p]["learned"] = int(st["learned"])
+        self._plan = None
+        self._plan = self._make_plan()
+        for p, st in full.items():
+            loc = self.state[p]
+            for k in (_Q_KEYS if "idx" in st else _E_KEYS):
+                loc[k] = st[k]
+            self._set_from_full(p, {k: st[k] for k in (_Q_KEYS if "idx" in st else _E_KEYS)})
+            if "idx" in st:
+                loc["codebook"] = self._codebook_for(p.device)

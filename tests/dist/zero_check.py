@@ -1,0 +1,315 @@
+"""torchrun worker: ZeroGefen (ZeRO-1) against single-process Gefen on the same global batch.
+
+Run (the ``--ckpt`` folder is shared by the two launches; run ``2`` first):
+    torchrun --nproc_per_node 2 tests/dist/zero_check.py --phase 2 --ckpt DIR
+    torchrun --nproc_per_node 3 tests/dist/zero_check.py --phase 3 --ckpt DIR
+
+Every rank computes the gradient of the whole global batch (what DDP's all-reduce gives it, without
+the reduction-order rounding), and also runs single-process Gefen on it as the oracle. Phase 2:
+2-rank comparisons (eager and fused), replicas, state bytes, wire bytes, a consolidated checkpoint
+at step 5 (equal to the oracle's state_dict), 2 -> 1 resume (plain Gefen and a 1-rank ZeroGefen),
+DDP smoke run, and models where a rank owns nothing. Phase 3: 3-rank comparison, 2 -> 3 resume,
+an empty rank at 3.
+"""
+import argparse
+import hashlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from _models import TinyLM, lm_loss, markov_batches  # noqa: E402
+from gefen_dist import Gefen, ZeroGefen  # noqa: E402
+from gefen_dist.comm import LocalComm  # noqa: E402
+from gefen_dist.zero import unit_cost  # noqa: E402
+
+STEPS = 10
+CKPT_STEP = 5
+
+
+class Net(nn.Module):
+    """TinyLM plus a bf16 matrix, a matrix whose gradient is zero at step 1 (learned late,
+    updated with decay only until then) and one that never gets a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = TinyLM(d=64, heads=2, ff=128, layers=1, ctx=16)
+        self.hb = nn.Parameter(torch.randn(16, 512).mul_(0.02).to(torch.bfloat16))
+        self.late = nn.Parameter(torch.randn(24, 256) * 0.02)
+        self.unused = nn.Parameter(torch.zeros(64))
+        g = torch.Generator().manual_seed(7)
+        self.register_buffer("R", torch.randn(512, 8, generator=g), persistent=False)
+        self.register_buffer("S", torch.randn(256, 4, generator=g), persistent=False)
+
+    def forward(self, x, y, step):
+        return self.loss(x, y, step)
+
+    def loss(self, x, y, step):
+        out = lm_loss(self.lm, x, y)
+        out = out + ((self.hb.float() @ self.R) ** 2).mean() * 0.1
+        gate = 0.0 if step == 0 else 1.0
+        return out + gate * ((self.late @ self.S).tanh() ** 2).mean()
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def groups(m):
+    named = list(m.named_parameters())
+    return [
+        {"params": [p for n, p in named if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": 2e-3},
+    ]
+
+
+def batches():
+    return markov_batches(STEPS, batch=4, ctx=16, seed=3)
+
+
+def make(cls, m, fused, **kw):
+    opt = cls(groups(m), lr=3e-3, weight_decay=0.1, fused=fused, **kw)
+    if cls is Gefen and "process_group" not in kw:
+        opt._comm = LocalComm()  # single-process oracle on every rank
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 20.0)
+    return opt, sched
+
+
+def one_step(m, opt, sched, batch, step):
+    x, y = batch
+    opt.zero_grad()
+    m.loss(x, y, step).backward()
+    opt.step()
+    sched.step()
+
+
+def digest(m):
+    h = hashlib.sha256()
+    for p in m.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def max_rel(a, b):
+    worst = 0.0
+    for p, q in zip(a.parameters(), b.parameters()):
+        d = float((p.detach().float() - q.detach().float()).abs().max())
+        worst = max(worst, d / max(float(q.detach().float().abs().max()), 1e-30))
+    return worst
+
+
+def bitwise(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def log(*a):
+    if dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def check_replicas(m, what):
+    ds = [None] * dist.get_world_size()
+    dist.all_gather_object(ds, digest(m))
+    assert len(set(ds)) == 1, f"{what}: replicas differ across ranks"
+
+
+def compare_run(fused, ckpt_dir=None):
+    """ZeroGefen vs the oracle over STEPS steps; returns the (model, optimizer)."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    ref, zm = net(), net()
+    ro, rs = make(Gefen, ref, fused)
+    zo, zs = make(ZeroGefen, zm, fused)
+    data = batches()
+    worst = 0.0
+    for step, batch in enumerate(data):
+        one_step(ref, ro, rs, batch, step)
+        one_step(zm, zo, zs, batch, step)
+        worst = max(worst, max_rel(zm, ref))
+        assert bitwise(zm, ref) or worst <= 1e-6, f"fused={fused} step {step}: rel diff {worst:.3e}"
+        if step == 0 or step == STEPS - 1:
+            check_replicas(zm, f"fused={fused} step {step}")
+        if ckpt_dir is not None and step + 1 == CKPT_STEP:
+            zo.consolidate_state_dict(to=0)
+            if rank == 0:
+                sd, rsd = zo.state_dict(), ro.state_dict()
+                assert sd["param_groups"] == rsd["param_groups"]
+                assert sd["state"].keys() == rsd["state"].keys()
+                for k, st in rsd["state"].items():
+                    assert st.keys() == sd["state"][k].keys(), (k, st.keys(), sd["state"][k].keys())
+                    for kk, v in st.items():
+                        w = sd["state"][k][kk]
+                        if isinstance(v, torch.Tensor):
+                            assert v.dtype == w.dtype and v.shape == w.shape and torch.equal(v, w), (k, kk)
+                        else:
+                            assert v == w, (k, kk, v, w)
+                torch.save({"optim": sd, "model": zm.state_dict(), "sched": zs.state_dict()},
+                           os.path.join(ckpt_dir, "zero5.pt"))
+            else:
+                try:
+                    zo.state_dict()
+                except RuntimeError:
+                    pass
+                else:
+                    raise AssertionError("state_dict() on a rank that was not consolidated to must raise")
+    exact = bitwise(zm, ref)
+    # periods and codebook
+    assert torch.equal(zo.codebook, ro.codebook), "codebook differs"
+    rrep, zrep = ro.report(), zo.report()
+    assert [r["period"] for r in rrep] == [r["period"] for r in zrep], "periods differ"
+    assert [r["kind"] for r in rrep] == [r["kind"] for r in zrep]
+    kinds = {(r["kind"], min(r["period"], 2)) for r in zrep}
+    assert ("quantized", 1) in kinds and ("quantized", 2) in kinds and ("exact", 0) in kinds, kinds
+    # state bytes: the ranks' local state adds up to the single-process state exactly
+    cb = zo.codebook.numel() * 4
+    local = zo.state_bytes()
+    locs = [None] * ws
+    dist.all_gather_object(locs, local)
+    total = ro.state_bytes()
+    assert sum(x - cb for x in locs) + cb == total, (locs, total)
+    # each rank within one unit's bytes of the mean (the partition also reserves room for the
+    # unused parameter, which never gets state: 8 bytes per element)
+    unit = max(unit_cost(r["kind"] == "exact", max(r["period"], 1), max(r["scale_block"], 1))[1] for r in zrep)
+    slack = 8 * zm.unused.numel()
+    assert abs((local - cb) - (total - cb) / ws) <= unit + slack, (local, total, ws, unit)
+    n_owned = [None] * ws
+    dist.all_gather_object(n_owned, sum(r["local_numel"] for r in zrep))
+    assert sum(n_owned) == sum(r["numel"] for r in zrep), (n_owned,)
+    str(zrep)
+    wire = zo.last_wire
+    elems = wire["elements"]
+    log(f"  ws={ws} fused={fused}: params {'bitwise equal' if exact else f'max rel {worst:.2e}'} to single-process "
+        f"Gefen, periods+codebook equal, state bytes per rank {locs} (single process {total}); "
+        f"wire {wire['gathered_bytes']} B gathered for {elems} params "
+        f"({4 * elems / wire['gathered_bytes']:.2f}x fewer than fp32)")
+    return zm, zo, exact
+
+
+def resume(cls, ckpt_dir, **kw):
+    """Load the step-5 checkpoint into a fresh model/optimizer and run the remaining steps."""
+    ck = torch.load(os.path.join(ckpt_dir, "zero5.pt"), weights_only=False)
+    m = net(seed=123)
+    m.load_state_dict(ck["model"])
+    opt, sched = make(cls, m, False, **kw)
+    sched.load_state_dict(ck["sched"])
+    opt.load_state_dict(ck["optim"])
+    for step, batch in enumerate(batches()):
+        if step >= CKPT_STEP:
+            one_step(m, opt, sched, batch, step)
+    final = torch.load(os.path.join(ckpt_dir, "final.pt"), weights_only=False)
+    ok = all(torch.equal(p, final[n]) for n, p in m.named_parameters())
+    assert ok, f"{cls.__name__} {kw}: resumed run differs from the uninterrupted 2-rank run"
+    return m, opt
+
+
+def empty_rank_cases():
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    # (a) one 1-element parameter: one rank owns it, the others (the last among them) nothing, ever.
+    torch.manual_seed(1)
+    w = nn.Parameter(torch.randn(1))
+    wr = nn.Parameter(w.detach().clone())
+    zo = ZeroGefen([w], lr=1e-2, weight_decay=0.1)
+    ro = Gefen([wr], lr=1e-2, weight_decay=0.1)
+    ro._comm = LocalComm()
+    for i in range(3):
+        for p, o in ((w, zo), (wr, ro)):
+            o.zero_grad()
+            ((p - 0.3 * i) ** 2).sum().backward()
+            o.step()
+    owned = [None] * ws
+    dist.all_gather_object(owned, zo.owned_range(w))
+    assert sorted(e - s for s, e in owned) == [0] * (ws - 1) + [1], owned
+    assert owned[-1][1] == owned[-1][0], owned  # the last rank owns nothing
+    assert torch.equal(w, wr)
+    zo.consolidate_state_dict(to=ws - 1)  # onto a rank that owns nothing
+    if rank == ws - 1:
+        sd = zo.state_dict()
+        assert torch.equal(sd["state"][0]["exp_avg"], ro.state[wr]["exp_avg"])
+    # (b) one quantized matrix with a single row: while its period is unknown its unit is the row,
+    # so one rank learns the period alone (the others enter the collectives with nothing); at
+    # the codebook the partition is redone block-aligned.
+    torch.manual_seed(2)
+    q = nn.Parameter(torch.randn(1, 8192) * 0.02)
+    qr = nn.Parameter(q.detach().clone())
+    zo = ZeroGefen([q], lr=1e-2)
+    ro = Gefen([qr], lr=1e-2)
+    ro._comm = LocalComm()
+    tgt = torch.linspace(-1, 1, 8192).view(1, -1).repeat_interleave(1, 0) * torch.arange(8192).remainder(64).float()
+    for i in range(4):
+        for p, o in ((q, zo), (qr, ro)):
+            o.zero_grad()
+            ((p * 50 - tgt) ** 2).mean().backward()
+            o.step()
+    assert torch.equal(q, qr), "single-row model differs"
+    assert torch.equal(zo.codebook, ro.codebook)
+    sizes = [None] * ws
+    dist.all_gather_object(sizes, zo.owned_range(q))
+    assert all(e > s for s, e in sizes), sizes  # after learning everyone owns a share
+    log(f"  ws={ws}: empty-rank models ok (1-element owned by {owned}, 1-row matrix now {sizes})")
+
+
+def ddp_smoke():
+    """DDP with each rank on its half of the batch: replicas stay bitwise identical."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    m = net()
+    dm = DDP(m, find_unused_parameters=True)
+    opt, sched = make(ZeroGefen, m, None)
+    losses = []
+    for step, (x, y) in enumerate(batches()[:4]):
+        xs, ys = x.chunk(ws)[rank], y.chunk(ws)[rank]
+        opt.zero_grad()
+        loss = dm(xs, ys, step)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+    check_replicas(m, "ddp")
+    log(f"  ws={ws}: DDP-style run (per-rank half batches, gradient all-reduce) replicas bitwise equal, "
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", type=int, required=True, choices=(2, 3))
+    ap.add_argument("--ckpt", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    assert ws == args.phase, f"phase {args.phase} needs --nproc_per_node {args.phase}"
+    sub = dist.new_group([0])  # every rank must take part in creating it
+    all_exact = True
+    if args.phase == 2:
+        zm, zo, ex = compare_run(False, ckpt_dir=args.ckpt)
+        all_exact &= ex
+        if rank == 0:
+            torch.save({n: p.detach().clone() for n, p in zm.named_parameters()}, os.path.join(args.ckpt, "final.pt"))
+        dist.barrier()
+        _, _, ex = compare_run(None)
+        all_exact &= ex
+        if rank == 0:
+            resume(Gefen, args.ckpt)
+            resume(ZeroGefen, args.ckpt, process_group=sub)
+            log("  checkpoint 2 -> 1: plain Gefen and 1-rank ZeroGefen resume bitwise equal to the uninterrupted run")
+        dist.barrier()
+        ddp_smoke()
+    else:
+        _, _, ex = compare_run(False)
+        all_exact &= ex
+        rm, _ = resume(ZeroGefen, args.ckpt)
+        check_replicas(rm, "resumed at 3 ranks")
+        log("  checkpoint 2 -> 3: ZeroGefen at 3 ranks resumes bitwise equal to the uninterrupted run")
+    empty_rank_cases()
+    log(f"ZERO_CHECK_OK phase={args.phase} bitwise={all_exact}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""ZeroGefen (ZeRO-1): partition properties and 1-process equivalence in-process; the 2- and
+3-rank checks (tests/dist/zero_check.py) through torchrun."""
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from gefen_dist import Gefen, ZeroGefen
+from gefen_dist.zero import MODE_COMPRESSED, MODE_DENSE, partition, step_wire_bytes, unit_cost
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECK = os.path.join(ROOT, "tests", "dist", "zero_check.py")
+
+
+def _run_torchrun(script, nproc, *args, timeout):
+    """tests/dist/_launch.run_torchrun when present, else torchrun --standalone here."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "dist"))
+    try:
+        from _launch import run_torchrun  # noqa: F401
+    except ImportError:
+        run_torchrun = None
+    finally:
+        sys.path.pop(0)
+    if run_torchrun is not None:
+        out = run_torchrun(script, nproc, *args, timeout=timeout)
+        return out if isinstance(out, str) else (getattr(out, "stdout", "") or "") + (getattr(out, "stderr", "") or "")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script,
+           *map(str, args)]
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun timed out after {timeout}s (a collective hung?):\n{(e.stdout or '')[-3000:]}")
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, f"torchrun {os.path.basename(script)} failed (rc {r.returncode}):\n{text[-6000:]}"
+    return text
+
+
+# --------------------------------------------------------------------------- partition
+
+def _check_partition(specs, W):
+    ranges = partition(specs, W)
+    cost = [0] * W
+    for (n, u, c), rs in zip(specs, ranges):
+        pos = 0
+        for r, (s, e) in enumerate(rs):
+            assert s % u == 0 and e % u == 0 and s <= e
+            if e > s:
+                assert s == pos, (rs, specs)
+                pos = e
+            cost[r] += (e - s) // u * c
+        assert pos == n or n == 0, (rs, n)
+    # each rank's cost within one unit cost of the mean
+    mean = sum(cost) / W
+    umax = max((c for _, _, c in specs), default=0)
+    assert all(abs(x - mean) <= umax + 1e-9 for x in cost), (cost, mean, umax)
+    # ranks own consecutive pieces of the global space
+    flat = []
+    for r in range(W):
+        for rs in ranges:
+            if rs[r][1] > rs[r][0]:
+                flat.append(r)
+    assert flat == sorted(flat)
+    return ranges
+
+
+def test_partition_balanced_block_aligned():
+    rng = random.Random(0)
+    for _ in range(300):
+        specs = []
+        for _ in range(rng.randint(1, 6)):
+            if rng.random() < 0.3:
+                specs.append((rng.randint(0, 50), *unit_cost(True, 1, 1)))
+            else:
+                P = rng.choice([1, 4, 16, 64])
+                B = P if P > 1 else 32
+                specs.append((B * rng.randint(1, 40), *unit_cost(False, P, B)))
+        _check_partition(specs, rng.randint(1, 5))
+
+
+def test_partition_edge_cases():
+    assert partition([(1, 1, 8)], 2) == [[(0, 1), (1, 1)]]  # rank 1 owns nothing
+    assert partition([(1, 1, 8)], 3) == [[(0, 0), (0, 1), (1, 1)]]
+    assert partition([(0, 1, 8), (8, 4, 12)], 2) == [[(0, 0), (0, 0)], [(0, 4), (4, 8)]]
+    r = partition([(4 * 64, 64, 72)], 3)[0]  # 4 blocks over 3 ranks: 1/2/1
+    assert [(e - s) // 64 for s, e in r] == [1, 2, 1]
+    with pytest.raises(ValueError):
+        partition([(10, 4, 1)], 2)
+
+
+def test_step_wire_bytes():
+    # compressed: n idx bytes + 2 * n/P fp32 (padded to 8); dense bf16: 2 bytes each
+    sizes = step_wire_bytes([(MODE_COMPRESSED, 64, 4, [(0, 128), (128, 256)]),
+                             (MODE_DENSE, 1, 2, [(0, 3), (3, 3)])], 2)
+    assert sizes == [128 + 8 + 8 + 8, 128 + 8 + 8]
+
+
+# --------------------------------------------------------------------------- one process
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 96), nn.GELU(), nn.Linear(96, 16))
+
+
+def _train(m, opt, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 16, generator=g)
+    for _ in range(n):
+        x = torch.randn(32, 64, generator=g)
+        opt.zero_grad()
+        ((m(x) - torch.tanh(x @ w)) ** 2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("fused", [False, None])
+def test_single_process_equals_gefen_and_checkpoints(fused):
+    a, b = _model(), _model()
+    oa = Gefen(a.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+    ob = ZeroGefen(b.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+    _train(a, oa, 4)
+    _train(b, ob, 4)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert torch.equal(oa.codebook, ob.codebook)
+    assert oa.state_bytes() == ob.state_bytes()
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for k, st in sa["state"].items():
+        assert st.keys() == sb["state"][k].keys()
+        for kk, v in st.items():
+            w = sb["state"][k][kk]
+            assert (torch.equal(v, w) and v.dtype == w.dtype) if isinstance(v, torch.Tensor) else v == w, (k, kk)
+    # ZeroGefen's dict loads into plain Gefen and vice versa; all continue identically
+    c, d = _model(5), _model(6)
+    c.load_state_dict(a.state_dict())
+    d.load_state_dict(a.state_dict())
+    oc = Gefen(c.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+    od = ZeroGefen(d.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+    oc.load_state_dict(sb)
+    od.load_state_dict(sa)
+    for m, o in ((a, oa), (b, ob), (c, oc), (d, od)):
+        _train(m, o, 3, seed=9)
+    for m in (b, c, d):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), m.parameters()))
+    rep = ob.report()
+    assert sum(r["local_numel"] for r in rep) == sum(p.numel() for p in b.parameters())
+    assert "total:" in str(rep)
+
+
+def test_wire_is_compressed_single_process():
+    m = _model()
+    o = ZeroGefen(m.parameters(), lr=1e-2)
+    _train(m, o, 2)
+    w = o.last_wire
+    assert w["world_size"] == 1 and w["elements"] == sum(p.numel() for p in m.parameters())
+    assert w["gathered_bytes"] < 4 * w["elements"]
+
+
+def test_rejects_non_float_params():
+    with pytest.raises(TypeError):
+        ZeroGefen([torch.zeros(3, dtype=torch.int64)])
+
+
+# --------------------------------------------------------------------------- torchrun
+
+def test_zero_distributed(tmp_path):
+    out2 = _run_torchrun(CHECK, 2, "--phase", 2, "--ckpt", tmp_path, timeout=150)
+    assert "ZERO_CHECK_OK phase=2" in out2, out2[-4000:]
+    out3 = _run_torchrun(CHECK, 3, "--phase", 3, "--ckpt", tmp_path, timeout=150)
+    assert "ZERO_CHECK_OK phase=3" in out3, out3[-4000:]
