@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 _STATE_KEYS_Q = ("step", "period", "scale_block", "learned", "idx", "scale", "v", "codebook")
 _STATE_KEYS_F = ("step", "period", "scale_block", "learned", "idx", "scale", "v_row", "v_col", "codebook")
 SECOND_MOMENTS = ("shared", "factored")
+NONFINITE = ("raise", "skip", "ignore")
 _STATE_KEYS_E = ("step", "exp_avg", "exp_avg_sq")
 
 
@@ -113,6 +114,7 @@ class Gefen(Optimizer):
         *,
         small_threshold: int = 4096,
         second_moment: str = "shared",
+        nonfinite: str = "raise",
         fused: Optional[bool] = None,
         process_group: Optional[Any] = None,
     ):
@@ -121,10 +123,14 @@ class Gefen(Optimizer):
             raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENTS})")
         if not isinstance(small_threshold, int) or small_threshold < 0:
             raise ValueError(f"Invalid small_threshold: {small_threshold!r} (must be an int >= 0)")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {NONFINITE})")
         if fused not in (None, True, False):
             raise ValueError(f"Invalid fused: {fused!r} (expected None, True or False)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment)
         self.small_threshold = small_threshold
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
         self.fused = fused
         self._comm: LocalComm = comm_for(process_group)
         self.codebook: Optional[torch.Tensor] = None
@@ -442,6 +448,32 @@ class Gefen(Optimizer):
                 out.append((g, p))
         return out
 
+    def _nonfinite(self, entries) -> bool:
+        """True when the step must be skipped; raises for ``nonfinite="raise"``. One sum per gradient
+        (no temporaries), and one small MAX all-reduce when several ranks take part."""
+        flags = torch.zeros(len(entries), dtype=torch.float32)
+        for i, (_, p) in enumerate(entries):
+            g = local_tensor(p.grad)
+            if g.numel() and not math.isfinite(float(g.sum(dtype=torch.float32))):
+                # a finite gradient can overflow its sum: confirm exactly
+                flags[i] = float(not bool(torch.isfinite(g).all()))
+        if self._comm.world_size > 1:
+            self._comm.all_reduce_max_(flags)
+        if not bool(flags.any()):
+            return False
+        names = self._names()
+        bad = [names[id(p)] for (_, p), f in zip(entries, flags.tolist()) if f]
+        if self.nonfinite == "raise":
+            raise RuntimeError(
+                f"Gefen: non-finite gradient (NaN or inf) in {len(bad)} tensor(s): {bad[:8]}"
+                f"{' ...' if len(bad) > 8 else ''}. Nothing was updated. Lower the learning rate, clip "
+                "gradients, use a loss scaler for fp16, or pass nonfinite='skip' to skip such steps."
+            )
+        self.skipped_steps += 1
+        logger.warning("Gefen: skipped step with non-finite gradients in %s (%d skipped so far)",
+                       bad[:4], self.skipped_steps)
+        return True
+
     def _use_fused(self, t: torch.Tensor) -> bool:
         if self.fused is False or t.device.type != "cpu":
             return False
@@ -459,6 +491,8 @@ class Gefen(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         entries = self._entries()
+        if self.nonfinite != "ignore" and self._nonfinite(entries):
+            return loss
         self._prepare(entries)
         col = self._column_stats(entries)
         for group, p in entries:

@@ -513,6 +513,8 @@ class ZeroGefen(Gefen):
             with torch.enable_grad():
                 loss = closure()
         entries = self._entries()
+        if self.nonfinite != "ignore" and self._nonfinite(entries):
+            return loss
         self._consolidated = None
         self._prepare(entries)
         self._zero_update(entries)

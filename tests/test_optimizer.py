@@ -266,3 +266,28 @@ def test_codebook_learned_log_line(caplog):
     lines = [r for r in caplog.records if "learned its codebook" in r.getMessage()]
     assert len(lines) == 1
     assert "RMS quantization error" in lines[0].getMessage()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_gradients_raise_or_skip(bad):
+    m = mlp()
+    opt = Gefen(m.named_parameters(), lr=1e-3)
+    train(m, opt, data(2))
+    before = copy.deepcopy(opt.state_dict())
+    params = [p.clone() for p in m.parameters()]
+    x, y = data(1, seed=5)[0]
+    ((m(x) - y) ** 2).mean().backward()
+    m[2].weight.grad[3, 7] = bad
+    with pytest.raises(RuntimeError, match=r"non-finite gradient.*'2.weight'.*nonfinite='skip'"):
+        opt.step()
+    opt.nonfinite = "skip"
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(params, m.parameters()))
+    after = opt.state_dict()
+    for k, st in before["state"].items():
+        for key, v in st.items():
+            assert (torch.equal(v, after["state"][k][key]) if isinstance(v, torch.Tensor)
+                    else v == after["state"][k][key])
+    with pytest.raises(ValueError, match="nonfinite"):
+        Gefen(m.parameters(), nonfinite="warn")
