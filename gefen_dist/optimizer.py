@@ -410,7 +410,7 @@ class Gefen(Optimizer):
         t = torch.tensor([len(shapes), -len(shapes), h, -h], dtype=torch.int64)
         self._comm.all_reduce_max_(t)
         if int(t[0]) != -int(t[1]) or int(t[2]) != -int(t[3]):
-            what = (f"this rank has {len(shapes)} quantized tensors, other ranks between {-int(t[1])} and "
+            what = (f"this rank has {len(shapes)} quantized tensors; ranks hold between {-int(t[1])} and "
                     f"{int(t[0])}" if int(t[0]) != -int(t[1]) else
                     f"all have {len(shapes)} quantized tensors, but their shapes differ")
             raise RuntimeError(
@@ -457,7 +457,24 @@ class Gefen(Optimizer):
             if g.numel() and not math.isfinite(float(g.sum(dtype=torch.float32))):
                 # a finite gradient can overflow its sum: confirm exactly
                 flags[i] = float(not bool(torch.isfinite(g).all()))
-        if self._comm.world_size > 1:
+        # Replicated (plain) gradients are identical on every rank after DDP's all-reduce, so the
+        # local decision is already global; sharded (DTensor) gradients need one tiny all-reduce.
+        if self._comm.world_size > 1 and any(is_dtensor(p) for _, p in entries):
+            # Fixed-size summary first (added with the DDP cross-rank mismatch test): ranks that
+            # step different numbers of tensors get a clear error here instead of a gloo abort or
+            # an NCCL hang in the variable-size all-reduce; the per-tensor flags travel only when
+            # some gradient is non-finite.
+            head = torch.tensor([float(flags.any()), len(entries), -len(entries)], dtype=torch.float64)
+            self._comm.all_reduce_max_(head)
+            if int(head[1]) != -int(head[2]):
+                raise RuntimeError(
+                    f"gefen_dist: ranks disagree about the tensors to step (this rank has {len(entries)} "
+                    f"parameters with gradients; ranks hold between {-int(head[2])} and {int(head[1])}). Every "
+                    "rank must build Gefen over the same parameters in the same order; check that the model "
+                    "and param groups are identical on all ranks."
+                )
+            if not bool(head[0]):
+                return False
             self._comm.all_reduce_max_(flags)
         if not bool(flags.any()):
             return False
