@@ -491,6 +491,15 @@ class Gefen(Optimizer):
                        bad[:4], self.skipped_steps)
         return True
 
+    def _use_triton(self, t: torch.Tensor) -> bool:
+        if self.fused is False or t.device.type != "cuda" or t.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        try:
+            from .kernels import triton_step as _tri
+        except ImportError:
+            return False
+        return _tri.available(t.device)
+
     def _use_fused(self, t: torch.Tensor) -> bool:
         if self.fused is False or t.device.type != "cpu":
             return False
@@ -574,7 +583,11 @@ class Gefen(Optimizer):
             return
         kw = dict(period=st["period"], scale_block=st["scale_block"], **hp)
         idx, scale, v = (local_tensor(st[k]) for k in ("idx", "scale", "v"))
-        if self._use_fused(work):
+        if self._use_triton(work):
+            from .kernels import triton_step as _tri
+
+            _tri.quantized_step_(work, g.to(work.dtype), idx, scale, v, cb.to(work.device), **kw)
+        elif self._use_fused(work):
             from .kernels import cpu as _cpu
 
             _cpu.quantized_step_(work, g.to(work.dtype), idx, scale, v, cb, **kw)
