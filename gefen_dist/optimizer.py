@@ -226,8 +226,9 @@ class Gefen(Optimizer):
 
     def _group_of(self, p: torch.Tensor) -> dict:
         for g in self.param_groups:
-            if any(q is p for q in g["params"]):
-                return g
+            for q in g["params"]:
+                if q is p:
+                    return g
         raise KeyError("parameter not in any param group")
 
     def _alloc(self, p: torch.Tensor, piece: Piece, geo: Geometry, *, learned: bool, step: int = 0) -> None:

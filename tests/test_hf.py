@@ -1,0 +1,131 @@
+"""Gefen in the Hugging Face Trainer (single process, CPU): train a tiny randomly initialised GPT-2,
+save a checkpoint, resume from it, and check the Gefen state round-trips (uint8 idx, periods,
+codebook) and the resumed run ends exactly where the uninterrupted one does."""
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+pytest.importorskip("accelerate", reason="accelerate is not installed (the Trainer needs it)")
+
+from gefen_dist import Gefen  # noqa: E402
+from gefen_dist.cli import inspect_checkpoint  # noqa: E402
+from gefen_dist.integrations.hf import GefenFactory, gefen_optimizer_cls_and_kwargs  # noqa: E402
+
+VOCAB, CTX = 128, 32
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=64, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        # a repetitive sequence so the loss can go down in a few steps
+        base = torch.randint(0, VOCAB, (8,), generator=g)
+        self.x = torch.stack([base.roll(int(s)).repeat(CTX // 8) for s in torch.randint(0, 8, (n,), generator=g)])
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=CTX,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _trainer(out, max_steps, **kw):
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=8, learning_rate=3e-3,
+        weight_decay=0.1, adam_beta2=0.95, lr_scheduler_type="linear", warmup_steps=1, save_steps=2,
+        save_strategy="steps", logging_steps=1, report_to=[], use_cpu=True, seed=0, data_seed=0,
+        dataloader_num_workers=0, disable_tqdm=True, **kw)
+    return transformers.Trainer(model=_model(), args=args, train_dataset=Tokens(),
+                                optimizer_cls_and_kwargs=gefen_optimizer_cls_and_kwargs(args))
+
+
+def _state(opt):
+    return {n: st for n, st in zip([n for g in opt.param_groups for n in g["param_names"]],
+                                   [opt.state[p] for g in opt.param_groups for p in g["params"]])}
+
+
+def test_cls_and_kwargs_from_training_arguments(tmp_path):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-4, weight_decay=0.05,
+                                          adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7, report_to=[],
+                                          use_cpu=True)
+    cls, kw = gefen_optimizer_cls_and_kwargs(args, small_threshold=1024)
+    assert cls is GefenFactory
+    assert kw == dict(lr=1e-4, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.05, small_threshold=1024)
+    opt = cls()(_model(), **kw)
+    assert isinstance(opt, Gefen) and [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+    assert all(p.ndim >= 2 for p in opt.param_groups[0]["params"])
+    assert all(p.ndim < 2 for p in opt.param_groups[1]["params"])
+    cls, kw = gefen_optimizer_cls_and_kwargs(args, named=False)
+    assert cls is Gefen and kw["lr"] == 1e-4
+
+
+def test_trainer_trains_saves_and_resumes(tmp_path):
+    full = _trainer(tmp_path / "a", 4)
+    res = full.train()
+    opt = full.optimizer
+    inner = getattr(opt, "optimizer", opt)  # accelerate wraps it
+    assert isinstance(inner, Gefen)
+    losses = [h["loss"] for h in full.state.log_history if "loss" in h]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert res.global_step == 4
+
+    ck = tmp_path / "a" / "checkpoint-2"
+    saved = torch.load(ck / "optimizer.pt", weights_only=True)
+    q = [st for st in saved["state"].values() if "idx" in st]
+    assert q and all(st["idx"].dtype == torch.uint8 for st in q)
+    assert all(st["step"] == 2 and st["learned"] == 1 for st in q)
+    r = inspect_checkpoint(str(ck))  # gefen-dist inspect on the Trainer's checkpoint directory
+    assert "Hugging Face Trainer" in r["format"] and r["codebook"]["learned"]
+    assert any(t["name"] == "transformer.h.0.attn.c_attn.weight" for t in r["tensors"])
+
+    resumed = _trainer(tmp_path / "b", 4)
+    resumed.train(resume_from_checkpoint=str(ck))
+    inner_b = getattr(resumed.optimizer, "optimizer", resumed.optimizer)
+    sa, sb = _state(inner), _state(inner_b)
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        a, b = sa[name], sb[name]
+        assert a.keys() == b.keys(), name
+        for k in a:
+            if isinstance(a[k], torch.Tensor):
+                assert a[k].dtype == b[k].dtype, (name, k)
+                assert torch.equal(a[k], b[k]), (name, k)
+            else:
+                assert a[k] == b[k], (name, k)
+    assert torch.equal(inner.codebook, inner_b.codebook)
+    for (n, p), (_, q2) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q2), n
+
+
+def test_deepspeed_selects_the_zero_aware_subclass(tmp_path, monkeypatch):
+    from gefen_dist.integrations import deepspeed as gds
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    assert "optimizer_cls" not in gefen_optimizer_cls_and_kwargs(args)[1]
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` sets for DeepSpeed
+    cls, kw = gefen_optimizer_cls_and_kwargs(args)
+    assert kw["optimizer_cls"] is gds.Gefen
+    assert isinstance(cls()(_model(), **kw), gds.Gefen)
+    assert gefen_optimizer_cls_and_kwargs(args, named=False)[0] is gds.Gefen
+
+
+def test_accelerate_configs_parse():
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integrations", "accelerate")
+    seen = {}
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".yaml"):
+            seen[name] = ClusterConfig.from_yaml_file(os.path.join(root, name))
+    assert {"ddp.yaml", "fsdp2.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"} <= set(seen)
+    assert seen["fsdp2.yaml"].fsdp_config["fsdp_version"] == 2
+    assert [seen[f"deepspeed_zero{s}.yaml"].deepspeed_config["zero_stage"] for s in (1, 2, 3)] == [1, 2, 3]
