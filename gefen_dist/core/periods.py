@@ -54,7 +54,11 @@ def candidate_periods(numel: int) -> List[int]:
 def log_sq(grad: torch.Tensor) -> torch.Tensor:
     """``ln(f64(f32(g)^2) + 1e-12)`` of a flattened gradient, in float64."""
     g = grad.reshape(-1).float()
-    return torch.log((g * g).double() + LOG_EPS)
+    x = (g * g).double()
+    if x.numel() and bool(torch.isinf(x).any()):
+        # |g| > 1.8e19 overflows the float32 square (the reference then scores NaN): square in float64
+        x = torch.where(torch.isinf(x), g.double() * g.double(), x)
+    return torch.log(x + LOG_EPS)
 
 
 @dataclass
