@@ -35,6 +35,15 @@ tooling must not need to import gefen_dist)::
     global_keys / global_learned   every tensor of this buffer on any rank, and whether its
                                    period is learned (identical on all ranks: they decide
                                    together when collectives are entered)
+    global_periods                 the period of every tensor of ``global_keys`` (0: not learned),
+                                   so every rank builds the same catalog of cut blocks
+
+With the factored second moment (``second_moment="factored"``), ``v`` is replaced by::
+
+    v_row     fp32  [rows]         EMA of the row mean of g^2, per row each segment touches (a row
+                                   cut by a partition edge is held, identical, by each sharing rank)
+    v_col     fp32  [sum of slabs] EMA of the column mean of g^2 over all rows: a full [slab] per
+                                   non-empty quantized segment (identical on every holding rank)
 """
 from __future__ import annotations
 
@@ -47,7 +56,8 @@ import torch
 
 from .core import periods as _periods
 from .core.quant import NUM_BINS, block_histogram, nearest_codeword
-from .core.step import adamw_step_, bias_corrections, quantized_step_eager_
+from .core.step import (adamw_step_, bias_corrections, column_sumsq, quantized_step_eager_,
+                        quantized_step_factored_eager_)
 from .layout import is_exact
 
 logger = logging.getLogger(__name__)
@@ -121,10 +131,16 @@ class _SegPlan:
     v_off: int = 0
     v_n: int = 0
     exact_off: int = 0
+    vcol_off: int = 0  # factored: this segment's full v_col ([slab]) in st["v_col"]
+    vcol_n: int = 0
 
 
-def _plan(segments: Sequence[Segment], periods: Sequence[int], small_threshold: int) -> Tuple[List[_SegPlan], int, int, int]:
-    out, so, vo, eo = [], 0, 0, 0
+def _plan(segments: Sequence[Segment], periods: Sequence[int], small_threshold: int,
+          factored: bool = False) -> Tuple[List[_SegPlan], int, int, int]:
+    """Offsets of every segment's state. Shared second moment: ``v`` per touched v-block (period).
+    Factored (``factored=True``): ``v`` is ``v_row``, one entry per touched row (independent of the
+    period), and ``vcol_off``/``vcol_n`` place a full ``v_col`` per non-empty quantized segment."""
+    out, so, vo, eo, co = [], 0, 0, 0, 0
     for seg, per in zip(segments, periods):
         if is_exact(seg.shape, small_threshold):
             out.append(_SegPlan(seg, True, exact_off=eo))
@@ -133,11 +149,14 @@ def _plan(segments: Sequence[Segment], periods: Sequence[int], small_threshold: 
         slab = _periods.row_slab(seg.shape)
         B = _periods.scale_block_for(per, slab)
         a, e = seg.param_offset, seg.param_offset + seg.numel
+        vu = slab if factored else per
         sn = ((e - 1) // B - a // B + 1) if seg.numel else 0
-        vn = ((e - 1) // per - a // per + 1) if seg.numel else 0
-        out.append(_SegPlan(seg, False, per, B, so, sn, vo, vn))
+        vn = ((e - 1) // vu - a // vu + 1) if seg.numel else 0
+        cn = slab if (factored and seg.numel) else 0
+        out.append(_SegPlan(seg, False, per, B, so, sn, vo, vn, vcol_off=co, vcol_n=cn))
         so += sn
         vo += vn
+        co += cn
     return out, so, vo, eo
 
 
@@ -218,6 +237,28 @@ class FlatSegments:
                     out.add((key, st // B))
         return sorted(out)
 
+    def _global_periods(self, st: Dict[str, Any]) -> List[int]:
+        """Period of every tensor of ``st["global_keys"]`` (0: not learned), identical on every rank.
+        States saved before this list existed rebuild it with one all-gather (every rank enters)."""
+        gp = st.get("global_periods")
+        if gp is None:
+            mine = {s.key: int(per) for s, per, lrn in zip(self.segments, st["periods"], st["learned"])
+                    if lrn and per}
+            allp: Dict[str, int] = {}
+            for d in self.comm.all_gather_object(mine):
+                allp.update(d)
+            gp = st["global_periods"] = [allp.get(k, 0) if lrn else 0
+                                         for k, lrn in zip(st["global_keys"], st["global_learned"])]
+        return gp
+
+    def _global_blocks(self, st: Dict[str, Any]) -> Dict[str, int]:
+        """key -> scale block of every learned quantized tensor of the buffer, held here or not
+        (the cut catalog must be identical on every rank, including ranks that hold none of a
+        tensor cut between two others)."""
+        cat = self.global_catalog()
+        return {k: _periods.scale_block_for(per, _periods.row_slab(cat[k]["shape"]))
+                for k, per, lrn in zip(st["global_keys"], self._global_periods(st), st["global_learned"]) if lrn}
+
     def _exchange(self, sums: torch.Tensor, maxes: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """One all-gather of ``[sums | maxes]`` (float64); SUM and MAX combined in rank order."""
         k = sums.numel()
@@ -236,17 +277,23 @@ class FlatSegments:
         return s, allr[:, k:].amax(dim=0)
 
     # ------------------------------------------------------------------ state
-    def new_state(self, flat: torch.Tensor, codebook: torch.Tensor) -> Dict[str, Any]:
+    def new_state(self, flat: torch.Tensor, codebook: torch.Tensor, factored: bool = False) -> Dict[str, Any]:
         periods = [0 if is_exact(s.shape, self.small_threshold) else _periods.row_slab(s.shape)
                    for s in self.segments]
-        plan, ns, nv, ne = _plan(self.segments, periods, self.small_threshold)
+        plan, ns, nv, ne = _plan(self.segments, periods, self.small_threshold, factored)
         dev = flat.device
         qkeys = self.quantized_keys()
-        return {
+        st = {
             "step": 0,
             "idx": torch.zeros(flat.numel(), dtype=torch.uint8, device=dev),
             "scale": torch.zeros(ns, dtype=torch.float32, device=dev),
-            "v": torch.zeros(nv, dtype=torch.float32, device=dev),
+        }
+        if factored:
+            st["v_row"] = torch.zeros(nv, dtype=torch.float32, device=dev)
+            st["v_col"] = torch.zeros(sum(sp.vcol_n for sp in plan), dtype=torch.float32, device=dev)
+        else:
+            st["v"] = torch.zeros(nv, dtype=torch.float32, device=dev)
+        st.update({
             "exact_m": torch.zeros(ne, dtype=torch.float32, device=dev),
             "exact_v": torch.zeros(ne, dtype=torch.float32, device=dev),
             "codebook": codebook,
@@ -255,7 +302,9 @@ class FlatSegments:
             "segments": [s.as_dict() for s in self.segments],
             "global_keys": qkeys,
             "global_learned": [0] * len(qkeys),
-        }
+            "global_periods": [0] * len(qkeys),
+        })
+        return st
 
     def check_state(self, st: Dict[str, Any], flat: torch.Tensor) -> None:
         """Raise if a loaded state was saved with a different layout."""
@@ -272,6 +321,15 @@ class FlatSegments:
                               f"expected {flat.numel()} uint8")
 
     def _replan(self, st: Dict[str, Any], new_periods: List[int]) -> None:
+        if "v_col" in st:  # factored: v_row / v_col do not depend on the period, only scale does
+            old, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold, True)
+            new, ns, _, _ = _plan(self.segments, new_periods, self.small_threshold, True)
+            scale = torch.zeros(ns, dtype=torch.float32, device=st["scale"].device)
+            for o, n, learned in zip(old, new, st["learned"]):
+                if not o.exact and learned and o.period == n.period:
+                    scale[n.scale_off:n.scale_off + n.scale_n] = st["scale"][o.scale_off:o.scale_off + o.scale_n]
+            st["scale"], st["periods"] = scale, list(new_periods)
+            return
         old, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold)
         new, ns, nv, _ = _plan(self.segments, new_periods, self.small_threshold)
         scale = torch.zeros(ns, dtype=torch.float32, device=st["scale"].device)
@@ -344,9 +402,11 @@ class FlatSegments:
         for i, s in enumerate(self.segments):
             if s.key in new_period:
                 st["learned"][i] = 1
+        gper = self._global_periods(st)
         for j, key in enumerate(gkeys):
             if key in new_period:
                 st["global_learned"][j] = 1
+                gper[j] = new_period[key]
         if not codebook_needed:
             return None
         # 3) histogram, cut blocks normalised by their global absmax (one all-gather + one SUM)
@@ -386,13 +446,14 @@ class FlatSegments:
         """One Gefen step of every segment (``st['step']`` already incremented)."""
         bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
         hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2)
+        if "v_col" in st:
+            return self._step_factored(flat, grad, st, hp)
         plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold)
         cb = st["codebook"]
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
         idx_all, scale_all, v_all = st["idx"], st["scale"], st["v"]
         decay = 1.0 - lr * weight_decay
         # Phase 1: whole blocks through the kernels; partial blocks' partial statistics.
-        block_of = {}
         pend = []  # (key, block, p, g, idx, scale slot view, v view, m)
         for sp, learned in zip(plan, st["learned"]):
             s = sp.seg
@@ -409,7 +470,6 @@ class FlatSegments:
                     p.mul_(decay)
                 continue
             P, B = sp.period, sp.block
-            block_of[s.key] = B
             a, e = s.param_offset, s.param_offset + s.numel
             ix = idx_all[s.flat_offset:s.flat_offset + s.numel]
             sc = scale_all[sp.scale_off:sp.scale_off + sp.scale_n]
@@ -433,10 +493,8 @@ class FlatSegments:
                 vs = vv[ps // P - a // P:(pe - 1) // P - a // P + 1]
                 pend.append((s.key, b, P, p[r0:r1], gp, ix[r0:r1], sc[slot:slot + 1], vs, m,
                              float((gp.double() ** 2).sum()) if P > 1 else 0.0, float(m.abs().max())))
-        if not pend and not block_of:
-            return
         # Exchange partial statistics of cut blocks (identical catalog on every rank).
-        cuts = self.cut_blocks(block_of)
+        cuts = self.cut_blocks(self._global_blocks(st))
         if not cuts:
             if pend:
                 raise LayoutError(f"{self.where}: internal error: partial blocks but no cut catalog")
@@ -469,6 +527,145 @@ class FlatSegments:
             if weight_decay != 0.0:
                 p.mul_(decay)
             p.sub_(u)
+
+    # ------------------------------------------------------------------ factored second moment
+    def _step_factored(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], hp: Dict[str, float]) -> None:
+        """One step with the factored (row x column) second moment (Adafactor's estimator).
+
+        Per quantized tensor of ``R`` rows of ``S`` elements: ``v_col`` ([S], identical on every
+        rank holding part of the tensor) is the EMA of the column mean of ``g^2`` over all ``R``
+        rows; ``v_row`` (one entry per row a segment touches) the EMA of the row mean. Whole rows go
+        through :func:`gefen_dist.core.step.quantized_step_factored_eager_`; rows and scale blocks
+        cut by partition edges are reconciled. One collective per buffer: a float64 SUM all-reduce
+        of ``[column sums of every learned tensor | per-rank slots of cut-row partial sum g^2 and
+        cut-block partial max |m|]`` (the slots are combined in rank order, so a cut row's ``v_row``
+        and a cut block's scale are identical on the ranks that share them).
+        """
+        plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold, True)
+        cat = self.global_catalog()
+        cb = st["codebook"]
+        lr, beta1, beta2, eps = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"]
+        bc1, bc2, weight_decay = hp["bc1"], hp["bc2"], hp["weight_decay"]
+        decay = 1.0 - lr * weight_decay
+        fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
+        idx_all, scale_all, vrow_all, vcol_all = st["idx"], st["scale"], st["v_row"], st["v_col"]
+        # Global catalog of learned tensors (identical on every rank): column-sum offsets, cuts.
+        fkeys = [k for k, lrn in zip(st["global_keys"], st["global_learned"]) if lrn]
+        slab_of, col_off, nc = {}, {}, 0
+        for k in fkeys:
+            slab_of[k] = _periods.row_slab(cat[k]["shape"])
+            col_off[k] = nc
+            nc += slab_of[k]
+        block_of = self._global_blocks(st)
+        cut_rows = self.cut_blocks({k: slab_of[k] for k in fkeys})
+        cut_blks = self.cut_blocks(block_of)
+        row_pos = {c: j for j, c in enumerate(cut_rows)}
+        blk_pos = {c: j for j, c in enumerate(cut_blks)}
+        nr, nb = len(cut_rows), len(cut_blks)
+        cols = torch.zeros(nc, dtype=torch.float64)
+        slots = torch.zeros(nr + nb, dtype=torch.float64)
+        # Phase 1: exact tensors, decay of unlearned ones, local statistics of learned ones.
+        work = []
+        for sp, learned in zip(plan, st["learned"]):
+            s = sp.seg
+            if not s.numel:
+                continue
+            p = fv[s.flat_offset:s.flat_offset + s.numel]
+            g = gv[s.flat_offset:s.flat_offset + s.numel]
+            if sp.exact:
+                adamw_step_(p, g, st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
+                            st["exact_v"][sp.exact_off:sp.exact_off + s.numel], **hp)
+                continue
+            if not learned:  # gradient globally zero so far: m, v stay zero, only decay applies
+                if weight_decay != 0.0 and lr != 0.0:
+                    p.mul_(decay)
+                continue
+            S, B = slab_of[s.key], sp.block
+            a, e = s.param_offset, s.param_offset + s.numel
+            ix = idx_all[s.flat_offset:s.flat_offset + s.numel]
+            sc = scale_all[sp.scale_off:sp.scale_off + sp.scale_n]
+            vr = vrow_all[sp.v_off:sp.v_off + sp.v_n]
+            vc = vcol_all[sp.vcol_off:sp.vcol_off + sp.vcol_n]
+            co = col_off[s.key]
+            lo, hi, rparts = _split(a, e, S)
+            if hi > lo:
+                cols[co:co + S] += column_sumsq(g[lo - a:hi - a], S).cpu()
+            pend = []
+            for r, ps, pe in rparts:  # rows cut by a partition edge
+                r0, r1 = ps - a, pe - a
+                gp = g[r0:r1].float()
+                g2 = gp.double() ** 2
+                c0 = ps - r * S
+                cols[co + c0:co + c0 + (pe - ps)] += g2.cpu()
+                slots[row_pos[(s.key, r)]] += float(g2.sum())
+                # first moment of the row piece, block by block (scale slots of the segment)
+                first = ps // B - a // B
+                nblk = (pe - 1) // B - ps // B + 1
+                bl = (torch.arange(ps, pe, device=ix.device) // B) - ps // B
+                m = cb[ix[r0:r1].long()] * sc[first:first + nblk][bl]
+                m.lerp_(gp, 1.0 - beta1)
+                lead = ps - (ps // B) * B  # pad to whole blocks with zeros (neutral for max |m|)
+                am = torch.nn.functional.pad(m.abs(), (lead, nblk * B - lead - (pe - ps))).view(nblk, B).amax(dim=1)
+                _, _, bparts = _split(ps, pe, B)
+                for b, _, _ in bparts:  # scale blocks cut by the edge: partial max |m|
+                    j = nr + blk_pos[(s.key, b)]
+                    slots[j] = max(float(slots[j]), float(am[b - ps // B]))
+                pend.append((r, r0, r1, gp, m, bl, am, first, nblk, [b for b, _, _ in bparts]))
+            work.append((sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend))
+        if not work and nc == 0:
+            return
+        # One SUM all-reduce: column sums (zeros for tensors not held here) + per-rank slots.
+        ws, rank = self.comm.world_size, self.comm.rank
+        k = nr + nb
+        if ws > 1 and nc + k:
+            buf = torch.zeros(nc + ws * k, dtype=torch.float64)
+            buf[:nc] = cols
+            buf[nc + rank * k:nc + (rank + 1) * k] = slots
+            self.comm.all_reduce_sum_(buf)
+            cols = buf[:nc]
+            allr = buf[nc:].view(ws, k)
+            rsum = torch.zeros(nr, dtype=torch.float64)
+            for rr in range(ws):  # fixed order: identical on every rank
+                rsum += allr[rr, :nr]
+            bmax = allr[:, nr:].amax(dim=0) if nb else torch.zeros(0, dtype=torch.float64)
+        else:
+            rsum, bmax = slots[:nr], slots[nr:]
+        # Phase 2: v_col, whole rows through the kernel, then the cut rows.
+        sqrt_bc2 = math.sqrt(bc2)
+        for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend in work:
+            R = cat[sp.seg.key]["shape"][0]
+            col_mean_sq = (cols[co:co + S] / R).to(torch.float32).to(vc.device)
+            so, ro = lo // B - a // B, lo // S - a // S
+            nrow = (hi - lo) // S
+            # updates v_col (always) and steps the whole rows [lo, hi) (possibly none)
+            quantized_step_factored_eager_(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a],
+                                           sc[so:so + nrow * (S // B)], vr[ro:ro + nrow], vc, cb, col_mean_sq,
+                                           scale_block=B, **hp)
+            if not pend:
+                continue
+            mean_c = float(vc.mean())
+            col_f = (vc / mean_c).sqrt_() if mean_c > 0 else torch.zeros_like(vc)
+            for r, r0, r1, gp, m, bl, am, first, nblk, cut in pend:
+                ps = a + r0
+                tot = torch.tensor([float(rsum[row_pos[(sp.seg.key, r)]])], dtype=torch.float64).float() / S
+                v1 = vr[r - a // S:r - a // S + 1]
+                v1.mul_(beta2).add_(tot.to(v1.device), alpha=1.0 - beta2)
+                c0 = ps - r * S
+                denom = (v1.sqrt() * col_f[c0:c0 + (r1 - r0)]).div_(sqrt_bc2).add_(eps)
+                sigma = denom.reciprocal_().mul_(1.0 / bc1)
+                for b in cut:
+                    am[b - ps // B] = float(bmax[blk_pos[(sp.seg.key, b)]])
+                sblk = sc[first:first + nblk]
+                sblk.copy_(am)
+                A = am[bl]
+                z = torch.where(A > 0, m / torch.where(A > 0, A, torch.ones_like(A)), torch.zeros_like(m))
+                new = nearest_codeword(z, cb)
+                ix[r0:r1].copy_(new)
+                u = (cb[new.long()] * A).mul_(sigma).mul_(lr)
+                pr = p[r0:r1]
+                if weight_decay != 0.0:
+                    pr.mul_(decay)
+                pr.sub_(u)
 
 
 def counts_to_codebook(counts: torch.Tensor):

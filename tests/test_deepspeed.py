@@ -4,8 +4,10 @@ The worker (tests/dist/ds_check.py) checks, against single-process Gefen on the 
 batch: identical codebook and periods, parameters within 1e-6 relative after 10 steps (ZeRO-1,
 ZeRO-2 with gradient accumulation + round_robin_gradients + the JSON WarmupLR, ZeRO-2 with
 clipping, ZeRO-2 CPU offload, ZeRO-3 with zero.Init and several sub-groups, the client-optimizer
-path through ``gefen_dist.integrations.deepspeed.initialize``); bit-identical resume and
-``zero_to_fp32`` for ZeRO-2 and ZeRO-3; bf16 through ZeRO-2 and the BF16_Optimizer; the
+path through ``gefen_dist.integrations.deepspeed.initialize``); the factored second moment
+(``second_moment="factored"``) under ZeRO-2 and ZeRO-3 against ``Gefen(second_moment="factored",
+fused=False)``, with cut rows' ``v_row`` identical on both ranks; bit-identical resume and
+``zero_to_fp32`` for ZeRO-2 and ZeRO-3 (and ZeRO-3 factored); bf16 through ZeRO-2 and the BF16_Optimizer; the
 refusals. fp16 loss-scale skips need a GPU (DeepSpeed's CPU accelerator has no fp16).
 """
 import os
@@ -18,7 +20,7 @@ import pytest
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = "z1,z2,z2clip,z2off,z2client,z3,ck2,ck3,bf16,bf16opt,refuse,fp16"
+CASES = "z1,z2,z2clip,z2off,z2client,z3,z2f,z3f,ck2,ck3,ck3f,bf16,bf16opt,refuse,fp16"
 
 
 @pytest.mark.dist

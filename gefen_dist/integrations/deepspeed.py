@@ -60,12 +60,6 @@ class Gefen(_opt_mod.Gefen):
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
-        for gi, g in enumerate(self.param_groups):
-            if g.get("second_moment", "shared") != "shared":
-                raise ValueError(
-                    f"Gefen under DeepSpeed supports second_moment='shared' only (param group {gi} has "
-                    f"{g['second_moment']!r}); remove it from the JSON params or use FSDP2/DDP for the "
-                    "factored second moment")
         self._ds_orig: List[torch.Tensor] = []
         self._ds_names: Dict[int, str] = {}
         for gi, g in enumerate(self.param_groups):
@@ -169,8 +163,14 @@ class Gefen(_opt_mod.Gefen):
     def _step_flat(self, group: dict, flat: torch.Tensor) -> None:
         fs = self._ds_flats[id(flat)]
         st = self.state.get(flat)
+        factored = group.get("second_moment", "shared") == "factored"
         if not st:
-            st = self.state[flat] = fs.new_state(flat, self._codebook_for(flat.device))
+            st = self.state[flat] = fs.new_state(flat, self._codebook_for(flat.device), factored=factored)
+        elif ("v_col" in st) != factored:
+            raise ValueError(
+                f"{fs.where}: the optimizer state holds a {'factored' if 'v_col' in st else 'shared'} second "
+                f"moment but the param group asks for second_moment={group.get('second_moment', 'shared')!r}; "
+                "resume with the setting the checkpoint was saved with")
         grad = flat.grad
         if grad.dtype != torch.float32:
             grad = grad.float()
@@ -217,7 +217,8 @@ class Gefen(_opt_mod.Gefen):
             fs = self._ds_flats.get(id(k))
             if fs is None:
                 continue
-            nb = sum(st[x].numel() * st[x].element_size() for x in ("idx", "scale", "v", "exact_m", "exact_v"))
+            nb = sum(st[x].numel() * st[x].element_size()
+                     for x in ("idx", "scale", "v", "v_row", "v_col", "exact_m", "exact_v") if x in st)
             for seg, per in zip(fs.segments, st["periods"]):
                 rep.append(dict(name=seg.name, shape=seg.shape, numel=math.prod(seg.shape), local_numel=seg.numel,
                                 dtype="float32", kind="exact" if per == 0 else "quantized", period=per,

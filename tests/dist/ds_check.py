@@ -26,6 +26,7 @@ from gefen_dist.comm import LocalComm  # noqa: E402
 
 CFG_DIR = os.path.join(REPO, "integrations", "deepspeed")
 MB = 4  # micro batch per rank
+FACTORED = {"optimizer.params.second_moment": "factored"}
 COLS = torch.linspace(0.2, 3.0, 95)  # column scales: gives the weight gradients a period
 
 
@@ -96,10 +97,11 @@ def train(engine, steps, ga, start=0, dtype=torch.float32):
     return losses
 
 
-def reference(steps, ga, lrs, clip, per_micro=False):
+def reference(steps, ga, lrs, clip, per_micro=False, second_moment="shared"):
     torch.manual_seed(0)
     m = Net()
-    opt = PlainGefen(groups(m), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    kw = dict(second_moment="factored", fused=False) if second_moment == "factored" else {}
+    opt = PlainGefen(groups(m), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, **kw)
     opt._comm = LocalComm()  # single-process oracle
     ws = dist.get_world_size()
     params = list(m.parameters())
@@ -158,10 +160,10 @@ def make_engine(cfg, zinit=False, client=False):
     return deepspeed.initialize(model=m, model_parameters=groups(m), config=cfg)
 
 
-def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6):
+def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="shared"):
     opt = engine.basic_optimizer if hasattr(engine, "basic_optimizer") else engine.optimizer
     assert isinstance(opt, gds.Gefen), type(opt)
-    ref, ref_opt = reference(steps, ga, lrs, clip, per_micro=stage >= 2)
+    ref, ref_opt = reference(steps, ga, lrs, clip, per_micro=stage >= 2, second_moment=second_moment)
     assert opt.codebook is not None
     if not torch.equal(opt.codebook.cpu(), ref_opt.codebook):
         raise AssertionError(f"{case}: codebook differs, max {float((opt.codebook.cpu() - ref_opt.codebook).abs().max()):.2e}")
@@ -191,9 +193,52 @@ def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6):
     # state is ~1 byte/param: uint8 indices
     for st in opt.state.values():
         assert st["idx"].dtype == torch.uint8
+        assert ("v_col" in st) == (second_moment == "factored") and ("v" in st) != ("v_col" in st), (case, list(st))
+    if second_moment == "factored":
+        check_factored_state(case, opt, ref_opt)
     log(f"OK {case}: codebook and periods {sorted(set(opt.periods().values()))} identical, max rel param diff "
         f"{worst:.2e} ({flips} isolated codeword flips)")
     return worst
+
+
+def check_factored_state(case, opt, ref_opt):
+    """v_col of every held tensor and v_row of every row match the reference's (1e-6 relative), and a
+    row cut by a partition edge has a bit-identical v_row on the ranks that share it."""
+    from gefen_dist.segments import _plan
+
+    ref_by_shape = {}
+    for g in ref_opt.param_groups:
+        for p in g["params"]:
+            if "v_col" in ref_opt.state[p]:
+                ref_by_shape[tuple(p.shape)] = ref_opt.state[p]
+    rows, n_cut, vdiff, cdiff = {}, 0, 0.0, 0.0
+    for k, st in opt.state.items():
+        fs = opt._ds_flats[id(k)]
+        plan, *_ = _plan(fs.segments, st["periods"], fs.small_threshold, True)
+        for sp, lrn in zip(plan, st["learned"]):
+            if sp.exact or not sp.seg.numel or not lrn:
+                continue
+            rst = ref_by_shape[sp.seg.shape]
+            vc = st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n].cpu()
+            cdiff = max(cdiff, float((vc - rst["v_col"]).abs().max() / rst["v_col"].abs().max()))
+            S = rst["v_col"].numel()
+            a, e = sp.seg.param_offset, sp.seg.param_offset + sp.seg.numel
+            for j in range(sp.v_n):
+                r = a // S + j
+                val = st["v_row"][sp.v_off + j].cpu()
+                vdiff = max(vdiff, float((val - rst["v_row"][r, 0]).abs() / rst["v_row"].abs().max()))
+                if r * S < a or (r + 1) * S > e:  # partial row here
+                    rows[(sp.seg.key, r)] = float(val)
+    allr = [None] * dist.get_world_size()
+    dist.all_gather_object(allr, rows)
+    for key in set().union(*allr):
+        vals = [r[key] for r in allr if key in r]
+        assert len(set(vals)) == 1, (case, key, vals)
+        n_cut += len(vals) > 1
+    assert n_cut >= 1, (case, "no row was cut by a partition edge")
+    assert vdiff <= 1e-6 and cdiff <= 1e-6, (case, vdiff, cdiff)
+    log(f"   {case}: {n_cut} cut row(s) with identical v_row on the ranks sharing them; max rel diff to the "
+        f"reference: v_row {vdiff:.1e}, v_col {cdiff:.1e}")
 
 
 def case_exact(case, cfg_name, stage, steps=int(os.environ.get("DS_STEPS", 10)), ga=1, zinit=False, client=False, **over):
@@ -209,12 +254,13 @@ def case_exact(case, cfg_name, stage, steps=int(os.environ.get("DS_STEPS", 10)),
             log("dbg", s, engine.global_steps, engine.skipped_steps, [g["lr"] for g in bo.param_groups],
                 [st["step"] for st in bo.state.values()], engine.lr_scheduler.get_last_lr())
     assert len(set(lrs)) > 1 or steps < 2 or "scheduler" not in cfg, f"{case}: lr schedule not applied {lrs}"
-    compare(case, engine, stage, steps, ga, lrs, cfg.get("gradient_clipping", 0.0))
+    compare(case, engine, stage, steps, ga, lrs, cfg.get("gradient_clipping", 0.0),
+            second_moment=cfg.get("optimizer", {}).get("params", {}).get("second_moment", "shared"))
     return engine
 
 
-def case_ckpt(case, cfg_name, stage, ckdir, zinit=False):
-    cfg = load_cfg(cfg_name)
+def case_ckpt(case, cfg_name, stage, ckdir, zinit=False, **over):
+    cfg = load_cfg(cfg_name, **over)
     d = os.path.join(ckdir, case)
     engine, *_ = make_engine(cfg, zinit=zinit)
     train(engine, 3, 1)
@@ -331,6 +377,13 @@ def main():
         elif c == "z3":
             case_exact("zero3+zero.Init+sub_group_size", "gefen_zero3.json", 3, zinit=True,
                        **{"zero_optimization.sub_group_size": 7000})
+        elif c == "z2f":  # factored second moment (row/column cut by the partition edge)
+            case_exact("zero2 factored", "gefen_zero2.json", 2, gradient_clipping=0.0, **FACTORED)
+        elif c == "z3f":
+            case_exact("zero3 factored+zero.Init+sub_group_size", "gefen_zero3.json", 3, zinit=True,
+                       **{"zero_optimization.sub_group_size": 7000}, **FACTORED)
+        elif c == "ck3f":
+            case_ckpt("ckpt-zero3 factored", "gefen_zero3.json", 3, args.ckpt, **FACTORED)
         elif c == "ck2":
             case_ckpt("ckpt-zero2", "gefen_zero2.json", 2, args.ckpt)
         elif c == "ck3":
