@@ -1,0 +1,392 @@
+"""The fused CPU step kernel (gefen_dist.kernels.cpu) against the eager reference.
+
+Agreement contract (see the module docstring of gefen_dist.kernels.cpu):
+* idx, scale and v bitwise equal to quantized_step_eager_ (v: when torch's sum order is
+  reproduced on this machine; otherwise v differs in the last bit in some blocks);
+* float32 parameters within rtol 1e-6 (atol 1e-6 * max|p|) after 100 steps: the kernel's
+  sqrt is correctly rounded, torch's (MKL) is not, so sigma may differ by one ulp;
+* bfloat16 parameters: the same one-ulp sigma difference flips the single float32 -> bf16
+  rounding for a tiny fraction of elements (at most 1e-3 here), by one bf16 ulp.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from gefen_dist.core.quant import nearest_codeword
+from gefen_dist.core.step import bias_corrections, quantized_step_eager_
+from gefen_dist.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(),
+                                reason="native gefen_step library unavailable (no C compiler)")
+
+
+# --------------------------------------------------------------------------------------
+# codebooks
+# --------------------------------------------------------------------------------------
+
+def _pinned(inner: torch.Tensor) -> torch.Tensor:
+    inner = torch.unique(inner.float().clamp(-0.999999, 0.999999))
+    assert inner.numel() == 254
+    return torch.cat([torch.tensor([-1.0]), inner, torch.tensor([1.0])])
+
+
+def random_codebook(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return _pinned(torch.rand(254, generator=g) * 2 - 1)
+
+
+def dp_codebook() -> torch.Tensor:
+    """A realistic codebook: the optimal one for a bell-shaped histogram."""
+    return _dp_codebook().clone()
+
+
+@functools.lru_cache(maxsize=None)
+def _dp_codebook() -> torch.Tensor:
+    from gefen_dist.core.codebook import NUM_BINS, solve_codebook
+
+    c = (np.arange(NUM_BINS) + 0.5) / NUM_BINS * 2 - 1
+    counts = np.round(1e6 * np.exp(-0.5 * (c / 0.15) ** 2)).astype(np.int64) + 1
+    return solve_codebook(counts).codebook.float()
+
+
+def dense_codebook() -> torch.Tensor:
+    """Codewords 1e-6 apart near 0: too dense for a two-candidate table (scan mode)."""
+    g = torch.Generator().manual_seed(3)
+    outer = torch.rand(224, generator=g) * 2 - 1
+    outer = outer[outer.abs() > 1e-3]
+    dense = (torch.arange(254 - outer.numel(), dtype=torch.float64) * 1e-6 - 1e-5).float()
+    return _pinned(torch.cat([outer, dense]))
+
+
+CODEBOOKS = {"random": random_codebook, "dp": dp_codebook, "dense": dense_codebook}
+
+
+@pytest.fixture(scope="module", params=sorted(CODEBOOKS))
+def codebook(request):
+    return CODEBOOKS[request.param]()
+
+
+def test_table_modes():
+    assert cpu.codebook_table(random_codebook()).mode == 1
+    assert cpu.codebook_table(dp_codebook()).mode == 1
+    assert cpu.codebook_table(dense_codebook()).mode == 0
+
+
+def test_table_cache_keyed_by_contents():
+    cb = random_codebook(5)
+    t1 = cpu.codebook_table(cb)
+    assert cpu.codebook_table(cb.clone()) is t1
+    cb2 = cb.clone()
+    cb2[100] = (cb2[99] + cb2[100]) / 2  # same tensor object edited in place -> new table
+    assert cpu.codebook_table(cb2) is not t1
+
+
+# --------------------------------------------------------------------------------------
+# nearest codeword: table lookup == searchsorted + tie rule, for every float32 z
+# --------------------------------------------------------------------------------------
+
+def _ulp_neighbours(x: np.ndarray, k: int = 3) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    out = [x]
+    up, down = x.copy(), x.copy()
+    for _ in range(k):
+        up = np.nextafter(up, np.float32(np.inf))
+        down = np.nextafter(down, np.float32(-np.inf))
+        out += [up, down]
+    return np.concatenate(out)
+
+
+def adversarial_z(cb: torch.Tensor) -> np.ndarray:
+    c = cb.numpy().astype(np.float64)
+    mids64 = (c[1:] + c[:-1]) / 2
+    specials = np.array([0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 1e30, -1e30, np.inf, -np.inf, np.nan,
+                         1e-45, -1e-45, 1e-40, -1e-40, 1.1754944e-38, -1.1754944e-38, 0.5, -0.5],
+                        dtype=np.float32)
+    tab = cpu.codebook_table(cb)
+    bounds = cpu._bucket_lower_bounds(tab.nb)[1:]
+    parts = [
+        _ulp_neighbours(c.astype(np.float32)),
+        _ulp_neighbours(mids64.astype(np.float32)),
+        # exact float32 midpoints where they exist, and float32 rounding of the double ones
+        _ulp_neighbours(((c[1:].astype(np.float32) + c[:-1].astype(np.float32)) / 2)),
+        _ulp_neighbours(specials, 2),
+        _ulp_neighbours(bounds, 1),
+    ]
+    rng = np.random.default_rng(0)
+    parts.append(rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32))
+    parts.append(rng.uniform(-1, 1, 1 << 20).astype(np.float32))
+    parts.append((rng.standard_normal(1 << 18) * 1e-3).astype(np.float32))
+    return np.concatenate(parts)
+
+
+def test_lut_nearest_matches_reference(codebook):
+    z = torch.from_numpy(adversarial_z(codebook))
+    ref = nearest_codeword(z, codebook)
+    got = cpu.nearest_lut(z, codebook)
+    bad = torch.nonzero(ref != got).flatten()
+    assert bad.numel() == 0, (z[bad[:5]].tolist(), ref[bad[:5]].tolist(), got[bad[:5]].tolist())
+
+
+def test_sweep_reference_is_torch(codebook):
+    """The C brute-force reference that the sweeps below compare the table with agrees with
+    torch's searchsorted + tie rule."""
+    z = torch.from_numpy(adversarial_z(codebook))
+    assert torch.equal(cpu._nearest_bruteforce(z, codebook), nearest_codeword(z, codebook))
+
+
+def test_lut_sweep_binades(codebook):
+    """Every float32 with 2^-8 <= |z| <= 1 (both signs, 2*8*2^23 patterns) plus the 4096
+    patterns just beyond +-1 (smaller |z|: random and adversarial sets above, and the
+    opt-in sweep of all 2^32 patterns)."""
+    lo = np.float32(2.0 ** -8).view(np.uint32)
+    one = np.float32(1.0).view(np.uint32)
+    for sign in (0, 0x80000000):
+        bad, where = cpu.nearest_sweep(codebook, int(lo) | sign, (int(one) + 4096) | sign)
+        assert bad == 0, hex(where)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GEFEN_DIST_SLOW_TESTS", "0") in ("", "0"),
+                    reason="~2 min; set GEFEN_DIST_SLOW_TESTS=1")
+def test_lut_sweep_all_floats():
+    """All 2^32 float32 bit patterns, three codebooks."""
+    for cb in (random_codebook(), dp_codebook(), dense_codebook()):
+        bad, where = cpu.nearest_sweep(cb, 0, 2**32 - 1)
+        assert bad == 0, hex(where)
+
+
+# --------------------------------------------------------------------------------------
+# the step against the eager path
+# --------------------------------------------------------------------------------------
+
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+def _state(n, P, B, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    idx = torch.full((n,), 127, dtype=torch.uint8)
+    return p, idx, torch.zeros(n // B), torch.zeros(n // P)
+
+
+@pytest.fixture
+def one_thread():
+    """Eager comparisons run single-threaded: torch's intra-op threads make the many small
+    eager ops slow on a loaded machine. (1 vs 2 kernel threads is tested bitwise below.)"""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _run_both(shape, P, B, dtype, cb, steps, seed=0, hp=HP, grad_hook=None):
+    n = math.prod(shape)
+    ref = _state(n, P, B, dtype, seed)
+    fus = tuple(t.clone() for t in ref)
+    g = torch.Generator().manual_seed(seed + 1)
+    row_scale = torch.exp(torch.randn(shape[0], 1, generator=g)).expand(shape).reshape(-1)
+    for step in range(1, steps + 1):
+        grad = (torch.randn(n, generator=g) * 1e-3 * row_scale).to(dtype)
+        if grad_hook is not None:
+            grad_hook(step, grad)
+        bc1, bc2 = bias_corrections(step, hp["beta1"], hp["beta2"])
+        kw = dict(hp, bc1=bc1, bc2=bc2, period=P, scale_block=B)
+        quantized_step_eager_(*ref[:1], grad, *ref[1:], cb, **kw)
+        cpu.quantized_step_(*fus[:1], grad, *fus[1:], cb, **kw)
+    return ref, fus
+
+
+def _assert_state_equal(ref, fus):
+    _, idx, sc, v = ref
+    _, idx2, sc2, v2 = fus
+    assert torch.equal(idx, idx2), (idx != idx2).float().mean().item()
+    assert torch.equal(sc.view(torch.int32), sc2.view(torch.int32))
+    if cpu.numerics().sum_lanes:
+        assert torch.equal(v.view(torch.int32), v2.view(torch.int32)), (v != v2).float().mean().item()
+    else:  # double accumulation: last-bit differences in some blocks
+        torch.testing.assert_close(v2, v, rtol=1e-6, atol=0)
+
+
+def _assert_params_close(p, p2):
+    if p.dtype == torch.float32:
+        torch.testing.assert_close(p2, p, rtol=1e-6, atol=1e-6 * p.abs().max().item())
+    else:
+        a, b = p.float(), p2.float()
+        diff = (a - b).abs()
+        assert (diff > 0).float().mean().item() <= 1e-3
+        assert bool((diff <= a.abs() * 2.0 ** -7 + 1e-30).all())
+
+
+CASES = [
+    # (shape, P, B)
+    ((64, 384), 1, 256),
+    ((64, 192), 64, 64),
+    ((32, 768), 768, 768),
+    ((16, 1031), 1031, 1031),
+]
+
+
+@pytest.mark.parametrize("shape,P,B", CASES)
+def test_matches_eager_fp32(shape, P, B, one_thread):
+    cb = dp_codebook()
+    ref, fus = _run_both(shape, P, B, torch.float32, cb, steps=100)
+    _assert_state_equal(ref, fus)
+    _assert_params_close(ref[0], fus[0])
+
+
+@pytest.mark.parametrize("shape,P,B", [CASES[0], CASES[2]])
+def test_matches_eager_bf16(shape, P, B, one_thread):
+    cb = dp_codebook()
+    ref, fus = _run_both(shape, P, B, torch.bfloat16, cb, steps=100)
+    _assert_state_equal(ref, fus)
+    _assert_params_close(ref[0], fus[0])
+
+
+@pytest.mark.parametrize("cbname", ["random", "dense"])
+def test_matches_eager_other_codebooks(cbname, one_thread):
+    ref, fus = _run_both((32, 768), 768, 768, torch.float32, CODEBOOKS[cbname](), steps=20)
+    _assert_state_equal(ref, fus)
+    _assert_params_close(ref[0], fus[0])
+
+
+def test_large_prime_period(one_thread):
+    ref, fus = _run_both((8, 4099), 4099, 4099, torch.float32, dp_codebook(), steps=20)
+    _assert_state_equal(ref, fus)
+    _assert_params_close(ref[0], fus[0])
+
+
+def test_per_element_v_odd_scale_block(one_thread):
+    ref, fus = _run_both((1031, 12), 1, 1031, torch.float32, dp_codebook(), steps=20)
+    _assert_state_equal(ref, fus)
+    _assert_params_close(ref[0], fus[0])
+
+
+@pytest.mark.parametrize("hp", [dict(HP, weight_decay=0.0), dict(HP, beta1=0.3, lr=3e-2)])
+def test_no_decay_and_large_lerp_weight(hp, one_thread):
+    ref, fus = _run_both((16, 768), 768, 768, torch.float32, dp_codebook(), steps=20, hp=hp)
+    _assert_state_equal(ref, fus)
+    _assert_params_close(ref[0], fus[0])
+
+
+def test_nonfinite_gradients_like_eager(one_thread):
+    def hook(step, grad):
+        if step == 3:
+            grad[5] = float("nan")
+            grad[800] = float("inf")
+
+    ref, fus = _run_both((4, 768), 768, 768, torch.float32, dp_codebook(), steps=4,
+                         grad_hook=hook)
+    assert torch.equal(ref[1], fus[1])
+    assert torch.equal(ref[2].isnan(), fus[2].isnan())
+    assert torch.equal(ref[0].isnan(), fus[0].isnan())
+    assert torch.equal(ref[3].isnan(), fus[3].isnan())
+
+
+# --------------------------------------------------------------------------------------
+# determinism
+# --------------------------------------------------------------------------------------
+
+def _fused_run(shape, P, B, dtype, steps=3):
+    cb = dp_codebook()
+    n = math.prod(shape)
+    p, idx, sc, v = _state(n, P, B, dtype, 7)
+    g = torch.Generator().manual_seed(8)
+    for step in range(1, steps + 1):
+        grad = (torch.randn(n, generator=g) * 1e-3).to(dtype)
+        bc1, bc2 = bias_corrections(step, 0.9, 0.999)
+        cpu.quantized_step_(p, grad, idx, sc, v, cb, **HP, bc1=bc1, bc2=bc2, period=P,
+                            scale_block=B)
+    return p, idx, sc, v
+
+
+def _bitwise(a, b):
+    for x, y in zip(a, b):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape,P,B,dtype", [((512, 768), 768, 768, torch.float32),
+                                             ((512, 768), 1, 256, torch.float32),
+                                             ((64, 4099), 4099, 4099, torch.bfloat16)])
+def test_thread_count_independent(shape, P, B, dtype):
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _fused_run(shape, P, B, dtype)
+        torch.set_num_threads(2)
+        two = _fused_run(shape, P, B, dtype)
+    finally:
+        torch.set_num_threads(old)
+    _bitwise(one, two)
+
+
+def test_recompute_path_equals_buffered(monkeypatch):
+    for P, B in ((768, 768), (1, 256)):
+        buffered = _fused_run((128, 768), P, B, torch.float32)
+        monkeypatch.setattr(cpu, "_BUF_MAX_ELEMS", 0)
+        recomputed = _fused_run((128, 768), P, B, torch.float32)
+        monkeypatch.undo()
+        _bitwise(buffered, recomputed)
+
+
+@pytest.mark.skipif(not cpu.simd_compiled(), reason="AVX-512 VBMI path not compiled for this CPU")
+@pytest.mark.parametrize("shape,P,B,dtype", [((8, 768), 768, 768, torch.float32),
+                                             ((4, 1031), 1031, 1031, torch.bfloat16),
+                                             ((16, 256), 1, 256, torch.float32),
+                                             ((1031, 4), 1, 1031, torch.bfloat16),
+                                             ((10, 100), 100, 100, torch.float32),
+                                             ((7, 7), 7, 7, torch.bfloat16),
+                                             ((5, 5), 1, 1, torch.float32)])
+@pytest.mark.parametrize("variant", ["plain", "recompute", "nonfinite", "no_decay_large_w"])
+def test_simd_path_equals_portable(monkeypatch, shape, P, B, dtype, variant):
+    """The AVX-512 VBMI path (register codebook lookups) is bitwise the portable C path,
+    including block tails (B not a multiple of 64), NaN/inf gradients and both lerp forms."""
+    cb = dp_codebook()
+    n = math.prod(shape)
+    hp = dict(HP, weight_decay=0.0, beta1=0.3) if variant == "no_decay_large_w" else HP
+    if variant == "recompute":
+        monkeypatch.setattr(cpu, "_BUF_MAX_ELEMS", 0)
+    outs = []
+    for simd in (True, False):
+        monkeypatch.setattr(cpu, "_USE_SIMD", simd)
+        p, idx, sc, v = _state(n, P, B, dtype, 11)
+        g = torch.Generator().manual_seed(12)
+        for step in range(1, 4):
+            grad = (torch.randn(n, generator=g) * 1e-3).to(dtype)
+            if variant == "nonfinite" and step == 2:
+                grad[n // 3] = float("nan")
+                grad[n // 2] = float("inf")
+            bc1, bc2 = bias_corrections(step, hp["beta1"], hp["beta2"])
+            cpu.quantized_step_(p, grad, idx, sc, v, cb, **hp, bc1=bc1, bc2=bc2, period=P,
+                                scale_block=B)
+        outs.append((p, idx, sc, v))
+    _bitwise(*outs)
+
+
+# --------------------------------------------------------------------------------------
+# contract
+# --------------------------------------------------------------------------------------
+
+def test_rejects_bad_arguments():
+    cb = dp_codebook()
+    p, idx, sc, v = _state(768 * 2, 768, 768, torch.float32, 0)
+    g = torch.zeros_like(p)
+    kw = dict(HP, bc1=0.1, bc2=0.001)
+    with pytest.raises(ValueError):
+        cpu.quantized_step_(p, g, idx, sc, v, cb, **kw, period=64, scale_block=768)
+    with pytest.raises(ValueError):
+        cpu.quantized_step_(p, g.double(), idx, sc, v, cb, **kw, period=768, scale_block=768)
+    with pytest.raises(ValueError):
+        cpu.quantized_step_(p, g, idx, sc, v, cb.flip(0), **kw, period=768, scale_block=768)
+
+
+def test_falls_back_to_eager_without_native(monkeypatch, one_thread):
+    monkeypatch.setenv("GEFEN_DIST_NO_NATIVE", "1")
+    assert not cpu.available()
+    ref, fus = _run_both((8, 768), 768, 768, torch.float32, dp_codebook(), steps=3)
+    _bitwise(ref, fus)
