@@ -4,8 +4,9 @@ Parameters are plain tensors replicated on every rank and their gradients are id
 rank (DDP has all-reduced them). The optimizer state is partitioned: all trainable parameters are
 flattened and concatenated in param-group order into one *global parameter space*, and each rank
 owns one contiguous, block-aligned range of it (:func:`partition`). A rank keeps Gefen's state
-(``idx``/``scale``/``v``, or ``exp_avg``/``exp_avg_sq`` for exact tensors) only for the elements it
-owns, as flat slices of the single-process state.
+(``idx``/``scale``/``v``, ``idx``/``scale``/``v_row`` for ``second_moment="factored"``, or
+``exp_avg``/``exp_avg_sq`` for exact tensors) only for the elements it owns, as flat slices of the
+single-process state; a factored tensor's column factor ``v_col`` (``[row]``) is replicated.
 
 A step:
 
@@ -15,23 +16,33 @@ A step:
    ``P > 1`` the new ``idx`` bytes plus, per block, the new absmax scale ``M_b`` and the step size
    ``sigma_b`` (float32); for exact tensors and ``P == 1`` tensors (whose step size is per element,
    so the compressed form would be larger than the values) the new parameter values, bitwise, in
-   the parameter's dtype;
+   the parameter's dtype; for a factored tensor (always cut at rows) the new ``idx`` bytes, per
+   scale block ``M_b`` and per row ``sqrt(v_row_i)`` (float32), or its new values when that is not
+   smaller (:func:`factored_wire_compressed`);
 2. one ``all_gather`` of the byte buffers (padded to the largest rank's size; ranks that own
    nothing still take part);
 3. every rank applies every range with the same code: for element ``i`` of block ``b``
    ``p_i <- p_i * (1 - lr*wd) - ((C[idx_i] * M_b) * sigma_b) * lr`` in float32, in the eager step's
-   exact operation order (decay skipped when ``wd == 0``), or copies the dense values.
+   exact operation order (decay skipped when ``wd == 0``), or copies the dense values. Factored:
+   every rank first updates its replicated ``v_col`` from the column means of ``g^2``, which it
+   computes itself from its whole (DDP) gradient with Gefen's own code (float64 sums, so bitwise
+   the single-process values; no collective), then applies
+   ``sigma_ij = (1 / ((sqrt(v_row_i) * sqrt(v_col_j / mean(v_col))) / sqrt(bc2) + eps)) * (1/bc1)``
+   and ``p_ij <- p_ij * (1 - lr*wd) - ((C[idx_ij] * M_b) * sigma_ij) * lr`` in
+   :func:`~gefen_dist.core.step.quantized_step_factored_eager_`'s order.
 
 So replicas stay bitwise identical, and equal single-process :class:`~gefen_dist.Gefen` with the
 same ``fused`` setting bitwise: with ``fused=False`` the owner replays the eager step's
 operations; with the native kernel (``fused=None`` on CPU) the owner updates its state with the
 kernel (on a scratch copy of its parameter slice) and computes ``sigma`` with the kernel's float32
-operations and a correctly rounded sqrt, so the applied update is the kernel's.
+operations and a correctly rounded sqrt, so the applied update is the kernel's. Gefen's factored
+step is always the eager one (the native kernel has no factored path), so is ZeroGefen's.
 
 The partition balances the ranks' *state bytes* and cuts a tensor only at its blocks: a quantized
 tensor's unit is its scale block ``B`` (``P``, or the row-aligned absmax block when ``P == 1``;
 costing ``B`` idx bytes + one fp32 scale + ``B/P`` fp32 second moments), an exact tensor's unit is
-one element (8 bytes). Each rank's state is within one unit's bytes of the mean. Periods are only
+one element (8 bytes), a factored tensor's unit is always its row (``row`` idx bytes + ``row/B``
+fp32 scales + one fp32 ``v_row``). Each rank's state is within one unit's bytes of the mean. Periods are only
 known after learning, so the partition is decided when state is first created (first step,
 :meth:`ZeroGefen.init_state`, :meth:`ZeroGefen.load_state_dict`), with a quantized tensor whose
 period is unknown cut only at its rows (every row is a whole number of blocks for every period it
@@ -60,23 +71,26 @@ from torch.optim import Optimizer
 
 from .core import periods as _periods
 from .core.quant import nearest_codeword
-from .core.step import adamw_step_, bias_corrections, quantized_step_eager_
+from .core.step import adamw_step_, bias_corrections, quantized_step_eager_, quantized_step_factored_eager_
 from .layout import Geometry, Piece, global_shape, is_dtensor, is_exact
 from .optimizer import Gefen, Report, _scalar
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZeroGefen", "partition", "unit_cost", "step_wire_bytes", "MODE_LOCAL", "MODE_COMPRESSED", "MODE_DENSE"]
+__all__ = ["ZeroGefen", "partition", "unit_cost", "step_wire_bytes", "factored_wire_compressed", "MODE_LOCAL",
+           "MODE_COMPRESSED", "MODE_DENSE", "MODE_FACTORED"]
 
 # How one parameter's update travels in a step.
 MODE_LOCAL = 0       # nothing travels (a quantized tensor whose gradient was always zero: decay only)
 MODE_COMPRESSED = 1  # idx bytes + per-block fp32 (M, sigma): period > 1
 MODE_DENSE = 2       # new values in the parameter's dtype: exact tensors and period == 1
+MODE_FACTORED = 3    # second_moment="factored": idx bytes + per-block fp32 M + per-row fp32 sqrt(v_row)
 
 _ALIGN = 8                   # every segment in a byte buffer starts at a multiple of 8 bytes
 _CHUNK_ELEMS = 1 << 22       # elements per chunk when applying / updating (bounds fp32 temporaries)
 _SCRATCH_ELEMS = 1 << 20     # scratch parameter chunk for the native kernel's state-only call
 _Q_KEYS = ("idx", "scale", "v")
+_F_KEYS = ("idx", "scale", "v_row")  # sliced by rows; v_col is replicated (the same on every rank)
 _E_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -135,12 +149,18 @@ def partition(specs: Sequence[Tuple[int, int, int]], world_size: int) -> List[Li
     return out
 
 
-def unit_cost(exact: bool, period: int, scale_block: int) -> Tuple[int, int]:
+def unit_cost(exact: bool, period: int, scale_block: int, row: Optional[int] = None) -> Tuple[int, int]:
     """``(unit, cost)`` of a tensor for :func:`partition`: exact tensors are cut anywhere and
     cost 8 bytes (fp32 m and v) per element; quantized ones only at scale blocks ``B``, which
-    cost ``B`` idx bytes + one fp32 scale + ``B/P`` fp32 second moments."""
+    cost ``B`` idx bytes + one fp32 scale + ``B/P`` fp32 second moments. ``row`` given: a
+    factored (``second_moment="factored"``) tensor with rows of ``row`` elements, cut only at
+    rows, a row costing ``row`` idx bytes + ``row/B`` fp32 scales + one fp32 ``v_row`` (its
+    replicated ``v_col`` is the same on every rank and does not enter the balance)."""
     if exact:
         return 1, 8
+    if row is not None:
+        row = int(row)
+        return row, row + 4 * (row // int(scale_block)) + 4
     B = max(int(period), int(scale_block))
     return B, B + 4 + 4 * (B // int(period))
 
@@ -161,25 +181,37 @@ class _Plan:
         return self.ranges[self.index[id(p)]]
 
 
-def step_wire_bytes(items: Sequence[Tuple[int, int, int, Sequence[Tuple[int, int]]]], world_size: int) -> List[int]:
+def step_wire_bytes(items: Sequence[tuple], world_size: int) -> List[int]:
     """Bytes each rank puts in the step's all-gather (before padding to the largest).
 
     ``items``: per updated parameter ``(mode, period, itemsize, ranges)`` with ``ranges[r]`` the
-    flat range rank ``r`` owns. Compressed: ``n`` idx bytes + ``2 * n / P`` float32 (M, sigma);
-    dense: ``n * itemsize`` bytes; each segment padded to 8 bytes. This is the function the
-    optimizer sizes its buffers with (and the benchmark counts with).
+    flat range rank ``r`` owns; for ``MODE_FACTORED`` ``(mode, scale_block, itemsize, ranges, row)``.
+    Compressed: ``n`` idx bytes + ``2 * n / P`` float32 (M, sigma); factored: ``n`` idx bytes +
+    ``n / B`` float32 M + ``n / row`` float32 ``sqrt(v_row)``; dense: ``n * itemsize`` bytes; each
+    segment padded to 8 bytes. This is the function the optimizer sizes its buffers with (and the
+    benchmark counts with).
     """
     sizes = [0] * world_size
-    for mode, period, itemsize, ranges in items:
+    for mode, period, itemsize, ranges, *rest in items:
         for r, (s, e) in enumerate(ranges):
             n = e - s
             if n == 0 or mode == MODE_LOCAL:
                 continue
             if mode == MODE_COMPRESSED:
                 sizes[r] += _pad(n) + _pad(4 * (n // period)) * 2
+            elif mode == MODE_FACTORED:
+                sizes[r] += _pad(n) + _pad(4 * (n // period)) + _pad(4 * (n // int(rest[0])))
             else:
                 sizes[r] += _pad(n * itemsize)
     return sizes
+
+
+def factored_wire_compressed(scale_block: int, row: int, itemsize: int) -> bool:
+    """Whether a factored tensor's update travels compressed (``MODE_FACTORED``): when
+    ``1 + 4/B + 4/row`` bytes per element (idx + M + sqrt(v_row)) are fewer than the parameter's
+    ``itemsize``; otherwise its new values travel (``MODE_DENSE``). Integer arithmetic."""
+    B, row = int(scale_block), int(row)
+    return B * row + 4 * row + 4 * B < int(itemsize) * B * row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,15 +223,17 @@ class ZeroGefen(Gefen):
 
     Each rank keeps Gefen's state only for its block-aligned share of the parameters (about
     ``1/world_size`` of it) and, after updating it, all-gathers the update in its compressed form
-    (1-byte indices plus two float32 per block: about 1 byte per parameter on the wire instead of 4
-    for an fp32 parameter all-gather). Results are bitwise identical on every rank and equal to
+    (1-byte indices plus two float32 per block, or for a factored second moment one float32 per
+    block and one per row: about 1 byte per parameter on the wire instead of 4 for an fp32
+    parameter all-gather). Results are bitwise identical on every rank and equal to
     single-process :class:`Gefen` (see the module docstring for the exact statement).
 
     Args:
         params, lr, betas, eps, weight_decay: as for :class:`Gefen` / ``torch.optim.AdamW``.
         process_group: the group the state is partitioned over (default: WORLD; a single process
             when ``torch.distributed`` is not initialised).
-        **gefen_kwargs: other :class:`Gefen` options (``small_threshold``, ``fused``).
+        **gefen_kwargs: other :class:`Gefen` options (``small_threshold``, ``fused``,
+            ``second_moment``: ``"shared"`` or ``"factored"``, also per param group).
 
     Checkpointing: call ``consolidate_state_dict(to=r)`` on every rank, then ``state_dict()`` on
     rank ``r``. The result has single-process Gefen's layout; load it with ``load_state_dict`` at
@@ -210,6 +244,7 @@ class ZeroGefen(Gefen):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, process_group: Optional[Any] = None,
                  **gefen_kwargs):
         self._plan: Optional[_Plan] = None
+        self._fact_ids: Optional[Set[int]] = None
         self._consolidated: Optional[Dict[int, dict]] = None
         self.last_wire: Dict[str, Any] = {}
         super().__init__(params, lr, betas, eps, weight_decay, process_group=process_group, **gefen_kwargs)
@@ -217,10 +252,7 @@ class ZeroGefen(Gefen):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        if g.get("second_moment", "shared") != "shared":
-            raise ValueError(f"ZeroGefen supports second_moment='shared' only (got {g['second_moment']!r}): "
-                             "a factored second moment has a step size per element, so its update has no "
-                             "compressed form; use gefen_dist.Gefen with DDP for it")
+        self._fact_ids = None
         for p in g["params"]:
             if is_dtensor(p):
                 raise TypeError("ZeroGefen takes plain replicated parameters (DDP); for DTensor/FSDP2 "
@@ -296,10 +328,21 @@ class ZeroGefen(Gefen):
         if is_exact(shape, self.small_threshold):
             return unit_cost(True, 1, 1)
         st = (pending or {}).get(p) or self.state.get(p)
+        slab = max(1, _periods.row_slab(shape))
+        if self._is_factored(p):
+            # always cut at rows: the owner of a row computes its v_row from the whole row
+            B = int(st["scale_block"]) if st and st.get("learned") else Geometry.quantized(shape, slab).scale_block
+            return unit_cost(False, slab, B, row=slab)
         if st and st.get("learned"):
             return unit_cost(False, int(st["period"]), int(st["scale_block"]))
-        slab = max(1, _periods.row_slab(shape))
         return unit_cost(False, slab, slab)
+
+    def _is_factored(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s group has ``second_moment="factored"`` (cached per param-group set)."""
+        if self._fact_ids is None:
+            self._fact_ids = {id(q) for g in self.param_groups if g.get("second_moment") == "factored"
+                              for q in g["params"]}
+        return id(p) in self._fact_ids
 
     def _make_plan(self, pending: Optional[dict] = None) -> _Plan:
         params = self._trainable()
@@ -381,19 +424,27 @@ class ZeroGefen(Gefen):
                              "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=dev)}
             return
         geo = Geometry.quantized(shape, int(period) if period else _periods.row_slab(shape))
-        self.state[p] = {
+        st = {
             "step": step,
             "period": geo.period,
             "scale_block": geo.scale_block,
             "learned": int(learned),
             "idx": torch.zeros(n, dtype=torch.uint8, device=dev),
             "scale": torch.zeros(n // geo.scale_block, dtype=torch.float32, device=dev),
-            "v": torch.zeros(n // geo.period, dtype=torch.float32, device=dev),
-            "codebook": self._codebook_for(dev),
         }
+        if self._is_factored(p):
+            st["v_row"] = torch.zeros(n // geo.slab, dtype=torch.float32, device=dev)
+            st["v_col"] = torch.zeros(geo.slab, dtype=torch.float32, device=dev)  # replicated
+        else:
+            st["v"] = torch.zeros(n // geo.period, dtype=torch.float32, device=dev)
+        st["codebook"] = self._codebook_for(dev)
+        self.state[p] = st
 
     @staticmethod
     def _divisors(st: dict) -> Dict[str, int]:
+        """The sliced state tensors and elements per entry (``v_col`` is replicated, never sliced)."""
+        if "v_col" in st:
+            return {"idx": 1, "scale": int(st["scale_block"]), "v_row": int(st["v_col"].numel())}
         if "idx" in st:
             return {"idx": 1, "scale": int(st["scale_block"]), "v": int(st["period"])}
         return {"exp_avg": 1, "exp_avg_sq": 1}
@@ -540,13 +591,21 @@ class ZeroGefen(Gefen):
                 # Gradient globally zero so far: m and v stay zero, only decay (on every rank).
                 if hp["weight_decay"] != 0.0 and hp["lr"] != 0.0 and p.numel():
                     p.mul_(1.0 - hp["lr"] * hp["weight_decay"])
+            elif "v_col" in st:
+                mode = (MODE_FACTORED if factored_wire_compressed(st["scale_block"], st["v_col"].numel(),
+                                                                  p.element_size()) else MODE_DENSE)
             elif st["period"] > 1:
                 mode = MODE_COMPRESSED
             else:
                 mode = MODE_DENSE
             items.append((p, st, hp, mode))
-        wire = [(mode, st.get("period", 1), p.element_size(), self._plan.of(p)) for p, st, hp, mode in items]
+        wire = [(mode, st["scale_block"], p.element_size(), self._plan.of(p), st["v_col"].numel())
+                if mode == MODE_FACTORED else (mode, st.get("period", 1), p.element_size(), self._plan.of(p))
+                for p, st, hp, mode in items]
         sizes = step_wire_bytes(wire, W)
+        # Factored tensors: the column means of g^2 over all rows, computed by every rank from its
+        # full (DDP) gradient with Gefen's own code, so bitwise the single-process values.
+        col = self._column_stats(entries)
         # 1. this rank's state update, in compressed form
         parts: List[torch.Tensor] = []
         for p, st, hp, mode in items:
@@ -555,8 +614,16 @@ class ZeroGefen(Gefen):
                 continue
             if mode == MODE_COMPRESSED:
                 parts.extend(self._owner_compressed(p, st, hp, s, e))
+            elif mode == MODE_FACTORED:
+                parts.extend(self._owner_factored(p, st, hp, s, e))
             else:
-                parts.append(self._owner_dense(p, st, hp, s, e))
+                parts.append(self._owner_dense(p, st, hp, s, e, col.get(p)))
+        # every rank: the replicated column factor (v_col <- EMA, then sqrt(v_col / mean(v_col))),
+        # after the owners' dense steps, which update a copy of the old v_col themselves
+        col_f = {}
+        for p, st, hp, mode in items:
+            if "v_col" in st and mode != MODE_LOCAL:
+                col_f[id(p)] = self._update_v_col(st, col[p], hp)
         dev = items[0][0].device if items else torch.device("cpu")
         chunks = self._exchange(parts, sizes, None, dev)
         # 2. every rank applies every range, identically
@@ -578,6 +645,13 @@ class ZeroGefen(Gefen):
                     sigma, off = self._take(chunks[r], off, n // P, torch.float32)
                     self._apply_compressed(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
                                            st["codebook"], P, hp)
+                elif mode == MODE_FACTORED:
+                    B, slab = st["scale_block"], st["v_col"].numel()
+                    idx, off = self._take(chunks[r], off, n, torch.uint8)
+                    M, off = self._take(chunks[r], off, n // B, torch.float32)
+                    rf, off = self._take(chunks[r], off, n // slab, torch.float32)
+                    self._apply_factored(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device),
+                                         col_f[id(p)], st["codebook"], B, slab, hp)
                 else:
                     vals, off = self._take(chunks[r], off, n, p.dtype)
                     flat[s:e].copy_(vals.to(p.device))
@@ -643,12 +717,19 @@ class ZeroGefen(Gefen):
             ib.copy_(nearest_codeword(z, cb))
         return [idx, scale, sigma]
 
-    def _owner_dense(self, p, st, hp, s, e) -> torch.Tensor:
-        """This rank's new values of ``p[s:e]`` (exact AdamW, or the full step when P == 1)."""
+    def _owner_dense(self, p, st, hp, s, e, col_mean_sq=None) -> torch.Tensor:
+        """This rank's new values of ``p[s:e]`` (exact AdamW, or the full step when P == 1 or a
+        factored tensor's compressed form is not smaller)."""
         work = p.detach().reshape(-1)[s:e].clone()
         g = p.grad.reshape(-1)[s:e].contiguous()
         if "exp_avg" in st:
             adamw_step_(work, g, st["exp_avg"], st["exp_avg_sq"], **hp)
+            return work
+        if "v_col" in st:
+            # Gefen's factored step on this rank's rows; it updates a copy of the (old) v_col,
+            # every rank updates its own v_col afterwards (_update_v_col).
+            quantized_step_factored_eager_(work, g, st["idx"], st["scale"], st["v_row"], st["v_col"].clone(),
+                                           st["codebook"], col_mean_sq, scale_block=st["scale_block"], **hp)
             return work
         kw = dict(period=st["period"], scale_block=st["scale_block"], **hp)
         if self._use_fused(work):
@@ -658,6 +739,74 @@ class ZeroGefen(Gefen):
         else:
             quantized_step_eager_(work, g, st["idx"], st["scale"], st["v"], st["codebook"], **kw)
         return work
+
+    def _owner_factored(self, p, st, hp, s, e) -> List[torch.Tensor]:
+        """Update this rank's rows of ``p`` (v_row, m, idx, scale); return (idx, M, sqrt(v_row)).
+
+        The operations of :func:`quantized_step_factored_eager_`, in its order, minus the
+        column factor and the parameter update (the appliers do those)."""
+        B, slab = st["scale_block"], st["v_col"].numel()
+        g = p.grad.reshape(-1)[s:e].contiguous()
+        idx, scale, v_row, cb = st["idx"], st["scale"], st["v_row"], st["codebook"]
+        beta1, beta2 = hp["beta1"], hp["beta2"]
+        rows = (e - s) // slab
+        rsq = torch.empty(rows, dtype=torch.float32, device=p.device)
+        rows_per = max(1, _CHUNK_ELEMS // slab)
+        for r0 in range(0, rows, rows_per):
+            r1 = min(rows, r0 + rows_per)
+            gb = g[r0 * slab:r1 * slab].float().view(r1 - r0, slab)
+            vr = v_row[r0:r1]
+            vr.mul_(beta2).add_((gb * gb).mean(dim=1), alpha=1.0 - beta2)
+            rsq[r0:r1] = vr.sqrt()
+            sb = scale[r0 * slab // B:r1 * slab // B].view(-1, 1)
+            ib = idx[r0 * slab:r1 * slab].view(-1, B)
+            m = cb[ib.long()] * sb
+            m.lerp_(gb.reshape(-1, B), 1.0 - beta1)
+            a = m.abs().amax(dim=1, keepdim=True)
+            sb.copy_(a)
+            z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
+            ib.copy_(nearest_codeword(z, cb))
+        return [idx, scale, rsq]
+
+    @staticmethod
+    def _update_v_col(st: dict, col_mean_sq: torch.Tensor, hp: dict) -> torch.Tensor:
+        """``v_col`` <- EMA (every rank, identically); returns the column factor
+        ``sqrt(v_col / mean(v_col))`` exactly as :func:`quantized_step_factored_eager_` does."""
+        v_col = st["v_col"]
+        v_col.mul_(hp["beta2"]).add_(col_mean_sq, alpha=1.0 - hp["beta2"])
+        mean_c = float(v_col.mean())
+        return (v_col / mean_c).sqrt_() if mean_c > 0 else torch.zeros_like(v_col)
+
+    @staticmethod
+    def _apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: torch.Tensor,
+                        col_f: torch.Tensor, cb: torch.Tensor, B: int, slab: int, hp: dict) -> None:
+        """``p <- p*(1-lr*wd) - ((C[idx]*M) * sigma)*lr`` with ``sigma_ij = (1/((sqrt(v_row_i) *
+        col_f_j)/sqrt(bc2) + eps)) * (1/bc1)``: quantized_step_factored_eager_'s update, same order."""
+        n = pf.numel()
+        lr, wd, eps, bc1 = hp["lr"], hp["weight_decay"], hp["eps"], hp["bc1"]
+        sqrt_bc2 = math.sqrt(hp["bc2"])
+        decay = 1.0 - lr * wd
+        rows = n // slab
+        rows_per = max(1, _CHUNK_ELEMS // slab)
+        for r0 in range(0, rows, rows_per):
+            r1 = min(rows, r0 + rows_per)
+            denom = (rsq[r0:r1].unsqueeze(1) * col_f.unsqueeze(0)).div_(sqrt_bc2).add_(eps)
+            sigma = denom.reciprocal_().mul_(1.0 / bc1)
+            ib = idx[r0 * slab:r1 * slab]
+            a = M[r0 * slab // B:r1 * slab // B].view(-1, 1)
+            q = cb.index_select(0, ib.int()).view(-1, B)
+            u = (q * a).view(r1 - r0, slab).mul_(sigma).mul_(lr)
+            p = pf[r0 * slab:r1 * slab].view(r1 - r0, slab)
+            if p.dtype == torch.float32:
+                if wd != 0.0:
+                    p.mul_(decay)
+                p.sub_(u)
+            else:
+                p32 = p.float()
+                if wd != 0.0:
+                    p32.mul_(decay)
+                p32.sub_(u)
+                p.copy_(p32)
 
     @staticmethod
     def _apply_compressed(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, sigma: torch.Tensor,
@@ -737,6 +886,14 @@ class ZeroGefen(Gefen):
                 continue
             geo = Geometry.quantized(shape, st["period"])
             shp = geo.state_shapes(shape[0])
+            if "v_col" in st:
+                out[index[id(p)]] = {
+                    "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
+                    "learned": st["learned"], "idx": f["idx"].view(shp["idx"]), "scale": f["scale"].view(shp["scale"]),
+                    "v_row": f["v_row"].view(shape[0], 1), "v_col": st["v_col"].detach().clone(),
+                    "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
+                }
+                continue
             out[index[id(p)]] = {
                 "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
                 "learned": st["learned"], "idx": f["idx"].view(shp["idx"]), "scale": f["scale"].view(shp["scale"]),
@@ -779,6 +936,7 @@ class ZeroGefen(Gefen):
             id_map.update(zip(sg["params"], g["params"]))
         saved_state = state_dict["state"]
         Optimizer.load_state_dict(self, {**state_dict, "state": {}})
+        self._fact_ids = None  # the loaded groups' second_moment
         names = self._names()
         full = {}
         cb = None
@@ -800,8 +958,11 @@ class ZeroGefen(Gefen):
         self._plan = self._make_plan()
         for p, st in full.items():
             loc = self.state[p]
-            for k in (_Q_KEYS if "idx" in st else _E_KEYS):
+            keys = (_F_KEYS if "v_col" in st else _Q_KEYS) if "idx" in st else _E_KEYS
+            for k in keys:
                 loc[k] = st[k]
-            self._set_from_full(p, {k: st[k] for k in (_Q_KEYS if "idx" in st else _E_KEYS)})
+            if "v_col" in st:  # replicated: every rank keeps the whole column factor
+                loc["v_col"] = st["v_col"].detach().to(device=p.device, dtype=torch.float32).reshape(-1).clone()
+            self._set_from_full(p, {k: st[k] for k in keys})
             if "idx" in st:
                 loc["codebook"] = self._codebook_for(p.device)

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from gefen_dist import Gefen, ZeroGefen
-from gefen_dist.zero import MODE_COMPRESSED, MODE_DENSE, partition, step_wire_bytes, unit_cost
+from gefen_dist.core.step import column_sumsq
+from gefen_dist.zero import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, factored_wire_compressed, partition,
+                             step_wire_bytes, unit_cost)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK = os.path.join(ROOT, "tests", "dist", "zero_check.py")
@@ -75,6 +77,9 @@ def test_partition_balanced_block_aligned():
         for _ in range(rng.randint(1, 6)):
             if rng.random() < 0.3:
                 specs.append((rng.randint(0, 50), *unit_cost(True, 1, 1)))
+            elif rng.random() < 0.3:  # factored: cut at rows only
+                row = rng.choice([32, 64, 96])
+                specs.append((row * rng.randint(1, 12), *unit_cost(False, 1, 32, row=row)))
             else:
                 P = rng.choice([1, 4, 16, 64])
                 B = P if P > 1 else 32
@@ -97,6 +102,13 @@ def test_step_wire_bytes():
     sizes = step_wire_bytes([(MODE_COMPRESSED, 64, 4, [(0, 128), (128, 256)]),
                              (MODE_DENSE, 1, 2, [(0, 3), (3, 3)])], 2)
     assert sizes == [128 + 8 + 8 + 8, 128 + 8 + 8]
+    # factored: n idx bytes + n/B fp32 M + n/row fp32 sqrt(v_row), each padded to 8
+    sizes = step_wire_bytes([(MODE_FACTORED, 64, 4, [(0, 3 * 256), (3 * 256, 4 * 256)], 256)], 2)
+    assert sizes == [768 + 4 * 12 + 16, 256 + 16 + 8]
+    assert unit_cost(False, 1, 64, row=256) == (256, 256 + 16 + 4)
+    # compressed when 1 + 4/B + 4/row bytes per element < itemsize
+    assert factored_wire_compressed(768, 768, 4) and factored_wire_compressed(512, 512, 2)
+    assert not factored_wire_compressed(8, 8, 2) and not factored_wire_compressed(1, 7, 4)
 
 
 # --------------------------------------------------------------------------- one process
@@ -148,6 +160,79 @@ def test_single_process_equals_gefen_and_checkpoints(fused):
     rep = ob.report()
     assert sum(r["local_numel"] for r in rep) == sum(p.numel() for p in b.parameters())
     assert "total:" in str(rep)
+
+
+class _Mixed(nn.Module):
+    """Two fp32 matrices and a bf16 one with 8-element rows (factored: its compressed form,
+    1 + 4/8 + 4/8 bytes per element, is not smaller than bf16, so it travels dense)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(64, 128)
+        self.b = nn.Linear(128, 96)
+        self.c = nn.Parameter((torch.randn(512, 8) * 0.05).to(torch.bfloat16))
+        self.d = nn.Linear(8, 16)
+        self.e = nn.Linear(96, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.e(torch.tanh(self.b(h))) + self.d(h.repeat(1, 4) @ self.c.float())
+
+
+def _mixed_groups(m):
+    return [{"params": [m.a.weight, m.c], "second_moment": "factored"},
+            {"params": [m.b.weight], "weight_decay": 0.0},
+            {"params": [m.a.bias, m.b.bias, m.d.weight, m.d.bias, m.e.weight, m.e.bias]}]
+
+
+@pytest.mark.parametrize("fused", [False, None])
+def test_single_process_factored_equals_gefen(fused):
+    """second_moment="factored" (with a shared group beside it): bitwise Gefen, same state dict,
+    cross-loading both ways continues bitwise."""
+    def make(cls, m):
+        return cls(_mixed_groups(m), lr=1e-2, weight_decay=0.1, fused=fused)
+
+    a, b = _Mixed(), _Mixed()
+    oa, ob = make(Gefen, a), make(ZeroGefen, b)
+    _train(a, oa, 3)
+    _train(b, ob, 3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert "v_col" in ob.state[b.a.weight] and "v_col" in ob.state[b.c] and "v" in ob.state[b.b.weight]
+    assert not factored_wire_compressed(ob.state[b.c]["scale_block"], 8, 2)  # c travels dense
+    assert oa.state_bytes() == ob.state_bytes()
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for k, st in sa["state"].items():
+        assert list(st.keys()) == list(sb["state"][k].keys())
+        for kk, v in st.items():
+            w = sb["state"][k][kk]
+            assert (torch.equal(v, w) and v.dtype == w.dtype and v.shape == w.shape
+                    if isinstance(v, torch.Tensor) else v == w), (k, kk)
+    c, d = _Mixed(5), _Mixed(6)
+    c.load_state_dict(a.state_dict())
+    d.load_state_dict(a.state_dict())
+    oc, od = make(Gefen, c), make(ZeroGefen, d)
+    oc.load_state_dict(sb)
+    od.load_state_dict(sa)
+    for m, o in ((a, oa), (b, ob), (c, oc), (d, od)):
+        _train(m, o, 2, seed=9)
+    for m in (b, c, d):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), m.parameters()))
+
+
+def test_factored_column_stats_are_gefens():
+    """ZeroGefen's column statistics are single-process Gefen's: every rank sums g^2 over all rows
+    of its whole (DDP) gradient with Gefen's float64 code (column_sumsq, same row chunks), divides by
+    the rows and rounds to fp32 once. Owners' float64 partial sums all-reduced would reassociate the
+    sum, which can change the fp32 rounding; that design is not used."""
+    m = _Mixed()
+    o = ZeroGefen(_mixed_groups(m), lr=1e-2)
+    _train(m, o, 1)
+    ent = [(o.param_groups[0], m.a.weight), (o.param_groups[0], m.c)]
+    col = o._column_stats(ent)
+    assert torch.equal(col[m.a.weight], (column_sumsq(m.a.weight.grad, 64) / 128).to(torch.float32))
+    assert torch.equal(col[m.c], (column_sumsq(m.c.grad, 8) / 512).to(torch.float32))
 
 
 def test_wire_is_compressed_single_process():

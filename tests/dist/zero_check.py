@@ -10,6 +10,11 @@ the reduction-order rounding), and also runs single-process Gefen on it as the o
 at step 5 (equal to the oracle's state_dict), 2 -> 1 resume (plain Gefen and a 1-rank ZeroGefen),
 DDP smoke run, and models where a rank owns nothing. Phase 3: 3-rank comparison, 2 -> 3 resume,
 an empty rank at 3.
+
+Every run also has a ``second_moment="factored"`` param group (variant "a": the bf16 matrix, the
+late-learned one and a period-64 one; phase 3's comparison uses variant "b": the period-1 matrix,
+the head and the embedding, with weight decay 0), so the factored path is checked by the same
+launches: bitwise equality, replicas, state bytes (``v_col`` replicated), checkpoints, empty ranks.
 """
 import argparse
 import hashlib
@@ -60,11 +65,18 @@ def net(seed=0):
     return Net()
 
 
-def groups(m):
+FACTORED = {"a": ("hb", "late", "lm.blocks.0.linear1.weight"),
+            "b": ("lm.blocks.0.self_attn.out_proj.weight", "lm.head.weight", "lm.tok.weight")}
+
+
+def groups(m, variant="a"):
     named = list(m.named_parameters())
+    fact = FACTORED[variant]
     return [
-        {"params": [p for n, p in named if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for n, p in named if p.ndim >= 2 and n not in fact], "weight_decay": 0.1},
         {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": 2e-3},
+        {"params": [p for n, p in named if n in fact], "second_moment": "factored",
+         "weight_decay": 0.1 if variant == "a" else 0.0},
     ]
 
 
@@ -72,8 +84,8 @@ def batches():
     return markov_batches(STEPS, batch=4, ctx=16, seed=3)
 
 
-def make(cls, m, fused, **kw):
-    opt = cls(groups(m), lr=3e-3, weight_decay=0.1, fused=fused, **kw)
+def make(cls, m, fused, variant="a", **kw):
+    opt = cls(groups(m, variant), lr=3e-3, weight_decay=0.1, fused=fused, **kw)
     if cls is Gefen and "process_group" not in kw:
         opt._comm = LocalComm()  # single-process oracle on every rank
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 20.0)
@@ -118,12 +130,12 @@ def check_replicas(m, what):
     assert len(set(ds)) == 1, f"{what}: replicas differ across ranks"
 
 
-def compare_run(fused, ckpt_dir=None):
+def compare_run(fused, ckpt_dir=None, variant="a"):
     """ZeroGefen vs the oracle over STEPS steps; returns the (model, optimizer)."""
     ws, rank = dist.get_world_size(), dist.get_rank()
     ref, zm = net(), net()
-    ro, rs = make(Gefen, ref, fused)
-    zo, zs = make(ZeroGefen, zm, fused)
+    ro, rs = make(Gefen, ref, fused, variant)
+    zo, zs = make(ZeroGefen, zm, fused, variant)
     data = batches()
     worst = 0.0
     for step, batch in enumerate(data):
@@ -164,16 +176,36 @@ def compare_run(fused, ckpt_dir=None):
     assert [r["kind"] for r in rrep] == [r["kind"] for r in zrep]
     kinds = {(r["kind"], min(r["period"], 2)) for r in zrep}
     assert ("quantized", 1) in kinds and ("quantized", 2) in kinds and ("exact", 0) in kinds, kinds
-    # state bytes: the ranks' local state adds up to the single-process state exactly
-    cb = zo.codebook.numel() * 4
+    fact = {n: zo.state[p] for n, p in zm.named_parameters() if "v_col" in zo.state.get(p, {})}
+    assert sorted(fact) == sorted(FACTORED[variant]), sorted(fact)
+    assert all(st["learned"] for st in fact.values())
+    if variant == "b":
+        assert min(st["period"] for st in fact.values()) == 1  # a period-1 factored tensor
+    # the replicated column factor: on every rank bitwise the oracle's (so identical across ranks)
+    for (n, p), (_, q) in zip(zm.named_parameters(), ref.named_parameters()):
+        if n in fact:
+            assert torch.equal(zo.state[p]["v_col"], ro.state[q]["v_col"]), f"v_col of {n} differs"
+    # state bytes: the ranks' local state adds up to the single-process state exactly, except the
+    # codebook and the factored tensors' v_col, which every rank holds whole
+    cb = zo.codebook.numel() * 4 + sum(4 * st["v_col"].numel() for st in fact.values())
     local = zo.state_bytes()
     locs = [None] * ws
     dist.all_gather_object(locs, local)
     total = ro.state_bytes()
     assert sum(x - cb for x in locs) + cb == total, (locs, total)
     # each rank within one unit's bytes of the mean (the partition also reserves room for the
-    # unused parameter, which never gets state: 8 bytes per element)
-    unit = max(unit_cost(r["kind"] == "exact", max(r["period"], 1), max(r["scale_block"], 1))[1] for r in zrep)
+    # unused parameter, which never gets state: 8 bytes per element); factored tensors' unit is a row
+    units = []
+    for p in zm.parameters():
+        st = zo.state.get(p)
+        if not st:
+            continue
+        if "idx" not in st:
+            units.append(unit_cost(True, 1, 1)[1])
+        else:
+            units.append(unit_cost(False, st["period"], st["scale_block"],
+                                   row=st["v_col"].numel() if "v_col" in st else None)[1])
+    unit = max(units)
     slack = 8 * zm.unused.numel()
     assert abs((local - cb) - (total - cb) / ws) <= unit + slack, (local, total, ws, unit)
     n_owned = [None] * ws
@@ -182,7 +214,7 @@ def compare_run(fused, ckpt_dir=None):
     str(zrep)
     wire = zo.last_wire
     elems = wire["elements"]
-    log(f"  ws={ws} fused={fused}: params {'bitwise equal' if exact else f'max rel {worst:.2e}'} to single-process "
+    log(f"  ws={ws} fused={fused} factored={list(FACTORED[variant])}: params {'bitwise equal' if exact else f'max rel {worst:.2e}'} to single-process "
         f"Gefen, periods+codebook equal, state bytes per rank {locs} (single process {total}); "
         f"wire {wire['gathered_bytes']} B gathered for {elems} params "
         f"({4 * elems / wire['gathered_bytes']:.2f}x fewer than fp32)")
@@ -249,7 +281,29 @@ def empty_rank_cases():
     sizes = [None] * ws
     dist.all_gather_object(sizes, zo.owned_range(q))
     assert all(e > s for s, e in sizes), sizes  # after learning everyone owns a share
-    log(f"  ws={ws}: empty-rank models ok (1-element owned by {owned}, 1-row matrix now {sizes})")
+    # (c) the same single-row matrix, factored: its unit stays the row, so one rank owns it and
+    # the others own nothing, yet every rank keeps (and updates) the replicated v_col.
+    q2 = nn.Parameter(q.detach().clone())
+    qr2 = nn.Parameter(q.detach().clone())
+    zo = ZeroGefen([q2], lr=1e-2, weight_decay=0.1, second_moment="factored", fused=False)
+    ro = Gefen([qr2], lr=1e-2, weight_decay=0.1, second_moment="factored", fused=False)
+    ro._comm = LocalComm()
+    for i in range(3):
+        for p, o in ((q2, zo), (qr2, ro)):
+            o.zero_grad()
+            ((p * 50 - tgt) ** 2).mean().backward()
+            o.step()
+    assert torch.equal(q2, qr2), "single-row factored model differs"
+    assert torch.equal(zo.state[q2]["v_col"], ro.state[qr2]["v_col"])
+    fown = [None] * ws
+    dist.all_gather_object(fown, zo.owned_range(q2))
+    assert sorted(e - s for s, e in fown) == [0] * (ws - 1) + [8192], fown
+    zo.consolidate_state_dict(to=ws - 1)
+    if rank == ws - 1:
+        sd, rsd = zo.state_dict()["state"][0], ro.state_dict()["state"][0]
+        assert all(torch.equal(sd[k], rsd[k]) for k in ("idx", "scale", "v_row", "v_col")), "factored 1-row state"
+    log(f"  ws={ws}: empty-rank models ok (1-element owned by {owned}, 1-row matrix now {sizes}, "
+        f"1-row factored matrix {fown})")
 
 
 def ddp_smoke():
@@ -300,7 +354,7 @@ def main():
         dist.barrier()
         ddp_smoke()
     else:
-        _, _, ex = compare_run(False)
+        _, _, ex = compare_run(False, variant="b")
         all_exact &= ex
         rm, _ = resume(ZeroGefen, args.ckpt)
         check_replicas(rm, "resumed at 3 ranks")
