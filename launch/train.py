@@ -3,9 +3,16 @@
     python launch/train.py --optimizer both          # AdamW vs Gefen, same seed/init/data
     python launch/train.py --optimizer gefen --model small --steps 1000
 
-Only the ``single`` (one process) strategy is implemented; the ``Strategy`` class is the seam
-where DDP / FSDP / DeepSpeed wrappers plug in (model wrapping, rank/world size, reductions,
-checkpoint ownership).
+Distributed (each rank takes its slice of the same global batch; see docs/training.md):
+
+    torchrun --standalone --nproc_per_node 2 launch/train.py --strategy ddp --optimizer both
+    torchrun --standalone --nproc_per_node 2 launch/train.py --strategy zero1   # ZeroGefen
+    torchrun --standalone --nproc_per_node 2 launch/train.py --strategy fsdp    # FSDP2
+    deepspeed --num_gpus 2 launch/train.py --deepspeed_config integrations/deepspeed/gefen_zero2.json
+
+A ``Strategy`` owns the process group and device, model wrapping and the optimizer, the step,
+metric reductions and the checkpoint format (rank-0 ``torch.save`` for single/ddp/zero1,
+sharded DCP for fsdp, DeepSpeed's own for deepspeed).
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ from launch.gpt import GPT, PRESETS, get_config
 log = logging.getLogger("launch.train")
 
 OPTIMIZERS = ("gefen", "adamw", "both")
-STRATEGIES = ("single", "ddp", "fsdp", "deepspeed")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp", "deepspeed")
 CHECKPOINT_VERSION = 1
 
 
@@ -53,8 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="small", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--optimizer", default="gefen", choices=OPTIMIZERS,
                    help="'both' runs AdamW then Gefen with identical seed, init and data")
-    p.add_argument("--strategy", default="single", choices=STRATEGIES,
-                   help="parallelism strategy (only 'single' is implemented)")
+    p.add_argument("--strategy", default=None, choices=STRATEGIES,
+                   help="parallelism: 'single' (one process), or under torchrun 'ddp' (DDP), "
+                        "'zero1' (DDP + ZeroGefen / ZeroRedundancyOptimizer), 'fsdp' (FSDP2), "
+                        "'deepspeed' (ZeRO from --deepspeed_config; also under the deepspeed "
+                        "launcher). Default: 'deepspeed' with --deepspeed_config, else 'single'")
+    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
+                   default=None, help="DeepSpeed JSON for --strategy deepspeed (default: "
+                                      "integrations/deepspeed/gefen_zero2.json)")
+    p.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                   help="set by the deepspeed launcher (LOCAL_RANK is used)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: CUDA when available (NCCL for distributed strategies), else CPU (gloo)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16, help="global batch size (sequences)")
     p.add_argument("--context", type=int, default=None,
@@ -76,7 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default: runs/<name>)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="save a checkpoint every N steps and at the end (0: never)")
-    p.add_argument("--resume", default=None, help="checkpoint to resume from")
+    p.add_argument("--resume", default=None,
+                   help="checkpoint to resume from ('auto': this strategy's checkpoint in --out, "
+                        "if there is one): "
+                        "a .pt file (single, ddp, zero1), a DCP directory (fsdp), a DeepSpeed "
+                        "save directory (deepspeed)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop (checkpointing) after this many steps of the --steps schedule, "
                         "e.g. to simulate preemption")
@@ -93,6 +115,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise SystemExit("--steps must be >= 1")
     if args.optimizer == "both" and args.resume:
         raise SystemExit("--resume works with a single optimizer, not --optimizer both")
+    if args.strategy is None:
+        args.strategy = "deepspeed" if args.deepspeed_config else "single"
+    if args.deepspeed_config and args.strategy != "deepspeed":
+        raise SystemExit(f"--deepspeed_config is for --strategy deepspeed, not {args.strategy}")
+    if args.strategy == "deepspeed" and not args.deepspeed_config:
+        args.deepspeed_config = str(DEFAULT_DS_CONFIG)
     if args.name is None:
         args.name = time.strftime("%Y%m%d-%H%M%S")
     if args.out is None:
@@ -101,48 +129,402 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------------------------
-# strategy (parallelism) seam
+# strategies (parallelism)
 # --------------------------------------------------------------------------------------------
 
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DS_CONFIG = REPO / "integrations" / "deepspeed" / "gefen_zero2.json"
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """This process's peak memory: ``torch.cuda.max_memory_allocated`` on GPU, else peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_memory_allocated"
+    import resource
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return (peak if sys.platform == "darwin" else peak * 1024), "peak_rss"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor -> this rank's shard
+
+
 class Strategy:
-    """Single-process strategy; also the interface future DDP/FSDP/DeepSpeed strategies fill."""
+    """One process. Also the base class of the distributed strategies, which override:
+
+    * ``setup``/``teardown``: process group, device;
+    * ``build``: model wrapping, optimizer, LR scheduler;
+    * ``train_step``/``clip``: one optimizer step;
+    * ``reduce_mean``/``gather``: metrics across ranks;
+    * ``checkpoint_location``/``read_meta``/``save``/``load``: checkpoint format and ownership.
+    """
 
     name = "single"
-    rank = 0
-    world_size = 1
-    device = torch.device("cpu")
+    distributed = False
+    replicated_state = False  # True: every rank holds the whole optimizer state (DDP)
+
+    def __init__(self, args=None):
+        self.args = args
+        self.rank = 0
+        self.local_rank = 0
+        self.world_size = 1
+        self.device = torch.device("cpu")
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    # ---------------------------------------------------------------- process group
     def setup(self) -> None:
-        pass
-
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def reduce_mean(self, value: float) -> float:
-        return value
-
-    def model_state_dict(self, model: nn.Module) -> dict:
-        return model.state_dict()
-
-    def optimizer_state_dict(self, opt: torch.optim.Optimizer) -> dict:
-        return opt.state_dict()
-
-    def barrier(self) -> None:
-        pass
+        want = getattr(self.args, "device", "cpu") if self.args is not None else "cpu"
+        if want == "auto":
+            want = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(want)
 
     def teardown(self) -> None:
         pass
 
+    def barrier(self) -> None:
+        pass
 
-def make_strategy(name: str) -> Strategy:
-    if name == "single":
-        return Strategy()
-    raise NotImplementedError(
-        f"--strategy {name} is not yet implemented; only 'single' (one process) is available")
+    def reduce_mean(self, value: float) -> float:
+        return value
+
+    def gather(self, value) -> list:
+        return [value]
+
+    # ---------------------------------------------------------------- model / optimizer
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def inner(self, model: nn.Module) -> nn.Module:
+        """The user's module (without a DDP/DeepSpeed wrapper)."""
+        return model
+
+    def make_optimizer(self, name: str, model: nn.Module, args) -> torch.optim.Optimizer:
+        return build_optimizer(name, model, args)
+
+    def build(self, opt_name: str, model: nn.Module, args):
+        """``(model, optimizer, scheduler)`` ready to train on ``self.device``."""
+        model = self.wrap_model(model.to(self.device))
+        opt = self.make_optimizer(opt_name, model, args)
+        return model, opt, build_scheduler(opt, args)
+
+    def clip(self, model: nn.Module, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def train_step(self, model, opt, sched, x, y, args) -> torch.Tensor:
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.grad_clip > 0:
+            self.clip(model, args.grad_clip)
+        opt.step()
+        sched.step()
+        return loss
+
+    def state_bytes(self, opt) -> int:
+        """Optimizer-state bytes held by this rank."""
+        return optimizer_state_bytes(opt)
+
+    # ---------------------------------------------------------------- checkpoints
+    def checkpoint_location(self, out, opt_name: str) -> Path:
+        return checkpoint_path(out, opt_name)
+
+    def model_state_dict(self, model: nn.Module) -> dict:
+        return self.inner(model).state_dict()
+
+    def optimizer_state_dict(self, opt: torch.optim.Optimizer) -> dict | None:
+        """Called on every rank; the full state dict on rank 0 (None elsewhere is allowed)."""
+        return opt.state_dict()
+
+    def read_meta(self, path: Path) -> dict:
+        # our own checkpoint format (plain containers + tensors); only load trusted files
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+    def save(self, path: Path, model, opt, sched, meta: dict) -> None:
+        """``torch.save`` of the full state by rank 0, atomically (write + rename)."""
+        osd = self.optimizer_state_dict(opt)  # collective for ZeRO-1: every rank calls it
+        if self.is_main:
+            atomic_torch_save({**meta, "model": self.model_state_dict(model), "optimizer": osd,
+                               "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state()},
+                              path)
+        self.barrier()
+
+    def load(self, path: Path, model, opt, sched, meta: dict) -> None:
+        """Load a checkpoint whose :meth:`read_meta` is ``meta``, on every rank."""
+        self.inner(model).load_state_dict(meta["model"])
+        opt.load_state_dict(meta["optimizer"])
+        sched.load_state_dict(meta["scheduler"])
+        torch.set_rng_state(meta["torch_rng"])
+
+
+class DistributedStrategy(Strategy):
+    """torchrun (or ``deepspeed`` launcher) workers: the process group comes from the env vars
+    ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``; gloo on CPU, NCCL on
+    GPUs (one GPU per local rank)."""
+
+    distributed = True
+
+    def setup(self) -> None:
+        import torch.distributed as dist
+
+        missing = [k for k in DIST_ENV if k not in os.environ]
+        if missing:
+            raise SystemExit(
+                f"--strategy {self.name} runs under torchrun (missing env vars {', '.join(missing)}), "
+                f"e.g. torchrun --standalone --nproc_per_node 2 launch/train.py --strategy {self.name} "
+                "...; see docs/training.md")
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        want = getattr(self.args, "device", "auto")
+        use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
+        if use_cuda:
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+        self.backend = "nccl" if use_cuda else "gloo"
+        self._owns_pg = False
+        if not dist.is_initialized():
+            kw = {"device_id": self.device} if use_cuda else {}
+            dist.init_process_group(self.backend, **kw)
+            self._owns_pg = True
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        if getattr(self, "_owns_pg", False) and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def reduce_mean(self, value: float) -> float:
+        import torch.distributed as dist
+
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world_size
+
+    def gather(self, value) -> list:
+        import torch.distributed as dist
+
+        out = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+
+class DDPStrategy(DistributedStrategy):
+    """``DistributedDataParallel`` + a replicated Gefen/AdamW; rank 0 saves with ``torch.save``."""
+
+    name = "ddp"
+    replicated_state = True
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.local_rank] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=ids)
+
+    def inner(self, model: nn.Module) -> nn.Module:
+        return model.module
+
+
+class Zero1Strategy(DDPStrategy):
+    """DDP + ZeRO-1: ``gefen_dist.ZeroGefen`` or ``ZeroRedundancyOptimizer(AdamW)``. Checkpoints
+    are consolidated onto rank 0 (``consolidate_state_dict``) and saved with ``torch.save``; they
+    load at any world size (and, for Gefen, into single-process Gefen)."""
+
+    name = "zero1"
+    replicated_state = False
+
+    def make_optimizer(self, name: str, model: nn.Module, args) -> torch.optim.Optimizer:
+        groups = param_groups(model, args.weight_decay)
+        kw = dict(lr=args.lr, betas=tuple(args.betas), eps=args.eps, weight_decay=args.weight_decay)
+        if name == "gefen":
+            gefen_class()
+            from gefen_dist import ZeroGefen
+            return ZeroGefen(groups, **kw)
+        if name == "adamw":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
+        raise ValueError(f"unknown optimizer {name!r}")
+
+    def state_bytes(self, opt) -> int:
+        inner = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer: this rank's local AdamW
+        return optimizer_state_bytes(inner if inner is not None else opt)
+
+    def optimizer_state_dict(self, opt):
+        opt.consolidate_state_dict(to=0)
+        return opt.state_dict() if self.is_main else None
+
+
+class FSDPStrategy(DistributedStrategy):
+    """FSDP2 (``gefen_dist.integrations.fsdp.shard_model``) + Gefen/AdamW over the sharded
+    (DTensor) parameters, global-norm clipping across shards, sharded DCP checkpoints
+    (``gefen_dist.checkpoint``) that reload at any world size."""
+
+    name = "fsdp"
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        from gefen_dist.integrations.fsdp import shard_model
+
+        return shard_model(model)
+
+    def clip(self, model: nn.Module, max_norm: float) -> None:
+        from gefen_dist.integrations.fsdp import clip_grad_norm_
+
+        clip_grad_norm_(model, max_norm)
+
+    def checkpoint_location(self, out, opt_name: str) -> Path:
+        return Path(out) / f"checkpoint_{opt_name}_dcp"
+
+    def read_meta(self, path: Path) -> dict:
+        return torch.load(Path(path) / "meta.pt", map_location="cpu", weights_only=False)
+
+    def save(self, path: Path, model, opt, sched, meta: dict) -> None:
+        import shutil
+
+        from gefen_dist import checkpoint as gckpt
+
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        old = path.with_name(f".{path.name}.old")
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.barrier()
+        gckpt.save(model, opt, str(tmp))  # every rank writes its shards
+        if self.is_main:
+            torch.save({**meta, "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state()},
+                       tmp / "meta.pt")
+        self.barrier()
+        if self.is_main:  # swap in the complete checkpoint
+            shutil.rmtree(old, ignore_errors=True)
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier()
+
+    def load(self, path: Path, model, opt, sched, meta: dict) -> None:
+        from gefen_dist import checkpoint as gckpt
+
+        gckpt.load(model, opt, str(path))
+        sched.load_state_dict(meta["scheduler"])
+        torch.set_rng_state(meta["torch_rng"])
+
+
+class DeepSpeedStrategy(DistributedStrategy):
+    """DeepSpeed ZeRO from ``--deepspeed_config`` (default ``integrations/deepspeed/gefen_zero2.json``).
+
+    The JSON is used as is except for what the job owns: batch sizes (``--batch-size`` global,
+    one micro-batch per step), ``gradient_clipping`` (``--grad-clip``), the optimizer's
+    hyperparameters (``--lr``, ``--betas``, ``--eps``, ``--weight-decay``; ``--optimizer adamw``
+    replaces the JSON optimizer by torch's AdamW) and the LR schedule (the job's warmup + cosine
+    replaces the JSON ``scheduler``), so that every strategy trains the same recipe.
+    """
+
+    name = "deepspeed"
+
+    def setup(self) -> None:
+        if not torch.cuda.is_available() or getattr(self.args, "device", "auto") == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        super().setup()
+        try:
+            import deepspeed
+        except ImportError as e:
+            raise SystemExit(f"--strategy deepspeed needs deepspeed ({e}); pip install deepspeed") from e
+        import gefen_dist.integrations.deepspeed  # noqa: F401  registers "type": "Gefen"
+
+        deepspeed.init_distributed(dist_backend=self.backend)
+
+    def config(self, opt_name: str, args) -> dict:
+        with open(args.deepspeed_config) as f:
+            cfg = json.load(f)
+        cfg["train_batch_size"] = args.batch_size
+        cfg["train_micro_batch_size_per_gpu"] = args.batch_size // self.world_size
+        cfg["gradient_accumulation_steps"] = 1
+        cfg["gradient_clipping"] = float(args.grad_clip)
+        cfg.pop("scheduler", None)
+        hp = dict(lr=args.lr, betas=list(args.betas), eps=args.eps, weight_decay=args.weight_decay)
+        if opt_name == "adamw":
+            cfg["optimizer"] = {"type": "AdamW", "params": {**hp, "torch_adam": True}}
+        else:
+            opt = cfg.setdefault("optimizer", {"type": "Gefen"})
+            if opt.get("type") != "Gefen":
+                raise SystemExit(f"--optimizer gefen: {args.deepspeed_config} configures optimizer "
+                                 f"{opt.get('type')!r}, expected \"Gefen\"")
+            opt["params"] = {**opt.get("params", {}), **hp}
+            cfg["zero_allow_untested_optimizer"] = True
+        cfg.setdefault("steps_per_print", 10**9)
+        return cfg
+
+    def build(self, opt_name: str, model: nn.Module, args):
+        import deepspeed
+
+        from gefen_dist.integrations import deepspeed as gds
+
+        cfg = self.config(opt_name, args)
+        init = gds.initialize if opt_name == "gefen" else deepspeed.initialize
+        engine, _, _, sched = init(model=model, model_parameters=param_groups(model, args.weight_decay),
+                                   config=cfg, lr_scheduler=lambda o: build_scheduler(o, args))
+        self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
+        self.stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
+        return engine, engine.optimizer, sched
+
+    def inner(self, model):
+        return model.module
+
+    def train_step(self, model, opt, sched, x, y, args) -> torch.Tensor:
+        _, loss = model(x, y)
+        model.backward(loss)
+        model.step()  # clipping, optimizer step, zero_grad, LR scheduler step
+        return loss
+
+    def state_bytes(self, opt) -> int:
+        basic = getattr(opt, "optimizer", opt)  # the ZeRO wrapper's client optimizer
+        return optimizer_state_bytes(basic)
+
+    def checkpoint_location(self, out, opt_name: str) -> Path:
+        return Path(out) / f"checkpoint_{opt_name}_ds"
+
+    def read_meta(self, path: Path) -> dict:
+        return torch.load(Path(path) / "meta.pt", map_location="cpu", weights_only=False)
+
+    def save(self, path: Path, model, opt, sched, meta: dict) -> None:
+        import shutil
+
+        path = Path(path)
+        tag = f"step{meta['step']}"
+        model.save_checkpoint(str(path), tag=tag, client_state={"train_meta": meta})  # all ranks
+        self.barrier()
+        if self.is_main:
+            atomic_torch_save(meta, path / "meta.pt")
+            for d in path.iterdir():  # keep only the newest tag (the one 'latest' names)
+                if d.is_dir() and d.name.startswith("step") and d.name != tag:
+                    shutil.rmtree(d, ignore_errors=True)
+        self.barrier()
+
+    def load(self, path: Path, model, opt, sched, meta: dict) -> None:
+        tag = f"step{meta['step']}"
+        loaded, _ = model.load_checkpoint(str(path), tag=tag)  # also restores the LR scheduler
+        if loaded is None:
+            raise SystemExit(f"DeepSpeed could not load {path} (tag {tag})")
+
+
+STRATEGY_CLASSES = {"single": Strategy, "ddp": DDPStrategy, "zero1": Zero1Strategy,
+                    "fsdp": FSDPStrategy, "deepspeed": DeepSpeedStrategy}
+
+
+def make_strategy(name: str, args=None) -> Strategy:
+    try:
+        cls = STRATEGY_CLASSES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose from {sorted(STRATEGY_CLASSES)}") from None
+    return cls(args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,6 +574,7 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     for st in opt.state.values():
         for v in st.values():
             if torch.is_tensor(v):
+                v = _local(v)  # DTensor (FSDP2): this rank's shard
                 total += v.numel() * v.element_size()
     return total
 
@@ -261,30 +644,45 @@ def train_one(opt_name: str, args, strategy: Strategy, cfg, corpus, out: Path,
               on_eval=None) -> RunResult:
     """Train one model with optimizer ``opt_name``; ``on_eval(result)`` is called after evals."""
     train_data, val_data, info = corpus
+    dev = strategy.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     torch.manual_seed(args.seed)
-    model = GPT(cfg)
+    model = GPT(cfg)  # same init on every rank
     n_params = model.num_params()
-    model = strategy.wrap_model(model)
-    opt = build_optimizer(opt_name, model, args)
-    sched = build_scheduler(opt, args)
+    model, opt, sched = strategy.build(opt_name, model, args)
+    dev = strategy.device
     per_rank_batch = args.batch_size // strategy.world_size
     sampler = Batches(train_data, per_rank_batch, cfg.context, args.seed,
                       rank=strategy.rank, world_size=strategy.world_size)
-    vbatches = val_batches(args.eval_batches, per_rank_batch, cfg.context, data=val_data)
+    # validation: the same global batches at every world size; each rank evaluates its rows and
+    # the per-rank means are averaged (equal row counts: the global mean)
+    lo, hi = strategy.rank * per_rank_batch, (strategy.rank + 1) * per_rank_batch
+    vbatches = [(x[lo:hi].to(dev), y[lo:hi].to(dev)) for x, y in
+                val_batches(args.eval_batches, args.batch_size, cfg.context, data=val_data)]
     res = RunResult(opt_name)
     tokens_per_step = args.batch_size * cfg.context  # global
     start_step = 0
     train_time = 0.0
+    ck_path = strategy.checkpoint_location(out, opt_name)
 
-    if args.resume:
-        # our own checkpoint format (plain containers + tensors); only load trusted files
-        ck = torch.load(args.resume, map_location="cpu", weights_only=False)
+    resume = ck_path if args.resume == "auto" else (Path(args.resume) if args.resume else None)
+    if args.resume == "auto" and not resume.exists():
+        log.info("[%s] --resume auto: no checkpoint at %s, starting from step 0", opt_name, resume)
+        resume = None
+    if resume is not None:
+        path = resume
+        ck = strategy.read_meta(path)
         if ck.get("optimizer_name") != opt_name:
-            raise SystemExit(f"checkpoint {args.resume} was written by optimizer "
+            raise SystemExit(f"checkpoint {path} was written by optimizer "
                              f"{ck.get('optimizer_name')!r}, not {opt_name!r}")
         if ck.get("model_config") != cfg.to_dict():
             raise SystemExit(f"checkpoint model config {ck.get('model_config')} differs from "
                              f"{cfg.to_dict()}")
+        saved_strategy = ck.get("strategy", "single")
+        if saved_strategy != strategy.name:
+            raise SystemExit(f"checkpoint {path} was written by --strategy {saved_strategy}, "
+                             f"this run is --strategy {strategy.name}")
         old = ck.get("args", {})
         for k in ("steps", "batch_size", "lr", "betas", "eps", "weight_decay", "warmup",
                   "min_lr_frac", "seed", "grad_clip"):
@@ -298,36 +696,29 @@ def train_one(opt_name: str, args, strategy: Strategy, cfg, corpus, out: Path,
         if ck.get("corpus_sha256") != info["sha256"]:
             log.warning("checkpoint was trained on a different corpus (sha256 %s vs %s)",
                         ck.get("corpus_sha256"), info["sha256"])
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        torch.set_rng_state(ck["torch_rng"])
+        strategy.load(path, model, opt, sched, ck)
         start_step = int(ck["step"])
         res.train_losses = list(ck["train_losses"])
         res.evals = list(ck["evals"])
         train_time = float(ck.get("train_time", 0.0))
-        log.info("[%s] resumed from %s at step %d", opt_name, args.resume, start_step)
+        log.info("[%s] resumed from %s at step %d", opt_name, path, start_step)
 
     def save_checkpoint(step: int) -> None:
-        if not strategy.is_main:
-            return
-        path = checkpoint_path(out, opt_name)
-        atomic_torch_save({
+        meta = {
             "version": CHECKPOINT_VERSION,
             "step": step,
             "optimizer_name": opt_name,
+            "strategy": strategy.name,
+            "world_size": strategy.world_size,
             "model_config": cfg.to_dict(),
             "args": {k: v for k, v in vars(args).items()},
             "corpus_sha256": info["sha256"],
-            "model": strategy.model_state_dict(model),
-            "optimizer": strategy.optimizer_state_dict(opt),
-            "scheduler": sched.state_dict(),
-            "torch_rng": torch.get_rng_state(),
             "train_losses": res.train_losses,
             "evals": res.evals,
             "train_time": train_time,
-        }, path)
-        log.debug("[%s] checkpoint step %d -> %s", opt_name, step, path)
+        }
+        strategy.save(ck_path, model, opt, sched, meta)
+        log.debug("[%s] checkpoint step %d -> %s", opt_name, step, ck_path)
 
     def do_eval(step: int) -> None:
         vl = strategy.reduce_mean(evaluate(model, vbatches))
@@ -358,13 +749,7 @@ def train_one(opt_name: str, args, strategy: Strategy, cfg, corpus, out: Path,
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
         x, y = sampler.batch(step)
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        sched.step()
+        loss = strategy.train_step(model, opt, sched, x.to(dev), y.to(dev), args)
         lv = strategy.reduce_mean(loss.item())
         train_time += time.perf_counter() - t0
         if not math.isfinite(lv):
@@ -388,11 +773,20 @@ def train_one(opt_name: str, args, strategy: Strategy, cfg, corpus, out: Path,
     if args.checkpoint_every > 0 or args.stop_after is not None:
         save_checkpoint(end_step)  # final state (includes the final eval record)
 
-    sb = optimizer_state_bytes(opt)
+    sb_ranks = [int(b) for b in strategy.gather(strategy.state_bytes(opt))]
+    peak, peak_kind = peak_memory_bytes(dev)
+    peaks = [int(b) for b in strategy.gather(peak)]
+    # optimizer state of one model copy: DDP replicates it on every rank, the others shard it
+    replicas = strategy.world_size if strategy.replicated_state else 1
+    sb = sum(sb_ranks) // replicas
     last = res.train_losses[-10:]
+    inner_opt = getattr(opt, "optimizer", opt) if strategy.name == "deepspeed" else opt
     res.summary = {
         "optimizer": opt_name,
-        "optimizer_class": type(opt).__module__ + "." + type(opt).__qualname__,
+        "optimizer_class": type(inner_opt).__module__ + "." + type(inner_opt).__qualname__,
+        "strategy": strategy.name,
+        "world_size": strategy.world_size,
+        "device": str(dev),
         "steps": end_step,
         "finished": finished,
         "final_train_loss": res.train_losses[-1] if res.train_losses else None,
@@ -404,6 +798,10 @@ def train_one(opt_name: str, args, strategy: Strategy, cfg, corpus, out: Path,
         "params": n_params,
         "state_bytes": sb,
         "state_bytes_per_param": sb / n_params,
+        "state_bytes_per_rank": sb_ranks,
+        "state_bytes_sum_over_ranks": sum(sb_ranks),
+        "peak_memory_kind": peak_kind,
+        "peak_memory_bytes_per_rank": peaks,
     }
     return res
 
@@ -530,9 +928,17 @@ def main(argv=None) -> dict:
                         stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
-    strategy = make_strategy(args.strategy)
+    strategy = make_strategy(args.strategy, args)
     strategy.setup()
     try:
+        if strategy.distributed:
+            # one run directory for all ranks (the default name is rank 0's timestamp)
+            args.name, args.out = strategy.gather((args.name, args.out))[0]
+            if not strategy.is_main:  # log (and show progress) on rank 0 only
+                logging.getLogger().setLevel(logging.WARNING)
+                log.setLevel(logging.WARNING)
+            log.info("strategy %s: %d ranks, backend %s, device %s", strategy.name,
+                     strategy.world_size, strategy.backend, strategy.device)
         if args.batch_size % strategy.world_size:
             raise SystemExit("--batch-size must be divisible by the world size")
         names = ["adamw", "gefen"] if args.optimizer == "both" else [args.optimizer]
