@@ -380,8 +380,8 @@ class FlatSegments:
             if i is None or len(cands[key]) < 3:
                 continue
             s = self.segments[i]
-            part = _periods.period_partials(_periods.log_sq(g[s.flat_offset:s.flat_offset + s.numel]).cpu(),
-                                            s.param_offset, n, cands[key])
+            part = _periods.grad_period_partials(g[s.flat_offset:s.flat_offset + s.numel],
+                                                 s.param_offset, n, cands[key])
             payload[key] = part.to_payload()
         gathered = self.comm.all_gather_object(payload)
         new_period = {}
