@@ -32,7 +32,7 @@ class CheckpointError(ValueError):
 def _cmd_plan(args) -> int:
     kwargs = json.loads(args.model_kwargs) if args.model_kwargs else None
     est = _plan.load_model_estimate(params=args.params, config=args.config, model=args.model, model_kwargs=kwargs,
-                                    small_threshold=args.small_threshold)
+                                    small_threshold=args.small_threshold, second_moment=args.second_moment)
     dev = _plan.parse_bytes(args.device_memory) if args.device_memory else None
     act = _plan.parse_bytes(args.activation_bytes_per_sample) if args.activation_bytes_per_sample else None
     if act and dev is None:
@@ -344,6 +344,8 @@ def _inspect_dcp(path: str) -> Dict[str, Any]:
             rec["scale_block"] = slab // int(d["scale"].size[-1]) if "scale" in d and d["scale"].size[-1] else 0
             if "v" in d and d["v"].size[-1]:
                 rec["period"] = slab // int(d["v"].size[-1])
+            elif "v_col" in d and "scale" in d and d["scale"].size[-1]:  # factored: scale block == period
+                rec["period"] = slab // int(d["scale"].size[-1])
                 rec["second_moment"] = "shared"
             else:
                 rec["period"] = rec["scale_block"]
@@ -476,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "largest micro-batch that fits")
     p.add_argument("--reserve", default="0", help="bytes kept free on the device (context, allocator), e.g. 2GiB")
     p.add_argument("--small-threshold", type=int, default=4096, help="Gefen's small_threshold (default 4096)")
+    p.add_argument("--second-moment", choices=("factored", "shared"), default="factored",
+                   help="Gefen's second_moment (default factored)")
     p.add_argument("--per-tensor", action="store_true", help="also list every tensor")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=_cmd_plan)

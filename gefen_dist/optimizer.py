@@ -113,7 +113,7 @@ class Gefen(Optimizer):
         weight_decay: float = 0.0,
         *,
         small_threshold: int = 4096,
-        second_moment: str = "shared",
+        second_moment: str = "factored",
         nonfinite: str = "raise",
         fused: Optional[bool] = None,
         process_group: Optional[Any] = None,
@@ -358,7 +358,7 @@ class Gefen(Optimizer):
                 payload.append(None)
                 continue
             g = pc.grad.reshape(-1) if pc.grad is not None else torch.zeros(0)
-            part = _periods.period_partials(_periods.log_sq(g).cpu(), pc.start, n, cands)
+            part = _periods.grad_period_partials(g, pc.start, n, cands)
             payload.append(part.to_payload())
         gathered = self._comm.all_gather_object(payload)
         out = []
@@ -576,9 +576,15 @@ class Gefen(Optimizer):
         g = grad.contiguous()
         cb = st["codebook"]
         if "v_col" in st:
-            quantized_step_factored_eager_(work, g, local_tensor(st["idx"]), local_tensor(st["scale"]),
-                                           local_tensor(st["v_row"]), st["v_col"], cb, col_mean_sq,
-                                           scale_block=st["scale_block"], **hp)
+            fargs = (local_tensor(st["idx"]), local_tensor(st["scale"]), local_tensor(st["v_row"]),
+                     st["v_col"], cb, col_mean_sq)
+            if self._use_fused(work):
+                from .kernels import cpu as _cpu
+
+                _cpu.quantized_step_factored_(work, g.to(work.dtype), *fargs,
+                                              scale_block=st["scale_block"], **hp)
+            else:
+                quantized_step_factored_eager_(work, g, *fargs, scale_block=st["scale_block"], **hp)
             if not contiguous:
                 param.copy_(work)
             return

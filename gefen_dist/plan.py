@@ -39,7 +39,7 @@ ADAMW_BYTES_PER_PARAM = 8  # fp32 exp_avg + exp_avg_sq
 ADAMW_STEP_BYTES = 4  # torch.optim.AdamW keeps a float32 ``step`` tensor per parameter tensor
 # Measured on GPT-2 small (124,439,808 parameters, learned periods 768/1536, 0.1% exact):
 # docs/results/memory.json (benchmarks/memory.py), gefen_state_bytes / params.
-GPT2_SMALL_GEFEN_STATE_BYTES = 126_437_768
+GPT2_SMALL_GEFEN_STATE_BYTES = 126_665_096  # docs/results/memory.json (factored default)
 GPT2_SMALL_PARAMS = 124_439_808
 GPT2_SMALL_GEFEN_BYTES_PER_PARAM = GPT2_SMALL_GEFEN_STATE_BYTES / GPT2_SMALL_PARAMS
 
@@ -76,8 +76,11 @@ def estimated_period(shape: Sequence[int]) -> int:
     return next(d for d in divisors(row) if d > PERIOD_CAP)
 
 
-def tensor_state(shape: Sequence[int], small_threshold: int = 4096) -> Dict[str, Any]:
-    """Kind, period, scale block and exact state bytes of one tensor (Gefen) and AdamW's bytes."""
+def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
+                 second_moment: str = "factored") -> Dict[str, Any]:
+    """Kind, period, scale block and exact state bytes of one tensor (Gefen) and AdamW's bytes.
+    ``second_moment``: ``"factored"`` (default: fp32 per row and per column) or ``"shared"``
+    (fp32 per period of each row)."""
     shape = tuple(int(s) for s in shape)
     n = int(math.prod(shape))
     adamw = ADAMW_BYTES_PER_PARAM * n
@@ -86,7 +89,10 @@ def tensor_state(shape: Sequence[int], small_threshold: int = 4096) -> Dict[str,
     geo = Geometry.quantized(shape, estimated_period(shape))
     rows = shape[0]
     s = geo.state_shapes(rows)
-    nbytes = n + 4 * math.prod(s["scale"]) + 4 * math.prod(s["v"])
+    if second_moment == "factored":
+        nbytes = n + 4 * math.prod(s["scale"]) + 4 * rows + 4 * geo.slab
+    else:
+        nbytes = n + 4 * math.prod(s["scale"]) + 4 * math.prod(s["v"])
     return dict(kind=KIND_QUANTIZED, period=geo.period, scale_block=geo.scale_block, gefen_bytes=int(nbytes),
                 adamw_bytes=adamw)
 
@@ -118,12 +124,12 @@ class ModelEstimate:
 
 
 def estimate_from_shapes(specs: Sequence[TensorSpec], source: str = "shapes", small_threshold: int = 4096,
-                         adamw_step_tensors: bool = True) -> ModelEstimate:
+                         adamw_step_tensors: bool = True, second_moment: str = "factored") -> ModelEstimate:
     """Whole-model state bytes from tensor shapes. AdamW counts torch's float32 ``step`` tensor
     per parameter tensor (as ``torch.optim.AdamW`` allocates) unless ``adamw_step_tensors=False``."""
     rows = []
     for sp in specs:
-        rec = dict(name=sp.name, shape=tuple(sp.shape), numel=sp.numel, **tensor_state(sp.shape, small_threshold))
+        rec = dict(name=sp.name, shape=tuple(sp.shape), numel=sp.numel, **tensor_state(sp.shape, small_threshold, second_moment))
         if adamw_step_tensors:
             rec["adamw_bytes"] += ADAMW_STEP_BYTES
         rows.append(rec)
@@ -357,7 +363,8 @@ def format_bytes(n: float) -> str:
 
 # ----------------------------------------------------------------------------- the plan
 def load_model_estimate(*, params: Optional[float] = None, config: Optional[str] = None, model: Optional[str] = None,
-                        model_kwargs: Optional[Dict[str, Any]] = None, small_threshold: int = 4096) -> ModelEstimate:
+                        model_kwargs: Optional[Dict[str, Any]] = None, small_threshold: int = 4096,
+                        second_moment: str = "factored") -> ModelEstimate:
     given = [x is not None for x in (params, config, model)]
     if sum(given) != 1:
         raise ValueError("give exactly one of --params, --config, --model")
@@ -370,9 +377,10 @@ def load_model_estimate(*, params: Optional[float] = None, config: Optional[str]
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read config.json {config!r}: {e}") from None
         specs = shapes_from_hf_config(cfg)
-        return estimate_from_shapes(specs, f"{cfg.get('model_type', 'model')} from {config}", small_threshold)
+        return estimate_from_shapes(specs, f"{cfg.get('model_type', 'model')} from {config}", small_threshold,
+                                    second_moment=second_moment)
     specs = shapes_from_factory(model, model_kwargs)
-    return estimate_from_shapes(specs, f"{model} (meta device)", small_threshold)
+    return estimate_from_shapes(specs, f"{model} (meta device)", small_threshold, second_moment=second_moment)
 
 
 def plan(est: ModelEstimate, strategy: str, world_size: int, precision: str = "fp32",

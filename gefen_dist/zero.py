@@ -592,8 +592,11 @@ class ZeroGefen(Gefen):
                 if hp["weight_decay"] != 0.0 and hp["lr"] != 0.0 and p.numel():
                     p.mul_(1.0 - hp["lr"] * hp["weight_decay"])
             elif "v_col" in st:
-                mode = (MODE_FACTORED if factored_wire_compressed(st["scale_block"], st["v_col"].numel(),
-                                                                  p.element_size()) else MODE_DENSE)
+                # With the native kernel the owner runs the kernel's factored step on its rows and
+                # sends new values (dense), so replicas equal fused single-process Gefen bitwise; the
+                # compressed factored form replays the eager step's arithmetic (fused=False).
+                mode = (MODE_FACTORED if not self._use_fused(p) and factored_wire_compressed(
+                    st["scale_block"], st["v_col"].numel(), p.element_size()) else MODE_DENSE)
             elif st["period"] > 1:
                 mode = MODE_COMPRESSED
             else:
@@ -644,7 +647,7 @@ class ZeroGefen(Gefen):
                     M, off = self._take(chunks[r], off, n // P, torch.float32)
                     sigma, off = self._take(chunks[r], off, n // P, torch.float32)
                     self._apply_compressed(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
-                                           st["codebook"], P, hp)
+                                           st["codebook"], P, hp, kernel_order=self._use_fused(p))
                 elif mode == MODE_FACTORED:
                     B, slab = st["scale_block"], st["v_col"].numel()
                     idx, off = self._take(chunks[r], off, n, torch.uint8)
@@ -728,8 +731,13 @@ class ZeroGefen(Gefen):
         if "v_col" in st:
             # Gefen's factored step on this rank's rows; it updates a copy of the (old) v_col,
             # every rank updates its own v_col afterwards (_update_v_col).
-            quantized_step_factored_eager_(work, g, st["idx"], st["scale"], st["v_row"], st["v_col"].clone(),
-                                           st["codebook"], col_mean_sq, scale_block=st["scale_block"], **hp)
+            step_fn = quantized_step_factored_eager_
+            if self._use_fused(work):
+                from .kernels import cpu as _cpu
+
+                step_fn = _cpu.quantized_step_factored_
+            step_fn(work, g.to(work.dtype), st["idx"], st["scale"], st["v_row"], st["v_col"].clone(),
+                    st["codebook"], col_mean_sq, scale_block=st["scale_block"], **hp)
             return work
         kw = dict(period=st["period"], scale_block=st["scale_block"], **hp)
         if self._use_fused(work):
@@ -810,8 +818,10 @@ class ZeroGefen(Gefen):
 
     @staticmethod
     def _apply_compressed(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, sigma: torch.Tensor,
-                          cb: torch.Tensor, P: int, hp: dict) -> None:
-        """``p <- p*(1-lr*wd) - ((C[idx]*M)*sigma)*lr``: quantized_step_eager_'s update, same order."""
+                          cb: torch.Tensor, P: int, hp: dict, kernel_order: bool = False) -> None:
+        """``p <- p*(1-lr*wd) - ((C[idx]*M)*sigma)*lr``: quantized_step_eager_'s update, same order;
+        with ``kernel_order`` the native kernel's ``C[idx] * ((M*sigma)*lr)`` (per-block coefficient
+        first), so replicas equal single-process Gefen with the same ``fused`` setting bitwise."""
         n = pf.numel()
         lr, wd = hp["lr"], hp["weight_decay"]
         decay = 1.0 - lr * wd
@@ -822,7 +832,10 @@ class ZeroGefen(Gefen):
             a = M[c0 // P:c1 // P].view(-1, 1)
             # cb.index_select(int32) reads the same codewords as the eager cb[idx.long()], 5x faster
             q = cb.index_select(0, ib.reshape(-1).int()).view(-1, P)
-            u = (q * a).view(-1, P).mul_(sigma[c0 // P:c1 // P].view(-1, 1)).mul_(lr)
+            if kernel_order:
+                u = q * (a * sigma[c0 // P:c1 // P].view(-1, 1)).mul_(lr)
+            else:
+                u = (q * a).view(-1, P).mul_(sigma[c0 // P:c1 // P].view(-1, 1)).mul_(lr)
             p = pf[c0:c1]
             if p.dtype == torch.float32:
                 if wd != 0.0:

@@ -2,9 +2,12 @@
 
 Agreement contract (see the module docstring of gefen_dist.kernels.cpu):
 * idx, scale and v bitwise equal to quantized_step_eager_ (v: when torch's sum order is
-  reproduced on this machine; otherwise v differs in the last bit in some blocks);
+  reproduced on this machine; otherwise v differs in the last bit in some blocks); the same
+  for the factored mode (idx, scale, v_row; v_col is computed with torch);
 * float32 parameters within rtol 1e-6 (atol 1e-6 * max|p|) after 100 steps: the kernel's
-  sqrt is correctly rounded, torch's (MKL) is not, so sigma may differ by one ulp;
+  sqrt is correctly rounded, torch's (MKL) is not, so sigma may differ by one ulp, and the
+  kernel's documented relaxations (update as C[idx] times the block's scalar product,
+  per-element sigma with one division) move the update by a few ulps of itself;
 * bfloat16 parameters: the same one-ulp sigma difference flips the single float32 -> bf16
   rounding for a tiny fraction of elements (at most 1e-3 here), by one bf16 ulp.
 """
@@ -366,6 +369,148 @@ def test_simd_path_equals_portable(monkeypatch, shape, P, B, dtype, variant):
                                 scale_block=B)
         outs.append((p, idx, sc, v))
     _bitwise(*outs)
+
+
+# --------------------------------------------------------------------------------------
+# factored second moment
+# --------------------------------------------------------------------------------------
+
+def _fstate(rows, slab, B, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = (torch.randn(rows * slab, generator=g) * 0.02).to(dtype)
+    idx = torch.full((rows * slab,), 127, dtype=torch.uint8)
+    return p, idx, torch.zeros(rows * slab // B), torch.zeros(rows, 1), torch.zeros(slab)
+
+
+def _run_factored(rows, slab, B, dtype, steps, fns, seed=0, hp=HP, grad_hook=None):
+    """The same gradients through each step function in ``fns``; returns their states."""
+    from gefen_dist.core.step import column_sumsq
+
+    states = [_fstate(rows, slab, B, dtype, seed) for _ in fns]
+    g = torch.Generator().manual_seed(seed + 1)
+    row_scale = torch.exp(torch.randn(rows, 1, generator=g))
+    col_scale = torch.exp(0.5 * torch.randn(1, slab, generator=g))
+    for step in range(1, steps + 1):
+        grad = (torch.randn(rows, slab, generator=g) * 1e-3 * row_scale * col_scale).reshape(-1).to(dtype)
+        if grad_hook is not None:
+            grad_hook(step, grad)
+        cms = (column_sumsq(grad, slab) / rows).float()
+        bc1, bc2 = bias_corrections(step, hp["beta1"], hp["beta2"])
+        for fn, (p, idx, sc, vr, vc) in zip(fns, states):
+            fn(p, grad, idx, sc, vr, vc, dp_codebook(), cms, **hp, bc1=bc1, bc2=bc2, scale_block=B)
+    return states
+
+
+FCASES = [((64, 768), 256), ((32, 384), 384), ((16, 1031), 1031), ((8, 4099), 4099)]
+
+
+@pytest.mark.parametrize("shape,B", FCASES)
+def test_factored_matches_eager_fp32(shape, B, one_thread):
+    from gefen_dist.core.step import quantized_step_factored_eager_
+
+    ref, fus = _run_factored(*shape, B, torch.float32, 100,
+                             [quantized_step_factored_eager_, cpu.quantized_step_factored_])
+    _assert_state_equal((None, *ref[1:4]), (None, *fus[1:4]))
+    assert torch.equal(ref[4].view(torch.int32), fus[4].view(torch.int32))  # v_col: same torch ops
+    _assert_params_close(ref[0], fus[0])
+
+
+@pytest.mark.parametrize("shape,B", [FCASES[0], FCASES[2]])
+def test_factored_matches_eager_bf16(shape, B, one_thread):
+    from gefen_dist.core.step import quantized_step_factored_eager_
+
+    ref, fus = _run_factored(*shape, B, torch.bfloat16, 100,
+                             [quantized_step_factored_eager_, cpu.quantized_step_factored_])
+    _assert_state_equal((None, *ref[1:4]), (None, *fus[1:4]))
+    _assert_params_close(ref[0], fus[0])
+
+
+def test_factored_nonfinite_like_eager(one_thread):
+    from gefen_dist.core.step import quantized_step_factored_eager_
+
+    def hook(step, grad):
+        if step == 3:
+            grad[5] = float("nan")
+            grad[800] = float("inf")
+
+    ref, fus = _run_factored(4, 768, 256, torch.float32, 4,
+                             [quantized_step_factored_eager_, cpu.quantized_step_factored_],
+                             grad_hook=hook)
+    assert torch.equal(ref[1], fus[1])
+    for a, b in zip(ref, fus):
+        assert torch.equal(a.isnan(), b.isnan())
+
+
+def test_factored_thread_count_independent():
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            outs.append(_run_factored(256, 768, 256, torch.float32, 3, [cpu.quantized_step_factored_],
+                                      seed=3)[0])
+    finally:
+        torch.set_num_threads(old)
+    _bitwise(*outs)
+
+
+@pytest.mark.skipif(not cpu.simd_compiled(), reason="AVX-512 VBMI path not compiled for this CPU")
+@pytest.mark.parametrize("shape,B,dtype", [((8, 768), 256, torch.float32), ((4, 1031), 1031, torch.bfloat16),
+                                           ((6, 100), 50, torch.float32)])
+def test_factored_simd_equals_portable(monkeypatch, shape, B, dtype):
+    outs = []
+    for simd in (True, False):
+        monkeypatch.setattr(cpu, "_USE_SIMD", simd)
+        outs.append(_run_factored(*shape, B, dtype, 3, [cpu.quantized_step_factored_], seed=5)[0])
+    _bitwise(*outs)
+
+
+def test_factored_falls_back_to_eager_without_native(monkeypatch, one_thread):
+    from gefen_dist.core.step import quantized_step_factored_eager_
+
+    monkeypatch.setenv("GEFEN_DIST_NO_NATIVE", "1")
+    assert not cpu.available()
+    ref, fus = _run_factored(8, 768, 256, torch.float32, 3,
+                             [quantized_step_factored_eager_, cpu.quantized_step_factored_])
+    _bitwise(ref, fus)
+
+
+def test_factored_rejects_bad_arguments():
+    p, idx, sc, vr, vc = _fstate(4, 768, 256, torch.float32, 0)
+    kw = dict(HP, bc1=0.1, bc2=0.001)
+    with pytest.raises(ValueError):  # scale block does not divide the row
+        cpu.quantized_step_factored_(p, torch.zeros_like(p), idx, sc, vr, vc, dp_codebook(),
+                                     torch.zeros(768), **kw, scale_block=500)
+
+
+def test_optimizer_dispatches_factored_to_kernel(monkeypatch):
+    """Gefen sends factored tensors to the fused kernel (fused=None) and to the eager path
+    with fused=False, and both agree."""
+    from gefen_dist import Gefen
+
+    calls = []
+    real = cpu.quantized_step_factored_
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(cpu, "quantized_step_factored_", spy)
+    outs = []
+    for fused in (None, False):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(64, 256) * 0.02)
+        opt = Gefen([w], lr=1e-3, second_moment="factored", fused=fused)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            w.grad = torch.randn(64, 256, generator=g) * 1e-3
+            opt.step()
+        outs.append(w.detach().clone())
+        if fused is None:
+            assert calls, "factored step did not reach the fused kernel"
+            n = len(calls)
+    assert len(calls) == n  # fused=False: eager only
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6 * outs[1].abs().max().item())
 
 
 # --------------------------------------------------------------------------------------

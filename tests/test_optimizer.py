@@ -82,7 +82,7 @@ def test_named_params_groups_kept_and_report():
 
 def test_state_bytes_and_layout_of_a_quantized_tensor():
     w = nn.Parameter(torch.zeros(64, 512))
-    opt = Gefen([w], lr=1e-3)
+    opt = Gefen([w], lr=1e-3, second_moment="shared")
     torch.manual_seed(0)
     w.grad = torch.randn(64, 512) * torch.rand(64, 1)
     opt.step()
@@ -92,6 +92,22 @@ def test_state_bytes_and_layout_of_a_quantized_tensor():
     assert st["scale"].shape == (64, 512 // B) and st["v"].shape == (64, 512 // P)
     assert st["scale"].dtype == torch.float32 and st["v"].dtype == torch.float32
     assert opt.state_bytes() == 64 * 512 + 4 * (64 * 512 // B + 64 * 512 // P) + 1024
+
+
+def test_factored_is_the_default_layout():
+    w = nn.Parameter(torch.zeros(64, 512))
+    opt = Gefen([w], lr=1e-3)
+    torch.manual_seed(0)
+    w.grad = torch.randn(64, 512) * torch.rand(64, 1) * torch.rand(1, 512)
+    opt.step()
+    st = opt.state[w]
+    B = st["scale_block"]
+    assert "v" not in st and st["v_row"].shape == (64, 1) and st["v_col"].shape == (512,)
+    assert opt.state_bytes() == 64 * 512 + 4 * (64 * 512 // B + 64 + 512) + 1024
+    # one step of the factored estimator equals its definition: v = (1-b2) * rowmean * colmean / mean
+    g2 = w.grad.double() ** 2
+    assert torch.allclose(st["v_row"].view(-1).double(), 0.001 * g2.mean(1), rtol=1e-5)
+    assert torch.allclose(st["v_col"].double(), 0.001 * g2.mean(0), rtol=1e-5)
 
 
 def test_closure_evaluated_before_learning():

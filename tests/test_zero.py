@@ -182,7 +182,7 @@ class _Mixed(nn.Module):
 
 def _mixed_groups(m):
     return [{"params": [m.a.weight, m.c], "second_moment": "factored"},
-            {"params": [m.b.weight], "weight_decay": 0.0},
+            {"params": [m.b.weight], "weight_decay": 0.0, "second_moment": "shared"},
             {"params": [m.a.bias, m.b.bias, m.d.weight, m.d.bias, m.e.weight, m.e.bias]}]
 
 
@@ -235,9 +235,12 @@ def test_factored_column_stats_are_gefens():
     assert torch.equal(col[m.c], (column_sumsq(m.c.grad, 8) / 512).to(torch.float32))
 
 
-def test_wire_is_compressed_single_process():
+@pytest.mark.parametrize("kw", [dict(second_moment="shared"), dict(fused=False)])
+def test_wire_is_compressed_single_process(kw):
+    # (with the default factored second moment AND the native kernel, factored tensors travel dense:
+    # the owner runs the kernel's step so replicas equal fused single-process Gefen bitwise)
     m = _model()
-    o = ZeroGefen(m.parameters(), lr=1e-2)
+    o = ZeroGefen(m.parameters(), lr=1e-2, **kw)
     _train(m, o, 2)
     w = o.last_wire
     assert w["world_size"] == 1 and w["elements"] == sum(p.numel() for p in m.parameters())

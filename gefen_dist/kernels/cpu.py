@@ -1,7 +1,11 @@
 """Fused CPU step for quantized tensors (ctypes wrapper of ``csrc/gefen_step.c``).
 
 ``quantized_step_`` has the signature and the math of
-:func:`gefen_dist.core.step.quantized_step_eager_` and runs it in one pass per scale block,
+:func:`gefen_dist.core.step.quantized_step_eager_`, and ``quantized_step_factored_`` those of
+:func:`gefen_dist.core.step.quantized_step_factored_eager_` (``second_moment="factored"``: the
+``slab``-long ``v_col`` update and the column factors ``sqrt(v_col / mean(v_col))`` are the
+eager path's torch operations; each row, its ``v_row`` and its scale blocks run in the kernel,
+rows distributed over threads). Both run in one pass per scale block,
 multi-threaded with OpenMP over blocks (``torch.get_num_threads()`` threads; each block is
 handled by exactly one thread, so the result does not depend on the thread count). Extra
 memory: one block of float32 per thread (at most 16 MiB in all; longer blocks recompute
@@ -25,7 +29,25 @@ torch's kernels are probed once per process (see :func:`numerics`) and replayed:
 * With that, ``idx``, ``scale`` and ``v`` are bitwise identical to the eager path (``m`` and
   its quantisation never depend on ``v``), except where torch itself changes order: a
   v-block of more than 2^21 elements (the eager path then reduces a single row per chunk,
-  which torch splits across threads in a two-pass reduction).
+  which torch splits across threads in a two-pass reduction). With AVX-512 the cascade is
+  replayed with one vector register per item (same additions, same order).
+
+Deliberate relaxations (cheaper than torch's operation sequence, all below the tolerance
+stated next; ``idx`` and ``scale`` stay bitwise equal to the eager path):
+
+* ``z = m / A`` is computed from ``y = 1/A`` as ``q = m*y; z = fma(m - A*q (fma), y, q)``
+  (one Markstein correction step), which is the correctly rounded quotient whenever ``A`` is
+  in ``[2^-125, 2^125]`` (otherwise the kernel divides) and ``z`` is not subnormal, so the
+  nearest codeword is unchanged (a subnormal ``z`` could round differently only if a
+  decision boundary lay among the subnormals).
+* The parameter update ``u = ((C[idx] * A) * sigma) * lr`` is computed as
+  ``C[idx] * ((A * sigma) * lr)`` (the product of the block's scalars first; for per-element
+  sigma ``C[idx] * (sigma * (A * lr))``): up to ~2 float32 ulps of ``u``, far below one ulp of
+  the parameter.
+* Per-element sigma (``period == 1`` and the factored mode) is ``(1/bc1) / (x * s + eps)`` with
+  ``s = 1/sqrt(bc2)`` (``x = sqrt(v)``) or ``s = sqrt(v_row)/sqrt(bc2)`` per row
+  (``x = col_f``), one division instead of torch's division, reciprocal and product: within
+  ~3 ulps of torch's sigma, the same order as the ``sqrt`` difference below.
 
 Not replayed: ``sqrt``. torch's ``Tensor.sqrt`` may use MKL's ``vsSqrt`` (observed up to
 0.75 ulp on AVX-512 machines), the kernel uses the correctly rounded ``sqrtf``. So sigma can
@@ -79,10 +101,10 @@ from gefen_dist.core.quant import NUM_CODEWORDS, nearest_codeword
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "simd_compiled", "quantized_step_", "numerics", "nearest_lut", "nearest_sweep",
+__all__ = ["available", "simd_compiled", "quantized_step_", "quantized_step_factored_", "numerics", "nearest_lut", "nearest_sweep",
            "CodebookTable", "codebook_table"]
 
-_ABI = 4
+_ABI = 5
 _LIB_NAME = "gefen_step"
 _SOURCES = ["gefen_step.c"]
 _MIN_LUT_BITS = 12
@@ -144,6 +166,8 @@ def _lib() -> Optional[ctypes.CDLL]:
             vp, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
             lib.gefen_quantized_step.restype = ctypes.c_int
             lib.gefen_quantized_step.argtypes = [ctypes.POINTER(_Args)] + [vp] * 7
+            lib.gefen_quantized_step_factored.restype = ctypes.c_int
+            lib.gefen_quantized_step_factored.argtypes = [ctypes.POINTER(_Args)] + [vp] * 8
             lib.gefen_nearest.restype = None
             lib.gefen_nearest.argtypes = [vp, i64, vp, vp, i32, f32, i32, vp]
             lib.gefen_nearest_sweep.restype = i64
@@ -446,8 +470,19 @@ def quantized_step_(
     _check("scale", scale, torch.float32, n // B)
     _check("v", v, torch.float32, n // P)
     tab = codebook_table(codebook)
-    num = numerics()
+    a = _make_args(param, n, P, B, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                   weight_decay=weight_decay, bc1=bc1, bc2=bc2)
+    rc = lib.gefen_quantized_step(ctypes.byref(a), param.data_ptr(), grad.data_ptr(),
+                                  idx.data_ptr(), scale.data_ptr(), v.data_ptr(),
+                                  tab.cb.data_ptr(), tab.lut.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"gefen_quantized_step failed with code {rc}")
+    for t in (param, idx, scale, v):
+        torch.autograd.graph.increment_version(t)
 
+
+def _make_args(param, n, P, B, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2) -> _Args:
+    num = numerics()
     w = 1.0 - beta1
     small = abs(w) < 0.5
     wf = np.float32(w)
@@ -473,10 +508,70 @@ def quantized_step_(
     a.inv_bc1 = 1.0 / bc1
     a.lr = lr
     a.decay = 1.0 - lr * weight_decay
-    rc = lib.gefen_quantized_step(ctypes.byref(a), param.data_ptr(), grad.data_ptr(),
-                                  idx.data_ptr(), scale.data_ptr(), v.data_ptr(),
-                                  tab.cb.data_ptr(), tab.lut.data_ptr())
+    return a
+
+
+def quantized_step_factored_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor,
+    v_row: torch.Tensor,
+    v_col: torch.Tensor,
+    codebook: torch.Tensor,
+    col_mean_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bc1: float,
+    bc2: float,
+    scale_block: int,
+) -> None:
+    """Gefen update with a factored second moment, in place (fused kernel; same contract as
+    :func:`gefen_dist.core.step.quantized_step_factored_eager_`). ``v_col`` and the column
+    factors ``sqrt(v_col / mean(v_col))`` are computed with the eager path's torch operations
+    (``slab`` elements); rows run in the kernel, each by one thread. Falls back to the eager
+    path when the native library is unavailable."""
+    lib = _lib()
+    if lib is None:
+        from gefen_dist.core.step import quantized_step_factored_eager_
+
+        quantized_step_factored_eager_(param, grad, idx, scale, v_row, v_col, codebook, col_mean_sq,
+                                       lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                       weight_decay=weight_decay, bc1=bc1, bc2=bc2,
+                                       scale_block=scale_block)
+        return
+    n = param.numel()
+    S, B = v_col.numel(), int(scale_block)
+    if B < 1 or S < 1 or S % B:
+        raise ValueError(f"scale block {B} must divide the row length {S}")
+    if n % S:
+        raise ValueError(f"numel {n} is not a multiple of the row length {S}")
+    if param.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"param dtype {param.dtype} not supported (float32, bfloat16)")
+    _check("v_col", v_col, torch.float32, S)
+    _check("col_mean_sq", col_mean_sq, torch.float32, S)
+    if n:
+        _check("param", param, None, n)
+        _check("grad", grad, param.dtype, n)
+        _check("idx", idx, torch.uint8, n)
+        _check("scale", scale, torch.float32, n // B)
+        _check("v_row", v_row, torch.float32, n // S)
+    v_col.mul_(beta2).add_(col_mean_sq, alpha=1.0 - beta2)
+    if n == 0:
+        return
+    mean_c = float(v_col.mean())
+    col_f = (v_col / mean_c).sqrt_() if mean_c > 0 else torch.zeros_like(v_col)
+    tab = codebook_table(codebook)
+    a = _make_args(param, n, S, B, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                   weight_decay=weight_decay, bc1=bc1, bc2=bc2)
+    rc = lib.gefen_quantized_step_factored(ctypes.byref(a), param.data_ptr(), grad.data_ptr(),
+                                           idx.data_ptr(), scale.data_ptr(), v_row.data_ptr(),
+                                           col_f.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr())
     if rc != 0:
-        raise RuntimeError(f"gefen_quantized_step failed with code {rc}")
-    for t in (param, idx, scale, v):
+        raise RuntimeError(f"gefen_quantized_step_factored failed with code {rc}")
+    for t in (param, idx, scale, v_row):
         torch.autograd.graph.increment_version(t)

@@ -211,7 +211,7 @@ def train_and_save(m, opt, out, name, rank, ws, extra=None):
     if rank == 0:
         st = fsd["optim"]["state"]["a.weight"]
         assert st["idx"].dtype == torch.uint8 and st["idx"].shape == (33, 128), (st["idx"].dtype, st["idx"].shape)
-        assert not hasattr(st["v"], "placements") and "a.weight" in fsd["model"], sorted(fsd["model"])
+        assert not hasattr(st["scale"], "placements") and "a.weight" in fsd["model"], sorted(fsd["model"])
         torch.save(fsd, os.path.join(out, f"{name}_full.pt"))
         torch.save(grads, os.path.join(out, f"{name}_grads.pt"))
     else:
@@ -307,7 +307,7 @@ def mode_load(out, rank, ws):
         for p in m.parameters():
             assert p.dtype == torch.float32 and p.grad.dtype == torch.float32 and torch.isfinite(full(p)).all()
         st = opt.state[m.a.weight]
-        assert st["idx"].dtype == torch.uint8 and st["v"].dtype == torch.float32 and st["learned"] == 1
+        assert st["idx"].dtype == torch.uint8 and st["scale"].dtype == torch.float32 and st["learned"] == 1
         assert torch.unique(opt.codebook).numel() == 256
         log(f"OK shard_model mp_policy=bf16 ws={ws}: 2 steps, fp32 params/grads/state, codebook learned")
 

@@ -73,7 +73,8 @@ def groups(m, variant="a"):
     named = list(m.named_parameters())
     fact = FACTORED[variant]
     return [
-        {"params": [p for n, p in named if p.ndim >= 2 and n not in fact], "weight_decay": 0.1},
+        {"params": [p for n, p in named if p.ndim >= 2 and n not in fact], "weight_decay": 0.1,
+         "second_moment": "shared"},
         {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": 2e-3},
         {"params": [p for n, p in named if n in fact], "second_moment": "factored",
          "weight_decay": 0.1 if variant == "a" else 0.0},
@@ -267,8 +268,8 @@ def empty_rank_cases():
     torch.manual_seed(2)
     q = nn.Parameter(torch.randn(1, 8192) * 0.02)
     qr = nn.Parameter(q.detach().clone())
-    zo = ZeroGefen([q], lr=1e-2)
-    ro = Gefen([qr], lr=1e-2)
+    zo = ZeroGefen([q], lr=1e-2, second_moment="shared")  # (c) below covers factored
+    ro = Gefen([qr], lr=1e-2, second_moment="shared")
     ro._comm = LocalComm()
     tgt = torch.linspace(-1, 1, 8192).view(1, -1).repeat_interleave(1, 0) * torch.arange(8192).remainder(64).float()
     for i in range(4):

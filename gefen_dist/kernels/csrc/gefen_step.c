@@ -8,8 +8,14 @@
  *   per scale block (B elements): m = lerp(C[idx] M, g, 1-beta1);  A = max|m|;  M = A;
  *                                idx = nearest(m / A);  p = p (1 - lr wd) - (C[idx] A sigma) lr
  *
- * Either B == P (P > 1), or P == 1 (v per element, B the scale block). Each scale block is
- * processed by exactly one thread, so results do not depend on the thread count.
+ * Either B == P (P > 1), or P == 1 (v per element, B the scale block), or the factored
+ * second moment (gefen_quantized_step_factored: rows of `period` elements, v_row per row,
+ * per-column factors from the caller). Each scale block (factored: each row) is processed by
+ * exactly one thread, so results do not depend on the thread count.
+ *
+ * Relaxed against torch's operation sequence (documented in cpu.py; idx/scale unaffected):
+ * m / A via the reciprocal plus one exact Markstein correction (qdiv), the update as
+ * C[idx] times the product of the block's scalars, and per-element sigma with one division.
  *
  * Rounding follows torch's float32 CPU kernels operation by operation; the caller probes
  * torch once and tells the kernel (a) whether torch's lerp and add(alpha) are fused
@@ -46,7 +52,7 @@
 #include <immintrin.h>
 #endif
 
-#define GEFEN_STEP_ABI 4
+#define GEFEN_STEP_ABI 5
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -134,6 +140,27 @@ ALWAYS_INLINE float sigma_of(float v, const gefen_step_args *a)
     return s * a->inv_bc1;
 }
 
+/* Per-element sigma (P == 1: x = sqrt(v) / sqrt(bc2); factored: x = sqrt(v_row) col_f / sqrt(bc2)),
+ * relaxed: the caller hands s = 1 / sqrt(bc2) (P == 1) or sqrt(v_row) / sqrt(bc2) (factored, per
+ * row), and sigma = (1 / bc1) / (c * s + eps) with one division (within ~2 ulp of torch's
+ * operation sequence). */
+ALWAYS_INLINE float sigma_el(float c, float s, const gefen_step_args *a)
+{
+    float d = c * s;
+    d = d + a->eps;
+    return a->inv_bc1 / d;
+}
+
+/* z = m / A from y = 1 / A (correctly rounded) with one Markstein correction: q = m y,
+ * r = m - A q (exact with an fma), z = q + r y, the correctly rounded quotient when A and y are
+ * normal and z is not subnormal (the caller divides when A is outside [2^-125, 2^125]). */
+ALWAYS_INLINE float qdiv(float m, float A, float y)
+{
+    float q = m * y;
+    float r = fmaf(-q, A, m);
+    return fmaf(r, y, q);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* sum of squares in torch's cascade order (aten/src/ATen/native/cpu/SumKernel.cpp)      */
 /* ------------------------------------------------------------------------------------ */
@@ -211,8 +238,79 @@ DEFINE_ROWSUM(8)
 DEFINE_ROWSUM(16)
 DEFINE_ROWSUM(32)
 
+#ifdef GEFEN_VBMI
+/* The same cascade with the L lanes of an item in one vector register (L = 8: ymm, 16: zmm);
+ * bitwise equal to rowsum_L (tested through the simd switch). Level 0 lives in registers. */
+ALWAYS_INLINE __m512 vld16(const void *g, int64_t i, const int dt)
+{
+    if (dt == 0) return _mm512_loadu_ps((const float *)g + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+ALWAYS_INLINE __m256 vld8(const void *g, int64_t i, const int dt)
+{
+    if (dt == 0) return _mm256_loadu_ps((const float *)g + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)g + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#define VACC4(PFX, LD, L, e)                                                                \
+    do {                                                                                    \
+        a0 = PFX##_add_ps(a0, PFX##_mul_ps(LD(g, (e), dt), LD(g, (e), dt)));                \
+        a1 = PFX##_add_ps(a1, PFX##_mul_ps(LD(g, (e) + L, dt), LD(g, (e) + L, dt)));        \
+        a2 = PFX##_add_ps(a2, PFX##_mul_ps(LD(g, (e) + 2 * L, dt), LD(g, (e) + 2 * L, dt)));\
+        a3 = PFX##_add_ps(a3, PFX##_mul_ps(LD(g, (e) + 3 * L, dt), LD(g, (e) + 3 * L, dt)));\
+    } while (0)
+#define DEFINE_VROWSUM(L, VT, PFX, LD)                                                      \
+    static void vrowsum_##L(const void *restrict g, int64_t o, int64_t nitems, const int dt, \
+                            float *restrict out)                                            \
+    {                                                                                       \
+        VT a0 = PFX##_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                              \
+        VT hi[3][4];                                                                        \
+        for (int lev = 0; lev < 3; ++lev)                                                   \
+            for (int k = 0; k < 4; ++k) hi[lev][k] = PFX##_setzero_ps();                    \
+        const int64_t nilp = nitems / 4;                                                    \
+        int64_t lp = ceil_log2(nilp) / 4;                                                   \
+        if (lp < 4) lp = 4;                                                                 \
+        const int64_t step = (int64_t)1 << lp, mask = step - 1;                             \
+        int64_t i = 0;                                                                      \
+        for (; i + step <= nilp;) {                                                         \
+            for (int64_t j = 0; j < step; ++j, ++i) VACC4(PFX, LD, L, o + i * 4 * L);       \
+            hi[0][0] = PFX##_add_ps(hi[0][0], a0);                                          \
+            hi[0][1] = PFX##_add_ps(hi[0][1], a1);                                          \
+            hi[0][2] = PFX##_add_ps(hi[0][2], a2);                                          \
+            hi[0][3] = PFX##_add_ps(hi[0][3], a3);                                          \
+            a0 = a1 = a2 = a3 = PFX##_setzero_ps();                                         \
+            if ((i & (mask << lp)) != 0) continue;                                          \
+            for (int lev = 2; lev < 4; ++lev) {                                             \
+                for (int k = 0; k < 4; ++k) {                                               \
+                    hi[lev - 1][k] = PFX##_add_ps(hi[lev - 1][k], hi[lev - 2][k]);          \
+                    hi[lev - 2][k] = PFX##_setzero_ps();                                    \
+                }                                                                           \
+                if ((i & (mask << (lev * lp))) != 0) break;                                 \
+            }                                                                               \
+        }                                                                                   \
+        for (; i < nilp; ++i) VACC4(PFX, LD, L, o + i * 4 * L);                             \
+        for (int lev = 0; lev < 3; ++lev) {                                                 \
+            a0 = PFX##_add_ps(a0, hi[lev][0]);                                              \
+            a1 = PFX##_add_ps(a1, hi[lev][1]);                                              \
+            a2 = PFX##_add_ps(a2, hi[lev][2]);                                              \
+            a3 = PFX##_add_ps(a3, hi[lev][3]);                                              \
+        }                                                                                   \
+        for (int64_t t = nilp * 4; t < nitems; ++t) {                                       \
+            VT x = LD(g, o + t * L, dt);                                                    \
+            a0 = PFX##_add_ps(a0, PFX##_mul_ps(x, x));                                      \
+        }                                                                                   \
+        a0 = PFX##_add_ps(a0, a1);                                                          \
+        a0 = PFX##_add_ps(a0, a2);                                                          \
+        a0 = PFX##_add_ps(a0, a3);                                                          \
+        PFX##_storeu_ps(out, a0);                                                           \
+    }
+DEFINE_VROWSUM(8, __m256, _mm256, vld8)
+DEFINE_VROWSUM(16, __m512, _mm512, vld16)
+#endif
+
 /* sum of g^2 over [o, o + P) in torch's order for vector width W (0: double accumulation). */
-static float sumsq(const void *restrict g, int64_t o, int64_t P, int W, const int dt)
+static float sumsq(const void *restrict g, int64_t o, int64_t P, int W, const int dt, int simd)
 {
     if (W <= 0) {
         double s = 0.0;
@@ -229,6 +327,13 @@ static float sumsq(const void *restrict g, int64_t o, int64_t P, int W, const in
         return lanes[0];
     }
     const int64_t nv = P / W;
+#ifdef GEFEN_VBMI
+    if (simd && W == 8) vrowsum_8(g, o, nv, dt, lanes);
+    else if (simd && W == 16) vrowsum_16(g, o, nv, dt, lanes);
+    else
+#else
+    (void)simd;
+#endif
     switch (W) {
     case 4: rowsum_4(g, o, nv, dt, lanes); break;
     case 8: rowsum_8(g, o, nv, dt, lanes); break;
@@ -376,12 +481,19 @@ ALWAYS_INLINE __m512 vvupd(__m512 v, __m512 r, __m512 beta2, __m512 alpha2, int 
     return fused ? _mm512_fmadd_ps(r, alpha2, t) : _mm512_add_ps(t, _mm512_mul_ps(alpha2, r));
 }
 
-ALWAYS_INLINE __m512 vsigma(__m512 v, const gefen_step_args *a)
+/* as sigma_el */
+ALWAYS_INLINE __m512 vsigma_el(__m512 c, __m512 s, const gefen_step_args *a)
 {
-    __m512 s = _mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(a->sqrt_bc2));
-    s = _mm512_add_ps(s, _mm512_set1_ps(a->eps));
-    s = _mm512_div_ps(_mm512_set1_ps(1.0f), s);
-    return _mm512_mul_ps(s, _mm512_set1_ps(a->inv_bc1));
+    __m512 d = _mm512_add_ps(_mm512_mul_ps(c, s), _mm512_set1_ps(a->eps));
+    return _mm512_div_ps(_mm512_set1_ps(a->inv_bc1), d);
+}
+
+/* as qdiv */
+ALWAYS_INLINE __m512 vqdiv(__m512 m, __m512 A, __m512 y)
+{
+    __m512 q = _mm512_mul_ps(m, y);
+    __m512 r = _mm512_fnmadd_ps(q, A, m);
+    return _mm512_fmadd_ps(r, y, q);
 }
 
 /* f32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (as f32_to_bf16). */
@@ -446,14 +558,16 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
     const float A = isn ? NAN : _mm512_reduce_max_ps(amax);
     scale[b] = A;
     const int pos = A > 0.0f;
-    const __m512 Ad = _mm512_set1_ps(pos ? A : 1.0f), Av = _mm512_set1_ps(A);
+    const int qd = A >= 0x1p-125f && A <= 0x1p125f; /* quotient via the reciprocal */
+    const __m512 Ad = _mm512_set1_ps(pos ? A : 1.0f), Yv = _mm512_set1_ps(qd ? 1.0f / A : 0.0f);
     const __m512 h = _mm512_set1_ps(a->lut_h), nbm1 = _mm512_set1_ps((float)(a->lut_n - 1));
     const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
-    const __m512 lr = _mm512_set1_ps(a->lr), decay = _mm512_set1_ps(a->decay);
-    const __m512 sg0 = _mm512_set1_ps(sigma);
-    const __m512i dtr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    const __m512 decay = _mm512_set1_ps(a->decay);
+    const __m512 us = _mm512_set1_ps(PM == 0 ? (A * sigma) * a->lr : A * a->lr);
+    const __m512 sl = _mm512_set1_ps(PM == 1 ? 1.0f / a->sqrt_bc2 : sigma);
 
     /* sweep 2 */
+    const __m512i dtr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     for (int64_t i0 = 0; i0 < B; i0 += 64) {
         const int64_t rem = B - i0;
         const __mmask64 k64 = rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1);
@@ -466,7 +580,7 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
             vm64(a, grad, ix, o, i0, B, k64, pl, M, m, gv, DT, FL);
         }
         for (int r = 0; r < 4; ++r) {
-            __m512 zz = pos ? _mm512_div_ps(m[r], Ad) : zero;
+            __m512 zz = pos ? (qd ? vqdiv(m[r], Ad, Yv) : _mm512_div_ps(m[r], Ad)) : zero;
             __m512 t = _mm512_add_ps(_mm512_mul_ps(zz, h), h);
             t = _mm512_max_ps(t, zero); /* NaN -> 0 */
             t = _mm512_min_ps(t, nbm1);
@@ -491,9 +605,14 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
             jv[r] = _mm512_mask_mov_epi32(j, nz, _mm512_set1_epi32(255));
             cq = _mm512_mask_mov_ps(cq, nz, one);
             if (!k) continue;
-            __m512 sg = PM == 1 ? vsigma(_mm512_maskz_loadu_ps(k, vv + i0 + 16 * r), a) : sg0;
-            __m512 u = _mm512_mul_ps(_mm512_mul_ps(cq, Av), sg);
-            u = _mm512_mul_ps(u, lr);
+            __m512 u;
+            if (PM == 0) {
+                u = _mm512_mul_ps(cq, us);
+            } else {
+                __m512 c = _mm512_maskz_loadu_ps(k, vv + i0 + 16 * r);
+                if (PM == 1) c = _mm512_sqrt_ps(c);
+                u = _mm512_mul_ps(cq, _mm512_mul_ps(vsigma_el(c, sl, a), us));
+            }
             const int64_t e = o + i0 + 16 * r;
             if (DT == 0) {
                 float *p = (float *)param + e;
@@ -527,10 +646,14 @@ ALWAYS_INLINE void sweep2(const gefen_step_args *restrict a, void *restrict para
     const float lc = a->lerp_c;
     const int small = a->lerp_small;
     const float h = a->lut_h, nbm1 = (float)(a->lut_n - 1);
-    const float lr = a->lr, decay = a->decay;
+    const float decay = a->decay;
     float *restrict pf = (float *)param + o;
     uint16_t *restrict ph = (uint16_t *)param + o;
     const float Ad = pos ? A : 1.0f; /* divide unconditionally (no trapping division under a branch) */
+    const int qd = A >= 0x1p-125f && A <= 0x1p125f; /* quotient via the reciprocal */
+    const float Y = qd ? 1.0f / A : 0.0f;
+    const float us = PM == 0 ? (A * sigma) * a->lr : A * a->lr;
+    const float sl = PM == 1 ? 1.0f / a->sqrt_bc2 : sigma;
 #pragma omp simd
     for (int64_t i = 0; i < B; ++i) {
         float m;
@@ -540,14 +663,18 @@ ALWAYS_INLINE void sweep2(const gefen_step_args *restrict a, void *restrict para
             float gi = load_g(grad, o + i, DT);
             m = lerp_t(cb[ix[i]] * M, gi, lc, small, FL);
         }
-        float z = m / Ad;
+        float z = qd ? qdiv(m, Ad, Y) : m / Ad;
         z = pos ? z : 0.0f;
         float cq;
         int j = LM ? nearest_fast(z, cb, lut, h, nbm1, &cq) : nearest_scan(z, cb, lut, h, nbm1, &cq);
         ix[i] = (uint8_t)j;
-        float sg = PM == 1 ? sigma_of(vv[i], a) : sigma;
-        float u = (cq * A) * sg;
-        u = u * lr;
+        float u;
+        if (PM == 0) {
+            u = cq * us;
+        } else {
+            float c = PM == 1 ? sqrtf(vv[i]) : vv[i];
+            u = cq * (sigma_el(c, sl, a) * us);
+        }
         if (DT == 0) {
             float pi = pf[i];
             if (WD) pi = pi * decay;
@@ -566,8 +693,8 @@ ALWAYS_INLINE void do_block(const gefen_step_args *restrict a, void *restrict pa
                             const void *restrict grad, uint8_t *restrict idx,
                             float *restrict scale, float *restrict v, const float *restrict cb,
                             const int32_t *restrict lut, int64_t b, float *restrict buf,
-                            const void *planes,
-                            const int DT, const int PM /* 0: P == B, 1: P == 1 */,
+                            const void *planes, const float *restrict cf, float srs,
+                            const int DT, const int PM /* 0: P == B, 1: P == 1, 2: factored */,
                             const int LM /* 1: fast LUT */, const int FL /* fused lerp */)
 {
     const int64_t B = a->block;
@@ -581,11 +708,15 @@ ALWAYS_INLINE void do_block(const gefen_step_args *restrict a, void *restrict pa
     float sigma = 0.0f;
 
     if (PM == 0) {
-        float s = sumsq(grad, o, B, a->sum_lanes, DT);
+        float s = sumsq(grad, o, B, a->sum_lanes, DT, a->simd);
         float r = s / (float)B;
         float vb = vupd(v[b], r, beta2, alpha2, fa);
         v[b] = vb;
         sigma = sigma_of(vb, a);
+    } else if (PM == 2) {
+        /* factored: cf = col_f of this block's columns, srs = sqrt(v_row) / sqrt(bc2) */
+        v = (float *)cf + (o % a->period);
+        sigma = srs;
     }
 
 #ifdef GEFEN_VBMI
@@ -668,10 +799,56 @@ static int threads_for(const gefen_step_args *a, int64_t nb, int64_t *chunk)
             float *buf = use_buf ? (float *)malloc((size_t)B * sizeof(float)) : NULL;       \
             _Pragma("omp for schedule(dynamic, chunk)")                                     \
             for (int64_t b = 0; b < nb; ++b)                                                \
-                do_block(a, param, grad, idx, scale, v, cb, lut, b, buf, planes, DT, PM, LM, FL); \
+                do_block(a, param, grad, idx, scale, v, cb, lut, b, buf, planes, NULL, 0.0f, DT, PM, LM, FL); \
             free(buf);                                                                      \
         }                                                                                   \
     }
+
+/* Factored second moment: rows of `period` (slab) elements, each row by one thread: its
+ * v_row from the row's mean of g^2 (same cascade sum), then its scale blocks with the
+ * per-column factors cf (col_f = sqrt(v_col / mean(v_col)), computed by the caller). */
+#define DEFINE_RUNF(DT, LM, FL)                                                             \
+    static void runf_##DT##LM##FL(const gefen_step_args *a, void *param, const void *grad,  \
+                                  uint8_t *idx, float *scale, float *vrow, const float *cf,  \
+                                  const float *cb, const int32_t *lut, const void *planes)   \
+    {                                                                                       \
+        const int64_t S = a->period, B = a->block;                                          \
+        const int64_t rows = a->n / S, per = S / B;                                         \
+        int nt = a->nthreads > 0 ? a->nthreads : 1;                                         \
+        const int64_t wu = a->n / 32768 + 1;                                                \
+        if ((int64_t)nt > wu) nt = (int)wu;                                                 \
+        if ((int64_t)nt > rows) nt = (int)rows;                                             \
+        int64_t chunk = 16384 / S;                                                          \
+        if (chunk < 1) chunk = 1;                                                           \
+        const int use_buf = B <= a->buf_max;                                                \
+        const float isb = 1.0f / a->sqrt_bc2;                                               \
+        (void)nt;                                                                           \
+        _Pragma("omp parallel num_threads(nt) if (nt > 1)")                                 \
+        {                                                                                   \
+            float *buf = use_buf ? (float *)malloc((size_t)B * sizeof(float)) : NULL;       \
+            _Pragma("omp for schedule(dynamic, chunk)")                                     \
+            for (int64_t r = 0; r < rows; ++r) {                                            \
+                float s = sumsq(grad, r * S, S, a->sum_lanes, DT, a->simd);                 \
+                float vr = vupd(vrow[r], s / (float)S, a->beta2, a->alpha2, a->fused_axpy); \
+                vrow[r] = vr;                                                               \
+                const float srs = sqrtf(vr) * isb;                                          \
+                for (int64_t q = 0; q < per; ++q)                                           \
+                    do_block(a, param, grad, idx, scale, NULL, cb, lut, r * per + q, buf,   \
+                             planes, cf, srs, DT, 2, LM, FL);                               \
+            }                                                                               \
+            free(buf);                                                                      \
+        }                                                                                   \
+    }
+#define DEFINE_RUNF_FL(DT, LM) DEFINE_RUNF(DT, LM, 0) DEFINE_RUNF(DT, LM, 1)
+DEFINE_RUNF_FL(0, 0)
+DEFINE_RUNF_FL(0, 1)
+DEFINE_RUNF_FL(1, 0)
+DEFINE_RUNF_FL(1, 1)
+
+typedef void (*runf_fn)(const gefen_step_args *, void *, const void *, uint8_t *, float *,
+                        float *, const float *, const float *, const int32_t *, const void *);
+static const runf_fn RUNSF[8] = {runf_000, runf_001, runf_010, runf_011,
+                                 runf_100, runf_101, runf_110, runf_111};
 
 #define DEFINE_RUN_FL(DT, PM, LM) DEFINE_RUN(DT, PM, LM, 0) DEFINE_RUN(DT, PM, LM, 1)
 #define DEFINE_RUN_LM(DT, PM) DEFINE_RUN_FL(DT, PM, 0) DEFINE_RUN_FL(DT, PM, 1)
@@ -709,6 +886,31 @@ int gefen_quantized_step(const gefen_step_args *a, void *param, const void *grad
     }
 #endif
     RUNS[k](a, param, grad, idx, scale, v, cb, lut, planes);
+    return 0;
+}
+
+/* Factored second moment: a->period = slab (row length), a->block = scale block (divides
+ * slab); v_row[n / slab] is updated here, cf[slab] = sqrt(v_col / mean(v_col)) is read. */
+int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const void *grad,
+                                  uint8_t *idx, float *scale, float *v_row, const float *cf,
+                                  const float *cb, const int32_t *lut)
+{
+    if (a->n == 0) return 0;
+    if (a->block <= 0 || a->period <= 0) return -1;
+    if (a->period % a->block != 0) return -2;
+    if (a->n % a->period != 0) return -3;
+    if (a->dtype != 0 && a->dtype != 1) return -4;
+    if (a->lut_n < 2) return -5;
+    const int k = (a->dtype << 2) | ((a->lut_mode != 0) << 1) | (a->fused_lerp != 0);
+    const void *planes = NULL;
+#ifdef GEFEN_VBMI
+    cb_planes pl;
+    if (a->simd && a->lut_mode) {
+        make_planes(cb, &pl);
+        planes = &pl;
+    }
+#endif
+    RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes);
     return 0;
 }
 
@@ -790,5 +992,5 @@ void gefen_probe(int32_t op, int32_t fused, int64_t n, const float *a, const flo
 /* mean(g^2) over rows of P elements (float32 g) with the given lanes; out[rows]. */
 void gefen_sumsq_mean(const float *g, int64_t rows, int64_t P, int32_t lanes, float *out)
 {
-    for (int64_t r = 0; r < rows; ++r) out[r] = sumsq(g, r * P, P, lanes, 0) / (float)P;
+    for (int64_t r = 0; r < rows; ++r) out[r] = sumsq(g, r * P, P, lanes, 0, 0) / (float)P;
 }

@@ -1,0 +1,190 @@
+"""Ablation variants of ``gefen_dist.Gefen`` for ``benchmarks/quality.py`` (benchmark code only).
+
+``GefenVariant`` subclasses :class:`gefen_dist.Gefen` and changes one mechanism at a time, leaving
+everything else (period detection, codebook learning, exact small tensors, bias correction,
+decoupled weight decay) to the parent class:
+
+* ``first_moment="fp32"``: an unquantized float32 first moment (4 B/param) instead of the uint8
+  codebook index plus per-block absmax scale.
+* ``second_moment_mode="exact"``: a per-element float32 second moment (4 B/param) while the first
+  moment stays quantized on the default scale blocks; ``"shared"``/``"factored"`` as in Gefen.
+* ``period_rule``: ``"paper"`` (the paper's detection, then gcd with the row, D1: the default),
+  ``"row"`` (the whole dim-0 row is one block), ``"one"`` (period 1: per-element second moment, and
+  scale blocks of the largest divisor of the row <= 256).
+* ``rounding="stochastic"``: unbiased stochastic rounding between the two neighbouring codewords,
+  with a generator seeded from (seed, step, tensor index) so every rank draws the same numbers.
+* ``codebook_refresh=N``: every N steps, re-learn the codebook from the histogram of the current
+  (pre-rounding) normalised first moments and re-encode every index into the new codebook (the
+  end codewords stay at -1/+1, so the absmax scales are unchanged).
+
+The update is evaluated eagerly here (small models only: no chunking).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from gefen_dist import Gefen
+from gefen_dist.core import periods as _periods
+from gefen_dist.core.quant import NUM_BINS, block_histogram, nearest_codeword
+from gefen_dist.layout import local_tensor
+
+__all__ = ["GefenVariant"]
+
+
+def stochastic_codeword(z: torch.Tensor, codebook: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Index (uint8) of ``lo`` or ``hi`` (the codewords around z), ``hi`` with probability
+    ``(z - C_lo) / (C_hi - C_lo)``: unbiased, ``E[C[idx]] == z`` inside [-1, 1]."""
+    z = z.contiguous()
+    j = torch.searchsorted(codebook, z, right=False)
+    lo = (j - 1).clamp_(min=0)
+    hi = j.clamp_(max=codebook.numel() - 1)
+    c_lo, c_hi = codebook[lo], codebook[hi]
+    gap = c_hi - c_lo
+    frac = torch.where(gap > 0, (z - c_lo) / torch.where(gap > 0, gap, torch.ones_like(gap)),
+                       torch.zeros_like(z)).clamp_(0.0, 1.0)
+    u = torch.rand(z.shape, generator=gen, dtype=torch.float32)
+    out = torch.where(u < frac, hi, lo)
+    out = torch.where(torch.isnan(z), torch.full_like(out, codebook.numel() - 1), out)
+    return out.to(torch.uint8)
+
+
+class GefenVariant(Gefen):
+    def __init__(self, params, *args, first_moment: str = "quant", second_moment_mode: Optional[str] = None,
+                 period_rule: str = "paper", rounding: str = "nearest", codebook_refresh: int = 0,
+                 seed: int = 0, **kw):
+        assert first_moment in ("quant", "fp32")
+        assert period_rule in ("paper", "row", "one")
+        assert rounding in ("nearest", "stochastic")
+        self.first_moment = first_moment
+        self.v_mode = second_moment_mode or kw.get("second_moment", "shared")
+        assert self.v_mode in ("shared", "factored", "exact")
+        if self.v_mode == "factored":
+            kw["second_moment"] = "factored"
+        self.period_rule = period_rule
+        self.rounding = rounding
+        self.codebook_refresh = int(codebook_refresh)
+        self.seed = int(seed)
+        self._refresh_counts: Optional[torch.Tensor] = None
+        self.refreshes = 0
+        kw.setdefault("fused", False)
+        super().__init__(params, *args, **kw)
+        self._pindex = {}
+
+    # ---------------------------------------------------------------- periods
+    def _learn_periods(self, live):
+        if self.period_rule == "paper":
+            return super()._learn_periods(live)
+        if self.period_rule == "row":
+            return [_periods.row_slab(pc.shape) for _, pc in live]
+        return [1 for _ in live]
+
+    # ---------------------------------------------------------------- state
+    def _alloc(self, p, piece, geo, *, learned, step=0):
+        super()._alloc(p, piece, geo, learned=learned, step=step)
+        st = self.state[p]
+        if "idx" not in st:
+            return
+        dev = piece.local.device
+        if self.first_moment == "fp32":
+            st["m32"] = torch.zeros(tuple(piece.local.shape), dtype=torch.float32, device=dev)
+            st["idx"] = torch.zeros(0, dtype=torch.uint8, device=dev)  # unused: not counted
+            st["scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
+        if self.v_mode == "exact":
+            st["v"] = torch.zeros(tuple(piece.local.shape), dtype=torch.float32, device=dev)
+
+    # ---------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        if self._refresh_counts is not None:
+            self._refresh_codebook()
+        return loss
+
+    def _refresh_codebook(self) -> None:
+        from gefen_dist.core.codebook import solve_codebook
+
+        counts = self._refresh_counts
+        self._refresh_counts = None
+        self._comm.all_reduce_sum_(counts)
+        old = self.codebook
+        new = solve_codebook(counts.numpy()).codebook.to(device=old.device, dtype=torch.float32)
+        for st in self.state.values():
+            if "idx" in st and st["idx"].numel():
+                ix = local_tensor(st["idx"])
+                ix.copy_(nearest_codeword(old[ix.long()], new).view_as(ix))
+        self.codebook = new
+        for st in self.state.values():
+            if "codebook" in st:
+                st["codebook"] = new
+        self.refreshes += 1
+
+    def _update(self, group, p, col_mean_sq=None):
+        st = self.state[p]
+        default = (self.first_moment == "quant" and self.v_mode != "exact" and self.rounding == "nearest"
+                   and not self.codebook_refresh)
+        if default or "exp_avg" in st or not st.get("learned", 1):
+            return super()._update(group, p, col_mean_sq)
+        st["step"] += 1
+        t = st["step"]
+        b1, b2 = group["betas"]
+        lr = float(group["lr"])
+        eps, wd = group["eps"], group["weight_decay"]
+        bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
+        param = local_tensor(p)
+        g = local_tensor(p.grad).float().reshape(-1)
+        n = g.numel()
+        P, B = st["period"], st["scale_block"]
+        # second moment -> per-element step size
+        if self.v_mode == "exact":
+            v = local_tensor(st["v"]).view(-1)
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            sigma = (v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)
+        elif self.v_mode == "shared":
+            v = local_tensor(st["v"]).view(-1)
+            v.mul_(b2).add_((g * g).view(-1, P).mean(dim=1), alpha=1.0 - b2)
+            sb = (v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)
+            sigma = sb.repeat_interleave(P)
+        else:  # factored (Adafactor estimator, as gefen_dist.core.step)
+            v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
+            slab = v_col.numel()
+            v_col.mul_(b2).add_(col_mean_sq, alpha=1.0 - b2)
+            g2 = g.view(-1, slab)
+            v_row.mul_(b2).add_((g2 * g2).mean(dim=1), alpha=1.0 - b2)
+            mc = float(v_col.mean())
+            col_f = (v_col / mc).sqrt() if mc > 0 else torch.zeros_like(v_col)
+            denom = (v_row.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).div_(math.sqrt(bc2)).add_(eps)
+            sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
+        # first moment
+        if self.first_moment == "fp32":
+            m = st["m32"].view(-1)
+            m.lerp_(g, 1.0 - b1)
+            q = m
+        else:
+            cb = st["codebook"]
+            ix = local_tensor(st["idx"]).view(-1, B)
+            sc = local_tensor(st["scale"]).view(-1, 1)
+            m = cb[ix.long()] * sc
+            m.lerp_(g.view(-1, B), 1.0 - b1)
+            a = m.abs().amax(dim=1, keepdim=True)
+            sc.copy_(a)
+            z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
+            if self.codebook_refresh and t % self.codebook_refresh == 0:
+                if self._refresh_counts is None:
+                    self._refresh_counts = torch.zeros(NUM_BINS, dtype=torch.int64)
+                block_histogram(m, B, out=self._refresh_counts)
+            if self.rounding == "stochastic":
+                pid = self._pindex.setdefault(id(p), len(self._pindex))
+                gen = torch.Generator().manual_seed((self.seed * 1_000_003 + pid * 7919 + t) % (2**63))
+                new = stochastic_codeword(z, cb, gen)
+            else:
+                new = nearest_codeword(z, cb)
+            ix.copy_(new)
+            q = (cb[new.long()] * a).view(-1)
+        pf = param.view(-1)
+        if wd != 0.0:
+            pf.mul_(1.0 - lr * wd)
+        pf.sub_(q * sigma * lr)
+        assert pf.numel() == n

@@ -1,0 +1,555 @@
+"""Quality of Gefen against AdamW: what costs validation loss, and at how many bytes per parameter.
+
+Every optimizer trains the same model from the same init on the same batches with the same
+schedule; only the optimizer differs. Workloads:
+
+* ``lm``: byte-level GPT (``launch.gpt``) on the Python stdlib sources (``launch.corpus``), batch 32,
+  linear warm-up then cosine to 10% of the peak lr at the last step, lr 2e-3, betas (0.9, 0.95),
+  eps 1e-8, weight decay 0.1 on >=2-D parameters (0 on 1-D), no gradient clipping; validation loss =
+  mean over fixed validation batches (``launch.corpus.val_batches``).
+* ``digits``: scikit-learn's digits, MLP 64-256-256-10 (GELU), batch 64, constant lr 2e-3, betas
+  (0.9, 0.999), weight decay 0.01 on >=2-D parameters; 360 held-out images (loss and accuracy).
+
+Each run appends one JSON line to ``docs/results/quality_runs.jsonl`` (so several processes can run
+disjoint ``--only`` subsets at once); ``--report`` (run after the runs, or implied when a run
+finishes) aggregates the newest record of every (workload, config, variant, seed) into
+``docs/results/quality.json``, ``docs/results/quality_table.md`` and ``docs/img/quality_*.png``.
+
+    python benchmarks/quality.py --quick                         # smoke: tiny model, few steps
+    python benchmarks/quality.py --seeds 0,1 --only headline     # AdamW, Gefen shared/factored, reference
+    python benchmarks/quality.py --seeds 0 --only ablations
+    python benchmarks/quality.py --report                        # tables and plots only
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch
+from torch import nn
+
+RESULTS = ROOT / "docs" / "results"
+IMG = ROOT / "docs" / "img"
+RUNS = RESULTS / "quality_runs.jsonl"
+
+# --------------------------------------------------------------------------------------------
+# optimizers
+# --------------------------------------------------------------------------------------------
+
+HEADLINE = ["adamw", "gefen_shared", "gefen_factored", "reference"]
+
+# name -> (description, factory(groups, lr, betas, seed)); lr multipliers are in LR_SCALE.
+def _gefen(**kw):
+    def make(groups, lr, betas, seed):
+        from gefen_dist import Gefen
+        kw.setdefault("fused", False)
+        return Gefen(groups, lr=lr, betas=betas, eps=1e-8, **kw)
+    return make
+
+
+def _variant(**kw):
+    def make(groups, lr, betas, seed):
+        from _variants import GefenVariant
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, **kw)
+    return make
+
+
+def _adamw(groups, lr, betas, seed):
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
+
+
+def _reference(groups, lr, betas, seed):
+    import contextlib
+    import io
+    from gefen.gefen import Gefen as RefGefen
+    with contextlib.redirect_stdout(io.StringIO()):
+        return RefGefen(groups, lr=lr, betas=betas, eps=1e-8, fused=False)
+
+
+VARIANTS = {
+    "adamw": ("torch AdamW (fp32 m and v)", _adamw),
+    "gefen_shared": ("gefen_dist Gefen, second_moment='shared' (paper + D1-D5)", _gefen()),
+    "gefen_factored": ("gefen_dist Gefen, second_moment='factored'", _gefen(second_moment="factored")),
+    "reference": ("reference gefen 1.2.3, fused=False", _reference),
+    # (a) unquantized first moment
+    "a_fp32m_shared": ("(a) fp32 first moment, shared second moment", _variant(first_moment="fp32")),
+    "a_fp32m_factored": ("(a) fp32 first moment, factored second moment",
+                         _variant(first_moment="fp32", second_moment_mode="factored")),
+    # (b) per-element second moment, quantized first moment on the default scale blocks
+    "b_quantm_exactv": ("(b) quantized first moment, per-element fp32 second moment",
+                        _variant(second_moment_mode="exact")),
+    # (c) period rules for the shared second moment
+    "c_period_row": ("(c) shared v, period = whole row", _variant(period_rule="row")),
+    "c_period_one": ("(c) period 1 (per-element v; scale block = largest divisor of row <= 256)",
+                     _variant(period_rule="one")),
+    # (d) small-tensor threshold
+    "d_thresh0": ("(d) shared, small_threshold=0 (only 1-D tensors exact)", _gefen(small_threshold=0)),
+    "d_thresh64k": ("(d) shared, small_threshold=65536", _gefen(small_threshold=65536)),
+    "d_factored_thresh0": ("(d) factored, small_threshold=0", _gefen(second_moment="factored", small_threshold=0)),
+    # (e) codebook refresh
+    "e_refresh100": ("(e) shared, codebook re-learned every 100 steps", _variant(codebook_refresh=100)),
+    "e_factored_refresh100": ("(e) factored, codebook re-learned every 100 steps",
+                              _variant(second_moment_mode="factored", codebook_refresh=100)),
+    # (f) rounding
+    "f_stochastic": ("(f) shared, stochastic rounding (seeded per step and tensor)", _variant(rounding="stochastic")),
+    "f_factored_stochastic": ("(f) factored, stochastic rounding",
+                              _variant(second_moment_mode="factored", rounding="stochastic")),
+    # (g) lr scaling
+    "g_shared_lr1.5": ("(g) shared, lr x1.5", _gefen()),
+    "g_shared_lr0.7": ("(g) shared, lr x0.7", _gefen()),
+    "g_factored_lr1.5": ("(g) factored, lr x1.5", _gefen(second_moment="factored")),
+    "g_adamw_lr1.5": ("(g) AdamW, lr x1.5 (the control for the lr-scaled Gefen rows)", _adamw),
+}
+LR_SCALE = {"g_shared_lr1.5": 1.5, "g_shared_lr0.7": 0.7, "g_factored_lr1.5": 1.5, "g_adamw_lr1.5": 1.5}
+ABLATIONS = [k for k in VARIANTS if k not in HEADLINE]
+GROUPS = {"headline": HEADLINE, "ablations": ABLATIONS, "all": list(VARIANTS)}
+
+
+def state_bytes(opt) -> int:
+    if hasattr(opt, "state_bytes"):
+        return int(opt.state_bytes())
+    seen, total = set(), 0
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                key = v.untyped_storage().data_ptr()
+                if key in seen:
+                    continue
+                seen.add(key)
+                total += v.numel() * v.element_size()
+    cb = getattr(opt, "_gefen_codebook", None)
+    if isinstance(cb, torch.Tensor):
+        total += cb.numel() * cb.element_size()
+    return total
+
+
+def param_groups(model: nn.Module, wd: float):
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def set_lr(opt, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+# --------------------------------------------------------------------------------------------
+# workloads
+# --------------------------------------------------------------------------------------------
+
+def lm_config(args) -> dict:
+    if args.quick:
+        c = dict(preset="tiny", batch=16, context=64, steps=200, warmup=20, val_batches=5, eval_every=50)
+    else:
+        c = dict(preset="small", batch=32, context=128, steps=800, warmup=50, val_batches=20, eval_every=100)
+    for k in ("preset", "batch", "context", "steps"):
+        v = getattr(args, f"lm_{k}")
+        if v is not None:
+            c[k] = v
+    c.update(lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1, min_lr_frac=0.1, grad_clip=None)
+    return c
+
+
+def lr_mult(t: int, steps: int, warmup: int, min_frac: float) -> float:
+    if t < warmup:
+        return (t + 1) / warmup
+    frac = (t - warmup) / max(1, steps - 1 - warmup)
+    return min_frac + (1.0 - min_frac) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
+
+
+def run_lm(variant: str, seed: int, cfg: dict) -> dict:
+    from launch.corpus import Batches, load_corpus, val_batches
+    from launch.gpt import GPT, get_config
+
+    train, val, info = load_corpus()
+    mcfg = get_config(cfg["preset"], context=cfg["context"])
+    torch.manual_seed(seed)
+    model = GPT(mcfg)
+    nparams = sum(p.numel() for p in model.parameters())
+    batches = Batches(train, cfg["batch"], cfg["context"], seed=seed)
+    vb = val_batches(cfg["val_batches"], cfg["batch"], cfg["context"], data=val)
+    lr0 = cfg["lr"] * LR_SCALE.get(variant, 1.0)
+    opt = VARIANTS[variant][1](param_groups(model, cfg["weight_decay"]), lr0, cfg["betas"], seed)
+
+    def evaluate():
+        model.eval()
+        with torch.no_grad():
+            out = sum(model(x, y)[1].item() for x, y in vb) / len(vb)
+        model.train()
+        return out
+
+    train_loss, val_curve = [], []
+    t0 = time.perf_counter()
+    for t in range(cfg["steps"]):
+        set_lr(opt, lr0 * lr_mult(t, cfg["steps"], cfg["warmup"], cfg["min_lr_frac"]))
+        x, y = batches(t)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        lv = loss.item()
+        train_loss.append(round(lv, 5))
+        if not math.isfinite(lv):
+            break
+        if (t + 1) % cfg["eval_every"] == 0 or t + 1 == cfg["steps"]:
+            val_curve.append((t + 1, round(evaluate(), 6)))
+    secs = time.perf_counter() - t0
+    final = val_curve[-1][1] if val_curve and val_curve[-1][0] == cfg["steps"] else float("nan")
+    sb = state_bytes(opt)
+    return dict(val_loss=final, val_curve=val_curve, train_loss=train_loss, state_bytes=sb,
+                params=nparams, bytes_per_param=sb / nparams, seconds=secs,
+                corpus_sha256=info["sha256"][:16], extra=_extra(opt))
+
+
+def _digits_data():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    return (x[360:], y[360:]), (x[:360], y[:360])
+
+
+def digits_config(args) -> dict:
+    steps = args.digits_steps or (100 if args.quick else 300)
+    return dict(steps=steps, batch=64, lr=2e-3, betas=(0.9, 0.999), weight_decay=0.01, eval_every=50,
+                model="MLP 64-256-256-10 GELU", schedule="constant")
+
+
+def run_digits(variant: str, seed: int, cfg: dict) -> dict:
+    (xt, yt), (xv, yv) = _digits_data()
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+    nparams = sum(p.numel() for p in model.parameters())
+    lr0 = cfg["lr"] * LR_SCALE.get(variant, 1.0)
+    opt = VARIANTS[variant][1](param_groups(model, cfg["weight_decay"]), lr0, cfg["betas"], seed)
+    gen = torch.Generator().manual_seed(1000 + seed)
+
+    def evaluate():
+        with torch.no_grad():
+            logits = model(xv)
+            return (nn.functional.cross_entropy(logits, yv).item(), (logits.argmax(1) == yv).float().mean().item())
+
+    curve, train_loss = [], []
+    t0 = time.perf_counter()
+    for t in range(cfg["steps"]):
+        i = torch.randint(0, len(yt), (cfg["batch"],), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(xt[i]), yt[i])
+        loss.backward()
+        opt.step()
+        train_loss.append(round(loss.item(), 5))
+        if (t + 1) % cfg["eval_every"] == 0 or t + 1 == cfg["steps"]:
+            vl, acc = evaluate()
+            curve.append((t + 1, round(vl, 6), round(acc, 5)))
+    vl, acc = evaluate()
+    sb = state_bytes(opt)
+    return dict(val_loss=vl, val_acc=acc, val_curve=[(s, l) for s, l, _ in curve], acc_curve=[(s, a) for s, _, a in curve],
+                train_loss=train_loss, state_bytes=sb, params=nparams, bytes_per_param=sb / nparams,
+                seconds=time.perf_counter() - t0, extra=_extra(opt))
+
+
+def _extra(opt) -> dict:
+    out = {}
+    if hasattr(opt, "report"):
+        per = {}
+        for r in opt.report():
+            key = f"{r['kind']}:P={r['period']}" if r["kind"] == "quantized" else r["kind"]
+            per[key] = per.get(key, 0) + r["local_numel"]
+        out["params_by_kind_period"] = per
+    if getattr(opt, "refreshes", 0):
+        out["codebook_refreshes"] = opt.refreshes
+    if hasattr(opt, "_gefen_codebook"):  # reference: periods
+        per = {}
+        for g in opt.param_groups:
+            p = g["params"][0]
+            st = opt.state.get(p, {})
+            if "automatic_period" in st:
+                k = f"P={st['automatic_period']}"
+                per[k] = per.get(k, 0) + p.numel()
+        out["params_by_period"] = per
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# GPT-2 small state bytes (no training: state allocated for the measured periods)
+# --------------------------------------------------------------------------------------------
+
+def gpt2_small_bytes() -> dict:
+    """B/param of Gefen shared and factored on the GPT-2 small tensor set, with the periods that
+    ``benchmarks/memory.py`` measured (``docs/results/memory.json``), allocated via ``init_state``."""
+    from gefen_dist import Gefen
+
+    mem = RESULTS / "memory.json"
+    if not mem.exists():
+        return {}
+    per_tensor = json.loads(mem.read_text())["per_tensor"]
+    out = {"source": "docs/results/memory.json shapes and periods"}
+    for sm in ("shared", "factored"):
+        params = [(r["name"], nn.Parameter(torch.empty(r["shape"]))) for r in per_tensor]
+        opt = Gefen(params, lr=1e-3, second_moment=sm, fused=False)
+        opt.init_state({r["name"]: r["period"] for r in per_tensor if r["kind"] == "quantized"})
+        n = sum(p.numel() for _, p in params)
+        out[sm] = dict(params=n, state_bytes=opt.state_bytes(), bytes_per_param=opt.state_bytes() / n)
+        del opt, params
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+def _cfg_key(cfg: dict) -> str:
+    return json.dumps({k: v for k, v in sorted(cfg.items())}, default=list)
+
+
+def load_runs(lm_cfg: dict, dg_cfg: dict) -> dict:
+    runs = {}
+    if not RUNS.exists():
+        return runs
+    want = {"lm": _cfg_key(lm_cfg), "digits": _cfg_key(dg_cfg)}
+    for line in RUNS.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if _cfg_key(r["config"]) != want.get(r["workload"]):
+            continue
+        runs[(r["workload"], r["variant"], r["seed"])] = r  # newest wins
+    return runs
+
+
+def _fmt_pct(x):
+    return f"{x:+.2f}%"
+
+
+def summarise(runs: dict, workload: str) -> list:
+    rows = []
+    base = {s: r for (w, v, s), r in runs.items() if w == workload and v == "adamw"}
+    ref = {s: r for (w, v, s), r in runs.items() if w == workload and v == "reference"}
+    for v in VARIANTS:
+        rs = {s: r for (w, vv, s), r in runs.items() if w == workload and vv == v}
+        if not rs:
+            continue
+        seeds = sorted(rs)
+        losses = [rs[s]["result"]["val_loss"] for s in seeds]
+        row = dict(variant=v, description=VARIANTS[v][0], seeds=seeds, val_loss=losses,
+                   mean=statistics.fmean(losses), bytes_per_param=[rs[s]["result"]["bytes_per_param"] for s in seeds],
+                   seconds=statistics.fmean(rs[s]["result"]["seconds"] for s in seeds))
+        if workload == "digits":
+            accs = [rs[s]["result"]["val_acc"] for s in seeds]
+            row["val_acc"] = accs
+            row["acc_mean"] = statistics.fmean(accs)
+        paired = [100.0 * (rs[s]["result"]["val_loss"] / base[s]["result"]["val_loss"] - 1.0) for s in seeds if s in base]
+        if paired:
+            row["vs_adamw_pct"] = paired
+            row["vs_adamw_mean_pct"] = statistics.fmean(paired)
+        pr = [100.0 * (rs[s]["result"]["val_loss"] / ref[s]["result"]["val_loss"] - 1.0) for s in seeds if s in ref]
+        if pr:
+            row["vs_reference_pct"] = pr
+            row["vs_reference_mean_pct"] = statistics.fmean(pr)
+        rows.append(row)
+    return rows
+
+
+def _seed_spread(rows):
+    a = next((r for r in rows if r["variant"] == "adamw"), None)
+    if not a or len(a["val_loss"]) < 2:
+        return None
+    return 100.0 * (max(a["val_loss"]) - min(a["val_loss"])) / statistics.fmean(a["val_loss"])
+
+
+def table_md(rows: list, workload: str) -> str:
+    acc = workload == "digits"
+    head = "| variant | seeds | val loss per seed | mean | vs AdamW (paired, mean [min, max]) | vs reference (paired) |"
+    head += " val acc (mean) |" if acc else ""
+    head += " state B/param | s/run |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        vs = "—" if r["variant"] == "adamw" else (
+            f"{_fmt_pct(r['vs_adamw_mean_pct'])} [{_fmt_pct(min(r['vs_adamw_pct']))}, {_fmt_pct(max(r['vs_adamw_pct']))}]"
+            if "vs_adamw_pct" in r else "n/a")
+        vr = "—" if r["variant"] == "reference" else (
+            f"{_fmt_pct(r['vs_reference_mean_pct'])}" if "vs_reference_pct" in r else "n/a")
+        cells = [f"`{r['variant']}`", ",".join(map(str, r["seeds"])),
+                 ", ".join(f"{x:.4f}" for x in r["val_loss"]), f"{r['mean']:.4f}", vs, vr]
+        if acc:
+            cells.append(f"{100 * r['acc_mean']:.2f}%")
+        bp = r["bytes_per_param"]
+        cells += [f"{min(bp):.3f}" if max(bp) - min(bp) < 5e-4 else f"{min(bp):.3f}–{max(bp):.3f}", f"{r['seconds']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(runs: dict, workload: str, variants: list, path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    any_ = False
+    for ci, v in enumerate(variants):
+        style = dict(color=plt.cm.tab20(ci % 20), linestyle="-" if v in HEADLINE else "--")
+        rs = [r for (w, vv, s), r in sorted(runs.items()) if w == workload and vv == v]
+        if not rs:
+            continue
+        any_ = True
+        steps = [s for s, _ in rs[0]["result"]["val_curve"]]
+        vals = [statistics.fmean(r["result"]["val_curve"][i][1] for r in rs if len(r["result"]["val_curve"]) > i)
+                for i in range(len(steps))]
+        axes[0].plot(steps, vals, marker=".", label=f"{v} (n={len(rs)})", **style)
+        tl = [statistics.fmean(x) for x in zip(*[r["result"]["train_loss"] for r in rs])]
+        k = max(1, len(tl) // 40)
+        sm = [statistics.fmean(tl[i:i + k]) for i in range(0, len(tl) - k + 1, k)]
+        axes[1].plot([i + k for i in range(0, len(tl) - k + 1, k)], sm, label=v, **style)
+    if not any_:
+        plt.close(fig)
+        return False
+    axes[0].set_title(f"{title}: validation loss (mean over seeds)")
+    axes[1].set_title(f"{title}: training loss (window mean)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    # zoom on the late phase of validation loss
+    ys = [l.get_ydata()[len(l.get_ydata()) // 2:] for l in axes[0].get_lines()]
+    flat = [y for a in ys for y in a]
+    if flat:
+        lo, hi = min(flat), max(flat)
+        axes[0].set_ylim(lo - 0.05 * (hi - lo + 1e-3), hi + 0.3 * (hi - lo + 1e-3))
+    fl = [y for l in axes[1].get_lines() for y in l.get_ydata()[len(l.get_ydata()) // 2:]]
+    if fl:
+        axes[1].set_ylim(min(fl) * 0.98, max(fl) * 1.05)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def report(args, lm_cfg, dg_cfg) -> None:
+    runs = load_runs(lm_cfg, dg_cfg)
+    suffix = "_quick" if args.quick else ""
+    out = {"lm_config": lm_cfg, "digits_config": dg_cfg, "variants": {k: v[0] for k, v in VARIANTS.items()},
+           "lr_scale": LR_SCALE, "torch": torch.__version__}
+    md = [f"<!-- generated by benchmarks/quality.py{' --quick' if args.quick else ''}; do not edit -->"]
+    for w, cfg, title in (("lm", lm_cfg, "Byte-level GPT"), ("digits", dg_cfg, "Digits MLP")):
+        rows = summarise(runs, w)
+        out[w] = rows
+        if not rows:
+            continue
+        desc = (f"{cfg['preset']} preset (context {cfg['context']}), batch {cfg['batch']}, {cfg['steps']} steps, "
+                f"warm-up {cfg['warmup']} then cosine to {cfg['min_lr_frac']:g}x, lr {cfg['lr']:g}, betas {tuple(cfg['betas'])}, "
+                f"wd {cfg['weight_decay']:g} on >=2-D, val = mean of {cfg['val_batches']} fixed batches"
+                if w == "lm" else
+                f"{cfg['model']}, batch {cfg['batch']}, {cfg['steps']} steps, {cfg['schedule']} lr {cfg['lr']:g}, "
+                f"betas {tuple(cfg['betas'])}, wd {cfg['weight_decay']:g} on >=2-D, 360 held-out images")
+        p = rows[0]["seeds"]
+        md.append(f"\n### {title}: {desc}\n")
+        if rows:
+            md.append(f"Parameters: {runs[next(k for k in runs if k[0] == w)]['result']['params']:,}.")
+        sp = _seed_spread(rows)
+        if sp is not None:
+            md.append(f"AdamW seed-to-seed spread (max - min over mean): {sp:.2f}%.\n")
+        md.append(table_md([r for r in rows if r["variant"] in HEADLINE], w))
+        abl = [r for r in rows if r["variant"] not in HEADLINE]
+        if abl:
+            md.append("\nAblations (rows compared by seed with AdamW and the reference):\n")
+            md.append(table_md(abl, w))
+        md.append("\n" + "\n".join(f"* `{r['variant']}`: {r['description']}" for r in rows))
+        img = IMG / f"quality_{w}{suffix}.png"
+        if plot(runs, w, [v for v in HEADLINE], img, title):
+            md.append(f"\n![{title} headline](../img/{img.name})")
+        img2 = IMG / f"quality_{w}_ablations{suffix}.png"
+        if abl and plot(runs, w, ["adamw", "gefen_shared", "gefen_factored"] + [r["variant"] for r in abl], img2,
+                        title + " ablations"):
+            md.append(f"\n![{title} ablations](../img/{img2.name})")
+    if not args.no_gpt2_bytes:
+        g2 = gpt2_small_bytes()
+        out["gpt2_small_state"] = g2
+        if g2:
+            md.append("\n### State on GPT-2 small (124M; periods as measured in docs/results/memory.json)\n")
+            md.append("| second_moment | params | state bytes | B/param |\n|---|---|---|---|")
+            for sm in ("shared", "factored"):
+                md.append(f"| {sm} | {g2[sm]['params']:,} | {g2[sm]['state_bytes']:,} | {g2[sm]['bytes_per_param']:.4f} |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"quality{suffix}.json").write_text(json.dumps(out, indent=1, default=list) + "\n")
+    (RESULTS / f"quality_table{suffix}.md").write_text("\n".join(md) + "\n")
+    doc = ROOT / "docs" / "quality.md"
+    if not args.quick and doc.exists():  # splice the generated tables between the markers
+        text = doc.read_text()
+        a, b = "<!-- BEGIN generated: quality_table.md -->", "<!-- END generated: quality_table.md -->"
+        if a in text and b in text:
+            body = "\n".join(md).replace("](../img/", "](img/")
+            doc.write_text(text[:text.index(a) + len(a)] + "\n" + body + "\n" + text[text.index(b):])
+    print("\n".join(md))
+
+
+# --------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny GPT, 200 steps; digits 300 steps")
+    ap.add_argument("--only", default="headline",
+                    help="comma-separated variant names, globs or groups (headline, ablations, all)")
+    ap.add_argument("--workloads", default="lm,digits")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--report", action="store_true", help="only aggregate existing runs into tables and plots")
+    ap.add_argument("--no-report", action="store_true", help="do not aggregate after the runs")
+    ap.add_argument("--no-gpt2-bytes", action="store_true")
+    ap.add_argument("--lm-preset", default=None)
+    ap.add_argument("--lm-batch", type=int, default=None)
+    ap.add_argument("--lm-context", type=int, default=None)
+    ap.add_argument("--lm-steps", type=int, default=None)
+    ap.add_argument("--digits-steps", type=int, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    lm_cfg, dg_cfg = lm_config(args), digits_config(args)
+    if not args.report:
+        names = []
+        for tok in args.only.split(","):
+            tok = tok.strip()
+            for n in GROUPS.get(tok, [v for v in VARIANTS if fnmatch.fnmatch(v, tok)]):
+                if n not in names:
+                    names.append(n)
+        if not names:
+            ap.error(f"--only {args.only!r} matches no variant; choose from {list(VARIANTS)} or {list(GROUPS)}")
+        seeds = [int(s) for s in args.seeds.split(",")]
+        workloads = [w.strip() for w in args.workloads.split(",")]
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        for w in workloads:
+            for seed in seeds:
+                for v in names:
+                    cfg = lm_cfg if w == "lm" else dg_cfg
+                    t0 = time.time()
+                    res = (run_lm if w == "lm" else run_digits)(v, seed, cfg)
+                    rec = dict(workload=w, variant=v, seed=seed, config=cfg, result=res, time=time.time())
+                    with open(RUNS, "a") as f:
+                        f.write(json.dumps(rec, default=list) + "\n")
+                    acc = f" acc {res['val_acc']:.4f}" if "val_acc" in res else ""
+                    print(f"[{w}] {v:<24} seed {seed}: val {res['val_loss']:.4f}{acc} "
+                          f"{res['bytes_per_param']:.3f} B/param  {time.time() - t0:.0f}s", flush=True)
+    if not args.no_report:
+        report(args, lm_cfg, dg_cfg)
+
+
+if __name__ == "__main__":
+    main()
