@@ -592,10 +592,9 @@ class ZeroGefen(Gefen):
                 if hp["weight_decay"] != 0.0 and hp["lr"] != 0.0 and p.numel():
                     p.mul_(1.0 - hp["lr"] * hp["weight_decay"])
             elif "v_col" in st:
-                # With the native kernel the owner runs the kernel's factored step on its rows and
-                # sends new values (dense), so replicas equal fused single-process Gefen bitwise; the
-                # compressed factored form replays the eager step's arithmetic (fused=False).
-                mode = (MODE_FACTORED if not self._use_fused(p) and factored_wire_compressed(
+                # Compressed (idx, M, sqrt(v_row)); the appliers replay the eager step's or, with the
+                # native kernel, the kernel's arithmetic (_apply_factored(kernel_order=...)).
+                mode = (MODE_FACTORED if factored_wire_compressed(
                     st["scale_block"], st["v_col"].numel(), p.element_size()) else MODE_DENSE)
             elif st["period"] > 1:
                 mode = MODE_COMPRESSED
@@ -654,7 +653,8 @@ class ZeroGefen(Gefen):
                     M, off = self._take(chunks[r], off, n // B, torch.float32)
                     rf, off = self._take(chunks[r], off, n // slab, torch.float32)
                     self._apply_factored(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device),
-                                         col_f[id(p)], st["codebook"], B, slab, hp)
+                                         col_f[id(p)], st["codebook"], B, slab, hp,
+                                         kernel_order=self._use_fused(p))
                 else:
                     vals, off = self._take(chunks[r], off, n, p.dtype)
                     flat[s:e].copy_(vals.to(p.device))
@@ -758,6 +758,16 @@ class ZeroGefen(Gefen):
         idx, scale, v_row, cb = st["idx"], st["scale"], st["v_row"], st["codebook"]
         beta1, beta2 = hp["beta1"], hp["beta2"]
         rows = (e - s) // slab
+        if self._use_fused(p):
+            from .kernels import cpu as _cpu
+
+            # The kernel's state update (v_row, m, idx, scale) on a scratch copy with lr = wd = 0;
+            # sqrt(v_row) correctly rounded, as the kernel's sqrtf, for the appliers.
+            scratch = p.detach().reshape(-1)[s:e].clone()
+            _cpu.quantized_step_factored_(scratch, g.to(p.dtype), idx, scale, v_row, st["v_col"].clone(), cb,
+                                          torch.zeros(slab, dtype=torch.float32, device=p.device),
+                                          scale_block=B, **dict(hp, lr=0.0, weight_decay=0.0))
+            return [idx, scale, v_row.reshape(-1).double().sqrt().float()]
         rsq = torch.empty(rows, dtype=torch.float32, device=p.device)
         rows_per = max(1, _CHUNK_ELEMS // slab)
         for r0 in range(0, rows, rows_per):
@@ -787,7 +797,8 @@ class ZeroGefen(Gefen):
 
     @staticmethod
     def _apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: torch.Tensor,
-                        col_f: torch.Tensor, cb: torch.Tensor, B: int, slab: int, hp: dict) -> None:
+                        col_f: torch.Tensor, cb: torch.Tensor, B: int, slab: int, hp: dict,
+                        kernel_order: bool = False) -> None:
         """``p <- p*(1-lr*wd) - ((C[idx]*M) * sigma)*lr`` with ``sigma_ij = (1/((sqrt(v_row_i) *
         col_f_j)/sqrt(bc2) + eps)) * (1/bc1)``: quantized_step_factored_eager_'s update, same order."""
         n = pf.numel()
@@ -798,12 +809,22 @@ class ZeroGefen(Gefen):
         rows_per = max(1, _CHUNK_ELEMS // slab)
         for r0 in range(0, rows, rows_per):
             r1 = min(rows, r0 + rows_per)
-            denom = (rsq[r0:r1].unsqueeze(1) * col_f.unsqueeze(0)).div_(sqrt_bc2).add_(eps)
-            sigma = denom.reciprocal_().mul_(1.0 / bc1)
             ib = idx[r0 * slab:r1 * slab]
             a = M[r0 * slab // B:r1 * slab // B].view(-1, 1)
             q = cb.index_select(0, ib.int()).view(-1, B)
-            u = (q * a).view(r1 - r0, slab).mul_(sigma).mul_(lr)
+            if kernel_order:
+                # the native kernel's float32 sequence: srs = sqrt(v_row)*(1/sqrt(bc2)),
+                # sigma = (1/bc1) / (col_f*srs + eps), u = C[idx] * (sigma * (M*lr))
+                f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+                srs = rsq[r0:r1] * (f32(1.0) / f32(sqrt_bc2))
+                sigma = f32(1.0 / bc1) / ((col_f.unsqueeze(0) * srs.unsqueeze(1)) + f32(eps))
+                us = (a * f32(lr)).view(r1 - r0, slab // B, 1)
+                u = q.view(r1 - r0, slab // B, B) * (sigma.view(r1 - r0, slab // B, B) * us)
+                u = u.view(r1 - r0, slab)
+            else:
+                denom = (rsq[r0:r1].unsqueeze(1) * col_f.unsqueeze(0)).div_(sqrt_bc2).add_(eps)
+                sigma = denom.reciprocal_().mul_(1.0 / bc1)
+                u = (q * a).view(r1 - r0, slab).mul_(sigma).mul_(lr)
             p = pf[r0 * slab:r1 * slab].view(r1 - r0, slab)
             if p.dtype == torch.float32:
                 if wd != 0.0:

@@ -235,10 +235,8 @@ def test_factored_column_stats_are_gefens():
     assert torch.equal(col[m.c], (column_sumsq(m.c.grad, 8) / 512).to(torch.float32))
 
 
-@pytest.mark.parametrize("kw", [dict(second_moment="shared"), dict(fused=False)])
+@pytest.mark.parametrize("kw", [dict(), dict(second_moment="shared"), dict(fused=False)])
 def test_wire_is_compressed_single_process(kw):
-    # (with the default factored second moment AND the native kernel, factored tensors travel dense:
-    # the owner runs the kernel's step so replicas equal fused single-process Gefen bitwise)
     m = _model()
     o = ZeroGefen(m.parameters(), lr=1e-2, **kw)
     _train(m, o, 2)
