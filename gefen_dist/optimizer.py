@@ -550,6 +550,13 @@ class Gefen(Optimizer):
             rows = global_shape(p)[0]
             out[p] = (buf[o:o + slab] / rows).to(torch.float32).to(local_tensor(p).device)
             o += slab
+            if self.nonfinite != "ignore" and bool(torch.isinf(out[p]).any()):
+                raise RuntimeError(
+                    f"Gefen: the squared gradient of {self._names()[id(p)]!r} overflows float32 (|g| above "
+                    "~1.8e19), so its factored second moment would be inf/NaN; nothing was updated. Clip or "
+                    "scale the gradients (a loss scaler must unscale before step()), or use "
+                    "second_moment='shared'."
+                )
         return out
 
     def _update(self, group: dict, p: torch.Tensor, col_mean_sq: Optional[torch.Tensor] = None) -> None:
