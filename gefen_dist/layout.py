@@ -129,8 +129,9 @@ def check_supported(p: torch.Tensor, name: str) -> None:
             continue
         if isinstance(pl, Partial):
             raise TypeError(f"parameter {name!r} has a Partial placement; reduce it before the optimizer step")
+        desc = f"{type(pl).__name__.lstrip('_')}({pl.dim})" if hasattr(pl, "dim") else repr(pl)
         raise TypeError(
-            f"parameter {name!r} has placement {pl} on mesh {p.device_mesh}: gefen_dist supports "
+            f"parameter {name!r} has placement {desc} on mesh {p.device_mesh}: gefen_dist supports "
             "Shard(0) (FSDP2's default) and Replicate, whose pieces are whole rows. For FSDP2 drop "
             "shard_placement_fn (or return Shard(0)); tensor-parallel column sharding "
             "(Shard(d>0), _StridedShard) is not supported yet."

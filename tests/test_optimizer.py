@@ -307,3 +307,12 @@ def test_nonfinite_gradients_raise_or_skip(bad):
                     else v == after["state"][k][key])
     with pytest.raises(ValueError, match="nonfinite"):
         Gefen(m.parameters(), nonfinite="warn")
+
+
+def test_fsdp1_flat_parameter_refused_with_pointer_to_fully_shard():
+    # FSDP1 itself cannot be built on a CPU-only machine; its FlatParameter class can.
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    fp = FlatParameter(torch.zeros(10), requires_grad=True)
+    with pytest.raises(TypeError, match=r"FSDP1 FlatParameter.*fully_shard"):
+        Gefen([fp])
