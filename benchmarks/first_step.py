@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -40,29 +39,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _gpt2 import GPT2_PARAMS, gpt2_shapes  # noqa: E402,F401
 from gefen_dist.core import periods as P  # noqa: E402
 from gefen_dist.core.quant import NUM_BINS, block_histogram, block_histogram_eager  # noqa: E402
 from gefen_dist.kernels import first_step as F  # noqa: E402
 
-GPT2_PARAMS = 124_439_808
 
 
-def gpt2_shapes():
-    d, L, V, T = 768, 12, 50257, 1024
-    out = [("wte", (V, d)), ("wpe", (T, d))]
-    for i in range(L):
-        b = f"h.{i}."
-        out += [
-            (b + "ln_1.weight", (d,)), (b + "ln_1.bias", (d,)),
-            (b + "attn.c_attn.weight", (3 * d, d)), (b + "attn.c_attn.bias", (3 * d,)),
-            (b + "attn.c_proj.weight", (d, d)), (b + "attn.c_proj.bias", (d,)),
-            (b + "ln_2.weight", (d,)), (b + "ln_2.bias", (d,)),
-            (b + "mlp.c_fc.weight", (4 * d, d)), (b + "mlp.c_fc.bias", (4 * d,)),
-            (b + "mlp.c_proj.weight", (d, 4 * d)), (b + "mlp.c_proj.bias", (d,)),
-        ]
-    out += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
-    assert sum(math.prod(s) for _, s in out) == GPT2_PARAMS
-    return out
 
 
 def make_grads(seed: int = 0):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -44,33 +43,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gefen_dist.core.periods import PERIOD_CAP, divisors  # noqa: E402
+from _gpt2 import GPT2_PARAMS, gpt2_shapes, capped_period  # noqa: E402,F401
+from gefen_dist.core.periods import divisors  # noqa: E402
 from gefen_dist.core.step import adamw_step_, bias_corrections, quantized_step_eager_  # noqa: E402
 
-GPT2_PARAMS = 124_439_808
 HP = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
-def gpt2_shapes():
-    d, L, V, T = 768, 12, 50257, 1024
-    out = [("wte", (V, d)), ("wpe", (T, d))]
-    for i in range(L):
-        b = f"h.{i}."
-        out += [
-            (b + "ln_1.weight", (d,)), (b + "ln_1.bias", (d,)),
-            (b + "attn.c_attn.weight", (3 * d, d)), (b + "attn.c_attn.bias", (3 * d,)),
-            (b + "attn.c_proj.weight", (d, d)), (b + "attn.c_proj.bias", (d,)),
-            (b + "ln_2.weight", (d,)), (b + "ln_2.bias", (d,)),
-            (b + "mlp.c_fc.weight", (4 * d, d)), (b + "mlp.c_fc.bias", (4 * d,)),
-            (b + "mlp.c_proj.weight", (d, 4 * d)), (b + "mlp.c_proj.bias", (d,)),
-        ]
-    out += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
-    assert sum(math.prod(s) for _, s in out) == GPT2_PARAMS
-    return out
 
 
-def capped_period(row: int) -> int:
-    return row if row <= PERIOD_CAP else next(x for x in divisors(row) if x > PERIOD_CAP)
 
 
 def p1_block(row: int) -> int:
