@@ -87,6 +87,7 @@ codewords using the reference's tie rule; otherwise the table holds a lower boun
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import threading
@@ -204,7 +205,6 @@ class Numerics:
     sum_lanes: int          # cascade-sum vector width replayed; 0 = double accumulation
 
 
-_numerics: Optional[Numerics] = None
 
 
 def _probe_fused(lib, op: int, torch_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -221,12 +221,10 @@ def _probe_fused(lib, op: int, torch_out: torch.Tensor, a: torch.Tensor, b: torc
     return hits[0] >= hits[1]
 
 
+@functools.lru_cache(maxsize=None)
 def numerics() -> Optional[Numerics]:
-    """Probe (once) how torch rounds the operations the kernel replays; None without the
+    """Probe (once, cached) how torch rounds the operations the kernel replays; None without the
     native library."""
-    global _numerics
-    if _numerics is not None:
-        return _numerics
     lib = _lib()
     if lib is None:
         return None
@@ -266,9 +264,9 @@ def numerics() -> Optional[Numerics]:
     if lanes == 0:
         logger.info("gefen_dist: torch's sum order not reproduced; fused kernel sums g^2 in "
                     "double (v may differ from the eager path in the last bit)")
-    _numerics = Numerics(flags[0], flags[1], fa, lanes)
-    logger.debug("gefen_dist: fused step numerics %s", _numerics)
-    return _numerics
+    found = Numerics(flags[0], flags[1], fa, lanes)
+    logger.debug("gefen_dist: fused step numerics %s", found)
+    return found
 
 
 # --------------------------------------------------------------------------------------
