@@ -17,6 +17,7 @@ sharded DCP for fsdp, DeepSpeed's own for deepspeed).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import math
@@ -295,6 +296,14 @@ class DistributedStrategy(Strategy):
         import torch.distributed as dist
 
         if getattr(self, "_owns_pg", False) and dist.is_initialized():
+            if dist.get_backend() == "gloo":
+                # Destroying a gloo group while a peer still talks to it aborts that peer
+                # ("terminate called without an active exception"): meet first, but never hang
+                # on a peer that already failed.
+                try:
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+                except Exception as e:  # a peer is gone: tear down anyway
+                    log.warning("teardown: peers did not reach the final barrier (%s)", e)
             dist.destroy_process_group()
 
     def barrier(self) -> None:

@@ -341,6 +341,7 @@ def main():
     {"save": mode_save, "load": mode_load}[mode](out, rank, ws)
     dist.barrier()
     log(f"ALL OK {mode} ws={ws} ({time.time() - t0:.1f}s)")
+    dist.barrier()  # destroying a gloo group while a peer still uses it aborts the peer
     dist.destroy_process_group()
 
 

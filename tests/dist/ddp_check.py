@@ -134,6 +134,7 @@ def main():
         run_mismatch(rank, ws)
     dist.barrier()
     log(f"ALL OK ddp_check ws={ws}")
+    dist.barrier()  # destroying a gloo group while a peer still uses it aborts the peer
     dist.destroy_process_group()
 
 
