@@ -596,7 +596,7 @@ class FlatSegments:
                 gp = g[r0:r1].float()
                 g2 = gp.double() ** 2
                 c0 = ps - r * S
-                cols[co + c0:co + c0 + (pe - ps)] += g2.cpu()
+                cols[co + c0:co + c0 + (pe - ps)] += (gp * gp).double().cpu()  # as column_sumsq
                 slots[row_pos[(s.key, r)]] += float(g2.sum())
                 # first moment of the row piece, block by block (scale slots of the segment)
                 first = ps // B - a // B

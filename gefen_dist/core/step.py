@@ -127,8 +127,9 @@ def adamw_step_(
 
 
 def column_sumsq(grad: torch.Tensor, slab: int) -> torch.Tensor:
-    """Sum of ``g^2`` over the rows this piece holds, per column (float64, ``[slab]``, so that the
-    order in which shards are summed does not change the float32 result).
+    """Sum of ``g^2`` over the rows this piece holds, per column: float32 squares accumulated in
+    float64 (``[slab]``), so the order in which shards are summed does not change the float32
+    result.
 
     The factored second moment needs the column mean over *all* rows of the global tensor: sharded
     callers all-reduce these partial sums (SUM) before :func:`quantized_step_factored_eager_`.
@@ -137,8 +138,8 @@ def column_sumsq(grad: torch.Tensor, slab: int) -> torch.Tensor:
     out = torch.zeros(slab, dtype=torch.float64, device=grad.device)
     rows = max(1, _EAGER_CHUNK_ELEMS // max(1, slab))
     for r0 in range(0, g.shape[0], rows):
-        c = g[r0:r0 + rows].double()
-        out.add_((c * c).sum(dim=0))
+        c = g[r0:r0 + rows].float()
+        out.add_((c * c).sum(dim=0, dtype=torch.float64))
     return out
 
 
