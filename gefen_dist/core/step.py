@@ -34,6 +34,32 @@ def bias_corrections(step: int, beta1: float, beta2: float) -> tuple[float, floa
     return 1.0 - beta1 ** step, 1.0 - beta2 ** step
 
 
+def _ema_requantize_(ib: torch.Tensor, sb: torch.Tensor, g_blocks: torch.Tensor, codebook: torch.Tensor,
+                     beta1: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantise ``C[idx] * M``, take the EMA towards ``g``, store the new absmax ``M`` and
+    nearest indices in place (``ib``: [blocks, B] uint8, ``sb``: [blocks, 1]); returns (new idx,
+    absmax) for the parameter update."""
+    m = codebook[ib.long()] * sb
+    m.lerp_(g_blocks, 1.0 - beta1)
+    a = m.abs().amax(dim=1, keepdim=True)
+    sb.copy_(a)
+    z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
+    new = nearest_codeword(z, codebook)
+    ib.copy_(new)
+    return new, a
+
+
+def _apply_update_(p: torch.Tensor, u: torch.Tensor, weight_decay: float, decay: float) -> None:
+    """``p <- p * decay - u`` in float32 (decay skipped when ``weight_decay == 0``), rounded once to
+    the parameter's dtype."""
+    p32 = p if p.dtype == torch.float32 else p.float()
+    if weight_decay != 0.0:
+        p32.mul_(decay)
+    p32.sub_(u)
+    if p32 is not p:
+        p.copy_(p32)
+
+
 def quantized_step_eager_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -72,28 +98,10 @@ def quantized_step_eager_(
         vb.mul_(beta2).add_((g * g).mean(dim=1), alpha=1.0 - beta2)
         sigma = vb.sqrt().div_(sqrt_bc2).add_(eps).reciprocal_().mul_(1.0 / bc1)
 
-        sb = sf[s // B:e // B].view(-1, 1)
-        ib = ix[s:e].view(-1, B)
-        m = codebook[ib.long()] * sb
-        m.lerp_(g.view(-1, B), 1.0 - beta1)
-        a = m.abs().amax(dim=1, keepdim=True)
-        sb.copy_(a)
-        z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
-        new = nearest_codeword(z, codebook)
-        ib.copy_(new)
+        new, a = _ema_requantize_(ix[s:e].view(-1, B), sf[s // B:e // B].view(-1, 1), g.view(-1, B),
+                                  codebook, beta1)
         u = (codebook[new.long()] * a).view(-1, P).mul_(sigma.view(-1, 1)).mul_(lr)
-
-        p = pf[s:e]
-        if p.dtype == torch.float32:
-            if weight_decay != 0.0:
-                p.mul_(decay)
-            p.sub_(u.view(-1))
-        else:
-            p32 = p.float()
-            if weight_decay != 0.0:
-                p32.mul_(decay)
-            p32.sub_(u.view(-1))
-            p.copy_(p32)
+        _apply_update_(pf[s:e], u.view(-1), weight_decay, decay)
 
 
 def adamw_step_(
@@ -195,24 +203,7 @@ def quantized_step_factored_eager_(
         denom = (vr.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).div_(sqrt_bc2).add_(eps)
         sigma = denom.reciprocal_().mul_(1.0 / bc1)
 
-        sb = s_all[r0:r1].reshape(-1, 1)
-        ib = i_all[r0:r1].reshape(-1, B)
-        m = codebook[ib.long()] * sb
-        m.lerp_(g.reshape(-1, B), 1.0 - beta1)
-        a = m.abs().amax(dim=1, keepdim=True)
-        sb.copy_(a)
-        z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
-        new = nearest_codeword(z, codebook)
-        ib.copy_(new)
+        new, a = _ema_requantize_(i_all[r0:r1].reshape(-1, B), s_all[r0:r1].reshape(-1, 1), g.reshape(-1, B),
+                                  codebook, beta1)
         u = (codebook[new.long()] * a).view(r1 - r0, slab).mul_(sigma).mul_(lr)
-        p = p_all[r0:r1]
-        if p.dtype == torch.float32:
-            if weight_decay != 0.0:
-                p.mul_(decay)
-            p.sub_(u)
-        else:
-            p32 = p.float()
-            if weight_decay != 0.0:
-                p32.mul_(decay)
-            p32.sub_(u)
-            p.copy_(p32)
+        _apply_update_(p_all[r0:r1], u, weight_decay, decay)
