@@ -449,14 +449,21 @@ class Gefen(Optimizer):
                 out.append((g, p))
         return out
 
-    def _nonfinite(self, entries) -> bool:
+    def _nonfinite(self, entries, partials: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> bool:
         """True when the step must be skipped; raises for ``nonfinite="raise"``. One sum per gradient
-        (no temporaries), and one small MAX all-reduce when several ranks take part."""
+        (no temporaries; a factored tensor's column sums of ``g^2`` from ``partials`` serve as its
+        sum, so its gradient is not read again), and one small MAX all-reduce when several ranks
+        take part."""
         flags = torch.zeros(len(entries), dtype=torch.float32)
+        partials = partials or {}
         for i, (_, p) in enumerate(entries):
             g = local_tensor(p.grad)
-            if g.numel() and not math.isfinite(float(g.sum(dtype=torch.float32))):
-                # a finite gradient can overflow its sum: confirm exactly
+            if not g.numel():
+                continue
+            cs = partials.get(p)
+            total = float(cs.sum()) if cs is not None else float(g.sum(dtype=torch.float32))
+            if not math.isfinite(total):
+                # a finite gradient can overflow its sum (or its square): confirm exactly
                 flags[i] = float(not bool(torch.isfinite(g).all()))
         # Replicated (plain) gradients are identical on every rank after DDP's all-reduce, so the
         # local decision is already global; sharded (DTensor) gradients need one tiny all-reduce.
@@ -518,30 +525,62 @@ class Gefen(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         entries = self._entries()
-        if self.nonfinite != "ignore" and self._nonfinite(entries):
+        partials = self._column_partials(entries)
+        if self.nonfinite != "ignore" and self._nonfinite(entries, partials):
             return loss
         self._prepare(entries)
-        col = self._column_stats(entries)
+        col = self._column_stats(entries, partials)
         for group, p in entries:
             self._update(group, p, col.get(p))
         return loss
 
-    def _column_stats(self, entries) -> Dict[torch.Tensor, torch.Tensor]:
-        """Column means of g^2 over all global rows for factored tensors (one all-reduce when any
-        of them is sharded; replicas contribute zeros so sums equal a single process's)."""
-        fact = [p for g, p in entries if "v_col" in self.state[p] and self.state[p]["learned"]]
+    def _factored(self, entries) -> List[torch.Tensor]:
+        """The factored tensors of ``entries`` whose second moment is learned."""
+        out = []
+        for _, p in entries:
+            st = self.state.get(p)
+            if st and "v_col" in st and st["learned"]:
+                out.append(p)
+        return out
+
+    def _column_partials(self, entries, fact: Optional[List[torch.Tensor]] = None
+                         ) -> Dict[torch.Tensor, torch.Tensor]:
+        """This rank's float64 column sums of ``g^2`` (``[row]``) for each learned factored tensor:
+        the native one-pass kernel on CPU (``fused`` not False), the eager function otherwise.
+        Replicas of a sharded tensor that do not contribute give zeros."""
+        fact = self._factored(entries) if fact is None else fact
         if not fact:
             return {}
         sharded = self._comm.world_size > 1 and any(is_dtensor(p) for p in fact)
-        parts = []
+        out = {}
         for p in fact:
             pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
             slab = self.state[p]["v_col"].numel()
             if pc.grad is None or pc.grad.numel() == 0 or (sharded and not pc.contributes):
-                parts.append(torch.zeros(slab, dtype=torch.float64))
+                out[p] = torch.zeros(slab, dtype=torch.float64)
+            elif self._use_fused(pc.grad):
+                from .kernels import cpu as _cpu
+
+                out[p] = _cpu.column_sumsq(pc.grad, slab)
             else:
-                parts.append(column_sumsq(pc.grad, slab).cpu())
-        buf = torch.cat(parts)
+                out[p] = column_sumsq(pc.grad, slab).cpu()
+        return out
+
+    def _column_stats(self, entries, partials: Optional[Dict[torch.Tensor, torch.Tensor]] = None
+                      ) -> Dict[torch.Tensor, torch.Tensor]:
+        """Column means of g^2 over all global rows for factored tensors (one all-reduce when any
+        of them is sharded; replicas contribute zeros so sums equal a single process's).
+        ``partials`` (from :meth:`_column_partials`) are reused; tensors learned since then (the
+        first step) are computed here."""
+        fact = self._factored(entries)
+        if not fact:
+            return {}
+        sharded = self._comm.world_size > 1 and any(is_dtensor(p) for p in fact)
+        partials = dict(partials or {})
+        missing = [p for p in fact if p not in partials]
+        if missing:
+            partials.update(self._column_partials(entries, missing))
+        buf = torch.cat([partials[p] for p in fact])
         if sharded:
             self._comm.all_reduce_sum_(buf)
         out, o = {}, 0

@@ -435,11 +435,12 @@ class ZeroGefen(Gefen):
             with torch.enable_grad():
                 loss = closure()
         entries = self._entries()
-        if self.nonfinite != "ignore" and self._nonfinite(entries):
+        partials = self._column_partials(entries)
+        if self.nonfinite != "ignore" and self._nonfinite(entries, partials):
             return loss
         self._consolidated = None
         self._prepare(entries)
-        self._zero_update(entries)
+        self._zero_update(entries, partials)
         return loss
 
     def _hparams(self, group: dict, st: dict) -> dict:
@@ -448,7 +449,7 @@ class ZeroGefen(Gefen):
         return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], bc1=bc1, bc2=bc2)
 
-    def _zero_update(self, entries) -> None:
+    def _zero_update(self, entries, partials=None) -> None:
         W, me = self._world, self._rank
         items = []  # (p, st, hp, mode)
         for group, p in entries:
@@ -478,7 +479,7 @@ class ZeroGefen(Gefen):
         sizes = step_wire_bytes(wire, W)
         # Factored tensors: the column means of g^2 over all rows, computed by every rank from its
         # full (DDP) gradient with Gefen's own code, so bitwise the single-process values.
-        col = self._column_stats(entries)
+        col = self._column_stats(entries, partials)
         # 1. this rank's state update, in compressed form
         parts: List[torch.Tensor] = []
         for p, st, hp, mode in items:

@@ -20,7 +20,7 @@ def _torchrun(nproc, *args):
 @pytest.mark.dist
 @pytest.mark.parametrize("nproc,args", [
     (2, ["--same-grads", "--refusals"]),
-    (3, ["--same-grads", "--second-moment", "factored"]),
+    (3, ["--same-grads", "--second-moment", "factored", "--nonfinite"]),
     (4, ["--same-grads", "--hsdp", "--second-moment", "factored"]),
     (4, ["--hsdp"]),
 ])
@@ -29,5 +29,7 @@ def test_fsdp2_matches_single_process(nproc, args):
     assert "OK fsdp" in out
     if "--refusals" in args:
         assert "OK refusals" in out
+    if "--nonfinite" in args:
+        assert "OK nonfinite" in out
     if "--same-grads" in args:
         assert "max relative param diff 0.000e+00" in out

@@ -535,3 +535,34 @@ def test_falls_back_to_eager_without_native(monkeypatch, one_thread):
     assert not cpu.available()
     ref, fus = _run_both((8, 768), 768, 768, torch.float32, dp_codebook(), steps=3)
     _bitwise(ref, fus)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,slab", [(1, 7), (5, 768), (37, 5), (3000, 64), (40, 4099)])
+def test_native_column_sumsq(rows, slab, dtype):
+    """The one-pass native column statistics: the float64 sums agree with the eager
+    ``column_sumsq`` to float64 rounding, the float32 means Gefen uses are bitwise equal, the
+    result does not depend on the thread count, and a NaN or inf reaches its column."""
+    from gefen_dist.core.step import column_sumsq as eager
+
+    g = torch.Generator().manual_seed(rows * 7919 + slab)
+    grad = (torch.randn(rows, slab, generator=g) * torch.exp(2 * torch.randn(rows, 1, generator=g))).to(dtype)
+    nat, ref = cpu.column_sumsq(grad, slab), eager(grad, slab)
+    assert nat.dtype == torch.float64 and nat.shape == (slab,)
+    torch.testing.assert_close(nat, ref, rtol=1e-13, atol=0.0)
+    assert torch.equal((nat / rows).to(torch.float32), (ref / rows).to(torch.float32))
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.column_sumsq(grad, slab)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, nat)
+    bad = grad.clone()
+    bad[rows // 2, slab // 3] = float("nan")
+    bad[rows - 1, slab - 1] = float("inf")
+    out = cpu.column_sumsq(bad, slab)
+    assert math.isnan(out[slab // 3]) and not math.isfinite(out[slab - 1])
+    mask = torch.ones(slab, dtype=torch.bool)
+    mask[[slab // 3, slab - 1]] = False
+    assert bool(torch.isfinite(out[mask]).all())

@@ -105,7 +105,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["available", "simd_compiled", "quantized_step_", "quantized_step_factored_", "numerics", "nearest_lut", "nearest_sweep",
            "CodebookTable", "codebook_table"]
 
-_ABI = 5
+_ABI = 6
 _LIB_NAME = "gefen_step"
 _SOURCES = ["gefen_step.c"]
 _MIN_LUT_BITS = 12
@@ -178,6 +178,8 @@ def _lib() -> Optional[ctypes.CDLL]:
             lib.gefen_probe.argtypes = [i32, i32, i64, vp, vp, f32, f32, vp]
             lib.gefen_sumsq_mean.restype = None
             lib.gefen_sumsq_mean.argtypes = [vp, i64, i64, i32, vp]
+            lib.gefen_column_sumsq.restype = ctypes.c_int
+            lib.gefen_column_sumsq.argtypes = [vp, i32, i64, i64, vp, i32]
             _configured.add(id(lib))
     return lib
 
@@ -573,3 +575,28 @@ def quantized_step_factored_(
         raise RuntimeError(f"gefen_quantized_step_factored failed with code {rc}")
     for t in (param, idx, scale, v_row):
         torch.autograd.graph.increment_version(t)
+
+
+def column_sumsq(grad: torch.Tensor, slab: int) -> torch.Tensor:
+    """Per-column sum of the float32 squares ``g * g`` over the rows of ``slab`` elements that
+    ``grad`` holds, accumulated in float64 (``[slab]``): the contract of
+    :func:`gefen_dist.core.step.column_sumsq`, in one multi-threaded pass without temporaries.
+    The summation order is fixed (at most 16 row segments, added in order), so the result does
+    not depend on the thread count; it can differ from the eager function's float64 sum in the
+    last float64 bits (never, in practice, after the float32 rounding that follows). A NaN or
+    inf in ``grad`` makes its column's sum non-finite. Falls back to the eager function for
+    non-CPU tensors, other dtypes, or without the native library."""
+    from gefen_dist.core.step import column_sumsq as eager
+
+    lib = _lib()
+    n = grad.numel()
+    if (lib is None or grad.device.type != "cpu" or grad.dtype not in (torch.float32, torch.bfloat16)
+            or slab < 1 or n % slab):
+        return eager(grad, slab)
+    g = grad.contiguous()
+    out = torch.empty(slab, dtype=torch.float64)
+    rc = lib.gefen_column_sumsq(g.data_ptr(), 0 if g.dtype == torch.float32 else 1, n // slab, slab,
+                                out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"gefen_column_sumsq: cannot allocate {min(16, n // slab) * slab * 8} bytes")
+    return out

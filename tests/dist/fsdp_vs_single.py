@@ -46,6 +46,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--second-moment", default="shared")
     ap.add_argument("--refusals", action="store_true", help="also check the clear refusals (Shard(1), FSDP1)")
+    ap.add_argument("--nonfinite", action="store_true",
+                    help="also check that a NaN/inf in one rank's shard makes every rank skip or raise")
     ap.add_argument("--same-grads", action="store_true",
                     help="feed the FSDP optimizer the single-process gradient (sharded): isolates the "
                          "optimizer's rank invariance, which must then be bitwise")
@@ -115,8 +117,49 @@ def main():
         print(f"OK fsdp{'/hsdp' if args.hsdp else ''} {args.second_moment} same_grads={args.same_grads} ws={ws}: max relative param diff {worst:.3e}", flush=True)
     if args.refusals:
         check_refusals(mesh, rank)
+    if args.nonfinite:
+        check_nonfinite(m, opt, rank, ws)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def check_nonfinite(m, opt, rank, ws):
+    """A NaN in one rank's shard of a quantized tensor's gradient (factored: found through the
+    column statistics) or an inf in a small dense one: every rank skips (nonfinite='skip', nothing
+    changes) or raises (nonfinite='raise'); the decision is global, so shards never diverge."""
+    def snapshot():
+        out = [p.detach()._local_tensor.clone() for p in m.parameters()]
+        for p in m.parameters():
+            for k, v in sorted(opt.state[p].items()):
+                if isinstance(v, torch.Tensor):
+                    out.append((v._local_tensor if hasattr(v, "_local_tensor") else v).clone())
+        return out
+
+    cases = [(m.b.weight, 1 % ws, float("nan")), (m.a.bias, 0, float("inf"))]
+    for p_bad, bad_rank, val in cases:
+        for mode in ("skip", "raise"):
+            for p in m.parameters():
+                p.grad = torch.zeros_like(p) + 1e-3
+            if rank == bad_rank and p_bad.grad._local_tensor.numel():
+                p_bad.grad._local_tensor.view(-1)[0] = val
+            opt.nonfinite = mode
+            before, skipped = snapshot(), opt.skipped_steps
+            if mode == "skip":
+                opt.step()
+                assert opt.skipped_steps == skipped + 1, (rank, mode, opt.skipped_steps)
+            else:
+                try:
+                    opt.step()
+                except RuntimeError as e:
+                    assert "non-finite" in str(e), e
+                else:
+                    raise AssertionError(f"rank {rank}: a {val} gradient on rank {bad_rank} did not raise")
+            after = snapshot()
+            assert all(torch.equal(a, b) for a, b in zip(before, after)), (rank, mode, "state changed")
+    opt.nonfinite = "raise"
+    if rank == 0:
+        print(f"OK nonfinite ws={ws}: NaN in one shard of a factored tensor and inf in a dense one "
+              "make every rank skip (unchanged) or raise", flush=True)
 
 
 def check_refusals(mesh, rank):

@@ -52,7 +52,7 @@
 #include <immintrin.h>
 #endif
 
-#define GEFEN_STEP_ABI 5
+#define GEFEN_STEP_ABI 6
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -911,6 +911,61 @@ int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const v
     }
 #endif
     RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* column statistics of the factored second moment                                       */
+/* ------------------------------------------------------------------------------------ */
+
+/* out[S] = per column, the sum over `rows` rows of S elements of the float32 square g*g,
+ * accumulated in double (the contract of gefen_dist.core.step.column_sumsq). The rows are cut
+ * into at most GEFEN_COL_SEGS fixed segments (independent of the thread count), each summed
+ * in row order by one thread into its own accumulator, and the segments are then added in
+ * order: the result does not depend on the number of threads. A NaN or inf anywhere in g
+ * makes its column's sum non-finite (the caller's non-finite check relies on it).
+ * Returns 0, or -1 when the accumulators cannot be allocated. */
+#define GEFEN_COL_SEGS 16
+int gefen_column_sumsq(const void *g, int32_t dt, int64_t rows, int64_t S, double *out,
+                       int32_t nthreads)
+{
+    for (int64_t j = 0; j < S; ++j) out[j] = 0.0;
+    if (rows <= 0 || S <= 0) return 0;
+    const int64_t nseg = rows < GEFEN_COL_SEGS ? rows : GEFEN_COL_SEGS;
+    double *acc = (double *)calloc((size_t)(nseg * S), sizeof(double));
+    if (!acc) return -1;
+    int nt = nthreads > 0 ? nthreads : 1;
+    const int64_t wu = rows * S / 65536 + 1; /* no extra thread for small tensors */
+    if ((int64_t)nt > wu) nt = (int)wu;
+    if ((int64_t)nt > nseg) nt = (int)nseg;
+    (void)nt;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
+    for (int64_t s = 0; s < nseg; ++s) {
+        const int64_t r0 = rows * s / nseg, r1 = rows * (s + 1) / nseg;
+        double *restrict a = acc + s * S;
+        for (int64_t r = r0; r < r1; ++r) {
+            if (dt == 0) {
+                const float *restrict gr = (const float *)g + r * S;
+#pragma omp simd
+                for (int64_t j = 0; j < S; ++j) {
+                    const float x = gr[j];
+                    a[j] += (double)(x * x);
+                }
+            } else {
+                const uint16_t *restrict gr = (const uint16_t *)g + r * S;
+#pragma omp simd
+                for (int64_t j = 0; j < S; ++j) {
+                    const float x = bf16_to_f32(gr[j]);
+                    a[j] += (double)(x * x);
+                }
+            }
+        }
+    }
+    for (int64_t s = 0; s < nseg; ++s) {
+        const double *a = acc + s * S;
+        for (int64_t j = 0; j < S; ++j) out[j] += a[j];
+    }
+    free(acc);
     return 0;
 }
 
