@@ -23,17 +23,30 @@ holds only tensors, numbers and strings, and ``Gefen.load_state_dict`` keeps ``i
 learned periods and codebook (``tests/test_hf.py``). ``gefen-dist inspect out/checkpoint-N``
 describes it.
 
-Under DeepSpeed the optimizer must be the DeepSpeed-aware subclass
-``gefen_dist.integrations.deepspeed.Gefen`` (ZeRO hands the optimizer flat partitions). When
-``args.deepspeed`` is set or Accelerate runs DeepSpeed (``ACCELERATE_USE_DEEPSPEED=true``, set by
-``accelerate launch --config_file integrations/accelerate/deepspeed_zero2.yaml``),
-:func:`gefen_optimizer_cls_and_kwargs` selects it by itself and the Trainer hands it to DeepSpeed as a
-client optimizer (Accelerate sets ``zero_allow_untested_optimizer``). The DeepSpeed config must then
-have no ``"optimizer"`` section; the JSON configs in ``integrations/deepspeed/`` carry one (for
-``deepspeed.initialize``) and fixed batch sizes and lr, which the Trainer refuses as mismatches:
-use the Accelerate YAMLs in ``integrations/accelerate/``, or a JSON with ``"auto"`` values.
+Under DeepSpeed there are two routes (``docs/huggingface.md``; ``tests/test_hf_multirank.py`` runs
+the first with the Trainer and the second through Accelerate, on 2 ranks):
+
+* **Gefen named in the DeepSpeed JSON** (``TrainingArguments(deepspeed="ds.json")``): the JSON has
+  ``"optimizer": {"type": "Gefen", "params": {"lr": "auto", ...}}`` and
+  ``"zero_allow_untested_optimizer": true``; :func:`trainer_deepspeed_config` writes one. The Trainer
+  fills the ``"auto"`` values from its arguments and DeepSpeed builds
+  ``gefen_dist.integrations.deepspeed.Gefen`` itself (the import of that module, done by
+  :func:`trainer_deepspeed_config` or by hand, registers the name in every rank); the ZeRO layout is
+  discovered at the first ``step()``. DeepSpeed then gets one param group, so weight decay applies
+  to every parameter. Do not pass ``optimizer_cls_and_kwargs`` as well: the JSON's optimizer wins.
+* **Gefen as a client optimizer**: no ``"optimizer"`` section, and
+  ``Trainer(optimizer_cls_and_kwargs=gefen_optimizer_cls_and_kwargs(args))``. When ``args.deepspeed``
+  is set or Accelerate runs DeepSpeed (``ACCELERATE_USE_DEEPSPEED=true``, set by
+  ``accelerate launch --config_file integrations/accelerate/deepspeed_zero2.yaml``),
+  :func:`gefen_optimizer_cls_and_kwargs` selects the DeepSpeed-aware subclass by itself (ZeRO hands
+  the optimizer flat partitions) and the Trainer hands it to DeepSpeed (the Trainer and Accelerate
+  set ``zero_allow_untested_optimizer``); names and the decay/no-decay grouping are kept.
+
+The JSON configs in ``integrations/deepspeed/`` (for ``deepspeed.initialize``) carry fixed batch
+sizes and lr, which the Trainer refuses as mismatches: use ``"auto"`` values with the Trainer.
 FSDP2 (``integrations/accelerate/fsdp2.yaml``): the Trainer creates the optimizer after
-``fully_shard``, so Gefen receives DTensor parameters and keeps DTensor state.
+``fully_shard``, and Accelerate's ``prepare(model, optimizer)`` swaps the optimizer's parameters for
+the sharded ones before any step, so Gefen receives DTensor parameters and keeps DTensor state.
 """
 from __future__ import annotations
 
@@ -44,7 +57,8 @@ import torch
 
 from ..optimizer import Gefen
 
-__all__ = ["GefenFactory", "gefen_optimizer_cls_and_kwargs", "named_param_groups", "make_gefen", "deepspeed_active"]
+__all__ = ["GefenFactory", "gefen_optimizer_cls_and_kwargs", "named_param_groups", "make_gefen", "deepspeed_active",
+           "trainer_deepspeed_config"]
 
 
 def named_param_groups(model: torch.nn.Module, weight_decay: float = 0.0):
@@ -109,3 +123,39 @@ def gefen_optimizer_cls_and_kwargs(args: Optional[Any] = None, *, named: bool = 
     cls = kw.pop("optimizer_cls", Gefen)
     # the Trainer's own groups carry weight_decay per group; a top-level value is only the default
     return cls, kw
+
+
+_AUTO_PARAMS = ("lr", "betas", "eps", "weight_decay")
+
+
+def trainer_deepspeed_config(stage: int = 2, **gefen_params) -> Dict[str, Any]:
+    """A DeepSpeed config (a dict; ``json.dump`` it or pass it as ``TrainingArguments(deepspeed=...)``)
+    in which DeepSpeed builds Gefen for the Trainer: ZeRO ``stage`` (1, 2 or 3),
+    ``"optimizer": {"type": "Gefen", "params": ...}``, ``zero_allow_untested_optimizer``, and ``"auto"``
+    for what the Trainer fills in (lr, betas, eps, weight_decay, batch sizes, accumulation, clipping).
+    ``gefen_params`` are added to, or replace, the optimizer params (e.g. ``second_moment="shared"``,
+    ``small_threshold=4096``, or a fixed ``lr``). No scheduler section: the Trainer's schedule drives the
+    optimizer. Importing :mod:`gefen_dist.integrations.deepspeed` here registers the name ``"Gefen"``
+    with DeepSpeed in this process (each rank runs this). The config passes its ``check_config``.
+    """
+    from . import deepspeed as _gds  # registers torch.optim.Gefen for DeepSpeed's optimizer factory
+
+    if int(stage) not in (1, 2, 3):
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    params: Dict[str, Any] = {k: "auto" for k in _AUTO_PARAMS}
+    params.update(gefen_params)
+    zero: Dict[str, Any] = {"stage": int(stage), "contiguous_gradients": True, "overlap_comm": False}
+    if int(stage) == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    cfg = {
+        "zero_optimization": zero,
+        "optimizer": {"type": "Gefen", "params": params},
+        "zero_allow_untested_optimizer": True,
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 1000000,
+    }
+    _gds.check_config(cfg)
+    return cfg

@@ -1,0 +1,68 @@
+"""Shared pieces of the Hugging Face multi-rank workers (tests/dist/hf_*.py, accel_*.py): a tiny
+randomly initialised GPT-2 (no hub download), a repetitive token dataset the loss can fall on in a
+few steps, and small helpers. Not a test itself."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+VOCAB, CTX = 128, 32
+
+
+class Tokens(torch.utils.data.Dataset):
+    """``n`` rows of one 8-token pattern, rolled; ``input_ids == labels`` (causal LM)."""
+
+    def __init__(self, n: int = 64, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        base = torch.randint(0, VOCAB, (8,), generator=g)
+        self.x = torch.stack([base.roll(int(s)).repeat(CTX // 8) for s in torch.randint(0, 8, (n,), generator=g)])
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def tiny_gpt2(seed: int = 0):
+    """A 2-layer, 64-wide GPT-2 (about 110k parameters), dropout off, same weights on every rank."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=CTX,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def check(cond, msg):
+    """``assert`` that survives ``python -O`` and names the rank."""
+    if not cond:
+        import torch.distributed as dist
+
+        r = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        raise AssertionError(f"[rank {r}] {msg}")
+
+
+def rank0_print(*a):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        # one write per line: the other rank's output shares the pipe (PYTHONUNBUFFERED)
+        sys.stdout.write(" ".join(map(str, a)) + "\n")
+        sys.stdout.flush()
+
+
+def state_dtypes_ok(state_values) -> int:
+    """Number of quantized states among ``state_values``; raises unless every ``idx`` is uint8."""
+    n = 0
+    for st in state_values:
+        if "idx" in st:
+            check(st["idx"].dtype == torch.uint8, f"idx dtype {st['idx'].dtype}")
+            n += 1
+    return n

@@ -1,0 +1,124 @@
+"""Gefen through the Hugging Face stack on 2 CPU ranks (gloo), with a tiny randomly initialised GPT-2.
+
+Three real launches, each checking several things (the workers print ``OK ...`` lines and
+``ALL OK``; any failed check raises there):
+
+* ``torchrun`` x2, ``transformers.Trainer`` with a DeepSpeed JSON that names Gefen (ZeRO-2): DeepSpeed
+  builds ``gefen_dist.integrations.deepspeed.Gefen`` and the layout is discovered lazily; loss goes
+  down, uint8 state, ``gefen-dist inspect`` on the Trainer checkpoint, and a resume from
+  ``checkpoint-2`` that ends bitwise equal to the uninterrupted run (``tests/dist/hf_trainer_ds.py``);
+* ``accelerate launch`` with the FSDP2 plugin and with the DeepSpeed ZeRO-2 plugin
+  (``integrations/accelerate/cpu_*.yaml``): Gefen from ``gefen_dist.integrations.hf`` steps, the
+  loss goes down, compact (uint8, DTensor / ZeRO-partition) state, and ``save_state``/``load_state``
+  restores and replays bitwise (``tests/dist/accel_train.py``).
+
+Every launch runs in its own process group and is killed as a whole on timeout
+(``tests/dist/_launch.py``).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+pytest.importorskip("accelerate", reason="accelerate is not installed (pip install accelerate)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "dist"))
+from _launch import ROOT, _env, free_port, run_torchrun, wait_torchrun  # noqa: E402
+
+ACC = os.path.join(ROOT, "integrations", "accelerate")
+TIMEOUT = 360  # a launch takes 20-40 s on 2 idle cores
+
+
+def _ok_lines(out):
+    return [line for line in out.splitlines() if line.startswith("OK ")]
+
+
+def _check(res, n_ok):
+    out = res.stdout
+    assert "ALL OK" in out, out[-6000:]  # rc 0 is checked by wait_torchrun
+    ok = _ok_lines(out)
+    assert len(ok) == n_ok, "\n".join(ok) + "\n" + out[-3000:]
+    return ok
+
+
+def _hf_env(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the model is built from a config: nothing to download
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+def _accelerate_launch(config, script, *args, timeout=TIMEOUT):
+    """``accelerate launch --config_file CONFIG SCRIPT ARGS`` in its own session, killed whole on timeout."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+           "--main_process_port", str(free_port()), os.path.join(HERE, "dist", script), *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    return wait_torchrun(proc, timeout, f"accelerate launch --config_file {os.path.basename(config)} {script}")
+
+
+@pytest.mark.dist
+def test_trainer_deepspeed_json_zero2_2ranks(tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
+    _hf_env(monkeypatch)
+    res = run_torchrun("hf_trainer_ds.py", 2, tmp_path, timeout=TIMEOUT)
+    ok = _check(res, 3)
+    assert "lazy layout" in ok[0] and "bitwise equal" in ok[2], ok
+
+
+@pytest.mark.dist
+def test_accelerate_fsdp2_2ranks(tmp_path, monkeypatch):
+    _hf_env(monkeypatch)
+    res = _accelerate_launch(os.path.join(ACC, "cpu_fsdp2.yaml"), "accel_train.py", tmp_path)
+    ok = _check(res, 2)
+    assert ok[0].startswith("OK fsdp2: gefen_dist.optimizer.Gefen"), ok
+    assert (tmp_path / "state_fsdp2").is_dir()
+
+
+@pytest.mark.dist
+def test_accelerate_deepspeed_zero2_2ranks(tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
+    _hf_env(monkeypatch)
+    res = _accelerate_launch(os.path.join(ACC, "cpu_deepspeed_zero2.yaml"), "accel_train.py", tmp_path)
+    ok = _check(res, 2)
+    assert ok[0].startswith("OK deepspeed zero2: gefen_dist.integrations.deepspeed.Gefen"), ok
+    assert (tmp_path / "state_ds").is_dir()
+
+
+def test_cpu_configs_match_the_shipped_ones():
+    """The CPU variants the launches use differ from the shipped configs only where CPU needs it."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    def load(name):
+        return ClusterConfig.from_yaml_file(os.path.join(ACC, name)).to_dict()
+
+    cpu_only = {"mixed_precision", "num_processes", "use_cpu"}
+    for cpu, shipped in (("cpu_fsdp2.yaml", "fsdp2.yaml"), ("cpu_deepspeed_zero2.yaml", "deepspeed_zero2.yaml")):
+        a, b = load(cpu), load(shipped)
+        assert a["num_processes"] == 2 and a["mixed_precision"] == "no", cpu
+        # use_cpu: true would make `accelerate launch` drop FSDP/DeepSpeed and start a single process
+        assert a["use_cpu"] is False, cpu
+        assert {k: v for k, v in a.items() if k not in cpu_only} == {k: v for k, v in b.items() if k not in cpu_only}, \
+            (cpu, shipped)
+
+
+
+def test_trainer_deepspeed_config():
+    """The JSON the Trainer launch uses: Gefen named, "auto" hyperparameters, refusals kept."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
+    import torch
+
+    from gefen_dist.integrations import deepspeed as gds
+    from gefen_dist.integrations.hf import trainer_deepspeed_config
+
+    cfg = trainer_deepspeed_config(3, second_moment="shared", lr=1e-3)
+    assert torch.optim.Gefen is gds.Gefen  # registered for DeepSpeed's optimizer factory
+    assert cfg["optimizer"] == {"type": "Gefen", "params": {"lr": 1e-3, "betas": "auto", "eps": "auto",
+                                                            "weight_decay": "auto", "second_moment": "shared"}}
+    assert cfg["zero_optimization"]["stage"] == 3 and cfg["zero_allow_untested_optimizer"] is True
+    assert cfg["train_micro_batch_size_per_gpu"] == cfg["gradient_accumulation_steps"] == "auto"
+    assert "scheduler" not in cfg
+    with pytest.raises(ValueError, match="stage"):
+        trainer_deepspeed_config(4)
