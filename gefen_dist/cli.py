@@ -5,6 +5,8 @@
 * ``gefen-dist inspect CHECKPOINT``: what a Gefen checkpoint holds (a ``torch.save``d optimizer
   state dict of ``Gefen``/``ZeroGefen``, a ``torch.distributed.checkpoint`` directory, or a
   DeepSpeed checkpoint directory).
+* ``gefen-dist ds-to-universal CKPT_DIR OUT_DIR [--tag TAG]``: a Gefen DeepSpeed checkpoint in
+  DeepSpeed's universal format (logic in :mod:`gefen_dist.integrations.ds_universal`).
 
 Run ``gefen-dist --help`` / ``python -m gefen_dist.cli --help``.
 """
@@ -72,6 +74,9 @@ _DS_SAFE = [(_Stub, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
 def _torch_load(path: str):
     import torch
 
+    from .checkpoint import verify_file
+
+    verify_file(path)  # a damaged gefen_dist checkpoint: CheckpointCorruptError names it and what to do
     try:
         with torch.serialization.safe_globals(_DS_SAFE):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -456,6 +461,21 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+# ============================================================================ ds-to-universal
+def _cmd_ds_to_universal(args) -> int:
+    from .integrations.ds_universal import convert
+
+    r = convert(args.checkpoint, args.out_dir, tag=args.tag)
+    if args.json:
+        print(json.dumps(r, indent=1))
+    else:
+        print(f"wrote {r['out_dir']}: {r['tensors']} tensors ({r['quantized']} quantized, {r['second_moment']} second "
+              f"moment), step {r['step']}, from a ZeRO-{r['zero_stage']} checkpoint of world size {r['world_size']}.\n"
+              "Load it at any world size with gefen_dist.integrations.deepspeed.load_universal(engine, "
+              f"{r['out_dir']!r}).")
+    return 0
+
+
 # ============================================================================ entry point
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gefen-dist", description="gefen_dist tools: memory planning and checkpoint inspection")
@@ -489,6 +509,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--all", action="store_true", help="list every tensor (default: the first 60)")
     q.add_argument("--json", action="store_true", help="machine-readable output")
     q.set_defaults(fn=_cmd_inspect)
+
+    u = sub.add_parser("ds-to-universal", help="convert a Gefen DeepSpeed checkpoint to DeepSpeed's universal format",
+                       description="Convert a rigid Gefen DeepSpeed ZeRO-1/2/3 checkpoint into DeepSpeed's universal "
+                                   "format (zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt with the dequantized first "
+                                   "moment and the element-wise second moment) plus gefen_universal.pt (codebook, "
+                                   "periods, factored v_row/v_col), so that it loads at any world size with "
+                                   "gefen_dist.integrations.deepspeed.load_universal. Holds the whole model's fp32 "
+                                   "weights and indices in host memory (about 6 bytes per parameter).")
+    u.add_argument("checkpoint", help="the checkpoint folder (engine.save_checkpoint's save_dir) or a tag folder")
+    u.add_argument("out_dir", help="the universal checkpoint folder to create (must not exist)")
+    u.add_argument("--tag", help="the tag to convert (default: the 'latest' file, or CHECKPOINT itself)")
+    u.add_argument("--json", action="store_true", help="machine-readable summary")
+    u.set_defaults(fn=_cmd_ds_to_universal)
     return ap
 
 

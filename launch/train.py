@@ -10,6 +10,13 @@ Distributed (each rank takes its slice of the same global batch; see docs/traini
     torchrun --standalone --nproc_per_node 2 launch/train.py --strategy fsdp    # FSDP2
     deepspeed --num_gpus 2 launch/train.py --deepspeed_config integrations/deepspeed/gefen_zero2.json
 
+Fault tolerance (docs/reliability.md): checkpoints are written atomically (temporary + fsync +
+rename, with a checksum), and ``--resume auto`` resumes from this run's checkpoint when there is
+one, so an elastic restart picks up where the last checkpoint left off:
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
+        launch/train.py --strategy ddp --checkpoint-every 100 --resume auto --out runs/job
+
 A ``Strategy`` owns the process group and device, model wrapping and the optimizer, the step,
 metric reductions and the checkpoint format (rank-0 ``torch.save`` for single/ddp/zero1,
 sharded DCP for fsdp, DeepSpeed's own for deepspeed).
@@ -103,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop (checkpointing) after this many steps of the --steps schedule, "
                         "e.g. to simulate preemption")
+    p.add_argument("--dist-timeout", type=float, default=600.0,
+                   help="seconds a collective may wait for the other ranks before it fails (the process "
+                        "group's timeout; torch's default is 30 min)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
     p.add_argument("--no-plot", action="store_true", help="do not write loss.png")
@@ -241,8 +251,7 @@ class Strategy:
         return opt.state_dict()
 
     def read_meta(self, path: Path) -> dict:
-        # our own checkpoint format (plain containers + tensors); only load trusted files
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return load_checkpoint_file(path)
 
     def save(self, path: Path, model, opt, sched, meta: dict) -> None:
         """``torch.save`` of the full state by rank 0, atomically (write + rename)."""
@@ -289,8 +298,11 @@ class DistributedStrategy(Strategy):
         self._owns_pg = False
         if not dist.is_initialized():
             kw = {"device_id": self.device} if use_cuda else {}
-            dist.init_process_group(self.backend, **kw)
+            dist.init_process_group(self.backend, timeout=self.timeout(), **kw)
             self._owns_pg = True
+
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=float(getattr(self.args, "dist_timeout", 600.0) or 600.0))
 
     def teardown(self) -> None:
         import torch.distributed as dist
@@ -392,31 +404,15 @@ class FSDPStrategy(DistributedStrategy):
         return Path(out) / f"checkpoint_{opt_name}_dcp"
 
     def read_meta(self, path: Path) -> dict:
-        return torch.load(Path(path) / "meta.pt", map_location="cpu", weights_only=False)
+        return load_checkpoint_file(Path(path) / "meta.pt")
 
     def save(self, path: Path, model, opt, sched, meta: dict) -> None:
-        import shutil
-
+        """Every rank writes its shards into a temporary directory; rank 0 adds ``meta.pt`` and a
+        manifest and swaps the complete directory in (``gefen_dist.checkpoint.save``)."""
         from gefen_dist import checkpoint as gckpt
 
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        old = path.with_name(f".{path.name}.old")
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.barrier()
-        gckpt.save(model, opt, str(tmp))  # every rank writes its shards
-        if self.is_main:
-            torch.save({**meta, "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state()},
-                       tmp / "meta.pt")
-        self.barrier()
-        if self.is_main:  # swap in the complete checkpoint
-            shutil.rmtree(old, ignore_errors=True)
-            if path.exists():
-                os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        self.barrier()
+        gckpt.save(model, opt, str(path), files={
+            "meta.pt": {**meta, "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state()}})
 
     def load(self, path: Path, model, opt, sched, meta: dict) -> None:
         from gefen_dist import checkpoint as gckpt
@@ -448,7 +444,7 @@ class DeepSpeedStrategy(DistributedStrategy):
             raise SystemExit(f"--strategy deepspeed needs deepspeed ({e}); pip install deepspeed") from e
         import gefen_dist.integrations.deepspeed  # noqa: F401  registers "type": "Gefen"
 
-        deepspeed.init_distributed(dist_backend=self.backend)
+        deepspeed.init_distributed(dist_backend=self.backend, timeout=self.timeout())
 
     def config(self, opt_name: str, args) -> dict:
         with open(args.deepspeed_config) as f:
@@ -501,7 +497,7 @@ class DeepSpeedStrategy(DistributedStrategy):
         return Path(out) / f"checkpoint_{opt_name}_ds"
 
     def read_meta(self, path: Path) -> dict:
-        return torch.load(Path(path) / "meta.pt", map_location="cpu", weights_only=False)
+        return load_checkpoint_file(Path(path) / "meta.pt")
 
     def save(self, path: Path, model, opt, sched, meta: dict) -> None:
         import shutil
@@ -608,21 +604,66 @@ def build_scheduler(opt, args):
 # --------------------------------------------------------------------------------------------
 
 def atomic_torch_save(obj, path: str | os.PathLike) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """``torch.save`` to ``.<name>.tmp-<pid>``, fsync, rename over ``path``, fsync the directory; the
+    file carries a SHA-256 that :func:`load_checkpoint_file` checks (``gefen_dist.checkpoint``)."""
+    from gefen_dist.checkpoint import atomic_save
+
+    atomic_save(obj, path)
+
+
+def load_checkpoint_file(path: str | os.PathLike) -> dict:
+    """Our own checkpoint format (plain containers + tensors, unpickled: only load trusted files);
+    a truncated or corrupted file raises ``CheckpointCorruptError`` naming it and what to do."""
+    from gefen_dist.checkpoint import load_file
+
+    return load_file(path, map_location="cpu", weights_only=False)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def checkpoint_path(out: str, opt_name: str) -> Path:
     return Path(out) / f"checkpoint_{opt_name}.pt"
+
+
+# Test-only fault injection (tests/test_faults.py): with GEFEN_DIST_FAULT_KILL_AT_STEP=K, rank
+# GEFEN_DIST_FAULT_KILL_RANK (default 1) SIGKILLs itself before training step K, but only in the
+# first incarnation of a torchrun job (TORCHELASTIC_RESTART_COUNT 0 or unset), so that the
+# restarted job (--max-restarts >= 1, --resume auto) runs through.
+FAULT_KILL_ENV = "GEFEN_DIST_FAULT_KILL_AT_STEP"
+FAULT_RANK_ENV = "GEFEN_DIST_FAULT_KILL_RANK"
+
+
+def fault_kill_step(strategy: Strategy) -> int | None:
+    k = os.environ.get(FAULT_KILL_ENV)
+    if not k:
+        return None
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) != 0:
+        return None
+    if strategy.rank != int(os.environ.get(FAULT_RANK_ENV, "1")):
+        return None
+    return int(k)
+
+
+def fault_kill(opt_name: str, step: int) -> None:
+    import signal
+
+    log.warning("[%s] %s: SIGKILL of rank %s before step %d (test-only fault injection)", opt_name,
+                FAULT_KILL_ENV, os.environ.get("RANK", "0"), step)
+    sys.stderr.write(f"FAULT: rank {os.environ.get('RANK', '0')} killing itself before step {step}\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -675,6 +716,18 @@ def train_one(opt_name: str, args, strategy: Strategy, cfg, corpus, out: Path,
     train_time = 0.0
     ck_path = strategy.checkpoint_location(out, opt_name)
 
+    if strategy.is_main:
+        from gefen_dist.checkpoint import recover_interrupted, stale_temporaries
+
+        recover_interrupted(ck_path)  # a directory swap cut short: the previous checkpoint back
+        for t in stale_temporaries(ck_path):  # partial writes of a killed run: never read
+            log.warning("[%s] removing %s, left by an interrupted checkpoint save", opt_name, t)
+            if os.path.isdir(t):
+                import shutil
+                shutil.rmtree(t, ignore_errors=True)
+            else:
+                Path(t).unlink(missing_ok=True)
+    strategy.barrier()
     resume = ck_path if args.resume == "auto" else (Path(args.resume) if args.resume else None)
     if args.resume == "auto" and not resume.exists():
         log.info("[%s] --resume auto: no checkpoint at %s, starting from step 0", opt_name, resume)
@@ -755,7 +808,10 @@ def train_one(opt_name: str, args, strategy: Strategy, cfg, corpus, out: Path,
                disable=args.no_progress or not strategy.is_main, dynamic_ncols=True,
                mininterval=0.5)
     model.train()
+    kill_at = fault_kill_step(strategy)
     for step in range(start_step, end_step):
+        if step == kill_at:
+            fault_kill(opt_name, step)
         t0 = time.perf_counter()
         x, y = sampler.batch(step)
         loss = strategy.train_step(model, opt, sched, x.to(dev), y.to(dev), args)
