@@ -135,14 +135,16 @@ class _SegPlan:
     vcol_n: int = 0
 
 
-def _plan(segments: Sequence[Segment], periods: Sequence[int], small_threshold: int,
+def _plan(segments: Sequence[Segment], periods: Sequence[int], small_threshold: Optional[int],
           factored: bool = False) -> Tuple[List[_SegPlan], int, int, int]:
     """Offsets of every segment's state. Shared second moment: ``v`` per touched v-block (period).
     Factored (``factored=True``): ``v`` is ``v_row``, one entry per touched row (independent of the
-    period), and ``vcol_off``/``vcol_n`` place a full ``v_col`` per non-empty quantized segment."""
+    period), and ``vcol_off``/``vcol_n`` place a full ``v_col`` per non-empty quantized segment.
+    ``small_threshold=None`` reads a *saved* state without knowing the optimizer's threshold: a
+    segment is exact iff its period is 0 (quantized segments always have a period >= 1)."""
     out, so, vo, eo, co = [], 0, 0, 0, 0
     for seg, per in zip(segments, periods):
-        if is_exact(seg.shape, small_threshold):
+        if (int(per) == 0) if small_threshold is None else is_exact(seg.shape, small_threshold):
             out.append(_SegPlan(seg, True, exact_off=eo))
             eo += seg.numel
             continue
@@ -314,7 +316,8 @@ class FlatSegments:
             raise LayoutError(
                 f"{self.where}: the optimizer state was saved with a different layout ({len(saved)} segments vs "
                 f"{len(self.segments)} now; first difference {diff}). Resume with the same world size, ZeRO stage "
-                "and param groups, or convert the checkpoint (gefen-dist ds-universal)."
+                "and param groups, or convert the checkpoint (gefen-dist ds-to-universal) and load it with "
+                "gefen_dist.integrations.deepspeed.load_universal."
             )
         if st["idx"].numel() != flat.numel() or st["idx"].dtype != torch.uint8:
             raise LayoutError(f"{self.where}: saved idx has {st['idx'].numel()} elements of {st['idx'].dtype}, "

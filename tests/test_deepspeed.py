@@ -1,14 +1,24 @@
-"""Gefen under DeepSpeed ZeRO-1/2/3: one real 2-rank ``deepspeed`` launch on CPU/gloo.
+"""Gefen under DeepSpeed ZeRO-1/2/3: real ``deepspeed`` launches on CPU/gloo (2 ranks, then 1 and 3).
 
 The worker (tests/dist/ds_check.py) checks, against single-process Gefen on the same global
 batch: identical codebook and periods, parameters within 1e-6 relative after 10 steps (ZeRO-1,
 ZeRO-2 with gradient accumulation + round_robin_gradients + the JSON WarmupLR, ZeRO-2 with
 clipping, ZeRO-2 CPU offload, ZeRO-3 with zero.Init and several sub-groups, the client-optimizer
 path through ``gefen_dist.integrations.deepspeed.initialize``); the factored second moment
-(``second_moment="factored"``) under ZeRO-2 and ZeRO-3 against ``Gefen(second_moment="factored",
-fused=False)``, with cut rows' ``v_row`` identical on both ranks; bit-identical resume and
-``zero_to_fp32`` for ZeRO-2 and ZeRO-3 (and ZeRO-3 factored); bf16 through ZeRO-2 and the BF16_Optimizer; the
-refusals. fp16 loss-scale skips need a GPU (DeepSpeed's CPU accelerator has no fp16).
+(``second_moment="factored"``) under ZeRO-1, ZeRO-2, ZeRO-2 CPU offload and ZeRO-3 against
+``Gefen(second_moment="factored", fused=False)``, with cut rows' ``v_row`` identical on both ranks;
+bit-identical resume and ``zero_to_fp32`` for ZeRO-2 and ZeRO-3 (and ZeRO-3 factored); bf16 through
+ZeRO-2 and the BF16_Optimizer (shared and factored); the refusals. fp16 loss-scale skips need a GPU
+(DeepSpeed's CPU accelerator has no fp16).
+
+Checkpoints across world sizes (the 2-rank launch saves, the 1- and 3-rank launches load):
+``gefen-dist ds-to-universal`` of a ZeRO-2 (round-robin, shared) and a ZeRO-3 (factored, zero.Init)
+checkpoint saved at 2 ranks; loaded back at 2 ranks the state is bitwise and the run continues
+bit-identically; loaded at 1 and 3 ranks the full per-tensor state (idx, scale, v / v_row, v_col,
+exact moments, weights) equals the original bitwise and 3 more steps match the uninterrupted 2-rank
+run (1e-6 relative, <= 0.1% codeword flips); a rigid 2-rank checkpoint loaded at 1 or 3 ranks raises
+an error naming both world sizes and the converter; an AdamW checkpoint converted by DeepSpeed's own
+``ds_to_universal`` warm-starts Gefen (shared and factored; at 1 and 3 ranks).
 """
 import os
 import shutil
@@ -20,21 +30,48 @@ import pytest
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = "z1,z2,z2clip,z2off,z2client,z3,z2f,z3f,ck2,ck3,ck3f,bf16,bf16opt,refuse,fp16"
+CASES = ("z1,z2,z2clip,z2off,z2client,z3,z2f,z3f,ck2,ck3,ck3f,bf16,bf16opt,refuse,fp16,"
+         "z1f,z2offf,bf16optf,ucsave:ucz2,ucsave:ucz3f,adamsave")
+CASES_WS1 = "ucload:ucz2,ucload:ucz3f,wserr,adamwarm:shared,adamwarm:factored"
+CASES_WS3 = "ucload:ucz2,ucload:ucz3f,wserr,adamwarm:factored"
 
 
-@pytest.mark.dist
-def test_deepspeed_zero_2ranks(tmp_path):
+def _launch(ranks, cases, ckpt, keep):
     launcher = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
     if launcher is None:
         pytest.skip("the deepspeed launcher is not on PATH")
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), OMP_NUM_THREADS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    port = str(29500 + os.getpid() % 1000)
-    cmd = [launcher, "--num_gpus", "2", "--master_port", port, os.path.join(REPO, "tests", "dist", "ds_check.py"),
-           "--cases", CASES, "--ckpt", str(tmp_path / "ckpt")]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+    port = str(29500 + (os.getpid() + 7 * ranks) % 1000)
+    cmd = [launcher, "--num_gpus", str(ranks), "--master_port", port,
+           os.path.join(REPO, "tests", "dist", "ds_check.py"), "--cases", cases, "--ckpt", str(ckpt)]
+    if keep:
+        cmd.append("--keep")
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = r.stdout + r.stderr
     ok = [line for line in out.splitlines() if line.startswith(("OK ", "SKIP "))]
-    assert r.returncode == 0 and "ALL OK" in out, out[-6000:]
+    return r.returncode, out, ok
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ds") / "ckpt"
+    return ckpt, _launch(2, CASES, ckpt, keep=False)
+
+
+@pytest.mark.dist
+def test_deepspeed_zero_2ranks(two_ranks):
+    _, (rc, out, ok) = two_ranks
+    assert rc == 0 and "ALL OK" in out, out[-6000:]
     assert len(ok) == len(CASES.split(",")), "\n".join(ok)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("ranks,cases", [(1, CASES_WS1), (3, CASES_WS3)], ids=["ws1", "ws3"])
+def test_deepspeed_universal_other_world_size(two_ranks, ranks, cases):
+    ckpt, (rc, out2, _) = two_ranks
+    if rc != 0:
+        pytest.fail("the 2-rank launch that saves the checkpoints failed:\n" + out2[-3000:])
+    rc, out, ok = _launch(ranks, cases, ckpt, keep=True)
+    assert rc == 0 and "ALL OK" in out, out[-6000:]
+    assert len(ok) == len(cases.split(",")), "\n".join(ok)

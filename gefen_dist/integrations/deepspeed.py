@@ -27,6 +27,8 @@ import gc
 import json
 import logging
 import math
+import os
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,7 +39,8 @@ from ..segments import FlatSegments, LayoutError, Segment, counts_to_codebook, v
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Gefen", "initialize", "register", "check_config", "LayoutError"]
+__all__ = ["Gefen", "initialize", "register", "check_config", "load_universal", "LayoutError",
+           "CheckpointWorldSizeError"]
 
 _WRAPPER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
 
@@ -69,7 +72,9 @@ class Gefen(_opt_mod.Gefen):
                 self._ds_orig.append(p)
         self._ds_orig_ids = {id(p) for p in self._ds_orig}
         self._ds_flats: Dict[int, FlatSegments] = {}
+        self._ds_tensors: Dict[int, torch.Tensor] = {}
         self._ds_wrapper = None
+        _install_engine_hook()
         self._ds_stage = None
 
     # ------------------------------------------------------------------ layout discovery
@@ -84,6 +89,7 @@ class Gefen(_opt_mod.Gefen):
         for flat, segs, sources, group, where in layouts:
             verify_segments(flat, segs, sources, where)
             self._ds_flats[id(flat)] = FlatSegments(segs, _comm(group), self.small_threshold, where)
+            self._ds_tensors[id(flat)] = flat
             st = self.state.get(flat)
             if st:
                 self._ds_flats[id(flat)].check_state(st, flat)
@@ -137,6 +143,7 @@ class Gefen(_opt_mod.Gefen):
             verify_segments(flat, segs, srcs, where)
             self._ds_flats[id(flat)] = FlatSegments(segs, _comm(ds_groups._get_data_parallel_group()),
                                                     self.small_threshold, where)
+            self._ds_tensors[id(flat)] = flat
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -164,6 +171,13 @@ class Gefen(_opt_mod.Gefen):
         fs = self._ds_flats[id(flat)]
         st = self.state.get(flat)
         factored = group.get("second_moment", "shared") == "factored"
+        if st and "idx" not in st:
+            raise LayoutError(
+                f"{fs.where}: the optimizer state holds {sorted(st)[:4]} (Adam-shaped state put there by "
+                "DeepSpeed's own universal-checkpoint loader?), not Gefen's. Load universal checkpoints into Gefen "
+                "with gefen_dist.integrations.deepspeed.load_universal(engine, path), or import "
+                "gefen_dist.integrations.deepspeed before deepspeed.initialize so that engine.load_checkpoint with "
+                '"load_universal": true goes through Gefen\'s loader.')
         if not st:
             st = self.state[flat] = fs.new_state(flat, self._codebook_for(flat.device), factored=factored)
         elif ("v_col" in st) != factored:
@@ -372,7 +386,7 @@ def check_config(config) -> None:
         raise ValueError("gefen_dist: zero_optimization.elastic_checkpoint is not supported: DeepSpeed's elastic "
                          "save trims and re-pads every optimizer state tensor as if it were per-element, which "
                          "corrupts Gefen's per-block state. Use the default (rigid) checkpoints, and "
-                         "`gefen-dist ds-universal` to change the number of ranks.")
+                         "`gefen-dist ds-to-universal` + gds.load_universal to change the number of ranks.")
     off = zero.get("offload_optimizer") or {}
     dev = str(off.get("device", "none")).lower()
     if dev == "nvme":
@@ -407,6 +421,87 @@ def register() -> None:
     ``getattr(torch.optim, type)`` for names it does not know; the lookup is case-sensitive)."""
     torch.optim.Gefen = Gefen
     torch.optim.gefen = Gefen
+    _install_engine_hook()
+
+
+# ---------------------------------------------------------------------------- checkpoints across world sizes
+class CheckpointWorldSizeError(RuntimeError):
+    """A rigid Gefen DeepSpeed checkpoint was loaded at another data-parallel world size."""
+
+
+def _install_engine_hook() -> None:
+    """Route ``DeepSpeedEngine._load_zero_checkpoint`` of engines whose optimizer is Gefen through
+    Gefen: universal checkpoints are requantized by :mod:`gefen_dist.integrations.ds_universal`, and
+    a rigid checkpoint of another world size raises :class:`CheckpointWorldSizeError` (naming both
+    sizes and the converter). Engines with any other optimizer are untouched. Installed only once
+    DeepSpeed's engine module is imported (never imports DeepSpeed itself)."""
+    mod = sys.modules.get("deepspeed.runtime.engine")
+    eng = getattr(mod, "DeepSpeedEngine", None) if mod is not None else None
+    if eng is None:
+        return
+    orig = getattr(eng, "_load_zero_checkpoint", None)
+    if orig is None:
+        logger.warning("this DeepSpeed has no DeepSpeedEngine._load_zero_checkpoint: Gefen's universal-checkpoint "
+                       "loading and world-size check are not installed")
+        return
+    if getattr(orig, "_gefen_hook", False):
+        return
+
+    def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
+        if not isinstance(getattr(self, "basic_optimizer", None), Gefen):
+            return orig(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
+        if self.load_universal_checkpoint():
+            from .ds_universal import load_into_engine
+
+            load_into_engine(self, os.path.join(load_dir, str(tag)), load_optimizer_states=load_optimizer_states)
+            return True
+        saved = getattr(self, "loaded_checkpoint_dp_world_size", None)
+        now = getattr(self, "seq_dp_world_size", None) or getattr(self, "dp_world_size", None)
+        if load_optimizer_states and saved is not None and now is not None and int(saved) != int(now):
+            raise CheckpointWorldSizeError(
+                f"the DeepSpeed checkpoint {os.path.join(str(load_dir), str(tag))!r} was saved at data-parallel world "
+                f"size {saved}, but this Gefen job runs at world size {now}. Gefen's state in a DeepSpeed checkpoint "
+                "is laid out per rank and loads only at the world size it was saved at. Convert it once with "
+                f"`gefen-dist ds-to-universal {load_dir} OUT_DIR --tag {tag}` and load OUT_DIR with "
+                "gefen_dist.integrations.deepspeed.load_universal(engine, OUT_DIR) (or set "
+                '"checkpoint": {"load_universal": true} and call engine.load_checkpoint on it).')
+        return orig(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
+
+    _load_zero_checkpoint._gefen_hook = True  # type: ignore[attr-defined]
+    _load_zero_checkpoint.__wrapped__ = orig  # type: ignore[attr-defined]
+    eng._load_zero_checkpoint = _load_zero_checkpoint
+
+
+def load_universal(engine, path: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
+                   load_lr_scheduler_states: bool = True):
+    """Load a universal checkpoint into a Gefen DeepSpeed engine at its current world size.
+
+    ``path`` is the folder written by ``gefen-dist ds-to-universal`` (or DeepSpeed's
+    ``ds_to_universal`` for an AdamW checkpoint: Gefen is then warm-started from ``exp_avg`` and
+    ``exp_avg_sq``), or its parent with ``tag`` / a ``latest_universal`` file. Goes through
+    ``engine.load_checkpoint`` with DeepSpeed's ``load_universal_checkpoint`` switched on for the
+    call, so the lr scheduler, global step and client state are restored by DeepSpeed and the
+    weights and optimizer state by Gefen (:func:`gefen_dist.integrations.ds_universal.load_into_engine`).
+    Call it on every rank. Returns ``engine.load_checkpoint``'s ``(load_path, client_state)``.
+    """
+    if not isinstance(getattr(engine, "basic_optimizer", None), Gefen):
+        raise TypeError(f"load_universal needs an engine whose optimizer is gefen_dist.integrations.deepspeed.Gefen, "
+                        f"got {type(getattr(engine, 'basic_optimizer', None)).__name__}")
+    _install_engine_hook()
+    load_dir = os.path.abspath(path)
+    if tag is None and os.path.isdir(os.path.join(load_dir, "zero")):
+        load_dir, tag = os.path.split(load_dir)
+    if tag is None and not os.path.isfile(os.path.join(load_dir, "latest_universal")):
+        raise FileNotFoundError(f"{path!r} is neither a universal checkpoint folder (no zero/ inside) nor a folder "
+                                "with a latest_universal file; pass tag=")
+    cfg = engine._config
+    old = cfg.load_universal_checkpoint
+    cfg.load_universal_checkpoint = True
+    try:
+        return engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                      load_lr_scheduler_states=load_lr_scheduler_states)
+    finally:
+        cfg.load_universal_checkpoint = old
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, config=None, config_params=None,
@@ -420,6 +515,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, con
     import deepspeed
 
     register()
+    import deepspeed.runtime.engine  # noqa: F401
+
+    _install_engine_hook()
     if config is None and config_params is not None:
         config = config_params
     if config is None and args is not None and getattr(args, "deepspeed_config", None):

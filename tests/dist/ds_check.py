@@ -335,6 +335,8 @@ def case_bf16(case, cfg_name, stage, **over):
     opt = engine.basic_optimizer
     assert opt.codebook is not None and opt._ds_flats, case
     assert all(torch.isfinite(torch.tensor(losses)))
+    factored = cfg["optimizer"]["params"]["second_moment"] == "factored"
+    assert all(("v_col" in st) == factored and ("v" in st) != factored for st in opt.state.values()), case
     log(f"OK {case}: wrapper {type(engine.optimizer).__name__}, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
 
@@ -352,16 +354,293 @@ def case_refuse(case):
     log(f"OK {case}: elastic_checkpoint, NVMe offload, ZeRO-3 partial offload refused")
 
 
+# ---------------------------------------------------------------------------- universal checkpoints
+G = 12  # global batch of the universal cases: divisible by world sizes 1, 2 and 3
+UC = {  # case -> (config, stage, zero.Init, overrides)
+    "ucz2": ("gefen_zero2.json", 2, False, {"zero_optimization.round_robin_gradients": True}),
+    "ucz3f": ("gefen_zero3.json", 3, True, dict({"zero_optimization.sub_group_size": 7000}, **FACTORED)),
+}
+
+
+def cfg_g(cfg_name, **over):
+    cfg = load_cfg(cfg_name, **over)
+    cfg["train_micro_batch_size_per_gpu"] = G // dist.get_world_size()
+    return cfg
+
+
+def train_g(engine, steps, start=0):
+    """The same global batch of G samples per step at any world size."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    mb = G // ws
+    losses = []
+    for s in range(start, start + steps):
+        x, y = data(7000 + s, G)
+        loss = ((engine(x[rank * mb:(rank + 1) * mb]) - y[rank * mb:(rank + 1) * mb]) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def close_params(case, got, ref, tol=1e-6):
+    """The tolerance of compare(): per tensor max |diff| <= tol * max |p| except for <= 0.1% isolated
+    codeword flips (a rounding-level gradient difference moving m across a codeword midpoint)."""
+    worst, flips = 0.0, 0
+    for n, q in ref.items():
+        d = (got[n] - q).abs().reshape(-1)
+        bad = d > tol * q.abs().max()
+        assert int(bad.sum()) <= max(1, d.numel() // 1000), (case, n, int(bad.sum()))
+        assert float(d.max()) <= 1e-2 * float(q.abs().max()), (case, n, float(d.max()))
+        flips += int(bad.sum())
+        if (~bad).any():
+            worst = max(worst, float(d[~bad].max() / q.abs().max()))
+    assert worst <= tol, (case, worst)
+    return worst, flips
+
+
+def ordered_states(opt):
+    return [opt.state[opt._ds_tensors[fid]] for fid in opt._ds_flats]
+
+
+def snapshot(opt):
+    return [{k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in st.items()}
+            for st in ordered_states(opt)]
+
+
+def same_state(case, a, b):
+    assert len(a) == len(b), (case, len(a), len(b))
+    for sa, sb in zip(a, b):
+        assert set(sa) == set(sb), (case, sorted(set(sa) ^ set(sb)))
+        for k in sa:
+            if torch.is_tensor(sa[k]):
+                assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k].cpu(), sb[k].cpu()), (case, k)
+            else:
+                assert sa[k] == sb[k], (case, k, sa[k], sb[k])
+
+
+def same_tensors(case, a, b):
+    """Bitwise equality of two read_gefen_checkpoint() results (full per-tensor state, any layout)."""
+    assert a["step"] == b["step"] and a["second_moment"] == b["second_moment"], case
+    assert torch.equal(a["codebook"], b["codebook"]), case
+    assert list(a["tensors"]) and set(a["tensors"]) == set(b["tensors"]), case
+    n_q = 0
+    for name, ta in a["tensors"].items():
+        tb = b["tensors"][name]
+        assert (ta.exact, ta.period, ta.block, ta.learned) == (tb.exact, tb.period, tb.block, tb.learned), (case, name)
+        keys = ["fp32"] + (["exp_avg", "exp_avg_sq"] if ta.exact else
+                           ["idx", "scale"] + (["v_row", "v_col"] if ta.factored else ["v"]))
+        for k in keys:
+            assert torch.equal(getattr(ta, k), getattr(tb, k)), (case, name, k)
+        n_q += not ta.exact
+    return n_q
+
+
+def uc_paths(ckdir, name):
+    return os.path.join(ckdir, name), os.path.join(ckdir, name + "_u", "t3"), os.path.join(ckdir, name + "_final.pt")
+
+
+def case_uc_save(name, ckdir):
+    """Gefen (ws 2, 3 steps) -> rigid checkpoint -> gefen-dist ds-to-universal; the uninterrupted run's
+    params after 3 more steps are kept for the loads at other world sizes. Then, at the same world size,
+    the universal checkpoint must give back the state bitwise and continue bit-identically."""
+    from gefen_dist.cli import main as cli_main
+
+    cfg_name, stage, zinit, over = UC[name]
+    rigid, univ, final = uc_paths(ckdir, name)
+    cfg = cfg_g(cfg_name, **over)
+    engine, *_ = make_engine(cfg, zinit=zinit)
+    train_g(engine, 3)
+    engine.save_checkpoint(rigid, tag="t3")
+    snap = snapshot(engine.basic_optimizer)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        assert cli_main(["ds-to-universal", rigid, univ, "--tag", "t3"]) == 0
+        assert cli_main(["ds-to-universal", rigid, univ, "--tag", "t3"]) == 2  # refuses to overwrite
+        assert sorted(os.listdir(os.path.join(univ, "zero", "a.weight"))) == ["exp_avg.pt", "exp_avg_sq.pt",
+                                                                              "fp32.pt", "step.pt"]
+    dist.barrier()
+    l1 = train_g(engine, 3, start=3)
+    p1 = full_params(engine, stage)
+    if dist.get_rank() == 0:
+        torch.save(p1, final)
+    del engine
+    e2, *_ = make_engine(cfg, zinit=zinit)
+    gds.load_universal(e2, univ)
+    same_state(name, snap, snapshot(e2.basic_optimizer))
+    l2 = train_g(e2, 3, start=3)
+    p2 = full_params(e2, stage)
+    assert l1 == l2, (name, l1, l2)
+    for n in p1:
+        assert torch.equal(p1[n], p2[n]), (name, n)
+    log(f"OK {name}-save: ZeRO-{stage} ws 2 -> gefen-dist ds-to-universal; reloaded at ws 2: state bitwise, "
+        "3 more steps bit-identical")
+
+
+def case_uc_load(name, ckdir):
+    """Load the universal checkpoint at this world size: the full per-tensor state (idx, scale, v or
+    v_row/v_col, exact moments, fp32 weights) equals the original's bitwise; 3 more steps match the
+    uninterrupted 2-rank run."""
+    from gefen_dist.integrations.ds_universal import read_gefen_checkpoint
+
+    cfg_name, stage, zinit, over = UC[name]
+    rigid, univ, final = uc_paths(ckdir, name)
+    ws = dist.get_world_size()
+    engine, *_ = make_engine(cfg_g(cfg_name, **over), zinit=zinit)
+    gds.load_universal(engine, univ)
+    resaved = os.path.join(ckdir, f"{name}_ws{ws}")
+    engine.save_checkpoint(resaved, tag="r")
+    dist.barrier()
+    n_q = 0
+    if dist.get_rank() == 0:
+        n_q = same_tensors(name, read_gefen_checkpoint(os.path.join(rigid, "t3")),
+                           read_gefen_checkpoint(os.path.join(resaved, "r")))
+    dist.barrier()
+    train_g(engine, 3, start=3)
+    got = full_params(engine, stage)
+    worst, flips = close_params(name, got, torch.load(final))
+    log(f"OK {name}-load-ws{ws}: state of {n_q} quantized tensors bitwise equal to the ws-2 original after the "
+        f"universal round trip; 3 more steps vs the uninterrupted ws-2 run: max rel diff {worst:.1e} ({flips} flips)")
+
+
+def case_ws_error(ckdir):
+    """A rigid Gefen checkpoint of world size 2 loaded at another world size: a clear error."""
+    cfg_name, stage, zinit, over = UC["ucz2"]
+    rigid, _, _ = uc_paths(ckdir, "ucz2")
+    ws = dist.get_world_size()
+    engine, *_ = make_engine(cfg_g(cfg_name, **over), zinit=zinit)
+    try:
+        engine.load_checkpoint(rigid, tag="t3")
+    except gds.CheckpointWorldSizeError as e:
+        msg = str(e)
+        assert "world size 2" in msg and f"world size {ws}" in msg and "gefen-dist ds-to-universal" in msg, msg
+    else:
+        raise AssertionError("a ws-2 Gefen checkpoint loaded at another world size without an error")
+    log(f"OK wserr-ws{ws}: rigid ws-2 checkpoint at ws {ws} refused: {msg[:90]}...")
+
+
+def case_adam_save(ckdir):
+    """An AdamW ZeRO-2 checkpoint (ws 2, 3 steps) converted by DeepSpeed's own ds_to_universal."""
+    from deepspeed.checkpoint import ds_to_universal as ds2u
+
+    cfg = cfg_g("gefen_zero2.json")
+    cfg.pop("optimizer")
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.AdamW(groups(m), lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+    engine, *_ = deepspeed.initialize(model=m, optimizer=opt, config=cfg)
+    train_g(engine, 3)
+    d = os.path.join(ckdir, "adam")
+    engine.save_checkpoint(d, tag="t3")
+    p = full_params(engine, 2)
+    train_g(engine, 1, start=3)  # AdamW's next update, for the warm start's first update to be compared with
+    p4 = full_params(engine, 2)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        torch.save(p, os.path.join(ckdir, "adam_params.pt"))
+        torch.save(p4, os.path.join(ckdir, "adam_params4.pt"))
+        argv = sys.argv
+        sys.argv = ["ds_to_universal", "--input_folder", os.path.join(d, "t3"), "--output_folder",
+                    os.path.join(ckdir, "adam_u", "t3"), "--num_extract_workers", "1", "--num_merge_workers", "1",
+                    "--inject_missing_state"]
+        try:
+            ds2u.main(ds2u.parse_arguments())
+        finally:
+            sys.argv = argv
+    dist.barrier()
+    log("OK adam-save: AdamW ZeRO-2 ws 2 checkpoint converted by DeepSpeed's ds_to_universal")
+
+
+def case_adam_warm(ckdir, second_moment):
+    """Warm start of Gefen from the AdamW universal checkpoint at this world size."""
+    from gefen_dist.core.periods import row_slab, scale_block_for
+    from gefen_dist.integrations.ds_universal import read_gefen_checkpoint
+
+    ws = dist.get_world_size()
+    univ = os.path.join(ckdir, "adam_u", "t3")
+    engine, *_ = make_engine(cfg_g("gefen_zero2.json", **{"optimizer.params.second_moment": second_moment}))
+    gds.load_universal(engine, univ)
+    opt = engine.basic_optimizer
+    cb = opt.codebook
+    assert cb is not None and cb.numel() == 256 and float(cb[0]) == -1.0 and float(cb[-1]) == 1.0
+    assert bool((cb[1:] >= cb[:-1]).all())
+    allp = [None] * ws
+    dist.all_gather_object(allp, opt.periods())
+    merged = {}
+    for a in allp:  # each rank lists the tensors it holds: the periods must agree where they overlap
+        for k, v in a.items():
+            assert merged.setdefault(k, v) == v, (k, allp)
+    assert len(merged) == 6, merged
+    got = full_params(engine, 2)
+    ref = torch.load(os.path.join(ckdir, "adam_params.pt"))
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), ("adam weights", n)
+    d = os.path.join(ckdir, f"adamwarm_{second_moment}_ws{ws}")
+    engine.save_checkpoint(d, tag="w")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        g = read_gefen_checkpoint(os.path.join(d, "w"))
+        assert g["step"] == 3 and g["second_moment"] == second_moment, (g["step"], g["second_moment"])
+        gap = float((cb[1:] - cb[:-1]).max())
+        nq = 0
+        for name, t in g["tensors"].items():
+            mo = torch.load(os.path.join(univ, "zero", name, "exp_avg.pt"), weights_only=False)["param"].reshape(-1)
+            vo = torch.load(os.path.join(univ, "zero", name, "exp_avg_sq.pt"), weights_only=False)["param"].reshape(-1)
+            if t.exact:
+                assert torch.equal(t.exp_avg, mo) and torch.equal(t.exp_avg_sq, vo), name
+                continue
+            nq += 1
+            assert t.learned and row_slab(t.shape) % t.period == 0, (name, t.period)
+            assert t.block == scale_block_for(t.period, row_slab(t.shape))
+            deq, _ = t.dequantized(cb)
+            sc = t.scale.repeat_interleave(t.block)
+            assert torch.equal(t.scale, mo.view(-1, t.block).abs().amax(dim=1)), name
+            assert bool(((deq - mo).abs() <= 0.5 * gap * sc * (1 + 1e-5) + 1e-30).all()), name
+            if second_moment == "factored":
+                vv = vo.double().view(-1, t.slab)
+                assert torch.equal(t.v_row, vv.mean(dim=1).float()) and torch.equal(t.v_col, vv.mean(dim=0).float())
+            else:
+                assert torch.equal(t.v, vo.double().view(-1, t.period).mean(dim=1).float()), name
+        assert nq == 2, nq
+    dist.barrier()
+    # The first update after the warm start follows AdamW's own next update (same moments, up to
+    # quantization of m and the block-shared / factored second moment); a cold Gefen start does not.
+    a4 = torch.load(os.path.join(ckdir, "adam_params4.pt"))
+
+    def cosines(eng):
+        train_g(eng, 1, start=3)
+        p4, out = full_params(eng, 2), {}
+        for n in ref:
+            du, da = (p4[n] - ref[n]).reshape(-1).double(), (a4[n] - ref[n]).reshape(-1).double()
+            out[n] = float(du @ da / (du.norm() * da.norm()))
+        return out
+
+    lrs = [g["lr"] for g in engine.basic_optimizer.param_groups]
+    cos = cosines(engine)
+    del engine
+    cold, *_ = make_engine(cfg_g("gefen_zero2.json", **{"optimizer.params.second_moment": second_moment}))
+    gds.load_universal(cold, univ, load_optimizer_states=False)  # weights (and schedule) only: a cold start
+    assert not cold.basic_optimizer.state and torch.equal(full_params(cold, 2)["a.weight"], ref["a.weight"])
+    for g, lr in zip(cold.basic_optimizer.param_groups, lrs):  # hyperparameters are optimizer state: not loaded
+        g["lr"] = lr
+    cos_cold = cosines(cold)
+    assert min(cos.values()) > 0.9 and min(cos.values()) > max(cos_cold.values()) + 0.2, (cos, cos_cold)
+    log(f"OK adamwarm-{second_moment}-ws{ws}: Gefen warm-started from DeepSpeed's AdamW universal checkpoint: "
+        f"periods {sorted(set(merged.values()))}, codebook learned from exp_avg, m within half a codeword "
+        f"gap, v = block means of exp_avg_sq, weights bitwise; first update vs AdamW's: cosine >= "
+        f"{min(cos.values()):.3f} (cold start: <= {max(cos_cold.values()):.3f})")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="z1,z2,z3")
     ap.add_argument("--ckpt", default="/tmp/gefen_ds_ckpt")
+    ap.add_argument("--keep", action="store_true", help="keep --ckpt (a later launch reads an earlier one's files)")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
     cases = args.cases.split(",")
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and not args.keep:
         shutil.rmtree(args.ckpt, ignore_errors=True)
     dist.barrier()
     for c in cases:
@@ -401,6 +680,23 @@ def main():
             case_bf16("bf16 zero1 (BF16_Optimizer)", "gefen_zero1.json", 1, data_types={"grad_accum_dtype": "fp32"})
         elif c == "refuse":
             case_refuse("refusals")
+        elif c == "z1f":  # factored second moment under ZeRO-1, CPU offload, the BF16_Optimizer
+            case_exact("zero1 factored", "gefen_zero1.json", 1, gradient_clipping=0.0, **FACTORED)
+        elif c == "z2offf":
+            case_exact("zero2+cpu offload factored", "gefen_zero2_offload.json", 2, **FACTORED)
+        elif c == "bf16optf":
+            case_bf16("bf16 zero1 (BF16_Optimizer) factored", "gefen_zero1.json", 1,
+                      data_types={"grad_accum_dtype": "fp32"}, **FACTORED)
+        elif c.startswith("ucsave:"):
+            case_uc_save(c.split(":")[1], args.ckpt)
+        elif c.startswith("ucload:"):
+            case_uc_load(c.split(":")[1], args.ckpt)
+        elif c == "wserr":
+            case_ws_error(args.ckpt)
+        elif c == "adamsave":
+            case_adam_save(args.ckpt)
+        elif c.startswith("adamwarm:"):
+            case_adam_warm(args.ckpt, c.split(":")[1])
         else:
             raise SystemExit(f"unknown case {c}")
     dist.barrier()

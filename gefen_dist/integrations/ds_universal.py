@@ -1,0 +1,574 @@
+"""Universal (world-size independent) DeepSpeed checkpoints for Gefen.
+
+DeepSpeed's rigid checkpoints hold each rank's flat partition, so they load only at the world
+size they were saved at. DeepSpeed's *universal* format stores one folder per parameter
+(``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``, the full tensors) and loads at any
+data-parallel size. This module makes Gefen speak that format:
+
+* :func:`convert` (``gefen-dist ds-to-universal CKPT_DIR OUT_DIR [--tag TAG]``) turns a rigid
+  Gefen ZeRO-1/2/3 (or BF16_Optimizer) checkpoint into a universal one: ``exp_avg`` is the
+  dequantized first moment ``codebook[idx] * scale``, ``exp_avg_sq`` the second moment broadcast
+  to elements (shared: ``v`` of the element's period block; factored:
+  ``v_row[i] * v_col[j] / mean(v_col)``), ``fp32`` the master weights. ``gefen_universal.pt``
+  beside ``zero/`` records what the Adam-shaped tensors cannot: the codebook, every tensor's
+  period, scale block and learned flag, ``v_row``/``v_col`` of factored tensors, the step. The
+  output is written to a temporary folder and renamed into place.
+* :func:`load_into_engine` (reached through
+  :func:`gefen_dist.integrations.deepspeed.load_universal` or DeepSpeed's
+  ``"checkpoint": {"load_universal": true}`` + ``engine.load_checkpoint``) requantizes the
+  Adam-shaped moments into Gefen's state at the *current* layout. With the metadata the round
+  trip is exact: the absmax of a dequantized scale block is ``scale * max|codebook| = scale``
+  (the element that set the scale is quantized to the pinned codeword +-1), so scales and
+  indices come back bitwise, ``v`` is the block mean of identical values (exact in float64) and
+  ``v_row``/``v_col`` are taken from the metadata. Without metadata (an AdamW checkpoint converted
+  by DeepSpeed's own ``ds_to_universal``) Gefen is *warm-started*: periods are chosen from
+  ``exp_avg_sq`` (the paper's score on ``ln(exp_avg_sq)`` instead of ``ln(g^2)`` of the first
+  gradient), the codebook from the histogram of ``exp_avg`` normalised by its block absmax,
+  ``m`` is quantized, ``v`` is the block mean of ``exp_avg_sq`` (factored: its row and column
+  means, which is exactly what factored Gefen accumulates from the same gradients).
+
+Every rank reads the full tensors it holds a piece of (as DeepSpeed's own universal loader
+does); the warm start from AdamW reads every quantized tensor on every rank (the codebook is
+learned from all of them, identically on every rank, with no collective). Only load checkpoints
+you trust: like DeepSpeed's own tools this unpickles DeepSpeed's checkpoint files.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import math
+import os
+import re
+import shutil
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..core import periods as _periods
+from ..core.quant import NUM_BINS, block_histogram, nearest_codeword
+from ..layout import is_exact
+from ..segments import Segment, _plan, counts_to_codebook
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["convert", "read_gefen_checkpoint", "load_into_engine", "UniversalCheckpointError", "META_FILE",
+           "FORMAT", "VERSION"]
+
+FORMAT = "gefen-dist-universal"
+VERSION = 1
+META_FILE = "gefen_universal.pt"
+_OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups", "fp32_flat_groups",
+            "optimizer_state_dict")
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+
+
+class UniversalCheckpointError(ValueError):
+    """A checkpoint cannot be converted or loaded (the message names the value and the fix)."""
+
+
+def _load(path: str):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ============================================================================ reading a rigid checkpoint
+def resolve_tag_dir(ckpt_dir: str, tag: Optional[str] = None) -> str:
+    """The folder holding the ``*optim_states.pt`` files: ``ckpt_dir/tag``, ``ckpt_dir/<latest>``,
+    or ``ckpt_dir`` itself."""
+    if not os.path.isdir(ckpt_dir):
+        raise UniversalCheckpointError(f"{ckpt_dir!r} is not a directory (expected a DeepSpeed checkpoint folder)")
+    if tag is not None:
+        d = os.path.join(ckpt_dir, str(tag))
+        if not os.path.isdir(d):
+            raise UniversalCheckpointError(f"tag {tag!r} not found: {d!r} is not a directory")
+        return d
+    if glob.glob(os.path.join(ckpt_dir, "*optim_states.pt")):
+        return ckpt_dir
+    latest = os.path.join(ckpt_dir, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return resolve_tag_dir(ckpt_dir, f.read().strip())
+    raise UniversalCheckpointError(f"{ckpt_dir!r} holds no *optim_states.pt and no 'latest' file: pass the tag "
+                                   "folder itself or --tag TAG")
+
+
+def _optim_files(tag_dir: str) -> List[Tuple[int, str]]:
+    out = []
+    for f in glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
+        m = _OPTIM_RE.match(os.path.basename(f))
+        if m is None:
+            continue
+        if int(m.group(2)) != 0:
+            raise UniversalCheckpointError(f"{f!r}: model-parallel rank {int(m.group(2))}: tensor/pipeline parallel "
+                                           "Gefen checkpoints are not supported by gefen-dist ds-to-universal")
+        out.append((int(m.group(1)), f))
+    out.sort()
+    if not out:
+        raise UniversalCheckpointError(f"{tag_dir!r}: no zero_pp_rank_*_mp_rank_00_optim_states.pt files (is this a "
+                                       "DeepSpeed ZeRO checkpoint?)")
+    if [r for r, _ in out] != list(range(len(out))):
+        raise UniversalCheckpointError(f"{tag_dir!r}: optimizer files of ranks {[r for r, _ in out]} found; expected "
+                                       f"0..{len(out) - 1} (missing ranks?)")
+    return out
+
+
+class _Tensor:
+    """Full-tensor view of one parameter's Gefen state, assembled from all ranks' pieces."""
+
+    def __init__(self, name: str, shape: Tuple[int, ...], period: int, factored: bool):
+        self.name, self.shape, self.factored = name, shape, factored
+        self.numel = int(math.prod(shape))
+        self.exact = period == 0
+        self.period = int(period)
+        self.slab = _periods.row_slab(shape)
+        self.block = _periods.scale_block_for(self.period, self.slab) if not self.exact else 0
+        self.learned = True
+        self.step = 0
+        self.covered = torch.zeros(self.numel, dtype=torch.bool)
+        self.fp32 = torch.zeros(self.numel, dtype=torch.float32)
+        if self.exact:
+            self.exp_avg = torch.zeros(self.numel, dtype=torch.float32)
+            self.exp_avg_sq = torch.zeros(self.numel, dtype=torch.float32)
+            return
+        self.idx = torch.zeros(self.numel, dtype=torch.uint8)
+        self.scale = torch.zeros(self.numel // self.block, dtype=torch.float32)
+        if factored:
+            self.v_row = torch.zeros(self.numel // self.slab, dtype=torch.float32)
+            self.v_col = torch.zeros(self.slab, dtype=torch.float32)
+        else:
+            self.v = torch.zeros(self.numel // self.period, dtype=torch.float32)
+
+    def dequantized(self, codebook: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(exp_avg, exp_avg_sq)`` as flat fp32 tensors (Adam-shaped interchange)."""
+        if self.exact:
+            return self.exp_avg, self.exp_avg_sq
+        if not self.learned or codebook is None:
+            z = torch.zeros(self.numel, dtype=torch.float32)
+            return z, z.clone()
+        m = (codebook[self.idx.long()].view(-1, self.block) * self.scale.view(-1, 1)).reshape(-1)
+        if self.factored:
+            mean_c = float(self.v_col.mean())
+            col = self.v_col / mean_c if mean_c > 0 else torch.zeros_like(self.v_col)
+            v = (self.v_row.view(-1, 1) * col.view(1, -1)).reshape(-1)
+        else:
+            v = self.v.repeat_interleave(self.period)
+        return m, v
+
+
+def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
+    """Assemble the full per-tensor Gefen state of a rigid DeepSpeed checkpoint (all ranks).
+
+    Returns ``{"tensors": {name: _Tensor}, "codebook", "second_moment", "step", "world_size",
+    "zero_stage", "global_state" (rank 0's non-sharded optimizer keys), "param_groups"}``.
+    """
+    files = _optim_files(tag_dir)
+    tensors: Dict[str, _Tensor] = {}
+    order: List[str] = []
+    cb, steps, modes, stage = None, set(), set(), None
+    global_state, param_groups = None, None
+    for rank, f in files:
+        obj = _load(f)
+        osd = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
+        if not isinstance(osd, dict):
+            raise UniversalCheckpointError(f"{f!r} holds no 'optimizer_state_dict': not a DeepSpeed ZeRO optimizer "
+                                           "file")
+        if "fp32_flat_groups" in osd:  # ZeRO-3
+            base, flats, stage = osd["optimizer_state_dict"], osd["fp32_flat_groups"], 3
+        elif "single_partition_of_fp32_groups" in osd:  # ZeRO-1/2, BF16_Optimizer
+            base, flats = osd["base_optimizer_state"], osd["single_partition_of_fp32_groups"]
+            stage = int(osd.get("zero_stage", 1))
+        else:
+            raise UniversalCheckpointError(f"{f!r}: unknown DeepSpeed optimizer file layout (keys {sorted(osd)[:8]})")
+        states = base.get("state", {}) if isinstance(base, dict) else {}
+        if not states or not all(isinstance(s, dict) and "segments" in s for s in states.values()):
+            keys = sorted({k for s in states.values() if isinstance(s, dict) for k in s})
+            if "exp_avg" in keys:
+                raise UniversalCheckpointError(
+                    f"{f!r} is an Adam/AdamW DeepSpeed checkpoint, not Gefen's. Convert it with DeepSpeed's own "
+                    "converter (python -m deepspeed.checkpoint.ds_to_universal --input_folder CKPT/TAG "
+                    "--output_folder OUT); gefen_dist.integrations.deepspeed.load_universal(engine, OUT) then "
+                    "warm-starts Gefen from it.")
+            raise UniversalCheckpointError(f"{f!r}: optimizer state without Gefen's DeepSpeed 'segments' (state keys "
+                                           f"{keys[:8]}): not saved by gefen_dist.integrations.deepspeed.Gefen")
+        if rank == 0:
+            global_state = {k: v for k, v in osd.items() if k not in _SHARDED}
+            param_groups = base.get("param_groups")
+        keys = sorted(states)
+        if len(keys) != len(flats):
+            raise UniversalCheckpointError(f"{f!r}: {len(keys)} optimizer states but {len(flats)} fp32 partitions")
+        for k, flat in zip(keys, flats):
+            st = states[k]
+            flat = flat.reshape(-1).float()
+            factored = "v_col" in st
+            modes.add("factored" if factored else "shared")
+            steps.add(int(st["step"]))
+            c = st.get("codebook")
+            if isinstance(c, torch.Tensor) and c.numel() and float(c[0]) == -1.0:
+                if cb is not None and not torch.equal(cb, c.float()):
+                    raise UniversalCheckpointError(f"{f!r}: two different learned codebooks in one checkpoint")
+                cb = c.float().clone()
+            segs = [Segment.from_dict(d) for d in st["segments"]]
+            plan, _, _, _ = _plan(segs, st["periods"], None, factored)
+            for sp, learned in zip(plan, st["learned"]):
+                s = sp.seg
+                t = tensors.get(s.name)
+                if t is None:
+                    t = tensors[s.name] = _Tensor(s.name, s.shape, 0 if sp.exact else sp.period, factored)
+                    order.append(s.name)
+                elif t.shape != s.shape or t.exact != sp.exact or (not sp.exact and t.period != sp.period):
+                    raise UniversalCheckpointError(f"{f!r}: ranks disagree on tensor {s.name!r} (shape/period)")
+                t.step = int(st["step"])
+                if not s.numel:
+                    continue
+                a, n, fo = s.param_offset, s.numel, s.flat_offset
+                if fo + n > flat.numel():
+                    raise UniversalCheckpointError(f"{f!r}: segment of {s.name!r} beyond its fp32 partition")
+                t.fp32[a:a + n] = flat[fo:fo + n]
+                t.covered[a:a + n] = True
+                if sp.exact:
+                    t.exp_avg[a:a + n] = st["exact_m"][sp.exact_off:sp.exact_off + n].float()
+                    t.exp_avg_sq[a:a + n] = st["exact_v"][sp.exact_off:sp.exact_off + n].float()
+                    continue
+                t.learned = bool(learned)
+                t.idx[a:a + n] = st["idx"][fo:fo + n]
+                B = sp.block
+                t.scale[a // B:a // B + sp.scale_n] = st["scale"][sp.scale_off:sp.scale_off + sp.scale_n].float()
+                if factored:
+                    S = t.slab
+                    t.v_row[a // S:a // S + sp.v_n] = st["v_row"][sp.v_off:sp.v_off + sp.v_n].float()
+                    t.v_col.copy_(st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n].float())
+                else:
+                    P = sp.period
+                    t.v[a // P:a // P + sp.v_n] = st["v"][sp.v_off:sp.v_off + sp.v_n].float()
+        del obj
+    missing = [n for n in order if not bool(tensors[n].covered.all())]
+    if missing:
+        raise UniversalCheckpointError(f"{tag_dir!r}: tensors not fully covered by the {len(files)} optimizer files: "
+                                       f"{missing[:4]} (missing ranks?)")
+    if len(steps) > 1:
+        raise UniversalCheckpointError(f"{tag_dir!r}: partitions at different steps {sorted(steps)}")
+    if len(modes) > 1:
+        raise UniversalCheckpointError(f"{tag_dir!r}: both shared and factored second moments in one checkpoint")
+    return dict(tensors={n: tensors[n] for n in order}, codebook=cb, second_moment=modes.pop(),
+                step=steps.pop(), world_size=len(files), zero_stage=stage, global_state=global_state or {},
+                param_groups=param_groups or [])
+
+
+# ============================================================================ convert
+def convert(ckpt_dir: str, out_dir: str, tag: Optional[str] = None) -> Dict[str, Any]:
+    """Write the universal form of a rigid Gefen DeepSpeed checkpoint to ``out_dir`` (must not exist).
+
+    Layout (DeepSpeed's ``ds_to_universal``, plus the Gefen metadata)::
+
+        out_dir/zero/<param name>/{fp32,exp_avg,exp_avg_sq}.pt   {"param": full fp32 tensor}
+        out_dir/zero/<param name>/step.pt                        tensor(step) (torch Adam's type)
+        out_dir/zero/optimizer_state.pt                          loss scaler, clip, ds_version, param_groups
+        out_dir/*model_states.pt                                 copied (lr scheduler, global steps, ...)
+        out_dir/gefen_universal.pt                               codebook, periods, v_row/v_col, step
+        dirname(out_dir)/latest_universal                        basename(out_dir)
+
+    Written to ``out_dir.tmp-<pid>`` and renamed; returns a summary dict.
+    """
+    tag_dir = resolve_tag_dir(ckpt_dir, tag)
+    out_dir = os.path.abspath(out_dir.rstrip("/"))
+    if os.path.exists(out_dir):
+        raise UniversalCheckpointError(f"output folder {out_dir!r} already exists; pass a new folder (nothing is "
+                                       "overwritten)")
+    info = read_gefen_checkpoint(tag_dir)
+    model_files = sorted(glob.glob(os.path.join(tag_dir, "*model_states.pt")))
+    if not model_files:
+        raise UniversalCheckpointError(f"{tag_dir!r}: no *model_states.pt file")
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    zero = os.path.join(tmp, "zero")
+    os.makedirs(zero)
+    try:
+        cb = info["codebook"]
+        meta_t = {}
+        for name, t in info["tensors"].items():
+            d = os.path.join(zero, name)
+            os.makedirs(d, exist_ok=True)
+            m, v = t.dequantized(cb)
+            torch.save({"param": t.fp32.view(t.shape)}, os.path.join(d, "fp32.pt"))
+            torch.save({"param": m.view(t.shape)}, os.path.join(d, "exp_avg.pt"))
+            torch.save({"param": v.view(t.shape)}, os.path.join(d, "exp_avg_sq.pt"))
+            torch.save(torch.tensor(float(t.step)), os.path.join(d, "step.pt"))
+            rec = dict(shape=list(t.shape), kind="exact" if t.exact else "quantized", period=t.period,
+                       scale_block=t.block, learned=bool(t.learned))
+            if not t.exact and t.factored:
+                rec.update(v_row=t.v_row.clone(), v_col=t.v_col.clone())
+            meta_t[name] = rec
+        ms0 = _load(model_files[0])
+        gs = dict(info["global_state"])
+        gs.setdefault("ds_version", ms0.get("ds_version", "0.0.0") if isinstance(ms0, dict) else "0.0.0")
+        gs["param_groups"] = info["param_groups"]
+        gs["optimizer_state_dict"] = {"state": {0: {"step": torch.tensor(float(info["step"]))}},
+                                      "param_groups": info["param_groups"]}
+        torch.save(gs, os.path.join(zero, "optimizer_state.pt"))
+        # parameters without optimizer state (frozen): their model values, as DeepSpeed's converter does
+        module = ms0.get("module") if isinstance(ms0, dict) and info["zero_stage"] != 3 else None
+        for name, val in (module or {}).items():
+            d = os.path.join(zero, name)
+            if torch.is_tensor(val) and not os.path.isdir(d):
+                os.makedirs(d)
+                torch.save({"param": val.float()}, os.path.join(d, "fp32.pt"))
+        del ms0
+        for f in model_files:
+            shutil.copy2(f, tmp)
+        meta = dict(format=FORMAT, version=VERSION, codebook=cb, second_moment=info["second_moment"],
+                    step=int(info["step"]), tensors=meta_t,
+                    source=dict(world_size=info["world_size"], zero_stage=info["zero_stage"], tag_dir=tag_dir))
+        torch.save(meta, os.path.join(tmp, META_FILE))
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    root, leaf = os.path.split(out_dir)
+    tmpl = os.path.join(root, f".latest_universal.tmp-{os.getpid()}")
+    with open(tmpl, "w") as f:
+        f.write(leaf)
+    os.replace(tmpl, os.path.join(root, "latest_universal"))
+    n_q = sum(1 for t in info["tensors"].values() if not t.exact)
+    logger.info("wrote universal checkpoint %s: %d tensors (%d quantized), step %d, from world size %d (ZeRO-%s)",
+                out_dir, len(info["tensors"]), n_q, info["step"], info["world_size"], info["zero_stage"])
+    return dict(out_dir=out_dir, tensors=len(info["tensors"]), quantized=n_q, step=info["step"],
+                world_size=info["world_size"], zero_stage=info["zero_stage"], second_moment=info["second_moment"])
+
+
+# ============================================================================ load
+def _read_param(zero: str, name: str, key: str) -> torch.Tensor:
+    path = os.path.join(zero, name, f"{key}.pt")
+    if not os.path.isfile(path):
+        raise UniversalCheckpointError(f"universal checkpoint lacks {path!r} (parameter {name!r}): was it saved from "
+                                       "the same model (parameter names)?")
+    obj = _load(path)
+    t = obj["param"] if isinstance(obj, dict) else obj
+    return t.reshape(-1).float()
+
+
+def _read_step(zero: str, names: List[str], optim_sd: Dict[str, Any]) -> int:
+    for name in names:
+        p = os.path.join(zero, name, "step.pt")
+        if os.path.isfile(p):
+            return int(float(_load(p)))
+    try:  # ZeRO-3 universal checkpoints keep the step in the optimizer state only
+        return int(float(optim_sd["optimizer_state_dict"]["state"][0]["step"]))
+    except (KeyError, TypeError, IndexError):
+        raise UniversalCheckpointError(f"{zero!r}: no step.pt and no step in optimizer_state.pt") from None
+
+
+class _Learned:
+    __slots__ = ("period", "learned", "meta")
+
+    def __init__(self, period: int, learned: bool, meta: Optional[Dict[str, Any]] = None):
+        self.period, self.learned, self.meta = period, learned, meta
+
+
+def _flat_entries(opt, wrapper) -> List[Tuple[torch.Tensor, Any, dict]]:
+    """(flat tensor, FlatSegments, param group) for every flat partition of this rank, in layout order."""
+    out = []
+    for fid, fs in opt._ds_flats.items():
+        flat = opt._ds_tensors[fid]
+        group = next((g for g in opt.param_groups if any(p is flat for p in g["params"])), None)
+        if group is None and hasattr(wrapper, "fp32_partitioned_groups_flat"):  # ZeRO-3: groups are empty between steps
+            sg = next(i for i, f in enumerate(wrapper.fp32_partitioned_groups_flat) if f is flat)
+            group = opt.param_groups[wrapper.sub_group_to_group_id[sg]]
+        if group is None:
+            raise UniversalCheckpointError(f"{fs.where}: cannot find the param group of this flat partition")
+        out.append((flat, fs, group))
+    return out
+
+
+def load_into_engine(engine, folder: str, load_optimizer_states: bool = True) -> None:
+    """Load the universal checkpoint ``folder`` (``folder/zero/...``) into a Gefen DeepSpeed engine at
+    its current world size: fp32 master weights into the flat partitions (and, for ZeRO-3, the
+    parameter partitions; ZeRO-1/2 copy them to the parameters in DeepSpeed's ``update_lp_params``),
+    Gefen's state requantized from ``exp_avg``/``exp_avg_sq``, hyperparameters and DeepSpeed's global
+    optimizer state. Every rank of the data-parallel group calls it (the layout catalog is collective)."""
+    opt, wrapper = engine.basic_optimizer, engine.optimizer
+    zero = os.path.join(folder, "zero")
+    if not os.path.isdir(zero):
+        raise UniversalCheckpointError(
+            f"{folder!r} is not a universal checkpoint (no zero/ folder). Convert a Gefen DeepSpeed checkpoint with "
+            "`gefen-dist ds-to-universal CKPT_DIR OUT_DIR`, an AdamW one with DeepSpeed's ds_to_universal.")
+    if not opt._ds_flats:
+        opt.attach_deepspeed(wrapper, engine.module)
+    meta = None
+    mpath = os.path.join(folder, META_FILE)
+    if os.path.isfile(mpath):
+        meta = _load(mpath)
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise UniversalCheckpointError(f"{mpath!r} is not a gefen-dist universal metadata file")
+        if int(meta.get("version", 0)) > VERSION:
+            raise UniversalCheckpointError(f"{mpath!r} has format version {meta['version']}; this gefen_dist reads up "
+                                           f"to {VERSION}: upgrade gefen_dist")
+    optim_sd = _load(os.path.join(zero, "optimizer_state.pt"))
+    if hasattr(wrapper, "_load_global_state_stage3"):
+        wrapper._load_global_state_stage3(optim_sd)
+    elif hasattr(wrapper, "_load_global_state"):
+        wrapper._load_global_state(optim_sd)
+
+    # every parameter Gefen optimizes: name, key, global shape (identical on every rank)
+    params = []
+    for i, p in enumerate(opt._ds_orig):
+        params.append((opt._ds_names[id(p)], f"p{i}", tuple(int(s) for s in getattr(p, "ds_shape", p.shape))))
+    names = [n for n, _, _ in params]
+    missing = [n for n in names if not os.path.isfile(os.path.join(zero, n, "fp32.pt"))]
+    if missing:
+        have = sorted(os.listdir(zero))[:6]
+        raise UniversalCheckpointError(f"{zero!r} has no folder for parameters {missing[:4]} (it has {have}...): "
+                                       "the checkpoint was saved from another model or with other parameter names")
+    entries = _flat_entries(opt, wrapper)
+    if load_optimizer_states:
+        _load_state(opt, entries, params, zero, meta, optim_sd)
+    # fp32 master weights into this rank's flat partitions (the layout Gefen verified)
+    for flat, fs, _ in entries:
+        for s in fs.segments:
+            if s.numel:
+                w = _read_param(zero, s.name, "fp32")
+                flat.detach().reshape(-1)[s.flat_offset:s.flat_offset + s.numel].copy_(
+                    w[s.param_offset:s.param_offset + s.numel].to(flat.device))
+    if hasattr(wrapper, "fp32_partitioned_groups_flat"):  # ZeRO-3: parameter partitions, as DeepSpeed's UC load
+        for sg, f32 in enumerate(wrapper.fp32_partitioned_groups_flat):
+            lp = wrapper.fp16_partitioned_groups_flat[sg]
+            if lp is not None and f32.numel():
+                lp.data.copy_(f32.data)
+                for part, q in zip(wrapper.fp16_partitioned_groups[sg],
+                                   wrapper.unflatten(lp, wrapper.fp16_partitioned_groups[sg])):
+                    part.data = q.data
+    logger.info("Gefen loaded universal checkpoint %s (%s) at data-parallel size %d", folder,
+                "Gefen metadata: exact" if meta is not None else "no Gefen metadata: warm start from Adam state",
+                fs.comm.world_size if entries else 1)
+
+
+def _load_state(opt, entries, params, zero: str, meta: Optional[Dict[str, Any]], optim_sd: Dict[str, Any]) -> None:
+    small = opt.small_threshold
+    names = [n for n, _, _ in params]
+    step = int(meta["step"]) if meta is not None else _read_step(zero, names, optim_sd)
+    mt = meta.get("tensors", {}) if meta is not None else {}
+    # 1) period and learned flag of every quantized tensor (all of them: the cut catalog needs them)
+    info: Dict[str, _Learned] = {}
+    generic = []
+    for name, _, shape in params:
+        if is_exact(shape, small):
+            continue
+        rec = mt.get(name)
+        if rec is not None and rec["kind"] == "quantized" and tuple(rec["shape"]) == shape:
+            info[name] = _Learned(int(rec["period"]), bool(rec["learned"]), rec)
+        else:
+            generic.append((name, shape))
+    counts = torch.zeros(NUM_BINS, dtype=torch.int64)
+    for name, shape in generic:  # warm start (AdamW): periods from exp_avg_sq, codebook histogram from exp_avg
+        v = _read_param(zero, name, "exp_avg_sq")
+        m = _read_param(zero, name, "exp_avg")
+        if not bool((v != 0).any()) and not bool((m != 0).any()):
+            info[name] = _Learned(_periods.row_slab(shape), False)
+            continue
+        n = v.numel()
+        cands = _periods.candidate_periods(n)
+        if len(cands) < 3:
+            p_paper = 1
+        else:
+            part = _periods.grad_period_partials(v.clamp(min=0).sqrt(), 0, n, cands)
+            p_paper = _periods.select_paper_period(cands, _periods.combine_partials([part], n))
+        per = _periods.resolve_period(p_paper, _periods.row_slab(shape))
+        info[name] = _Learned(per, True)
+        block_histogram(m, _periods.scale_block_for(per, _periods.row_slab(shape)), out=counts)
+    if meta is not None and meta.get("codebook") is not None:
+        opt.codebook = meta["codebook"].float().clone()
+    elif int(counts.sum()) > 0:
+        res = counts_to_codebook(counts)
+        opt.codebook = res.codebook.to(torch.float32)
+        total = int(counts.sum())
+        opt.codebook_info = dict(active_bins=res.active_bins, sse=res.sse, method=res.method, values=total,
+                                 rms_error=math.sqrt(res.sse / max(1, total)), seconds_dp=res.seconds,
+                                 source="exp_avg (universal warm start)")
+    else:
+        opt.codebook = None
+    if generic:
+        logger.info("Gefen warm start from Adam state: periods and codebook learned for %d tensors (%s)",
+                    len(generic), ", ".join(n for n, _ in generic[:4]) + ("..." if len(generic) > 4 else ""))
+    key_name = {k: n for n, k, _ in params}
+    opt.state.clear()
+    for flat, fs, group in entries:
+        factored = group.get("second_moment", "shared") == "factored"
+        cb = opt._codebook_for(flat.device)
+        st = fs.new_state(flat, cb, factored=factored)
+        periods, learned = [], []
+        for s in fs.segments:
+            if is_exact(s.shape, small):
+                periods.append(0)
+                learned.append(1)
+            else:
+                li = info[s.name]
+                periods.append(li.period if li.learned else _periods.row_slab(s.shape))
+                learned.append(int(li.learned))
+        fs._replan(st, periods)
+        st["learned"] = learned
+        for j, key in enumerate(st["global_keys"]):
+            li = info[key_name[key]]
+            st["global_learned"][j] = int(li.learned)
+            st["global_periods"][j] = li.period if li.learned else 0
+        plan, _, _, _ = _plan(fs.segments, st["periods"], small, factored)
+        for sp, lrn in zip(plan, learned):
+            s = sp.seg
+            if not s.numel:
+                continue
+            a, e = s.param_offset, s.param_offset + s.numel
+            if sp.exact:
+                st["exact_m"][sp.exact_off:sp.exact_off + s.numel] = _read_param(zero, s.name, "exp_avg")[a:e]
+                st["exact_v"][sp.exact_off:sp.exact_off + s.numel] = _read_param(zero, s.name, "exp_avg_sq")[a:e]
+                continue
+            if not lrn:
+                continue
+            _fill_quantized(st, sp, zero, info[s.name], opt.codebook, factored, meta)
+        st["step"] = step
+        opt.state[flat] = st
+    _set_hparams(opt, optim_sd, meta is not None)
+
+
+def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, factored: bool, meta) -> None:
+    s = sp.seg
+    a, e, n = s.param_offset, s.param_offset + s.numel, s.numel
+    B = sp.block
+    m = _read_param(zero, s.name, "exp_avg")
+    # scale blocks touched by the piece, whole (absmax over the full block, also when it is cut)
+    b0, b1 = a // B, (e - 1) // B + 1
+    mb = m[b0 * B:b1 * B].view(-1, B)
+    A = mb.abs().amax(dim=1)
+    z = torch.where(A.view(-1, 1) > 0, mb / torch.where(A > 0, A, torch.ones_like(A)).view(-1, 1),
+                    torch.zeros_like(mb)).reshape(-1)
+    dev = st["idx"].device
+    st["idx"][s.flat_offset:s.flat_offset + n] = nearest_codeword(z[a - b0 * B:e - b0 * B], codebook.cpu()).to(dev)
+    st["scale"][sp.scale_off:sp.scale_off + sp.scale_n] = A.to(dev)
+    S = _periods.row_slab(s.shape)
+    rec = li.meta
+    if factored:
+        r0, r1 = a // S, (e - 1) // S + 1
+        if rec is not None and "v_row" in rec:
+            vr, vc = rec["v_row"].float(), rec["v_col"].float()
+        else:  # from the element-wise second moment: row and column means (float64)
+            v = _read_param(zero, s.name, "exp_avg_sq").double().view(-1, S)
+            vr, vc = v.mean(dim=1).float(), v.mean(dim=0).float()
+        st["v_row"][sp.v_off:sp.v_off + sp.v_n] = vr[r0:r1].to(dev)
+        st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n] = vc.to(dev)
+    else:
+        P = sp.period
+        v = _read_param(zero, s.name, "exp_avg_sq").double()
+        k0, k1 = a // P, (e - 1) // P + 1
+        st["v"][sp.v_off:sp.v_off + sp.v_n] = v[k0 * P:k1 * P].view(-1, P).mean(dim=1).float().to(dev)
+
+
+def _set_hparams(opt, optim_sd: Dict[str, Any], from_gefen: bool) -> None:
+    saved = optim_sd.get("param_groups")
+    if not saved:
+        return
+    if len(saved) != len(opt.param_groups):
+        raise UniversalCheckpointError(f"the universal checkpoint has {len(saved)} param groups, this optimizer "
+                                       f"{len(opt.param_groups)}: build the optimizer with the same param groups")
+    for sg, g in zip(saved, opt.param_groups):
+        for k, v in sg.items():
+            if k in ("params", "param_names", "second_moment"):
+                continue
+            if (from_gefen and k in g) or k in _ADAM_KEYS:
+                g[k] = tuple(v) if k == "betas" else v
