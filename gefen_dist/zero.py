@@ -35,8 +35,8 @@ So replicas stay bitwise identical, and equal single-process :class:`~gefen_dist
 same ``fused`` setting bitwise: with ``fused=False`` the owner replays the eager step's
 operations; with the native kernel (``fused=None`` on CPU) the owner updates its state with the
 kernel (on a scratch copy of its parameter slice) and computes ``sigma`` with the kernel's float32
-operations and a correctly rounded sqrt, so the applied update is the kernel's. Gefen's factored
-step is always the eager one (the native kernel has no factored path), so is ZeroGefen's.
+operations and a correctly rounded sqrt, so the applied update is the kernel's (the same holds
+for the factored second moment). The appliers live in :mod:`gefen_dist.core.apply`.
 
 The partition balances the ranks' *state bytes* and cuts a tensor only at its blocks: a quantized
 tensor's unit is its scale block ``B`` (``P``, or the row-aligned absmax block when ``P == 1``;
@@ -69,6 +69,7 @@ import torch
 from torch.optim import Optimizer
 
 from .core import periods as _periods
+from .core.apply import apply_compressed, apply_factored, update_v_col
 from .core.quant import nearest_codeword
 from .core.step import adamw_step_, bias_corrections, quantized_step_eager_, quantized_step_factored_eager_
 from .layout import Geometry, Piece, global_shape, is_dtensor, is_exact
@@ -450,7 +451,7 @@ class ZeroGefen(Gefen):
                     weight_decay=group["weight_decay"], bc1=bc1, bc2=bc2)
 
     def _zero_update(self, entries, partials=None) -> None:
-        W, me = self._world, self._rank
+        W = self._world
         items = []  # (p, st, hp, mode)
         for group, p in entries:
             st = self.state[p]
@@ -465,7 +466,7 @@ class ZeroGefen(Gefen):
                     p.mul_(1.0 - hp["lr"] * hp["weight_decay"])
             elif "v_col" in st:
                 # Compressed (idx, M, sqrt(v_row)); the appliers replay the eager step's or, with the
-                # native kernel, the kernel's arithmetic (_apply_factored(kernel_order=...)).
+                # native kernel, the kernel's arithmetic (apply_factored(kernel_order=...)).
                 mode = (MODE_FACTORED if factored_wire_compressed(
                     st["scale_block"], st["v_col"].numel(), p.element_size()) else MODE_DENSE)
             elif st["period"] > 1:
@@ -497,7 +498,7 @@ class ZeroGefen(Gefen):
         col_f = {}
         for p, st, hp, mode in items:
             if "v_col" in st and mode != MODE_LOCAL:
-                col_f[id(p)] = self._update_v_col(st, col[p], hp)
+                col_f[id(p)] = update_v_col(st, col[p], hp)
         dev = items[0][0].device if items else torch.device("cpu")
         chunks = self._exchange(parts, sizes, None, dev)
         # 2. every rank applies every range, identically
@@ -517,14 +518,14 @@ class ZeroGefen(Gefen):
                     idx, off = self._take(chunks[r], off, n, torch.uint8)
                     M, off = self._take(chunks[r], off, n // P, torch.float32)
                     sigma, off = self._take(chunks[r], off, n // P, torch.float32)
-                    self._apply_compressed(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
+                    apply_compressed(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
                                            st["codebook"], P, hp, kernel_order=self._use_fused(p))
                 elif mode == MODE_FACTORED:
                     B, slab = st["scale_block"], st["v_col"].numel()
                     idx, off = self._take(chunks[r], off, n, torch.uint8)
                     M, off = self._take(chunks[r], off, n // B, torch.float32)
                     rf, off = self._take(chunks[r], off, n // slab, torch.float32)
-                    self._apply_factored(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device),
+                    apply_factored(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device),
                                          col_f[id(p)], st["codebook"], B, slab, hp,
                                          kernel_order=self._use_fused(p))
                 else:
@@ -602,7 +603,7 @@ class ZeroGefen(Gefen):
             return work
         if "v_col" in st:
             # Gefen's factored step on this rank's rows; it updates a copy of the (old) v_col,
-            # every rank updates its own v_col afterwards (_update_v_col).
+            # every rank updates its own v_col afterwards (update_v_col).
             step_fn = quantized_step_factored_eager_
             if self._use_fused(work):
                 from .kernels import cpu as _cpu
@@ -657,89 +658,6 @@ class ZeroGefen(Gefen):
             z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
             ib.copy_(nearest_codeword(z, cb))
         return [idx, scale, rsq]
-
-    @staticmethod
-    def _update_v_col(st: dict, col_mean_sq: torch.Tensor, hp: dict) -> torch.Tensor:
-        """``v_col`` <- EMA (every rank, identically); returns the column factor
-        ``sqrt(v_col / mean(v_col))`` exactly as :func:`quantized_step_factored_eager_` does."""
-        v_col = st["v_col"]
-        v_col.mul_(hp["beta2"]).add_(col_mean_sq, alpha=1.0 - hp["beta2"])
-        mean_c = float(v_col.mean())
-        return (v_col / mean_c).sqrt_() if mean_c > 0 else torch.zeros_like(v_col)
-
-    @staticmethod
-    def _apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: torch.Tensor,
-                        col_f: torch.Tensor, cb: torch.Tensor, B: int, slab: int, hp: dict,
-                        kernel_order: bool = False) -> None:
-        """``p <- p*(1-lr*wd) - ((C[idx]*M) * sigma)*lr`` with ``sigma_ij = (1/((sqrt(v_row_i) *
-        col_f_j)/sqrt(bc2) + eps)) * (1/bc1)``: quantized_step_factored_eager_'s update, same order."""
-        n = pf.numel()
-        lr, wd, eps, bc1 = hp["lr"], hp["weight_decay"], hp["eps"], hp["bc1"]
-        sqrt_bc2 = math.sqrt(hp["bc2"])
-        decay = 1.0 - lr * wd
-        rows = n // slab
-        rows_per = max(1, _CHUNK_ELEMS // slab)
-        for r0 in range(0, rows, rows_per):
-            r1 = min(rows, r0 + rows_per)
-            ib = idx[r0 * slab:r1 * slab]
-            a = M[r0 * slab // B:r1 * slab // B].view(-1, 1)
-            q = cb.index_select(0, ib.int()).view(-1, B)
-            if kernel_order:
-                # the native kernel's float32 sequence: srs = sqrt(v_row)*(1/sqrt(bc2)),
-                # sigma = (1/bc1) / (col_f*srs + eps), u = C[idx] * (sigma * (M*lr))
-                f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-                srs = rsq[r0:r1] * (f32(1.0) / f32(sqrt_bc2))
-                sigma = f32(1.0 / bc1) / ((col_f.unsqueeze(0) * srs.unsqueeze(1)) + f32(eps))
-                us = (a * f32(lr)).view(r1 - r0, slab // B, 1)
-                u = q.view(r1 - r0, slab // B, B) * (sigma.view(r1 - r0, slab // B, B) * us)
-                u = u.view(r1 - r0, slab)
-            else:
-                denom = (rsq[r0:r1].unsqueeze(1) * col_f.unsqueeze(0)).div_(sqrt_bc2).add_(eps)
-                sigma = denom.reciprocal_().mul_(1.0 / bc1)
-                u = (q * a).view(r1 - r0, slab).mul_(sigma).mul_(lr)
-            p = pf[r0 * slab:r1 * slab].view(r1 - r0, slab)
-            if p.dtype == torch.float32:
-                if wd != 0.0:
-                    p.mul_(decay)
-                p.sub_(u)
-            else:
-                p32 = p.float()
-                if wd != 0.0:
-                    p32.mul_(decay)
-                p32.sub_(u)
-                p.copy_(p32)
-
-    @staticmethod
-    def _apply_compressed(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, sigma: torch.Tensor,
-                          cb: torch.Tensor, P: int, hp: dict, kernel_order: bool = False) -> None:
-        """``p <- p*(1-lr*wd) - ((C[idx]*M)*sigma)*lr``: quantized_step_eager_'s update, same order;
-        with ``kernel_order`` the native kernel's ``C[idx] * ((M*sigma)*lr)`` (per-block coefficient
-        first), so replicas equal single-process Gefen with the same ``fused`` setting bitwise."""
-        n = pf.numel()
-        lr, wd = hp["lr"], hp["weight_decay"]
-        decay = 1.0 - lr * wd
-        chunk = max(P, (_CHUNK_ELEMS // P) * P)
-        for c0 in range(0, n, chunk):
-            c1 = min(n, c0 + chunk)
-            ib = idx[c0:c1].view(-1, P)
-            a = M[c0 // P:c1 // P].view(-1, 1)
-            # cb.index_select(int32) reads the same codewords as the eager cb[idx.long()], 5x faster
-            q = cb.index_select(0, ib.reshape(-1).int()).view(-1, P)
-            if kernel_order:
-                u = q * (a * sigma[c0 // P:c1 // P].view(-1, 1)).mul_(lr)
-            else:
-                u = (q * a).view(-1, P).mul_(sigma[c0 // P:c1 // P].view(-1, 1)).mul_(lr)
-            p = pf[c0:c1]
-            if p.dtype == torch.float32:
-                if wd != 0.0:
-                    p.mul_(decay)
-                p.sub_(u.view(-1))
-            else:
-                p32 = p.float()
-                if wd != 0.0:
-                    p32.mul_(decay)
-                p32.sub_(u.view(-1))
-                p.copy_(p32)
 
     # ------------------------------------------------------------------ introspection
     def owned_range(self, p: torch.Tensor) -> Tuple[int, int]:
