@@ -24,11 +24,12 @@ step as the training job):
    worst rank is used.
 3. A least-squares line ``peak(b) = fixed + per_sample * b`` over those points.
 4. The budget: AdamW's measured peak at ``--base-batch`` (or ``--budget-mib``), the same for
-   both optimizers. The largest micro-batch that fits is ``floor((budget - fixed) / per_sample)``
-   from each optimizer's own line (capped at ``--max-batch``), but at least the largest measured
-   size whose peak fits. A size beyond the measured ones is then measured (``probes``); if it
-   overshoots the budget (the line is only a model: allocator caches, DeepSpeed buckets), the
-   batch is bisected down between the largest measured fit and it (at most ``--max-probes``).
+   both optimizers. The largest micro-batch that fits is searched the same way for both: the
+   measured sizes bound it (the largest that fits, the smallest above it that does not); the
+   line's prediction ``floor((budget - fixed) / per_sample)`` is measured when it lies between
+   them (the line is only a model: allocator caches, DeepSpeed buckets); with no size known to
+   overshoot, sizes are doubled until one does (capped at ``--max-batch``); then the interval is
+   bisected (``probes``, at most ``--max-probes`` in all).
 5. Tokens/s at that micro-batch: ``world * b * context * steps / wall`` over ``--time-steps``
    timed steps after ``--warmup-steps``; the peak at that batch is measured again
    (``verified_peak_bytes``, ``verified_within_budget``). "Fits" means a peak within 1% of the
@@ -174,21 +175,39 @@ def worker(a) -> None:
             steps(b, a.measure_steps)
             return max(strategy.gather(_peak(dev)))
 
-        # a measured size that fits beats the line; a size above every measured one is checked
-        # and, when it overshoots, bisected down between the largest measured fit and it
-        lo = max([x for x, y in zip(xs, ys) if y <= budget * slack], default=0)
-        b_max, probes = max(b_fit, lo), []
-        if b_max > lo:
-            pk = peak_at(b_max)
-            probes.append({"micro_batch": b_max, "peak_bytes": pk})
-            if pk > budget * slack:
-                hi = b_max
-                while hi - lo > 1 and len(probes) < a.max_probes:
-                    mid = (lo + hi) // 2
-                    pk = peak_at(mid)
-                    probes.append({"micro_batch": mid, "peak_bytes": pk})
-                    lo, hi = (mid, hi) if pk <= budget * slack else (lo, mid)
-                b_max = lo
+        # Search for the largest micro-batch within the budget, the same way for both optimizers:
+        # the measured sizes bound it (lo: largest that fits, hi: smallest above it that does not);
+        # the line's prediction is checked when it lies between them; with no size known to
+        # overshoot, sizes are doubled until one does (or --max-batch); then lo..hi is bisected.
+        fits = lambda pk: pk <= budget * slack  # noqa: E731
+        lo = max([x for x, y in zip(xs, ys) if fits(y)], default=0)
+        over = [x for x, y in zip(xs, ys) if x > lo and not fits(y)]
+        hi = min(over) if over else None
+        probes = []
+
+        def probe(b: int) -> bool:
+            pk = peak_at(b)
+            probes.append({"micro_batch": b, "peak_bytes": pk})
+            return fits(pk)
+
+        if lo < b_fit < (hi or a.max_batch + 1):
+            if probe(b_fit):
+                lo = b_fit
+            else:
+                hi = b_fit
+        while hi is None and lo < a.max_batch and len(probes) < a.max_probes:
+            c = min(a.max_batch, max(lo + 1, 2 * lo))
+            if probe(c):
+                lo = c
+            else:
+                hi = c
+        while hi is not None and hi - lo > 1 and len(probes) < a.max_probes:
+            mid = (lo + hi) // 2
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
+        b_max = lo
         tput = verified = None
         if b_max >= 1:
             steps(b_max, a.warmup_steps)
@@ -270,7 +289,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-mib", type=float, default=None, help="explicit per-rank budget")
     p.add_argument("--max-batch", type=int, default=256, help="cap on the micro-batch searched")
     p.add_argument("--measure-steps", type=int, default=2)
-    p.add_argument("--max-probes", type=int, default=6,
+    p.add_argument("--max-probes", type=int, default=10,
                    help="peak measurements to check/bisect the extrapolated micro-batch")
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--time-steps", type=int, default=5)
@@ -279,6 +298,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="tiny model and few steps (checks the script, not a result)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--report-only", action="store_true",
+                   help="only regenerate the markdown table and the plot from an existing --out JSON")
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--strategy", help=argparse.SUPPRESS)
@@ -293,6 +314,10 @@ def main(argv=None) -> dict:
     if a.worker:
         worker(a)
         return {}
+    if a.report_only:
+        report = json.loads(Path(a.out).read_text())
+        write_outputs(report, Path(a.out))
+        return report
     if a.quick:
         a.layers, a.heads, a.d_model, a.context = 2, 4, 128, 16
         a.fit_batches, a.base_batch, a.max_batch = [1, 2, 4], 2, 64
@@ -337,6 +362,7 @@ def main(argv=None) -> dict:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
+    write_outputs(report, out)
     for s, r in results.items():
         ad, ge = r["adamw"], r["gefen"]
         sys.stdout.write(
@@ -349,6 +375,55 @@ def main(argv=None) -> dict:
         sys.stdout.write(f"{s}: skipped ({why})\n")
     sys.stdout.write(f"wrote {out}\n")
     return report
+
+
+def write_outputs(report: dict, out: Path) -> None:
+    """``<out>_table.md`` (the table docs/benchmarks.md shows) and, with matplotlib, a PNG of
+    peak memory per rank against the micro-batch with the budget line (``docs/img/throughput.png``
+    for the default ``--out``; next to the JSON otherwise)."""
+    res = report["results"]
+    lines = [f"<!-- generated by benchmarks/throughput.py from {out.name}; do not edit -->",
+             f"Command: `{report['command'].strip()}`; torch {report['env']['torch']}, "
+             f"{report['env']['cpus']} CPUs, device {report['env']['cuda'] or 'cpu'}.", "",
+             "| strategy | budget per rank | optimizer | state per rank | largest micro-batch | tokens/s | "
+             "Gefen / AdamW batch | Gefen / AdamW tokens/s |", "|---|---|---|---|---|---|---|---|"]
+    for s, r in res.items():
+        for i, o in enumerate(("adamw", "gefen")):
+            x = r[o]
+            ratio = (f"{r['micro_batch_ratio']:.2f}x", f"{r['tokens_per_s_ratio']:.2f}x") if i else ("", "")
+            lines.append(f"| {s if not i else ''} | {r['budget_bytes_per_rank'] / 2**20:.1f} MiB | {o} | "
+                         f"{max(x['state_bytes_per_rank']) / 2**20:.1f} MiB | {x['max_micro_batch']} | "
+                         f"{x['tokens_per_s'] or 0:,.0f} | {ratio[0]} | {ratio[1]} |")
+    md = out.with_name(out.stem + "_table.md")
+    md.write_text("\n".join(lines) + "\n")
+    sys.stdout.write(f"wrote {md}\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, max(1, len(res)), figsize=(6 * max(1, len(res)), 4.2), squeeze=False)
+    for ax, (s, r) in zip(axes[0], res.items()):
+        for o, color in (("adamw", "tab:red"), ("gefen", "tab:blue")):
+            x = r[o]
+            pts = [(q["micro_batch"], max(q["peak_bytes_per_rank"]) / 2**20) for q in x["points"]]
+            pts += [(q["micro_batch"], q["peak_bytes"] / 2**20) for q in x.get("probes", [])]
+            pts.sort()
+            ax.plot([b for b, _ in pts], [m for _, m in pts], marker="o", color=color,
+                    label=f"{o}: largest fit {x['max_micro_batch']}")
+        ax.axhline(r["budget_bytes_per_rank"] / 2**20, color="k", linestyle="--", label="budget (AdamW at base batch)")
+        ax.set_title(f"{s}: peak memory per rank vs micro-batch")
+        ax.set_xlabel("micro-batch (sequences per rank)")
+        ax.set_ylabel("peak MiB per rank")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = (REPO / "docs" / "img" / "throughput.png") if out.resolve() == DEFAULT_OUT.resolve() else out.with_suffix(".png")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    sys.stdout.write(f"wrote {png}\n")
 
 
 if __name__ == "__main__":
