@@ -8,8 +8,8 @@ path through ``gefen_dist.integrations.deepspeed.initialize``); the factored sec
 (``second_moment="factored"``) under ZeRO-1, ZeRO-2, ZeRO-2 CPU offload and ZeRO-3 against
 ``Gefen(second_moment="factored", fused=False)``, with cut rows' ``v_row`` identical on both ranks;
 bit-identical resume and ``zero_to_fp32`` for ZeRO-2 and ZeRO-3 (and ZeRO-3 factored); bf16 through
-ZeRO-2 and the BF16_Optimizer (shared and factored); the refusals. fp16 loss-scale skips need a GPU
-(DeepSpeed's CPU accelerator has no fp16).
+ZeRO-2 and the BF16_Optimizer (shared and factored); the refusals. fp16 loss-scale skips are tested
+in tests/test_deepspeed_fp16.py (the CPU accelerator's fp16 capability check patched in the worker).
 
 Checkpoints across world sizes (the 2-rank launch saves, the 1- and 3-rank launches load):
 ``gefen-dist ds-to-universal`` of a ZeRO-2 (round-robin, shared) and a ZeRO-3 (factored, zero.Init)
