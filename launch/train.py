@@ -42,10 +42,13 @@ import torch.nn as nn
 
 from launch.corpus import Batches, load_corpus, val_batches
 from launch.gpt import GPT, PRESETS, get_config
+from launch.peers import PEERS, build_peer, step_quietly
+from launch.peers import state_bytes as _peer_state_bytes
 
 log = logging.getLogger("launch.train")
 
-OPTIMIZERS = ("gefen", "adamw", "both")
+OPTIMIZERS = ("gefen", "adamw", "both", *PEERS)
+PEER_STRATEGIES = ("single", "ddp")  # peers run where the optimizer sees plain replicated tensors
 STRATEGIES = ("single", "ddp", "zero1", "fsdp", "deepspeed")
 CHECKPOINT_VERSION = 1
 
@@ -67,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="small", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--optimizer", default="gefen", choices=OPTIMIZERS,
-                   help="'both' runs AdamW then Gefen with identical seed, init and data")
+                   help="'both' runs AdamW then Gefen with identical seed, init and data; the other "
+                        f"names are peer optimizers (launch/peers.py; strategies {', '.join(PEER_STRATEGIES)})")
     p.add_argument("--strategy", default=None, choices=STRATEGIES,
                    help="parallelism: 'single' (one process), or under torchrun 'ddp' (DDP), "
                         "'zero1' (DDP + ZeroGefen / ZeroRedundancyOptimizer), 'fsdp' (FSDP2), "
@@ -128,6 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise SystemExit("--resume works with a single optimizer, not --optimizer both")
     if args.strategy is None:
         args.strategy = "deepspeed" if args.deepspeed_config else "single"
+    if args.optimizer in PEERS and args.strategy not in PEER_STRATEGIES:
+        raise SystemExit(f"--optimizer {args.optimizer} (a peer) runs with --strategy "
+                         f"{' or '.join(PEER_STRATEGIES)}, not {args.strategy}; ZeRO, FSDP2 and DeepSpeed "
+                         "runs compare gefen and adamw")
     if args.deepspeed_config and args.strategy != "deepspeed":
         raise SystemExit(f"--deepspeed_config is for --strategy deepspeed, not {args.strategy}")
     if args.strategy == "deepspeed" and not args.deepspeed_config:
@@ -231,7 +239,7 @@ class Strategy:
         loss.backward()
         if args.grad_clip > 0:
             self.clip(model, args.grad_clip)
-        opt.step()
+        step_quietly(opt)
         sched.step()
         return loss
 
@@ -568,20 +576,15 @@ def build_optimizer(name: str, model: nn.Module, args) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, **kw)
     if name == "gefen":
         return gefen_class()(groups, **kw)
+    if name in PEERS:
+        return build_peer(name, getattr(model, "module", model), groups, **kw)
     raise ValueError(f"unknown optimizer {name!r}")
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state: ``opt.state_bytes()`` when provided, else the tensors' sizes."""
-    if callable(getattr(opt, "state_bytes", None)):
-        return int(opt.state_bytes())
-    total = 0
-    for st in opt.state.values():
-        for v in st.values():
-            if torch.is_tensor(v):
-                v = _local(v)  # DTensor (FSDP2): this rank's shard
-                total += v.numel() * v.element_size()
-    return total
+    """Bytes of optimizer state: ``opt.state_bytes()`` when provided, else the tensors' sizes
+    (DTensor: this rank's shard; quantized tensor subclasses: their inner tensors)."""
+    return _peer_state_bytes(opt, _local)
 
 
 def lr_lambda_factory(steps: int, warmup: int, min_frac: float):
@@ -789,7 +792,7 @@ def train_one(opt_name: str, args, strategy: Strategy, cfg, corpus, out: Path,
             "step": step,
             "val_loss": vl,
             "train_loss": sum(recent) / len(recent) if recent else None,
-            "lr": sched.get_last_lr()[0],
+            "lr": float(sched.get_last_lr()[0]),  # a tensor for optimizers with tensor lr (torchao)
             "tokens_per_s": (step * tokens_per_step / train_time) if train_time > 0 else None,
             "train_time_s": train_time,
         }

@@ -137,3 +137,36 @@ def test_both_comparison_with_stub_gefen(tmp_path, monkeypatch, capsys):
     assert c["gefen_bytes_per_param"] == 1.0 and 7.9 < c["state_bytes_ratio"] < 8.1
     assert set(json.loads((tmp_path / "metrics.json").read_text())["runs"]) == {"adamw", "gefen"}
     assert (tmp_path / "loss.png").is_file()
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.parametrize("opt,module,bpp", [
+    ("adafactor", "torch", (0.0, 0.5)),                  # factored v only
+    ("torchao_adamw8bit", "torchao", (1.5, 8.01)),       # tiny model: most tensors < 4096 stay fp32
+    ("bnb_adamw8bit", "bitsandbytes", (1.5, 8.01)),
+    ("adam_mini", "adam_mini", (4.0, 4.2)),             # fp32 m + one v per block
+    ("gefen_reference", "gefen", (0.9, 1.5)),
+])
+def test_train_with_peer_optimizer(tmp_path, opt, module, bpp):
+    """Every peer of launch/peers.py trains under launch/train.py (those installed; the `peers` extra
+    pins them), and its state bytes count quantized tensor subclasses by their real storage."""
+    if not _has(module):
+        pytest.skip(f"{module} is not installed (pip install -e .[peers])")
+    m = _run(tmp_path, opt, "--steps", "10", "--no-plot")
+    run = m["runs"][opt]
+    assert len(run["train_losses"]) == 10 and all(math.isfinite(v) for v in run["train_losses"])
+    assert run["evals"][-1]["val_loss"] < run["evals"][0]["val_loss"]
+    s = m["summary"][opt]
+    assert bpp[0] < s["state_bytes_per_param"] < bpp[1], s["state_bytes_per_param"]
+    json.loads((tmp_path / "metrics.json").read_text())  # serialisable (torchao keeps lr as a tensor)
+
+
+def test_peer_needs_single_or_ddp(tmp_path):
+    with pytest.raises(SystemExit, match="runs with --strategy single or ddp"):
+        train.main(TINY + ["--strategy", "fsdp", "--optimizer", "adafactor", "--steps", "1",
+                           "--out", str(tmp_path)])
