@@ -18,7 +18,19 @@ finishes) aggregates the newest record of every (workload, config, variant, seed
     python benchmarks/quality.py --quick                         # smoke: tiny model, few steps
     python benchmarks/quality.py --seeds 0,1 --only headline     # AdamW, Gefen shared/factored, reference
     python benchmarks/quality.py --seeds 0 --only ablations
+    python benchmarks/quality.py --seeds 0 --only peers          # torchao, bitsandbytes, Adam-mini, Adafactor, gefen-x
     python benchmarks/quality.py --report                        # tables and plots only
+    python benchmarks/quality.py --report --lm-preset tiny --lm-context 64 --tag tiny
+
+``--tag T`` sends the report to ``quality_T.json``, ``quality_table_T.md``, ``quality_peers_T.md`` and
+``docs/img/quality_*_T.png`` (``docs/quality.md`` is spliced only by an untagged, non-quick report; the
+peer table, when there are peer runs, is spliced into ``docs/benchmarks.md``). ``--runs-file`` points
+at another runs JSONL.
+
+Peers (group ``peers``; ``benchmarks/_peers.py``): same lr, betas, eps and weight decay as AdamW.
+``gefen_x`` runs in a child process with ``PYTHONPATH=$GEFENX_PATH`` (or ``--gefenx-path``), because
+gefen-x's package is also called ``gefen`` and must not meet the reference in one process; the child
+appends its own record.
 """
 from __future__ import annotations
 
@@ -74,9 +86,48 @@ def _adamw(groups, lr, betas, seed):
 def _reference(groups, lr, betas, seed):
     import contextlib
     import io
+
+    from _peers import require_gefen
+    require_gefen("reference")  # never gefen-x (same package name) by accident
     from gefen.gefen import Gefen as RefGefen
     with contextlib.redirect_stdout(io.StringIO()):
         return RefGefen(groups, lr=lr, betas=betas, eps=1e-8, fused=False)
+
+
+# ---- peers (group "peers"; benchmarks/_peers.py; versions pinned in pyproject's `peers` extra) ----
+
+def _ao(bits):
+    def make(groups, lr, betas, seed):
+        from _peers import import_torchao_optim
+        tao = import_torchao_optim()
+        return (tao.AdamW8bit if bits == 8 else tao.AdamW4bit)(groups, lr=lr, betas=betas, eps=1e-8)
+    return make
+
+
+def _bnb8(groups, lr, betas, seed):
+    from _peers import import_bnb
+    return import_bnb().optim.AdamW8bit(groups, lr=lr, betas=betas, eps=1e-8)
+
+
+def _adafactor(groups, lr, betas, seed):
+    # torch's Adafactor: no first moment, factored v with its own decay schedule (beta2_decay -0.8);
+    # the betas are not used. Its step is lr * max(eps2=1e-3, RMS(param)) * normalised grad.
+    return torch.optim.Adafactor(groups, lr=lr)
+
+
+def _adam_mini(groups, lr, betas, seed, *, model, dim, n_heads, name_prefix=""):
+    from _peers import adam_mini
+    wd = max(g["weight_decay"] for g in groups)  # Adam-mini decays all but norm/ln/bias by name
+    named = [(name_prefix + n, p) for n, p in model.named_parameters()]
+    return adam_mini(named, lr=lr, betas=betas, eps=1e-8, weight_decay=wd, dim=dim, n_heads=n_heads)
+
+
+_adam_mini.needs_model = True
+
+
+def _gefen_x(groups, lr, betas, seed):
+    from _peers import make_gefenx
+    return make_gefenx(groups, lr=lr, betas=betas, eps=1e-8)
 
 
 VARIANTS = {
@@ -112,24 +163,53 @@ VARIANTS = {
     "g_shared_lr0.7": ("(g) shared, lr x0.7", _gefen()),
     "g_factored_lr1.5": ("(g) factored, lr x1.5", _gefen(second_moment="factored")),
     "g_adamw_lr1.5": ("(g) AdamW, lr x1.5 (the control for the lr-scaled Gefen rows)", _adamw),
+    # peers: other memory-saving optimizers, same lr, betas, eps and weight decay as AdamW
+    "ao_adamw8bit": ("torchao 0.18.0 AdamW8bit (block-wise 8-bit m and v, blocks of 256; tensors < 4096 elements fp32)", _ao(8)),
+    "ao_adamw4bit": ("torchao 0.18.0 AdamW4bit (block-wise 4-bit m and v, blocks of 128; tensors < 4096 elements fp32)", _ao(4)),
+    "bnb_adamw8bit": ("bitsandbytes 0.50.2 AdamW8bit (dynamic 8-bit m and v; tensors < 4096 elements fp32), CPU path", _bnb8),
+    "adam_mini": ("adam-mini 1.1.1 Adam_mini (fp32 m; one v per head / neuron / token by parameter name)", _adam_mini),
+    "adafactor": ("torch.optim.Adafactor, defaults (no m; step scaled by max(1e-3, RMS(param))), same lr", _adafactor),
+    "adafactor_lr5x": ("torch.optim.Adafactor, lr x5 (= torch's default 1e-2 at the 2e-3 base)", _adafactor),
+    "gefen_x": ("gefen-x 0.5.0 Gefen, defaults (factored_v_2d=True; CPU: fused=False); run in a subprocess", _gefen_x),
 }
-LR_SCALE = {"g_shared_lr1.5": 1.5, "g_shared_lr0.7": 0.7, "g_factored_lr1.5": 1.5, "g_adamw_lr1.5": 1.5}
-ABLATIONS = [k for k in VARIANTS if k not in HEADLINE]
-GROUPS = {"headline": HEADLINE, "ablations": ABLATIONS, "all": list(VARIANTS)}
+LR_SCALE = {"g_shared_lr1.5": 1.5, "g_shared_lr0.7": 0.7, "g_factored_lr1.5": 1.5, "g_adamw_lr1.5": 1.5,
+            "adafactor_lr5x": 5.0}
+PEERS = ["ao_adamw8bit", "ao_adamw4bit", "bnb_adamw8bit", "adam_mini", "adafactor", "adafactor_lr5x", "gefen_x"]
+# variants whose package may not share this process: run in a child with PYTHONPATH=<target dir>
+SUBPROCESS = {"gefen_x"}
+ABLATIONS = [k for k in VARIANTS if k not in HEADLINE and k not in PEERS]
+GROUPS = {"headline": HEADLINE, "ablations": ABLATIONS, "peers": PEERS, "all": HEADLINE + ABLATIONS}
+
+
+def make_optimizer(variant: str, model: nn.Module, weight_decay: float, lr: float, betas, seed: int, **model_info):
+    fac = VARIANTS[variant][1]
+    groups = param_groups(model, weight_decay)
+    if getattr(fac, "needs_model", False):
+        return fac(groups, lr, betas, seed, model=model, **model_info)
+    return fac(groups, lr, betas, seed)
+
+
+def _step(opt):
+    if type(opt).__name__ == "Adam_mini":
+        from _peers import adam_mini_step_quiet
+        return adam_mini_step_quiet(opt)
+    return opt.step()
 
 
 def state_bytes(opt) -> int:
     if hasattr(opt, "state_bytes"):
         return int(opt.state_bytes())
+    from _peers import _tensor_leaves
     seen, total = set(), 0
     for st in opt.state.values():
         for v in st.values():
             if isinstance(v, torch.Tensor):
-                key = v.untyped_storage().data_ptr()
-                if key in seen:
-                    continue
-                seen.add(key)
-                total += v.numel() * v.element_size()
+                for leaf in _tensor_leaves(v):  # torchao's quantized states: count the inner tensors
+                    key = leaf.untyped_storage().data_ptr()
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    total += leaf.numel() * leaf.element_size()
     cb = getattr(opt, "_gefen_codebook", None)
     if isinstance(cb, torch.Tensor):
         total += cb.numel() * cb.element_size()
@@ -144,7 +224,10 @@ def param_groups(model: nn.Module, wd: float):
 
 def set_lr(opt, lr: float) -> None:
     for g in opt.param_groups:
-        g["lr"] = lr
+        if isinstance(g["lr"], torch.Tensor):  # torchao keeps lr as a tensor (its compiled step reads it)
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,7 +266,8 @@ def run_lm(variant: str, seed: int, cfg: dict) -> dict:
     batches = Batches(train, cfg["batch"], cfg["context"], seed=seed)
     vb = val_batches(cfg["val_batches"], cfg["batch"], cfg["context"], data=val)
     lr0 = cfg["lr"] * LR_SCALE.get(variant, 1.0)
-    opt = VARIANTS[variant][1](param_groups(model, cfg["weight_decay"]), lr0, cfg["betas"], seed)
+    opt = make_optimizer(variant, model, cfg["weight_decay"], lr0, cfg["betas"], seed,
+                         dim=mcfg.d_model, n_heads=mcfg.n_head)
 
     def evaluate():
         model.eval()
@@ -200,7 +284,7 @@ def run_lm(variant: str, seed: int, cfg: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         loss = model(x, y)[1]
         loss.backward()
-        opt.step()
+        _step(opt)
         lv = loss.item()
         train_loss.append(round(lv, 5))
         if not math.isfinite(lv):
@@ -238,7 +322,9 @@ def run_digits(variant: str, seed: int, cfg: dict) -> dict:
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
     nparams = sum(p.numel() for p in model.parameters())
     lr0 = cfg["lr"] * LR_SCALE.get(variant, 1.0)
-    opt = VARIANTS[variant][1](param_groups(model, cfg["weight_decay"]), lr0, cfg["betas"], seed)
+    # Adam-mini partitions by name: "mlp." makes it keep one v per output neuron of each Linear
+    opt = make_optimizer(variant, model, cfg["weight_decay"], lr0, cfg["betas"], seed,
+                         dim=64, n_heads=1, name_prefix="mlp.")
     gen = torch.Generator().manual_seed(1000 + seed)
 
     def evaluate():
@@ -253,7 +339,7 @@ def run_digits(variant: str, seed: int, cfg: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(xt[i]), yt[i])
         loss.backward()
-        opt.step()
+        _step(opt)
         train_loss.append(round(loss.item(), 5))
         if (t + 1) % cfg["eval_every"] == 0 or t + 1 == cfg["steps"]:
             vl, acc = evaluate()
@@ -267,6 +353,20 @@ def run_digits(variant: str, seed: int, cfg: dict) -> dict:
 
 def _extra(opt) -> dict:
     out = {}
+    mod = type(opt).__module__.split(".")[0]
+    if mod not in ("gefen_dist", "_variants", "quality"):
+        out["optimizer_class"] = f"{type(opt).__module__}.{type(opt).__qualname__}"
+        try:
+            from importlib.metadata import version
+            dist = {"torchao": "torchao", "bitsandbytes": "bitsandbytes", "adam_mini": "adam-mini",
+                    "torch": "torch", "gefen": None}.get(mod, mod)
+            if mod == "gefen":
+                from _peers import imported_gefen_flavour
+                out["package"] = imported_gefen_flavour()
+            else:
+                out["package"] = f"{dist} {version(dist)}"
+        except Exception:
+            pass
     if hasattr(opt, "report"):
         per = {}
         for r in opt.report():
@@ -444,12 +544,63 @@ def plot(runs: dict, workload: str, variants: list, path: Path, title: str) -> b
     return True
 
 
+def _command(args) -> str:
+    c = "python benchmarks/quality.py --report"
+    for flag in ("quick",):
+        if getattr(args, flag):
+            c += f" --{flag}"
+    for k in ("lm_preset", "lm_batch", "lm_context", "lm_steps", "digits_steps", "tag"):
+        v = getattr(args, k)
+        if v is not None:
+            c += f" --{k.replace('_', '-')} {v}"
+    return c
+
+
+def report_suffix(args) -> str:
+    return ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
+
+
+def peers_md(runs: dict, lm_cfg: dict, dg_cfg: dict, args) -> str:
+    """The peer table (docs/benchmarks.md): every peer against AdamW and Gefen, paired by seed."""
+    suffix = report_suffix(args)
+    md = [f"<!-- generated by `{_command(args)}`; do not edit -->"]
+    show = ["adamw", "gefen_factored", "gefen_shared", "reference"] + PEERS
+    for w, cfg, title in (("lm", lm_cfg, "Byte-level GPT"), ("digits", dg_cfg, "Digits MLP")):
+        rows = [r for r in summarise(runs, w) if r["variant"] in show]
+        if not any(r["variant"] in PEERS for r in rows):
+            continue
+        rows.sort(key=lambda r: show.index(r["variant"]))
+        desc = (f"{cfg['preset']} preset (context {cfg['context']}), batch {cfg['batch']}, {cfg['steps']} steps"
+                if w == "lm" else f"{cfg['model']}, batch {cfg['batch']}, {cfg['steps']} steps")
+        md.append(f"\n#### {title}: {desc}\n")
+        md.append("Each row's mean is over its own seeds; compare rows through the paired column "
+                  "(per seed against AdamW with the same seed).\n")
+        md.append(table_md(rows, w))
+        md.append("\n" + "\n".join(f"* `{r['variant']}`: {r['description']}" for r in rows if r["variant"] in PEERS))
+        img = IMG / f"quality_{w}_peers{suffix}.png"
+        if plot(runs, w, [r["variant"] for r in rows], img, title + " peers"):
+            md.append(f"\n![{title} peers](img/{img.name})")
+    return "\n".join(md) + "\n"
+
+
+def splice(doc: Path, marker: str, body: str) -> bool:
+    if not doc.exists():
+        return False
+    text = doc.read_text()
+    a, b = f"<!-- BEGIN generated: {marker} -->", f"<!-- END generated: {marker} -->"
+    if a not in text or b not in text:
+        return False
+    doc.write_text(text[:text.index(a) + len(a)] + "\n" + body.rstrip("\n") + "\n" + text[text.index(b):])
+    return True
+
+
 def report(args, lm_cfg, dg_cfg) -> None:
     runs = load_runs(lm_cfg, dg_cfg)
-    suffix = "_quick" if args.quick else ""
+    suffix = report_suffix(args)
     out = {"lm_config": lm_cfg, "digits_config": dg_cfg, "variants": {k: v[0] for k, v in VARIANTS.items()},
-           "lr_scale": LR_SCALE, "torch": torch.__version__}
-    md = [f"<!-- generated by benchmarks/quality.py{' --quick' if args.quick else ''}; do not edit -->"]
+           "lr_scale": LR_SCALE, "torch": torch.__version__, "command": _command(args)}
+    md = [f"<!-- generated by benchmarks/quality.py{' --quick' if args.quick else ''}"
+          f"{' --tag ' + args.tag if args.tag else ''}; do not edit -->"]
     for w, cfg, title in (("lm", lm_cfg, "Byte-level GPT"), ("digits", dg_cfg, "Digits MLP")):
         rows = summarise(runs, w)
         out[w] = rows
@@ -469,11 +620,14 @@ def report(args, lm_cfg, dg_cfg) -> None:
         if sp is not None:
             md.append(f"AdamW seed-to-seed spread (max - min over mean): {sp:.2f}%.\n")
         md.append(table_md([r for r in rows if r["variant"] in HEADLINE], w))
-        abl = [r for r in rows if r["variant"] not in HEADLINE]
+        abl = [r for r in rows if r["variant"] not in HEADLINE and r["variant"] not in PEERS]
         if abl:
             md.append("\nAblations (rows compared by seed with AdamW and the reference):\n")
             md.append(table_md(abl, w))
-        md.append("\n" + "\n".join(f"* `{r['variant']}`: {r['description']}" for r in rows))
+        md.append("\n" + "\n".join(f"* `{r['variant']}`: {r['description']}" for r in rows
+                                    if r["variant"] not in PEERS))
+        if any(r["variant"] in PEERS for r in rows):
+            md.append(f"\nPeer optimizers: see `docs/results/quality_peers{suffix}.md` (docs/benchmarks.md).")
         img = IMG / f"quality_{w}{suffix}.png"
         if plot(runs, w, [v for v in HEADLINE], img, title):
             md.append(f"\n![{title} headline](../img/{img.name})")
@@ -492,19 +646,47 @@ def report(args, lm_cfg, dg_cfg) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"quality{suffix}.json").write_text(json.dumps(out, indent=1, default=list) + "\n")
     (RESULTS / f"quality_table{suffix}.md").write_text("\n".join(md) + "\n")
-    doc = ROOT / "docs" / "quality.md"
-    if not args.quick and doc.exists():  # splice the generated tables between the markers
-        text = doc.read_text()
-        a, b = "<!-- BEGIN generated: quality_table.md -->", "<!-- END generated: quality_table.md -->"
-        if a in text and b in text:
-            body = "\n".join(md).replace("](../img/", "](img/")
-            doc.write_text(text[:text.index(a) + len(a)] + "\n" + body + "\n" + text[text.index(b):])
+    pm = peers_md(runs, lm_cfg, dg_cfg, args)
+    if pm.count("\n") > 1:
+        (RESULTS / f"quality_peers{suffix}.md").write_text(pm)
+        splice(ROOT / "docs" / "benchmarks.md", f"quality_peers{suffix}.md", pm)
+        print(pm)
+    # docs/quality.md embeds the untagged, non-quick report only
+    if not args.quick and not args.tag:
+        splice(ROOT / "docs" / "quality.md", "quality_table.md", "\n".join(md).replace("](../img/", "](img/"))
     print("\n".join(md))
 
 
 # --------------------------------------------------------------------------------------------
 
+def _run_child(args, variant: str, workload: str, seed: int) -> None:
+    """One run of ``variant`` in a child process whose PYTHONPATH puts gefen-x first (its package is
+    also called ``gefen``); the child appends its own record to the runs file."""
+    import subprocess
+
+    from _peers import gefenx_available, gefenx_env, gefenx_install_hint, gefenx_path
+
+    path = Path(args.gefenx_path) if args.gefenx_path else gefenx_path()
+    if not gefenx_available(path):
+        print(f"[{workload}] {variant}: gefen-x not found at {path}; skipped. Install: {gefenx_install_hint(path)}",
+              flush=True)
+        return
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--only", variant, "--workloads", workload,
+           "--seeds", str(seed), "--threads", str(args.threads), "--no-report", "--no-gpt2-bytes",
+           "--runs-file", str(RUNS)]
+    if args.quick:
+        cmd.append("--quick")
+    for k in ("lm_preset", "lm_batch", "lm_context", "lm_steps", "digits_steps"):
+        v = getattr(args, k)
+        if v is not None:
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+    r = subprocess.run(cmd, env=gefenx_env(path))
+    if r.returncode != 0:
+        print(f"[{workload}] {variant} seed {seed}: child exited with {r.returncode}", flush=True)
+
+
 def main(argv=None):
+    global RUNS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny GPT, 200 steps; digits 300 steps")
     ap.add_argument("--only", default="headline",
@@ -520,7 +702,16 @@ def main(argv=None):
     ap.add_argument("--lm-context", type=int, default=None)
     ap.add_argument("--lm-steps", type=int, default=None)
     ap.add_argument("--digits-steps", type=int, default=None)
+    ap.add_argument("--tag", default=None,
+                    help="report outputs go to quality_<tag>.json, quality_table_<tag>.md, quality_peers_<tag>.md "
+                         "and docs/img/quality_*_<tag>.png; docs/quality.md is only spliced without a tag")
+    ap.add_argument("--runs-file", default=None, help=f"runs JSONL to append to / report from (default {RUNS})")
+    ap.add_argument("--gefenx-path", default=None,
+                    help="gefen-x target dir for the `gefen_x` variant's subprocess (default $GEFENX_PATH or "
+                         "~/.cache/gefen_dist/peers/gefenx)")
     args = ap.parse_args(argv)
+    if args.runs_file:
+        RUNS = Path(args.runs_file)
     torch.set_num_threads(args.threads)
     lm_cfg, dg_cfg = lm_config(args), digits_config(args)
     if not args.report:
@@ -535,10 +726,14 @@ def main(argv=None):
         seeds = [int(s) for s in args.seeds.split(",")]
         workloads = [w.strip() for w in args.workloads.split(",")]
         RESULTS.mkdir(parents=True, exist_ok=True)
+        child = os.environ.get("GEFEN_BENCH_GEFENX_CHILD") == "1"
         for w in workloads:
             for seed in seeds:
                 for v in names:
                     cfg = lm_cfg if w == "lm" else dg_cfg
+                    if v in SUBPROCESS and not child:
+                        _run_child(args, v, w, seed)
+                        continue
                     t0 = time.time()
                     res = (run_lm if w == "lm" else run_digits)(v, seed, cfg)
                     rec = dict(workload=w, variant=v, seed=seed, config=cfg, result=res, time=time.time())
