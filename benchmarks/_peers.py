@@ -25,12 +25,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
-import logging
 import os
 import warnings
+import sys
 from pathlib import Path
 
-import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# construction and state bytes are shared with launch/train.py --optimizer <peer>
+from launch.peers import adam_mini, quiet, state_bytes  # noqa: E402,F401
 
 PEER_VERSIONS = {
     "torchao": "0.18.0",
@@ -103,21 +106,6 @@ def make_gefenx(params, lr, betas, eps=1e-8, weight_decay=0.0):
 # --------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def quiet():
-    """Silence peers' import-time chatter (torchao's optional CUDA libraries, bitsandbytes'
-    optional CPU kernels package, deepspeed's accelerator notice)."""
-    lv = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(lv)
-
-
 def import_torchao_optim():
     with quiet():
         import torchao.optim as tao
@@ -138,21 +126,6 @@ def import_ds_cpu_adam():
     return DeepSpeedCPUAdam
 
 
-def adam_mini(named, lr, betas, eps, weight_decay, dim, n_heads):
-    """Adam-mini on nanoGPT-style names. ``c_attn`` (fused q, k, v) is registered as a query/key
-    name, so it gets one v per head (of ``dim * dim / n_heads`` elements) over q, k *and* v;
-    ``c_proj`` (attention and MLP output projections) one v per output neuron; ``wte``/``wpe``
-    are embeddings (one v per token/position); 1-D tensors (``bias``/``ln``) plain Adam."""
-    with quiet():
-        import adam_mini as am
-        opt = am.Adam_mini(named, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, dim=dim,
-                           n_heads=n_heads, verbose=False)
-    opt.wqk_names.add("c_attn")
-    opt.attn_proj_names.add("c_proj")
-    opt.embd_names.add("wpe")
-    return opt
-
-
 def adam_mini_step_quiet(opt):
     """Adam-mini prints its block census on the first step."""
     with contextlib.redirect_stdout(io.StringIO()):
@@ -162,44 +135,6 @@ def adam_mini_step_quiet(opt):
 # --------------------------------------------------------------------------------------------
 # measurements
 # --------------------------------------------------------------------------------------------
-
-
-def _tensor_leaves(t: torch.Tensor):
-    """The plain tensors holding ``t``'s data (torchao's quantized states are tensor subclasses
-    whose ``numel() * element_size()`` would report the dense fp32 size)."""
-    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        names, _ = t.__tensor_flatten__()
-        for n in names:
-            yield from _tensor_leaves(getattr(t, n))
-    else:
-        yield t
-
-
-def state_bytes(opt) -> int:
-    """Bytes of optimizer state: every tensor in ``opt.state`` (tensor subclasses flattened to their
-    inner tensors, a tensor seen twice counted once), plus a Gefen codebook kept outside ``state``;
-    ``opt.state_bytes()`` when the optimizer defines it (gefen_dist)."""
-    if hasattr(opt, "state_bytes"):
-        return int(opt.state_bytes())
-    seen, total = set(), 0
-
-    def add(t):
-        nonlocal total
-        for leaf in _tensor_leaves(t):
-            key = (leaf.data_ptr(), leaf.numel(), leaf.dtype)
-            if key in seen or leaf.numel() == 0:
-                continue
-            seen.add(key)
-            total += leaf.numel() * leaf.element_size()
-
-    for st in opt.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                add(v)
-    cb = getattr(opt, "_gefen_codebook", None)
-    if isinstance(cb, torch.Tensor):
-        add(cb)
-    return total
 
 
 _LIBC = None

@@ -197,23 +197,9 @@ def _step(opt):
 
 
 def state_bytes(opt) -> int:
-    if hasattr(opt, "state_bytes"):
-        return int(opt.state_bytes())
-    from _peers import _tensor_leaves
-    seen, total = set(), 0
-    for st in opt.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                for leaf in _tensor_leaves(v):  # torchao's quantized states: count the inner tensors
-                    key = leaf.untyped_storage().data_ptr()
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    total += leaf.numel() * leaf.element_size()
-    cb = getattr(opt, "_gefen_codebook", None)
-    if isinstance(cb, torch.Tensor):
-        total += cb.numel() * cb.element_size()
-    return total
+    """Optimizer state bytes (quantized tensor subclasses by their storage): launch.peers.state_bytes."""
+    from launch.peers import state_bytes as _sb
+    return _sb(opt)
 
 
 def param_groups(model: nn.Module, wd: float):
