@@ -52,6 +52,7 @@ if str(ROOT / "benchmarks") not in sys.path:
 
 import torch
 from torch import nn
+from _docs import splice  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 RESULTS = ROOT / "docs" / "results"
 IMG = ROOT / "docs" / "img"
@@ -569,15 +570,6 @@ def peers_md(runs: dict, lm_cfg: dict, dg_cfg: dict, args) -> str:
     return "\n".join(md) + "\n"
 
 
-def splice(doc: Path, marker: str, body: str) -> bool:
-    if not doc.exists():
-        return False
-    text = doc.read_text()
-    a, b = f"<!-- BEGIN generated: {marker} -->", f"<!-- END generated: {marker} -->"
-    if a not in text or b not in text:
-        return False
-    doc.write_text(text[:text.index(a) + len(a)] + "\n" + body.rstrip("\n") + "\n" + text[text.index(b):])
-    return True
 
 
 def report(args, lm_cfg, dg_cfg) -> None:
@@ -598,7 +590,6 @@ def report(args, lm_cfg, dg_cfg) -> None:
                 if w == "lm" else
                 f"{cfg['model']}, batch {cfg['batch']}, {cfg['steps']} steps, {cfg['schedule']} lr {cfg['lr']:g}, "
                 f"betas {tuple(cfg['betas'])}, wd {cfg['weight_decay']:g} on >=2-D, 360 held-out images")
-        p = rows[0]["seeds"]
         md.append(f"\n### {title}: {desc}\n")
         if rows:
             md.append(f"Parameters: {runs[next(k for k in runs if k[0] == w)]['result']['params']:,}.")

@@ -67,6 +67,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _gpt2 import GPT2_PARAMS, gpt2_shapes, capped_period  # noqa: E402,F401
 from gefen_dist.core.step import adamw_step_, bias_corrections, quantized_step_eager_  # noqa: E402
 from gefen_dist.kernels import cpu  # noqa: E402
+from _docs import splice  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 HP = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
@@ -608,15 +609,6 @@ def table_md(out: dict, command: str) -> str:
     return "\n".join(md) + "\n"
 
 
-def splice(doc: Path, marker: str, body: str) -> bool:
-    if not doc.exists():
-        return False
-    text = doc.read_text()
-    a, b = f"<!-- BEGIN generated: {marker} -->", f"<!-- END generated: {marker} -->"
-    if a not in text or b not in text:
-        return False
-    doc.write_text(text[:text.index(a) + len(a)] + "\n" + body.rstrip("\n") + "\n" + text[text.index(b):])
-    return True
 
 
 def main() -> None:

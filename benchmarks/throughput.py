@@ -397,6 +397,12 @@ def write_outputs(report: dict, out: Path) -> None:
     md = out.with_name(out.stem + "_table.md")
     md.write_text("\n".join(lines) + "\n")
     sys.stdout.write(f"wrote {md}\n")
+    if out.resolve() == DEFAULT_OUT.resolve():
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _docs import splice
+
+        if splice(REPO / "docs" / "benchmarks.md", md.name, "\n".join(lines)):
+            sys.stdout.write("spliced it into docs/benchmarks.md\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
