@@ -61,8 +61,10 @@ class GefenVariant(Gefen):
         self.first_moment = first_moment
         self.v_mode = second_moment_mode or kw.get("second_moment", "shared")
         assert self.v_mode in ("shared", "factored", "exact")
-        if self.v_mode == "factored":
-            kw["second_moment"] = "factored"
+        if self.v_mode in ("shared", "factored"):
+            kw["second_moment"] = self.v_mode  # explicit: the library default is "factored"
+        # "exact": the library default's layout (periods, scale blocks), with this class's own
+        # per-element v
         self.period_rule = period_rule
         self.rounding = rounding
         self.codebook_refresh = int(codebook_refresh)

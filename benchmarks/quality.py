@@ -133,7 +133,7 @@ def _gefen_x(groups, lr, betas, seed):
 
 VARIANTS = {
     "adamw": ("torch AdamW (fp32 m and v)", _adamw),
-    "gefen_shared": ("gefen_dist Gefen, second_moment='shared' (paper + D1-D5)", _gefen()),
+    "gefen_shared": ("gefen_dist Gefen, second_moment='shared' (paper + D1-D5)", _gefen(second_moment="shared")),
     "gefen_factored": ("gefen_dist Gefen, second_moment='factored'", _gefen(second_moment="factored")),
     "reference": ("reference gefen 1.2.3, fused=False", _reference),
     # (a) unquantized first moment
@@ -148,8 +148,8 @@ VARIANTS = {
     "c_period_one": ("(c) period 1 (per-element v; scale block = largest divisor of row <= 256)",
                      _variant(period_rule="one")),
     # (d) small-tensor threshold
-    "d_thresh0": ("(d) shared, small_threshold=0 (only 1-D tensors exact)", _gefen(small_threshold=0)),
-    "d_thresh64k": ("(d) shared, small_threshold=65536", _gefen(small_threshold=65536)),
+    "d_thresh0": ("(d) shared, small_threshold=0 (only 1-D tensors exact)", _gefen(second_moment="shared", small_threshold=0)),
+    "d_thresh64k": ("(d) shared, small_threshold=65536", _gefen(second_moment="shared", small_threshold=65536)),
     "d_factored_thresh0": ("(d) factored, small_threshold=0", _gefen(second_moment="factored", small_threshold=0)),
     # (e) codebook refresh
     "e_refresh100": ("(e) shared, codebook re-learned every 100 steps", _variant(codebook_refresh=100)),
@@ -160,8 +160,8 @@ VARIANTS = {
     "f_factored_stochastic": ("(f) factored, stochastic rounding",
                               _variant(second_moment_mode="factored", rounding="stochastic")),
     # (g) lr scaling
-    "g_shared_lr1.5": ("(g) shared, lr x1.5", _gefen()),
-    "g_shared_lr0.7": ("(g) shared, lr x0.7", _gefen()),
+    "g_shared_lr1.5": ("(g) shared, lr x1.5", _gefen(second_moment="shared")),
+    "g_shared_lr0.7": ("(g) shared, lr x0.7", _gefen(second_moment="shared")),
     "g_factored_lr1.5": ("(g) factored, lr x1.5", _gefen(second_moment="factored")),
     "g_adamw_lr1.5": ("(g) AdamW, lr x1.5 (the control for the lr-scaled Gefen rows)", _adamw),
     # peers: other memory-saving optimizers, same lr, betas, eps and weight decay as AdamW
