@@ -1,6 +1,7 @@
 """Why is gefen_dist's second_moment="shared" worse than the paper's code on the small preset?
 
     python benchmarks/shared_diag.py ref_exact1d shared_refcb gefen_shared reference
+    python benchmarks/shared_diag.py step1      # one step against the reference, same codebook
 
 Runs benchmarks/quality.py's LM recipe (small preset, seed 0) shortened to 100 steps (the cosine
 schedule then spans those 100 steps) for variants that each undo one gefen_dist decision, and
@@ -72,7 +73,49 @@ class SharedRefCB(Gefen):
                 st["codebook"] = self._codebook_for(st["idx"].device)
 
 
+def step1_check() -> None:
+    """gefen_dist shared (with the reference's codebook) against the reference after one step on the
+    small GPT: every >=2-D parameter, index, scale and v, bitwise."""
+    import copy
+
+    from gefen.gefen import Gefen as Ref
+    from launch.gpt import GPT, get_config
+
+    torch.manual_seed(0)
+    m1 = GPT(get_config("small"))
+    m2 = copy.deepcopy(m1)
+
+    def groups(m):
+        return [{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+    o1 = SharedRefCB(groups(m1), lr=2e-3, betas=(0.9, 0.95))
+    with contextlib.redirect_stdout(io.StringIO()):
+        o2 = Ref(groups(m2), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, fused=False)
+    x = torch.randint(0, 256, (8, 129), generator=torch.Generator().manual_seed(1))
+    for m, o in ((m1, o1), (m2, o2)):
+        o.zero_grad()
+        m(x[:, :-1].contiguous(), x[:, 1:].contiguous())[1].backward()
+        with contextlib.redirect_stdout(io.StringIO()):
+            o.step()
+    same = True
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        if a.dim() < 2:
+            continue
+        s1, s2 = o1.state[a], o2.state[b]
+        eq = (torch.equal(a, b) and torch.equal(s1["idx"].reshape(-1).long(), s2["m_codebook"].reshape(-1).long())
+              and torch.equal(s1["scale"].reshape(-1), s2["m_magnitude"].reshape(-1))
+              and torch.equal(s1["v"].reshape(-1), s2["vmean"].reshape(-1)))
+        same &= eq
+        if not eq:
+            print("differs:", n)
+    print("step 1, >=2-D tensors, same codebook: " + ("bitwise equal" if same else "NOT equal"))
+
+
 def main() -> None:
+    if sys.argv[1:] == ["step1"]:
+        step1_check()
+        return
     Q.VARIANTS["shared_refcb"] = ("gefen_dist shared with the reference's codebook",
                                   lambda groups, lr, betas, seed: SharedRefCB(groups, lr, betas))
     Q.VARIANTS["ref_exact1d"] = ("reference on >=2-D, AdamW on 1-D",
