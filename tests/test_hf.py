@@ -2,6 +2,7 @@
 save a checkpoint, resume from it, and check the Gefen state round-trips (uint8 idx, periods,
 codebook) and the resumed run ends exactly where the uninterrupted one does."""
 import os
+import sys
 
 import pytest
 import torch
@@ -13,28 +14,9 @@ from gefen_dist import Gefen  # noqa: E402
 from gefen_dist.cli import inspect_checkpoint  # noqa: E402
 from gefen_dist.integrations.hf import GefenFactory, gefen_optimizer_cls_and_kwargs  # noqa: E402
 
-VOCAB, CTX = 128, 32
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=64, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        # a repetitive sequence so the loss can go down in a few steps
-        base = torch.randint(0, VOCAB, (8,), generator=g)
-        self.x = torch.stack([base.roll(int(s)).repeat(CTX // 8) for s in torch.randint(0, 8, (n,), generator=g)])
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.x[i]}
-
-
-def _model():
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=CTX,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(cfg)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist"))
+from hf_common import Tokens  # noqa: E402  (the tiny GPT-2 and dataset the multi-rank workers use)
+from hf_common import tiny_gpt2 as _model  # noqa: E402
 
 
 def _trainer(out, max_steps, **kw):
