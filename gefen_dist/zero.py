@@ -52,7 +52,7 @@ that, and only their ranges travel. Learning is split across ranks: each rank co
 statistics and histogram counts only for what it owns, and the base class's collectives combine
 them (the same ones, in the same order, on every rank).
 
-Checkpoints: :meth:`ZeroGefen.consolidate_state_dict` gathers the compressed state (never a
+Checkpoints (:mod:`gefen_dist.zero_checkpoint`): :meth:`ZeroGefen.consolidate_state_dict` gathers the compressed state (never a
 dequantized fp32 copy of m or v) onto one rank, whose :meth:`state_dict` then has exactly
 single-process Gefen's layout, independent of the world size; :meth:`load_state_dict` at any
 world size takes this rank's slice. Plain :class:`Gefen` loads the same dict.
@@ -66,7 +66,6 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
-from torch.optim import Optimizer
 
 from .core import periods as _periods
 from .core.apply import apply_compressed, apply_factored, update_v_col
@@ -74,6 +73,7 @@ from .core.quant import nearest_codeword
 from .core.step import adamw_step_, bias_corrections, quantized_step_eager_, quantized_step_factored_eager_
 from .layout import Geometry, Piece, global_shape, is_dtensor, is_exact
 from .optimizer import Gefen, Report, _scalar
+from .zero_checkpoint import ZeroCheckpointMixin
 from .zero_plan import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, _Plan, _pad,  # noqa: F401
                         factored_wire_compressed, partition, step_wire_bytes, unit_cost)
 
@@ -85,12 +85,9 @@ __all__ = ["ZeroGefen", "partition", "unit_cost", "step_wire_bytes", "factored_w
 
 _CHUNK_ELEMS = 1 << 22       # elements per chunk when applying / updating (bounds fp32 temporaries)
 _SCRATCH_ELEMS = 1 << 20     # scratch parameter chunk for the native kernel's state-only call
-_Q_KEYS = ("idx", "scale", "v")
-_F_KEYS = ("idx", "scale", "v_row")  # sliced by rows; v_col is replicated (the same on every rank)
-_E_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-class ZeroGefen(Gefen):
+class ZeroGefen(ZeroCheckpointMixin, Gefen):
     r"""Gefen with ZeRO-1 state partitioning for DDP (replicated parameters, identical gradients).
 
     Each rank keeps Gefen's state only for its block-aligned share of the parameters (about
@@ -676,117 +673,3 @@ class ZeroGefen(Gefen):
             rec["local_numel"] = e - s
             rec["owned"] = (s, e)
         return rep
-
-    # ------------------------------------------------------------------ checkpoints
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the whole state (compressed: idx, scale, v; exact tensors' fp32 moments) onto
-        group rank ``to``, whose :meth:`state_dict` then returns it. Every rank must call it."""
-        if not 0 <= to < self._world:
-            raise ValueError(f"consolidate_state_dict: to={to} is not a rank of the group (size {self._world})")
-        self._consolidated = None
-        if self._plan is None:  # no state on any rank yet (state is created collectively)
-            if self._rank == to:
-                self._consolidated = {}
-            return
-        params = [p for p in self._plan.params if self.state.get(p)]
-        full = self._gather_state(params, self._plan, to)
-        if self._rank != to:
-            return
-        index = {}
-        i = 0
-        for g in self.param_groups:
-            for p in g["params"]:
-                index[id(p)] = i
-                i += 1
-        cb = self.codebook.detach().clone() if self.codebook is not None else None
-        out: Dict[int, dict] = {}
-        for p in params:
-            st = self.state[p]
-            f = full[id(p)]
-            shape = global_shape(p)
-            if "exp_avg" in st:
-                out[index[id(p)]] = {"step": st["step"], "exp_avg": f["exp_avg"].view(shape),
-                                     "exp_avg_sq": f["exp_avg_sq"].view(shape)}
-                continue
-            geo = Geometry.quantized(shape, st["period"])
-            shp = geo.state_shapes(shape[0])
-            if "v_col" in st:
-                out[index[id(p)]] = {
-                    "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
-                    "learned": st["learned"], "idx": f["idx"].view(shp["idx"]), "scale": f["scale"].view(shp["scale"]),
-                    "v_row": f["v_row"].view(shape[0], 1), "v_col": st["v_col"].detach().clone(),
-                    "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
-                }
-                continue
-            out[index[id(p)]] = {
-                "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
-                "learned": st["learned"], "idx": f["idx"].view(shp["idx"]), "scale": f["scale"].view(shp["scale"]),
-                "v": f["v"].view(shp["v"]),
-                "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
-            }
-        self._consolidated = out
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The consolidated, world-size-independent state dict (single-process Gefen's layout).
-
-        Needs :meth:`consolidate_state_dict` on all ranks first (automatic for one process); only
-        the rank it consolidated to can return it. A step discards the consolidated copy.
-        """
-        if self._consolidated is None and self._world == 1:
-            self.consolidate_state_dict(0)
-        if self._consolidated is None:
-            raise RuntimeError(
-                "ZeroGefen.state_dict(): the optimizer state has not been consolidated on this rank. "
-                "Call consolidate_state_dict(to=<rank>) on every rank (after the last step), then "
-                "state_dict() on that rank."
-            )
-        sd = Optimizer.state_dict(self)
-        sd["state"] = dict(self._consolidated)
-        return sd
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a consolidated (or single-process Gefen) state dict at any world size: restore
-        hyperparameters, periods and the codebook, decide the partition from the saved periods,
-        and keep this rank's slices. No collectives."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
-                             f"this optimizer has {len(self.param_groups)}")
-        id_map = {}
-        for sg, g in zip(saved_groups, self.param_groups):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't match "
-                                 f"the size of optimizer's group ({len(sg['params'])} vs {len(g['params'])})")
-            id_map.update(zip(sg["params"], g["params"]))
-        saved_state = state_dict["state"]
-        Optimizer.load_state_dict(self, {**state_dict, "state": {}})
-        self._fact_ids = None  # the loaded groups' second_moment
-        names = self._names()
-        full = {}
-        cb = None
-        for k, saved in saved_state.items():
-            p = id_map[k]
-            st = dict(saved)
-            self._validate_loaded(p, st, names[id(p)])
-            full[p] = st
-            if "codebook" in st and float(st["codebook"][0]) == -1.0 and cb is None:
-                cb = st["codebook"]
-        self.codebook = cb.detach().to(dtype=torch.float32).clone() if cb is not None else None
-        self._consolidated = None
-        self.state.clear()
-        for p, st in full.items():
-            self.state[p] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
-            if "idx" in st:
-                self.state[p]["learned"] = int(st["learned"])
-        self._plan = None
-        self._plan = self._make_plan()
-        for p, st in full.items():
-            loc = self.state[p]
-            keys = (_F_KEYS if "v_col" in st else _Q_KEYS) if "idx" in st else _E_KEYS
-            for k in keys:
-                loc[k] = st[k]
-            if "v_col" in st:  # replicated: every rank keeps the whole column factor
-                loc["v_col"] = st["v_col"].detach().to(device=p.device, dtype=torch.float32).reshape(-1).clone()
-            self._set_from_full(p, {k: st[k] for k in keys})
-            if "idx" in st:
-                loc["codebook"] = self._codebook_for(p.device)

@@ -1,0 +1,136 @@
+"""ZeroGefen's checkpoints (a mixin of :class:`gefen_dist.zero.ZeroGefen`).
+
+:meth:`~ZeroCheckpointMixin.consolidate_state_dict` gathers the compressed state (never a
+dequantized fp32 copy of m or v) onto one rank, whose :meth:`~ZeroCheckpointMixin.state_dict` then
+has exactly single-process Gefen's layout, independent of the world size;
+:meth:`~ZeroCheckpointMixin.load_state_dict` at any world size keeps this rank's slice. The mixin
+uses ZeroGefen's plan and collectives (``_plan``, ``_gather_state``, ``_make_plan``,
+``_set_from_full``, ``_world``, ``_rank``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from torch.optim import Optimizer
+
+from .layout import Geometry, global_shape
+
+_Q_KEYS = ("idx", "scale", "v")
+_F_KEYS = ("idx", "scale", "v_row")  # sliced by rows; v_col is replicated (the same on every rank)
+_E_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class ZeroCheckpointMixin:
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole state (compressed: idx, scale, v; exact tensors' fp32 moments) onto
+        group rank ``to``, whose :meth:`state_dict` then returns it. Every rank must call it."""
+        if not 0 <= to < self._world:
+            raise ValueError(f"consolidate_state_dict: to={to} is not a rank of the group (size {self._world})")
+        self._consolidated = None
+        if self._plan is None:  # no state on any rank yet (state is created collectively)
+            if self._rank == to:
+                self._consolidated = {}
+            return
+        params = [p for p in self._plan.params if self.state.get(p)]
+        full = self._gather_state(params, self._plan, to)
+        if self._rank != to:
+            return
+        index = {}
+        i = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                index[id(p)] = i
+                i += 1
+        cb = self.codebook.detach().clone() if self.codebook is not None else None
+        out: Dict[int, dict] = {}
+        for p in params:
+            st = self.state[p]
+            f = full[id(p)]
+            shape = global_shape(p)
+            if "exp_avg" in st:
+                out[index[id(p)]] = {"step": st["step"], "exp_avg": f["exp_avg"].view(shape),
+                                     "exp_avg_sq": f["exp_avg_sq"].view(shape)}
+                continue
+            geo = Geometry.quantized(shape, st["period"])
+            shp = geo.state_shapes(shape[0])
+            if "v_col" in st:
+                out[index[id(p)]] = {
+                    "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
+                    "learned": st["learned"], "idx": f["idx"].view(shp["idx"]), "scale": f["scale"].view(shp["scale"]),
+                    "v_row": f["v_row"].view(shape[0], 1), "v_col": st["v_col"].detach().clone(),
+                    "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
+                }
+                continue
+            out[index[id(p)]] = {
+                "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
+                "learned": st["learned"], "idx": f["idx"].view(shp["idx"]), "scale": f["scale"].view(shp["scale"]),
+                "v": f["v"].view(shp["v"]),
+                "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
+            }
+        self._consolidated = out
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The consolidated, world-size-independent state dict (single-process Gefen's layout).
+
+        Needs :meth:`consolidate_state_dict` on all ranks first (automatic for one process); only
+        the rank it consolidated to can return it. A step discards the consolidated copy.
+        """
+        if self._consolidated is None and self._world == 1:
+            self.consolidate_state_dict(0)
+        if self._consolidated is None:
+            raise RuntimeError(
+                "ZeroGefen.state_dict(): the optimizer state has not been consolidated on this rank. "
+                "Call consolidate_state_dict(to=<rank>) on every rank (after the last step), then "
+                "state_dict() on that rank."
+            )
+        sd = Optimizer.state_dict(self)
+        sd["state"] = dict(self._consolidated)
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a consolidated (or single-process Gefen) state dict at any world size: restore
+        hyperparameters, periods and the codebook, decide the partition from the saved periods,
+        and keep this rank's slices. No collectives."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
+                             f"this optimizer has {len(self.param_groups)}")
+        id_map = {}
+        for sg, g in zip(saved_groups, self.param_groups):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                                 f"the size of optimizer's group ({len(sg['params'])} vs {len(g['params'])})")
+            id_map.update(zip(sg["params"], g["params"]))
+        saved_state = state_dict["state"]
+        Optimizer.load_state_dict(self, {**state_dict, "state": {}})
+        self._fact_ids = None  # the loaded groups' second_moment
+        names = self._names()
+        full = {}
+        cb = None
+        for k, saved in saved_state.items():
+            p = id_map[k]
+            st = dict(saved)
+            self._validate_loaded(p, st, names[id(p)])
+            full[p] = st
+            if "codebook" in st and float(st["codebook"][0]) == -1.0 and cb is None:
+                cb = st["codebook"]
+        self.codebook = cb.detach().to(dtype=torch.float32).clone() if cb is not None else None
+        self._consolidated = None
+        self.state.clear()
+        for p, st in full.items():
+            self.state[p] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+            if "idx" in st:
+                self.state[p]["learned"] = int(st["learned"])
+        self._plan = None
+        self._plan = self._make_plan()
+        for p, st in full.items():
+            loc = self.state[p]
+            keys = (_F_KEYS if "v_col" in st else _Q_KEYS) if "idx" in st else _E_KEYS
+            for k in keys:
+                loc[k] = st[k]
+            if "v_col" in st:  # replicated: every rank keeps the whole column factor
+                loc["v_col"] = st["v_col"].detach().to(device=p.device, dtype=torch.float32).reshape(-1).clone()
+            self._set_from_full(p, {k: st[k] for k in keys})
+            if "idx" in st:
+                loc["codebook"] = self._codebook_for(p.device)
