@@ -62,6 +62,22 @@ def _validate_hparams(lr, betas, eps, weight_decay, where: str = "") -> None:
         raise ValueError(f"Invalid weight_decay value{where}: {weight_decay!r} (must be a finite number >= 0)")
 
 
+def saved_param_map(opt: Optimizer, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
+    """Map a saved state dict's parameter ids to ``opt``'s parameters, group by group (as
+    ``torch.optim.Optimizer.load_state_dict`` does), raising a clear error when the groups differ."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
+                         f"this optimizer has {len(opt.param_groups)}")
+    id_map = {}
+    for sg, g in zip(saved_groups, opt.param_groups):
+        if len(sg["params"]) != len(g["params"]):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             f"the size of optimizer's group ({len(sg['params'])} vs {len(g['params'])})")
+        id_map.update(zip(sg["params"], g["params"]))
+    return id_map
+
+
 class Report(list):
     """Per-tensor records (dicts) with a readable table as ``str(report)``."""
 
@@ -653,16 +669,7 @@ class Gefen(Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load state, keeping stored dtypes (torch's base class would cast uint8 indices and fp32
         scales to the parameter dtype), restoring periods and the codebook without re-learning."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
-                             f"this optimizer has {len(self.param_groups)}")
-        id_map = {}
-        for sg, g in zip(saved_groups, self.param_groups):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't match "
-                                 f"the size of optimizer's group ({len(sg['params'])} vs {len(g['params'])})")
-            id_map.update(zip(sg["params"], g["params"]))
+        id_map = saved_param_map(self, state_dict)
         originals = {k: dict(v) for k, v in state_dict["state"].items()}
         super().load_state_dict(state_dict)
         names = self._names()

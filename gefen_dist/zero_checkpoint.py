@@ -15,6 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from .layout import Geometry, global_shape
+from .optimizer import saved_param_map
 
 _Q_KEYS = ("idx", "scale", "v")
 _F_KEYS = ("idx", "scale", "v_row")  # sliced by rows; v_col is replicated (the same on every rank)
@@ -92,16 +93,7 @@ class ZeroCheckpointMixin:
         """Load a consolidated (or single-process Gefen) state dict at any world size: restore
         hyperparameters, periods and the codebook, decide the partition from the saved periods,
         and keep this rank's slices. No collectives."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
-                             f"this optimizer has {len(self.param_groups)}")
-        id_map = {}
-        for sg, g in zip(saved_groups, self.param_groups):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't match "
-                                 f"the size of optimizer's group ({len(sg['params'])} vs {len(g['params'])})")
-            id_map.update(zip(sg["params"], g["params"]))
+        id_map = saved_param_map(self, state_dict)
         saved_state = state_dict["state"]
         Optimizer.load_state_dict(self, {**state_dict, "state": {}})
         self._fact_ids = None  # the loaded groups' second_moment

@@ -246,16 +246,7 @@ class Gefen(_opt_mod.Gefen):
         sample = next(iter(state_dict.get("state", {}).values()), None)
         if not (isinstance(sample, dict) and "segments" in sample):
             return super().load_state_dict(state_dict)
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
-                             f"this optimizer has {len(self.param_groups)}")
-        id_map = {}
-        for sg, g in zip(saved_groups, self.param_groups):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
-                                 f"optimizer's group ({len(sg['params'])} vs {len(g['params'])})")
-            id_map.update(zip(sg["params"], g["params"]))
+        id_map = _opt_mod.saved_param_map(self, state_dict)
         originals = {k: dict(v) for k, v in state_dict["state"].items()}
         torch.optim.Optimizer.load_state_dict(self, state_dict)  # hyperparameters, hooks
         self.state.clear()
