@@ -348,14 +348,15 @@ def test_recompute_path_equals_buffered(monkeypatch):
 @pytest.mark.parametrize("variant", ["plain", "recompute", "nonfinite", "no_decay_large_w"])
 def test_simd_path_equals_portable(monkeypatch, shape, P, B, dtype, variant):
     """The AVX-512 VBMI path (register codebook lookups) is bitwise the portable C path,
-    including block tails (B not a multiple of 64), NaN/inf gradients and both lerp forms."""
+    including block tails (B not a multiple of 64), NaN/inf gradients and both lerp forms; with the
+    byte copy of the nearest-codeword table (simd=1, the default) and the int32 table (simd=2)."""
     cb = dp_codebook()
     n = math.prod(shape)
     hp = dict(HP, weight_decay=0.0, beta1=0.3) if variant == "no_decay_large_w" else HP
     if variant == "recompute":
         monkeypatch.setattr(cpu, "_BUF_MAX_ELEMS", 0)
     outs = []
-    for simd in (True, False):
+    for simd in (1, 2, 0):
         monkeypatch.setattr(cpu, "_USE_SIMD", simd)
         p, idx, sc, v = _state(n, P, B, dtype, 11)
         g = torch.Generator().manual_seed(12)
@@ -368,7 +369,8 @@ def test_simd_path_equals_portable(monkeypatch, shape, P, B, dtype, variant):
             cpu.quantized_step_(p, grad, idx, sc, v, cb, **hp, bc1=bc1, bc2=bc2, period=P,
                                 scale_block=B)
         outs.append((p, idx, sc, v))
-    _bitwise(*outs)
+    _bitwise(outs[0], outs[1])
+    _bitwise(outs[0], outs[2])
 
 
 # --------------------------------------------------------------------------------------
@@ -459,10 +461,11 @@ def test_factored_thread_count_independent():
                                            ((6, 100), 50, torch.float32)])
 def test_factored_simd_equals_portable(monkeypatch, shape, B, dtype):
     outs = []
-    for simd in (True, False):
+    for simd in (1, 2, 0):
         monkeypatch.setattr(cpu, "_USE_SIMD", simd)
         outs.append(_run_factored(*shape, B, dtype, 3, [cpu.quantized_step_factored_], seed=5)[0])
-    _bitwise(*outs)
+    _bitwise(outs[0], outs[1])
+    _bitwise(outs[0], outs[2])
 
 
 def test_factored_falls_back_to_eager_without_native(monkeypatch, one_thread):

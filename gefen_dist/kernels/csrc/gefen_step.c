@@ -74,7 +74,7 @@ typedef struct {
     int32_t has_wd;
     int32_t lut_mode;    /* 1: two-candidate table; 0: lower bound + scan */
     int32_t lut_n;       /* NB, number of buckets */
-    int32_t simd;        /* 1: use the AVX-512 VBMI path when compiled in (same results) */
+    int32_t simd;        /* AVX-512 VBMI path when compiled in (same results): 1 byte table, 2 int32 table */
     float lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h;
     float pad1;
 } gefen_step_args;
@@ -401,10 +401,12 @@ ALWAYS_INLINE int nearest_scan(float z, const float *restrict cb, const int32_t 
  * shifted set gives cb[j + 1], with cb[256] = +inf). */
 typedef struct {
     uint8_t p[2][4][256];
+    const uint8_t *lut8; /* byte copy of the two-candidate table (+3 bytes of padding), or NULL */
 } cb_planes;
 
 static void make_planes(const float *cb, cb_planes *pl)
 {
+    pl->lut8 = NULL;
     for (int s = 0; s < 2; ++s)
         for (int e = 0; e < 256; ++e) {
             union { float f; uint32_t u; } c;
@@ -584,7 +586,11 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
             __m512 t = _mm512_add_ps(_mm512_mul_ps(zz, h), h);
             t = _mm512_max_ps(t, zero); /* NaN -> 0 */
             t = _mm512_min_ps(t, nbm1);
-            jl[r] = _mm512_i32gather_epi32(_mm512_cvttps_epi32(t), lut, 4);
+            if (pl->lut8)
+                jl[r] = _mm512_and_si512(_mm512_i32gather_epi32(_mm512_cvttps_epi32(t), pl->lut8, 1),
+                                         _mm512_set1_epi32(0xFF));
+            else
+                jl[r] = _mm512_i32gather_epi32(_mm512_cvttps_epi32(t), lut, 4);
             z[r] = zz;
         }
         /* jl bytes in transposed order: dword (L*4 + q) <- (q*4 + L) of the natural pack */
@@ -880,12 +886,21 @@ int gefen_quantized_step(const gefen_step_args *a, void *param, const void *grad
     const void *planes = NULL;
 #ifdef GEFEN_VBMI
     cb_planes pl;
+    uint8_t *lut8 = NULL;
     if (a->simd && a->lut_mode) {
         make_planes(cb, &pl);
         planes = &pl;
+        if (a->simd == 1 && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
+            for (int32_t i = 0; i < a->lut_n; ++i) lut8[i] = (uint8_t)lut[i];
+            memset(lut8 + a->lut_n, 0, 4);
+            pl.lut8 = lut8;
+        }
     }
 #endif
     RUNS[k](a, param, grad, idx, scale, v, cb, lut, planes);
+#ifdef GEFEN_VBMI
+    free(lut8);
+#endif
     return 0;
 }
 
@@ -905,12 +920,21 @@ int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const v
     const void *planes = NULL;
 #ifdef GEFEN_VBMI
     cb_planes pl;
+    uint8_t *lut8 = NULL;
     if (a->simd && a->lut_mode) {
         make_planes(cb, &pl);
         planes = &pl;
+        if (a->simd == 1 && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
+            for (int32_t i = 0; i < a->lut_n; ++i) lut8[i] = (uint8_t)lut[i];
+            memset(lut8 + a->lut_n, 0, 4);
+            pl.lut8 = lut8;
+        }
     }
 #endif
     RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes);
+#ifdef GEFEN_VBMI
+    free(lut8);
+#endif
     return 0;
 }
 
