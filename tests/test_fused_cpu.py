@@ -349,14 +349,15 @@ def test_recompute_path_equals_buffered(monkeypatch):
 def test_simd_path_equals_portable(monkeypatch, shape, P, B, dtype, variant):
     """The AVX-512 VBMI path (register codebook lookups) is bitwise the portable C path,
     including block tails (B not a multiple of 64), NaN/inf gradients and both lerp forms; with the
-    byte copy of the nearest-codeword table (simd=1, the default) and the int32 table (simd=2)."""
+    two-level nearest-codeword table in registers (simd=1, the default), gathers from the int32 table
+    (simd=2) and from its byte copy (simd=3)."""
     cb = dp_codebook()
     n = math.prod(shape)
     hp = dict(HP, weight_decay=0.0, beta1=0.3) if variant == "no_decay_large_w" else HP
     if variant == "recompute":
         monkeypatch.setattr(cpu, "_BUF_MAX_ELEMS", 0)
     outs = []
-    for simd in (1, 2, 0):
+    for simd in (1, 2, 3, 0):
         monkeypatch.setattr(cpu, "_USE_SIMD", simd)
         p, idx, sc, v = _state(n, P, B, dtype, 11)
         g = torch.Generator().manual_seed(12)
@@ -369,8 +370,41 @@ def test_simd_path_equals_portable(monkeypatch, shape, P, B, dtype, variant):
             cpu.quantized_step_(p, grad, idx, sc, v, cb, **hp, bc1=bc1, bc2=bc2, period=P,
                                 scale_block=B)
         outs.append((p, idx, sc, v))
-    _bitwise(outs[0], outs[1])
-    _bitwise(outs[0], outs[2])
+    for other in outs[1:]:
+        _bitwise(outs[0], other)
+
+
+def _has_cpu_flag(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not cpu.simd_compiled(), reason="AVX-512 VBMI path not compiled for this CPU")
+def test_two_level_table_every_bucket(monkeypatch):
+    """The register two-level table gives the same codeword as the gathered table in every one of
+    the 4096 buckets, at both ends of each (z = each bucket's lower bound and the float below it)."""
+    cb = dp_codebook()
+    if _has_cpu_flag("avx512_bitalg"):
+        assert cpu.two_level_table(cb)  # a realistic codebook takes the gather-free path
+    nb = cpu.codebook_table(cb).nb
+    lo = torch.from_numpy(cpu._bucket_lower_bounds(nb)[1:].copy())
+    z = torch.cat([lo, torch.nextafter(lo, torch.full_like(lo, -2.0)), torch.tensor([-1.0, 0.0, 1.0])])
+    n = z.numel() - z.numel() % 64 + 64
+    g = torch.zeros(n)
+    g[: z.numel()] = z
+    outs = []
+    for simd in (1, 2):
+        monkeypatch.setattr(cpu, "_USE_SIMD", simd)
+        p, idx, sc, v = _state(n, n, n, torch.float32, 3)
+        idx.fill_(0)
+        bc1, bc2 = bias_corrections(1, HP["beta1"], HP["beta2"])
+        cpu.quantized_step_(p, g, idx, sc, v, cb, **HP, bc1=bc1, bc2=bc2, period=n, scale_block=n)
+        outs.append((p, idx, sc, v))
+    assert len(set(outs[0][1].tolist())) > 200  # the codewords are really spanned
+    _bitwise(*outs)
 
 
 # --------------------------------------------------------------------------------------
@@ -461,11 +495,11 @@ def test_factored_thread_count_independent():
                                            ((6, 100), 50, torch.float32)])
 def test_factored_simd_equals_portable(monkeypatch, shape, B, dtype):
     outs = []
-    for simd in (1, 2, 0):
+    for simd in (1, 2, 3, 0):
         monkeypatch.setattr(cpu, "_USE_SIMD", simd)
         outs.append(_run_factored(*shape, B, dtype, 3, [cpu.quantized_step_factored_], seed=5)[0])
-    _bitwise(outs[0], outs[1])
-    _bitwise(outs[0], outs[2])
+    for other in outs[1:]:
+        _bitwise(outs[0], other)
 
 
 def test_factored_falls_back_to_eager_without_native(monkeypatch, one_thread):

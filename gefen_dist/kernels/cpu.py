@@ -105,7 +105,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["available", "simd_compiled", "quantized_step_", "quantized_step_factored_", "numerics", "nearest_lut", "nearest_sweep",
            "CodebookTable", "codebook_table"]
 
-_ABI = 6
+_ABI = 7
 _LIB_NAME = "gefen_step"
 _SOURCES = ["gefen_step.c"]
 _MIN_LUT_BITS = 12
@@ -114,9 +114,10 @@ _SCAN_LUT_BITS = 16
 _BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together
 _BUF_MAX_ELEMS = 1 << 20     # per thread
 _TABLE_CACHE_SIZE = 32
-# AVX-512 VBMI path when compiled in: 1 (default) looks the nearest-codeword table up in a byte copy
-# of it (4x smaller in L1; 7-9% faster whole steps, benchmarks/lut_ab.py), 2 gathers from the int32
-# table, 0 / False uses the portable loops. All three are bitwise equal (tests compare them).
+# AVX-512 VBMI path when compiled in: 1 (default) the fastest form of the nearest-codeword table (a
+# two-level form in registers when the table allows it, else gathers from a byte copy), 2 gathers from
+# the int32 table, 3 from its byte copy, 0 / False the portable loops. All are bitwise equal (tests
+# compare them); benchmarks/lut_ab.py times them.
 _USE_SIMD = 1
 
 
@@ -183,8 +184,21 @@ def _lib() -> Optional[ctypes.CDLL]:
             lib.gefen_sumsq_mean.argtypes = [vp, i64, i64, i32, vp]
             lib.gefen_column_sumsq.restype = ctypes.c_int
             lib.gefen_column_sumsq.argtypes = [vp, i32, i64, i64, vp, i32]
+            lib.gefen_two_level_table.restype = ctypes.c_int
+            lib.gefen_two_level_table.argtypes = [vp, i32]
             _configured.add(id(lib))
     return lib
+
+
+def two_level_table(codebook: torch.Tensor) -> bool:
+    """Whether the default AVX-512 path finds ``codebook``'s nearest codewords with the two-level
+    table in registers (no gathers): it needs AVX-512 BITALG and a 4096-bucket two-candidate table
+    whose entries rise by at most 1 per bucket; otherwise it gathers from a byte copy."""
+    lib = _lib()
+    if lib is None or not lib.gefen_step_simd():
+        return False
+    t = codebook_table(codebook)
+    return t.mode == 1 and bool(lib.gefen_two_level_table(t.lut.data_ptr(), t.nb))
 
 
 def available() -> bool:

@@ -50,9 +50,12 @@
     !defined(GEFEN_NO_SIMD)
 #define GEFEN_VBMI 1
 #include <immintrin.h>
+#if defined(__AVX512BITALG__)
+#define GEFEN_TWO_LEVEL 1 /* nearest-codeword table in registers (needs 16-bit popcount) */
+#endif
 #endif
 
-#define GEFEN_STEP_ABI 6
+#define GEFEN_STEP_ABI 7
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -74,7 +77,8 @@ typedef struct {
     int32_t has_wd;
     int32_t lut_mode;    /* 1: two-candidate table; 0: lower bound + scan */
     int32_t lut_n;       /* NB, number of buckets */
-    int32_t simd;        /* AVX-512 VBMI path when compiled in (same results): 1 byte table, 2 int32 table */
+    int32_t simd;        /* AVX-512 VBMI path when compiled in (same results): 1 fastest table form,
+                            2 gather from the int32 table, 3 from its byte copy */
     float lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h;
     float pad1;
 } gefen_step_args;
@@ -402,11 +406,40 @@ ALWAYS_INLINE int nearest_scan(float z, const float *restrict cb, const int32_t 
 typedef struct {
     uint8_t p[2][4][256];
     const uint8_t *lut8; /* byte copy of the two-candidate table (+3 bytes of padding), or NULL */
+    /* Two-level form of a 4096-bucket two-candidate table, used instead of a gather when
+     * `two`: for group G of 16 buckets, lut[16 G + i] = base[G] + popcount(mask[G] << (15 - i))
+     * (16-bit), mask bit i = lut[16 G + i] - lut[16 G + i - 1] in {0, 1} (bit 0 clear);
+     * t[0] = base, t[1] / t[2] = the low / high byte of mask. Built and checked by make_two_level. */
+    int two;
+    uint8_t t[3][256];
 } cb_planes;
+
+#define GEFEN_TWO_LEVEL_NB 4096
+
+/* 1 when lut (nb buckets) has the two-level form above (then pl->t holds it), else 0. */
+static int make_two_level(const int32_t *lut, int32_t nb, cb_planes *pl)
+{
+    if (nb != GEFEN_TWO_LEVEL_NB) return 0;
+    for (int G = 0; G < GEFEN_TWO_LEVEL_NB / 16; ++G) {
+        const int32_t *l = lut + 16 * G;
+        if (l[0] < 0 || l[0] > 255) return 0;
+        unsigned mask = 0;
+        for (int i = 1; i < 16; ++i) {
+            const int32_t d = l[i] - l[i - 1];
+            if (d < 0 || d > 1) return 0;
+            mask |= (unsigned)d << i;
+        }
+        pl->t[0][G] = (uint8_t)l[0];
+        pl->t[1][G] = (uint8_t)(mask & 0xFFu);
+        pl->t[2][G] = (uint8_t)(mask >> 8);
+    }
+    return 1;
+}
 
 static void make_planes(const float *cb, cb_planes *pl)
 {
     pl->lut8 = NULL;
+    pl->two = 0;
     for (int s = 0; s < 2; ++s)
         for (int e = 0; e < 256; ++e) {
             union { float f; uint32_t u; } c;
@@ -457,6 +490,47 @@ static inline __m512i pack_bytes(const __m512i v[4])
     y = _mm512_inserti32x4(y, _mm512_cvtepi32_epi8(v[3]), 3);
     return y;
 }
+
+#ifdef GEFEN_TWO_LEVEL
+/* tab[x] for 64 byte indices x (natural order), tab 256 bytes; hi = the indices' top bits. */
+static inline __m512i lookup256(const uint8_t *tab, __m512i x, __mmask64 hi)
+{
+    __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(tab), x, _mm512_loadu_si512(tab + 64));
+    __m512i hv = _mm512_permutex2var_epi8(_mm512_loadu_si512(tab + 128), x, _mm512_loadu_si512(tab + 192));
+    return _mm512_mask_blend_epi8(hi, lo, hv);
+}
+
+/* half h (elements 32 h .. 32 h + 31) of 64 bytes, widened to 16-bit lanes */
+static inline __m512i widen_half(__m512i x, int h)
+{
+    return _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(x, 1) : _mm512_castsi512_si256(x));
+}
+
+/* The two-candidate table entries of 64 buckets k[r] (int32, elements 16 r .. 16 r + 15, each in
+ * [0, 4096)) from pl->t, in registers: the same values as gathering lut[k]. */
+static inline void two_level64(const cb_planes *pl, const __m512i k[4], __m512i out[4])
+{
+    __m512i kw[2], g[2];
+    for (int h = 0; h < 2; ++h) {
+        kw[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(k[2 * h])),
+                                   _mm512_cvtepi32_epi16(k[2 * h + 1]), 1);
+        g[h] = _mm512_srli_epi16(kw[h], 4);
+    }
+    const __m512i gb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(g[0])),
+                                          _mm512_cvtepi16_epi8(g[1]), 1);
+    const __mmask64 hi = _mm512_movepi8_mask(gb);
+    const __m512i base = lookup256(pl->t[0], gb, hi);
+    const __m512i mlo = lookup256(pl->t[1], gb, hi), mhi = lookup256(pl->t[2], gb, hi);
+    const __m512i fifteen = _mm512_set1_epi16(15);
+    for (int h = 0; h < 2; ++h) {
+        __m512i mask = _mm512_or_si512(widen_half(mlo, h), _mm512_slli_epi16(widen_half(mhi, h), 8));
+        __m512i sh = _mm512_sub_epi16(fifteen, _mm512_and_si512(kw[h], fifteen));
+        __m512i j = _mm512_add_epi16(widen_half(base, h), _mm512_popcnt_epi16(_mm512_sllv_epi16(mask, sh)));
+        out[2 * h] = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(j));
+        out[2 * h + 1] = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(j, 1));
+    }
+}
+#endif
 
 static inline __mmask16 lane_mask(int64_t rem)
 {
@@ -581,17 +655,25 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
             __m512 gv[4];
             vm64(a, grad, ix, o, i0, B, k64, pl, M, m, gv, DT, FL);
         }
+        __m512i kb[4];
         for (int r = 0; r < 4; ++r) {
             __m512 zz = pos ? (qd ? vqdiv(m[r], Ad, Yv) : _mm512_div_ps(m[r], Ad)) : zero;
             __m512 t = _mm512_add_ps(_mm512_mul_ps(zz, h), h);
             t = _mm512_max_ps(t, zero); /* NaN -> 0 */
             t = _mm512_min_ps(t, nbm1);
-            if (pl->lut8)
-                jl[r] = _mm512_and_si512(_mm512_i32gather_epi32(_mm512_cvttps_epi32(t), pl->lut8, 1),
-                                         _mm512_set1_epi32(0xFF));
-            else
-                jl[r] = _mm512_i32gather_epi32(_mm512_cvttps_epi32(t), lut, 4);
+            kb[r] = _mm512_cvttps_epi32(t);
             z[r] = zz;
+        }
+#ifdef GEFEN_TWO_LEVEL
+        if (pl->two) {
+            two_level64(pl, kb, jl);
+        } else
+#endif
+        for (int r = 0; r < 4; ++r) {
+            if (pl->lut8)
+                jl[r] = _mm512_and_si512(_mm512_i32gather_epi32(kb[r], pl->lut8, 1), _mm512_set1_epi32(0xFF));
+            else
+                jl[r] = _mm512_i32gather_epi32(kb[r], lut, 4);
         }
         /* jl bytes in transposed order: dword (L*4 + q) <- (q*4 + L) of the natural pack */
         __m512i jt = _mm512_permutexvar_epi32(dtr, pack_bytes(jl));
@@ -870,6 +952,42 @@ static const run_fn RUNS[16] = {
     run_1000, run_1001, run_1010, run_1011, run_1100, run_1101, run_1110, run_1111,
 };
 
+#ifdef GEFEN_VBMI
+/* The register tables of a call (lut_mode 1): codebook planes, then by a->simd: 1 the two-level
+ * table when the table has that form (else the byte copy), 3 the byte copy, 2 neither (gather
+ * from the int32 table). Returns the byte copy to free (or NULL). All choices give equal results. */
+static uint8_t *prepare_tables(const gefen_step_args *a, const float *cb, const int32_t *lut, cb_planes *pl)
+{
+    make_planes(cb, pl);
+#ifdef GEFEN_TWO_LEVEL
+    if (a->simd == 1 && make_two_level(lut, a->lut_n, pl)) {
+        pl->two = 1;
+        return NULL;
+    }
+#endif
+    uint8_t *lut8 = NULL;
+    if ((a->simd == 1 || a->simd == 3) && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
+        for (int32_t i = 0; i < a->lut_n; ++i) lut8[i] = (uint8_t)lut[i];
+        memset(lut8 + a->lut_n, 0, 4);
+        pl->lut8 = lut8;
+    }
+    return lut8;
+}
+#endif
+
+/* 1 when the default SIMD path (simd = 1) uses the two-level table in registers for this table. */
+int gefen_two_level_table(const int32_t *lut, int32_t nb)
+{
+#ifdef GEFEN_TWO_LEVEL
+    cb_planes pl;
+    return make_two_level(lut, nb, &pl);
+#else
+    (void)lut;
+    (void)nb;
+    return 0;
+#endif
+}
+
 /* Returns 0 on success, a negative code for invalid arguments. */
 int gefen_quantized_step(const gefen_step_args *a, void *param, const void *grad,
                          uint8_t *idx, float *scale, float *v, const float *cb,
@@ -888,13 +1006,8 @@ int gefen_quantized_step(const gefen_step_args *a, void *param, const void *grad
     cb_planes pl;
     uint8_t *lut8 = NULL;
     if (a->simd && a->lut_mode) {
-        make_planes(cb, &pl);
+        lut8 = prepare_tables(a, cb, lut, &pl);
         planes = &pl;
-        if (a->simd == 1 && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
-            for (int32_t i = 0; i < a->lut_n; ++i) lut8[i] = (uint8_t)lut[i];
-            memset(lut8 + a->lut_n, 0, 4);
-            pl.lut8 = lut8;
-        }
     }
 #endif
     RUNS[k](a, param, grad, idx, scale, v, cb, lut, planes);
@@ -922,13 +1035,8 @@ int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const v
     cb_planes pl;
     uint8_t *lut8 = NULL;
     if (a->simd && a->lut_mode) {
-        make_planes(cb, &pl);
+        lut8 = prepare_tables(a, cb, lut, &pl);
         planes = &pl;
-        if (a->simd == 1 && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
-            for (int32_t i = 0; i < a->lut_n; ++i) lut8[i] = (uint8_t)lut[i];
-            memset(lut8 + a->lut_n, 0, 4);
-            pl.lut8 = lut8;
-        }
     }
 #endif
     RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes);
