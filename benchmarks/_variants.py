@@ -13,6 +13,9 @@ decoupled weight decay) to the parent class:
   scale blocks of the largest divisor of the row <= 256).
 * ``rounding="stochastic"``: unbiased stochastic rounding between the two neighbouring codewords,
   with a generator seeded from (seed, step, tensor index) so every rank draws the same numbers.
+* ``v_override={id(param): "exact" | "row"}``: for those parameters only, a per-element float32
+  second moment (``"exact"``) or one shared second moment per dim-0 row (``"row"``), the others
+  keeping ``second_moment_mode``: to locate which tensors a second-moment estimator costs loss on.
 * ``codebook_refresh=N``: every N steps, re-learn the codebook from the histogram of the current
   (pre-rounding) normalised first moments and re-encode every index into the new codebook (the
   end codewords stay at -1/+1, so the absmax scales are unchanged).
@@ -54,7 +57,7 @@ def stochastic_codeword(z: torch.Tensor, codebook: torch.Tensor, gen: torch.Gene
 class GefenVariant(Gefen):
     def __init__(self, params, *args, first_moment: str = "quant", second_moment_mode: Optional[str] = None,
                  period_rule: str = "paper", rounding: str = "nearest", codebook_refresh: int = 0,
-                 seed: int = 0, **kw):
+                 seed: int = 0, v_override: Optional[dict] = None, **kw):
         assert first_moment in ("quant", "fp32")
         assert period_rule in ("paper", "row", "one")
         assert rounding in ("nearest", "stochastic")
@@ -68,6 +71,8 @@ class GefenVariant(Gefen):
         self.period_rule = period_rule
         self.rounding = rounding
         self.codebook_refresh = int(codebook_refresh)
+        self.v_override = dict(v_override or {})
+        assert set(self.v_override.values()) <= {"exact", "row"}
         self.seed = int(seed)
         self._refresh_counts: Optional[torch.Tensor] = None
         self.refreshes = 0
@@ -77,6 +82,11 @@ class GefenVariant(Gefen):
 
     # ---------------------------------------------------------------- periods
     def _learn_periods(self, live):
+        if self.v_override:
+            base = (super()._learn_periods(live) if self.period_rule == "paper" else
+                    [_periods.row_slab(pc.shape) if self.period_rule == "row" else 1 for _, pc in live])
+            return [_periods.row_slab(pc.shape) if self.v_override.get(id(p)) == "row" else q
+                    for (p, pc), q in zip(live, base)]
         if self.period_rule == "paper":
             return super()._learn_periods(live)
         if self.period_rule == "row":
@@ -94,8 +104,12 @@ class GefenVariant(Gefen):
             st["m32"] = torch.zeros(tuple(piece.local.shape), dtype=torch.float32, device=dev)
             st["idx"] = torch.zeros(0, dtype=torch.uint8, device=dev)  # unused: not counted
             st["scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
-        if self.v_mode == "exact":
+        mode = self.v_override.get(id(p), self.v_mode)
+        if mode == "exact":
             st["v"] = torch.zeros(tuple(piece.local.shape), dtype=torch.float32, device=dev)
+        elif mode == "row":
+            st.pop("v_row", None), st.pop("v_col", None)
+            st["v"] = torch.zeros(piece.local_rows, dtype=torch.float32, device=dev)
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
@@ -125,8 +139,9 @@ class GefenVariant(Gefen):
 
     def _update(self, group, p, col_mean_sq=None):
         st = self.state[p]
+        v_mode = self.v_override.get(id(p), self.v_mode)
         default = (self.first_moment == "quant" and self.v_mode != "exact" and self.rounding == "nearest"
-                   and not self.codebook_refresh)
+                   and not self.codebook_refresh and id(p) not in self.v_override)
         if default or "exp_avg" in st or not st.get("learned", 1):
             return super()._update(group, p, col_mean_sq)
         st["step"] += 1
@@ -140,11 +155,11 @@ class GefenVariant(Gefen):
         n = g.numel()
         P, B = st["period"], st["scale_block"]
         # second moment -> per-element step size
-        if self.v_mode == "exact":
+        if v_mode == "exact":
             v = local_tensor(st["v"]).view(-1)
             v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
             sigma = (v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)
-        elif self.v_mode == "shared":
+        elif v_mode in ("shared", "row"):
             v = local_tensor(st["v"]).view(-1)
             v.mul_(b2).add_((g * g).view(-1, P).mean(dim=1), alpha=1.0 - b2)
             sb = (v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)

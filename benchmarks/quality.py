@@ -81,6 +81,17 @@ def _variant(**kw):
     return make
 
 
+def _variant_emb(mode: str, **kw):
+    """A GefenVariant whose nn.Embedding weights (the GPT's wte, tied to the LM head, and wpe) get
+    the second moment ``mode`` ("exact" / "row"), every other tensor ``kw``'s."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        emb = {id(m.weight): mode for m in model.modules() if isinstance(m, nn.Embedding)}
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=emb, **kw)
+    make.needs_model = True
+    return make
+
+
 def _adamw(groups, lr, betas, seed):
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
 
@@ -152,6 +163,11 @@ VARIANTS = {
     "d_thresh0": ("(d) shared, small_threshold=0 (only 1-D tensors exact)", _gefen(second_moment="shared", small_threshold=0)),
     "d_thresh64k": ("(d) shared, small_threshold=65536", _gefen(second_moment="shared", small_threshold=65536)),
     "d_factored_thresh0": ("(d) factored, small_threshold=0", _gefen(second_moment="factored", small_threshold=0)),
+    # (h) which tensors the factored second moment costs loss on
+    "h_factored_emb_exactv": ("(h) factored, but per-element fp32 v for the embeddings (wte = LM head, wpe)",
+                              _variant_emb("exact", second_moment_mode="factored")),
+    "h_factored_emb_rowv": ("(h) factored, but one v per row for the embeddings (wte = LM head, wpe)",
+                            _variant_emb("row", second_moment_mode="factored")),
     # (e) codebook refresh
     "e_refresh100": ("(e) shared, codebook re-learned every 100 steps", _variant(codebook_refresh=100)),
     "e_factored_refresh100": ("(e) factored, codebook re-learned every 100 steps",
