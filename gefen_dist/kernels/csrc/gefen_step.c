@@ -500,35 +500,42 @@ static inline __m512i lookup256(const uint8_t *tab, __m512i x, __mmask64 hi)
     return _mm512_mask_blend_epi8(hi, lo, hv);
 }
 
-/* half h (elements 32 h .. 32 h + 31) of 64 bytes, widened to 16-bit lanes */
-static inline __m512i widen_half(__m512i x, int h)
+/* Byte `off` of every dword of x[0..3] as 64 bytes in natural order (element e from x[e / 16]):
+ * three two-source byte permutes. */
+#define DWB(o) 0 + o, 4 + o, 8 + o, 12 + o, 16 + o, 20 + o, 24 + o, 28 + o, 32 + o, 36 + o, 40 + o, 44 + o, \
+    48 + o, 52 + o, 56 + o, 60 + o, 64 + o, 68 + o, 72 + o, 76 + o, 80 + o, 84 + o, 88 + o, 92 + o, 96 + o, \
+    100 + o, 104 + o, 108 + o, 112 + o, 116 + o, 120 + o, 124 + o
+static const uint8_t DWORD_BYTE_SEL[2][64] = {{DWB(0), DWB(0)}, {DWB(1), DWB(1)}};
+#undef DWB
+static inline __m512i dword_bytes(const __m512i x[4], int off)
 {
-    return _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(x, 1) : _mm512_castsi512_si256(x));
+    const __m512i sel = _mm512_loadu_si512(DWORD_BYTE_SEL[off]);
+    const __m512i ab = _mm512_permutex2var_epi8(x[0], sel, x[1]); /* bytes 0..31: elements 0..31 */
+    const __m512i cd = _mm512_permutex2var_epi8(x[2], sel, x[3]); /* bytes 0..31: elements 32..63 */
+    return _mm512_inserti64x4(ab, _mm512_castsi512_si256(cd), 1);
 }
 
 /* The two-candidate table entries of 64 buckets k[r] (int32, elements 16 r .. 16 r + 15, each in
- * [0, 4096)) from pl->t, in registers: the same values as gathering lut[k]. */
-static inline void two_level64(const cb_planes *pl, const __m512i k[4], __m512i out[4])
+ * [0, 4096)) from pl->t, in registers, as 64 bytes in natural order: the same values as gathering
+ * lut[k]. Group g = k >> 4 and position i = k & 15 are packed to bytes, the group's base and mask
+ * bytes looked up, and the count of increments up to i taken with a 16-bit popcount of
+ * mask << (15 - i) (unpack to words and pack back restores the byte order). */
+static inline __m512i two_level64(const cb_planes *pl, const __m512i k[4])
 {
-    __m512i kw[2], g[2];
-    for (int h = 0; h < 2; ++h) {
-        kw[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(k[2 * h])),
-                                   _mm512_cvtepi32_epi16(k[2 * h + 1]), 1);
-        g[h] = _mm512_srli_epi16(kw[h], 4);
-    }
-    const __m512i gb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(g[0])),
-                                          _mm512_cvtepi16_epi8(g[1]), 1);
+    __m512i x[4];
+    for (int r = 0; r < 4; ++r)
+        x[r] = _mm512_or_si512(_mm512_srli_epi32(k[r], 4),
+                               _mm512_slli_epi32(_mm512_and_si512(k[r], _mm512_set1_epi32(15)), 8));
+    const __m512i gb = dword_bytes(x, 0), ib = dword_bytes(x, 1);
     const __mmask64 hi = _mm512_movepi8_mask(gb);
     const __m512i base = lookup256(pl->t[0], gb, hi);
     const __m512i mlo = lookup256(pl->t[1], gb, hi), mhi = lookup256(pl->t[2], gb, hi);
-    const __m512i fifteen = _mm512_set1_epi16(15);
-    for (int h = 0; h < 2; ++h) {
-        __m512i mask = _mm512_or_si512(widen_half(mlo, h), _mm512_slli_epi16(widen_half(mhi, h), 8));
-        __m512i sh = _mm512_sub_epi16(fifteen, _mm512_and_si512(kw[h], fifteen));
-        __m512i j = _mm512_add_epi16(widen_half(base, h), _mm512_popcnt_epi16(_mm512_sllv_epi16(mask, sh)));
-        out[2 * h] = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(j));
-        out[2 * h + 1] = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(j, 1));
-    }
+    const __m512i zero = _mm512_setzero_si512(), fifteen = _mm512_set1_epi16(15);
+    const __m512i sl = _mm512_sub_epi16(fifteen, _mm512_unpacklo_epi8(ib, zero));
+    const __m512i sh = _mm512_sub_epi16(fifteen, _mm512_unpackhi_epi8(ib, zero));
+    const __m512i cl = _mm512_popcnt_epi16(_mm512_sllv_epi16(_mm512_unpacklo_epi8(mlo, mhi), sl));
+    const __m512i ch = _mm512_popcnt_epi16(_mm512_sllv_epi16(_mm512_unpackhi_epi8(mlo, mhi), sh));
+    return _mm512_add_epi8(base, _mm512_packus_epi16(cl, ch));
 }
 #endif
 
@@ -648,7 +655,6 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
         const int64_t rem = B - i0;
         const __mmask64 k64 = rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1);
         __m512 m[4], z[4];
-        __m512i jl[4];
         if (buf) {
             for (int r = 0; r < 4; ++r) m[r] = _mm512_maskz_loadu_ps(lane_mask(rem - 16 * r), buf + i0 + 16 * r);
         } else {
@@ -664,42 +670,51 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
             kb[r] = _mm512_cvttps_epi32(t);
             z[r] = zz;
         }
+        __m512i jb; /* the lower candidate of each element, bytes in natural order */
 #ifdef GEFEN_TWO_LEVEL
         if (pl->two) {
-            two_level64(pl, kb, jl);
+            jb = two_level64(pl, kb);
         } else
 #endif
-        for (int r = 0; r < 4; ++r) {
-            if (pl->lut8)
-                jl[r] = _mm512_and_si512(_mm512_i32gather_epi32(kb[r], pl->lut8, 1), _mm512_set1_epi32(0xFF));
-            else
-                jl[r] = _mm512_i32gather_epi32(kb[r], lut, 4);
+        {
+            __m512i jl[4];
+            for (int r = 0; r < 4; ++r) {
+                if (pl->lut8)
+                    jl[r] = _mm512_and_si512(_mm512_i32gather_epi32(kb[r], pl->lut8, 1), _mm512_set1_epi32(0xFF));
+                else
+                    jl[r] = _mm512_i32gather_epi32(kb[r], lut, 4);
+            }
+            jb = pack_bytes(jl);
         }
-        /* jl bytes in transposed order: dword (L*4 + q) <- (q*4 + L) of the natural pack */
-        __m512i jt = _mm512_permutexvar_epi32(dtr, pack_bytes(jl));
-        __m512 c0[4], c1[4];
+        /* transposed byte order for the lookups: dword (L*4 + q) <- (q*4 + L) of the natural order */
+        const __m512i jt = _mm512_permutexvar_epi32(dtr, jb);
+        __m512 c0[4], c1[4], cq[4];
         cb_lookup64(jt, pl->p[0], c0);
         cb_lookup64(jt, pl->p[1], c1);
-        __m512i jv[4];
+        __mmask64 up = 0, nanm = 0;
         for (int r = 0; r < 4; ++r) {
-            const __mmask16 k = lane_mask(rem - 16 * r);
             __m512 d1 = _mm512_and_ps(_mm512_sub_ps(z[r], c1[r]), absmask);
             __m512 d0 = _mm512_and_ps(_mm512_sub_ps(z[r], c0[r]), absmask);
             __mmask16 sel = _mm512_cmp_ps_mask(z[r], c1[r], _CMP_GT_OQ) |
                             _mm512_cmp_ps_mask(d1, d0, _CMP_LT_OQ);
-            __m512i j = _mm512_mask_add_epi32(jl[r], sel, jl[r], _mm512_set1_epi32(1));
-            __m512 cq = _mm512_mask_blend_ps(sel, c0[r], c1[r]);
             __mmask16 nz = _mm512_cmp_ps_mask(z[r], z[r], _CMP_UNORD_Q);
-            jv[r] = _mm512_mask_mov_epi32(j, nz, _mm512_set1_epi32(255));
-            cq = _mm512_mask_mov_ps(cq, nz, one);
+            cq[r] = _mm512_mask_mov_ps(_mm512_mask_blend_ps(sel, c0[r], c1[r]), nz, one);
+            up |= (__mmask64)sel << (16 * r);
+            nanm |= (__mmask64)nz << (16 * r);
+        }
+        /* new indices: lower candidate + 1 where the upper one is nearer; 255 for NaN */
+        const __m512i jn = _mm512_mask_mov_epi8(_mm512_mask_add_epi8(jb, up, jb, _mm512_set1_epi8(1)), nanm,
+                                                _mm512_set1_epi8((char)0xFF));
+        for (int r = 0; r < 4; ++r) {
+            const __mmask16 k = lane_mask(rem - 16 * r);
             if (!k) continue;
             __m512 u;
             if (PM == 0) {
-                u = _mm512_mul_ps(cq, us);
+                u = _mm512_mul_ps(cq[r], us);
             } else {
                 __m512 c = _mm512_maskz_loadu_ps(k, vv + i0 + 16 * r);
                 if (PM == 1) c = _mm512_sqrt_ps(c);
-                u = _mm512_mul_ps(cq, _mm512_mul_ps(vsigma_el(c, sl, a), us));
+                u = _mm512_mul_ps(cq[r], _mm512_mul_ps(vsigma_el(c, sl, a), us));
             }
             const int64_t e = o + i0 + 16 * r;
             if (DT == 0) {
@@ -715,7 +730,7 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
                 _mm256_mask_storeu_epi16(p, k, vbf16(_mm512_sub_ps(pv, u)));
             }
         }
-        _mm512_mask_storeu_epi8(ix + i0, k64, pack_bytes(jv));
+        _mm512_mask_storeu_epi8(ix + i0, k64, jn);
     }
 }
 #endif /* GEFEN_VBMI */
