@@ -526,8 +526,8 @@ def plot(runs: dict, workload: str, variants: list, path: Path, title: str) -> b
     if not any_:
         plt.close(fig)
         return False
-    axes[0].set_title(f"{title}: validation loss (mean over seeds)")
-    axes[1].set_title(f"{title}: training loss (window mean)")
+    axes[0].set_title(f"{title}: validation loss (mean over seeds), second half")
+    axes[1].set_title(f"{title}: training loss (window mean), second half")
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -541,6 +541,10 @@ def plot(runs: dict, workload: str, variants: list, path: Path, title: str) -> b
     fl = [y for l in axes[1].get_lines() for y in l.get_ydata()[len(l.get_ydata()) // 2:]]
     if fl:
         axes[1].set_ylim(min(fl) * 0.98, max(fl) * 1.05)
+    for ax in axes:  # the same late phase on the step axis (the early curves are off the scale)
+        xs = [l.get_xdata() for l in ax.get_lines() if len(l.get_xdata())]
+        if xs:
+            ax.set_xlim(left=0.45 * max(x[-1] for x in xs))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
