@@ -92,6 +92,26 @@ def _variant_emb(mode: str, **kw):
     return make
 
 
+def _gefen_emb(mode: str, **kw):
+    """gefen_dist Gefen with the nn.Embedding weights (wte, tied to the LM head, and wpe) in a param
+    group of their own with ``second_moment=mode``, every other tensor as ``kw`` says."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from gefen_dist import Gefen
+        emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        out = []
+        for g in groups:
+            rest = [p for p in g["params"] if id(p) not in emb]
+            mine = [p for p in g["params"] if id(p) in emb]
+            if rest:
+                out.append({**g, "params": rest})
+            if mine:
+                out.append({**g, "params": mine, "second_moment": mode})
+        kw.setdefault("fused", None)
+        return Gefen(out, lr=lr, betas=betas, eps=1e-8, **kw)
+    make.needs_model = True
+    return make
+
+
 def _adamw(groups, lr, betas, seed):
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
 
@@ -168,6 +188,9 @@ VARIANTS = {
                               _variant_emb("exact", second_moment_mode="factored")),
     "h_factored_emb_rowv": ("(h) factored, but one v per row for the embeddings (wte = LM head, wpe)",
                             _variant_emb("row", second_moment_mode="factored")),
+    "i_emb_elementwise": ("(i) gefen_dist Gefen, default (factored) with second_moment='elementwise' for the "
+                          "embeddings' param group (wte = LM head, wpe): the option that trades memory for quality",
+                          _gefen_emb("elementwise")),
     # (e) codebook refresh
     "e_refresh100": ("(e) shared, codebook re-learned every 100 steps", _variant(codebook_refresh=100)),
     "e_factored_refresh100": ("(e) factored, codebook re-learned every 100 steps",

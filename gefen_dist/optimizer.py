@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 _STATE_KEYS_Q = ("step", "period", "scale_block", "learned", "idx", "scale", "v", "codebook")
 _STATE_KEYS_F = ("step", "period", "scale_block", "learned", "idx", "scale", "v_row", "v_col", "codebook")
-SECOND_MOMENTS = ("shared", "factored")
+SECOND_MOMENTS = ("shared", "factored", "elementwise")
 NONFINITE = ("raise", "skip", "ignore")
 _STATE_KEYS_E = ("step", "exp_avg", "exp_avg_sq")
 
@@ -113,6 +113,13 @@ class Gefen(Optimizer):
         lr, betas, eps, weight_decay: as in ``torch.optim.AdamW`` (``lr`` may be a tensor).
         small_threshold: tensors with fewer global elements (and all 0-D/1-D tensors) keep exact
             fp32 AdamW state (D2). Default 4096.
+        second_moment: how quantized tensors keep the second moment (also per param group):
+            ``"factored"`` (default): fp32 per row and per column (Adafactor's estimator; ~1.02
+            B/param on GPT-2 small); ``"shared"``: the paper's, one fp32 value per period of each
+            row (~1.02 B/param); ``"elementwise"``: one fp32 value per element (period 1; ~5 B/param
+            for that group), the first moment still 8-bit. Use it for the tensors a low-memory
+            estimate fits worst when memory allows: on the issue's byte-level GPT the tied token
+            embedding / LM head (docs/quality.md).
         fused: ``None`` (default) uses the fused native kernel when it is available for the
             parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
         process_group: the group over which periods and the codebook are agreed (default: WORLD
@@ -386,7 +393,9 @@ class Gefen(Optimizer):
                 parts = [_periods.PeriodPartials.from_payload(r[i]) for r in gathered]
                 p_paper = _periods.select_paper_period(cands_all[i], _periods.combine_partials(parts, n))
             out.append(_periods.resolve_period(p_paper, _periods.row_slab(pc.shape)))
-        return out
+        # second_moment="elementwise": the shared layout with period 1 (v per element). Decided
+        # after the collective above, which every rank enters for every tensor alike.
+        return [1 if self._group_of(p)["second_moment"] == "elementwise" else q for (p, _), q in zip(live, out)]
 
     def _learn_codebook(self, live: Sequence[Tuple[torch.Tensor, Piece]], t_periods: float) -> None:
         from .core.codebook import solve_codebook

@@ -79,14 +79,14 @@ def estimated_period(shape: Sequence[int]) -> int:
 def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
                  second_moment: str = "factored") -> Dict[str, Any]:
     """Kind, period, scale block and exact state bytes of one tensor (Gefen) and AdamW's bytes.
-    ``second_moment``: ``"factored"`` (default: fp32 per row and per column) or ``"shared"``
-    (fp32 per period of each row)."""
+    ``second_moment``: ``"factored"`` (default: fp32 per row and per column), ``"shared"``
+    (fp32 per period of each row) or ``"elementwise"`` (fp32 per element)."""
     shape = tuple(int(s) for s in shape)
     n = int(math.prod(shape))
     adamw = ADAMW_BYTES_PER_PARAM * n
     if is_exact(shape, small_threshold):
         return dict(kind=KIND_EXACT, period=0, scale_block=0, gefen_bytes=8 * n, adamw_bytes=adamw)
-    geo = Geometry.quantized(shape, estimated_period(shape))
+    geo = Geometry.quantized(shape, 1 if second_moment == "elementwise" else estimated_period(shape))
     rows = shape[0]
     s = geo.state_shapes(rows)
     if second_moment == "factored":

@@ -102,7 +102,7 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
         process_group: the group the state is partitioned over (default: WORLD; a single process
             when ``torch.distributed`` is not initialised).
         **gefen_kwargs: other :class:`Gefen` options (``small_threshold``, ``fused``,
-            ``second_moment``: ``"shared"`` or ``"factored"``, also per param group).
+            ``second_moment``: ``"factored"``, ``"shared"`` or ``"elementwise"``, also per param group).
 
     Checkpointing: call ``consolidate_state_dict(to=r)`` on every rank, then ``state_dict()`` on
     rank ``r``. The result has single-process Gefen's layout; load it with ``load_state_dict`` at

@@ -23,6 +23,7 @@ def _torchrun(nproc, *args):
     (3, ["--same-grads", "--second-moment", "factored", "--nonfinite"]),
     (4, ["--same-grads", "--hsdp", "--second-moment", "factored"]),
     (4, ["--hsdp"]),
+    (2, ["--same-grads", "--second-moment", "elementwise"]),
 ])
 def test_fsdp2_matches_single_process(nproc, args):
     out = _torchrun(nproc, *args)

@@ -110,6 +110,41 @@ def test_factored_is_the_default_layout():
     assert torch.allclose(st["v_col"].double(), 0.001 * g2.mean(0), rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, None])
+def test_elementwise_group_is_period_one(fused):
+    """second_moment="elementwise" (here for one param group): v per element, the first moment still
+    8-bit, and the same numbers as the shared layout with that tensor's period forced to 1."""
+    def make(m, mode):
+        w = m[2].weight
+        rest = [p for p in m.parameters() if p is not w]
+        return Gefen([{"params": [w], "second_moment": mode}, {"params": rest}], lr=1e-2, weight_decay=0.1,
+                     fused=fused)
+
+    m1, m2 = mlp(), mlp()
+    o1 = make(m1, "elementwise")
+    o2 = make(m2, "shared")
+    learn = o2._learn_periods  # the shared layout with the period of m2[2].weight forced to 1
+    o2._learn_periods = lambda live: [1 if p is m2[2].weight else q for (p, _), q in zip(live, learn(live))]
+    train(m1, o1, data(4))
+    train(m2, o2, data(4))
+    st = o1.state[m1[2].weight]
+    assert st["period"] == 1 and st["v"].shape == (128, 128) and st["idx"].dtype == torch.uint8
+    assert "v_row" in o1.state[m1[0].weight]  # the other group keeps the default (factored)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    for k in ("idx", "scale", "v"):
+        assert torch.equal(st[k], o2.state[m2[2].weight][k])
+    rec = {r["shape"]: r for r in o1.report()}[(128, 128)]
+    assert rec["period"] == 1 and rec["state_bytes"] == 128 * 128 * 5 + 4 * 128 * 128 // rec["scale_block"]
+
+
+def test_plan_knows_elementwise():
+    from gefen_dist.plan import tensor_state
+
+    r = tensor_state((768, 768), second_moment="elementwise")
+    assert r["period"] == 1 and r["gefen_bytes"] == 768 * 768 * 5 + 4 * 768 * 768 // r["scale_block"]
+
+
 def test_closure_evaluated_before_learning():
     m = mlp()
     opt = Gefen(m.parameters(), lr=1e-3)
@@ -208,6 +243,8 @@ def test_errors_name_the_value():
         Gefen(m.parameters(), weight_decay=float("nan"))
     with pytest.raises(ValueError, match="small_threshold"):
         Gefen(m.parameters(), small_threshold=-5)
+    with pytest.raises(ValueError, match="second_moment.*'rowwise'.*elementwise"):
+        Gefen(m.parameters(), second_moment="rowwise")
     with pytest.raises(TypeError, match="floating-point.*torch.int64"):
         Gefen([torch.zeros(4, dtype=torch.int64)])
     with pytest.raises(ValueError, match="beta parameter at index 0 in param group 1: 1.0"):

@@ -171,6 +171,10 @@ class Gefen(_opt_mod.Gefen):
         fs = self._ds_flats[id(flat)]
         st = self.state.get(flat)
         factored = group.get("second_moment", "shared") == "factored"
+        if group.get("second_moment") == "elementwise":
+            raise ValueError('second_moment="elementwise" is not supported under DeepSpeed yet (its flat-partition '
+                             'layout learns periods separately); use "factored" or "shared" for this param group, or '
+                             "train with FSDP2, DDP or ZeroGefen")
         if st and "idx" not in st:
             raise LayoutError(
                 f"{fs.where}: the optimizer state holds {sorted(st)[:4]} (Adam-shaped state put there by "

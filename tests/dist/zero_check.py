@@ -15,6 +15,7 @@ Every run also has a ``second_moment="factored"`` param group (variant "a": the 
 late-learned one and a period-64 one; phase 3's comparison uses variant "b": the period-1 matrix,
 the head and the embedding, with weight decay 0), so the factored path is checked by the same
 launches: bitwise equality, replicas, state bytes (``v_col`` replicated), checkpoints, empty ranks.
+Variant "a" also has a ``second_moment="elementwise"`` group (the token embedding: v per element).
 """
 import argparse
 import hashlib
@@ -67,18 +68,22 @@ def net(seed=0):
 
 FACTORED = {"a": ("hb", "late", "lm.blocks.0.linear1.weight"),
             "b": ("lm.blocks.0.self_attn.out_proj.weight", "lm.head.weight", "lm.tok.weight")}
+ELEMENTWISE = {"a": ("lm.tok.weight",), "b": ()}  # second_moment="elementwise" (v per element)
 
 
 def groups(m, variant="a"):
     named = list(m.named_parameters())
-    fact = FACTORED[variant]
-    return [
-        {"params": [p for n, p in named if p.ndim >= 2 and n not in fact], "weight_decay": 0.1,
+    fact, elem = FACTORED[variant], ELEMENTWISE[variant]
+    out = [
+        {"params": [p for n, p in named if p.ndim >= 2 and n not in fact and n not in elem], "weight_decay": 0.1,
          "second_moment": "shared"},
         {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": 2e-3},
         {"params": [p for n, p in named if n in fact], "second_moment": "factored",
          "weight_decay": 0.1 if variant == "a" else 0.0},
     ]
+    if elem:
+        out.append({"params": [p for n, p in named if n in elem], "second_moment": "elementwise"})
+    return out
 
 
 def batches():
@@ -182,6 +187,9 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
     assert all(st["learned"] for st in fact.values())
     if variant == "b":
         assert min(st["period"] for st in fact.values()) == 1  # a period-1 factored tensor
+    for n, p in zm.named_parameters():
+        if n in ELEMENTWISE[variant]:
+            assert zo.state[p]["period"] == 1 and "v" in zo.state[p], f"elementwise {n}: period {zo.state[p]['period']}"
     # the replicated column factor: on every rank bitwise the oracle's (so identical across ranks)
     for (n, p), (_, q) in zip(zm.named_parameters(), ref.named_parameters()):
         if n in fact:
