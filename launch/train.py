@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="gefen", choices=OPTIMIZERS,
                    help="'both' runs AdamW then Gefen with identical seed, init and data; the other "
                         f"names are peer optimizers (launch/peers.py; strategies {', '.join(PEER_STRATEGIES)})")
+    p.add_argument("--gefen-embeddings", default=None, choices=("factored", "shared", "elementwise"),
+                   help="Gefen's second_moment for the embeddings' param group (wte, tied to the LM head, and "
+                        "wpe); default: the same as every other tensor (factored). 'elementwise' closes most of "
+                        "the gap to AdamW on the small preset at ~5 B/param for those tensors (docs/quality.md); "
+                        "not with --strategy deepspeed")
     p.add_argument("--strategy", default=None, choices=STRATEGIES,
                    help="parallelism: 'single' (one process), or under torchrun 'ddp' (DDP), "
                         "'zero1' (DDP + ZeroGefen / ZeroRedundancyOptimizer), 'fsdp' (FSDP2), "
@@ -376,7 +381,7 @@ class Zero1Strategy(DDPStrategy):
         if name == "gefen":
             gefen_class()
             from gefen_dist import ZeroGefen
-            return ZeroGefen(groups, **kw)
+            return ZeroGefen(_gefen_groups(model, args), **kw)
         if name == "adamw":
             from torch.distributed.optim import ZeroRedundancyOptimizer
             return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
@@ -482,7 +487,8 @@ class DeepSpeedStrategy(DistributedStrategy):
 
         cfg = self.config(opt_name, args)
         init = gds.initialize if opt_name == "gefen" else deepspeed.initialize
-        engine, _, _, sched = init(model=model, model_parameters=param_groups(model, args.weight_decay),
+        groups = _gefen_groups(model, args) if opt_name == "gefen" else param_groups(model, args.weight_decay)
+        engine, _, _, sched = init(model=model, model_parameters=groups,
                                    config=cfg, lr_scheduler=lambda o: build_scheduler(o, args))
         self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
         self.stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
@@ -544,15 +550,25 @@ def make_strategy(name: str, args=None) -> Strategy:
 # optimizer
 # --------------------------------------------------------------------------------------------
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """GPT recipe: decay >=2-D tensors (matmuls, embeddings), not 1-D (biases, LayerNorm)."""
-    decay, no_decay = [], []
+def param_groups(model: nn.Module, weight_decay: float, embeddings: str | None = None) -> list[dict]:
+    """GPT recipe: decay >=2-D tensors (matmuls, embeddings), not 1-D (biases, LayerNorm). With
+    ``embeddings`` (a Gefen ``second_moment``), the nn.Embedding weights get a group of their own
+    with that second moment."""
+    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} if embeddings else set()
+    decay, no_decay, embs = [], [], []
     for _, p in model.named_parameters():  # named_parameters() de-duplicates the tied weight
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+        (embs if id(p) in emb else decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if embs:
+        groups.append({"params": embs, "weight_decay": weight_decay, "second_moment": embeddings})
+    return groups
+
+
+def _gefen_groups(model: nn.Module, args) -> list[dict]:
+    return param_groups(model, args.weight_decay, getattr(args, "gefen_embeddings", None))
 
 
 class GefenUnavailable(RuntimeError):
@@ -575,7 +591,7 @@ def build_optimizer(name: str, model: nn.Module, args) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(groups, **kw)
     if name == "gefen":
-        return gefen_class()(groups, **kw)
+        return gefen_class()(_gefen_groups(model, args), **kw)
     if name in PEERS:
         return build_peer(name, getattr(model, "module", model), groups, **kw)
     raise ValueError(f"unknown optimizer {name!r}")

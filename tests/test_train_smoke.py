@@ -62,6 +62,20 @@ def test_train_smoke(tmp_path, opt):
         assert 8.0 <= s["state_bytes_per_param"] < 8.01
 
 
+@pytest.mark.skipif(_GEFEN_ERR is not None, reason="gefen_dist.Gefen not importable")
+def test_gefen_embeddings_elementwise(tmp_path):
+    """--gefen-embeddings elementwise: the embeddings (wte = LM head, wpe) get their own param group with a
+    per-element second moment: about 4 more bytes per embedding element, training still converges."""
+    base = _run(tmp_path / "a", "gefen", "--steps", "10", "--no-plot")["summary"]["gefen"]
+    elem = _run(tmp_path / "b", "gefen", "--steps", "10", "--no-plot", "--gefen-embeddings", "elementwise")
+    s = elem["summary"]["gefen"]
+    cfg = get_config("tiny")
+    n_emb = (cfg.vocab_size + cfg.context) * cfg.d_model
+    assert 3.5 * n_emb < s["state_bytes"] - base["state_bytes"] < 4.1 * n_emb
+    run = json.loads((tmp_path / "b" / "metrics.json").read_text())["runs"]["gefen"]
+    assert run["evals"][-1]["val_loss"] < run["evals"][0]["val_loss"]
+
+
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_checkpoint_resume_bit_identical(tmp_path, opt):
     straight, split = tmp_path / "straight", tmp_path / "split"
