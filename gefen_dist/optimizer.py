@@ -117,9 +117,9 @@ class Gefen(Optimizer):
             ``"factored"`` (default): fp32 per row and per column (Adafactor's estimator; ~1.02
             B/param on GPT-2 small); ``"shared"``: the paper's, one fp32 value per period of each
             row (~1.02 B/param); ``"elementwise"``: one fp32 value per element (period 1; ~5 B/param
-            for that group), the first moment still 8-bit. Use it for the tensors a low-memory
-            estimate fits worst when memory allows: on the issue's byte-level GPT the tied token
-            embedding / LM head (docs/quality.md).
+            for that group), the first moment still 8-bit: for the tensors a low-memory estimate
+            fits worst, when memory allows (on the byte-level GPT, the tied token embedding / LM
+            head; its measured effect there is mixed: docs/quality.md).
         fused: ``None`` (default) uses the fused native kernel when it is available for the
             parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
         process_group: the group over which periods and the codebook are agreed (default: WORLD
