@@ -119,6 +119,10 @@ def main():
         check_refusals(mesh, rank)
     if args.nonfinite:
         check_nonfinite(m, opt, rank, ws)
+    # meet on every group of the mesh, then on WORLD, before any group is destroyed: gloo aborts a
+    # rank ("terminate called without an active exception") whose peer tears down a group it still uses
+    for d in range(mesh.ndim):
+        dist.barrier(group=mesh.get_group(d))
     dist.barrier()
     dist.destroy_process_group()
 
