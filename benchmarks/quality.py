@@ -418,6 +418,9 @@ def _extra(opt) -> dict:
 # GPT-2 small state bytes (no training: state allocated for the measured periods)
 # --------------------------------------------------------------------------------------------
 
+GPT2_STATE_ROWS = ("shared", "factored", "factored, embeddings elementwise")
+
+
 def gpt2_small_bytes() -> dict:
     """B/param of Gefen shared and factored on the GPT-2 small tensor set, with the periods that
     ``benchmarks/memory.py`` measured (``docs/results/memory.json``), allocated via ``init_state``."""
@@ -428,10 +431,17 @@ def gpt2_small_bytes() -> dict:
         return {}
     per_tensor = json.loads(mem.read_text())["per_tensor"]
     out = {"source": "docs/results/memory.json shapes and periods"}
-    for sm in ("shared", "factored"):
+    emb = ("wte.weight", "wpe.weight")  # "embeddings elementwise": their own group, period 1
+    for sm in GPT2_STATE_ROWS:
         params = [(r["name"], nn.Parameter(torch.empty(r["shape"]))) for r in per_tensor]
-        opt = Gefen(params, lr=1e-3, second_moment=sm, fused=False)
-        opt.init_state({r["name"]: r["period"] for r in per_tensor if r["kind"] == "quantized"})
+        if sm == GPT2_STATE_ROWS[2]:
+            groups = [{"params": [x for x in params if x[0] not in emb]},
+                      {"params": [x for x in params if x[0] in emb], "second_moment": "elementwise"}]
+            opt = Gefen(groups, lr=1e-3, fused=False)
+        else:
+            opt = Gefen(params, lr=1e-3, second_moment=sm, fused=False)
+        opt.init_state({r["name"]: 1 if sm == GPT2_STATE_ROWS[2] and r["name"] in emb else r["period"]
+                        for r in per_tensor if r["kind"] == "quantized"})
         n = sum(p.numel() for _, p in params)
         out[sm] = dict(params=n, state_bytes=opt.state_bytes(), bytes_per_param=opt.state_bytes() / n)
         del opt, params
@@ -668,7 +678,7 @@ def report(args, lm_cfg, dg_cfg) -> None:
         if g2:
             md.append("\n### State on GPT-2 small (124M; periods as measured in docs/results/memory.json)\n")
             md.append("| second_moment | params | state bytes | B/param |\n|---|---|---|---|")
-            for sm in ("shared", "factored"):
+            for sm in GPT2_STATE_ROWS:
                 md.append(f"| {sm} | {g2[sm]['params']:,} | {g2[sm]['state_bytes']:,} | {g2[sm]['bytes_per_param']:.4f} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"quality{suffix}.json").write_text(json.dumps(out, indent=1, default=list) + "\n")

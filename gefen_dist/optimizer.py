@@ -373,9 +373,12 @@ class Gefen(Optimizer):
     def _learn_periods(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> List[int]:
         payload = []
         cands_all = []
-        for _, pc in live:
+        # second_moment="elementwise": the shared layout with period 1 (v per element), nothing to
+        # detect; the group is the same on every rank, so the gathered payloads still line up
+        elementwise = [self._group_of(p)["second_moment"] == "elementwise" for p, _ in live]
+        for (_, pc), elem in zip(live, elementwise):
             n = int(math.prod(pc.shape))
-            cands = _periods.candidate_periods(n)
+            cands = [] if elem else _periods.candidate_periods(n)
             cands_all.append(cands)
             if len(cands) < 3:
                 payload.append(None)
@@ -393,9 +396,7 @@ class Gefen(Optimizer):
                 parts = [_periods.PeriodPartials.from_payload(r[i]) for r in gathered]
                 p_paper = _periods.select_paper_period(cands_all[i], _periods.combine_partials(parts, n))
             out.append(_periods.resolve_period(p_paper, _periods.row_slab(pc.shape)))
-        # second_moment="elementwise": the shared layout with period 1 (v per element). Decided
-        # after the collective above, which every rank enters for every tensor alike.
-        return [1 if self._group_of(p)["second_moment"] == "elementwise" else q for (p, _), q in zip(live, out)]
+        return out
 
     def _learn_codebook(self, live: Sequence[Tuple[torch.Tensor, Piece]], t_periods: float) -> None:
         from .core.codebook import solve_codebook
