@@ -16,6 +16,12 @@ decoupled weight decay) to the parent class:
 * ``v_override={id(param): "exact" | "row"}``: for those parameters only, a per-element float32
   second moment (``"exact"``) or one shared second moment per dim-0 row (``"row"``), the others
   keeping ``second_moment_mode``: to locate which tensors a second-moment estimator costs loss on.
+* ``second_moment_mode="grouped"`` (``v_groups=K``): the factored estimate with K column profiles
+  instead of one. Every step the rows are ranked by their ``v_row`` and split into K equal
+  quantile groups; each group keeps an EMA of its rows' column sums of g^2, and a row's step size
+  uses its group's column profile (``v_row[i] * C_k[j] / mean(C_k)``). Costs K x cols floats per
+  tensor. Single-process (the ranking is over the local rows); ``v_override`` accepts
+  ``"grouped"`` too.
 * ``codebook_refresh=N``: every N steps, re-learn the codebook from the histogram of the current
   (pre-rounding) normalised first moments and re-encode every index into the new codebook (the
   end codewords stay at -1/+1, so the absmax scales are unchanged).
@@ -57,22 +63,25 @@ def stochastic_codeword(z: torch.Tensor, codebook: torch.Tensor, gen: torch.Gene
 class GefenVariant(Gefen):
     def __init__(self, params, *args, first_moment: str = "quant", second_moment_mode: Optional[str] = None,
                  period_rule: str = "paper", rounding: str = "nearest", codebook_refresh: int = 0,
-                 seed: int = 0, v_override: Optional[dict] = None, **kw):
+                 seed: int = 0, v_override: Optional[dict] = None, v_groups: int = 4, **kw):
         assert first_moment in ("quant", "fp32")
         assert period_rule in ("paper", "row", "one")
         assert rounding in ("nearest", "stochastic")
         self.first_moment = first_moment
         self.v_mode = second_moment_mode or kw.get("second_moment", "shared")
-        assert self.v_mode in ("shared", "factored", "exact")
+        assert self.v_mode in ("shared", "factored", "exact", "grouped")
         if self.v_mode in ("shared", "factored"):
             kw["second_moment"] = self.v_mode  # explicit: the library default is "factored"
+        if self.v_mode == "grouped" or "grouped" in (v_override or {}).values():
+            kw["second_moment"] = "factored"  # v_row / v_col come from the parent's factored layout
+        self.v_groups = int(v_groups)
         # "exact": the library default's layout (periods, scale blocks), with this class's own
         # per-element v
         self.period_rule = period_rule
         self.rounding = rounding
         self.codebook_refresh = int(codebook_refresh)
         self.v_override = dict(v_override or {})
-        assert set(self.v_override.values()) <= {"exact", "row"}
+        assert set(self.v_override.values()) <= {"exact", "row", "grouped"}
         self.seed = int(seed)
         self._refresh_counts: Optional[torch.Tensor] = None
         self.refreshes = 0
@@ -110,6 +119,9 @@ class GefenVariant(Gefen):
         elif mode == "row":
             st.pop("v_row", None), st.pop("v_col", None)
             st["v"] = torch.zeros(piece.local_rows, dtype=torch.float32, device=dev)
+        elif mode == "grouped":
+            assert "v_col" in st, "grouped needs the factored layout"
+            st["v_colg"] = torch.zeros(self.v_groups, st["v_col"].numel(), dtype=torch.float32, device=dev)
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
@@ -140,7 +152,8 @@ class GefenVariant(Gefen):
     def _update(self, group, p, col_mean_sq=None):
         st = self.state[p]
         v_mode = self.v_override.get(id(p), self.v_mode)
-        default = (self.first_moment == "quant" and self.v_mode != "exact" and self.rounding == "nearest"
+        default = (self.first_moment == "quant" and self.v_mode not in ("exact", "grouped")
+                   and self.rounding == "nearest"
                    and not self.codebook_refresh and id(p) not in self.v_override)
         if default or "exp_avg" in st or not st.get("learned", 1):
             return super()._update(group, p, col_mean_sq)
@@ -164,6 +177,24 @@ class GefenVariant(Gefen):
             v.mul_(b2).add_((g * g).view(-1, P).mean(dim=1), alpha=1.0 - b2)
             sb = (v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)
             sigma = sb.repeat_interleave(P)
+        elif v_mode == "grouped":
+            v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
+            slab = v_col.numel()
+            v_col.mul_(b2).add_(col_mean_sq, alpha=1.0 - b2)
+            g2 = (g * g).view(-1, slab)
+            v_row.mul_(b2).add_(g2.mean(dim=1), alpha=1.0 - b2)
+            K, R = st["v_colg"].shape[0], v_row.numel()
+            grp = torch.empty(R, dtype=torch.long, device=g.device)
+            grp[v_row.argsort()] = torch.arange(R, device=g.device) * K // R  # K equal quantile groups
+            colg = st["v_colg"]
+            colg.mul_(b2).index_add_(0, grp, g2, alpha=1.0 - b2)
+            prof = colg[grp]  # [R, slab]: each row's group column profile
+            mg = prof.mean(dim=1, keepdim=True)
+            mc = float(v_col.mean())
+            fallback = (v_col / mc) if mc > 0 else torch.zeros_like(v_col)
+            ratio = torch.where(mg > 0, prof / torch.where(mg > 0, mg, torch.ones_like(mg)), fallback.unsqueeze(0))
+            denom = (v_row.unsqueeze(1) * ratio).sqrt_().div_(math.sqrt(bc2)).add_(eps)
+            sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
         else:  # factored (Adafactor estimator, as gefen_dist.core.step)
             v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
             slab = v_col.numel()

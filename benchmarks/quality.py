@@ -188,6 +188,11 @@ VARIANTS = {
                               _variant_emb("exact", second_moment_mode="factored")),
     "h_factored_emb_rowv": ("(h) factored, but one v per row for the embeddings (wte = LM head, wpe)",
                             _variant_emb("row", second_moment_mode="factored")),
+    # (j) the factored estimate with K column profiles (rows grouped by v_row quantile)
+    "j_grouped4": ("(j) factored with 4 column profiles, rows grouped by v_row quantile (all tensors)",
+                   _variant(second_moment_mode="grouped", v_groups=4)),
+    "j_grouped4_emb": ("(j) factored, 4 column profiles for the embeddings only (wte = LM head, wpe)",
+                       _variant_emb("grouped", second_moment_mode="factored", v_groups=4)),
     "i_emb_elementwise": ("(i) gefen_dist Gefen, default (factored) with second_moment='elementwise' for the "
                           "embeddings' param group (wte = LM head, wpe): the option that trades memory for quality",
                           _gefen_emb("elementwise")),

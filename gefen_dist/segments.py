@@ -347,9 +347,13 @@ class FlatSegments:
     def needs_learning(self, st: Dict[str, Any]) -> bool:
         return not all(st["global_learned"])
 
-    def learn(self, st: Dict[str, Any], grad: torch.Tensor, codebook_needed: bool) -> Optional[torch.Tensor]:
+    def learn(self, st: Dict[str, Any], grad: torch.Tensor, codebook_needed: bool,
+              elementwise: bool = False) -> Optional[torch.Tensor]:
         """Learn periods of tensors whose global gradient is nonzero for the first time, and (if
         ``codebook_needed``) return the histogram counts of those tensors (all-reduced), else None.
+        ``elementwise`` (the flat buffer's param group has ``second_moment="elementwise"``): every
+        period is 1, nothing is detected; the same collectives are entered (the group, hence the
+        flag, is the same on every rank).
         """
         gkeys = st["global_keys"]
         local = {s.key: i for i, s in enumerate(self.segments)}
@@ -378,7 +382,7 @@ class FlatSegments:
         cands = {}
         for key in live:
             n = math.prod(cat[key]["shape"])
-            cands[key] = _periods.candidate_periods(n)
+            cands[key] = [] if elementwise else _periods.candidate_periods(n)
             i = local.get(key)
             if i is None or len(cands[key]) < 3:
                 continue

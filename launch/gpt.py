@@ -40,6 +40,8 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=2, n_head=4, d_model=64, context=64),
     # ~1.85M params: the default CPU job.
     "small": GPTConfig(n_layer=4, n_head=6, d_model=192, context=128),
+    # ~4.8M params: the "larger LM" of benchmarks/quality.py (2.6x small, deeper and wider).
+    "base": GPTConfig(n_layer=6, n_head=8, d_model=256, context=128),
     # ~19M params.
     "medium": GPTConfig(n_layer=6, n_head=8, d_model=512, context=256),
     # GPT-2 (124M) shape; ~86M params with the 256-entry byte vocabulary.

@@ -7,6 +7,7 @@ clipping, ZeRO-2 CPU offload, ZeRO-3 with zero.Init and several sub-groups, the 
 path through ``gefen_dist.integrations.deepspeed.initialize``); the factored second moment
 (``second_moment="factored"``) under ZeRO-1, ZeRO-2, ZeRO-2 CPU offload and ZeRO-3 against
 ``Gefen(second_moment="factored", fused=False)``, with cut rows' ``v_row`` identical on both ranks;
+the per-element second moment (``second_moment="elementwise"``: period 1 everywhere) under ZeRO-2;
 bit-identical resume and ``zero_to_fp32`` for ZeRO-2 and ZeRO-3 (and ZeRO-3 factored); bf16 through
 ZeRO-2 and the BF16_Optimizer (shared and factored); the refusals. fp16 loss-scale skips are tested
 in tests/test_deepspeed_fp16.py (the CPU accelerator's fp16 capability check patched in the worker).
@@ -31,7 +32,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("z1,z2,z2clip,z2off,z2client,z3,z2f,z3f,ck2,ck3,ck3f,bf16,bf16opt,refuse,fp16,"
-         "z1f,z2offf,bf16optf,ucsave:ucz2,ucsave:ucz3f,adamsave")
+         "z1f,z2offf,bf16optf,z2e,ucsave:ucz2,ucsave:ucz3f,adamsave")
 CASES_WS1 = "ucload:ucz2,ucload:ucz3f,wserr,adamwarm:shared,adamwarm:factored"
 CASES_WS3 = "ucload:ucz2,ucload:ucz3f,wserr,adamwarm:factored"
 

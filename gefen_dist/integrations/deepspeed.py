@@ -171,10 +171,6 @@ class Gefen(_opt_mod.Gefen):
         fs = self._ds_flats[id(flat)]
         st = self.state.get(flat)
         factored = group.get("second_moment", "shared") == "factored"
-        if group.get("second_moment") == "elementwise":
-            raise ValueError('second_moment="elementwise" is not supported under DeepSpeed yet (its flat-partition '
-                             'layout learns periods separately); use "factored" or "shared" for this param group, or '
-                             "train with FSDP2, DDP or ZeroGefen")
         if st and "idx" not in st:
             raise LayoutError(
                 f"{fs.where}: the optimizer state holds {sorted(st)[:4]} (Adam-shaped state put there by "
@@ -193,7 +189,8 @@ class Gefen(_opt_mod.Gefen):
         if grad.dtype != torch.float32:
             grad = grad.float()
         if fs.needs_learning(st):
-            counts = fs.learn(st, grad, codebook_needed=self.codebook is None)
+            counts = fs.learn(st, grad, codebook_needed=self.codebook is None,
+                              elementwise=group.get("second_moment") == "elementwise")
             if counts is not None:
                 res = counts_to_codebook(counts)
                 self.codebook = res.codebook.to(device=flat.device, dtype=torch.float32)

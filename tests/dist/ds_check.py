@@ -27,6 +27,7 @@ from gefen_dist.comm import LocalComm  # noqa: E402
 CFG_DIR = os.path.join(REPO, "integrations", "deepspeed")
 MB = 4  # micro batch per rank
 FACTORED = {"optimizer.params.second_moment": "factored"}
+ELEMENTWISE = {"optimizer.params.second_moment": "elementwise"}
 COLS = torch.linspace(0.2, 3.0, 95)  # column scales: gives the weight gradients a period
 
 
@@ -104,7 +105,7 @@ def train(engine, steps, ga, start=0, dtype=torch.float32):
 def reference(steps, ga, lrs, clip, per_micro=False, second_moment="shared"):
     torch.manual_seed(0)
     m = Net()
-    kw = dict(second_moment="factored", fused=False) if second_moment == "factored" else dict(second_moment="shared")
+    kw = dict(second_moment="factored", fused=False) if second_moment == "factored" else dict(second_moment=second_moment)
     opt = PlainGefen(groups(m), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, **kw)
     opt._comm = LocalComm()  # single-process oracle
     ws = dist.get_world_size()
@@ -168,6 +169,8 @@ def make_engine(cfg, zinit=False, client=False):
 def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="shared"):
     opt = engine.basic_optimizer if hasattr(engine, "basic_optimizer") else engine.optimizer
     assert isinstance(opt, gds.Gefen), type(opt)
+    if second_moment == "elementwise":  # period 1 everywhere, no detection
+        assert set(opt.periods().values()) - {0} == {1}, (case, opt.periods())  # 0: the exact small tensors
     ref, ref_opt = reference(steps, ga, lrs, clip, per_micro=stage >= 2, second_moment=second_moment)
     assert opt.codebook is not None
     if not torch.equal(opt.codebook.cpu(), ref_opt.codebook):
@@ -663,6 +666,8 @@ def main():
                        **{"zero_optimization.sub_group_size": 7000})
         elif c == "z2f":  # factored second moment (row/column cut by the partition edge)
             case_exact("zero2 factored", "gefen_zero2.json", 2, gradient_clipping=0.0, **FACTORED)
+        elif c == "z2e":  # per-element second moment (period 1 in the shared layout)
+            case_exact("zero2 elementwise", "gefen_zero2.json", 2, gradient_clipping=0.0, **ELEMENTWISE)
         elif c == "z3f":
             case_exact("zero3 factored+zero.Init+sub_group_size", "gefen_zero3.json", 3, zinit=True,
                        **{"zero_optimization.sub_group_size": 7000}, **FACTORED)
