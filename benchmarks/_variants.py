@@ -22,6 +22,11 @@ decoupled weight decay) to the parent class:
   uses its group's column profile (``v_row[i] * C_k[j] / mean(C_k)``). Costs K x cols floats per
   tensor. Single-process (the ranking is over the local rows); ``v_override`` accepts
   ``"grouped"`` too.
+* ``second_moment_mode="factored_clamp"``: the factored estimate raised, per element, to the two
+  lower bounds every per-element EMA ``v`` obeys: ``v_t >= (1 - b2) g_t^2`` and (Cauchy-Schwarz on
+  the two EMAs, zero-initialised) ``v_t >= kappa_t m_t^2`` with ``kappa_t = (1 - b2) / ((1 - b1)^2
+  sum_{k<t} (b1^2 / b2)^k)`` (5 at t = 1, 0.737 for large t at betas (0.9, 0.95)), ``m_t`` the
+  (quantized) first moment used in the update. No extra state: the normalised update can no longer exceed what AdamW's can.
 * ``codebook_refresh=N``: every N steps, re-learn the codebook from the histogram of the current
   (pre-rounding) normalised first moments and re-encode every index into the new codebook (the
   end codewords stay at -1/+1, so the absmax scales are unchanged).
@@ -60,6 +65,15 @@ def stochastic_codeword(z: torch.Tensor, codebook: torch.Tensor, gen: torch.Gene
     return out.to(torch.uint8)
 
 
+def ema_kappa(b1: float, b2: float, t: int) -> float:
+    """The largest ``kappa`` with ``v_t >= kappa * m_t^2`` for every gradient sequence, where m and
+    v are zero-initialised EMAs (``m_t = b1 m + (1-b1) g``, ``v_t = b2 v + (1-b2) g^2``): by
+    Cauchy-Schwarz, ``m_t^2 <= (1-b1)^2 / (1-b2) * sum_{k<t} (b1^2/b2)^k * v_t`` (equality at t = 1)."""
+    r = b1 * b1 / b2
+    horizon = (1.0 - r ** t) / (1.0 - r) if r != 1.0 else float(t)
+    return (1.0 - b2) / ((1.0 - b1) ** 2 * horizon)
+
+
 class GefenVariant(Gefen):
     def __init__(self, params, *args, first_moment: str = "quant", second_moment_mode: Optional[str] = None,
                  period_rule: str = "paper", rounding: str = "nearest", codebook_refresh: int = 0,
@@ -69,10 +83,10 @@ class GefenVariant(Gefen):
         assert rounding in ("nearest", "stochastic")
         self.first_moment = first_moment
         self.v_mode = second_moment_mode or kw.get("second_moment", "shared")
-        assert self.v_mode in ("shared", "factored", "exact", "grouped")
+        assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp")
         if self.v_mode in ("shared", "factored"):
             kw["second_moment"] = self.v_mode  # explicit: the library default is "factored"
-        if self.v_mode == "grouped" or "grouped" in (v_override or {}).values():
+        if self.v_mode in ("grouped", "factored_clamp") or "grouped" in (v_override or {}).values():
             kw["second_moment"] = "factored"  # v_row / v_col come from the parent's factored layout
         self.v_groups = int(v_groups)
         # "exact": the library default's layout (periods, scale blocks), with this class's own
@@ -152,7 +166,7 @@ class GefenVariant(Gefen):
     def _update(self, group, p, col_mean_sq=None):
         st = self.state[p]
         v_mode = self.v_override.get(id(p), self.v_mode)
-        default = (self.first_moment == "quant" and self.v_mode not in ("exact", "grouped")
+        default = (self.first_moment == "quant" and self.v_mode not in ("exact", "grouped", "factored_clamp")
                    and self.rounding == "nearest"
                    and not self.codebook_refresh and id(p) not in self.v_override)
         if default or "exp_avg" in st or not st.get("learned", 1):
@@ -193,8 +207,19 @@ class GefenVariant(Gefen):
             mc = float(v_col.mean())
             fallback = (v_col / mc) if mc > 0 else torch.zeros_like(v_col)
             ratio = torch.where(mg > 0, prof / torch.where(mg > 0, mg, torch.ones_like(mg)), fallback.unsqueeze(0))
-            denom = (v_row.unsqueeze(1) * ratio).sqrt_().div_(math.sqrt(bc2)).add_(eps)
+            denom = (v_row.sqrt().unsqueeze(1) * ratio.sqrt_()).div_(math.sqrt(bc2)).add_(eps)
             sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
+        elif v_mode == "factored_clamp":  # sigma is formed after the first moment, below
+            v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
+            slab = v_col.numel()
+            v_col.mul_(b2).add_(col_mean_sq, alpha=1.0 - b2)
+            g2 = (g * g).view(-1, slab)
+            v_row.mul_(b2).add_(g2.mean(dim=1), alpha=1.0 - b2)
+            mc = float(v_col.mean())
+            col_f = (v_col / mc).sqrt() if mc > 0 else torch.zeros_like(v_col)
+            vhat = (v_row.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).square_().view(-1)
+            vhat = torch.maximum(vhat, g2.view(-1) * (1.0 - b2))
+            sigma = None
         else:  # factored (Adafactor estimator, as gefen_dist.core.step)
             v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
             slab = v_col.numel()
@@ -231,6 +256,10 @@ class GefenVariant(Gefen):
                 new = nearest_codeword(z, cb)
             ix.copy_(new)
             q = (cb[new.long()] * a).view(-1)
+        if sigma is None:  # factored_clamp: v >= kappa m^2 (Cauchy-Schwarz on the two EMAs)
+            kappa = ema_kappa(b1, b2, t)
+            vhat = torch.maximum(vhat, q.view(-1).square() * kappa)
+            sigma = (vhat.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)
         pf = param.view(-1)
         if wd != 0.0:
             pf.mul_(1.0 - lr * wd)

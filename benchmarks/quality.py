@@ -193,6 +193,9 @@ VARIANTS = {
                    _variant(second_moment_mode="grouped", v_groups=4)),
     "j_grouped4_emb": ("(j) factored, 4 column profiles for the embeddings only (wte = LM head, wpe)",
                        _variant_emb("grouped", second_moment_mode="factored", v_groups=4)),
+    # (k) the factored estimate raised to the per-element EMA's own lower bounds (no extra state)
+    "k_factored_clamp": ("(k) factored, raised per element to (1-b2) g^2 and kappa m^2 (bounds every "
+                         "per-element EMA v obeys; no extra state)", _variant(second_moment_mode="factored_clamp")),
     "i_emb_elementwise": ("(i) gefen_dist Gefen, default (factored) with second_moment='elementwise' for the "
                           "embeddings' param group (wte = LM head, wpe): the option that trades memory for quality",
                           _gefen_emb("elementwise")),
@@ -660,7 +663,8 @@ def report(args, lm_cfg, dg_cfg) -> None:
             md.append(f"Parameters: {runs[next(k for k in runs if k[0] == w)]['result']['params']:,}.")
         sp = _seed_spread(rows)
         if sp is not None:
-            md.append(f"AdamW seed-to-seed spread (max - min over mean): {sp:.2f}%.\n")
+            md.append(f"AdamW seed-to-seed spread (max - min over mean): {sp:.2f}%.")
+        md.append("")
         md.append(table_md([r for r in rows if r["variant"] in HEADLINE], w))
         abl = [r for r in rows if r["variant"] not in HEADLINE and r["variant"] not in PEERS]
         if abl:

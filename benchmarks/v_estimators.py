@@ -13,6 +13,9 @@ elements), compares AdamW's ``exp_avg_sq`` v with estimates built from v itself:
   moment with period B).
 * ``fac*blk{B}``: the factored estimate times a per-block correction (the block's mean of v over
   the estimate).
+* ``grp{K}``: the factored estimate with K column profiles: rows ranked by their mean of v and
+  split into K equal quantile groups, each group factored on its own (``r_i c^k_j / mean(c^k)``,
+  ``c^k`` the column means over the group's rows): the ``(j)`` variants of benchmarks/quality.py.
 
 The number is the mean over elements of ``|log2(sigma_hat / sigma)|`` with ``sigma = 1/sqrt(v)``: how
 many doublings the estimator's per-element step size is off, on average (0 = exact; 0.5 = off by
@@ -39,6 +42,7 @@ import quality as Q  # noqa: E402
 from _docs import splice  # noqa: E402
 
 BLOCKS = (8, 32, 64)
+GROUPS = (4,)
 
 
 def estimates(v: torch.Tensor) -> dict:
@@ -47,6 +51,12 @@ def estimates(v: torch.Tensor) -> dict:
     fac = r * c / c.mean()
     out = {"factored": fac, "row": r.expand_as(v), "col": c.expand_as(v)}
     R, C = v.shape
+    for k in GROUPS:
+        e = torch.empty_like(v)
+        for rows in r.reshape(-1).argsort().chunk(k):  # k quantile groups of rows by their mean v
+            ck = v[rows].mean(0, keepdim=True)
+            e[rows] = r[rows] * ck / ck.mean()
+        out[f"grp{k}"] = e
     for b in BLOCKS:
         if C % b:
             continue
