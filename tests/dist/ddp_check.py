@@ -15,6 +15,7 @@ nodes with 1 rank each must print the same digest.
 within the process group's 30 s timeout.
 """
 import argparse
+import gc
 import hashlib
 import os
 import sys
@@ -134,8 +135,15 @@ def main():
         run_mismatch(rank, ws)
     dist.barrier()
     log(f"ALL OK ddp_check ws={ws}")
-    dist.barrier()  # destroying a gloo group while a peer still uses it aborts the peer
+    # free the DDP reducers (they hold gloo work objects) before the group goes, then meet: destroying
+    # a gloo group while a peer still uses it aborts the peer ("terminate called without an active
+    # exception", seen 1 in ~10 CI runs); leave without C++ static destructors racing gloo's threads
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
