@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _teardown import leave
 from torch import nn
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
@@ -341,8 +342,7 @@ def main():
     {"save": mode_save, "load": mode_load}[mode](out, rank, ws)
     dist.barrier()
     log(f"ALL OK {mode} ws={ws} ({time.time() - t0:.1f}s)")
-    dist.barrier()  # destroying a gloo group while a peer still uses it aborts the peer
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

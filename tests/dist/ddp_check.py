@@ -15,7 +15,6 @@ nodes with 1 rank each must print the same digest.
 within the process group's 30 s timeout.
 """
 import argparse
-import gc
 import hashlib
 import os
 import sys
@@ -24,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _teardown import leave
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -135,15 +135,7 @@ def main():
         run_mismatch(rank, ws)
     dist.barrier()
     log(f"ALL OK ddp_check ws={ws}")
-    # free the DDP reducers (they hold gloo work objects) before the group goes, then meet: destroying
-    # a gloo group while a peer still uses it aborts the peer ("terminate called without an active
-    # exception", seen 1 in ~10 CI runs); leave without C++ static destructors racing gloo's threads
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()  # seen aborting in gloo teardown after ALL OK (1 in ~10 CI runs) before it
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from _teardown import leave
 from torch import nn
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
@@ -119,12 +120,7 @@ def main():
         check_refusals(mesh, rank)
     if args.nonfinite:
         check_nonfinite(m, opt, rank, ws)
-    # meet on every group of the mesh, then on WORLD, before any group is destroyed: gloo aborts a
-    # rank ("terminate called without an active exception") whose peer tears down a group it still uses
-    for d in range(mesh.ndim):
-        dist.barrier(group=mesh.get_group(d))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(*(mesh.get_group(d) for d in range(mesh.ndim)))
 
 
 def check_nonfinite(m, opt, rank, ws):

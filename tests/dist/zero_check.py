@@ -24,6 +24,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from _teardown import leave
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -370,8 +371,7 @@ def main():
         log("  checkpoint 2 -> 3: ZeroGefen at 3 ranks resumes bitwise equal to the uninterrupted run")
     empty_rank_cases()
     log(f"ZERO_CHECK_OK phase={args.phase} bitwise={all_exact}")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":
