@@ -20,8 +20,7 @@ decoupled weight decay) to the parent class:
   instead of one. Every step the rows are ranked by their ``v_row`` and split into K equal
   quantile groups; each group keeps an EMA of its rows' column sums of g^2, and a row's step size
   uses its group's column profile (``v_row[i] * C_k[j] / mean(C_k)``). Costs K x cols floats per
-  tensor. Single-process (the ranking is over the local rows); ``v_override`` accepts
-  ``"grouped"`` too.
+  tensor. Single-process (the ranking is over the local rows).
 * ``second_moment_mode="factored_clamp"``: the factored estimate raised, per element, to the two
   lower bounds every per-element EMA ``v`` obeys: ``v_t >= (1 - b2) g_t^2`` and (Cauchy-Schwarz on
   the two EMAs, zero-initialised) ``v_t >= kappa_t m_t^2`` with ``kappa_t = (1 - b2) / ((1 - b1)^2
@@ -86,7 +85,7 @@ class GefenVariant(Gefen):
         assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp")
         if self.v_mode in ("shared", "factored"):
             kw["second_moment"] = self.v_mode  # explicit: the library default is "factored"
-        if self.v_mode in ("grouped", "factored_clamp") or "grouped" in (v_override or {}).values():
+        if self.v_mode in ("grouped", "factored_clamp"):
             kw["second_moment"] = "factored"  # v_row / v_col come from the parent's factored layout
         self.v_groups = int(v_groups)
         # "exact": the library default's layout (periods, scale blocks), with this class's own
@@ -95,7 +94,7 @@ class GefenVariant(Gefen):
         self.rounding = rounding
         self.codebook_refresh = int(codebook_refresh)
         self.v_override = dict(v_override or {})
-        assert set(self.v_override.values()) <= {"exact", "row", "grouped"}
+        assert set(self.v_override.values()) <= {"exact", "row"}
         self.seed = int(seed)
         self._refresh_counts: Optional[torch.Tensor] = None
         self.refreshes = 0
@@ -163,6 +162,16 @@ class GefenVariant(Gefen):
                 st["codebook"] = new
         self.refreshes += 1
 
+    @staticmethod
+    def _factored_ema(st, g, col_mean_sq, b2):
+        """Advance the factored layout's EMAs (``v_col`` by the column means of g^2, all-reduced by
+        the parent; ``v_row`` by the local row means); returns v_row, v_col and g^2 as [rows, cols]."""
+        v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
+        v_col.mul_(b2).add_(col_mean_sq, alpha=1.0 - b2)
+        g2 = (g * g).view(-1, v_col.numel())
+        v_row.mul_(b2).add_(g2.mean(dim=1), alpha=1.0 - b2)
+        return v_row, v_col, g2
+
     def _update(self, group, p, col_mean_sq=None):
         st = self.state[p]
         v_mode = self.v_override.get(id(p), self.v_mode)
@@ -192,11 +201,7 @@ class GefenVariant(Gefen):
             sb = (v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)
             sigma = sb.repeat_interleave(P)
         elif v_mode == "grouped":
-            v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
-            slab = v_col.numel()
-            v_col.mul_(b2).add_(col_mean_sq, alpha=1.0 - b2)
-            g2 = (g * g).view(-1, slab)
-            v_row.mul_(b2).add_(g2.mean(dim=1), alpha=1.0 - b2)
+            v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
             K, R = st["v_colg"].shape[0], v_row.numel()
             grp = torch.empty(R, dtype=torch.long, device=g.device)
             grp[v_row.argsort()] = torch.arange(R, device=g.device) * K // R  # K equal quantile groups
@@ -210,22 +215,14 @@ class GefenVariant(Gefen):
             denom = (v_row.sqrt().unsqueeze(1) * ratio.sqrt_()).div_(math.sqrt(bc2)).add_(eps)
             sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
         elif v_mode == "factored_clamp":  # sigma is formed after the first moment, below
-            v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
-            slab = v_col.numel()
-            v_col.mul_(b2).add_(col_mean_sq, alpha=1.0 - b2)
-            g2 = (g * g).view(-1, slab)
-            v_row.mul_(b2).add_(g2.mean(dim=1), alpha=1.0 - b2)
+            v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
             mc = float(v_col.mean())
             col_f = (v_col / mc).sqrt() if mc > 0 else torch.zeros_like(v_col)
             vhat = (v_row.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).square_().view(-1)
             vhat = torch.maximum(vhat, g2.view(-1) * (1.0 - b2))
             sigma = None
         else:  # factored (Adafactor estimator, as gefen_dist.core.step)
-            v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
-            slab = v_col.numel()
-            v_col.mul_(b2).add_(col_mean_sq, alpha=1.0 - b2)
-            g2 = g.view(-1, slab)
-            v_row.mul_(b2).add_((g2 * g2).mean(dim=1), alpha=1.0 - b2)
+            v_row, v_col, _ = self._factored_ema(st, g, col_mean_sq, b2)
             mc = float(v_col.mean())
             col_f = (v_col / mc).sqrt() if mc > 0 else torch.zeros_like(v_col)
             denom = (v_row.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).div_(math.sqrt(bc2)).add_(eps)

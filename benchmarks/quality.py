@@ -191,8 +191,6 @@ VARIANTS = {
     # (j) the factored estimate with K column profiles (rows grouped by v_row quantile)
     "j_grouped4": ("(j) factored with 4 column profiles, rows grouped by v_row quantile (all tensors)",
                    _variant(second_moment_mode="grouped", v_groups=4)),
-    "j_grouped4_emb": ("(j) factored, 4 column profiles for the embeddings only (wte = LM head, wpe)",
-                       _variant_emb("grouped", second_moment_mode="factored", v_groups=4)),
     # (k) the factored estimate raised to the per-element EMA's own lower bounds (no extra state)
     "k_factored_clamp": ("(k) factored, raised per element to (1-b2) g^2 and kappa m^2 (bounds every "
                          "per-element EMA v obeys; no extra state)", _variant(second_moment_mode="factored_clamp")),
