@@ -603,3 +603,38 @@ def test_native_column_sumsq(rows, slab, dtype):
     mask = torch.ones(slab, dtype=torch.bool)
     mask[[slab // 3, slab - 1]] = False
     assert bool(torch.isfinite(out[mask]).all())
+
+
+def test_step_floor_loops_move_their_bytes():
+    """benchmarks/step_floor.py's memory-floor loops (benchmarks/csrc/stream_floor.c) do the work
+    they claim on every element, at one and two threads: a floor that skipped elements (or that
+    the compiler folded away) would report a bandwidth the machine does not have."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_floor.py"
+    spec = importlib.util.spec_from_file_location("step_floor", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    lib = mod.load_floor()
+    n = 100_003  # not a multiple of the thread ranges' 64-element rounding
+    gen = torch.Generator().manual_seed(0)
+    for nt in (1, 2):
+        p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        idx = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        p0, idx0 = p.clone(), idx.clone()
+        lib.floor_gefen(p.data_ptr(), g.data_ptr(), idx.data_ptr(), n, 0.5, 0.25, nt)
+        torch.testing.assert_close(p, p0 * 0.5 - 0.25 * g, rtol=1e-6, atol=1e-7)
+        assert torch.equal(idx, (idx0.to(torch.int32) + 1).remainder(256).to(torch.uint8))
+        bits = g.view(torch.int32)
+        want = 0
+        for b in bits.tolist():
+            want |= b & 0xFFFFFFFF
+        assert lib.floor_read(g.data_ptr(), n, nt) == want
+        m, v = torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+        p0, m0, v0 = p.clone(), m.clone(), v.clone()
+        lib.floor_adamw(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, 0.1, 0.05, 0.01, nt)
+        m1 = m0 + 0.1 * (g - m0)
+        torch.testing.assert_close(m, m1, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(v, v0 + 0.05 * (g * g - v0), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p, p0 - 0.01 * m1, rtol=1e-6, atol=1e-7)
