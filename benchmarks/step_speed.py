@@ -72,10 +72,6 @@ from _docs import splice  # noqa: E402  (benchmarks/ is on sys.path when run as 
 HP = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
-
-
-
-
 def demo_codebook() -> torch.Tensor:
     """The optimal codebook of a bell-shaped histogram (what training produces, roughly)."""
     import numpy as np
