@@ -25,7 +25,8 @@ decoupled weight decay) to the parent class:
   lower bounds every per-element EMA ``v`` obeys: ``v_t >= (1 - b2) g_t^2`` and (Cauchy-Schwarz on
   the two EMAs, zero-initialised) ``v_t >= kappa_t m_t^2`` with ``kappa_t = (1 - b2) / ((1 - b1)^2
   sum_{k<t} (b1^2 / b2)^k)`` (5 at t = 1, 0.737 for large t at betas (0.9, 0.95)), ``m_t`` the
-  (quantized) first moment used in the update. No extra state: the normalised update can no longer exceed what AdamW's can.
+  (quantized) first moment used in the update. No extra state: the normalised update can no
+  longer exceed what AdamW's can.
 * ``codebook_refresh=N``: every N steps, re-learn the codebook from the histogram of the current
   (pre-rounding) normalised first moments and re-encode every index into the new codebook (the
   end codewords stay at -1/+1, so the absmax scales are unchanged).
