@@ -27,6 +27,15 @@ decoupled weight decay) to the parent class:
   sum_{k<t} (b1^2 / b2)^k)`` (5 at t = 1, 0.737 for large t at betas (0.9, 0.95)), ``m_t`` the
   (quantized) first moment used in the update. No extra state: the normalised update can no
   longer exceed what AdamW's can.
+* ``second_moment_mode="sm3"``: SM3-II's cover (Anil, Gupta, Koren, Singer 2019) with an EMA, on the
+  factored layout's row and column vectors: per element ``nu = b2 min(R_i, C_j) + (1 - b2) g^2``
+  (a temporary), then ``R_i = max_j nu``, ``C_j = max_i nu``. By induction ``nu >= v`` of
+  the per-element EMA, so every step is at most AdamW's, never larger (the factored estimate errs
+  both ways). Same state as factored. Single-process (the maxima are over the local tensor).
+* ``codebook_scope="tensor"``: each quantized tensor learns its own 256-entry codebook, by the same
+  exact DP, from the histogram of its own first gradient (the library learns one codebook from the
+  histogram of all of them, D4). Tensors whose first gradient is zero everywhere keep the global
+  codebook. Costs 1 KiB per tensor.
 * ``codebook_refresh=N``: every N steps, re-learn the codebook from the histogram of the current
   (pre-rounding) normalised first moments and re-encode every index into the new codebook (the
   end codewords stay at -1/+1, so the absmax scales are unchanged).
@@ -77,16 +86,19 @@ def ema_kappa(b1: float, b2: float, t: int) -> float:
 class GefenVariant(Gefen):
     def __init__(self, params, *args, first_moment: str = "quant", second_moment_mode: Optional[str] = None,
                  period_rule: str = "paper", rounding: str = "nearest", codebook_refresh: int = 0,
-                 seed: int = 0, v_override: Optional[dict] = None, v_groups: int = 4, **kw):
+                 seed: int = 0, v_override: Optional[dict] = None, v_groups: int = 4,
+                 codebook_scope: str = "global", **kw):
         assert first_moment in ("quant", "fp32")
+        assert codebook_scope in ("global", "tensor")
+        self.codebook_scope = codebook_scope
         assert period_rule in ("paper", "row", "one")
         assert rounding in ("nearest", "stochastic")
         self.first_moment = first_moment
         self.v_mode = second_moment_mode or kw.get("second_moment", "shared")
-        assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp")
+        assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp", "sm3")
         if self.v_mode in ("shared", "factored"):
             kw["second_moment"] = self.v_mode  # explicit: the library default is "factored"
-        if self.v_mode in ("grouped", "factored_clamp"):
+        if self.v_mode in ("grouped", "factored_clamp", "sm3"):
             kw["second_moment"] = "factored"  # v_row / v_col come from the parent's factored layout
         self.v_groups = int(v_groups)
         # "exact": the library default's layout (periods, scale blocks), with this class's own
@@ -115,6 +127,24 @@ class GefenVariant(Gefen):
         if self.period_rule == "row":
             return [_periods.row_slab(pc.shape) for _, pc in live]
         return [1 for _ in live]
+
+    # ---------------------------------------------------------------- codebook
+    def _learn_codebook(self, live, t_periods):
+        super()._learn_codebook(live, t_periods)
+        if self.codebook_scope != "tensor":
+            return
+        from gefen_dist.core.codebook import solve_codebook
+
+        for p, pc in live:
+            st = self.state[p]
+            counts = torch.zeros(NUM_BINS, dtype=torch.int64)
+            if pc.contributes and pc.grad is not None and pc.grad.numel():
+                block_histogram(pc.grad, st["scale_block"], out=counts)
+            self._comm.all_reduce_sum_(counts)
+            if int(counts.sum()) == 0:
+                continue
+            dev = local_tensor(st["idx"]).device
+            st["codebook"] = solve_codebook(counts.numpy()).codebook.to(device=dev, dtype=torch.float32)
 
     # ---------------------------------------------------------------- state
     def _alloc(self, p, piece, geo, *, learned, step=0):
@@ -176,9 +206,10 @@ class GefenVariant(Gefen):
     def _update(self, group, p, col_mean_sq=None):
         st = self.state[p]
         v_mode = self.v_override.get(id(p), self.v_mode)
-        default = (self.first_moment == "quant" and self.v_mode not in ("exact", "grouped", "factored_clamp")
+        default = (self.first_moment == "quant" and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3")
                    and self.rounding == "nearest"
-                   and not self.codebook_refresh and id(p) not in self.v_override)
+                   and not self.codebook_refresh and id(p) not in self.v_override
+                   and self.codebook_scope == "global")
         if default or "exp_avg" in st or not st.get("learned", 1):
             return super()._update(group, p, col_mean_sq)
         st["step"] += 1
@@ -215,6 +246,13 @@ class GefenVariant(Gefen):
             ratio = torch.where(mg > 0, prof / torch.where(mg > 0, mg, torch.ones_like(mg)), fallback.unsqueeze(0))
             denom = (v_row.sqrt().unsqueeze(1) * ratio.sqrt_()).div_(math.sqrt(bc2)).add_(eps)
             sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
+        elif v_mode == "sm3":
+            v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
+            g2 = (g * g).view(-1, v_col.numel())
+            nu = torch.minimum(v_row.unsqueeze(1), v_col.unsqueeze(0)).mul_(b2).add_(g2, alpha=1.0 - b2)
+            v_row.copy_(nu.amax(dim=1))
+            v_col.copy_(nu.amax(dim=0))
+            sigma = (nu.sqrt_().div_(math.sqrt(bc2))).add_(eps).reciprocal_().mul_(1.0 / bc1).view(-1)
         elif v_mode == "factored_clamp":  # sigma is formed after the first moment, below
             v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
             mc = float(v_col.mean())

@@ -194,6 +194,9 @@ VARIANTS = {
     # (k) the factored estimate raised to the per-element EMA's own lower bounds (no extra state)
     "k_factored_clamp": ("(k) factored, raised per element to (1-b2) g^2 and kappa m^2 (bounds every "
                          "per-element EMA v obeys; no extra state)", _variant(second_moment_mode="factored_clamp")),
+    # (l) SM3-II's cover of the per-element v (an upper bound: steps never larger than AdamW's)
+    "l_sm3": ("(l) SM3 cover on the factored layout's row/column vectors: v_hat = b2 min(R_i, C_j) + "
+              "(1-b2) g^2 >= AdamW's v per element (same state as factored)", _variant(second_moment_mode="sm3")),
     "i_emb_elementwise": ("(i) gefen_dist Gefen, default (factored) with second_moment='elementwise' for the "
                           "embeddings' param group (wte = LM head, wpe): the option that trades memory for quality",
                           _gefen_emb("elementwise")),
@@ -201,6 +204,8 @@ VARIANTS = {
     "e_refresh100": ("(e) shared, codebook re-learned every 100 steps", _variant(codebook_refresh=100)),
     "e_factored_refresh100": ("(e) factored, codebook re-learned every 100 steps",
                               _variant(second_moment_mode="factored", codebook_refresh=100)),
+    "e_factored_cb_tensor": ("(e) factored, one codebook per tensor (each learned from its own first gradient)",
+                             _variant(second_moment_mode="factored", codebook_scope="tensor")),
     # (f) rounding
     "f_stochastic": ("(f) shared, stochastic rounding (seeded per step and tensor)", _variant(rounding="stochastic")),
     "f_factored_stochastic": ("(f) factored, stochastic rounding",

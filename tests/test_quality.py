@@ -156,3 +156,78 @@ def test_ema_kappa_is_a_tight_lower_bound():
                 assert abs(ratio - 1) < 1e-9
         assert worst > 0.5
     assert abs(ema_kappa(0.9, 0.95, 10**6) - 0.05 * (1 - 0.81 / 0.95) / 0.01) < 1e-12
+
+
+def test_per_tensor_codebook_variant():
+    """benchmarks/_variants.py's per-tensor codebook (the (e) ablation): each quantized tensor's
+    codebook is the DP's answer for its own first gradient's histogram; with one quantized tensor it
+    is the global codebook, and the run matches the library's."""
+    from gefen_dist.core.codebook import solve_codebook
+    from gefen_dist.core.quant import NUM_BINS, block_histogram
+
+    GefenVariant = _variants().GefenVariant
+
+    def run(model_fn, **kw):
+        torch.manual_seed(0)
+        model = model_fn()
+        opt = GefenVariant(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                           second_moment_mode="factored", **kw)
+        g = torch.Generator().manual_seed(3)
+        first = None
+        for _ in range(6):
+            x = torch.randn(32, 96, generator=g) * torch.linspace(0.1, 3.0, 96)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            if first is None:
+                first = {id(p): p.grad.clone() for p in model.parameters()}
+            opt.step()
+        return model, opt, first
+
+    two = lambda: nn.Sequential(nn.Linear(96, 128), nn.GELU(), nn.Linear(128, 64))  # noqa: E731
+    model, opt, first = run(two, codebook_scope="tensor")
+    cbs = []
+    for p in model.parameters():
+        st = opt.state[p]
+        if "idx" not in st:
+            continue
+        counts = torch.zeros(NUM_BINS, dtype=torch.int64)
+        block_histogram(first[id(p)], st["scale_block"], out=counts)
+        want = solve_codebook(counts.numpy()).codebook.float()
+        assert torch.equal(st["codebook"], want)
+        cbs.append(st["codebook"])
+    assert len(cbs) == 2 and not torch.equal(cbs[0], cbs[1])
+    assert not torch.equal(cbs[0], opt.codebook)  # the global one is learned from both
+
+    one = lambda: nn.Sequential(nn.Linear(96, 128), nn.GELU(), nn.Linear(128, 16, bias=False))  # noqa: E731
+    m_t, o_t, _ = run(one, codebook_scope="tensor")
+    m_g, o_g, _ = run(one)
+    q = [p for p in m_t.parameters() if "idx" in o_t.state[p]]
+    assert len(q) == 1 and torch.equal(o_t.state[q[0]]["codebook"], o_g.codebook)
+    for a, b in zip(m_g.parameters(), m_t.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sm3_variant_covers_the_per_element_second_moment():
+    """benchmarks/_variants.py's SM3 cover (the (l) ablation): after every step each element's
+    per-element EMA v is at most both its row's and its column's cover, so the step it takes is
+    never larger than AdamW's; and the covers sit strictly above the per-element v somewhere (a cover,
+    not a copy of it)."""
+    GefenVariant = _variants().GefenVariant
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 128, bias=False)
+    opt = GefenVariant(lin.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, second_moment_mode="sm3")
+    g = torch.Generator().manual_seed(3)
+    v = torch.zeros(128, 96, dtype=torch.float64)
+    for _ in range(12):
+        x = torch.randn(32, 96, generator=g) * torch.linspace(0.1, 3.0, 96)
+        opt.zero_grad()
+        (lin(x) ** 3).mean().backward()
+        v.mul_(0.95).add_(lin.weight.grad.double() ** 2, alpha=0.05)
+        opt.step()
+        st = opt.state[lin.weight]
+        rows, cols = st["v_row"].double().view(-1), st["v_col"].double()
+        assert rows.numel() * cols.numel() == v.numel()
+        vv = v.view(rows.numel(), cols.numel())
+        assert bool((vv <= rows.unsqueeze(1) * (1 + 1e-5)).all())
+        assert bool((vv <= cols.unsqueeze(0) * (1 + 1e-5)).all())
+    assert float((rows / vv.amax(dim=1)).max()) > 1.0  # a cover, not the per-element v itself
