@@ -13,8 +13,10 @@ decoupled weight decay) to the parent class:
   scale blocks of the largest divisor of the row <= 256).
 * ``rounding="stochastic"``: unbiased stochastic rounding between the two neighbouring codewords,
   with a generator seeded from (seed, step, tensor index) so every rank draws the same numbers.
-* ``v_override={id(param): "exact" | "row"}``: for those parameters only, a per-element float32
-  second moment (``"exact"``) or one shared second moment per dim-0 row (``"row"``), the others
+* ``v_override={id(param): "exact" | "row" | "sm3" | "grouped"}``: for those parameters only, a
+  per-element float32 second moment (``"exact"``), one shared second moment per dim-0 row
+  (``"row"``), or the SM3 cover or grouped estimate below (``"sm3"``, ``"grouped"``; with
+  ``second_moment_mode="factored"``), the others
   keeping ``second_moment_mode``: to locate which tensors a second-moment estimator costs loss on.
 * ``second_moment_mode="grouped"`` (``v_groups=K``): the factored estimate with K column profiles
   instead of one. Every step the rows are ranked by their ``v_row`` and split into K equal
@@ -107,7 +109,7 @@ class GefenVariant(Gefen):
         self.rounding = rounding
         self.codebook_refresh = int(codebook_refresh)
         self.v_override = dict(v_override or {})
-        assert set(self.v_override.values()) <= {"exact", "row"}
+        assert set(self.v_override.values()) <= {"exact", "row", "sm3", "grouped"}
         self.seed = int(seed)
         self._refresh_counts: Optional[torch.Tensor] = None
         self.refreshes = 0

@@ -188,6 +188,11 @@ VARIANTS = {
                               _variant_emb("exact", second_moment_mode="factored")),
     "h_factored_emb_rowv": ("(h) factored, but one v per row for the embeddings (wte = LM head, wpe)",
                             _variant_emb("row", second_moment_mode="factored")),
+    "h_factored_emb_sm3": ("(h) factored, but the SM3 cover (steps never larger than AdamW's) for the embeddings "
+                           "(wte = LM head, wpe); same state", _variant_emb("sm3", second_moment_mode="factored")),
+    "h_factored_emb_grouped4": ("(h) factored, but 4 column profiles (rows grouped by v_row quantile, as j_grouped4) "
+                                "for the embeddings only (wte = LM head, wpe)",
+                                _variant_emb("grouped", second_moment_mode="factored", v_groups=4)),
     # (j) the factored estimate with K column profiles (rows grouped by v_row quantile)
     "j_grouped4": ("(j) factored with 4 column profiles, rows grouped by v_row quantile (all tensors)",
                    _variant(second_moment_mode="grouped", v_groups=4)),
