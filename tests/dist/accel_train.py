@@ -19,6 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _teardown import leave  # noqa: E402
 from hf_common import Tokens, check, rank0_print, state_dtypes_ok, tiny_gpt2  # noqa: E402
 
 import torch  # noqa: E402
@@ -186,8 +187,9 @@ def main():
                 f"{SAVE + 1}-{STEPS} bitwise")
     acc.wait_for_everyone()
     rank0_print("ALL OK")
-    dist.barrier()
-    acc.end_training()  # destroys the process group
+    # not acc.end_training(): destroying the group and then running C++ static destructors at
+    # interpreter exit aborted rank 1 in gloo teardown after ALL OK once in CI (_teardown.py)
+    leave()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _teardown import leave  # noqa: E402
 from hf_common import Tokens, check, rank0_print, state_dtypes_ok, tiny_gpt2  # noqa: E402
 
 import torch  # noqa: E402
@@ -172,8 +173,7 @@ def main():
                 f"uninterrupted run, losses {lb[SAVE:]}")
     dist.barrier()
     rank0_print("ALL OK")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()  # barrier, destroy, exit without static destructors (_teardown.py)
 
 
 if __name__ == "__main__":
