@@ -91,11 +91,11 @@ class GefenVariant(Gefen):
                  seed: int = 0, v_override: Optional[dict] = None, v_groups: int = 4,
                  codebook_scope: str = "global", **kw):
         assert first_moment in ("quant", "fp32")
-        assert codebook_scope in ("global", "tensor")
-        self.codebook_scope = codebook_scope
         assert period_rule in ("paper", "row", "one")
         assert rounding in ("nearest", "stochastic")
+        assert codebook_scope in ("global", "tensor")
         self.first_moment = first_moment
+        self.codebook_scope = codebook_scope
         self.v_mode = second_moment_mode or kw.get("second_moment", "shared")
         assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp", "sm3")
         if self.v_mode in ("shared", "factored"):
