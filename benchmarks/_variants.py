@@ -38,6 +38,20 @@ decoupled weight decay) to the parent class:
   exact DP, from the histogram of its own first gradient (the library learns one codebook from the
   histogram of all of them, D4). Tensors whose first gradient is zero everywhere keep the global
   codebook. Costs 1 KiB per tensor.
+* ``second_moment_mode="factored_q4"``: the factored estimate times a per-element 4-bit correction,
+  i.e. a per-element EMA ``v`` stored as 4 bits relative to the factored estimate (rank-1
+  normalisation, as Li et al. 2023 do for their 4-bit ``v``): code ``c`` in 0..15 stands for
+  ``v = fact * 2^((c - 8) / 2)`` (half-doubling steps, ``2^-4``..``2^3.5`` around the factored
+  estimate ``fact = v_row[i] v_col[j] / mean(v_col)``). Each step rebuilds ``v_{t-1}`` from the codes
+  and the previous ``fact``, advances it exactly (``b2 v + (1 - b2) g^2``), steps with that value, and
+  stores it back by stochastic rounding between the two neighbouring levels with the probability
+  that keeps ``E[v]`` unbiased (so an EMA that decays by ``b2`` per step can still move between
+  levels). Costs 0.5 B/element (two codes per byte) on top of the factored layout.
+* ``first_moment="quant4"``: a 4-bit first moment: 16 codewords learned by the same exact DP from
+  the same global histogram of the first gradient (ends at -1 and +1), on the default scale
+  blocks, two indices per byte (0.5 B/element). With ``factored_q4`` the state is 1 B/element again,
+  the default's budget, with a per-element ``v``.
+* ``m_override={id(param): "quant4"}``: the 4-bit first moment for those parameters only.
 * ``codebook_refresh=N``: every N steps, re-learn the codebook from the histogram of the current
   (pre-rounding) normalised first moments and re-encode every index into the new codebook (the
   end codewords stay at -1/+1, so the absmax scales are unchanged).
@@ -76,6 +90,57 @@ def stochastic_codeword(z: torch.Tensor, codebook: torch.Tensor, gen: torch.Gene
     return out.to(torch.uint8)
 
 
+Q4_ZERO = 8  # the code for "v equals the factored estimate"
+
+
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes (uint8 values 0..15) per byte, the even element in the low nibble."""
+    c = codes.reshape(-1).to(torch.uint8)
+    if c.numel() % 2:
+        c = torch.cat([c, c.new_zeros(1)])
+    c = c.view(-1, 2)
+    return c[:, 0] | (c[:, 1] << 4)
+
+
+def unpack4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`pack4`: ``n`` codes (uint8) from ``ceil(n / 2)`` bytes."""
+    return torch.stack([packed & 15, packed >> 4], dim=1).view(-1)[:n]
+
+
+def q4_levels(codes: torch.Tensor, zero: int = Q4_ZERO, step: float = 0.5) -> torch.Tensor:
+    """The ratio ``2^((c - zero) * step)`` each 4-bit v code stands for (float32)."""
+    return torch.exp2((codes.float() - zero) * step)
+
+
+def q4_encode(ratio: torch.Tensor, gen: Optional[torch.Generator], zero: int = Q4_ZERO,
+              step: float = 0.5) -> torch.Tensor:
+    """Codes (uint8, 0..15) for ``ratio = v / fact`` (>= 0). With a generator: stochastic rounding
+    between the two neighbouring levels, unbiased in ``v`` inside the range; without one: the
+    nearest level in log scale. Clipped to the end levels outside the range."""
+    r = ratio.float()
+    x = torch.log2(r.clamp(min=2.0 ** -60)) / step + zero
+    if gen is None:
+        return torch.round(x).clamp_(0, 15).to(torch.uint8)
+    lo = torch.floor(x).clamp_(0, 15)
+    hi = (lo + 1).clamp_(max=15)
+    v_lo, v_hi = q4_levels(lo, zero, step), q4_levels(hi, zero, step)
+    gap = v_hi - v_lo
+    p = torch.where(gap > 0, (r - v_lo) / torch.where(gap > 0, gap, torch.ones_like(gap)),
+                    torch.zeros_like(r)).clamp_(0.0, 1.0)
+    u = torch.rand(r.shape, generator=gen, dtype=torch.float32)
+    return torch.where(u < p, hi, lo).to(torch.uint8)
+
+
+def nearest_codeword16(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """``nearest_codeword`` for a codebook of any length (the 4-bit first moment's 16 entries)."""
+    k = codebook.numel()
+    j = torch.searchsorted(codebook, z.contiguous(), right=False)
+    lo = (j - 1).clamp_(min=0)
+    hi = j.clamp_(max=k - 1)
+    take_hi = (z - codebook[hi]).abs() < (z - codebook[lo]).abs()
+    return torch.where(take_hi, hi, lo).to(torch.uint8)
+
+
 def ema_kappa(b1: float, b2: float, t: int) -> float:
     """The largest ``kappa`` with ``v_t >= kappa * m_t^2`` for every gradient sequence, where m and
     v are zero-initialised EMAs (``m_t = b1 m + (1-b1) g``, ``v_t = b2 v + (1-b2) g^2``): by
@@ -89,18 +154,19 @@ class GefenVariant(Gefen):
     def __init__(self, params, *args, first_moment: str = "quant", second_moment_mode: Optional[str] = None,
                  period_rule: str = "paper", rounding: str = "nearest", codebook_refresh: int = 0,
                  seed: int = 0, v_override: Optional[dict] = None, v_groups: int = 4,
-                 codebook_scope: str = "global", **kw):
-        assert first_moment in ("quant", "fp32")
+                 codebook_scope: str = "global", m_override: Optional[dict] = None,
+                 q4_zero: int = Q4_ZERO, q4_step: float = 0.5, q4_rounding: str = "stochastic", **kw):
+        assert first_moment in ("quant", "fp32", "quant4")
         assert period_rule in ("paper", "row", "one")
         assert rounding in ("nearest", "stochastic")
         assert codebook_scope in ("global", "tensor")
         self.first_moment = first_moment
         self.codebook_scope = codebook_scope
         self.v_mode = second_moment_mode or kw.get("second_moment", "shared")
-        assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp", "sm3")
+        assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp", "sm3", "factored_q4")
         if self.v_mode in ("shared", "factored"):
             kw["second_moment"] = self.v_mode  # explicit: the library default is "factored"
-        if self.v_mode in ("grouped", "factored_clamp", "sm3"):
+        if self.v_mode in ("grouped", "factored_clamp", "sm3", "factored_q4"):
             kw["second_moment"] = "factored"  # v_row / v_col come from the parent's factored layout
         self.v_groups = int(v_groups)
         # "exact": the library default's layout (periods, scale blocks), with this class's own
@@ -109,7 +175,12 @@ class GefenVariant(Gefen):
         self.rounding = rounding
         self.codebook_refresh = int(codebook_refresh)
         self.v_override = dict(v_override or {})
-        assert set(self.v_override.values()) <= {"exact", "row", "sm3", "grouped"}
+        assert set(self.v_override.values()) <= {"exact", "row", "sm3", "grouped", "factored_q4"}
+        self.m_override = dict(m_override or {})
+        assert set(self.m_override.values()) <= {"quant4"}
+        self.codebook16: Optional[torch.Tensor] = None
+        assert 0 <= q4_zero <= 15 and q4_step > 0 and q4_rounding in ("stochastic", "nearest")
+        self.q4_zero, self.q4_step, self.q4_rounding = int(q4_zero), float(q4_step), q4_rounding
         self.seed = int(seed)
         self._refresh_counts: Optional[torch.Tensor] = None
         self.refreshes = 0
@@ -133,6 +204,8 @@ class GefenVariant(Gefen):
     # ---------------------------------------------------------------- codebook
     def _learn_codebook(self, live, t_periods):
         super()._learn_codebook(live, t_periods)
+        if self.first_moment == "quant4" or self.m_override:
+            self._learn_codebook16(live)
         if self.codebook_scope != "tensor":
             return
         from gefen_dist.core.codebook import solve_codebook
@@ -148,6 +221,29 @@ class GefenVariant(Gefen):
             dev = local_tensor(st["idx"]).device
             st["codebook"] = solve_codebook(counts.numpy()).codebook.to(device=dev, dtype=torch.float32)
 
+    def _learn_codebook16(self, live):
+        """The 16-entry codebook of the 4-bit first moment: the same exact DP (ends forced to -1/+1)
+        on the same global histogram the 256-entry codebook is learned from."""
+        import numpy as np
+
+        from gefen_dist.core.codebook import bin_centres, dp_segments
+
+        counts = torch.zeros(NUM_BINS, dtype=torch.int64)
+        for p, pc in live:
+            if pc.contributes and pc.grad is not None and pc.grad.numel():
+                block_histogram(pc.grad, self.state[p]["scale_block"], out=counts)
+        self._comm.all_reduce_sum_(counts)
+        cnt = counts.numpy()
+        nz = np.flatnonzero(cnt)
+        if nz.size >= 16:
+            cb, _, _, _ = dp_segments(bin_centres()[nz], cnt[nz].astype(np.float64), 16)
+        else:  # degenerate first gradient: a uniform grid
+            cb = np.linspace(-1.0, 1.0, 16, dtype=np.float32)
+        self.codebook16 = torch.from_numpy(np.asarray(cb, dtype=np.float32).copy())
+        for p, _ in live:
+            if "idx4" in self.state[p]:
+                self.state[p]["codebook16"] = self.codebook16
+
     # ---------------------------------------------------------------- state
     def _alloc(self, p, piece, geo, *, learned, step=0):
         super()._alloc(p, piece, geo, learned=learned, step=step)
@@ -159,7 +255,14 @@ class GefenVariant(Gefen):
             st["m32"] = torch.zeros(tuple(piece.local.shape), dtype=torch.float32, device=dev)
             st["idx"] = torch.zeros(0, dtype=torch.uint8, device=dev)  # unused: not counted
             st["scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
+        if self.m_override.get(id(p), self.first_moment) == "quant4":
+            n = piece.local.numel()
+            st["idx"] = torch.zeros(0, dtype=torch.uint8, device=dev)  # replaced by the packed idx4
+            st["idx4"] = torch.zeros((n + 1) // 2, dtype=torch.uint8, device=dev)
         mode = self.v_override.get(id(p), self.v_mode)
+        if mode == "factored_q4":
+            assert "v_col" in st, "factored_q4 needs the factored layout"
+            st["vq"] = pack4(torch.full((piece.local.numel(),), self.q4_zero, dtype=torch.uint8, device=dev))
         if mode == "exact":
             st["v"] = torch.zeros(tuple(piece.local.shape), dtype=torch.float32, device=dev)
         elif mode == "row":
@@ -208,10 +311,11 @@ class GefenVariant(Gefen):
     def _update(self, group, p, col_mean_sq=None):
         st = self.state[p]
         v_mode = self.v_override.get(id(p), self.v_mode)
-        default = (self.first_moment == "quant" and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3")
+        default = (self.first_moment == "quant"
+                   and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3", "factored_q4")
                    and self.rounding == "nearest"
                    and not self.codebook_refresh and id(p) not in self.v_override
-                   and self.codebook_scope == "global")
+                   and id(p) not in self.m_override and self.codebook_scope == "global")
         if default or "exp_avg" in st or not st.get("learned", 1):
             return super()._update(group, p, col_mean_sq)
         st["step"] += 1
@@ -255,6 +359,24 @@ class GefenVariant(Gefen):
             v_row.copy_(nu.amax(dim=1))
             v_col.copy_(nu.amax(dim=0))
             sigma = (nu.sqrt_().div_(math.sqrt(bc2))).add_(eps).reciprocal_().mul_(1.0 / bc1).view(-1)
+        elif v_mode == "factored_q4":
+            v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
+            codes = unpack4(st["vq"], n).view(v_row.numel(), v_col.numel())
+            mc0 = float(v_col.mean())
+            fact0 = (v_row.unsqueeze(1) * v_col.unsqueeze(0) / mc0) if mc0 > 0 else torch.zeros_like(codes, dtype=torch.float32)
+            v_prev = fact0 * q4_levels(codes, self.q4_zero, self.q4_step)
+            v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
+            mc = float(v_col.mean())
+            fact = (v_row.unsqueeze(1) * v_col.unsqueeze(0) / mc) if mc > 0 else torch.zeros_like(g2)
+            v_new = v_prev.mul_(b2).add_(g2, alpha=1.0 - b2)
+            sigma = (v_new.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1).view(-1)
+            gen = None
+            if self.q4_rounding == "stochastic":
+                pid = self._pindex.setdefault(id(p), len(self._pindex))
+                gen = torch.Generator().manual_seed((self.seed * 1_000_003 + pid * 7919 + t * 31 + 17) % (2**63))
+            ratio = torch.where(fact > 0, v_new / torch.where(fact > 0, fact, torch.ones_like(fact)),
+                                torch.full_like(fact, 1.0))
+            st["vq"].copy_(pack4(q4_encode(ratio, gen, self.q4_zero, self.q4_step)))
         elif v_mode == "factored_clamp":  # sigma is formed after the first moment, below
             v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
             mc = float(v_col.mean())
@@ -273,6 +395,18 @@ class GefenVariant(Gefen):
             m = st["m32"].view(-1)
             m.lerp_(g, 1.0 - b1)
             q = m
+        elif "idx4" in st:
+            cb = st["codebook16"]
+            ix4 = unpack4(st["idx4"], n).view(-1, B)
+            sc = local_tensor(st["scale"]).view(-1, 1)
+            m = cb[ix4.long()] * sc
+            m.lerp_(g.view(-1, B), 1.0 - b1)
+            a = m.abs().amax(dim=1, keepdim=True)
+            sc.copy_(a)
+            z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
+            new = nearest_codeword16(z, cb)
+            st["idx4"].copy_(pack4(new))
+            q = (cb[new.long()] * a).view(-1)
         else:
             cb = st["codebook"]
             ix = local_tensor(st["idx"]).view(-1, B)

@@ -43,6 +43,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,13 +82,16 @@ def _variant(**kw):
     return make
 
 
-def _variant_emb(mode: str, **kw):
+def _variant_emb(mode: str, m_mode: Optional[str] = None, **kw):
     """A GefenVariant whose nn.Embedding weights (the GPT's wte, tied to the LM head, and wpe) get
-    the second moment ``mode`` ("exact" / "row"), every other tensor ``kw``'s."""
+    the second moment ``mode`` ("exact" / "row" / ...) and, with ``m_mode``, that first moment
+    ("quant4"), every other tensor ``kw``'s."""
     def make(groups, lr, betas, seed, *, model, **_):
         from _variants import GefenVariant
         emb = {id(m.weight): mode for m in model.modules() if isinstance(m, nn.Embedding)}
-        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=emb, **kw)
+        m_over = {k: m_mode for k in emb} if m_mode else None
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=emb,
+                            m_override=m_over, **kw)
     make.needs_model = True
     return make
 
@@ -163,6 +167,8 @@ def _gefen_x(groups, lr, betas, seed):
     return make_gefenx(groups, lr=lr, betas=betas, eps=1e-8)
 
 
+Q4V = dict(q4_step=1.0 / 3.0, q4_zero=6)  # levels 2^(-2) .. 2^3 around the factored estimate
+
 VARIANTS = {
     "adamw": ("torch AdamW (fp32 m and v)", _adamw),
     "gefen_shared": ("gefen_dist Gefen, second_moment='shared' (paper + D1-D5)", _gefen(second_moment="shared")),
@@ -202,6 +208,16 @@ VARIANTS = {
     # (l) SM3-II's cover of the per-element v (an upper bound: steps never larger than AdamW's)
     "l_sm3": ("(l) SM3 cover on the factored layout's row/column vectors: v_hat = b2 min(R_i, C_j) + "
               "(1-b2) g^2 >= AdamW's v per element (same state as factored)", _variant(second_moment_mode="sm3")),
+    # (m) a per-element v in 4 bits relative to the factored estimate, paid for with a 4-bit m
+    "m_q4v_all": ("(m) 4-bit m (16-entry DP codebook) and a per-element 4-bit v relative to the factored "
+                  "estimate (levels 2^(k/3), k=-6..9, stochastic rounding) on every quantized tensor: 1 B/element, "
+                  "the default's budget", _variant(first_moment="quant4", second_moment_mode="factored_q4", **Q4V)),
+    "m_q4v_emb": ("(m) default, but 4-bit m and the per-element 4-bit v correction for the embeddings only "
+                  "(wte = LM head, wpe): the default's budget",
+                  _variant_emb("factored_q4", m_mode="quant4", second_moment_mode="factored", **Q4V)),
+    "n_quant8m_q4v": ("(n) 8-bit m (the default's) and the per-element 4-bit v correction on every quantized tensor "
+                      "(1.5 B/element): how much of per-element v's gain 4 bits keep",
+                      _variant(second_moment_mode="factored_q4", **Q4V)),
     "i_emb_elementwise": ("(i) gefen_dist Gefen, default (factored) with second_moment='elementwise' for the "
                           "embeddings' param group (wte = LM head, wpe): the option that trades memory for quality",
                           _gefen_emb("elementwise")),

@@ -231,3 +231,67 @@ def test_sm3_variant_covers_the_per_element_second_moment():
         assert bool((vv <= rows.unsqueeze(1) * (1 + 1e-5)).all())
         assert bool((vv <= cols.unsqueeze(0) * (1 + 1e-5)).all())
     assert float((rows / vv.amax(dim=1)).max()) > 1.0  # a cover, not the per-element v itself
+
+
+def test_q4_v_correction_and_4bit_first_moment():
+    """benchmarks/_variants.py's per-element 4-bit v correction and 4-bit first moment (the (m)/(n)
+    ablations): the packing round-trips; stochastic encoding is unbiased in v inside the range and
+    clips outside it; on a gradient with per-element structure a rank-1 estimate cannot carry, the
+    stored v is closer to AdamW's per-element v than the factored estimate is; the 4-bit first moment
+    uses a 16-entry codebook with ends at -1/+1, holds two indices per byte, and with the correction
+    keeps the state at the default's 1 B/element (plus the scales and row/column vectors)."""
+    V = _variants()
+    codes = torch.randint(0, 16, (1001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = V.pack4(codes)
+    assert packed.numel() == 501 and torch.equal(V.unpack4(packed, 1001), codes)
+
+    zero, step = 6, 1.0 / 3.0
+    lv = V.q4_levels(torch.arange(16), zero, step)
+    ratio = torch.tensor([0.3, 0.77, 1.0, 1.9, 5.5])  # inside [2^-2, 2^3]
+    draws = torch.stack([V.q4_levels(V.q4_encode(ratio, torch.Generator().manual_seed(s), zero, step), zero, step)
+                         for s in range(4000)])
+    assert torch.allclose(draws.mean(0), ratio, rtol=0.02)
+    for r in ratio:  # only the two neighbouring levels are ever drawn
+        assert set(draws[:, list(ratio).index(r)].unique().tolist()) <= set(lv[(lv - r).abs().argsort()[:2]].tolist())
+    clip = V.q4_encode(torch.tensor([0.0, 1e-3, 100.0]), torch.Generator().manual_seed(1), zero, step)
+    assert clip.tolist() == [0, 0, 15]
+    near = V.q4_encode(torch.tensor([1.0, 2.0 ** (1 / 3) * 1.01]), None, zero, step)
+    assert near.tolist() == [6, 7]
+
+    def run(**kw):
+        torch.manual_seed(0)
+        lin = nn.Linear(256, 384, bias=False)
+        opt = V.GefenVariant(lin.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                             q4_zero=zero, q4_step=step, **kw)
+        g = torch.Generator().manual_seed(2)
+        pattern = torch.exp(torch.randn(384, 256, generator=g))  # per-element scales: not rank-1
+        v = torch.zeros(384, 256, dtype=torch.float64)
+        for _ in range(40):
+            opt.zero_grad()
+            lin.weight.grad = torch.randn(384, 256, generator=g) * pattern.sqrt() * 1e-3
+            v.mul_(0.95).add_(lin.weight.grad.double() ** 2, alpha=0.05)
+            opt.step()
+        return lin, opt, v
+
+    lin, opt, v = run(second_moment_mode="factored_q4")
+    st = opt.state[lin.weight]
+    rows, cols = st["v_row"].double().view(-1), st["v_col"].double()
+    fact = rows.unsqueeze(1) * cols.unsqueeze(0) / cols.mean()
+    stored = fact * V.q4_levels(V.unpack4(st["vq"], v.numel()).view_as(fact), zero, step).double()
+    err_fact = (fact / v).log2().abs().mean()
+    err_q4 = (stored / v).log2().abs().mean()
+    assert err_q4 < 0.5 * err_fact, (float(err_q4), float(err_fact))
+    assert st["vq"].numel() == v.numel() // 2 and st["vq"].dtype == torch.uint8
+
+    lin4, opt4, _ = run(second_moment_mode="factored_q4", first_moment="quant4")
+    st4 = opt4.state[lin4.weight]
+    cb = st4["codebook16"]
+    assert cb.numel() == 16 and bool((cb[1:] > cb[:-1]).all()) and cb[0] == -1.0 and cb[-1] == 1.0
+    assert st4["idx"].numel() == 0 and st4["idx4"].numel() == lin4.weight.numel() // 2
+    per_elem = opt4.state_bytes() / lin4.weight.numel()
+    default = V.GefenVariant(nn.Linear(256, 384, bias=False).parameters(), second_moment_mode="factored")
+    lin_d = default.param_groups[0]["params"][0]
+    lin_d.grad = torch.randn_like(lin_d)
+    default.step()
+    assert abs(per_elem - default.state_bytes() / lin_d.numel()) < 0.01, per_elem
+    assert bool(torch.isfinite(lin4.weight).all())
