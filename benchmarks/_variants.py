@@ -42,16 +42,21 @@ decoupled weight decay) to the parent class:
   i.e. a per-element EMA ``v`` stored as 4 bits relative to the factored estimate (rank-1
   normalisation, as Li et al. 2023 do for their 4-bit ``v``): code ``c`` in 0..15 stands for
   ``v = fact * 2^((c - 8) / 2)`` (half-doubling steps, ``2^-4``..``2^3.5`` around the factored
-  estimate ``fact = v_row[i] v_col[j] / mean(v_col)``). Each step rebuilds ``v_{t-1}`` from the codes
+  estimate ``fact = v_row[i] v_col[j] / mean(v_col)``; ``v_bits``, ``q4_zero``, ``q4_step`` set
+  the number of levels, the level of ``fact`` and the spacing in doublings). Each step rebuilds ``v_{t-1}`` from the codes
   and the previous ``fact``, advances it exactly (``b2 v + (1 - b2) g^2``), steps with that value, and
   stores it back by stochastic rounding between the two neighbouring levels with the probability
   that keeps ``E[v]`` unbiased (so an EMA that decays by ``b2`` per step can still move between
   levels). Costs 0.5 B/element (two codes per byte) on top of the factored layout.
-* ``first_moment="quant4"``: a 4-bit first moment: 16 codewords learned by the same exact DP from
-  the same global histogram of the first gradient (ends at -1 and +1), on the default scale
-  blocks, two indices per byte (0.5 B/element). With ``factored_q4`` the state is 1 B/element again,
-  the default's budget, with a per-element ``v``.
-* ``m_override={id(param): "quant4"}``: the 4-bit first moment for those parameters only.
+* ``first_moment="quant4"``: a low-bit first moment (``m_bits``, default 4): 2^m_bits codewords
+  learned by the same exact DP from the same global histogram of the first gradient (ends at -1
+  and +1), on the default scale blocks. It is stored in one byte per element, the index in the low
+  ``m_bits`` and, with ``factored_q4``, the ``v_bits``-bit v code above it (``m_bits + v_bits <= 8``):
+  1 B/element, the default's budget, with a per-element ``v``. (With the 8-bit first moment the
+  4-bit v codes are packed two per byte instead.)
+* ``m_override={id(param): "quant4"}``: the low-bit first moment for those parameters only;
+  ``lowbit_override={id(param): dict(m_bits=, v_bits=, q4_zero=, q4_step=)}``: other bit splits and
+  levels for those parameters (one low-bit codebook per distinct ``m_bits``).
 * ``codebook_refresh=N``: every N steps, re-learn the codebook from the histogram of the current
   (pre-rounding) normalised first moments and re-encode every index into the new codebook (the
   end codewords stay at -1/+1, so the absmax scales are unchanged).
@@ -113,16 +118,17 @@ def q4_levels(codes: torch.Tensor, zero: int = Q4_ZERO, step: float = 0.5) -> to
 
 
 def q4_encode(ratio: torch.Tensor, gen: Optional[torch.Generator], zero: int = Q4_ZERO,
-              step: float = 0.5) -> torch.Tensor:
-    """Codes (uint8, 0..15) for ``ratio = v / fact`` (>= 0). With a generator: stochastic rounding
-    between the two neighbouring levels, unbiased in ``v`` inside the range; without one: the
-    nearest level in log scale. Clipped to the end levels outside the range."""
+              step: float = 0.5, levels: int = 16) -> torch.Tensor:
+    """Codes (uint8, 0..levels-1) for ``ratio = v / fact`` (>= 0). With a generator: stochastic
+    rounding between the two neighbouring levels, unbiased in ``v`` inside the range; without one:
+    the nearest level in log scale. Clipped to the end levels outside the range."""
     r = ratio.float()
+    top = levels - 1
     x = torch.log2(r.clamp(min=2.0 ** -60)) / step + zero
     if gen is None:
-        return torch.round(x).clamp_(0, 15).to(torch.uint8)
-    lo = torch.floor(x).clamp_(0, 15)
-    hi = (lo + 1).clamp_(max=15)
+        return torch.round(x).clamp_(0, top).to(torch.uint8)
+    lo = torch.floor(x).clamp_(0, top)
+    hi = (lo + 1).clamp_(max=top)
     v_lo, v_hi = q4_levels(lo, zero, step), q4_levels(hi, zero, step)
     gap = v_hi - v_lo
     p = torch.where(gap > 0, (r - v_lo) / torch.where(gap > 0, gap, torch.ones_like(gap)),
@@ -155,7 +161,8 @@ class GefenVariant(Gefen):
                  period_rule: str = "paper", rounding: str = "nearest", codebook_refresh: int = 0,
                  seed: int = 0, v_override: Optional[dict] = None, v_groups: int = 4,
                  codebook_scope: str = "global", m_override: Optional[dict] = None,
-                 q4_zero: int = Q4_ZERO, q4_step: float = 0.5, q4_rounding: str = "stochastic", **kw):
+                 q4_zero: int = Q4_ZERO, q4_step: float = 0.5, q4_rounding: str = "stochastic",
+                 m_bits: int = 4, v_bits: int = 4, lowbit_override: Optional[dict] = None, **kw):
         assert first_moment in ("quant", "fp32", "quant4")
         assert period_rule in ("paper", "row", "one")
         assert rounding in ("nearest", "stochastic")
@@ -178,9 +185,14 @@ class GefenVariant(Gefen):
         assert set(self.v_override.values()) <= {"exact", "row", "sm3", "grouped", "factored_q4"}
         self.m_override = dict(m_override or {})
         assert set(self.m_override.values()) <= {"quant4"}
-        self.codebook16: Optional[torch.Tensor] = None
+        self.codebook16: dict = {}
         assert 0 <= q4_zero <= 15 and q4_step > 0 and q4_rounding in ("stochastic", "nearest")
         self.q4_zero, self.q4_step, self.q4_rounding = int(q4_zero), float(q4_step), q4_rounding
+        assert 2 <= m_bits <= 7 and 1 <= v_bits <= 4 and q4_zero < 2 ** v_bits
+        self.m_bits, self.v_bits = int(m_bits), int(v_bits)
+        self.lowbit_override = {k: dict(v) for k, v in (lowbit_override or {}).items()}
+        for cfg in self.lowbit_override.values():
+            assert set(cfg) <= {"m_bits", "v_bits", "q4_zero", "q4_step"}, cfg
         self.seed = int(seed)
         self._refresh_counts: Optional[torch.Tensor] = None
         self.refreshes = 0
@@ -205,7 +217,7 @@ class GefenVariant(Gefen):
     def _learn_codebook(self, live, t_periods):
         super()._learn_codebook(live, t_periods)
         if self.first_moment == "quant4" or self.m_override:
-            self._learn_codebook16(live)
+            self._learn_codebook_lowbit(live)
         if self.codebook_scope != "tensor":
             return
         from gefen_dist.core.codebook import solve_codebook
@@ -221,9 +233,9 @@ class GefenVariant(Gefen):
             dev = local_tensor(st["idx"]).device
             st["codebook"] = solve_codebook(counts.numpy()).codebook.to(device=dev, dtype=torch.float32)
 
-    def _learn_codebook16(self, live):
-        """The 16-entry codebook of the 4-bit first moment: the same exact DP (ends forced to -1/+1)
-        on the same global histogram the 256-entry codebook is learned from."""
+    def _learn_codebook_lowbit(self, live):
+        """The 2^m_bits-entry codebook of the low-bit first moment: the same exact DP (ends forced
+        to -1/+1) on the same global histogram the 256-entry codebook is learned from."""
         import numpy as np
 
         from gefen_dist.core.codebook import bin_centres, dp_segments
@@ -235,14 +247,20 @@ class GefenVariant(Gefen):
         self._comm.all_reduce_sum_(counts)
         cnt = counts.numpy()
         nz = np.flatnonzero(cnt)
-        if nz.size >= 16:
-            cb, _, _, _ = dp_segments(bin_centres()[nz], cnt[nz].astype(np.float64), 16)
-        else:  # degenerate first gradient: a uniform grid
-            cb = np.linspace(-1.0, 1.0, 16, dtype=np.float32)
-        self.codebook16 = torch.from_numpy(np.asarray(cb, dtype=np.float32).copy())
+        self.codebook16 = {}
         for p, _ in live:
-            if "idx4" in self.state[p]:
-                self.state[p]["codebook16"] = self.codebook16
+            st = self.state[p]
+            if "code" not in st:
+                continue
+            mb = st["m_bits"]
+            if mb not in self.codebook16:
+                k = 2 ** mb
+                if nz.size >= k:
+                    cb, _, _, _ = dp_segments(bin_centres()[nz], cnt[nz].astype(np.float64), k)
+                else:  # degenerate first gradient: a uniform grid
+                    cb = np.linspace(-1.0, 1.0, k, dtype=np.float32)
+                self.codebook16[mb] = torch.from_numpy(np.asarray(cb, dtype=np.float32).copy())
+            st["codebook_m"] = self.codebook16[mb]
 
     # ---------------------------------------------------------------- state
     def _alloc(self, p, piece, geo, *, learned, step=0):
@@ -255,14 +273,25 @@ class GefenVariant(Gefen):
             st["m32"] = torch.zeros(tuple(piece.local.shape), dtype=torch.float32, device=dev)
             st["idx"] = torch.zeros(0, dtype=torch.uint8, device=dev)  # unused: not counted
             st["scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
-        if self.m_override.get(id(p), self.first_moment) == "quant4":
-            n = piece.local.numel()
-            st["idx"] = torch.zeros(0, dtype=torch.uint8, device=dev)  # replaced by the packed idx4
-            st["idx4"] = torch.zeros((n + 1) // 2, dtype=torch.uint8, device=dev)
         mode = self.v_override.get(id(p), self.v_mode)
+        n = piece.local.numel()
+        cfg = dict(m_bits=self.m_bits, v_bits=self.v_bits, q4_zero=self.q4_zero, q4_step=self.q4_step)
+        cfg.update(self.lowbit_override.get(id(p), {}))
+        st.update(cfg)
+        mb, vb, z0 = cfg["m_bits"], cfg["v_bits"], cfg["q4_zero"]
+        assert 2 <= mb <= 7 and 1 <= vb <= 4 and 0 <= z0 < 2 ** vb, cfg
+        if self.m_override.get(id(p), self.first_moment) == "quant4":
+            # one byte per element: the low-bit m index in the low m_bits, the v code above it
+            st["idx"] = torch.zeros(0, dtype=torch.uint8, device=dev)  # replaced by `code`
+            st["code"] = torch.zeros(n, dtype=torch.uint8, device=dev)
+            if mode == "factored_q4":
+                assert mb + vb <= 8, cfg
+                st["code"].fill_(z0 << mb)
         if mode == "factored_q4":
             assert "v_col" in st, "factored_q4 needs the factored layout"
-            st["vq"] = pack4(torch.full((piece.local.numel(),), self.q4_zero, dtype=torch.uint8, device=dev))
+            if "code" not in st:  # 8-bit m: the v codes packed two per byte
+                assert vb == 4, "with the 8-bit first moment the v correction is 4 bits"
+                st["vq"] = pack4(torch.full((n,), z0, dtype=torch.uint8, device=dev))
         if mode == "exact":
             st["v"] = torch.zeros(tuple(piece.local.shape), dtype=torch.float32, device=dev)
         elif mode == "row":
@@ -361,10 +390,11 @@ class GefenVariant(Gefen):
             sigma = (nu.sqrt_().div_(math.sqrt(bc2))).add_(eps).reciprocal_().mul_(1.0 / bc1).view(-1)
         elif v_mode == "factored_q4":
             v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
-            codes = unpack4(st["vq"], n).view(v_row.numel(), v_col.numel())
+            mb, vb, z0, dz = st["m_bits"], st["v_bits"], st["q4_zero"], st["q4_step"]
+            codes = (unpack4(st["vq"], n) if "vq" in st else st["code"] >> mb).view(v_row.numel(), v_col.numel())
             mc0 = float(v_col.mean())
             fact0 = (v_row.unsqueeze(1) * v_col.unsqueeze(0) / mc0) if mc0 > 0 else torch.zeros_like(codes, dtype=torch.float32)
-            v_prev = fact0 * q4_levels(codes, self.q4_zero, self.q4_step)
+            v_prev = fact0 * q4_levels(codes, z0, dz)
             v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
             mc = float(v_col.mean())
             fact = (v_row.unsqueeze(1) * v_col.unsqueeze(0) / mc) if mc > 0 else torch.zeros_like(g2)
@@ -376,7 +406,11 @@ class GefenVariant(Gefen):
                 gen = torch.Generator().manual_seed((self.seed * 1_000_003 + pid * 7919 + t * 31 + 17) % (2**63))
             ratio = torch.where(fact > 0, v_new / torch.where(fact > 0, fact, torch.ones_like(fact)),
                                 torch.full_like(fact, 1.0))
-            st["vq"].copy_(pack4(q4_encode(ratio, gen, self.q4_zero, self.q4_step)))
+            vc = q4_encode(ratio, gen, z0, dz, 2 ** vb).view(-1)
+            if "vq" in st:
+                st["vq"].copy_(pack4(vc))
+            else:
+                st["code"].copy_((st["code"] & (2 ** mb - 1)) | (vc << mb))
         elif v_mode == "factored_clamp":  # sigma is formed after the first moment, below
             v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
             mc = float(v_col.mean())
@@ -395,9 +429,10 @@ class GefenVariant(Gefen):
             m = st["m32"].view(-1)
             m.lerp_(g, 1.0 - b1)
             q = m
-        elif "idx4" in st:
-            cb = st["codebook16"]
-            ix4 = unpack4(st["idx4"], n).view(-1, B)
+        elif "code" in st:
+            cb = st["codebook_m"]
+            mask = 2 ** st["m_bits"] - 1
+            ix4 = (st["code"] & mask).view(-1, B)
             sc = local_tensor(st["scale"]).view(-1, 1)
             m = cb[ix4.long()] * sc
             m.lerp_(g.view(-1, B), 1.0 - b1)
@@ -405,7 +440,7 @@ class GefenVariant(Gefen):
             sc.copy_(a)
             z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
             new = nearest_codeword16(z, cb)
-            st["idx4"].copy_(pack4(new))
+            st["code"].copy_((st["code"] & (255 - mask)) | new.view(-1))
             q = (cb[new.long()] * a).view(-1)
         else:
             cb = st["codebook"]

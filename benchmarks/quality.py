@@ -96,6 +96,20 @@ def _variant_emb(mode: str, m_mode: Optional[str] = None, **kw):
     return make
 
 
+def _lowbit_split(m_bits: int, v_bits: int, q4_zero: int):
+    """(o) every quantized tensor stores one byte per element split into an ``m_bits`` first moment
+    and a ``v_bits`` per-element v correction (levels 2^(k/3) around the factored estimate, k from
+    -q4_zero); the embeddings (wte = LM head, wpe) keep the (m) split of 4 + 4 bits."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        emb = {id(m.weight): dict(Q4V_EMB) for m in model.modules() if isinstance(m, nn.Embedding)}
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, first_moment="quant4",
+                            second_moment_mode="factored_q4", m_bits=m_bits, v_bits=v_bits, q4_zero=q4_zero,
+                            q4_step=1.0 / 3.0, lowbit_override=emb)
+    make.needs_model = True
+    return make
+
+
 def _gefen_emb(mode: str, **kw):
     """gefen_dist Gefen with the nn.Embedding weights (wte, tied to the LM head, and wpe) in a param
     group of their own with ``second_moment=mode``, every other tensor as ``kw`` says."""
@@ -168,6 +182,7 @@ def _gefen_x(groups, lr, betas, seed):
 
 
 Q4V = dict(q4_step=1.0 / 3.0, q4_zero=6)  # levels 2^(-2) .. 2^3 around the factored estimate
+Q4V_EMB = dict(m_bits=4, v_bits=4, **Q4V)
 
 VARIANTS = {
     "adamw": ("torch AdamW (fp32 m and v)", _adamw),
@@ -218,6 +233,11 @@ VARIANTS = {
     "n_quant8m_q4v": ("(n) 8-bit m (the default's) and the per-element 4-bit v correction on every quantized tensor "
                       "(1.5 B/element): how much of per-element v's gain 4 bits keep",
                       _variant(second_moment_mode="factored_q4", **Q4V)),
+    # (o) the same byte split differently on the other tensors
+    "o_m5v3": ("(o) as m_q4v_emb for the embeddings; every other quantized tensor 5-bit m (32-entry DP codebook) + "
+               "3-bit v correction (levels 2^(k/3), k=-3..4): 1 B/element", _lowbit_split(5, 3, 3)),
+    "o_m6v2": ("(o) as m_q4v_emb for the embeddings; every other quantized tensor 6-bit m (64-entry DP codebook) + "
+               "2-bit v correction (levels 2^(k/3), k=-1..2): 1 B/element", _lowbit_split(6, 2, 1)),
     "i_emb_elementwise": ("(i) gefen_dist Gefen, default (factored) with second_moment='elementwise' for the "
                           "embeddings' param group (wte = LM head, wpe): the option that trades memory for quality",
                           _gefen_emb("elementwise")),
@@ -450,7 +470,8 @@ def _extra(opt) -> dict:
 # GPT-2 small state bytes (no training: state allocated for the measured periods)
 # --------------------------------------------------------------------------------------------
 
-GPT2_STATE_ROWS = ("shared", "factored", "factored, embeddings elementwise")
+GPT2_STATE_ROWS = ("shared", "factored", "factored, embeddings elementwise",
+                   "factored, embeddings 4-bit m + 4-bit v correction (m_q4v_emb)")
 
 
 def gpt2_small_bytes() -> dict:
@@ -470,12 +491,18 @@ def gpt2_small_bytes() -> dict:
             groups = [{"params": [x for x in params if x[0] not in emb]},
                       {"params": [x for x in params if x[0] in emb], "second_moment": "elementwise"}]
             opt = Gefen(groups, lr=1e-3, fused=False)
+        elif sm == GPT2_STATE_ROWS[3]:
+            from _variants import GefenVariant
+            ids = {id(p): "factored_q4" for name, p in params if name in emb}
+            opt = GefenVariant(params, lr=1e-3, second_moment_mode="factored", v_override=ids,
+                               m_override={k: "quant4" for k in ids})
         else:
             opt = Gefen(params, lr=1e-3, second_moment=sm, fused=False)
         opt.init_state({r["name"]: 1 if sm == GPT2_STATE_ROWS[2] and r["name"] in emb else r["period"]
                         for r in per_tensor if r["kind"] == "quantized"})
         n = sum(p.numel() for _, p in params)
-        out[sm] = dict(params=n, state_bytes=opt.state_bytes(), bytes_per_param=opt.state_bytes() / n)
+        sb = opt.state_bytes() + (16 * 4 if sm == GPT2_STATE_ROWS[3] else 0)  # + the 16-entry codebook
+        out[sm] = dict(params=n, state_bytes=sb, bytes_per_param=sb / n)
         del opt, params
     return out
 

@@ -238,7 +238,7 @@ def test_q4_v_correction_and_4bit_first_moment():
     ablations): the packing round-trips; stochastic encoding is unbiased in v inside the range and
     clips outside it; on a gradient with per-element structure a rank-1 estimate cannot carry, the
     stored v is closer to AdamW's per-element v than the factored estimate is; the 4-bit first moment
-    uses a 16-entry codebook with ends at -1/+1, holds two indices per byte, and with the correction
+    uses a 16-entry codebook with ends at -1/+1, shares one byte per element with the v code, and
     keeps the state at the default's 1 B/element (plus the scales and row/column vectors)."""
     V = _variants()
     codes = torch.randint(0, 16, (1001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -285,9 +285,9 @@ def test_q4_v_correction_and_4bit_first_moment():
 
     lin4, opt4, _ = run(second_moment_mode="factored_q4", first_moment="quant4")
     st4 = opt4.state[lin4.weight]
-    cb = st4["codebook16"]
+    cb = st4["codebook_m"]
     assert cb.numel() == 16 and bool((cb[1:] > cb[:-1]).all()) and cb[0] == -1.0 and cb[-1] == 1.0
-    assert st4["idx"].numel() == 0 and st4["idx4"].numel() == lin4.weight.numel() // 2
+    assert st4["idx"].numel() == 0 and st4["code"].numel() == lin4.weight.numel() and "vq" not in st4
     per_elem = opt4.state_bytes() / lin4.weight.numel()
     default = V.GefenVariant(nn.Linear(256, 384, bias=False).parameters(), second_moment_mode="factored")
     lin_d = default.param_groups[0]["params"][0]
@@ -295,3 +295,18 @@ def test_q4_v_correction_and_4bit_first_moment():
     default.step()
     assert abs(per_elem - default.state_bytes() / lin_d.numel()) < 0.01, per_elem
     assert bool(torch.isfinite(lin4.weight).all())
+
+    # (o) another split of the same byte for one tensor: its own 32-entry codebook, still 1 B/element
+    torch.manual_seed(0)
+    a, b = nn.Linear(256, 384, bias=False), nn.Linear(384, 256, bias=False)
+    opt5 = V.GefenVariant([a.weight, b.weight], lr=1e-3, first_moment="quant4", second_moment_mode="factored_q4",
+                          q4_zero=zero, q4_step=step,
+                          lowbit_override={id(b.weight): dict(m_bits=5, v_bits=3, q4_zero=3)})
+    for _ in range(3):
+        for w in (a.weight, b.weight):
+            w.grad = torch.randn_like(w)
+        opt5.step()
+    sa, sb = opt5.state[a.weight], opt5.state[b.weight]
+    assert sa["codebook_m"].numel() == 16 and sb["codebook_m"].numel() == 32
+    assert int(sb["code"].max()) < 256 and int((sb["code"] >> 5).max()) <= 7
+    assert sa["code"].numel() == a.weight.numel() and sb["code"].numel() == b.weight.numel()
