@@ -38,16 +38,16 @@ decoupled weight decay) to the parent class:
   exact DP, from the histogram of its own first gradient (the library learns one codebook from the
   histogram of all of them, D4). Tensors whose first gradient is zero everywhere keep the global
   codebook. Costs 1 KiB per tensor.
-* ``second_moment_mode="factored_q4"``: the factored estimate times a per-element 4-bit correction,
-  i.e. a per-element EMA ``v`` stored as 4 bits relative to the factored estimate (rank-1
-  normalisation, as Li et al. 2023 do for their 4-bit ``v``): code ``c`` in 0..15 stands for
-  ``v = fact * 2^((c - 8) / 2)`` (half-doubling steps, ``2^-4``..``2^3.5`` around the factored
-  estimate ``fact = v_row[i] v_col[j] / mean(v_col)``; ``v_bits``, ``q4_zero``, ``q4_step`` set
-  the number of levels, the level of ``fact`` and the spacing in doublings). Each step rebuilds ``v_{t-1}`` from the codes
-  and the previous ``fact``, advances it exactly (``b2 v + (1 - b2) g^2``), steps with that value, and
-  stores it back by stochastic rounding between the two neighbouring levels with the probability
-  that keeps ``E[v]`` unbiased (so an EMA that decays by ``b2`` per step can still move between
-  levels). Costs 0.5 B/element (two codes per byte) on top of the factored layout.
+* ``second_moment_mode="factored_q4"``: the factored estimate times a per-element low-bit
+  correction, i.e. a per-element EMA ``v`` stored in ``v_bits`` (default 4) relative to the
+  factored estimate ``fact = v_row[i] v_col[j] / mean(v_col)`` (rank-1 normalisation, as Li et al.
+  2023 do for their 4-bit ``v``): code ``c`` stands for ``v = fact * 2^((c - q4_zero) * q4_step)``
+  (defaults 8 and 0.5: ``2^-4``..``2^3.5`` around ``fact``). Each step rebuilds ``v_{t-1}`` from
+  the codes and the previous ``fact``, advances it exactly (``b2 v + (1 - b2) g^2``), steps with
+  that value, and stores it back by stochastic rounding between the two neighbouring levels with
+  the probability that keeps ``E[v]`` unbiased (so an EMA that decays by ``b2`` per step can still
+  move between levels). With the 8-bit first moment the codes are packed two per byte (+0.5
+  B/element); with ``first_moment="quant4"`` they share the first moment's byte.
 * ``first_moment="quant4"``: a low-bit first moment (``m_bits``, default 4): 2^m_bits codewords
   learned by the same exact DP from the same global histogram of the first gradient (ends at -1
   and +1), on the default scale blocks. It is stored in one byte per element, the index in the low
@@ -185,7 +185,7 @@ class GefenVariant(Gefen):
         assert set(self.v_override.values()) <= {"exact", "row", "sm3", "grouped", "factored_q4"}
         self.m_override = dict(m_override or {})
         assert set(self.m_override.values()) <= {"quant4"}
-        self.codebook16: dict = {}
+        self.codebooks_lowbit: dict = {}  # m_bits -> codebook
         assert 0 <= q4_zero <= 15 and q4_step > 0 and q4_rounding in ("stochastic", "nearest")
         self.q4_zero, self.q4_step, self.q4_rounding = int(q4_zero), float(q4_step), q4_rounding
         assert 2 <= m_bits <= 7 and 1 <= v_bits <= 4 and q4_zero < 2 ** v_bits
@@ -247,20 +247,20 @@ class GefenVariant(Gefen):
         self._comm.all_reduce_sum_(counts)
         cnt = counts.numpy()
         nz = np.flatnonzero(cnt)
-        self.codebook16 = {}
+        self.codebooks_lowbit = {}
         for p, _ in live:
             st = self.state[p]
             if "code" not in st:
                 continue
             mb = st["m_bits"]
-            if mb not in self.codebook16:
+            if mb not in self.codebooks_lowbit:
                 k = 2 ** mb
                 if nz.size >= k:
                     cb, _, _, _ = dp_segments(bin_centres()[nz], cnt[nz].astype(np.float64), k)
                 else:  # degenerate first gradient: a uniform grid
                     cb = np.linspace(-1.0, 1.0, k, dtype=np.float32)
-                self.codebook16[mb] = torch.from_numpy(np.asarray(cb, dtype=np.float32).copy())
-            st["codebook_m"] = self.codebook16[mb]
+                self.codebooks_lowbit[mb] = torch.from_numpy(np.asarray(cb, dtype=np.float32).copy())
+            st["codebook_m"] = self.codebooks_lowbit[mb]
 
     # ---------------------------------------------------------------- state
     def _alloc(self, p, piece, geo, *, learned, step=0):

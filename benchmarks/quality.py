@@ -82,7 +82,7 @@ def _variant(**kw):
     return make
 
 
-def _variant_emb(mode: str, m_mode: Optional[str] = None, **kw):
+def _variant_emb(mode: Optional[str], m_mode: Optional[str] = None, **kw):
     """A GefenVariant whose nn.Embedding weights (the GPT's wte, tied to the LM head, and wpe) get
     the second moment ``mode`` ("exact" / "row" / ...) and, with ``m_mode``, that first moment
     ("quant4"), every other tensor ``kw``'s."""
@@ -90,7 +90,8 @@ def _variant_emb(mode: str, m_mode: Optional[str] = None, **kw):
         from _variants import GefenVariant
         emb = {id(m.weight): mode for m in model.modules() if isinstance(m, nn.Embedding)}
         m_over = {k: m_mode for k in emb} if m_mode else None
-        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=emb,
+        v_over = emb if mode else None  # None: the embeddings keep kw's second moment
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=v_over,
                             m_override=m_over, **kw)
     make.needs_model = True
     return make
@@ -230,6 +231,11 @@ VARIANTS = {
     "m_q4v_emb": ("(m) default, but 4-bit m and the per-element 4-bit v correction for the embeddings only "
                   "(wte = LM head, wpe): the default's budget",
                   _variant_emb("factored_q4", m_mode="quant4", second_moment_mode="factored", **Q4V)),
+    "m_emb_q4v_m8": ("(m) default, but the per-element 4-bit v correction for the embeddings only, their first "
+                     "moment kept at 8 bits (embeddings 1.5 B/element): m_q4v_emb without the 4-bit m",
+                     _variant_emb("factored_q4", second_moment_mode="factored", **Q4V)),
+    "m_emb_m4": ("(m) default, but a 4-bit first moment for the embeddings only (factored v everywhere): "
+                 "m_q4v_emb without the v correction", _variant_emb(None, m_mode="quant4", second_moment_mode="factored")),
     "n_quant8m_q4v": ("(n) 8-bit m (the default's) and the per-element 4-bit v correction on every quantized tensor "
                       "(1.5 B/element): how much of per-element v's gain 4 bits keep",
                       _variant(second_moment_mode="factored_q4", **Q4V)),
@@ -471,7 +477,8 @@ def _extra(opt) -> dict:
 # --------------------------------------------------------------------------------------------
 
 GPT2_STATE_ROWS = ("shared", "factored", "factored, embeddings elementwise",
-                   "factored, embeddings 4-bit m + 4-bit v correction (m_q4v_emb)")
+                   "factored, embeddings 4-bit m + 4-bit v correction (m_q4v_emb)",
+                   "factored, embeddings 8-bit m + 4-bit v correction (m_emb_q4v_m8)")
 
 
 def gpt2_small_bytes() -> dict:
@@ -491,11 +498,11 @@ def gpt2_small_bytes() -> dict:
             groups = [{"params": [x for x in params if x[0] not in emb]},
                       {"params": [x for x in params if x[0] in emb], "second_moment": "elementwise"}]
             opt = Gefen(groups, lr=1e-3, fused=False)
-        elif sm == GPT2_STATE_ROWS[3]:
+        elif sm in GPT2_STATE_ROWS[3:]:
             from _variants import GefenVariant
             ids = {id(p): "factored_q4" for name, p in params if name in emb}
-            opt = GefenVariant(params, lr=1e-3, second_moment_mode="factored", v_override=ids,
-                               m_override={k: "quant4" for k in ids})
+            m4 = {k: "quant4" for k in ids} if sm == GPT2_STATE_ROWS[3] else None
+            opt = GefenVariant(params, lr=1e-3, second_moment_mode="factored", v_override=ids, m_override=m4)
         else:
             opt = Gefen(params, lr=1e-3, second_moment=sm, fused=False)
         opt.init_state({r["name"]: 1 if sm == GPT2_STATE_ROWS[2] and r["name"] in emb else r["period"]
