@@ -147,6 +147,17 @@ def nearest_codeword16(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     return torch.where(take_hi, hi, lo).to(torch.uint8)
 
 
+def _block_ema(cb: torch.Tensor, ix: torch.Tensor, sc: torch.Tensor, g_blocks: torch.Tensor, b1: float):
+    """Dequantise ``cb[ix] * sc`` ([blocks, B]), take the EMA towards ``g``, store the new absmax in
+    ``sc`` ([blocks, 1]); returns (m, absmax, m normalised by its block's absmax)."""
+    m = cb[ix.long()] * sc
+    m.lerp_(g_blocks, 1.0 - b1)
+    a = m.abs().amax(dim=1, keepdim=True)
+    sc.copy_(a)
+    z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
+    return m, a, z
+
+
 def ema_kappa(b1: float, b2: float, t: int) -> float:
     """The largest ``kappa`` with ``v_t >= kappa * m_t^2`` for every gradient sequence, where m and
     v are zero-initialised EMAs (``m_t = b1 m + (1-b1) g``, ``v_t = b2 v + (1-b2) g^2``): by
@@ -433,24 +444,14 @@ class GefenVariant(Gefen):
             cb = st["codebook_m"]
             mask = 2 ** st["m_bits"] - 1
             ix4 = (st["code"] & mask).view(-1, B)
-            sc = local_tensor(st["scale"]).view(-1, 1)
-            m = cb[ix4.long()] * sc
-            m.lerp_(g.view(-1, B), 1.0 - b1)
-            a = m.abs().amax(dim=1, keepdim=True)
-            sc.copy_(a)
-            z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
+            _, a, z = _block_ema(cb, ix4, local_tensor(st["scale"]).view(-1, 1), g.view(-1, B), b1)
             new = nearest_codeword16(z, cb)
             st["code"].copy_((st["code"] & (255 - mask)) | new.view(-1))
             q = (cb[new.long()] * a).view(-1)
         else:
             cb = st["codebook"]
             ix = local_tensor(st["idx"]).view(-1, B)
-            sc = local_tensor(st["scale"]).view(-1, 1)
-            m = cb[ix.long()] * sc
-            m.lerp_(g.view(-1, B), 1.0 - b1)
-            a = m.abs().amax(dim=1, keepdim=True)
-            sc.copy_(a)
-            z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
+            m, a, z = _block_ema(cb, ix, local_tensor(st["scale"]).view(-1, 1), g.view(-1, B), b1)
             if self.codebook_refresh and t % self.codebook_refresh == 0:
                 if self._refresh_counts is None:
                     self._refresh_counts = torch.zeros(NUM_BINS, dtype=torch.int64)
