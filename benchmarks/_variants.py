@@ -137,16 +137,6 @@ def q4_encode(ratio: torch.Tensor, gen: Optional[torch.Generator], zero: int = Q
     return torch.where(u < p, hi, lo).to(torch.uint8)
 
 
-def nearest_codeword16(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """``nearest_codeword`` for a codebook of any length (the 4-bit first moment's 16 entries)."""
-    k = codebook.numel()
-    j = torch.searchsorted(codebook, z.contiguous(), right=False)
-    lo = (j - 1).clamp_(min=0)
-    hi = j.clamp_(max=k - 1)
-    take_hi = (z - codebook[hi]).abs() < (z - codebook[lo]).abs()
-    return torch.where(take_hi, hi, lo).to(torch.uint8)
-
-
 def _block_ema(cb: torch.Tensor, ix: torch.Tensor, sc: torch.Tensor, g_blocks: torch.Tensor, b1: float):
     """Dequantise ``cb[ix] * sc`` ([blocks, B]), take the EMA towards ``g``, store the new absmax in
     ``sc`` ([blocks, 1]); returns (m, absmax, m normalised by its block's absmax)."""
@@ -445,7 +435,7 @@ class GefenVariant(Gefen):
             mask = 2 ** st["m_bits"] - 1
             ix4 = (st["code"] & mask).view(-1, B)
             _, a, z = _block_ema(cb, ix4, local_tensor(st["scale"]).view(-1, 1), g.view(-1, B), b1)
-            new = nearest_codeword16(z, cb)
+            new = nearest_codeword(z, cb)
             st["code"].copy_((st["code"] & (255 - mask)) | new.view(-1))
             q = (cb[new.long()] * a).view(-1)
         else:

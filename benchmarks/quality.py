@@ -43,8 +43,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:

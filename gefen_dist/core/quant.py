@@ -51,13 +51,15 @@ def block_histogram_eager(values: torch.Tensor, block: int, out: torch.Tensor | 
 
 def nearest_codeword(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """Index (uint8) of the nearest codeword: ``j = #{C_k < z}``, candidates ``j-1`` and ``j``
-    (clamped), the lower one on ties; values beyond the ends clamp; NaN maps to 255."""
+    (clamped), the lower one on ties; values beyond the ends clamp; NaN maps to the last index (255
+    for the ``NUM_CODEWORDS`` codebook; any ascending codebook of at most 256 entries works)."""
+    last = codebook.numel() - 1
     j = torch.searchsorted(codebook, z.contiguous(), right=False)
     lo = (j - 1).clamp_(min=0)
-    hi = j.clamp_(max=NUM_CODEWORDS - 1)
+    hi = j.clamp_(max=last)
     take_hi = (z - codebook[hi]).abs() < (z - codebook[lo]).abs()
     out = torch.where(take_hi, hi, lo)
-    out = torch.where(torch.isnan(z), torch.full_like(out, NUM_CODEWORDS - 1), out)
+    out = torch.where(torch.isnan(z), torch.full_like(out, last), out)
     return out.to(torch.uint8)
 
 
