@@ -241,12 +241,7 @@ class GefenVariant(Gefen):
 
         from gefen_dist.core.codebook import bin_centres, dp_segments
 
-        counts = torch.zeros(NUM_BINS, dtype=torch.int64)
-        for p, pc in live:
-            if pc.contributes and pc.grad is not None and pc.grad.numel():
-                block_histogram(pc.grad, self.state[p]["scale_block"], out=counts)
-        self._comm.all_reduce_sum_(counts)
-        cnt = counts.numpy()
+        cnt = self._global_histogram(live).numpy()
         nz = np.flatnonzero(cnt)
         self.codebooks_lowbit = {}
         for p, _ in live:

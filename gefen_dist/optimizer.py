@@ -398,15 +398,22 @@ class Gefen(Optimizer):
             out.append(_periods.resolve_period(p_paper, _periods.row_slab(pc.shape)))
         return out
 
-    def _learn_codebook(self, live: Sequence[Tuple[torch.Tensor, Piece]], t_periods: float) -> None:
-        from .core.codebook import solve_codebook
-
-        t0 = time.perf_counter()
+    def _global_histogram(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> torch.Tensor:
+        """The histogram (``NUM_BINS`` int64) of every quantized tensor's gradient normalised by its
+        scale blocks' absmax, summed over ranks (replicas counted once): what the codebook is
+        learned from."""
         counts = torch.zeros(NUM_BINS, dtype=torch.int64)
         for p, pc in live:
             if pc.contributes and pc.grad is not None and pc.grad.numel():
                 block_histogram(pc.grad, self.state[p]["scale_block"], out=counts)
         self._comm.all_reduce_sum_(counts)
+        return counts
+
+    def _learn_codebook(self, live: Sequence[Tuple[torch.Tensor, Piece]], t_periods: float) -> None:
+        from .core.codebook import solve_codebook
+
+        t0 = time.perf_counter()
+        counts = self._global_histogram(live)
         res = solve_codebook(counts.numpy())
         t_hist = time.perf_counter() - t0 - res.seconds
         dev = live[0][1].local.device
