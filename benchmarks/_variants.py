@@ -48,6 +48,9 @@ decoupled weight decay) to the parent class:
   the probability that keeps ``E[v]`` unbiased (so an EMA that decays by ``b2`` per step can still
   move between levels). With the 8-bit first moment the codes are packed two per byte (+0.5
   B/element); with ``first_moment="quant4"`` they share the first moment's byte.
+  ``q4_floor=True``: the element's ``v`` is kept at or above the factored estimate
+  (``v_t = max(fact_t, b2 v_{t-1} + (1 - b2) g^2)``), so the correction only ever shortens a step
+  the factored estimate makes too long; use it with ``q4_zero=0`` (levels ``1x``..``2^(15 step)``).
 * ``first_moment="quant4"``: a low-bit first moment (``m_bits``, default 4): 2^m_bits codewords
   learned by the same exact DP from the same global histogram of the first gradient (ends at -1
   and +1), on the default scale blocks. It is stored in one byte per element, the index in the low
@@ -163,7 +166,8 @@ class GefenVariant(Gefen):
                  seed: int = 0, v_override: Optional[dict] = None, v_groups: int = 4,
                  codebook_scope: str = "global", m_override: Optional[dict] = None,
                  q4_zero: int = Q4_ZERO, q4_step: float = 0.5, q4_rounding: str = "stochastic",
-                 m_bits: int = 4, v_bits: int = 4, lowbit_override: Optional[dict] = None, **kw):
+                 m_bits: int = 4, v_bits: int = 4, lowbit_override: Optional[dict] = None,
+                 q4_floor: bool = False, **kw):
         assert first_moment in ("quant", "fp32", "quant4")
         assert period_rule in ("paper", "row", "one")
         assert rounding in ("nearest", "stochastic")
@@ -191,9 +195,10 @@ class GefenVariant(Gefen):
         self.q4_zero, self.q4_step, self.q4_rounding = int(q4_zero), float(q4_step), q4_rounding
         assert 2 <= m_bits <= 7 and 1 <= v_bits <= 4 and q4_zero < 2 ** v_bits
         self.m_bits, self.v_bits = int(m_bits), int(v_bits)
+        self.q4_floor = bool(q4_floor)
         self.lowbit_override = {k: dict(v) for k, v in (lowbit_override or {}).items()}
         for cfg in self.lowbit_override.values():
-            assert set(cfg) <= {"m_bits", "v_bits", "q4_zero", "q4_step"}, cfg
+            assert set(cfg) <= {"m_bits", "v_bits", "q4_zero", "q4_step", "q4_floor"}, cfg
         self.seed = int(seed)
         self._refresh_counts: Optional[torch.Tensor] = None
         self.refreshes = 0
@@ -271,7 +276,8 @@ class GefenVariant(Gefen):
             st["scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
         mode = self.v_override.get(id(p), self.v_mode)
         n = piece.local.numel()
-        cfg = dict(m_bits=self.m_bits, v_bits=self.v_bits, q4_zero=self.q4_zero, q4_step=self.q4_step)
+        cfg = dict(m_bits=self.m_bits, v_bits=self.v_bits, q4_zero=self.q4_zero, q4_step=self.q4_step,
+                   q4_floor=self.q4_floor)
         cfg.update(self.lowbit_override.get(id(p), {}))
         st.update(cfg)
         mb, vb, z0 = cfg["m_bits"], cfg["v_bits"], cfg["q4_zero"]
@@ -395,6 +401,8 @@ class GefenVariant(Gefen):
             mc = float(v_col.mean())
             fact = (v_row.unsqueeze(1) * v_col.unsqueeze(0) / mc) if mc > 0 else torch.zeros_like(g2)
             v_new = v_prev.mul_(b2).add_(g2, alpha=1.0 - b2)
+            if st["q4_floor"]:  # never below the factored estimate: only the too-far steps change
+                v_new = torch.maximum(v_new, fact)
             sigma = (v_new.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1).view(-1)
             gen = None
             if self.q4_rounding == "stochastic":

@@ -262,7 +262,7 @@ def test_q4_v_correction_and_4bit_first_moment():
         torch.manual_seed(0)
         lin = nn.Linear(256, 384, bias=False)
         opt = V.GefenVariant(lin.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
-                             q4_zero=zero, q4_step=step, **kw)
+                             **{"q4_zero": zero, "q4_step": step, **kw})
         g = torch.Generator().manual_seed(2)
         pattern = torch.exp(torch.randn(384, 256, generator=g))  # per-element scales: not rank-1
         v = torch.zeros(384, 256, dtype=torch.float64)
@@ -311,3 +311,43 @@ def test_q4_v_correction_and_4bit_first_moment():
     assert int((sb["code"] & 31).max()) == 31  # the 32-entry codebook's top index is in use (5-bit m)
     assert (sb["code"] >> 5).unique().numel() > 1  # the 3-bit v codes moved off their start level
     assert sa["code"].numel() == a.weight.numel() and sb["code"].numel() == b.weight.numel()
+
+    # (p) q4_floor: the element's v never drops below the factored estimate (levels 1x..32x above it);
+    # it follows max(factored, the element's own EMA), which the factored estimate alone misses
+    linf, optf, vf = run(second_moment_mode="factored_q4", first_moment="quant4", q4_floor=True, q4_zero=0)
+    stf = optf.state[linf.weight]
+    fact_f = stf["v_row"].double().view(-1).unsqueeze(1) * stf["v_col"].double().unsqueeze(0) / stf["v_col"].double().mean()
+    lv_f = V.q4_levels((stf["code"] >> 4).view_as(fact_f), 0, step).double()
+    assert stf["q4_zero"] == 0 and bool((stf["code"] >> 4).max() > 0)
+    target = torch.maximum(fact_f, vf)
+    err_floor = ((fact_f * lv_f) / target).log2().abs().mean()
+    err_fact_f = (fact_f / target).log2().abs().mean()
+    assert err_floor < 0.5 * err_fact_f, (float(err_floor), float(err_fact_f))
+
+
+def test_report_pairs_by_seed_with_mean_and_median():
+    """benchmarks/quality.py's table pairs every variant with AdamW seed by seed, and from three seeds
+    on shows the median next to the mean (one seed on which AdamW stalls moves only the mean)."""
+    _variants()  # puts benchmarks/ on sys.path
+    import importlib
+
+    q = importlib.import_module("quality")
+
+    def rec(variant, seed, loss):
+        return {"result": {"val_loss": loss, "bytes_per_param": 1.0, "seconds": 1.0}, "variant": variant, "seed": seed}
+
+    adamw = {0: 1.50, 1: 1.70, 2: 1.50, 3: 1.60}
+    gefen = {0: 1.53, 1: 1.53, 2: 1.515, 3: 1.60}
+    runs = {("lm", "adamw", s): rec("adamw", s, x) for s, x in adamw.items()}
+    runs.update({("lm", "gefen_factored", s): rec("gefen_factored", s, x) for s, x in gefen.items()})
+    runs[("lm", "reference", 0)] = rec("reference", 0, 1.80)
+    rows = {r["variant"]: r for r in q.summarise(runs, "lm")}
+    g = rows["gefen_factored"]
+    want = [100 * (gefen[s] / adamw[s] - 1) for s in range(4)]
+    assert g["vs_adamw_pct"] == pytest.approx(want)
+    assert g["vs_adamw_mean_pct"] == pytest.approx(sum(want) / 4)
+    assert g["vs_adamw_median_pct"] == pytest.approx((want[3] + want[2]) / 2)  # of -10, 0, +1, +2
+    assert g["vs_reference_pct"] == pytest.approx([100 * (1.53 / 1.80 - 1)])
+    line = next(l for l in q.table_md(list(rows.values()), "lm").splitlines() if "`gefen_factored`" in l)
+    assert "-1.75%, median +0.50% [-10.00%, +2.00%]" in line, line
+    assert q._paired_cell([0.5]) == "+0.50%" and q._paired_cell([1.0, 3.0]) == "+2.00% [+1.00%, +3.00%]"
