@@ -247,8 +247,6 @@ VARIANTS = {
                      _variant_emb("factored_q4", m_mode="quant4", second_moment_mode="factored", **Q4V_FLOOR)),
     "p_q4vmax_all": ("(p) the floored 4-bit v code with a 4-bit m on every quantized tensor: 1 B/element, the "
                      "default's budget", _variant(first_moment="quant4", second_moment_mode="factored_q4", **Q4V_FLOOR)),
-    "p_emb_q4vmax_m8": ("(p) as p_q4vmax_emb with the embeddings' 8-bit first moment kept (embeddings 1.5 B/element)",
-                        _variant_emb("factored_q4", second_moment_mode="factored", **Q4V_FLOOR)),
     # (o) the same byte split differently on the other tensors
     "o_m5v3": ("(o) as m_q4v_emb for the embeddings; every other quantized tensor 5-bit m (32-entry DP codebook) + "
                "3-bit v correction (levels 2^(k/3), k=-3..4): 1 B/element", _lowbit_split(5, 3, 3)),

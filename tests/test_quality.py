@@ -239,7 +239,8 @@ def test_q4_v_correction_and_4bit_first_moment():
     clips outside it; on a gradient with per-element structure a rank-1 estimate cannot carry, the
     stored v is closer to AdamW's per-element v than the factored estimate is; the 4-bit first moment
     uses a 16-entry codebook with ends at -1/+1, shares one byte per element with the v code, and
-    keeps the state at the default's 1 B/element (plus the scales and row/column vectors)."""
+    keeps the state at the default's 1 B/element (plus the scales and row/column vectors); other
+    bit splits (o); and with ``q4_floor`` (p) the stored v tracks max(factored, per-element EMA)."""
     V = _variants()
     codes = torch.randint(0, 16, (1001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     packed = V.pack4(codes)
