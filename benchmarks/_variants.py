@@ -175,10 +175,11 @@ class GefenVariant(Gefen):
         self.first_moment = first_moment
         self.codebook_scope = codebook_scope
         self.v_mode = second_moment_mode or kw.get("second_moment", "shared")
-        assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp", "sm3", "factored_q4")
+        assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp", "sm3", "factored_q4",
+                               "meanvar")
         if self.v_mode in ("shared", "factored"):
             kw["second_moment"] = self.v_mode  # explicit: the library default is "factored"
-        if self.v_mode in ("grouped", "factored_clamp", "sm3", "factored_q4"):
+        if self.v_mode in ("grouped", "factored_clamp", "sm3", "factored_q4", "meanvar"):
             kw["second_moment"] = "factored"  # v_row / v_col come from the parent's factored layout
         self.v_groups = int(v_groups)
         # "exact": the library default's layout (periods, scale blocks), with this class's own
@@ -343,7 +344,7 @@ class GefenVariant(Gefen):
         st = self.state[p]
         v_mode = self.v_override.get(id(p), self.v_mode)
         default = (self.first_moment == "quant"
-                   and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3", "factored_q4")
+                   and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3", "factored_q4", "meanvar")
                    and self.rounding == "nearest"
                    and not self.codebook_refresh and id(p) not in self.v_override
                    and id(p) not in self.m_override and self.codebook_scope == "global")
@@ -415,6 +416,26 @@ class GefenVariant(Gefen):
                 st["vq"].copy_(pack4(vc))
             else:
                 st["code"].copy_((st["code"] & (2 ** mb - 1)) | (vc << mb))
+        elif v_mode == "meanvar":  # the factored estimate of the innovations' variance; m^2 added below
+            assert self.first_moment in ("quant", "fp32"), "meanvar: the 8-bit or the fp32 first moment"
+            v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
+            if self.first_moment == "fp32":
+                m_prev = st["m32"].view(-1).clone()
+            else:
+                m_prev = (st["codebook"][local_tensor(st["idx"]).view(-1, B).long()]
+                          * local_tensor(st["scale"]).view(-1, 1)).view(-1)
+            c_t = (1.0 - b1) / (1.0 + b1) * (1.0 + b1 ** t) / (1.0 - b1 ** t)  # Var(m_hat_t) / sigma^2
+            if t > 1:  # innovation g_t - m_hat_{t-1}: variance sigma^2 (1 + c_{t-1}), scaled to sigma^2
+                c_prev = (1.0 - b1) / (1.0 + b1) * (1.0 + b1 ** (t - 1)) / (1.0 - b1 ** (t - 1))
+                e2 = (g - m_prev / (1.0 - b1 ** (t - 1))).square_().div_(1.0 + c_prev).view(-1, v_col.numel())
+                v_col.mul_(b2).add_(e2.mean(dim=0), alpha=1.0 - b2)
+                v_row.mul_(b2).add_(e2.mean(dim=1), alpha=1.0 - b2)
+            mc = float(v_col.mean())
+            col_f = v_col / mc if mc > 0 else torch.zeros_like(v_col)
+            # bias-corrected from t = 2 (the first innovation); E[m_hat_t^2] = mu^2 + c_t sigma^2
+            var_hat = (v_row.unsqueeze(1) * col_f.unsqueeze(0)).view(-1).mul_(
+                max(0.0, 1.0 - c_t) / (1.0 - b2 ** (t - 1)) if t > 1 else 0.0)
+            sigma = None
         elif v_mode == "factored_clamp":  # sigma is formed after the first moment, below
             v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
             mc = float(v_col.mean())
@@ -457,6 +478,9 @@ class GefenVariant(Gefen):
                 new = nearest_codeword(z, cb)
             ix.copy_(new)
             q = (cb[new.long()] * a).view(-1)
+        if sigma is None and v_mode == "meanvar":  # v_hat = m_hat^2 + (1 - c_t) var_hat
+            vhat = (q.view(-1) / bc1).square().add_(var_hat)
+            sigma = vhat.sqrt_().add_(eps).reciprocal_().mul_(1.0 / bc1)
         if sigma is None:  # factored_clamp: v >= kappa m^2 (Cauchy-Schwarz on the two EMAs)
             kappa = ema_kappa(b1, b2, t)
             vhat = torch.maximum(vhat, q.view(-1).square() * kappa)

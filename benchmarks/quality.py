@@ -247,6 +247,18 @@ VARIANTS = {
                      _variant_emb("factored_q4", m_mode="quant4", second_moment_mode="factored", **Q4V_FLOOR)),
     "p_q4vmax_all": ("(p) the floored 4-bit v code with a 4-bit m on every quantized tensor: 1 B/element, the "
                      "default's budget", _variant(first_moment="quant4", second_moment_mode="factored_q4", **Q4V_FLOOR)),
+    # (q) per-element mean + factored variance: the same state as the default
+    "q_meanvar": ("(q) factored estimate of the innovations' variance, E[(g - m_hat_prev)^2], plus the element's own "
+                  "m_hat^2: v_hat = m_hat^2 + (1 - c_t) var_hat (c_t = Var(m_hat_t)/sigma^2, 1 at t = 1, 0.053 later); "
+                  "same state as the default, steps never longer than the learning rate",
+                  _variant(second_moment_mode="meanvar")),
+    "q_meanvar_fp32m": ("(q) as q_meanvar with an fp32 first moment (no rounding error in the innovations)",
+                        _variant(second_moment_mode="meanvar", first_moment="fp32")),
+    # (r) the two partial fixes together, at the default's budget
+    "r_clamp_emb_q4vmax": ("(r) k_factored_clamp on every tensor but the embeddings, which get p_q4vmax_emb's 4-bit m + "
+                           "floored per-element 4-bit v code: the default's budget",
+                           _variant_emb("factored_q4", m_mode="quant4", second_moment_mode="factored_clamp",
+                                        **Q4V_FLOOR)),
     # (o) the same byte split differently on the other tensors
     "o_m5v3": ("(o) as m_q4v_emb for the embeddings; every other quantized tensor 5-bit m (32-entry DP codebook) + "
                "3-bit v correction (levels 2^(k/3), k=-3..4): 1 B/element", _lowbit_split(5, 3, 3)),

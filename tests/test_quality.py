@@ -233,6 +233,45 @@ def test_sm3_variant_covers_the_per_element_second_moment():
     assert float((rows / vv.amax(dim=1)).max()) > 1.0  # a cover, not the per-element v itself
 
 
+def test_meanvar_variant_steps_like_adamw_on_a_constant_gradient():
+    """benchmarks/_variants.py's mean + factored-variance estimate (the (q) ablation): on a constant
+    gradient whose per-element magnitudes are far from rank-1, the innovations vanish, so
+    v_hat -> m_hat^2 and every element steps lr * sign(g), as AdamW does (the factored default does
+    not: its step scales with |g| / sqrt(factored estimate)); no step is ever longer than lr, also
+    with the 8-bit first moment, whose rounding error stays in the innovations."""
+    GefenVariant = _variants().GefenVariant
+    g = torch.Generator().manual_seed(4)
+    grad = torch.randn(192, 256, generator=g) * torch.exp(torch.randn(192, 256, generator=g))
+
+    def run(opt_cls, **kw):
+        w = nn.Parameter(torch.zeros(192, 256))
+        opt = opt_cls([w], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, **kw)
+        steps = []
+        for _ in range(40):
+            before = w.detach().clone()
+            w.grad = grad.clone()
+            opt.step()
+            steps.append(w.detach() - before)
+        return steps
+
+    def off(step):  # mean |log2(|step| / lr)|
+        return float((step.abs() / 1e-2).log2().abs().mean())
+
+    ref = run(torch.optim.AdamW)
+    assert off(ref[-1]) < 1e-3  # AdamW: lr * sign(g) exactly, up to eps
+    mv32 = run(GefenVariant, second_moment_mode="meanvar", first_moment="fp32")
+    mv8 = run(GefenVariant, second_moment_mode="meanvar")
+    fac = run(GefenVariant, second_moment_mode="factored")
+    for t in range(40):
+        for steps in (mv32, mv8):
+            assert float(steps[t].abs().max()) <= 1e-2 * (1 + 1e-5), t  # never longer than lr
+            assert torch.equal(torch.sign(ref[t]), torch.sign(steps[t])), t
+    assert off(mv32[0]) < 1e-3  # t = 1: v_hat = g^2 exactly (c_1 = 1)
+    assert off(mv32[-1]) < 0.02, off(mv32[-1])
+    assert off(fac[-1]) > 0.3, off(fac[-1])  # the factored estimate errs per element here
+    assert off(mv8[-1]) < off(fac[-1])
+
+
 def test_q4_v_correction_and_4bit_first_moment():
     """benchmarks/_variants.py's per-element 4-bit v correction and 4-bit first moment (the (m)/(n)
     ablations): the packing round-trips; stochastic encoding is unbiased in v inside the range and
@@ -324,6 +363,49 @@ def test_q4_v_correction_and_4bit_first_moment():
     err_floor = ((fact_f * lv_f) / target).log2().abs().mean()
     err_fact_f = (fact_f / target).log2().abs().mean()
     assert err_floor < 0.5 * err_fact_f, (float(err_floor), float(err_fact_f))
+
+
+def test_combined_variant_wires_the_embeddings_and_the_rest_apart():
+    """benchmarks/quality.py's (r) variant: the GPT's embeddings (wte = LM head, wpe) hold p_q4vmax_emb's
+    one byte per element (4-bit m + floored 4-bit v code, which moves off 1x), every other quantized
+    tensor the default's 8-bit index with the clamped factored v; the state stays at the default's
+    bytes per parameter."""
+    _variants()
+    import importlib
+
+    q = importlib.import_module("quality")
+    from launch.gpt import GPT, get_config
+
+    torch.manual_seed(0)
+    mcfg = get_config("tiny", context=64)  # wpe 64 x 64: quantized (>= 4096 elements)
+    model = GPT(mcfg)
+
+    def build(variant):
+        return q.make_optimizer(variant, model, 0.1, 2e-3, (0.9, 0.95), 0, dim=mcfg.d_model, n_heads=mcfg.n_head)
+
+    opt, ref = build("r_clamp_emb_q4vmax"), build("gefen_factored")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (4, 64), generator=g)
+    for _ in range(4):
+        opt.zero_grad()
+        model(x, x)[1].backward()
+        opt.step()
+    assert opt.v_mode == "factored_clamp"
+    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    assert len(emb) == 2
+    n_code = 0
+    for p, st in opt.state.items():
+        if "code" in st:
+            n_code += 1
+            assert id(p) in emb and st["q4_floor"] and st["q4_zero"] == 0
+            assert st["code"].numel() == p.numel() and int((st["code"] >> 4).max()) > 0
+        elif st.get("idx") is not None and st["idx"].numel():
+            assert id(p) not in emb
+    assert n_code == 2
+    ref.zero_grad()
+    model(x, x)[1].backward()
+    ref.step()
+    assert abs(q.state_bytes(opt) - q.state_bytes(ref)) / q.state_bytes(ref) < 0.01
 
 
 def test_report_pairs_by_seed_with_mean_and_median():
