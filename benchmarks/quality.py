@@ -248,9 +248,9 @@ VARIANTS = {
     "p_q4vmax_all": ("(p) the floored 4-bit v code with a 4-bit m on every quantized tensor: 1 B/element, the "
                      "default's budget", _variant(first_moment="quant4", second_moment_mode="factored_q4", **Q4V_FLOOR)),
     # (q) per-element mean + factored variance: the same state as the default
-    "q_meanvar": ("(q) factored estimate of the innovations' variance, E[(g - m_hat_prev)^2], plus the element's own "
-                  "m_hat^2: v_hat = m_hat^2 + (1 - c_t) var_hat (c_t = Var(m_hat_t)/sigma^2, 1 at t = 1, 0.053 later); "
-                  "same state as the default, steps never longer than the learning rate",
+    "q_meanvar": ("(q) the element's own m_hat^2 plus the factored estimate of the gradient's variance, from the "
+                  "innovations g_t - m_hat_{t-1} (t >= 2, each scaled by 1/(1 + c_{t-1})): v_hat = m_hat^2 + "
+                  "(1 - c_t) var_hat, c_t = Var(m_hat_t)/sigma^2; same state as the default, no step longer than lr",
                   _variant(second_moment_mode="meanvar")),
     "q_meanvar_fp32m": ("(q) as q_meanvar with an fp32 first moment (no rounding error in the innovations)",
                         _variant(second_moment_mode="meanvar", first_moment="fp32")),
