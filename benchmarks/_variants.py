@@ -38,6 +38,13 @@ decoupled weight decay) to the parent class:
   exact DP, from the histogram of its own first gradient (the library learns one codebook from the
   histogram of all of them, D4). Tensors whose first gradient is zero everywhere keep the global
   codebook. Costs 1 KiB per tensor.
+* ``second_moment_mode="meanvar"``: the element's own (bias-corrected) first moment supplies the
+  mean and the factored layout the variance: ``v_row``/``v_col`` hold EMAs of the row and column
+  means of the squared innovations ``g_t - m_hat_{t-1}`` (from t = 2, each divided by
+  ``1 + c_{t-1}``, ``c_t = Var(m_hat_t) / sigma^2 = (1-b1)/(1+b1) (1+b1^t)/(1-b1^t)``, so each
+  estimates the gradient's variance), and ``v_hat = m_hat^2 + (1 - c_t) var_hat``: exact for a
+  gradient whose mean is not rank-1 but whose variance is, and ``|step| <= lr``. Same state as
+  factored; with the 8-bit or the fp32 first moment. Single-process (local column means).
 * ``second_moment_mode="factored_q4"``: the factored estimate times a per-element low-bit
   correction, i.e. a per-element EMA ``v`` stored in ``v_bits`` (default 4) relative to the
   factored estimate ``fact = v_row[i] v_col[j] / mean(v_col)`` (rank-1 normalisation, as Li et al.
