@@ -23,6 +23,10 @@ decoupled weight decay) to the parent class:
   quantile groups; each group keeps an EMA of its rows' column sums of g^2, and a row's step size
   uses its group's column profile (``v_row[i] * C_k[j] / mean(C_k)``). Costs K x cols floats per
   tensor. Single-process (the ranking is over the local rows).
+* ``second_moment_mode="rowblock"`` (``v_groups=K``): as ``"grouped"``, but the K groups are K
+  contiguous blocks of rows (the rows must split evenly): for an attention input projection
+  ``[3d, d]``, K = 3 gives q, k and v each their own column profile, K = 3 x heads each head's
+  q, k and v. Costs K x cols floats per tensor.
 * ``second_moment_mode="factored_clamp"``: the factored estimate raised, per element, to the two
   lower bounds every per-element EMA ``v`` obeys: ``v_t >= (1 - b2) g_t^2`` and (Cauchy-Schwarz on
   the two EMAs, zero-initialised) ``v_t >= kappa_t m_t^2`` with ``kappa_t = (1 - b2) / ((1 - b1)^2
@@ -45,6 +49,13 @@ decoupled weight decay) to the parent class:
   estimates the gradient's variance), and ``v_hat = m_hat^2 + (1 - c_t) var_hat``: exact for a
   gradient whose mean is not rank-1 but whose variance is, and ``|step| <= lr``. Same state as
   factored; with the 8-bit or the fp32 first moment. Single-process (local column means).
+* ``second_moment_mode="meanvar_min"``: ``v_hat = max(min(fact_hat, m_hat^2 + (1 - c_t) var_hat),
+  (1 - b2) g^2 / bc2)``: the factored estimate of ``g^2`` (the parent's ``v_row``/``v_col``) and,
+  next to it, the meanvar mode's factored EMAs of the innovations (``e_row``/``e_col``, as many
+  floats again). The element's own mean can only lengthen the factored step (for consistent,
+  high signal-to-noise elements, which a row/column average under-steps), never shorten it (the
+  meanvar mode's early plateau); the floor is the bound every per-element EMA ``v`` obeys.
+  8-bit first moment only. Single-process (local column means).
 * ``second_moment_mode="factored_q4"``: the factored estimate times a per-element low-bit
   correction, i.e. a per-element EMA ``v`` stored in ``v_bits`` (default 4) relative to the
   factored estimate ``fact = v_row[i] v_col[j] / mean(v_col)`` (rank-1 normalisation, as Li et al.
@@ -170,7 +181,7 @@ def ema_kappa(b1: float, b2: float, t: int) -> float:
 class GefenVariant(Gefen):
     def __init__(self, params, *args, first_moment: str = "quant", second_moment_mode: Optional[str] = None,
                  period_rule: str = "paper", rounding: str = "nearest", codebook_refresh: int = 0,
-                 seed: int = 0, v_override: Optional[dict] = None, v_groups: int = 4,
+                 seed: int = 0, v_override: Optional[dict] = None, v_groups=4,
                  codebook_scope: str = "global", m_override: Optional[dict] = None,
                  q4_zero: int = Q4_ZERO, q4_step: float = 0.5, q4_rounding: str = "stochastic",
                  m_bits: int = 4, v_bits: int = 4, lowbit_override: Optional[dict] = None,
@@ -183,19 +194,20 @@ class GefenVariant(Gefen):
         self.codebook_scope = codebook_scope
         self.v_mode = second_moment_mode or kw.get("second_moment", "shared")
         assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp", "sm3", "factored_q4",
-                               "meanvar")
+                               "meanvar", "meanvar_min", "rowblock")
         if self.v_mode in ("shared", "factored"):
             kw["second_moment"] = self.v_mode  # explicit: the library default is "factored"
-        if self.v_mode in ("grouped", "factored_clamp", "sm3", "factored_q4", "meanvar"):
+        if self.v_mode in ("grouped", "factored_clamp", "sm3", "factored_q4", "meanvar", "meanvar_min", "rowblock"):
             kw["second_moment"] = "factored"  # v_row / v_col come from the parent's factored layout
-        self.v_groups = int(v_groups)
+        # K, or {id(param): K} (parameters not in it: 4)
+        self.v_groups = {k: int(v) for k, v in v_groups.items()} if isinstance(v_groups, dict) else int(v_groups)
         # "exact": the library default's layout (periods, scale blocks), with this class's own
         # per-element v
         self.period_rule = period_rule
         self.rounding = rounding
         self.codebook_refresh = int(codebook_refresh)
         self.v_override = dict(v_override or {})
-        assert set(self.v_override.values()) <= {"exact", "row", "sm3", "grouped", "factored_q4"}
+        assert set(self.v_override.values()) <= {"exact", "row", "sm3", "grouped", "factored_q4", "rowblock"}
         self.m_override = dict(m_override or {})
         assert set(self.m_override.values()) <= {"quant4"}
         self.codebooks_lowbit: dict = {}  # m_bits -> codebook
@@ -211,6 +223,7 @@ class GefenVariant(Gefen):
         self._refresh_counts: Optional[torch.Tensor] = None
         self.refreshes = 0
         kw.setdefault("fused", False)
+        kw.setdefault("row_blocks", 1)  # the parent's factored layout with one column profile (as before D12)
         super().__init__(params, *args, **kw)
         self._pindex = {}
 
@@ -307,9 +320,14 @@ class GefenVariant(Gefen):
         elif mode == "row":
             st.pop("v_row", None), st.pop("v_col", None)
             st["v"] = torch.zeros(piece.local_rows, dtype=torch.float32, device=dev)
-        elif mode == "grouped":
-            assert "v_col" in st, "grouped needs the factored layout"
-            st["v_colg"] = torch.zeros(self.v_groups, st["v_col"].numel(), dtype=torch.float32, device=dev)
+        elif mode == "meanvar_min":  # the innovations' factored EMAs, next to the parent's of g^2
+            assert "v_col" in st, "meanvar_min needs the factored layout"
+            st["e_row"] = torch.zeros_like(local_tensor(st["v_row"]).view(-1))
+            st["e_col"] = torch.zeros_like(st["v_col"])
+        elif mode in ("grouped", "rowblock"):
+            assert "v_col" in st, f"{mode} needs the factored layout"
+            K = self.v_groups.get(id(p), 4) if isinstance(self.v_groups, dict) else self.v_groups
+            st["v_colg"] = torch.zeros(K, st["v_col"].numel(), dtype=torch.float32, device=dev)
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
@@ -351,7 +369,8 @@ class GefenVariant(Gefen):
         st = self.state[p]
         v_mode = self.v_override.get(id(p), self.v_mode)
         default = (self.first_moment == "quant"
-                   and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3", "factored_q4", "meanvar")
+                   and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3", "factored_q4", "meanvar",
+                                           "meanvar_min", "rowblock")
                    and self.rounding == "nearest"
                    and not self.codebook_refresh and id(p) not in self.v_override
                    and id(p) not in self.m_override and self.codebook_scope == "global")
@@ -377,11 +396,15 @@ class GefenVariant(Gefen):
             v.mul_(b2).add_((g * g).view(-1, P).mean(dim=1), alpha=1.0 - b2)
             sb = (v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)
             sigma = sb.repeat_interleave(P)
-        elif v_mode == "grouped":
+        elif v_mode in ("grouped", "rowblock"):
             v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
             K, R = st["v_colg"].shape[0], v_row.numel()
-            grp = torch.empty(R, dtype=torch.long, device=g.device)
-            grp[v_row.argsort()] = torch.arange(R, device=g.device) * K // R  # K equal quantile groups
+            if v_mode == "rowblock":  # K contiguous row blocks (e.g. c_attn's q / k / v, or its heads)
+                assert R % K == 0, f"rowblock: {R} rows do not split into {K} equal blocks"
+                grp = torch.arange(R, device=g.device) // (R // K)
+            else:
+                grp = torch.empty(R, dtype=torch.long, device=g.device)
+                grp[v_row.argsort()] = torch.arange(R, device=g.device) * K // R  # K equal quantile groups
             colg = st["v_colg"]
             colg.mul_(b2).index_add_(0, grp, g2, alpha=1.0 - b2)
             prof = colg[grp]  # [R, slab]: each row's group column profile
@@ -443,6 +466,26 @@ class GefenVariant(Gefen):
             var_hat = (v_row.unsqueeze(1) * col_f.unsqueeze(0)).view(-1).mul_(
                 max(0.0, 1.0 - c_t) / (1.0 - b2 ** (t - 1)) if t > 1 else 0.0)
             sigma = None
+        elif v_mode == "meanvar_min":  # min(factored, m_hat^2 + factored variance), formed below
+            assert self.first_moment == "quant", "meanvar_min: the 8-bit first moment"
+            v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
+            mc = float(v_col.mean())
+            col_f = v_col / mc if mc > 0 else torch.zeros_like(v_col)
+            fact_hat = (v_row.unsqueeze(1) * col_f.unsqueeze(0)).view(-1).div_(bc2)
+            e_row, e_col = st["e_row"], st["e_col"]
+            c_t = (1.0 - b1) / (1.0 + b1) * (1.0 + b1 ** t) / (1.0 - b1 ** t)
+            if t > 1:
+                m_prev = (st["codebook"][local_tensor(st["idx"]).view(-1, B).long()]
+                          * local_tensor(st["scale"]).view(-1, 1)).view(-1)
+                c_prev = (1.0 - b1) / (1.0 + b1) * (1.0 + b1 ** (t - 1)) / (1.0 - b1 ** (t - 1))
+                e2 = (g - m_prev / (1.0 - b1 ** (t - 1))).square_().div_(1.0 + c_prev).view(-1, v_col.numel())
+                e_col.mul_(b2).add_(e2.mean(dim=0), alpha=1.0 - b2)
+                e_row.mul_(b2).add_(e2.mean(dim=1), alpha=1.0 - b2)
+            mce = float(e_col.mean())
+            var_hat = (e_row.unsqueeze(1) * (e_col / mce).unsqueeze(0)).view(-1).mul_(
+                max(0.0, 1.0 - c_t) / (1.0 - b2 ** (t - 1))) if (t > 1 and mce > 0) else torch.zeros_like(g)
+            floor_hat = g2.reshape(-1) * ((1.0 - b2) / bc2)  # every per-element EMA v obeys v_t >= (1-b2) g_t^2
+            sigma = None
         elif v_mode == "factored_clamp":  # sigma is formed after the first moment, below
             v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
             mc = float(v_col.mean())
@@ -485,6 +528,10 @@ class GefenVariant(Gefen):
                 new = nearest_codeword(z, cb)
             ix.copy_(new)
             q = (cb[new.long()] * a).view(-1)
+        if sigma is None and v_mode == "meanvar_min":  # never a shorter step than the factored estimate's
+            vhat = torch.minimum(fact_hat, (q.view(-1) / bc1).square().add_(var_hat))
+            vhat = torch.maximum(vhat, floor_hat)
+            sigma = vhat.sqrt_().add_(eps).reciprocal_().mul_(1.0 / bc1)
         if sigma is None and v_mode == "meanvar":  # v_hat = m_hat^2 + (1 - c_t) var_hat
             vhat = (q.view(-1) / bc1).square().add_(var_hat)
             sigma = vhat.sqrt_().add_(eps).reciprocal_().mul_(1.0 / bc1)

@@ -64,13 +64,14 @@ RUNS = RESULTS / "quality_runs.jsonl"
 # optimizers
 # --------------------------------------------------------------------------------------------
 
-HEADLINE = ["adamw", "gefen_shared", "gefen_factored", "reference"]
+HEADLINE = ["adamw", "gefen_shared", "gefen_factored", "gefen_default", "reference"]
 
 # name -> (description, factory(groups, lr, betas, seed)); lr multipliers are in LR_SCALE.
 def _gefen(**kw):
     def make(groups, lr, betas, seed):
         from gefen_dist import Gefen
         kw.setdefault("fused", False)
+        kw.setdefault("row_blocks", 1)  # the rows recorded before D12; gefen_default passes "auto"
         return Gefen(groups, lr=lr, betas=betas, eps=1e-8, **kw)
     return make
 
@@ -92,6 +93,68 @@ def _variant_emb(mode: Optional[str], m_mode: Optional[str] = None, **kw):
         m_over = {k: m_mode for k in emb} if m_mode else None
         v_over = emb if mode else None  # None: the embeddings keep kw's second moment
         return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=v_over,
+                            m_override=m_over, **kw)
+    make.needs_model = True
+    return make
+
+
+def _variant_named(mode: str, substrings, **kw):
+    """A GefenVariant whose parameters with a name containing one of ``substrings`` get the second
+    moment ``mode`` ("exact", ...), every other tensor ``kw``'s: to locate which tensors an
+    estimator costs loss on."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        over = {id(p): mode for name, p in model.named_parameters() if any(s in name for s in substrings)}
+        assert over, f"no parameter name contains any of {substrings}"
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, **kw)
+    make.needs_model = True
+    return make
+
+
+def _variant_attn_rowblock(per_head: bool, **kw):
+    """A GefenVariant whose attention input projections (``attn.c_attn``, [3d, d]: q, k, v stacked
+    by rows, each head's rows contiguous) get the ``"rowblock"`` second moment with one column
+    profile per section (q, k, v) or, ``per_head``, per head of each section; every other tensor
+    ``kw``'s."""
+    def make(groups, lr, betas, seed, *, model, n_heads, **_):
+        from _variants import GefenVariant
+        over = {id(p): "rowblock" for name, p in model.named_parameters() if "attn.c_attn.weight" in name}
+        assert over, "no attn.c_attn.weight"
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over,
+                            v_groups=3 * n_heads if per_head else 3, **kw)
+    make.needs_model = True
+    return make
+
+
+def _variant_square_rowblocks(**kw):
+    """A GefenVariant in which every 2-D tensor of R = k x C rows (k >= 2 an integer, C columns) gets
+    the ``"rowblock"`` second moment with k blocks of C rows (a shape rule, no names): c_attn
+    [3d, d] gets q, k, v, mlp.c_fc [4d, d] four blocks of d hidden units; every other tensor ``kw``'s."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        over, K = {}, {}
+        for _, p in model.named_parameters():
+            if p.dim() == 2 and p.shape[0] >= 2 * p.shape[1] and p.shape[0] % p.shape[1] == 0:
+                over[id(p)], K[id(p)] = "rowblock", p.shape[0] // p.shape[1]
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, v_groups=K, **kw)
+    make.needs_model = True
+    return make
+
+
+def _variant_blocks_emb(mode: str, m_mode: Optional[str] = None, **kw):
+    """u_square_blocks (row blocks on every [k x C, C] tensor) with the embeddings (wte, tied to
+    the LM head, and wpe) given the second moment ``mode`` and first moment ``m_mode``, as
+    :func:`_variant_emb` does."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        over, K = {k: mode for k in emb}, {}
+        for _, p in model.named_parameters():
+            if (id(p) not in emb and p.dim() == 2 and 2 * p.shape[1] <= p.shape[0] <= 8 * p.shape[1]
+                    and p.shape[0] % p.shape[1] == 0):
+                over[id(p)], K[id(p)] = "rowblock", p.shape[0] // p.shape[1]
+        m_over = {k: m_mode for k in emb} if m_mode else None
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, v_groups=K,
                             m_override=m_over, **kw)
     make.needs_model = True
     return make
@@ -126,6 +189,7 @@ def _gefen_emb(mode: str, **kw):
             if mine:
                 out.append({**g, "params": mine, "second_moment": mode})
         kw.setdefault("fused", None)
+        kw.setdefault("row_blocks", 1)  # as recorded before D12
         return Gefen(out, lr=lr, betas=betas, eps=1e-8, **kw)
     make.needs_model = True
     return make
@@ -189,7 +253,10 @@ Q4V_FLOOR = dict(q4_step=1.0 / 3.0, q4_zero=0, q4_floor=True)  # levels 1x .. 2^
 VARIANTS = {
     "adamw": ("torch AdamW (fp32 m and v)", _adamw),
     "gefen_shared": ("gefen_dist Gefen, second_moment='shared' (paper + D1-D5)", _gefen(second_moment="shared")),
-    "gefen_factored": ("gefen_dist Gefen, second_moment='factored'", _gefen(second_moment="factored")),
+    "gefen_factored": ("gefen_dist Gefen, second_moment='factored', one column profile per tensor (row_blocks=1: the "
+                       "default before D12)", _gefen(second_moment="factored")),
+    "gefen_default": ("gefen_dist Gefen, defaults: second_moment='factored', row_blocks='auto' (D12: k column "
+                      "profiles for a tensor of k x C rows)", _gefen(second_moment="factored", row_blocks="auto")),
     "reference": ("reference gefen 1.2.3, fused=False", _reference),
     # (a) unquantized first moment
     "a_fp32m_shared": ("(a) fp32 first moment, shared second moment", _variant(first_moment="fp32")),
@@ -254,6 +321,27 @@ VARIANTS = {
                   _variant(second_moment_mode="meanvar")),
     "q_meanvar_fp32m": ("(q) as q_meanvar with an fp32 first moment (no rounding error in the innovations)",
                         _variant(second_moment_mode="meanvar", first_moment="fp32")),
+    # (s) the element's own mean may only lengthen the factored step
+    "s_meanvar_min": ("(s) v_hat = max(min(factored, m_hat^2 + factored innovation variance), (1-b2) g^2): the "
+                      "element's own mean lengthens the factored step of consistent elements, never shortens it; "
+                      "2 more float vectors per tensor", _variant(second_moment_mode="meanvar_min")),
+    # (t) which non-embedding tensors the factored estimate costs loss on
+    "t_exactv_attn": ("(t) factored, but a per-element fp32 v for the attention input projections (c_attn: q, k, v) "
+                      "only", _variant_named("exact", ("attn.c_attn",), second_moment_mode="factored")),
+    "t_exactv_mlp": ("(t) factored, but a per-element fp32 v for the MLP weights (mlp.c_fc, mlp.c_proj) only",
+                     _variant_named("exact", ("mlp.c_fc", "mlp.c_proj"), second_moment_mode="factored")),
+    "u_attn_qkv": ("(u) factored, but the attention input projections (c_attn) keep one column profile per section "
+                   "(q, k, v): 3 x d floats more per layer", _variant_attn_rowblock(False, second_moment_mode="factored")),
+    "u_attn_heads": ("(u) factored, but the attention input projections (c_attn) keep one column profile per head of "
+                     "each of q, k, v: 3 x heads x d floats more per layer",
+                     _variant_attn_rowblock(True, second_moment_mode="factored")),
+    "u_square_blocks": ("(u) factored, but every 2-D tensor of k x C rows (C columns, k >= 2) keeps one column "
+                        "profile per block of C rows: c_attn's q, k, v and mlp.c_fc's four blocks (a shape rule)",
+                        _variant_square_rowblocks(second_moment_mode="factored")),
+    "w_blocks_emb_q4vmax": ("(w) u_square_blocks plus p_q4vmax_emb's 4-bit m + floored per-element 4-bit v code "
+                            "for the embeddings: the default's budget",
+                            _variant_blocks_emb("factored_q4", m_mode="quant4", second_moment_mode="factored",
+                                                **Q4V_FLOOR)),
     # (r) the two partial fixes together, at the default's budget
     "r_clamp_emb_q4vmax": ("(r) k_factored_clamp on every tensor but the embeddings, which get p_q4vmax_emb's 4-bit m + "
                            "floored per-element 4-bit v code: the default's budget",
@@ -498,7 +586,8 @@ def _extra(opt) -> dict:
 
 GPT2_STATE_ROWS = ("shared", "factored", "factored, embeddings elementwise",
                    "factored, embeddings 4-bit m + 4-bit v correction (m_q4v_emb)",
-                   "factored, embeddings 8-bit m + 4-bit v correction (m_emb_q4v_m8)")
+                   "factored, embeddings 8-bit m + 4-bit v correction (m_emb_q4v_m8)",
+                   "factored, one column profile per tensor (row_blocks=1, the default before D12)")
 
 
 def gpt2_small_bytes() -> dict:
@@ -518,7 +607,9 @@ def gpt2_small_bytes() -> dict:
             groups = [{"params": [x for x in params if x[0] not in emb]},
                       {"params": [x for x in params if x[0] in emb], "second_moment": "elementwise"}]
             opt = Gefen(groups, lr=1e-3, fused=False)
-        elif sm in GPT2_STATE_ROWS[3:]:
+        elif sm == GPT2_STATE_ROWS[5]:
+            opt = Gefen(params, lr=1e-3, second_moment="factored", row_blocks=1, fused=False)
+        elif sm in GPT2_STATE_ROWS[3:5]:
             from _variants import GefenVariant
             ids = {id(p): "factored_q4" for name, p in params if name in emb}
             m4 = {k: "quant4" for k in ids} if sm == GPT2_STATE_ROWS[3] else None

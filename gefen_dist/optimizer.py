@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from .comm import LocalComm, comm_for
 from .core import periods as _periods
 from .core.quant import block_histogram, NUM_BINS
-from .core.step import (adamw_step_, bias_corrections, column_sumsq, quantized_step_eager_,
+from .core.step import (adamw_step_, bias_corrections, block_column_sumsq, column_sumsq, quantized_step_eager_,
                         quantized_step_factored_eager_)
 from .layout import (KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, check_supported, global_shape, is_dtensor,
                      is_exact, like_param, local_tensor, piece_of)
@@ -40,6 +40,12 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _scalar(x: Any) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _validate_row_blocks(rb, where: str = "") -> None:
+    if not (rb is None or rb == "auto" or (isinstance(rb, int) and not isinstance(rb, bool) and rb >= 1)):
+        raise ValueError(f"Invalid row_blocks{where}: {rb!r} (expected 'auto', None or an int >= 1; 1 is one "
+                         "column profile per tensor, as Adafactor)")
 
 
 def _validate_hparams(lr, betas, eps, weight_decay, where: str = "") -> None:
@@ -120,6 +126,13 @@ class Gefen(Optimizer):
             for that group), the first moment still 8-bit: for the tensors a low-memory estimate
             fits worst, when memory allows (on the byte-level GPT, the tied token embedding / LM
             head; its measured effect there is mixed: docs/quality.md).
+        row_blocks: with the factored second moment (also per param group), how many contiguous
+            blocks of rows keep their own column profile (D12). ``"auto"`` (default): a tensor of
+            ``k x C`` rows of ``C`` elements (integer ``k >= 2``) gets ``k`` blocks, e.g. a fused
+            attention input projection ``[3d, d]`` one profile each for q, k and v (measured closer
+            to AdamW: docs/quality.md); every other tensor one. An int asks for that many blocks (it
+            must divide every such tensor's rows); ``1`` is Adafactor's single profile. Costs
+            ``blocks x C`` fp32 per tensor (+0.0015 B/param on GPT-2 small).
         fused: ``None`` (default) uses the fused native kernel when it is available for the
             parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
         process_group: the group over which periods and the codebook are agreed (default: WORLD
@@ -137,6 +150,7 @@ class Gefen(Optimizer):
         *,
         small_threshold: int = 4096,
         second_moment: str = "factored",
+        row_blocks: Any = "auto",
         nonfinite: str = "raise",
         fused: Optional[bool] = None,
         process_group: Optional[Any] = None,
@@ -150,7 +164,9 @@ class Gefen(Optimizer):
             raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {NONFINITE})")
         if fused not in (None, True, False):
             raise ValueError(f"Invalid fused: {fused!r} (expected None, True or False)")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment)
+        _validate_row_blocks(row_blocks)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment,
+                        row_blocks=row_blocks)
         self.small_threshold = small_threshold
         self.nonfinite = nonfinite
         self.skipped_steps = 0
@@ -186,6 +202,7 @@ class Gefen(Optimizer):
         _validate_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"], where)
         if g["second_moment"] not in SECOND_MOMENTS:
             raise ValueError(f"Invalid second_moment{where}: {g['second_moment']!r} (expected one of {SECOND_MOMENTS})")
+        _validate_row_blocks(g.get("row_blocks", "auto"), where)
         pn = g.get("param_names")
         for i, p in enumerate(g["params"]):
             check_supported(p, pn[i] if pn is not None else f"group{len(self.param_groups) - 1}.param{i}")
@@ -280,8 +297,13 @@ class Gefen(Optimizer):
         }
         if self._group_of(p)["second_moment"] == "factored":
             st["v_row"] = zeros((piece.local_rows, 1), (geo.global_shape[0], 1), torch.float32)
-            # column factor: the same on every rank (statistics are all-reduced), a plain tensor
-            st["v_col"] = torch.zeros(geo.slab, dtype=torch.float32, device=dev)
+            # column factor: the same on every rank (statistics are all-reduced), a plain tensor;
+            # [G, slab] with G row blocks (D12)
+            try:
+                G = _periods.factored_row_blocks(geo.global_shape, self._group_of(p).get("row_blocks", "auto"))
+            except ValueError as e:
+                raise ValueError(f"Gefen: parameter {self._names().get(id(p), '?')!r}: {e}") from None
+            st["v_col"] = torch.zeros(*((G,) if G > 1 else ()), geo.slab, dtype=torch.float32, device=dev)
         else:
             st["v"] = zeros(loc["v"], glo["v"], torch.float32)
         st["codebook"] = self._codebook_for(dev)
@@ -588,15 +610,18 @@ class Gefen(Optimizer):
         out = {}
         for p in fact:
             pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
-            slab = self.state[p]["v_col"].numel()
+            v_col = self.state[p]["v_col"]
+            slab, G = v_col.shape[-1], max(1, v_col.numel() // v_col.shape[-1])
             if pc.grad is None or pc.grad.numel() == 0 or (sharded and not pc.contributes):
-                out[p] = torch.zeros(slab, dtype=torch.float64)
-            elif self._use_fused(pc.grad):
+                out[p] = torch.zeros(G * slab, dtype=torch.float64)
+                continue
+            if self._use_fused(pc.grad):
                 from .kernels import cpu as _cpu
 
-                out[p] = _cpu.column_sumsq(pc.grad, slab)
+                sumsq = _cpu.column_sumsq
             else:
-                out[p] = column_sumsq(pc.grad, slab).cpu()
+                sumsq = lambda g, s: column_sumsq(g, s).cpu()  # noqa: E731
+            out[p] = block_column_sumsq(pc.grad, slab, pc.start // slab, global_shape(p)[0] // G, G, sumsq)
         return out
 
     def _column_stats(self, entries, partials: Optional[Dict[torch.Tensor, torch.Tensor]] = None
@@ -618,10 +643,11 @@ class Gefen(Optimizer):
             self._comm.all_reduce_sum_(buf)
         out, o = {}, 0
         for p in fact:
-            slab = self.state[p]["v_col"].numel()
-            rows = global_shape(p)[0]
-            out[p] = (buf[o:o + slab] / rows).to(torch.float32).to(local_tensor(p).device)
-            o += slab
+            v_col = self.state[p]["v_col"]
+            n = v_col.numel()
+            rows = global_shape(p)[0] // max(1, n // v_col.shape[-1])  # per row block (D12)
+            out[p] = (buf[o:o + n] / rows).to(torch.float32).to(local_tensor(p).device)
+            o += n
             if self.nonfinite != "ignore" and bool(torch.isinf(out[p]).any()):
                 raise RuntimeError(
                     f"Gefen: the squared gradient of {self._names()[id(p)]!r} overflows float32 (|g| above "
@@ -657,13 +683,19 @@ class Gefen(Optimizer):
         if "v_col" in st:
             fargs = (local_tensor(st["idx"]), local_tensor(st["scale"]), local_tensor(st["v_row"]),
                      st["v_col"], cb, col_mean_sq)
+            v_col = st["v_col"]
+            slab = v_col.shape[-1]
+            rkw = {}
+            if v_col.dim() > 1:  # row blocks (D12): this piece's first global row, rows per block
+                rkw = dict(row0=piece_of(p, self._comm.rank, self._comm.world_size > 1).start // slab,
+                           row_block=global_shape(p)[0] // v_col.shape[0])
             if self._use_fused(work):
                 from .kernels import cpu as _cpu
 
                 _cpu.quantized_step_factored_(work, g.to(work.dtype), *fargs,
-                                              scale_block=st["scale_block"], **hp)
+                                              scale_block=st["scale_block"], **rkw, **hp)
             else:
-                quantized_step_factored_eager_(work, g, *fargs, scale_block=st["scale_block"], **hp)
+                quantized_step_factored_eager_(work, g, *fargs, scale_block=st["scale_block"], **rkw, **hp)
             if not contiguous:
                 param.copy_(work)
             return
@@ -728,6 +760,9 @@ class Gefen(Optimizer):
             want = geo.state_shapes(tuple(p.shape)[0])
             if factored:
                 want["v_row"], want["v_col"] = (tuple(p.shape)[0], 1), (geo.slab,)
+                vc = tuple(st["v_col"].shape)
+                if len(vc) == 2 and vc[1] == geo.slab and vc[0] >= 1 and tuple(p.shape)[0] % vc[0] == 0:
+                    want["v_col"] = vc  # row blocks (D12): the state's own block count is kept
             for k in ("scale", "v_row", "v_col") if factored else ("scale", "v"):
                 if tuple(st[k].shape) != want[k]:
                     raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape "

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .core.periods import PERIOD_CAP, divisors, row_slab
+from .core.periods import PERIOD_CAP, divisors, factored_row_blocks, row_slab
 from .layout import KIND_EXACT, KIND_QUANTIZED, Geometry, is_exact
 
 __all__ = [
@@ -39,7 +39,7 @@ ADAMW_BYTES_PER_PARAM = 8  # fp32 exp_avg + exp_avg_sq
 ADAMW_STEP_BYTES = 4  # torch.optim.AdamW keeps a float32 ``step`` tensor per parameter tensor
 # Measured on GPT-2 small (124,439,808 parameters, learned periods 768/1536, 0.1% exact):
 # docs/results/memory.json (benchmarks/memory.py), gefen_state_bytes / params.
-GPT2_SMALL_GEFEN_STATE_BYTES = 126_665_096  # docs/results/memory.json (factored default)
+GPT2_SMALL_GEFEN_STATE_BYTES = 126_849_416  # docs/results/memory.json (factored default, row blocks D12)
 GPT2_SMALL_PARAMS = 124_439_808
 GPT2_SMALL_GEFEN_BYTES_PER_PARAM = GPT2_SMALL_GEFEN_STATE_BYTES / GPT2_SMALL_PARAMS
 
@@ -90,7 +90,8 @@ def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
     rows = shape[0]
     s = geo.state_shapes(rows)
     if second_moment == "factored":
-        nbytes = n + 4 * math.prod(s["scale"]) + 4 * rows + 4 * geo.slab
+        # v_col: one profile per row block (D12, row_blocks="auto")
+        nbytes = n + 4 * math.prod(s["scale"]) + 4 * rows + 4 * geo.slab * factored_row_blocks(shape)
     else:
         nbytes = n + 4 * math.prod(s["scale"]) + 4 * math.prod(s["v"])
     return dict(kind=KIND_QUANTIZED, period=geo.period, scale_block=geo.scale_block, gefen_bytes=int(nbytes),

@@ -56,7 +56,8 @@ import torch
 
 from .core import periods as _periods
 from .core.quant import NUM_BINS, block_histogram, nearest_codeword
-from .core.step import (adamw_step_, bias_corrections, column_sumsq, quantized_step_eager_,
+from .core.step import (adamw_step_, bias_corrections, block_column_sumsq, column_factors, column_sumsq,
+                        quantized_step_eager_,
                         quantized_step_factored_eager_)
 from .layout import is_exact
 
@@ -136,10 +137,12 @@ class _SegPlan:
 
 
 def _plan(segments: Sequence[Segment], periods: Sequence[int], small_threshold: Optional[int],
-          factored: bool = False) -> Tuple[List[_SegPlan], int, int, int]:
+          factored: bool = False, row_blocks=1) -> Tuple[List[_SegPlan], int, int, int]:
     """Offsets of every segment's state. Shared second moment: ``v`` per touched v-block (period).
     Factored (``factored=True``): ``v`` is ``v_row``, one entry per touched row (independent of the
-    period), and ``vcol_off``/``vcol_n`` place a full ``v_col`` per non-empty quantized segment.
+    period), and ``vcol_off``/``vcol_n`` place a full ``v_col`` per non-empty quantized segment:
+    ``G x slab`` floats with ``G = factored_row_blocks(shape, row_blocks)`` row blocks (D12; the
+    state records its rule as ``st["row_blocks"]``, 1 for states saved before D12).
     ``small_threshold=None`` reads a *saved* state without knowing the optimizer's threshold: a
     segment is exact iff its period is 0 (quantized segments always have a period >= 1)."""
     out, so, vo, eo, co = [], 0, 0, 0, 0
@@ -154,7 +157,7 @@ def _plan(segments: Sequence[Segment], periods: Sequence[int], small_threshold: 
         vu = slab if factored else per
         sn = ((e - 1) // B - a // B + 1) if seg.numel else 0
         vn = ((e - 1) // vu - a // vu + 1) if seg.numel else 0
-        cn = slab if (factored and seg.numel) else 0
+        cn = slab * _periods.factored_row_blocks(seg.shape, row_blocks) if (factored and seg.numel) else 0
         out.append(_SegPlan(seg, False, per, B, so, sn, vo, vn, vcol_off=co, vcol_n=cn))
         so += sn
         vo += vn
@@ -279,10 +282,11 @@ class FlatSegments:
         return s, allr[:, k:].amax(dim=0)
 
     # ------------------------------------------------------------------ state
-    def new_state(self, flat: torch.Tensor, codebook: torch.Tensor, factored: bool = False) -> Dict[str, Any]:
+    def new_state(self, flat: torch.Tensor, codebook: torch.Tensor, factored: bool = False,
+                  row_blocks="auto") -> Dict[str, Any]:
         periods = [0 if is_exact(s.shape, self.small_threshold) else _periods.row_slab(s.shape)
                    for s in self.segments]
-        plan, ns, nv, ne = _plan(self.segments, periods, self.small_threshold, factored)
+        plan, ns, nv, ne = _plan(self.segments, periods, self.small_threshold, factored, row_blocks)
         dev = flat.device
         qkeys = self.quantized_keys()
         st = {
@@ -293,6 +297,7 @@ class FlatSegments:
         if factored:
             st["v_row"] = torch.zeros(nv, dtype=torch.float32, device=dev)
             st["v_col"] = torch.zeros(sum(sp.vcol_n for sp in plan), dtype=torch.float32, device=dev)
+            st["row_blocks"] = row_blocks
         else:
             st["v"] = torch.zeros(nv, dtype=torch.float32, device=dev)
         st.update({
@@ -325,8 +330,9 @@ class FlatSegments:
 
     def _replan(self, st: Dict[str, Any], new_periods: List[int]) -> None:
         if "v_col" in st:  # factored: v_row / v_col do not depend on the period, only scale does
-            old, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold, True)
-            new, ns, _, _ = _plan(self.segments, new_periods, self.small_threshold, True)
+            rb = st.get("row_blocks", 1)
+            old, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold, True, rb)
+            new, ns, _, _ = _plan(self.segments, new_periods, self.small_threshold, True, rb)
             scale = torch.zeros(ns, dtype=torch.float32, device=st["scale"].device)
             for o, n, learned in zip(old, new, st["learned"]):
                 if not o.exact and learned and o.period == n.period:
@@ -548,7 +554,8 @@ class FlatSegments:
         cut-block partial max |m|]`` (the slots are combined in rank order, so a cut row's ``v_row``
         and a cut block's scale are identical on the ranks that share them).
         """
-        plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold, True)
+        rbr = st.get("row_blocks", 1)
+        plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold, True, rbr)
         cat = self.global_catalog()
         cb = st["codebook"]
         lr, beta1, beta2, eps = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"]
@@ -558,11 +565,12 @@ class FlatSegments:
         idx_all, scale_all, vrow_all, vcol_all = st["idx"], st["scale"], st["v_row"], st["v_col"]
         # Global catalog of learned tensors (identical on every rank): column-sum offsets, cuts.
         fkeys = [k for k, lrn in zip(st["global_keys"], st["global_learned"]) if lrn]
-        slab_of, col_off, nc = {}, {}, 0
+        slab_of, col_off, nblk_of, nc = {}, {}, {}, 0
         for k in fkeys:
             slab_of[k] = _periods.row_slab(cat[k]["shape"])
+            nblk_of[k] = _periods.factored_row_blocks(cat[k]["shape"], rbr)  # row blocks (D12)
             col_off[k] = nc
-            nc += slab_of[k]
+            nc += slab_of[k] * nblk_of[k]
         block_of = self._global_blocks(st)
         cut_rows = self.cut_blocks({k: slab_of[k] for k in fkeys})
         cut_blks = self.cut_blocks(block_of)
@@ -594,15 +602,18 @@ class FlatSegments:
             vr = vrow_all[sp.v_off:sp.v_off + sp.v_n]
             vc = vcol_all[sp.vcol_off:sp.vcol_off + sp.vcol_n]
             co = col_off[s.key]
+            G = nblk_of[s.key]
+            rb = cat[s.key]["shape"][0] // G
             lo, hi, rparts = _split(a, e, S)
             if hi > lo:
-                cols[co:co + S] += column_sumsq(g[lo - a:hi - a], S).cpu()
+                cols[co:co + G * S] += block_column_sumsq(g[lo - a:hi - a], S, lo // S, rb, G,
+                                                          lambda x, sl: column_sumsq(x, sl).cpu())
             pend = []
             for r, ps, pe in rparts:  # rows cut by a partition edge
                 r0, r1 = ps - a, pe - a
                 gp = g[r0:r1].float()
                 g2 = gp.double() ** 2
-                c0 = ps - r * S
+                c0 = ps - r * S + (r // rb) * S  # in the row's block of column sums
                 cols[co + c0:co + c0 + (pe - ps)] += (gp * gp).double().cpu()  # as column_sumsq
                 slots[row_pos[(s.key, r)]] += float(g2.sum())
                 # first moment of the row piece, block by block (scale slots of the segment)
@@ -618,7 +629,7 @@ class FlatSegments:
                     j = nr + blk_pos[(s.key, b)]
                     slots[j] = max(float(slots[j]), float(am[b - ps // B]))
                 pend.append((r, r0, r1, gp, m, bl, am, first, nblk, [b for b, _, _ in bparts]))
-            work.append((sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend))
+            work.append((sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb))
         if not work and nc == 0:
             return
         # One SUM all-reduce: column sums (zeros for tensors not held here) + per-rank slots.
@@ -639,20 +650,20 @@ class FlatSegments:
             rsum, bmax = slots[:nr], slots[nr:]
         # Phase 2: v_col, whole rows through the kernel, then the cut rows.
         sqrt_bc2 = math.sqrt(bc2)
-        for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend in work:
-            R = cat[sp.seg.key]["shape"][0]
-            col_mean_sq = (cols[co:co + S] / R).to(torch.float32).to(vc.device)
+        for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb in work:
+            col_mean_sq = (cols[co:co + G * S] / rb).to(torch.float32).to(vc.device)
             so, ro = lo // B - a // B, lo // S - a // S
             nrow = (hi - lo) // S
+            vcb = vc.view(G, S) if G > 1 else vc
             # updates v_col (always) and steps the whole rows [lo, hi) (possibly none)
             quantized_step_factored_eager_(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a],
-                                           sc[so:so + nrow * (S // B)], vr[ro:ro + nrow], vc, cb, col_mean_sq,
-                                           scale_block=B, **hp)
+                                           sc[so:so + nrow * (S // B)], vr[ro:ro + nrow], vcb, cb, col_mean_sq,
+                                           scale_block=B, row0=lo // S, row_block=rb, **hp)
             if not pend:
                 continue
-            mean_c = float(vc.mean())
-            col_f = (vc / mean_c).sqrt_() if mean_c > 0 else torch.zeros_like(vc)
+            col_fb = column_factors(vcb)
             for r, r0, r1, gp, m, bl, am, first, nblk, cut in pend:
+                col_f = col_fb[r // rb] if G > 1 else col_fb
                 ps = a + r0
                 tot = torch.tensor([float(rsum[row_pos[(sp.seg.key, r)]])], dtype=torch.float64).float() / S
                 v1 = vr[r - a // S:r - a // S + 1]

@@ -87,6 +87,16 @@ _CHUNK_ELEMS = 1 << 22       # elements per chunk when applying / updating (boun
 _SCRATCH_ELEMS = 1 << 20     # scratch parameter chunk for the native kernel's state-only call
 
 
+def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
+    """``row0`` / ``row_block`` for a factored step over ``p``'s flat range starting at ``s`` (whole
+    rows) when its ``v_col`` has row blocks (D12), else nothing."""
+    v_col = st["v_col"]
+    if v_col.dim() < 2:
+        return {}
+    slab = v_col.shape[-1]
+    return dict(row0=s // slab, row_block=global_shape(p)[0] // v_col.shape[0])
+
+
 class ZeroGefen(ZeroCheckpointMixin, Gefen):
     r"""Gefen with ZeRO-1 state partitioning for DDP (replicated parameters, identical gradients).
 
@@ -303,7 +313,9 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
         }
         if self._is_factored(p):
             st["v_row"] = torch.zeros(n // geo.slab, dtype=torch.float32, device=dev)
-            st["v_col"] = torch.zeros(geo.slab, dtype=torch.float32, device=dev)  # replicated
+            G = _periods.factored_row_blocks(shape, self._group_of(p).get("row_blocks", "auto"))
+            # replicated; [G, slab] with G row blocks (D12)
+            st["v_col"] = torch.zeros(*((G,) if G > 1 else ()), geo.slab, dtype=torch.float32, device=dev)
         else:
             st["v"] = torch.zeros(n // geo.period, dtype=torch.float32, device=dev)
         st["codebook"] = self._codebook_for(dev)
@@ -313,7 +325,7 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
     def _divisors(st: dict) -> Dict[str, int]:
         """The sliced state tensors and elements per entry (``v_col`` is replicated, never sliced)."""
         if "v_col" in st:
-            return {"idx": 1, "scale": int(st["scale_block"]), "v_row": int(st["v_col"].numel())}
+            return {"idx": 1, "scale": int(st["scale_block"]), "v_row": int(st["v_col"].shape[-1])}
         if "idx" in st:
             return {"idx": 1, "scale": int(st["scale_block"]), "v": int(st["period"])}
         return {"exp_avg": 1, "exp_avg_sq": 1}
@@ -465,13 +477,13 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
                 # Compressed (idx, M, sqrt(v_row)); the appliers replay the eager step's or, with the
                 # native kernel, the kernel's arithmetic (apply_factored(kernel_order=...)).
                 mode = (MODE_FACTORED if factored_wire_compressed(
-                    st["scale_block"], st["v_col"].numel(), p.element_size()) else MODE_DENSE)
+                    st["scale_block"], st["v_col"].shape[-1], p.element_size()) else MODE_DENSE)
             elif st["period"] > 1:
                 mode = MODE_COMPRESSED
             else:
                 mode = MODE_DENSE
             items.append((p, st, hp, mode))
-        wire = [(mode, st["scale_block"], p.element_size(), self._plan.of(p), st["v_col"].numel())
+        wire = [(mode, st["scale_block"], p.element_size(), self._plan.of(p), st["v_col"].shape[-1])
                 if mode == MODE_FACTORED else (mode, st.get("period", 1), p.element_size(), self._plan.of(p))
                 for p, st, hp, mode in items]
         sizes = step_wire_bytes(wire, W)
@@ -518,13 +530,13 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
                     apply_compressed(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
                                            st["codebook"], P, hp, kernel_order=self._use_fused(p))
                 elif mode == MODE_FACTORED:
-                    B, slab = st["scale_block"], st["v_col"].numel()
+                    B, slab = st["scale_block"], st["v_col"].shape[-1]
                     idx, off = self._take(chunks[r], off, n, torch.uint8)
                     M, off = self._take(chunks[r], off, n // B, torch.float32)
                     rf, off = self._take(chunks[r], off, n // slab, torch.float32)
                     apply_factored(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device),
                                          col_f[id(p)], st["codebook"], B, slab, hp,
-                                         kernel_order=self._use_fused(p))
+                                         kernel_order=self._use_fused(p), **_row_blocks_kw(p, st, s))
                 else:
                     vals, off = self._take(chunks[r], off, n, p.dtype)
                     flat[s:e].copy_(vals.to(p.device))
@@ -607,7 +619,7 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
 
                 step_fn = _cpu.quantized_step_factored_
             step_fn(work, g.to(work.dtype), st["idx"], st["scale"], st["v_row"], st["v_col"].clone(),
-                    st["codebook"], col_mean_sq, scale_block=st["scale_block"], **hp)
+                    st["codebook"], col_mean_sq, scale_block=st["scale_block"], **_row_blocks_kw(p, st, s), **hp)
             return work
         kw = dict(period=st["period"], scale_block=st["scale_block"], **hp)
         if self._use_fused(work):
@@ -623,7 +635,7 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
 
         The operations of :func:`quantized_step_factored_eager_`, in its order, minus the
         column factor and the parameter update (the appliers do those)."""
-        B, slab = st["scale_block"], st["v_col"].numel()
+        B, slab = st["scale_block"], st["v_col"].shape[-1]
         g = p.grad.reshape(-1)[s:e].contiguous()
         idx, scale, v_row, cb = st["idx"], st["scale"], st["v_row"], st["codebook"]
         beta1, beta2 = hp["beta1"], hp["beta2"]
@@ -635,8 +647,8 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
             # sqrt(v_row) correctly rounded, as the kernel's sqrtf, for the appliers.
             scratch = p.detach().reshape(-1)[s:e].clone()
             _cpu.quantized_step_factored_(scratch, g.to(p.dtype), idx, scale, v_row, st["v_col"].clone(), cb,
-                                          torch.zeros(slab, dtype=torch.float32, device=p.device),
-                                          scale_block=B, **dict(hp, lr=0.0, weight_decay=0.0))
+                                          torch.zeros_like(st["v_col"]), scale_block=B,
+                                          **_row_blocks_kw(p, st, s), **dict(hp, lr=0.0, weight_decay=0.0))
             return [idx, scale, v_row.reshape(-1).double().sqrt().float()]
         rsq = torch.empty(rows, dtype=torch.float32, device=p.device)
         rows_per = max(1, _CHUNK_ELEMS // slab)

@@ -122,7 +122,9 @@ class ZeroCheckpointMixin:
             for k in keys:
                 loc[k] = st[k]
             if "v_col" in st:  # replicated: every rank keeps the whole column factor
-                loc["v_col"] = st["v_col"].detach().to(device=p.device, dtype=torch.float32).reshape(-1).clone()
+                vc = st["v_col"].detach().to(device=p.device, dtype=torch.float32)
+                # [slab], or [G, slab] with row blocks (D12): the saved shape is kept
+                loc["v_col"] = (vc if vc.dim() == 2 else vc.reshape(-1)).clone()
             self._set_from_full(p, {k: st[k] for k in keys})
             if "idx" in st:
                 loc["codebook"] = self._codebook_for(p.device)

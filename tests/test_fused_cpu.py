@@ -635,3 +635,126 @@ def test_step_floor_loops_move_their_bytes():
         torch.testing.assert_close(m, m1, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(v, v0 + 0.05 * (g * g - v0), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(p, p0 - 0.01 * m1, rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------
+# factored second moment with row blocks (D12)
+# --------------------------------------------------------------------------------------
+
+def _blocks_grads(G, rb, slab, steps, seed=3):
+    """Gradients whose column profile differs from block to block (as q, k, v of an attention
+    projection do), so one profile per tensor cannot fit them."""
+    g = torch.Generator().manual_seed(seed)
+    cols = torch.exp(1.5 * torch.randn(G, 1, slab, generator=g))
+    rows = torch.exp(torch.randn(G, rb, 1, generator=g))
+    return [(torch.randn(G, rb, slab, generator=g) * 1e-3 * rows * cols).reshape(-1) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_row_blocks_are_separate_tensors(fused, one_thread):
+    """Oracle: a [G * rb, slab] tensor with G row blocks steps exactly as its G sections would as
+    separate tensors of rb rows, each with one column profile (the same codebook and scale
+    blocks). Every row, scale block and column profile is computed by the same operations."""
+    from gefen_dist.core.step import block_column_sumsq, column_sumsq, quantized_step_factored_eager_
+
+    fn = cpu.quantized_step_factored_ if fused else quantized_step_factored_eager_
+    G, rb, slab, B = 3, 24, 96, 48
+    grads = _blocks_grads(G, rb, slab, 12)
+    cb = dp_codebook()
+    whole = _fstate(G * rb, slab, B, torch.float32, 0)
+    whole = (whole[0], whole[1], whole[2], whole[3], torch.zeros(G, slab))
+    parts = [tuple(t.clone() for t in _fstate(rb, slab, B, torch.float32, 0)) for _ in range(G)]
+    for b in range(G):  # the same initial parameters, section by section
+        parts[b][0].copy_(whole[0].view(G, -1)[b])
+    for step, grad in enumerate(grads, 1):
+        bc1, bc2 = bias_corrections(step, HP["beta1"], HP["beta2"])
+        cms = (block_column_sumsq(grad, slab, 0, rb, G) / rb).float()
+        fn(whole[0], grad, *whole[1:5], cb, cms, **HP, bc1=bc1, bc2=bc2, scale_block=B, row0=0, row_block=rb)
+        for b, (p, idx, sc, vr, vc) in enumerate(parts):
+            gb = grad.view(G, -1)[b].contiguous()
+            fn(p, gb, idx, sc, vr, vc, cb, (column_sumsq(gb, slab) / rb).float(), **HP, bc1=bc1, bc2=bc2,
+               scale_block=B)
+    for k in range(4):
+        assert torch.equal(whole[k].view(G, -1), torch.stack([pt[k].view(-1) for pt in parts])), k
+    assert torch.equal(whole[4], torch.stack([pt[4] for pt in parts]))
+    # and it is not the single-profile step: the per-block profiles moved the parameters differently
+    single = _fstate(G * rb, slab, B, torch.float32, 0)
+    for step, grad in enumerate(grads, 1):
+        bc1, bc2 = bias_corrections(step, HP["beta1"], HP["beta2"])
+        fn(single[0], grad, *single[1:5], cb, (column_sumsq(grad, slab) / (G * rb)).float(), **HP, bc1=bc1,
+           bc2=bc2, scale_block=B)
+    assert float((single[0] - whole[0]).abs().max()) > 1e-4
+
+
+def test_row_blocks_pieces_with_row_offsets(one_thread):
+    """A tensor's rows split into pieces at offsets that cut the row blocks (as FSDP2 shards do),
+    each stepped with its global first row and the full column statistics, equals the whole tensor
+    stepped at once: fused and eager, bitwise for the state."""
+    from gefen_dist.core.step import block_column_sumsq, column_sumsq, quantized_step_factored_eager_
+
+    G, rb, slab, B = 4, 10, 64, 32
+    R = G * rb
+    grads = _blocks_grads(G, rb, slab, 6, seed=7)
+    cb = dp_codebook()
+    for fn in (quantized_step_factored_eager_, cpu.quantized_step_factored_):
+        whole = _fstate(R, slab, B, torch.float32, 1)
+        whole = (*whole[:4], torch.zeros(G, slab))
+        pieces = _fstate(R, slab, B, torch.float32, 1)
+        pieces = (*pieces[:4], torch.zeros(G, slab))
+        cuts = [0, 7, 23, 24, 40]  # piece edges inside blocks 0 and 2, one at a block edge
+        for step, grad in enumerate(grads, 1):
+            bc1, bc2 = bias_corrections(step, HP["beta1"], HP["beta2"])
+            full = block_column_sumsq(grad, slab, 0, rb, G)
+            summed = sum(block_column_sumsq(grad[a * slab:e * slab], slab, a, rb, G,
+                                            lambda x, s: column_sumsq(x, s)) for a, e in zip(cuts, cuts[1:]))
+            assert torch.allclose(full, summed, rtol=1e-12, atol=0)
+            cms = (full / rb).float()
+            fn(whole[0], grad, *whole[1:5], cb, cms, **HP, bc1=bc1, bc2=bc2, scale_block=B, row0=0, row_block=rb)
+            vcs = []
+            for a, e in zip(cuts, cuts[1:]):
+                vc = pieces[4].clone()
+                fn(pieces[0][a * slab:e * slab], grad[a * slab:e * slab], pieces[1][a * slab:e * slab],
+                   pieces[2][a * slab // B:e * slab // B], pieces[3][a:e], vc, cb, cms, **HP, bc1=bc1, bc2=bc2,
+                   scale_block=B, row0=a, row_block=rb)
+                vcs.append(vc)
+            pieces[4].copy_(vcs[0])  # every piece advanced its own copy identically
+            assert all(torch.equal(v, vcs[0]) for v in vcs)
+        for k in range(5):
+            assert torch.equal(whole[k], pieces[k]), (fn, k)
+
+
+def test_row_blocks_rule_and_errors():
+    from gefen_dist import Gefen
+    from gefen_dist.core.periods import factored_row_blocks
+
+    assert factored_row_blocks((2304, 768)) == 3  # GPT-2 c_attn: q, k, v
+    assert factored_row_blocks((3072, 768)) == 4  # GPT-2 mlp.c_fc
+    assert factored_row_blocks((768, 3072)) == 1  # mlp.c_proj
+    assert factored_row_blocks((50257, 768)) == 1  # wte
+    assert factored_row_blocks((768, 768)) == 1
+    assert factored_row_blocks((9 * 64, 64)) == 1  # more than 8 blocks: not measured, one profile
+    assert factored_row_blocks((8 * 64, 64)) == 8
+    assert factored_row_blocks((96, 8, 4)) == 3  # rows of 32 elements
+    assert factored_row_blocks((2304, 768), 1) == 1 and factored_row_blocks((2304, 768), None) == 1
+    assert factored_row_blocks((2304, 768), 6) == 6
+    with pytest.raises(ValueError, match="does not divide the 2304 rows"):
+        factored_row_blocks((2304, 768), 5)
+    w = torch.nn.Parameter(torch.randn(3 * 64, 64))
+    opt = Gefen([w], lr=1e-3)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    assert opt.state[w]["v_col"].shape == (3, 64)
+    opt1 = Gefen([w], lr=1e-3, row_blocks=1)
+    opt1.step()
+    assert opt1.state[w]["v_col"].shape == (64,)
+    for bad in (0, -2, "yes", 2.0, True):
+        with pytest.raises(ValueError, match="row_blocks"):
+            Gefen([w], lr=1e-3, row_blocks=bad)
+    with pytest.raises(ValueError, match=r"'w'.*row_blocks=5 does not divide the 192 rows"):
+        Gefen([("w", w)], lr=1e-3, row_blocks=5).step()
+    # a checkpoint keeps its own block count (one saved before D12 loads and keeps one profile)
+    sd = opt1.state_dict()
+    opt2 = Gefen([w], lr=1e-3)
+    opt2.load_state_dict(sd)
+    assert opt2.state[w]["v_col"].shape == (64,)
+    opt2.step()

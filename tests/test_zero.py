@@ -231,7 +231,11 @@ def test_factored_column_stats_are_gefens():
     _train(m, o, 1)
     ent = [(o.param_groups[0], m.a.weight), (o.param_groups[0], m.c)]
     col = o._column_stats(ent)
-    assert torch.equal(col[m.a.weight], (column_sumsq(m.a.weight.grad, 64) / 128).to(torch.float32))
+    # a.weight is [128, 64]: two row blocks of 64 rows (D12), each with its own column means
+    ga = m.a.weight.grad
+    want = torch.cat([column_sumsq(ga[:64], 64), column_sumsq(ga[64:], 64)]) / 64
+    assert o.state[m.a.weight]["v_col"].shape == (2, 64)
+    assert torch.equal(col[m.a.weight], want.to(torch.float32))
     assert torch.equal(col[m.c], (column_sumsq(m.c.grad, 8) / 512).to(torch.float32))
 
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .step import _EAGER_CHUNK_ELEMS
+from .step import _EAGER_CHUNK_ELEMS, column_factors, row_factors
 
 __all__ = ["apply_compressed", "apply_factored", "update_v_col"]
 
@@ -23,16 +23,17 @@ def update_v_col(st: dict, col_mean_sq: torch.Tensor, hp: dict) -> torch.Tensor:
     """``v_col`` <- EMA (every rank, identically); returns the column factor
     ``sqrt(v_col / mean(v_col))`` exactly as :func:`quantized_step_factored_eager_` does."""
     v_col = st["v_col"]
-    v_col.mul_(hp["beta2"]).add_(col_mean_sq, alpha=1.0 - hp["beta2"])
-    mean_c = float(v_col.mean())
-    return (v_col / mean_c).sqrt_() if mean_c > 0 else torch.zeros_like(v_col)
+    v_col.mul_(hp["beta2"]).add_(col_mean_sq.view_as(v_col), alpha=1.0 - hp["beta2"])
+    return column_factors(v_col)
 
 
 def apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: torch.Tensor,
                    col_f: torch.Tensor, cb: torch.Tensor, B: int, slab: int, hp: dict,
-                   kernel_order: bool = False) -> None:
+                   kernel_order: bool = False, row0: int = 0, row_block: int = 0) -> None:
     """``p <- p*(1-lr*wd) - ((C[idx]*M) * sigma)*lr`` with ``sigma_ij = (1/((sqrt(v_row_i) *
-    col_f_j)/sqrt(bc2) + eps)) * (1/bc1)``: quantized_step_factored_eager_'s update, same order."""
+    col_f_j)/sqrt(bc2) + eps)) * (1/bc1)``: quantized_step_factored_eager_'s update, same order.
+    ``col_f`` is ``[slab]``, or ``[G, slab]`` per block of ``row_block`` rows (D12), this range's
+    first row being global row ``row0``."""
     n = pf.numel()
     lr, wd, eps, bc1 = hp["lr"], hp["weight_decay"], hp["eps"], hp["bc1"]
     sqrt_bc2 = math.sqrt(hp["bc2"])
@@ -44,17 +45,18 @@ def apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: to
         ib = idx[r0 * slab:r1 * slab]
         a = M[r0 * slab // B:r1 * slab // B].view(-1, 1)
         q = cb.index_select(0, ib.int()).view(-1, B)
+        cf = row_factors(col_f, row0, r0, r1, row_block)
         if kernel_order:
             # the native kernel's float32 sequence: srs = sqrt(v_row)*(1/sqrt(bc2)),
             # sigma = (1/bc1) / (col_f*srs + eps), u = C[idx] * (sigma * (M*lr))
             f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
             srs = rsq[r0:r1] * (f32(1.0) / f32(sqrt_bc2))
-            sigma = f32(1.0 / bc1) / ((col_f.unsqueeze(0) * srs.unsqueeze(1)) + f32(eps))
+            sigma = f32(1.0 / bc1) / ((cf * srs.unsqueeze(1)) + f32(eps))
             us = (a * f32(lr)).view(r1 - r0, slab // B, 1)
             u = q.view(r1 - r0, slab // B, B) * (sigma.view(r1 - r0, slab // B, B) * us)
             u = u.view(r1 - r0, slab)
         else:
-            denom = (rsq[r0:r1].unsqueeze(1) * col_f.unsqueeze(0)).div_(sqrt_bc2).add_(eps)
+            denom = (rsq[r0:r1].unsqueeze(1) * cf).div_(sqrt_bc2).add_(eps)
             sigma = denom.reciprocal_().mul_(1.0 / bc1)
             u = (q * a).view(r1 - r0, slab).mul_(sigma).mul_(lr)
         p = pf[r0 * slab:r1 * slab].view(r1 - r0, slab)

@@ -272,6 +272,33 @@ def row_slab(shape: Sequence[int]) -> int:
     return int(math.prod(shape[1:])) if len(shape) >= 2 else 1
 
 
+AUTO_ROW_BLOCKS_MAX = 8  # row_blocks="auto": at most this many blocks
+
+
+def factored_row_blocks(shape: Sequence[int], rule="auto") -> int:
+    """How many contiguous blocks of rows of a factored tensor keep their own column profile (D12).
+
+    ``rule="auto"``: a tensor of ``R = k * S`` rows of ``S`` elements (an integer ``2 <= k <= 8``)
+    gets ``k`` blocks of ``S`` rows, every other tensor one (``k`` above 8, i.e. tall thin tensors,
+    was not measured and keeps one profile). A fused attention input projection
+    ``[3d, d]`` thus gets one column profile each for q, k and v, an MLP up-projection ``[4d, d]``
+    one per block of ``d`` hidden units. An int ``G`` asks for ``G`` blocks (it must divide the
+    rows); ``1`` (or ``None``) is Adafactor's single column profile."""
+    if len(shape) < 2:
+        return 1
+    rows, slab = int(shape[0]), row_slab(shape)
+    if rule is None:
+        return 1
+    if rule == "auto":
+        return rows // slab if slab > 0 and 2 * slab <= rows <= AUTO_ROW_BLOCKS_MAX * slab and rows % slab == 0 else 1
+    if isinstance(rule, bool) or not isinstance(rule, int) or rule < 1:
+        raise ValueError(f"row_blocks must be 'auto', None or a positive int, got {rule!r}")
+    if rows % rule:
+        raise ValueError(f"row_blocks={rule} does not divide the {rows} rows of a tensor of shape "
+                         f"{tuple(shape)}; use a divisor of {rows}, 'auto' or 1")
+    return int(rule)
+
+
 def resolve_period(p_paper: int, slab: int) -> int:
     """D1: share the second moment within a row only: ``gcd(P_paper, slab)``."""
     return math.gcd(int(p_paper), int(slab))

@@ -151,6 +151,45 @@ def column_sumsq(grad: torch.Tensor, slab: int) -> torch.Tensor:
     return out
 
 
+def block_column_sumsq(grad: torch.Tensor, slab: int, row0: int, row_block: int, nblocks: int,
+                       sumsq=column_sumsq) -> torch.Tensor:
+    """:func:`column_sumsq` per block of rows (D12): ``[nblocks * slab]`` float64, block ``b``
+    holding the sums over the rows of this piece (global rows ``row0 ..``) that fall in global rows
+    ``[b * row_block, (b + 1) * row_block)``; blocks the piece does not touch are zero. With one
+    block it is ``sumsq(grad, slab)``. ``sumsq`` sums one contiguous range of rows (the eager
+    function or the native kernel's)."""
+    if nblocks == 1:
+        return sumsq(grad, slab)
+    g = grad.reshape(-1)
+    nr = g.numel() // slab
+    out = torch.zeros(nblocks * slab, dtype=torch.float64)
+    r = 0
+    while r < nr:
+        b = (row0 + r) // row_block
+        end = min(nr, (b + 1) * row_block - row0)
+        out[b * slab:(b + 1) * slab] += sumsq(g[r * slab:end * slab], slab).cpu()
+        r = end
+    return out
+
+
+def column_factors(v_col: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v_col / mean(v_col))`` (``[slab]``), or per block of rows for a ``[G, slab]``
+    ``v_col`` (D12: each block's profile normalised by its own mean); zeros where the mean is 0."""
+    if v_col.dim() == 1:
+        mean_c = float(v_col.mean())
+        return (v_col / mean_c).sqrt_() if mean_c > 0 else torch.zeros_like(v_col)
+    return torch.stack([column_factors(v_col[b]) for b in range(v_col.shape[0])])
+
+
+def row_factors(col_f: torch.Tensor, row0: int, r0: int, r1: int, row_block: int) -> torch.Tensor:
+    """The column factors of local rows ``[r0, r1)`` (global ``row0 + r``): ``[1, slab]`` for one
+    block (broadcast), else ``[r1 - r0, slab]``, row ``r`` taking its block's profile."""
+    if col_f.dim() == 1:
+        return col_f.unsqueeze(0)
+    blk = torch.div(torch.arange(row0 + r0, row0 + r1, device=col_f.device), row_block, rounding_mode="floor")
+    return col_f.index_select(0, blk)
+
+
 def quantized_step_factored_eager_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -169,6 +208,8 @@ def quantized_step_factored_eager_(
     bc1: float,
     bc2: float,
     scale_block: int,
+    row0: int = 0,
+    row_block: int = 0,
 ) -> None:
     """Gefen update with a factored (row x column) second moment, in place.
 
@@ -178,15 +219,20 @@ def quantized_step_factored_eager_(
     over the global tensor, so no extra reduction is needed). ``col_mean_sq`` is the column mean
     of ``g^2`` over all global rows. The first moment is quantized exactly as in
     :func:`quantized_step_eager_`.
+
+    Row blocks (D12): a ``[G, slab]`` ``v_col`` (and ``col_mean_sq``, the column means over each
+    block's ``row_block`` global rows) gives every block of rows its own column profile; this
+    piece's first row is global row ``row0``.
     """
     n = param.numel()
-    slab = v_col.numel()
-    v_col.mul_(beta2).add_(col_mean_sq, alpha=1.0 - beta2)
+    slab = v_col.shape[-1]
+    v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
     if n == 0:
         return
+    if v_col.dim() > 1 and row_block < 1:
+        raise ValueError(f"a v_col of shape {tuple(v_col.shape)} (row blocks) needs row_block >= 1")
     B = scale_block
-    mean_c = float(v_col.mean())
-    col_f = (v_col / mean_c).sqrt_() if mean_c > 0 else torch.zeros_like(v_col)
+    col_f = column_factors(v_col)
     sqrt_bc2 = math.sqrt(bc2)
     decay = 1.0 - lr * weight_decay
     rows_per = max(1, _EAGER_CHUNK_ELEMS // slab)
@@ -200,7 +246,7 @@ def quantized_step_factored_eager_(
         g = g_all[r0:r1].float()
         vr = vr_all[r0:r1]
         vr.mul_(beta2).add_((g * g).mean(dim=1), alpha=1.0 - beta2)
-        denom = (vr.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).div_(sqrt_bc2).add_(eps)
+        denom = (vr.sqrt().unsqueeze(1) * row_factors(col_f, row0, r0, r1, row_block)).div_(sqrt_bc2).add_(eps)
         sigma = denom.reciprocal_().mul_(1.0 / bc1)
 
         new, a = _ema_requantize_(i_all[r0:r1].reshape(-1, B), s_all[r0:r1].reshape(-1, 1), g.reshape(-1, B),

@@ -179,7 +179,8 @@ class Gefen(_opt_mod.Gefen):
                 "gefen_dist.integrations.deepspeed before deepspeed.initialize so that engine.load_checkpoint with "
                 '"load_universal": true goes through Gefen\'s loader.')
         if not st:
-            st = self.state[flat] = fs.new_state(flat, self._codebook_for(flat.device), factored=factored)
+            st = self.state[flat] = fs.new_state(flat, self._codebook_for(flat.device), factored=factored,
+                                                 row_blocks=group.get("row_blocks", "auto"))
         elif ("v_col" in st) != factored:
             raise ValueError(
                 f"{fs.where}: the optimizer state holds a {'factored' if 'v_col' in st else 'shared'} second "

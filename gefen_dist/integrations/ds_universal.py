@@ -115,8 +115,9 @@ def _optim_files(tag_dir: str) -> List[Tuple[int, str]]:
 class _Tensor:
     """Full-tensor view of one parameter's Gefen state, assembled from all ranks' pieces."""
 
-    def __init__(self, name: str, shape: Tuple[int, ...], period: int, factored: bool):
+    def __init__(self, name: str, shape: Tuple[int, ...], period: int, factored: bool, col_blocks: int = 1):
         self.name, self.shape, self.factored = name, shape, factored
+        self.col_blocks = int(col_blocks)  # row blocks of the factored v_col (D12)
         self.numel = int(math.prod(shape))
         self.exact = period == 0
         self.period = int(period)
@@ -134,7 +135,7 @@ class _Tensor:
         self.scale = torch.zeros(self.numel // self.block, dtype=torch.float32)
         if factored:
             self.v_row = torch.zeros(self.numel // self.slab, dtype=torch.float32)
-            self.v_col = torch.zeros(self.slab, dtype=torch.float32)
+            self.v_col = torch.zeros(self.col_blocks * self.slab, dtype=torch.float32)
         else:
             self.v = torch.zeros(self.numel // self.period, dtype=torch.float32)
 
@@ -147,9 +148,13 @@ class _Tensor:
             return z, z.clone()
         m = (codebook[self.idx.long()].view(-1, self.block) * self.scale.view(-1, 1)).reshape(-1)
         if self.factored:
-            mean_c = float(self.v_col.mean())
-            col = self.v_col / mean_c if mean_c > 0 else torch.zeros_like(self.v_col)
-            v = (self.v_row.view(-1, 1) * col.view(1, -1)).reshape(-1)
+            G = self.col_blocks
+            col = []
+            for vc in self.v_col.view(G, self.slab):  # per row block (D12)
+                mean_c = float(vc.mean())
+                col.append(vc / mean_c if mean_c > 0 else torch.zeros_like(vc))
+            rows = self.v_row.numel()
+            v = (self.v_row.view(G, rows // G, 1) * torch.stack(col).view(G, 1, -1)).reshape(-1)
         else:
             v = self.v.repeat_interleave(self.period)
         return m, v
@@ -208,12 +213,14 @@ def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
                     raise UniversalCheckpointError(f"{f!r}: two different learned codebooks in one checkpoint")
                 cb = c.float().clone()
             segs = [Segment.from_dict(d) for d in st["segments"]]
-            plan, _, _, _ = _plan(segs, st["periods"], None, factored)
+            plan, _, _, _ = _plan(segs, st["periods"], None, factored, st.get("row_blocks", 1))
             for sp, learned in zip(plan, st["learned"]):
                 s = sp.seg
                 t = tensors.get(s.name)
                 if t is None:
-                    t = tensors[s.name] = _Tensor(s.name, s.shape, 0 if sp.exact else sp.period, factored)
+                    G = sp.vcol_n // _periods.row_slab(s.shape) if (factored and not sp.exact and sp.vcol_n) else 1
+                    t = tensors[s.name] = _Tensor(s.name, s.shape, 0 if sp.exact else sp.period, factored,
+                                                  col_blocks=G)
                     order.append(s.name)
                 elif t.shape != s.shape or t.exact != sp.exact or (not sp.exact and t.period != sp.period):
                     raise UniversalCheckpointError(f"{f!r}: ranks disagree on tensor {s.name!r} (shape/period)")
@@ -493,7 +500,7 @@ def _load_state(opt, entries, params, zero: str, meta: Optional[Dict[str, Any]],
     for flat, fs, group in entries:
         factored = group.get("second_moment", "shared") == "factored"
         cb = opt._codebook_for(flat.device)
-        st = fs.new_state(flat, cb, factored=factored)
+        st = fs.new_state(flat, cb, factored=factored, row_blocks=group.get("row_blocks", "auto"))
         periods, learned = [], []
         for s in fs.segments:
             if is_exact(s.shape, small):
@@ -509,7 +516,7 @@ def _load_state(opt, entries, params, zero: str, meta: Optional[Dict[str, Any]],
             li = info[key_name[key]]
             st["global_learned"][j] = int(li.learned)
             st["global_periods"][j] = li.period if li.learned else 0
-        plan, _, _, _ = _plan(fs.segments, st["periods"], small, factored)
+        plan, _, _, _ = _plan(fs.segments, st["periods"], small, factored, st.get("row_blocks", 1))
         for sp, lrn in zip(plan, learned):
             s = sp.seg
             if not s.numel:
@@ -545,11 +552,13 @@ def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, fac
     rec = li.meta
     if factored:
         r0, r1 = a // S, (e - 1) // S + 1
-        if rec is not None and "v_row" in rec:
-            vr, vc = rec["v_row"].float(), rec["v_col"].float()
-        else:  # from the element-wise second moment: row and column means (float64)
+        G = sp.vcol_n // S  # row blocks (D12)
+        if rec is not None and "v_row" in rec and rec["v_col"].numel() == sp.vcol_n:
+            vr, vc = rec["v_row"].float(), rec["v_col"].float().reshape(-1)
+        else:  # from the element-wise second moment: row and per-block column means (float64)
             v = _read_param(zero, s.name, "exp_avg_sq").double().view(-1, S)
-            vr, vc = v.mean(dim=1).float(), v.mean(dim=0).float()
+            vc = v.mean(dim=0) if G == 1 else v.view(G, -1, S).mean(dim=1).reshape(-1)
+            vr, vc = v.mean(dim=1).float(), vc.float()
         st["v_row"][sp.v_off:sp.v_off + sp.v_n] = vr[r0:r1].to(dev)
         st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n] = vc.to(dev)
     else:

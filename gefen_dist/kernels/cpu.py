@@ -109,13 +109,14 @@ import numpy as np
 import torch
 
 from gefen_dist.core.quant import NUM_CODEWORDS, nearest_codeword
+from gefen_dist.core.step import column_factors
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["available", "simd_compiled", "quantized_step_", "quantized_step_factored_", "numerics", "nearest_lut", "nearest_sweep",
            "CodebookTable", "codebook_table"]
 
-_ABI = 7
+_ABI = 8
 _LIB_NAME = "gefen_step"
 _SOURCES = ["gefen_step.c"]
 _MIN_LUT_BITS = 12
@@ -182,7 +183,7 @@ def _lib() -> Optional[ctypes.CDLL]:
             lib.gefen_quantized_step.restype = ctypes.c_int
             lib.gefen_quantized_step.argtypes = [ctypes.POINTER(_Args)] + [vp] * 7
             lib.gefen_quantized_step_factored.restype = ctypes.c_int
-            lib.gefen_quantized_step_factored.argtypes = [ctypes.POINTER(_Args)] + [vp] * 8
+            lib.gefen_quantized_step_factored.argtypes = [ctypes.POINTER(_Args)] + [vp] * 8 + [i64, i64]
             lib.gefen_nearest.restype = None
             lib.gefen_nearest.argtypes = [vp, i64, vp, vp, i32, f32, i32, vp]
             lib.gefen_nearest_sweep.restype = i64
@@ -556,6 +557,8 @@ def quantized_step_factored_(
     bc1: float,
     bc2: float,
     scale_block: int,
+    row0: int = 0,
+    row_block: int = 0,
 ) -> None:
     """Gefen update with a factored second moment, in place (fused kernel; same contract as
     :func:`gefen_dist.core.step.quantized_step_factored_eager_`). ``v_col`` and the column
@@ -569,35 +572,40 @@ def quantized_step_factored_(
         quantized_step_factored_eager_(param, grad, idx, scale, v_row, v_col, codebook, col_mean_sq,
                                        lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                        weight_decay=weight_decay, bc1=bc1, bc2=bc2,
-                                       scale_block=scale_block)
+                                       scale_block=scale_block, row0=row0, row_block=row_block)
         return
     n = param.numel()
-    S, B = v_col.numel(), int(scale_block)
+    S, B = v_col.shape[-1], int(scale_block)
     if B < 1 or S < 1 or S % B:
         raise ValueError(f"scale block {B} must divide the row length {S}")
     if n % S:
         raise ValueError(f"numel {n} is not a multiple of the row length {S}")
     if param.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"param dtype {param.dtype} not supported (float32, bfloat16)")
-    _check("v_col", v_col, torch.float32, S)
-    _check("col_mean_sq", col_mean_sq, torch.float32, S)
+    G = v_col.numel() // S if S else 1
+    _check("v_col", v_col, torch.float32, G * S)
+    _check("col_mean_sq", col_mean_sq, torch.float32, G * S)
+    if G > 1 and (row_block < 1 or row0 < 0 or row0 + n // S > G * row_block):
+        raise ValueError(f"v_col has {G} row blocks: need row_block >= 1 and rows [{row0}, {row0 + n // S}) "
+                         f"inside {G} x {row_block} rows")
     if n:
         _check("param", param, None, n)
         _check("grad", grad, param.dtype, n)
         _check("idx", idx, torch.uint8, n)
         _check("scale", scale, torch.float32, n // B)
         _check("v_row", v_row, torch.float32, n // S)
-    v_col.mul_(beta2).add_(col_mean_sq, alpha=1.0 - beta2)
+    v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
     if n == 0:
         return
-    mean_c = float(v_col.mean())
-    col_f = (v_col / mean_c).sqrt_() if mean_c > 0 else torch.zeros_like(v_col)
+    col_f = column_factors(v_col).contiguous()
+    rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
     tab = codebook_table(codebook)
     a = _make_args(param, n, S, B, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                    weight_decay=weight_decay, bc1=bc1, bc2=bc2)
     rc = lib.gefen_quantized_step_factored(ctypes.byref(a), param.data_ptr(), grad.data_ptr(),
                                            idx.data_ptr(), scale.data_ptr(), v_row.data_ptr(),
-                                           col_f.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr())
+                                           col_f.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr(),
+                                           int(row0), rb)
     if rc != 0:
         raise RuntimeError(f"gefen_quantized_step_factored failed with code {rc}")
     for t in (param, idx, scale, v_row):

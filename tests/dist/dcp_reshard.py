@@ -48,11 +48,15 @@ class Net(nn.Module):
         self.c = nn.Linear(512, 10, bias=False)   # 10 rows: (3,3,3,1) at 4 ranks
         self.tiny = nn.Parameter(torch.randn(3, 2048) * 0.02)   # quantized; empty shard on rank 3 of 4
         self.small = nn.Parameter(torch.randn(3, 5) * 0.1)      # exact AdamW state (15 < 4096)
+        # 120 = 3 x 40 rows: three row blocks of the factored column profile (D12), cut by the
+        # shards at 2 and 4 ranks
+        self.qkv = nn.Parameter(torch.randn(120, 40) * 0.05)
 
     def forward(self, x):
         h = torch.relu(self.a(x))
         h = torch.relu(self.b(h)) + self.tiny.sum(0)[:512] * 0.1
-        return self.c(h) + self.small.sum(0).repeat(2)
+        q = (x[:, :40] @ self.qkv.t()).view(x.shape[0], 3, 40)
+        return self.c(h) + self.small.sum(0).repeat(2) + 0.1 * (q[:, 0] * q[:, 1] + q[:, 2]).mean(-1, keepdim=True)
 
 
 def net(seed=0):
@@ -189,7 +193,10 @@ def check_loaded(m, opt, saved, what):
                 assert st["idx"].dtype == torch.uint8
                 assert st["codebook"] is cb, f"{what}: {fqn} does not reference the shared codebook"
                 assert st["learned"] == 1 and st["step"] == SAVE_STEPS, (what, fqn, st["learned"], st["step"])
-    assert n_q == 4, f"{what}: expected 4 quantized tensors, found {n_q}"
+    assert n_q == 5, f"{what}: expected 5 quantized tensors, found {n_q}"
+    qkv = [p for g in opt.param_groups for p in g["params"] if fqns[id(p)].endswith("qkv")]
+    if qkv and "v_col" in opt.state[qkv[0]]:  # its three row blocks (D12) survive the reshard
+        assert tuple(opt.state[qkv[0]]["v_col"].shape) == (3, 40), (what, opt.state[qkv[0]]["v_col"].shape)
     assert opt.state_bytes() > 0
 
 

@@ -35,8 +35,8 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(95, 67)     # 6365: quantized, cut by ZeRO-3 (and ZeRO-1/2 edges)
-        self.b = nn.Linear(67, 131)    # 8777: quantized
-        self.c = nn.Linear(131, 8)     # 1048: exact (small)
+        self.b = nn.Linear(67, 134)    # 8978: quantized; 134 = 2 x 67 rows: two row blocks (D12)
+        self.c = nn.Linear(134, 8)     # 1072: exact (small)
 
     def forward(self, x):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
@@ -222,14 +222,16 @@ def check_factored_state(case, opt, ref_opt):
     rows, n_cut, vdiff, cdiff = {}, 0, 0.0, 0.0
     for k, st in opt.state.items():
         fs = opt._ds_flats[id(k)]
-        plan, *_ = _plan(fs.segments, st["periods"], fs.small_threshold, True)
+        plan, *_ = _plan(fs.segments, st["periods"], fs.small_threshold, True, st.get("row_blocks", 1))
         for sp, lrn in zip(plan, st["learned"]):
             if sp.exact or not sp.seg.numel or not lrn:
                 continue
             rst = ref_by_shape[sp.seg.shape]
+            rvc = rst["v_col"].reshape(-1)  # [slab], or [G, slab] with row blocks (D12)
             vc = st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n].cpu()
-            cdiff = max(cdiff, float((vc - rst["v_col"]).abs().max() / rst["v_col"].abs().max()))
-            S = rst["v_col"].numel()
+            assert vc.numel() == rvc.numel(), (case, sp.seg.shape, vc.numel(), tuple(rst["v_col"].shape))
+            cdiff = max(cdiff, float((vc - rvc).abs().max() / rvc.abs().max()))
+            S = rst["v_col"].shape[-1]
             a, e = sp.seg.param_offset, sp.seg.param_offset + sp.seg.numel
             for j in range(sp.v_n):
                 r = a // S + j
@@ -308,8 +310,10 @@ def case_ckpt(case, cfg_name, stage, ckdir, zinit=False, **over):
 
 
 def case_fp16(case):
-    # initial scale 2^40 overflows the first steps: step() must not be called for them
-    cfg = load_cfg("gefen_zero2.json", fp16={"enabled": True, "initial_scale_power": 40, "loss_scale_window": 2,
+    # initial scale 2^32 overflows the first steps (about ten, halving each time): step() must not
+    # be called for them, and it must be for the rest (24 steps in all; with 8 steps from 2^40, as
+    # before, a CPU with fp16 support skipped every step)
+    cfg = load_cfg("gefen_zero2.json", fp16={"enabled": True, "initial_scale_power": 32, "loss_scale_window": 2,
                                               "hysteresis": 1})
     cfg.pop("bf16", None)
     try:
@@ -319,12 +323,12 @@ def case_fp16(case):
             raise
         log(f"SKIP {case}: {e}")
         return
-    train(engine, 8, 1, dtype=torch.half)
+    train(engine, 24, 1, dtype=torch.half)
     opt = engine.basic_optimizer
     skipped = engine.skipped_steps
-    assert skipped >= 1, skipped
+    assert 1 <= skipped < 24, skipped
     for st in opt.state.values():
-        assert st["step"] == 8 - skipped, (st["step"], skipped)
+        assert st["step"] == 24 - skipped, (st["step"], skipped)
     assert opt.codebook is not None
     for p in engine.module.parameters():
         assert torch.isfinite(p).all()
@@ -600,7 +604,9 @@ def case_adam_warm(ckdir, second_moment):
             assert bool(((deq - mo).abs() <= 0.5 * gap * sc * (1 + 1e-5) + 1e-30).all()), name
             if second_moment == "factored":
                 vv = vo.double().view(-1, t.slab)
-                assert torch.equal(t.v_row, vv.mean(dim=1).float()) and torch.equal(t.v_col, vv.mean(dim=0).float())
+                # per row block (D12): b.weight has two blocks of 67 rows
+                cm = vv.mean(dim=0) if t.col_blocks == 1 else vv.view(t.col_blocks, -1, t.slab).mean(dim=1).reshape(-1)
+                assert torch.equal(t.v_row, vv.mean(dim=1).float()) and torch.equal(t.v_col, cm.float()), name
             else:
                 assert torch.equal(t.v, vo.double().view(-1, t.period).mean(dim=1).float()), name
         assert nq == 2, nq

@@ -19,16 +19,18 @@ from gefen_dist import Gefen  # noqa: E402
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        # 33 rows: uneven shards; `tiny` (3x2048 = 6144 >= 4096): an empty shard on rank 3 of 4
+        # 33 rows: uneven shards; `tiny` (3x2048 = 6144 >= 4096): an empty shard on rank 3 of 4;
+        # b: 132 = 4 x 33 rows, four row blocks of the factored column profile (D12), whose edges
+        # fall inside the shards at 3 ranks (44 rows each)
         self.a = nn.Linear(96, 33)
-        self.b = nn.Linear(33, 256)
+        self.b = nn.Linear(33, 132)
         self.tiny = nn.Parameter(torch.randn(3, 2048) * 0.02)
-        self.c = nn.Linear(256, 8, bias=False)
+        self.c = nn.Linear(132, 8, bias=False)
 
     def forward(self, x):
         h = torch.relu(self.a(x))
         h = torch.relu(self.b(h))
-        h = h + (self.tiny.sum(0)[:256] * 0.1)
+        h = h + (self.tiny.sum(0)[:132] * 0.1)
         return self.c(h)
 
 
@@ -90,7 +92,18 @@ def main():
                 p.grad._local_tensor.copy_(distribute_tensor(q.grad, p.device_mesh, p.placements)._local_tensor)
             opt.step()
         ref_opt.step()
-    assert torch.equal(opt.codebook, ref_opt.codebook), "codebook differs from single process"
+    if args.second_moment == "factored":  # b's four row blocks (D12), on every rank as in the oracle
+        assert tuple(opt.state[m.b.weight]["v_col"].shape) == (4, 33), opt.state[m.b.weight]["v_col"].shape
+    if args.same_grads:
+        assert torch.equal(opt.codebook, ref_opt.codebook), "codebook differs from single process"
+    else:
+        # real FSDP gradients differ from the full-batch ones at rounding level (reduce-scatter order),
+        # which can move a first-gradient value across a histogram bin edge: the codebook then differs
+        # slightly (CPU-dependent: it was bitwise equal on an AMD EPYC, not on an Intel Xeon)
+        cdiff = float((opt.codebook - ref_opt.codebook).abs().max())
+        if rank == 0:
+            print(f"codebook max abs diff {cdiff:.3e}", flush=True)
+        assert cdiff <= 1e-3, f"codebook differs from single process by {cdiff}"
     worst = 0.0
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         full = p.full_tensor()

@@ -214,7 +214,7 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
             units.append(unit_cost(True, 1, 1)[1])
         else:
             units.append(unit_cost(False, st["period"], st["scale_block"],
-                                   row=st["v_col"].numel() if "v_col" in st else None)[1])
+                                   row=st["v_col"].shape[-1] if "v_col" in st else None)[1])
     unit = max(units)
     slack = 8 * zm.unused.numel()
     assert abs((local - cb) - (total - cb) / ws) <= unit + slack, (local, total, ws, unit)

@@ -55,7 +55,7 @@
 #endif
 #endif
 
-#define GEFEN_STEP_ABI 7
+#define GEFEN_STEP_ABI 8
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -909,11 +909,14 @@ static int threads_for(const gefen_step_args *a, int64_t nb, int64_t *chunk)
 
 /* Factored second moment: rows of `period` (slab) elements, each row by one thread: its
  * v_row from the row's mean of g^2 (same cascade sum), then its scale blocks with the
- * per-column factors cf (col_f = sqrt(v_col / mean(v_col)), computed by the caller). */
+ * per-column factors of its block of rows (cf: [blocks][slab], col_f = sqrt(v_col / mean(v_col))
+ * per block, computed by the caller; local row r is global row row0 + r, in block
+ * (row0 + r) / rb). */
 #define DEFINE_RUNF(DT, LM, FL)                                                             \
     static void runf_##DT##LM##FL(const gefen_step_args *a, void *param, const void *grad,  \
                                   uint8_t *idx, float *scale, float *vrow, const float *cf,  \
-                                  const float *cb, const int32_t *lut, const void *planes)   \
+                                  const float *cb, const int32_t *lut, const void *planes,   \
+                                  int64_t row0, int64_t rb)                                  \
     {                                                                                       \
         const int64_t S = a->period, B = a->block;                                          \
         const int64_t rows = a->n / S, per = S / B;                                         \
@@ -935,9 +938,10 @@ static int threads_for(const gefen_step_args *a, int64_t nb, int64_t *chunk)
                 float vr = vupd(vrow[r], s / (float)S, a->beta2, a->alpha2, a->fused_axpy); \
                 vrow[r] = vr;                                                               \
                 const float srs = sqrtf(vr) * isb;                                          \
+                const float *cfr = cf + ((row0 + r) / rb) * S;                              \
                 for (int64_t q = 0; q < per; ++q)                                           \
                     do_block(a, param, grad, idx, scale, NULL, cb, lut, r * per + q, buf,   \
-                             planes, cf, srs, DT, 2, LM, FL);                               \
+                             planes, cfr, srs, DT, 2, LM, FL);                              \
             }                                                                               \
             free(buf);                                                                      \
         }                                                                                   \
@@ -949,7 +953,8 @@ DEFINE_RUNF_FL(1, 0)
 DEFINE_RUNF_FL(1, 1)
 
 typedef void (*runf_fn)(const gefen_step_args *, void *, const void *, uint8_t *, float *,
-                        float *, const float *, const float *, const int32_t *, const void *);
+                        float *, const float *, const float *, const int32_t *, const void *,
+                        int64_t, int64_t);
 static const runf_fn RUNSF[8] = {runf_000, runf_001, runf_010, runf_011,
                                  runf_100, runf_101, runf_110, runf_111};
 
@@ -1033,12 +1038,15 @@ int gefen_quantized_step(const gefen_step_args *a, void *param, const void *grad
 }
 
 /* Factored second moment: a->period = slab (row length), a->block = scale block (divides
- * slab); v_row[n / slab] is updated here, cf[slab] = sqrt(v_col / mean(v_col)) is read. */
+ * slab); v_row[n / slab] is updated here, cf = sqrt(v_col / mean(v_col)) per block of rb global
+ * rows ([blocks][slab]) is read; the first local row is global row row0 (rb > row0 + rows: one
+ * block). */
 int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const void *grad,
                                   uint8_t *idx, float *scale, float *v_row, const float *cf,
-                                  const float *cb, const int32_t *lut)
+                                  const float *cb, const int32_t *lut, int64_t row0, int64_t rb)
 {
     if (a->n == 0) return 0;
+    if (row0 < 0 || rb < 1) return -6;
     if (a->block <= 0 || a->period <= 0) return -1;
     if (a->period % a->block != 0) return -2;
     if (a->n % a->period != 0) return -3;
@@ -1054,7 +1062,7 @@ int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const v
         planes = &pl;
     }
 #endif
-    RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes);
+    RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes, row0, rb);
 #ifdef GEFEN_VBMI
     free(lut8);
 #endif
