@@ -434,3 +434,78 @@ def test_report_pairs_by_seed_with_mean_and_median():
     line = next(l for l in q.table_md(list(rows.values()), "lm").splitlines() if "`gefen_factored`" in l)
     assert "-1.75%, median +0.50% [-10.00%, +2.00%]" in line, line
     assert q._paired_cell([0.5]) == "+0.50%" and q._paired_cell([1.0, 3.0]) == "+2.00% [+1.00%, +3.00%]"
+
+
+def test_rowblock_variant_is_the_library_default():
+    """The benchmark's u_square_blocks (the "rowblock" variant: each block of C rows of a [k x C, C]
+    tensor keeps its own column profile, as column sums) is the library's default row_blocks="auto"
+    (D12, column means) up to rounding: the quality numbers measured with the variant are the
+    default's. And "row_blocks=1" is the factored layout before D12 (the variants' parent)."""
+    _variants()
+    import importlib
+
+    q = importlib.import_module("quality")
+    from launch.gpt import GPT, get_config
+
+    mcfg = get_config("tiny", context=64)
+
+    def run(variant):
+        torch.manual_seed(0)
+        model = GPT(mcfg)
+        opt = q.make_optimizer(variant, model, 0.1, 2e-3, (0.9, 0.95), 0, dim=mcfg.d_model, n_heads=mcfg.n_head)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):  # the same gradients for every variant (row and column scales, q/k/v apart)
+            for p in model.parameters():
+                scale = torch.exp(torch.randn(p.shape[0], *([1] * (p.dim() - 1)), generator=g))
+                p.grad = torch.randn(p.shape, generator=g) * scale * 1e-2
+            opt.step()
+        return model, opt
+
+    mv, ov = run("u_square_blocks")
+    md, od = run("gefen_default")
+    mf, of = run("gefen_factored")
+    blocked = 0
+    for (name, a), b, c in zip(mv.named_parameters(), md.parameters(), mf.parameters()):
+        st = od.state[b]
+        if "v_col" in st and st["v_col"].dim() == 2:
+            blocked += 1
+            assert ov.state[a]["v_colg"].shape == st["v_col"].shape, name
+            assert of.state[c]["v_col"].dim() == 1, name
+            assert not torch.allclose(b, c, rtol=1e-4, atol=1e-6), name  # the blocks change the step
+        # column sums vs means: equal up to rounding, which may flip an isolated codeword
+        bad = (a - b).abs() > 1e-6 * b.abs().max()
+        assert int(bad.sum()) <= max(1, b.numel() // 500), (name, int(bad.sum()))
+    assert blocked >= 5  # c_attn (3 blocks), c_fc (4) of both layers, wte [256, 64] (4)
+
+
+def test_meanvar_min_variant_never_steps_shorter_than_factored():
+    """(s) meanvar_min: v_hat = max(min(factored, m_hat^2 + factored variance), (1-b2) g^2 / bc2).
+    With the same gradients (so the same quantized first moment) every step is at least the
+    factored estimate's wherever the per-element floor does not bind, and the steps of elements
+    whose own mean is small against their row's and column's noise are longer (same state but the
+    two innovation vectors)."""
+    GefenVariant = _variants().GefenVariant
+    torch.manual_seed(0)
+    w0 = torch.randn(64, 96) * 0.02
+    mean = 0.3 * torch.sign(torch.randn(64, 96)) * (torch.rand(64, 96) < 0.2)  # consistent elements
+    noise = torch.where(mean != 0, torch.zeros(64, 96), torch.ones(64, 96))  # the others noisy
+    b2, T = 0.95, 6
+    out = {}
+    for mode in ("factored", "meanvar_min"):
+        w = nn.Parameter(w0.clone())
+        opt = GefenVariant([w], lr=1e-3, betas=(0.9, b2), second_moment_mode=mode)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(T):
+            before = w.detach().clone()
+            w.grad = mean + noise * torch.randn(64, 96, generator=g)
+            opt.step()
+        out[mode] = ((w.detach() - before).abs(), opt.state[w], w.grad.clone())
+    (fact, st, g), (mvm, stm, _) = out["factored"], out["meanvar_min"]
+    assert stm["e_row"].numel() == 64 and float(stm["e_col"].sum()) > 0
+    bc2 = 1 - b2 ** T
+    vc = st["v_col"].double()
+    fact_hat = st["v_row"].double().view(-1, 1) * vc.view(1, -1) / vc.mean() / bc2
+    free = (1 - b2) * g.double() ** 2 / bc2 < fact_hat * (1 - 1e-6)  # the floor does not bind
+    assert float(free.float().mean()) > 0.5
+    assert bool((mvm[free] >= fact[free] * (1 - 1e-4) - 1e-12).all())
+    assert int((mvm[mean != 0] > 1.05 * fact[mean != 0]).sum()) > 100
