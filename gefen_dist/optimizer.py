@@ -20,6 +20,7 @@ from .comm import LocalComm, comm_for
 from .core import periods as _periods
 from .core.quant import block_histogram, NUM_BINS
 from .core.step import (adamw_step_, bias_corrections, block_column_sumsq, column_sumsq, quantized_step_eager_,
+                        row_block_args,
                         quantized_step_factored_eager_)
 from .layout import (KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, check_supported, global_shape, is_dtensor,
                      is_exact, like_param, local_tensor, piece_of)
@@ -683,12 +684,10 @@ class Gefen(Optimizer):
         if "v_col" in st:
             fargs = (local_tensor(st["idx"]), local_tensor(st["scale"]), local_tensor(st["v_row"]),
                      st["v_col"], cb, col_mean_sq)
-            v_col = st["v_col"]
-            slab = v_col.shape[-1]
             rkw = {}
-            if v_col.dim() > 1:  # row blocks (D12): this piece's first global row, rows per block
-                rkw = dict(row0=piece_of(p, self._comm.rank, self._comm.world_size > 1).start // slab,
-                           row_block=global_shape(p)[0] // v_col.shape[0])
+            if st["v_col"].dim() > 1:  # row blocks (D12): this piece's first global row, rows per block
+                rkw = row_block_args(st["v_col"], global_shape(p)[0],
+                                     piece_of(p, self._comm.rank, self._comm.world_size > 1).start)
             if self._use_fused(work):
                 from .kernels import cpu as _cpu
 

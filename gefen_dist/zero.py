@@ -70,7 +70,8 @@ import torch
 from .core import periods as _periods
 from .core.apply import apply_compressed, apply_factored, update_v_col
 from .core.quant import nearest_codeword
-from .core.step import adamw_step_, bias_corrections, quantized_step_eager_, quantized_step_factored_eager_
+from .core.step import (adamw_step_, bias_corrections, quantized_step_eager_, quantized_step_factored_eager_,
+                        row_block_args)
 from .layout import Geometry, Piece, global_shape, is_dtensor, is_exact
 from .optimizer import Gefen, Report, _scalar
 from .zero_checkpoint import ZeroCheckpointMixin
@@ -88,13 +89,7 @@ _SCRATCH_ELEMS = 1 << 20     # scratch parameter chunk for the native kernel's s
 
 
 def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
-    """``row0`` / ``row_block`` for a factored step over ``p``'s flat range starting at ``s`` (whole
-    rows) when its ``v_col`` has row blocks (D12), else nothing."""
-    v_col = st["v_col"]
-    if v_col.dim() < 2:
-        return {}
-    slab = v_col.shape[-1]
-    return dict(row0=s // slab, row_block=global_shape(p)[0] // v_col.shape[0])
+    return row_block_args(st["v_col"], global_shape(p)[0], s)
 
 
 class ZeroGefen(ZeroCheckpointMixin, Gefen):

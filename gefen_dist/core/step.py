@@ -172,13 +172,27 @@ def block_column_sumsq(grad: torch.Tensor, slab: int, row0: int, row_block: int,
     return out
 
 
-def column_factors(v_col: torch.Tensor) -> torch.Tensor:
-    """``sqrt(v_col / mean(v_col))`` (``[slab]``), or per block of rows for a ``[G, slab]``
-    ``v_col`` (D12: each block's profile normalised by its own mean); zeros where the mean is 0."""
+def column_ratios(v_col: torch.Tensor) -> torch.Tensor:
+    """``v_col / mean(v_col)`` (``[slab]``), or per block of rows for a ``[G, slab]`` ``v_col``
+    (D12: each block's profile normalised by its own mean); zeros where the mean is 0."""
     if v_col.dim() == 1:
         mean_c = float(v_col.mean())
-        return (v_col / mean_c).sqrt_() if mean_c > 0 else torch.zeros_like(v_col)
-    return torch.stack([column_factors(v_col[b]) for b in range(v_col.shape[0])])
+        return v_col / mean_c if mean_c > 0 else torch.zeros_like(v_col)
+    return torch.stack([column_ratios(v_col[b]) for b in range(v_col.shape[0])])
+
+
+def column_factors(v_col: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v_col / mean(v_col))``, per block of rows for a ``[G, slab]`` ``v_col`` (D12)."""
+    return column_ratios(v_col).sqrt_()
+
+
+def row_block_args(v_col: torch.Tensor, global_rows: int, start: int) -> dict:
+    """``row0`` / ``row_block`` for a factored step over whole rows starting at flat element ``start``
+    of a tensor of ``global_rows`` rows when its ``v_col`` has row blocks (D12), else nothing."""
+    if v_col.dim() < 2:
+        return {}
+    slab = v_col.shape[-1]
+    return dict(row0=start // slab, row_block=global_rows // v_col.shape[0])
 
 
 def row_factors(col_f: torch.Tensor, row0: int, r0: int, r1: int, row_block: int) -> torch.Tensor:

@@ -46,6 +46,7 @@ import torch
 
 from ..core import periods as _periods
 from ..core.quant import NUM_BINS, block_histogram, nearest_codeword
+from ..core.step import column_ratios
 from ..layout import is_exact
 from ..segments import Segment, _plan, counts_to_codebook
 
@@ -149,12 +150,9 @@ class _Tensor:
         m = (codebook[self.idx.long()].view(-1, self.block) * self.scale.view(-1, 1)).reshape(-1)
         if self.factored:
             G = self.col_blocks
-            col = []
-            for vc in self.v_col.view(G, self.slab):  # per row block (D12)
-                mean_c = float(vc.mean())
-                col.append(vc / mean_c if mean_c > 0 else torch.zeros_like(vc))
+            col = column_ratios(self.v_col.view(G, self.slab))  # per row block (D12)
             rows = self.v_row.numel()
-            v = (self.v_row.view(G, rows // G, 1) * torch.stack(col).view(G, 1, -1)).reshape(-1)
+            v = (self.v_row.view(G, rows // G, 1) * col.view(G, 1, -1)).reshape(-1)
         else:
             v = self.v.repeat_interleave(self.period)
         return m, v
