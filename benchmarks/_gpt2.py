@@ -11,9 +11,13 @@ from gefen_dist.core.periods import PERIOD_CAP, divisors  # noqa: E402
 GPT2_PARAMS = 124_439_808
 
 
-def gpt2_shapes():
-    """(name, shape) of every GPT-2-small parameter (nn.Linear weights as (out, in); wte tied)."""
-    d, L, V, T = 768, 12, 50257, 1024
+GPT2_CONFIGS = {"small": (768, 12), "medium": (1024, 24), "large": (1280, 36), "xl": (1600, 48)}
+
+
+def gpt2_shapes(size: str = "small"):
+    """(name, shape) of every GPT-2 parameter (nn.Linear weights as (out, in); wte tied); ``size``
+    one of ``GPT2_CONFIGS`` (small: 124,439,808 parameters; xl: 1,557,611,200)."""
+    (d, L), V, T = GPT2_CONFIGS[size], 50257, 1024
     out = [("wte", (V, d)), ("wpe", (T, d))]
     for i in range(L):
         b = f"h.{i}."
@@ -26,7 +30,7 @@ def gpt2_shapes():
             (b + "mlp.c_proj.weight", (d, 4 * d)), (b + "mlp.c_proj.bias", (d,)),
         ]
     out += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
-    assert sum(math.prod(s) for _, s in out) == GPT2_PARAMS
+    assert size != "small" or sum(math.prod(s) for _, s in out) == GPT2_PARAMS
     return out
 
 

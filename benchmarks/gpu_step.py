@@ -1,36 +1,48 @@
-"""Optimizer step time on the GPT-2-small tensor set (124,439,808 parameters), one CUDA GPU.
+"""Optimizer step time on GPT-2 tensor sets, one CUDA GPU.
 
-    python benchmarks/gpu_step.py [--iters 20] [--warmup 5] [--dtypes fp32,bf16]
-                                  [--no-eager] [--no-sweep] [--out docs/results/gpu_step.json]
+    python benchmarks/gpu_step.py [--iters 20] [--warmup 5] [--dtypes fp32,bf16] [--sizes small,xl]
+                                  [--no-optimizers] [--no-eager] [--no-sweep]
+                                  [--out docs/results/gpu_step.json]
+    python benchmarks/gpu_step.py --plot docs/img/gpu_step.png [--before OLD.json]   # no GPU needed
+    bash benchmarks/gpu_check.sh      # the CUDA tests, then this script (one prepared GPU run)
 
 Needs a CUDA GPU and triton (exits with a message otherwise).
 
-Tensors: wte 50257x768, wpe 1024x768, 12 blocks of c_attn (2304,768), attn c_proj (768,768),
-c_fc (3072,768), mlp c_proj (768,3072), their biases, and the LayerNorm vectors. Matrices are
-quantized with period = row length, capped as the library caps it (a period > 1024 becomes its
-smallest divisor > 1024, so 3072 -> 1536), scale block = period; 1-D tensors take the exact
-AdamW update (``adamw_step_``, eager, as ``Gefen`` does). Gradients are random
-(``randn * 1e-3 * row_scale``, log-normal per row), the same tensors for every method.
+**Optimizer classes** (first, the numbers a user sees): ``Gefen(params).step()`` with its
+defaults (factored second moment with row blocks, the multi-tensor CUDA plan of
+``gefen_dist/cuda_path.py``), ``second_moment="shared"``, the default with the plan disabled
+(``gefen_default_per_tensor``: one Triton launch per tensor), the eager path (``fused=False``),
+and ``torch.optim.AdamW(fused=True)``, over every tensor of GPT-2 small (124,439,808
+parameters) and XL (1,557,611,200), the same parameters and random gradients for each. Per
+optimizer: median ms per step (CUDA events), the first Gefen step (periods + codebook) in
+seconds, host synchronisations per step (torch's sync debug mode) and, from torch.profiler,
+kernel launches and summed kernel time of one step.
 
-Timed per step with CUDA events (``--warmup`` untimed steps, then the median of ``--iters``):
+**Kernel level** (GPT-2 small): matrices are quantized with period = row length, capped as the
+library caps it (a period > 1024 becomes its smallest divisor > 1024, so 3072 -> 1536), scale
+block = period; 1-D tensors take the exact AdamW update (``adamw_step_``). Gradients are random
+(``randn * 1e-3 * row_scale``, log-normal per row). Timed with CUDA events (``--warmup`` untimed
+steps, then the median of ``--iters``):
 
 * ``gefen_triton``: ``triton_step.quantized_step_`` over the matrices + ``adamw_step_`` over the
-  1-D tensors (the whole step); ``gefen_triton_matrices``: the matrices only;
+  1-D tensors; ``gefen_triton_matrices``: the matrices only;
 * ``gefen_triton_matrices_P1``: the matrices with period 1 (v per element) and scale block 256;
 * ``gefen_eager_matrices``: ``quantized_step_eager_`` on the GPU over the matrices (reference);
 * ``torch_adamw_fused`` / ``torch_adamw_fused_matrices``: ``torch.optim.AdamW(fused=True)``
   over all tensors / the matrices only; ``torch_adamw_foreach``: ``foreach=True``.
 
-Also: a correctness check of the kernel against the eager path on two tensors (idx mismatch
+Also: a correctness check of the kernel against the eager path on three tensors (idx mismatch
 fraction, parameter difference), the effective memory bandwidth of the Triton step, and
-(unless ``--no-sweep``) the time per shape for every chunk size (the kernel's
-``BLOCK_SIZE``), to tune :func:`gefen_dist.kernels.triton_step._config`.
+(unless ``--no-sweep``) the time per shape for every chunk size (the kernel's ``BLOCK_SIZE``),
+to tune :func:`gefen_dist.kernels.triton_step._config`.
 
-Prints ratios to torch's fused AdamW and the GPU name; writes ``docs/results/gpu_step.json``.
+Prints ratios to torch's fused AdamW and the GPU name; writes the JSON after every section (a
+time-out keeps what was measured).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -86,11 +98,12 @@ def cuda_time(fn, warmup: int, iters: int) -> dict:
 
 
 class Bench:
-    def __init__(self, dtype: torch.dtype, cb: torch.Tensor, dev: torch.device, seed: int = 0):
+    def __init__(self, dtype: torch.dtype, cb: torch.Tensor, dev: torch.device, seed: int = 0,
+                 size: str = "small"):
         self.dtype, self.cb, self.dev = dtype, cb, dev
         gen = torch.Generator(device=dev).manual_seed(seed)
         self.names, self.params = [], []
-        for name, shape in gpt2_shapes():
+        for name, shape in gpt2_shapes(size):
             p = torch.nn.Parameter((torch.randn(shape, generator=gen, device=dev) * 0.02).to(dtype))
             rows = shape[0] if len(shape) == 2 else 1
             row_scale = torch.exp(0.5 * torch.randn(rows, 1, generator=gen, device=dev))
@@ -252,6 +265,144 @@ def run_dtype(key: str, dtype: torch.dtype, cb, dev, triton_step, args) -> dict:
     return dict(ms=res, ratios=ratios)
 
 
+def count_host_syncs(fn) -> int:
+    """Host synchronisations in one call of ``fn`` (torch's sync debug mode, as warnings)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(x.message) for x in w)
+
+
+OPTIMIZERS = (
+    # name, Gefen keyword arguments (None: torch's fused AdamW), timed iterations (None: --iters);
+    # "_per_tensor": the multi-tensor plan (gefen_dist/cuda_path.py) disabled, one launch per tensor
+    ("torch_adamw_fused", None, None),
+    ("gefen_default", {}, None),
+    ("gefen_shared", dict(second_moment="shared"), None),
+    ("gefen_default_per_tensor", {}, None),
+    ("gefen_default_eager", dict(fused=False), 5),
+)
+
+
+class _no_plan:
+    """Within the block, Gefen steps tensor by tensor (CudaPlan.get returns None)."""
+
+    def __enter__(self):
+        from gefen_dist import cuda_path
+
+        self._mod, self._orig = cuda_path, cuda_path.CudaPlan.__dict__["get"]
+        cuda_path.CudaPlan.get = classmethod(lambda cls, opt, entries: None)
+
+    def __exit__(self, *exc):
+        self._mod.CudaPlan.get = self._orig
+
+
+def profile_step(fn) -> dict:
+    """Kernel launches and summed kernel time of one call (torch.profiler), to tell launch- and
+    host-bound steps from memory-bound ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    kernels, kernel_us = 0, 0.0
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            kernels += 1
+            kernel_us += float(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0)
+    return dict(kernels=kernels, kernel_ms=kernel_us / 1e3, profiled_wall_ms=wall * 1e3)
+
+
+def run_optimizers(key: str, dtype: torch.dtype, dev, args, size: str = "small") -> dict:
+    """The real optimizer classes over all GPT-2-small tensors: ``Gefen(...).step()`` (defaults:
+    factored second moment with row blocks, Triton kernels, batched exact tensors) and torch's
+    fused AdamW, the same parameters and gradients; the first Gefen step (periods + codebook)
+    timed on its own; host synchronisations per step counted."""
+    from gefen_dist import Gefen
+
+    b = Bench(dtype, None, dev, seed=1, size=size)
+    res = {}
+    print(f"\n== optimizer classes, GPT-2 {size} ({sum(p.numel() for p in b.params):,} parameters), {key} ==")
+    for name, kw, iters in OPTIMIZERS:
+        params = [torch.nn.Parameter(p.detach().clone()) for p in b.params]
+        for p, q in zip(params, b.params):
+            p.grad = q.grad.clone()
+        hp = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                  weight_decay=HP["weight_decay"])
+        opt = torch.optim.AdamW(params, fused=True, **hp) if kw is None else Gefen(params, **hp, **kw)
+        with (_no_plan() if name.endswith("_per_tensor") else contextlib.nullcontext()):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.step()
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            r = cuda_time(opt.step, min(args.warmup, 2), iters or args.iters)
+            r["first_step_s"] = first
+            r["host_syncs_per_step"] = count_host_syncs(opt.step)
+            try:
+                r.update(profile_step(opt.step))
+            except Exception as e:  # the profiler is a diagnostic; never lose the timings for it
+                r["profile_error"] = repr(e)
+        if kw is not None:
+            r["state_bytes"] = sum(x["state_bytes"] for x in opt.report())
+        res[name] = r
+        print(f"  {name:22s} {r['median_ms']:8.3f} ms  (min {r['min_ms']:.3f}); first step {first:.3f} s; "
+              f"host syncs/step {r['host_syncs_per_step']}; kernels {r.get('kernels')}, "
+              f"kernel time {r.get('kernel_ms', float('nan')):.3f} ms")
+        del opt, params
+        torch.cuda.empty_cache()
+    base = res["torch_adamw_fused"]["median_ms"]
+    ratios = {f"{n} / torch_adamw_fused": res[n]["median_ms"] / base for n in res if n != "torch_adamw_fused"}
+    for k, r in ratios.items():
+        print(f"  ratio {k:40s} {r:6.3f}")
+    return dict(ms=res, ratios=ratios)
+
+
+def plot(json_path: str, png: str, before: str = "") -> None:
+    """Bar chart of the optimizer-class step times in ``json_path`` (and, from ``before``, the
+    Gefen default of an earlier run, e.g. the per-tensor path), ms per step, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    info = json.loads(Path(json_path).read_text())
+    old = json.loads(Path(before).read_text()).get("optimizers", {}) if before else {}
+    cases = list(info["optimizers"])
+    series = [("torch_adamw_fused", "torch AdamW (fused)", None), ("gefen_default", "Gefen default", None),
+              ("gefen_shared", "Gefen shared v", None)]
+    if old:
+        series.append(("gefen_default", "Gefen default, one launch per tensor (earlier run)", old))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for k, (key, label, src) in enumerate(series):
+        src = src or info["optimizers"]
+        ys = [src.get(c, {}).get("ms", {}).get(key, {}).get("median_ms", float("nan")) for c in cases]
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(cases))]
+        bars = ax.bar(xs, ys, width, label=label)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([c.replace("_", " ") for c in cases])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per optimizer step (median)")
+    ax.set_title(f"Optimizer step on {info['gpu']}, GPT-2 tensor sets (torch {info['torch']}, "
+                 f"triton {info['triton']})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20)
@@ -259,8 +410,19 @@ def main() -> int:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--no-eager", dest="eager", action="store_false")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
+    ap.add_argument("--sizes", default="small,xl",
+                    help="GPT-2 sizes for the optimizer-class timings (small, medium, large, xl)")
+    ap.add_argument("--no-optimizers", dest="optimizers", action="store_false",
+                    help="skip the optimizer-class timings (Gefen(...).step() vs torch AdamW)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "gpu_step.json"))
+    ap.add_argument("--plot", metavar="PNG", default="",
+                    help="no GPU needed: draw the optimizer-class times of --out's JSON into PNG and exit")
+    ap.add_argument("--before", default="", help="with --plot: an earlier run's JSON whose Gefen default is "
+                    "drawn beside (e.g. docs/results/gpu_step_per_tensor.json)")
     args = ap.parse_args()
+    if args.plot:
+        plot(args.out, args.plot, args.before)
+        return 0
 
     if not torch.cuda.is_available():
         print("gpu_step.py: CUDA is not available (torch %s); this benchmark needs an NVIDIA GPU. "
@@ -302,12 +464,26 @@ def main() -> int:
               f"param max |diff|/max|p| {r['param_max_diff_over_max_abs']:.2e}, "
               f"differing {r['param_neq_frac']:.2e}")
 
-    results = {}
+    out = Path(args.out)
+
+    def save() -> None:  # after every section: a later failure or time-out keeps what was measured
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(info, indent=1) + "\n")
+
+    if args.optimizers:
+        info["optimizers"] = {}
+        for size in args.sizes.split(","):
+            for key in args.dtypes.split(","):
+                dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[key.strip()]
+                info["optimizers"][f"{size}_{key}"] = run_optimizers(key, dtype, dev, args, size)
+                save()
+
+    info["results"] = {}
     for key in args.dtypes.split(","):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[key.strip()]
-        results[key] = run_dtype(key, dtype, cb, dev, triton_step, args)
+        info["results"][key] = run_dtype(key, dtype, cb, dev, triton_step, args)
         torch.cuda.empty_cache()
-    info["results"] = results
+        save()
 
     if args.sweep:
         print("\nchunk-size sweep (fp32, ms per tensor step):")
@@ -317,9 +493,7 @@ def main() -> int:
             print(f"  {str(r['shape']):14s} P={r['period']:5d} default {r['default_block_size']:5d} "
                   f"best {r['best_block_size']:5d} | {ms}")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(info, indent=1) + "\n")
+    save()
     print(f"\nwrote {out}")
     return 0
 

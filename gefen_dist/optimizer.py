@@ -19,9 +19,9 @@ from torch.optim import Optimizer
 from .comm import LocalComm, comm_for
 from .core import periods as _periods
 from .core.quant import block_histogram, NUM_BINS
-from .core.step import (adamw_step_, bias_corrections, block_column_sumsq, column_sumsq, quantized_step_eager_,
-                        row_block_args,
-                        quantized_step_factored_eager_)
+from .core.step import (adamw_foreach_, adamw_step_, bias_corrections, block_column_sumsq, column_sumsq,
+                        quantized_step_eager_, quantized_step_factored_eager_, row_block_args)
+from .cuda_path import CudaPlan
 from .layout import (KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, check_supported, global_shape, is_dtensor,
                      is_exact, like_param, local_tensor, piece_of)
 
@@ -512,15 +512,21 @@ class Gefen(Optimizer):
         take part."""
         flags = torch.zeros(len(entries), dtype=torch.float32)
         partials = partials or {}
+        sums: Dict[torch.device, Tuple[List[int], List[torch.Tensor]]] = {}
         for i, (_, p) in enumerate(entries):
             g = local_tensor(p.grad)
             if not g.numel():
                 continue
             cs = partials.get(p)
-            total = float(cs.sum()) if cs is not None else float(g.sum(dtype=torch.float32))
-            if not math.isfinite(total):
-                # a finite gradient can overflow its sum (or its square): confirm exactly
-                flags[i] = float(not bool(torch.isfinite(g).all()))
+            total = cs.sum() if cs is not None else g.sum(dtype=torch.float32)
+            at, ts = sums.setdefault(total.device, ([], []))
+            at.append(i)
+            ts.append(total.double())
+        for at, ts in sums.values():  # one host synchronisation per device
+            for i, total in zip(at, torch.stack(ts).tolist()):
+                if not math.isfinite(total):
+                    # a finite gradient can overflow its sum (or its square): confirm exactly
+                    flags[i] = float(not bool(torch.isfinite(local_tensor(entries[i][1].grad)).all()))
         # Replicated (plain) gradients are identical on every rank after DDP's all-reduce, so the
         # local decision is already global; sharded (DTensor) gradients need one tiny all-reduce.
         if self._comm.world_size > 1 and any(is_dtensor(p) for _, p in entries):
@@ -581,14 +587,45 @@ class Gefen(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         entries = self._entries()
+        plan = CudaPlan.get(self, entries)
+        if plan is not None and plan.step(self):
+            return loss
         partials = self._column_partials(entries)
         if self.nonfinite != "ignore" and self._nonfinite(entries, partials):
             return loss
         self._prepare(entries)
         col = self._column_stats(entries, partials)
+        batched = []
         for group, p in entries:
-            self._update(group, p, col.get(p))
+            if self._foreach_exact(p):
+                batched.append((group, p))
+            else:
+                self._update(group, p, col.get(p))
+        self._update_exact_batched(batched)
         return loss
+
+    def _foreach_exact(self, p: torch.Tensor) -> bool:
+        """Exact (AdamW) tensors on CUDA are stepped together with foreach operations."""
+        st = self.state.get(p)
+        return (self.fused is not False and st is not None and "exp_avg" in st
+                and local_tensor(p).device.type == "cuda")
+
+    def _update_exact_batched(self, batched) -> None:
+        """:func:`adamw_foreach_` over the exact tensors of ``batched``, per (group, step, device)."""
+        buckets: Dict[tuple, list] = {}
+        for group, p in batched:
+            st = self.state[p]
+            st["step"] += 1
+            key = (id(group), st["step"], local_tensor(p).device)
+            buckets.setdefault(key, (group, []))[1].append(p)
+        for (_, step, _), (group, ps) in buckets.items():
+            beta1, beta2 = group["betas"]
+            bc1, bc2 = bias_corrections(step, beta1, beta2)
+            adamw_foreach_([local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
+                           [local_tensor(self.state[p]["exp_avg"]) for p in ps],
+                           [local_tensor(self.state[p]["exp_avg_sq"]) for p in ps],
+                           lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], bc1=bc1, bc2=bc2)
 
     def _factored(self, entries) -> List[torch.Tensor]:
         """The factored tensors of ``entries`` whose second moment is learned."""
@@ -614,14 +651,14 @@ class Gefen(Optimizer):
             v_col = self.state[p]["v_col"]
             slab, G = v_col.shape[-1], max(1, v_col.numel() // v_col.shape[-1])
             if pc.grad is None or pc.grad.numel() == 0 or (sharded and not pc.contributes):
-                out[p] = torch.zeros(G * slab, dtype=torch.float64)
+                out[p] = torch.zeros(G * slab, dtype=torch.float64, device=v_col.device)
                 continue
             if self._use_fused(pc.grad):
                 from .kernels import cpu as _cpu
 
                 sumsq = _cpu.column_sumsq
             else:
-                sumsq = lambda g, s: column_sumsq(g, s).cpu()  # noqa: E731
+                sumsq = column_sumsq  # on the gradient's device (no host copy on CUDA)
             out[p] = block_column_sumsq(pc.grad, slab, pc.start // slab, global_shape(p)[0] // G, G, sumsq)
         return out
 
@@ -639,7 +676,8 @@ class Gefen(Optimizer):
         missing = [p for p in fact if p not in partials]
         if missing:
             partials.update(self._column_partials(entries, missing))
-        buf = torch.cat([partials[p] for p in fact])
+        dev = partials[fact[0]].device
+        buf = torch.cat([partials[p].to(dev) for p in fact])
         if sharded:
             self._comm.all_reduce_sum_(buf)
         out, o = {}, 0
@@ -649,9 +687,13 @@ class Gefen(Optimizer):
             rows = global_shape(p)[0] // max(1, n // v_col.shape[-1])  # per row block (D12)
             out[p] = (buf[o:o + n] / rows).to(torch.float32).to(local_tensor(p).device)
             o += n
-            if self.nonfinite != "ignore" and bool(torch.isinf(out[p]).any()):
+        if self.nonfinite != "ignore":
+            # one host synchronisation for all tensors (the per-tensor check only on failure)
+            bad = [p for p in fact if bool(torch.isinf(out[p]).any())] if bool(
+                torch.isinf(buf.to(torch.float32)).any()) else []
+            if bad:
                 raise RuntimeError(
-                    f"Gefen: the squared gradient of {self._names()[id(p)]!r} overflows float32 (|g| above "
+                    f"Gefen: the squared gradient of {self._names()[id(bad[0])]!r} overflows float32 (|g| above "
                     "~1.8e19), so its factored second moment would be inf/NaN; nothing was updated. Clip or "
                     "scale the gradients (a loss scaler must unscale before step()), or use "
                     "second_moment='shared'."
@@ -688,7 +730,12 @@ class Gefen(Optimizer):
             if st["v_col"].dim() > 1:  # row blocks (D12): this piece's first global row, rows per block
                 rkw = row_block_args(st["v_col"], global_shape(p)[0],
                                      piece_of(p, self._comm.rank, self._comm.world_size > 1).start)
-            if self._use_fused(work):
+            if self._use_triton(work):
+                from .kernels import triton_step as _tri
+
+                _tri.quantized_step_factored_(work, g.to(work.dtype), *fargs, scale_block=st["scale_block"],
+                                              **rkw, **hp)
+            elif self._use_fused(work):
                 from .kernels import cpu as _cpu
 
                 _cpu.quantized_step_factored_(work, g.to(work.dtype), *fargs,

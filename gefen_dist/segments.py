@@ -606,8 +606,7 @@ class FlatSegments:
             rb = cat[s.key]["shape"][0] // G
             lo, hi, rparts = _split(a, e, S)
             if hi > lo:
-                cols[co:co + G * S] += block_column_sumsq(g[lo - a:hi - a], S, lo // S, rb, G,
-                                                          lambda x, sl: column_sumsq(x, sl).cpu())
+                cols[co:co + G * S] += block_column_sumsq(g[lo - a:hi - a], S, lo // S, rb, G).cpu()
             pend = []
             for r, ps, pe in rparts:  # rows cut by a partition edge
                 r0, r1 = ps - a, pe - a

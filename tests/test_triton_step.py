@@ -237,6 +237,274 @@ def test_nearest_codeword_exact(which):
 
 
 # --------------------------------------------------------------------------------------
+# the factored second moment (second_moment="factored", the default; D12 row blocks)
+# --------------------------------------------------------------------------------------
+
+def _factored_state(rows, S, B, G, dtype, seed, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    n = rows * S
+    p = torch.randn(n, generator=gen).to(dtype)
+    idx = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n // B, generator=gen) * 1e-2
+    scale[1] = 0.0
+    v_row = torch.rand(rows, generator=gen) * 1e-4
+    v_col = (torch.rand(G, S, generator=gen) * 1e-4).squeeze(0) if G > 1 else torch.rand(S, generator=gen) * 1e-4
+    return [t.to(device) for t in (p, idx, scale, v_row, v_col)], gen
+
+
+def _run_both_factored(rows, S, B, dtype, *, G=1, row0=0, row_block=0, steps=3, seed=0, device="cpu",
+                       block_size=None, grad_hook=None):
+    """A piece of ``rows`` rows (global rows ``row0 ..``) of a factored tensor stepped by the eager
+    path and the kernel; col_mean_sq is a made-up column statistic (the kernel takes it as given)."""
+    from gefen_dist.core.step import quantized_step_factored_eager_
+
+    cb = random_codebook().to(device)
+    st, gen = _factored_state(rows, S, B, G, dtype, seed, device)
+    ref = [t.clone() for t in st]
+    out = [t.clone() for t in st]
+    for s in range(1, steps + 1):
+        g = _grad(rows * S, dtype, gen, device)
+        if grad_hook is not None:
+            g = grad_hook(g, s)
+        cms = (torch.rand(st[4].shape, generator=gen) * 1e-4).to(device)
+        bc1, bc2 = bias_corrections(s, 0.9, 0.95)
+        kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bc1=bc1, bc2=bc2,
+                  scale_block=B, row0=row0, row_block=row_block)
+        quantized_step_factored_eager_(ref[0], g, ref[1], ref[2], ref[3], ref[4], cb, cms, **kw)
+        triton_step.quantized_step_factored_(out[0], g, out[1], out[2], out[3], out[4], cb, cms,
+                                             block_size=block_size, **kw)
+    return ref, out
+
+
+def _assert_agree_factored(ref, out, idx_frac=0.0):
+    # v_col: the same torch operations on both sides
+    assert torch.equal(ref[4], out[4])
+    _assert_agree(ref[:4], out[:4], idx_frac=idx_frac)
+
+
+FACTORED_CASES = {
+    # name: (rows, S, B, G, row0, row_block)
+    "one_profile": (24, 96, 96, 1, 0, 0),
+    "two_scale_blocks": (16, 192, 96, 1, 0, 0),
+    "row_blocks": (40, 64, 64, 4, 0, 10),
+    "row_blocks_cut_piece": (23, 96, 32, 3, 7, 12),   # global rows 7..29 of 3 x 12: cuts blocks 0 and 2
+    "ragged_chunks": (9, 1031, 1031, 1, 0, 0),
+}
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(FACTORED_CASES))
+def test_factored_matches_eager(case, dtype):
+    rows, S, B, G, row0, rb = FACTORED_CASES[case]
+    ref, out = _run_both_factored(rows, S, B, dtype, G=G, row0=row0, row_block=rb)
+    _assert_agree_factored(ref, out)
+
+
+@interp
+def test_factored_small_chunks_nan_and_zero():
+    """Several chunks per scale block, a NaN gradient (its row and block) and a zero row."""
+    def hook(g, s):
+        g = g.clone()
+        g[96 * 2 + 40] = float("nan")
+        g[96 * 5:96 * 6] = 0.0
+        return g
+
+    ref, out = _run_both_factored(12, 96, 48, torch.float32, G=2, row_block=6, block_size=16,
+                                  grad_hook=hook, seed=3)
+    assert torch.isnan(ref[2][4]) and torch.isnan(out[2][4]) and torch.isnan(out[3][2])
+    _assert_agree_factored(ref, out)
+
+
+@interp
+@pytest.mark.parametrize("second_moment", ["factored", "shared"])
+def test_optimizer_cuda_path_through_interpreter(monkeypatch, second_moment):
+    """Gefen's CUDA code path (Triton kernels, foreach exact tensors, device-side column sums),
+    forced onto CPU tensors through the interpreter, against the eager path: same periods,
+    codebook and scales, parameters within the kernel's tolerance after 6 steps."""
+    from torch import nn
+
+    from gefen_dist import Gefen
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 192), nn.GELU(), nn.Linear(192, 8))
+    a, b = [__import__("copy").deepcopy(base) for _ in range(2)]
+    hp = dict(lr=1e-3, weight_decay=0.1, second_moment=second_moment)
+    oa = Gefen(a.parameters(), fused=False, **hp)
+    ob = Gefen(b.parameters(), **hp)
+    monkeypatch.setattr(ob, "_use_triton", lambda t: True)
+    monkeypatch.setattr(ob, "_use_fused", lambda t: False)
+    monkeypatch.setattr(ob, "_foreach_exact", lambda p: "exp_avg" in ob.state.get(p, {}))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        oa.zero_grad()
+        ((a(x) - y) ** 2).mean().backward()
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.grad = p.grad.clone()  # the same gradients on both sides
+        oa.step()
+        ob.step()
+    assert torch.equal(oa.codebook, ob.codebook)
+    kinds = set()
+    for p, q in zip(a.parameters(), b.parameters()):
+        sa, sb = oa.state[p], ob.state[q]
+        kinds.add("exp_avg" in sa)
+        assert sa.get("period") == sb.get("period")
+        if "scale" in sa:
+            torch.testing.assert_close(sb["scale"], sa["scale"], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-6, atol=1e-6 * p.abs().max().item())
+    assert kinds == {True, False}  # both exact and quantized tensors took part
+
+
+@interp
+def test_column_sums_match_block_column_sumsq():
+    """The two-launch column sums (chunks of rows, fixed order) against the eager per-block sums,
+    for pieces that cut row blocks, both dtypes and a tensor with more rows than chunks."""
+    from gefen_dist.core.step import block_column_sumsq
+
+    gen = torch.Generator().manual_seed(0)
+    specs, grads = [], []
+    for rows, S, row0, rb, G, dt in [(40, 64, 0, 10, 4, torch.float32), (23, 96, 7, 12, 3, torch.bfloat16),
+                                     (700, 32, 0, 1, 1, torch.float32), (5, 300, 0, 1, 1, torch.bfloat16),
+                                     (0, 16, 0, 1, 1, torch.float32)]:
+        g = torch.randn(rows * S, generator=gen) * torch.exp(3 * torch.randn(rows * S, generator=gen))
+        specs.append((rows, S, row0, rb, G, dt))
+        grads.append(g.to(dt))
+    out = triton_step.ColumnSums(specs, torch.device("cpu")).run(grads)
+    ref = torch.cat([block_column_sumsq(g, S, row0, rb, G) if g.numel() else torch.zeros(G * S, dtype=torch.float64)
+                     for g, (rows, S, row0, rb, G, _) in zip(grads, specs)])
+    torch.testing.assert_close(out, ref, rtol=1e-13, atol=0)
+
+
+@interp
+def test_multi_step_bitwise_equals_one_launch_per_tensor():
+    """MultiStep (one launch per mode/dtype/config) gives each tensor exactly the bits of its own
+    single-tensor launch: shared, per-element and factored (row blocks, a cut piece) items."""
+    cb = random_codebook()
+    gen = torch.Generator().manual_seed(2)
+    specs = [  # (rows, S, B, mode, G, row0, row_block, dtype)
+        (24, 96, 96, 0, 1, 0, 1, torch.float32), (10, 64, 64, 0, 1, 0, 1, torch.bfloat16),
+        (12, 256, 256, 1, 1, 0, 1, torch.float32), (40, 64, 32, 2, 4, 0, 10, torch.float32),
+        (23, 96, 48, 2, 3, 7, 12, torch.bfloat16), (9, 1031, 1031, 2, 1, 0, 1, torch.float32),
+        (16, 96, 96, 0, 1, 0, 1, torch.float32),
+    ]
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    mine, ref, grads = [], [], []
+    for rows, S, B, mode, G, row0, rb, dt in specs:
+        n = rows * S
+        nv = rows if mode == 2 else (n if mode == 1 else n // B)
+        st = [torch.randn(n, generator=gen).to(dt), torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+              torch.rand(n // B, generator=gen) * 1e-2, torch.rand(nv, generator=gen) * 1e-4,
+              torch.rand(G, S, generator=gen) * 1e-4]
+        mine.append([t.clone() for t in st])
+        ref.append([t.clone() for t in st])
+        grads.append(_grad(n, dt, gen))
+    items = [triton_step.StepItem(m[0], m[1], m[2], m[3], m[4] if sp[3] == 2 else None, sp[1], sp[2], sp[3],
+                                  sp[5], sp[6]) for m, sp in zip(mine, specs)]
+    ms = triton_step.MultiStep(items, torch.device("cpu"))
+    assert ms.launches == 6  # seven tensors: the two (mode 0, fp32, B 96) ones share a launch
+    for step in (1, 2):
+        bc1, bc2 = bias_corrections(step, 0.9, 0.95)
+        ms.run(grads, cb, bc1=bc1, bc2=bc2, **hp)
+        for r, g, (rows, S, B, mode, G, row0, rb, dt) in zip(ref, grads, specs):
+            kw = dict(hp, bc1=bc1, bc2=bc2, scale_block=B)
+            if mode == 2:
+                triton_step._run(r[0], g, r[1], r[2], r[3], r[4], cb, S=S, B=B, mode=2, row0=row0,
+                                 row_block=rb if G > 1 else row0 + rows + 1, block_size=None,
+                                 **{k: v for k, v in kw.items() if k != "scale_block"})
+            else:
+                triton_step.quantized_step_(r[0], g, r[1], r[2], r[3], cb, period=1 if mode == 1 else B, **kw)
+    for a, b in zip(mine, ref):
+        for x, y in zip(a, b):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+def _three_kinds_model():
+    from torch import nn
+
+    torch.manual_seed(0)
+    # Linear(96, 192): factored with 2 row blocks; Linear(192, 200): factored, one block;
+    # Linear(200, 8) and the biases: exact
+    return nn.Sequential(nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 192), nn.GELU(), nn.Linear(192, 200),
+                         nn.GELU(), nn.Linear(200, 8))
+
+
+@interp
+@pytest.mark.parametrize("second_moment", ["factored", "shared", "elementwise"])
+def test_cuda_plan_through_interpreter(monkeypatch, second_moment):
+    """The multi-tensor CUDA step (gefen_dist.cuda_path), run on CPU tensors through the
+    interpreter, against the per-tensor Triton path on the same gradients: bitwise equal (on CPU the
+    foreach operations are the per-tensor ones and the float64 column sums round to the same
+    float32). The plan is built at the second step, reused, and rebuilt after load_state_dict; a
+    non-finite gradient goes to the per-tensor path, which raises naming the tensor."""
+    import copy
+
+    from gefen_dist import Gefen, cuda_path
+
+    monkeypatch.setattr(cuda_path, "_DEVICE_TYPES", ("cuda", "cpu"))
+    base = _three_kinds_model()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    hp = dict(lr=1e-3, weight_decay=0.1, second_moment=second_moment)
+    oa = Gefen(a.named_parameters(), **hp)
+    ob = Gefen(b.named_parameters(), **hp)
+    for o in (oa, ob):
+        monkeypatch.setattr(o, "_use_triton", lambda t: True)
+        monkeypatch.setattr(o, "_use_fused", lambda t: False)
+    monkeypatch.setattr(oa, "_foreach_exact", lambda p: "exp_avg" in oa.state.get(p, {}))
+    monkeypatch.setattr(cuda_path.CudaPlan, "get", classmethod(
+        lambda cls, opt, entries, _get=cuda_path.CudaPlan.get.__func__: None if opt is oa else _get(cls, opt, entries)))
+    gen = torch.Generator().manual_seed(1)
+    plans = []
+    for step in range(5):
+        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        oa.zero_grad()
+        ((a(x) - y) ** 2).mean().backward()
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.grad = p.grad.clone()
+        oa.step()
+        ob.step()
+        plans.append(getattr(ob, "_cuda_plan", None))
+        if step == 3:
+            ob.load_state_dict(ob.state_dict())
+    assert plans[0] is None and plans[1] is not None and plans[2] is plans[1] and plans[3] is plans[1]
+    assert plans[4] is not None and plans[4] is not plans[1]
+    assert oa.codebook is not None and torch.equal(oa.codebook, ob.codebook)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        sa, sb = oa.state[p], ob.state[q]
+        assert sa["step"] == sb["step"] == 5
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor):
+                assert torch.equal(sa[k], sb[k]), (name, k)
+        assert torch.equal(p, q), name
+    # a NaN gradient: the plan hands the step back; the per-tensor path raises with the name
+    ob.zero_grad()
+    ((b(x) - y) ** 2).mean().backward()
+    b[2].weight.grad[3, 7] = float("nan")
+    before = [q.clone() for q in b.parameters()]
+    with pytest.raises(RuntimeError, match=r"non-finite gradient.*'2.weight'"):
+        ob.step()
+    assert all(torch.equal(u, w) for u, w in zip(before, b.parameters()))
+
+
+@interp
+def test_factored_errors():
+    cb = random_codebook()
+    rows, S = 8, 64
+    st = [torch.zeros(rows * S), torch.zeros(rows * S), torch.zeros(rows * S, dtype=torch.uint8),
+          torch.zeros(rows), torch.zeros(rows), torch.zeros(2, S)]
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, bc1=0.1, bc2=0.001)
+    with pytest.raises(ValueError, match="must divide the row length"):
+        triton_step.quantized_step_factored_(*st[:5], st[5], cb, torch.zeros(2, S), scale_block=48,
+                                             row_block=4, **kw)
+    with pytest.raises(ValueError, match="row blocks"):
+        triton_step.quantized_step_factored_(*st[:5], st[5], cb, torch.zeros(2, S), scale_block=64,
+                                             row_block=0, **kw)
+    with pytest.raises(ValueError, match="col_mean_sq"):
+        triton_step.quantized_step_factored_(*st[:5], st[5], cb, torch.zeros(S), scale_block=64,
+                                             row_block=4, **kw)
+
+
+# --------------------------------------------------------------------------------------
 # configuration and argument checks
 # --------------------------------------------------------------------------------------
 
@@ -288,3 +556,13 @@ def test_cuda_matches_eager(case, dtype):
     ref, out = _run_both(n * 16, P, B, dtype, steps=3, device="cuda")
     # torch's CUDA lerp may round differently from the kernel's fma in rare elements
     _assert_agree([t.cpu() for t in ref], [t.cpu() for t in out], idx_frac=1e-4)
+
+
+@pytest.mark.skipif(_CHILD or not torch.cuda.is_available() or not triton_step.available("cuda"),
+                    reason="needs CUDA (compiled kernel)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(FACTORED_CASES))
+def test_cuda_factored_matches_eager(case, dtype):
+    rows, S, B, G, row0, rb = FACTORED_CASES[case]
+    ref, out = _run_both_factored(rows * 8, S, B, dtype, G=G, row0=row0 * 8, row_block=rb * 8, device="cuda")
+    _assert_agree_factored([t.cpu() for t in ref], [t.cpu() for t in out], idx_frac=1e-4)

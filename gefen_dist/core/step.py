@@ -134,6 +134,59 @@ def adamw_step_(
         param.copy_(p)
 
 
+def adamw_foreach_(
+    params: list,
+    grads: list,
+    exp_avgs: list,
+    exp_avg_sqs: list,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bc1: float,
+    bc2: float,
+) -> None:
+    """:func:`adamw_step_` over many tensors with ``torch._foreach_*`` operations (the same
+    operations in the same order, a few kernel launches in all instead of seven per tensor;
+    used for the exact tensors on CUDA, where launches, not bytes, dominate small tensors)."""
+    keep = [i for i, p in enumerate(params) if p.numel()]
+    if not keep:
+        return
+    params = [params[i] for i in keep]
+    m = [exp_avgs[i] for i in keep]
+    v = [exp_avg_sqs[i] for i in keep]
+    # float32 working copies of low-precision tensors: one foreach copy each way, not one per tensor
+    g = _float32_copies([grads[i] for i in keep])
+    p32 = _float32_copies(params)
+    if weight_decay != 0.0:
+        torch._foreach_mul_(p32, 1.0 - lr * weight_decay)
+    torch._foreach_lerp_(m, g, 1.0 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, math.sqrt(bc2))
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p32, m, denom, value=-(lr / bc1))
+    back = [(p, q) for p, q in zip(params, p32) if q is not p]
+    if back:
+        torch._foreach_copy_([p for p, _ in back], [q for _, q in back])
+
+
+def _float32_copies(ts: list) -> list:
+    """``t.float()`` for each tensor (the tensor itself when float32), converted in one foreach copy."""
+    low = [i for i, t in enumerate(ts) if t.dtype != torch.float32]
+    if not low:
+        return list(ts)
+    out = list(ts)
+    dst = [torch.empty(ts[i].shape, dtype=torch.float32, device=ts[i].device) for i in low]
+    torch._foreach_copy_(dst, [ts[i] for i in low])
+    for i, d in zip(low, dst):
+        out[i] = d
+    return out
+
+
 def column_sumsq(grad: torch.Tensor, slab: int) -> torch.Tensor:
     """Sum of ``g^2`` over the rows this piece holds, per column: float32 squares accumulated in
     float64 (``[slab]``), so the order in which shards are summed does not change the float32
@@ -157,18 +210,22 @@ def block_column_sumsq(grad: torch.Tensor, slab: int, row0: int, row_block: int,
     holding the sums over the rows of this piece (global rows ``row0 ..``) that fall in global rows
     ``[b * row_block, (b + 1) * row_block)``; blocks the piece does not touch are zero. With one
     block it is ``sumsq(grad, slab)``. ``sumsq`` sums one contiguous range of rows (the eager
-    function or the native kernel's)."""
+    function or the native kernel's); the result lies on the device ``sumsq`` returns."""
     if nblocks == 1:
         return sumsq(grad, slab)
     g = grad.reshape(-1)
     nr = g.numel() // slab
-    out = torch.zeros(nblocks * slab, dtype=torch.float64)
+    parts = []
     r = 0
     while r < nr:
         b = (row0 + r) // row_block
         end = min(nr, (b + 1) * row_block - row0)
-        out[b * slab:(b + 1) * slab] += sumsq(g[r * slab:end * slab], slab).cpu()
+        parts.append((b, sumsq(g[r * slab:end * slab], slab)))
         r = end
+    # on the device ``sumsq`` returns (no host copy for CUDA gradients)
+    out = torch.zeros(nblocks * slab, dtype=torch.float64, device=parts[0][1].device if parts else "cpu")
+    for b, part in parts:
+        out[b * slab:(b + 1) * slab] += part
     return out
 
 

@@ -68,7 +68,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "quantized_step_"]
+__all__ = ["available", "quantized_step_", "quantized_step_factored_"]
 
 try:  # pragma: no cover - depends on the environment
     import triton
@@ -109,165 +109,331 @@ def available(device: Optional[torch.device] = None) -> bool:
 # so the variable must be set before that import for the interpreter to work)
 # --------------------------------------------------------------------------------------
 
-def _gefen_step_kernel(
-    p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, cb_ptr, lut_ptr,
-    nrows, B, B_f, scan_steps,
+def _step_rows(
+    p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
+    r_first, nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1,
-    PER_ELEM: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
+    MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
     FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
     IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid * ROWS + tl.arange(0, ROWS)
+    """Rows ``r_first .. r_first + ROWS`` of one tensor (the body of both kernels).
+
+    MODE 0: v per scale block (P == B, S == B, NBLK == 1); 1: v per element (P == 1, S == B);
+    2: factored, rows of S == NBLK * B elements, v_row per row, and ``vc_ptr`` the (already
+    updated) v_col, ``[G, S]``; each row takes the column factors ``sqrt(v_col / mean(v_col))``
+    of its block of rows (global row ``row0 + r``, blocks of ``row_block`` rows)."""
+    rows = r_first + tl.arange(0, ROWS)
     rmask = rows < nrows
-    rbase = rows.to(tl.int64) * B
+    rbase = rows.to(tl.int64) * S
     cols0 = tl.arange(0, BLOCK_SIZE)
-    M = tl.load(scale_ptr + rows, mask=rmask, other=0.0)
-    Mb = M[:, None]
 
-    # ---- sweep 1: absmax of m (NaN-propagating), sum of g^2 -------------------------
-    ss = tl.zeros([ROWS, BLOCK_SIZE], dtype=tl.float32)
-    amax = tl.zeros([ROWS, BLOCK_SIZE], dtype=tl.float32)
-    for c0 in range(0, B, BLOCK_SIZE):
-        cols = c0 + cols0
-        mask = rmask[:, None] & (cols < B)[None, :]
-        offs = rbase[:, None] + cols[None, :]
-        if IS_BF16:
-            g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
-                tl.float32, bitcast=True)
-        else:
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-        ix = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
-        m0 = tl.load(cb_ptr + ix) * Mb
-        d = g - m0
-        if LERP_SMALL:
-            base = m0
-        else:
-            base = g
-        if FUSED_LERP:
-            m = tl.fma(d, lerp_c, base)
-        else:
-            m = base + d * lerp_c
-        if not PER_ELEM:
+    if MODE == 2:
+        # ---- sweep 0: the row's mean of g^2 -> v_row, sqrt(v_row) -------------------
+        ss = tl.zeros([ROWS, BLOCK_SIZE], dtype=tl.float32)
+        for c0 in range(0, S, BLOCK_SIZE):
+            cols = c0 + cols0
+            mask = rmask[:, None] & (cols < S)[None, :]
+            offs = rbase[:, None] + cols[None, :]
+            if IS_BF16:
+                g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
+                    tl.float32, bitcast=True)
+            else:
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0)
             ss += g * g
-        am = tl.where(mask, tl.abs(m), 0.0)
-        amax = tl.where((am > amax) | (am != am), am, amax)
-    bad = amax != amax
-    A = tl.max(tl.where(bad, 0.0, amax), axis=1)
-    nan_sum = tl.sum(tl.where(bad, amax, 0.0), axis=1)  # NaN where any m is NaN, else 0
-    A = tl.where(nan_sum != nan_sum, nan_sum, A)
-    tl.store(scale_ptr + rows, A, mask=rmask)
-    pos = A > 0.0
-    Ad = tl.where(pos, A, 1.0)[:, None]
-    posb = pos[:, None]
-    Ab = A[:, None]
-
-    if not PER_ELEM:
-        r = tl.div_rn(tl.sum(ss, axis=1), B_f)
+        r = tl.div_rn(tl.sum(ss, axis=1), S_f)
         vt = tl.load(v_ptr + rows, mask=rmask, other=0.0) * beta2
         if FUSED_AXPY:
-            vb = tl.fma(r, alpha2, vt)
+            vr = tl.fma(r, alpha2, vt)
         else:
-            vb = vt + r * alpha2
-        tl.store(v_ptr + rows, vb, mask=rmask)
-        sb = tl.div_rn(tl.sqrt_rn(vb), sqrt_bc2) + eps
-        sigma_row = (tl.div_rn(1.0, sb) * inv_bc1)[:, None]
+            vr = vt + r * alpha2
+        tl.store(v_ptr + rows, vr, mask=rmask)
+        xr = tl.sqrt_rn(vr)[:, None]
+        # this row's block of rows (D12): its column profile and the profile's mean
+        cfbase = ((rows + row0) // row_block).to(tl.int64) * S
+        cs = tl.zeros([ROWS, BLOCK_SIZE], dtype=tl.float32)
+        for c0 in range(0, S, BLOCK_SIZE):
+            cols = c0 + cols0
+            mask = rmask[:, None] & (cols < S)[None, :]
+            cs += tl.load(vc_ptr + cfbase[:, None] + cols[None, :], mask=mask, other=0.0)
+        vmean = tl.div_rn(tl.sum(cs, axis=1), S_f)
+        vpos = (vmean > 0.0)[:, None]
+        vmean_d = tl.where(vmean > 0.0, vmean, 1.0)[:, None]
 
-    # ---- sweep 2: quantize, update v (P == 1) and the parameter -----------------------
-    for c0 in range(0, B, BLOCK_SIZE):
-        cols = c0 + cols0
-        mask = rmask[:, None] & (cols < B)[None, :]
-        offs = rbase[:, None] + cols[None, :]
+    for kb in range(0, NBLK):
+        bbase = rbase + kb * B
+        srow = rows.to(tl.int64) * NBLK + kb
+        M = tl.load(scale_ptr + srow, mask=rmask, other=0.0)
+        Mb = M[:, None]
+
+        # ---- sweep 1: absmax of m (NaN-propagating), sum of g^2 ---------------------
+        ss = tl.zeros([ROWS, BLOCK_SIZE], dtype=tl.float32)
+        amax = tl.zeros([ROWS, BLOCK_SIZE], dtype=tl.float32)
+        for c0 in range(0, B, BLOCK_SIZE):
+            cols = c0 + cols0
+            mask = rmask[:, None] & (cols < B)[None, :]
+            offs = bbase[:, None] + cols[None, :]
+            if IS_BF16:
+                g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
+                    tl.float32, bitcast=True)
+            else:
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+            ix = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
+            m0 = tl.load(cb_ptr + ix) * Mb
+            d = g - m0
+            if LERP_SMALL:
+                base = m0
+            else:
+                base = g
+            if FUSED_LERP:
+                m = tl.fma(d, lerp_c, base)
+            else:
+                m = base + d * lerp_c
+            if MODE == 0:
+                ss += g * g
+            am = tl.where(mask, tl.abs(m), 0.0)
+            amax = tl.where((am > amax) | (am != am), am, amax)
+        bad = amax != amax
+        A = tl.max(tl.where(bad, 0.0, amax), axis=1)
+        nan_sum = tl.sum(tl.where(bad, amax, 0.0), axis=1)  # NaN where any m is NaN, else 0
+        A = tl.where(nan_sum != nan_sum, nan_sum, A)
+        tl.store(scale_ptr + srow, A, mask=rmask)
+        pos = A > 0.0
+        Ad = tl.where(pos, A, 1.0)[:, None]
+        posb = pos[:, None]
+        Ab = A[:, None]
+
+        if MODE == 0:
+            r = tl.div_rn(tl.sum(ss, axis=1), B_f)
+            vt = tl.load(v_ptr + rows, mask=rmask, other=0.0) * beta2
+            if FUSED_AXPY:
+                vb = tl.fma(r, alpha2, vt)
+            else:
+                vb = vt + r * alpha2
+            tl.store(v_ptr + rows, vb, mask=rmask)
+            sb = tl.div_rn(tl.sqrt_rn(vb), sqrt_bc2) + eps
+            sigma_row = (tl.div_rn(1.0, sb) * inv_bc1)[:, None]
+
+        # ---- sweep 2: quantize, update v (P == 1) and the parameter -------------------
+        for c0 in range(0, B, BLOCK_SIZE):
+            cols = c0 + cols0
+            mask = rmask[:, None] & (cols < B)[None, :]
+            offs = bbase[:, None] + cols[None, :]
+            if IS_BF16:
+                g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
+                    tl.float32, bitcast=True)
+            else:
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+            ix = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
+            m0 = tl.load(cb_ptr + ix) * Mb
+            d = g - m0
+            if LERP_SMALL:
+                base = m0
+            else:
+                base = g
+            if FUSED_LERP:
+                m = tl.fma(d, lerp_c, base)
+            else:
+                m = base + d * lerp_c
+            z = tl.where(posb, tl.div_rn(m, Ad), 0.0)
+
+            # nearest codeword: bucket (z * H exact, H a power of two), then table
+            t = z * lut_h + lut_h
+            t = tl.where(t > 0.0, t, 0.0)  # NaN -> 0
+            t = tl.where(t < lut_nbm1, t, lut_nbm1)
+            k = t.to(tl.int32)
+            if LUT_FAST:
+                jl = tl.load(lut_ptr + k)
+                c0v = tl.load(cb_ptr + jl)
+                c1v = tl.load(cb_ptr + jl + 1)
+                sel = (z > c1v) | (tl.abs(z - c1v) < tl.abs(z - c0v))
+                j = jl + sel.to(tl.int32)
+                cq = tl.where(sel, c1v, c0v)
+            else:
+                j = tl.load(lut_ptr + k)
+                for _ in range(scan_steps):
+                    j += (tl.load(cb_ptr + j) < z).to(tl.int32)
+                lo = tl.maximum(j - 1, 0)
+                hi = tl.minimum(j, 255)
+                clo = tl.load(cb_ptr + lo)
+                chi = tl.load(cb_ptr + hi)
+                take = tl.abs(z - chi) < tl.abs(z - clo)
+                j = tl.where(take, hi, lo)
+                cq = tl.where(take, chi, clo)
+            isn = z != z
+            j = tl.where(isn, 255, j)
+            cq = tl.where(isn, 1.0, cq)  # C[255] == +1
+            tl.store(idx_ptr + offs, j.to(tl.uint8), mask=mask)
+
+            if MODE == 1:
+                vt = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2
+                r2 = g * g
+                if FUSED_AXPY:
+                    ve = tl.fma(r2, alpha2, vt)
+                else:
+                    ve = vt + r2 * alpha2
+                tl.store(v_ptr + offs, ve, mask=mask)
+                se = tl.div_rn(tl.sqrt_rn(ve), sqrt_bc2) + eps
+                sg = tl.div_rn(1.0, se) * inv_bc1
+            elif MODE == 2:
+                # col_f = sqrt(v_col / mean) (0 for a zero profile), then
+                # (sqrt(v_row) * col_f) / sqrt(bc2) + eps, as the eager path's torch operations
+                vcl = tl.load(vc_ptr + cfbase[:, None] + (kb * B + cols)[None, :], mask=mask, other=0.0)
+                cf = tl.where(vpos, tl.sqrt_rn(tl.div_rn(vcl, vmean_d)), 0.0)
+                se = tl.div_rn(xr * cf, sqrt_bc2) + eps
+                sg = tl.div_rn(1.0, se) * inv_bc1
+            else:
+                sg = sigma_row
+            u = (cq * Ab) * sg
+            u = u * lr
+            if IS_BF16:
+                pf = (tl.load(p_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
+                    tl.float32, bitcast=True)
+            else:
+                pf = tl.load(p_ptr + offs, mask=mask, other=0.0)
+            if HAS_WD:
+                pf = pf * decay
+            pf = pf - u
+            if IS_BF16:
+                # round to nearest even by hand, NaN -> 0x7FC0 (as csrc/gefen_step.c; exact on the
+                # GPU and in the interpreter, whose float -> bfloat16 cast truncates)
+                bits = pf.to(tl.uint32, bitcast=True)
+                rb = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+                rb = tl.where(pf != pf, 0x7FC0, rb)
+                tl.store(p_ptr + offs, rb.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+            else:
+                tl.store(p_ptr + offs, pf, mask=mask)
+
+
+def _gefen_step_kernel(
+    p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
+    nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
+    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1,
+    MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
+    FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
+    IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """One tensor; program ``pid`` steps rows ``pid * ROWS ..``."""
+    _step_rows_jit(
+        p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
+        tl.program_id(0) * ROWS, nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
+        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1,
+        MODE, LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, LUT_FAST, IS_BF16, ROWS, BLOCK_SIZE,
+    )
+
+
+def _gefen_multi_kernel(
+    meta_ptr, gptr_ptr, prog_ptr, cb_ptr, lut_ptr, scan_steps,
+    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1,
+    MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
+    FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
+    IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """Many tensors in one launch: program ``pid`` steps rows ``prog[pid, 1] ..`` of tensor
+    ``prog[pid, 0]``, whose pointers and sizes are row ``t`` of ``meta`` (see :class:`MultiStep`)
+    and whose gradient's address is ``gptr[t]``."""
+    pid = tl.program_id(0)
+    t = tl.load(prog_ptr + 2 * pid)
+    r_first = tl.load(prog_ptr + 2 * pid + 1).to(tl.int32)
+    mb = meta_ptr + t * _META
+    if IS_BF16:
+        p_ptr = tl.load(mb + 0).to(tl.pointer_type(tl.int16))
+        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.int16))
+    else:
+        p_ptr = tl.load(mb + 0).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.float32))
+    idx_ptr = tl.load(mb + 1).to(tl.pointer_type(tl.uint8))
+    scale_ptr = tl.load(mb + 2).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(mb + 3).to(tl.pointer_type(tl.float32))
+    vc_ptr = tl.load(mb + 4).to(tl.pointer_type(tl.float32))
+    nrows = tl.load(mb + 5).to(tl.int32)
+    S = tl.load(mb + 6).to(tl.int32)
+    B = tl.load(mb + 7).to(tl.int32)
+    _step_rows_jit(
+        p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
+        r_first, nrows, S, B, S // B, B.to(tl.float32), S.to(tl.float32), scan_steps,
+        tl.load(mb + 8).to(tl.int32), tl.load(mb + 9).to(tl.int32),
+        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1,
+        MODE, LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, LUT_FAST, IS_BF16, ROWS, BLOCK_SIZE,
+    )
+
+
+def _colsum_kernel(gptr_ptr, chunk_ptr, part_ptr, IS_BF16: tl.constexpr, RB: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """Column sums of float32 squares, accumulated in float64, over one chunk of rows of one
+    tensor and one tile of ``BLOCK_C`` columns: chunk ``c`` = (tensor, first row, end row, S,
+    offset of its ``S`` partial sums)."""
+    c = tl.program_id(0)
+    tile = tl.program_id(1)
+    cb = chunk_ptr + c * 5
+    t = tl.load(cb + 0)
+    r0 = tl.load(cb + 1).to(tl.int32)
+    r1 = tl.load(cb + 2).to(tl.int32)
+    S = tl.load(cb + 3)
+    off = tl.load(cb + 4)
+    if IS_BF16:
+        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.int16))
+    else:
+        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.float32))
+    cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < S
+    acc = tl.zeros([RB, BLOCK_C], dtype=tl.float64)
+    for r in range(r0, r1, RB):
+        rows = r + tl.arange(0, RB)
+        mask = (rows < r1)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * S + cols[None, :]
         if IS_BF16:
             g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
                 tl.float32, bitcast=True)
         else:
             g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-        ix = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
-        m0 = tl.load(cb_ptr + ix) * Mb
-        d = g - m0
-        if LERP_SMALL:
-            base = m0
-        else:
-            base = g
-        if FUSED_LERP:
-            m = tl.fma(d, lerp_c, base)
-        else:
-            m = base + d * lerp_c
-        z = tl.where(posb, tl.div_rn(m, Ad), 0.0)
-
-        # nearest codeword: bucket (z * H exact, H a power of two), then table
-        t = z * lut_h + lut_h
-        t = tl.where(t > 0.0, t, 0.0)  # NaN -> 0
-        t = tl.where(t < lut_nbm1, t, lut_nbm1)
-        k = t.to(tl.int32)
-        if LUT_FAST:
-            jl = tl.load(lut_ptr + k)
-            c0v = tl.load(cb_ptr + jl)
-            c1v = tl.load(cb_ptr + jl + 1)
-            sel = (z > c1v) | (tl.abs(z - c1v) < tl.abs(z - c0v))
-            j = jl + sel.to(tl.int32)
-            cq = tl.where(sel, c1v, c0v)
-        else:
-            j = tl.load(lut_ptr + k)
-            for _ in range(scan_steps):
-                j += (tl.load(cb_ptr + j) < z).to(tl.int32)
-            lo = tl.maximum(j - 1, 0)
-            hi = tl.minimum(j, 255)
-            clo = tl.load(cb_ptr + lo)
-            chi = tl.load(cb_ptr + hi)
-            take = tl.abs(z - chi) < tl.abs(z - clo)
-            j = tl.where(take, hi, lo)
-            cq = tl.where(take, chi, clo)
-        isn = z != z
-        j = tl.where(isn, 255, j)
-        cq = tl.where(isn, 1.0, cq)  # C[255] == +1
-        tl.store(idx_ptr + offs, j.to(tl.uint8), mask=mask)
-
-        if PER_ELEM:
-            vt = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2
-            r2 = g * g
-            if FUSED_AXPY:
-                ve = tl.fma(r2, alpha2, vt)
-            else:
-                ve = vt + r2 * alpha2
-            tl.store(v_ptr + offs, ve, mask=mask)
-            se = tl.div_rn(tl.sqrt_rn(ve), sqrt_bc2) + eps
-            sg = tl.div_rn(1.0, se) * inv_bc1
-        else:
-            sg = sigma_row
-        u = (cq * Ab) * sg
-        u = u * lr
-        if IS_BF16:
-            pf = (tl.load(p_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
-                tl.float32, bitcast=True)
-        else:
-            pf = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        if HAS_WD:
-            pf = pf * decay
-        pf = pf - u
-        if IS_BF16:
-            # round to nearest even by hand, NaN -> 0x7FC0 (as csrc/gefen_step.c; exact on the
-            # GPU and in the interpreter, whose float -> bfloat16 cast truncates)
-            bits = pf.to(tl.uint32, bitcast=True)
-            rb = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            rb = tl.where(pf != pf, 0x7FC0, rb)
-            tl.store(p_ptr + offs, rb.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
-        else:
-            tl.store(p_ptr + offs, pf, mask=mask)
+        acc += (g * g).to(tl.float64)
+    tl.store(part_ptr + off + cols, tl.sum(acc, axis=0), mask=cmask)
 
 
-_kernels: Dict[bool, object] = {}
+def _colsum_reduce_kernel(part_ptr, red_ptr, out_ptr, CH: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Sum the partial column sums of one (tensor, row block): entry ``e`` = (offset of its
+    first chunk's sums, chunks, S, output offset); chunks are added in their order."""
+    e = tl.program_id(0)
+    tile = tl.program_id(1)
+    rb = red_ptr + e * 4
+    first = tl.load(rb + 0)
+    nch = tl.load(rb + 1).to(tl.int32)
+    S = tl.load(rb + 2)
+    out = tl.load(rb + 3)
+    cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < S
+    acc = tl.zeros([CH, BLOCK_C], dtype=tl.float64)
+    for c0 in range(0, nch, CH):
+        ch = c0 + tl.arange(0, CH)
+        mask = (ch < nch)[:, None] & cmask[None, :]
+        acc += tl.load(part_ptr + first + ch.to(tl.int64)[:, None] * S + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + out + cols, tl.sum(acc, axis=0), mask=cmask)
+
+
+_META = tl.constexpr(10) if _HAVE_TRITON else 10  # int64 fields per tensor in MultiStep's table
+_kernels: Dict[Tuple[bool, str], object] = {}
 _kernels_lock = threading.Lock()
+_step_rows_jit = None
 
 
-def _kernel():
+def _kernel(name: str = "step"):
+    """The jit-wrapped kernel ``name`` (step, multi, colsum, reduce) for the current mode
+    (compiled, or interpreted under TRITON_INTERPRET=1); the shared body is wrapped first, as
+    the kernels call it by its module-level name."""
+    global _step_rows_jit
     interp = _interpret()
     with _kernels_lock:
-        k = _kernels.get(interp)
+        k = _kernels.get((interp, name))
         if k is None:
-            k = triton.jit(_gefen_step_kernel)
-            _kernels[interp] = k
+            body = _kernels.get((interp, "body"))
+            if body is None:
+                body = _kernels[(interp, "body")] = triton.jit(_step_rows)
+            _step_rows_jit = body
+            fn = {"step": _gefen_step_kernel, "multi": _gefen_multi_kernel, "colsum": _colsum_kernel,
+                  "reduce": _colsum_reduce_kernel}[name]
+            k = _kernels[(interp, name)] = triton.jit(fn)
+        _step_rows_jit = _kernels[(interp, "body")]
     return k
 
 
@@ -419,8 +585,75 @@ def quantized_step_(
             weight_decay=weight_decay, bc1=bc1, bc2=bc2, period=period, scale_block=scale_block)
 
 
+def quantized_step_factored_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor,
+    v_row: torch.Tensor,
+    v_col: torch.Tensor,
+    codebook: torch.Tensor,
+    col_mean_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bc1: float,
+    bc2: float,
+    scale_block: int,
+    row0: int = 0,
+    row_block: int = 0,
+    block_size: Optional[int] = None,
+) -> None:
+    """Gefen update with a factored second moment, in place (Triton kernel; same contract as
+    :func:`gefen_dist.core.step.quantized_step_factored_eager_`). The ``v_col`` EMA is two torch
+    operations on the device; the column factors ``sqrt(v_col / mean(v_col))`` (the mean summed
+    in the kernel's order), each row's ``v_row`` and its scale blocks are computed in the kernel,
+    with no host synchronisation."""
+    n = param.numel()
+    S, B = v_col.shape[-1], int(scale_block)
+    if B < 1 or S < 1 or S % B:
+        raise ValueError(f"scale block {B} must divide the row length {S}")
+    if n % S:
+        raise ValueError(f"numel {n} is not a multiple of the row length {S}")
+    G = v_col.numel() // S
+    device = param.device
+    _check("v_col", v_col, device, torch.float32, G * S)
+    _check("col_mean_sq", col_mean_sq, device, torch.float32, G * S)
+    if G > 1 and (row_block < 1 or row0 < 0 or row0 + n // S > G * row_block):
+        raise ValueError(f"v_col has {G} row blocks: need row_block >= 1 and rows [{row0}, {row0 + n // S}) "
+                         f"inside {G} x {row_block} rows")
+    if n:
+        _check("v_row", v_row, device, torch.float32, n // S)
+    v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
+    if n == 0:
+        return
+    rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
+    _run(param, grad, idx, scale, v_row, v_col, codebook, S=S, B=B, mode=2, row0=int(row0), row_block=rb,
+         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
+         block_size=block_size)
+
+
 def _launch(param, grad, idx, scale, v, codebook, *, lr, beta1, beta2, eps, weight_decay, bc1,
             bc2, period, scale_block, block_size: Optional[int] = None) -> None:
+    P, B = int(period), int(scale_block)
+    if P < 1 or B < 1 or not (P == 1 or P == B):
+        raise ValueError(f"need period == scale_block or period == 1 (got P={P}, B={B})")
+    n = param.numel()
+    if n % B or n % P:
+        raise ValueError(f"numel {n} is not a multiple of the blocks (P={P}, B={B})")
+    if n:
+        _check("v", v, param.device, torch.float32, n // P)
+    _run(param, grad, idx, scale, v, v, codebook, S=B, B=B, mode=1 if P == 1 else 0, row0=0, row_block=1,
+         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
+         block_size=block_size)
+
+
+def _run(param, grad, idx, scale, v, v_col, codebook, *, S, B, mode, row0, row_block, lr, beta1, beta2,
+         eps, weight_decay, bc1, bc2, block_size) -> None:
+    """Check the common arguments and launch the kernel over ``numel / S`` rows of ``S``."""
     n = param.numel()
     if n == 0:
         return
@@ -429,25 +662,19 @@ def _launch(param, grad, idx, scale, v, codebook, *, lr, beta1, beta2, eps, weig
     device = param.device
     if device.type != "cuda" and not _interpret():
         raise ValueError(f"the Triton step needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
-    P, B = int(period), int(scale_block)
-    if P < 1 or B < 1 or not (P == 1 or P == B):
-        raise ValueError(f"need period == scale_block or period == 1 (got P={P}, B={B})")
-    if n % B or n % P:
-        raise ValueError(f"numel {n} is not a multiple of the blocks (P={P}, B={B})")
     if param.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"param dtype {param.dtype} not supported (float32, bfloat16)")
     _check("param", param, device, None, n)
     _check("grad", grad, device, param.dtype, n)
     _check("idx", idx, device, torch.uint8, n)
     _check("scale", scale, device, torch.float32, n // B)
-    _check("v", v, device, torch.float32, n // P)
     tab = _device_table(codebook, device)
 
     w = 1.0 - beta1
     small = abs(w) < 0.5
     wf = np.float32(w)
     fused_lerp, fused_axpy = _fma_flags(device, small)
-    nrows = n // B
+    nrows = n // S
     rows, bs, warps = _config(B, nrows, block_size)
     grid = (triton.cdiv(nrows, rows),)
     kern = _kernel()
@@ -458,16 +685,196 @@ def _launch(param, grad, idx, scale, v, codebook, *, lr, beta1, beta2, eps, weig
     # scalars as torch converts them (Python double -> float32 opmath)
     with ctx:
         kern[grid](
-            pk, gk, idx, scale, v, tab.cb, tab.lut,
-            nrows, B, float(B), tab.scan_steps,
+            pk, gk, idx, scale, v, v_col, tab.cb, tab.lut,
+            nrows, S, B, S // B, float(B), float(S), tab.scan_steps, row0, row_block,
             float(wf) if small else float(wf - np.float32(1.0)),
             float(np.float32(beta2)), float(np.float32(1.0 - beta2)),
             float(np.float32(np.sqrt(bc2))), float(np.float32(eps)), float(np.float32(1.0 / bc1)),
             float(np.float32(lr)), float(np.float32(1.0 - lr * weight_decay)),
             tab.h, float(tab.nb - 1),
-            PER_ELEM=(P == 1), LERP_SMALL=small, FUSED_LERP=fused_lerp, FUSED_AXPY=fused_axpy,
+            MODE=mode, LERP_SMALL=small, FUSED_LERP=fused_lerp, FUSED_AXPY=fused_axpy,
             HAS_WD=(weight_decay != 0.0), LUT_FAST=tab.fast, IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=bs,
             num_warps=warps, enable_fp_fusion=False,
         )
     for t in (param, idx, scale, v):
         torch.autograd.graph.increment_version(t)
+
+
+# --------------------------------------------------------------------------------------
+# many tensors per launch (the optimizer's CUDA path)
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepItem:
+    """One contiguous tensor (or local piece) for :class:`MultiStep`: ``v`` is the per-block or
+    per-element v (``mode`` 0 / 1) or ``v_row`` (``mode`` 2, factored, with ``v_col`` ``[G, S]``
+    already updated for this step, rows of this piece starting at global row ``row0``, blocks of
+    ``row_block`` rows)."""
+
+    param: torch.Tensor
+    idx: torch.Tensor
+    scale: torch.Tensor
+    v: torch.Tensor
+    v_col: Optional[torch.Tensor]
+    S: int
+    B: int
+    mode: int
+    row0: int = 0
+    row_block: int = 1
+
+
+def _pinned_to(values, device: torch.device) -> torch.Tensor:
+    """An int64 table on ``device`` without a host synchronisation (pinned, non-blocking copy)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+class _GradTable:
+    """The gradients' addresses on the device, copied again only when they change."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._ptrs: Optional[list] = None
+        self._table: Optional[torch.Tensor] = None
+
+    def __call__(self, grads) -> torch.Tensor:
+        ptrs = [0 if g is None else g.data_ptr() for g in grads]
+        if ptrs != self._ptrs:
+            self._table = _pinned_to(ptrs, self.device)
+            self._ptrs = ptrs
+        return self._table
+
+
+class MultiStep:
+    """The Gefen update of many tensors with one kernel launch per (mode, dtype, chunk config):
+    the same per-row work as :func:`quantized_step_` / :func:`quantized_step_factored_`, so each
+    tensor's result is bitwise that of its own launch. Built once for a fixed set of tensors
+    (their state tensors must stay in place); :meth:`run` takes this step's gradients."""
+
+    def __init__(self, items, device: torch.device):
+        self.device = torch.device(device)
+        self.items = list(items)
+        buckets: Dict[tuple, list] = {}
+        for i, it in enumerate(self.items):
+            n = it.param.numel()
+            if n == 0:
+                continue
+            if it.param.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"param dtype {it.param.dtype} not supported (float32, bfloat16)")
+            if it.S % it.B or n % it.S or (it.mode != 2 and it.S != it.B):
+                raise ValueError(f"bad item {i}: S={it.S}, B={it.B}, mode={it.mode}, numel={n}")
+            rows, bs, warps = _config(it.B, n // it.S)
+            buckets.setdefault((it.mode, it.param.dtype == torch.bfloat16, rows, bs, warps), []).append(i)
+        self._launches = []
+        for (mode, bf16, rows, bs, warps), members in buckets.items():
+            meta, prog = [], []
+            for t, i in enumerate(members):
+                it = self.items[i]
+                nrows = it.param.numel() // it.S
+                vc = it.v_col.data_ptr() if it.v_col is not None else it.v.data_ptr()
+                one_block = it.v_col is None or it.v_col.numel() == it.S
+                rb = it.row0 + nrows + 1 if one_block else it.row_block  # one block: every row in block 0
+                meta.append([it.param.data_ptr(), it.idx.data_ptr(), it.scale.data_ptr(), it.v.data_ptr(), vc,
+                             nrows, it.S, it.B, it.row0, rb])
+                prog += [[t, r] for r in range(0, nrows, rows)]
+            self._launches.append(dict(
+                mode=mode, bf16=bf16, rows=rows, bs=bs, warps=warps, members=members,
+                meta=_pinned_to(meta, self.device), prog=_pinned_to(prog, self.device), nprog=len(prog),
+                grads=_GradTable(self.device)))
+
+    @property
+    def launches(self) -> int:
+        return len(self._launches)
+
+    def run(self, grads, codebook: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+            weight_decay: float, bc1: float, bc2: float) -> None:
+        """One step of every item; ``grads[i]`` (contiguous, the item's dtype and size) for item ``i``."""
+        tab = _device_table(codebook, self.device)
+        w = 1.0 - beta1
+        small = abs(w) < 0.5
+        wf = np.float32(w)
+        fused_lerp, fused_axpy = _fma_flags(self.device, small)
+        kern = _kernel("multi")
+        ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext()
+        with ctx:
+            for L in self._launches:
+                gs = [grads[i] for i in L["members"]]
+                kern[(L["nprog"],)](
+                    L["meta"], L["grads"](gs), L["prog"], tab.cb, tab.lut, tab.scan_steps,
+                    float(wf) if small else float(wf - np.float32(1.0)),
+                    float(np.float32(beta2)), float(np.float32(1.0 - beta2)),
+                    float(np.float32(np.sqrt(bc2))), float(np.float32(eps)), float(np.float32(1.0 / bc1)),
+                    float(np.float32(lr)), float(np.float32(1.0 - lr * weight_decay)),
+                    tab.h, float(tab.nb - 1),
+                    MODE=L["mode"], LERP_SMALL=small, FUSED_LERP=fused_lerp, FUSED_AXPY=fused_axpy,
+                    HAS_WD=(weight_decay != 0.0), LUT_FAST=tab.fast, IS_BF16=L["bf16"], ROWS=L["rows"],
+                    BLOCK_SIZE=L["bs"], num_warps=L["warps"], enable_fp_fusion=False,
+                )
+        for it in self.items:
+            for t in (it.param, it.idx, it.scale, it.v):
+                torch.autograd.graph.increment_version(t)
+
+
+_CS_RB = 16        # rows per iteration of the column-sum kernel
+_CS_BLOCK_C = 256  # columns per program
+_CS_CHUNKS = 32    # chunks (programs along the rows) per block of rows, at most
+_CS_CH = 32        # chunks added per iteration of the reduction
+
+
+class ColumnSums:
+    """Per-column sums of ``g^2`` (float32 squares added in float64) of many gradients, per block
+    of rows (D12), in two launches per dtype plus one: each (tensor, row block) is cut into at
+    most 32 chunks of rows whose partial sums are added in a fixed order, so the result does not
+    depend on scheduling. ``specs[i]`` = (rows, S, row0, row_block, G, dtype) of gradient ``i``;
+    :meth:`run` returns ``[sum_i G_i * S_i]`` float64 in that order (the layout of the
+    optimizer's all-reduced column statistics)."""
+
+    def __init__(self, specs, device: torch.device):
+        self.device = torch.device(device)
+        self.specs = list(specs)
+        chunks: Dict[bool, list] = {}
+        red = []
+        part = out = 0
+        for i, (rows, S, row0, row_block, G, dtype) in enumerate(self.specs):
+            bf16 = dtype == torch.bfloat16
+            for b in range(G):
+                lo = max(0, b * row_block - row0) if G > 1 else 0
+                hi = min(rows, (b + 1) * row_block - row0) if G > 1 else rows
+                first, n = part, 0
+                if hi > lo:
+                    step = -(-(hi - lo) // _CS_CHUNKS)
+                    step = -(-step // _CS_RB) * _CS_RB
+                    for r in range(lo, hi, step):
+                        chunks.setdefault(bf16, []).append([i, r, min(hi, r + step), S, part])
+                        part += S
+                        n += 1
+                red.append([first, n, S, out + b * S])
+            out += G * S
+        self.total = out
+        self._part_elems = max(1, part)
+        self._ntiles = -(-max([s[1] for s in self.specs] or [1]) // _CS_BLOCK_C)
+        self._chunk_tabs = {bf16: (_pinned_to(c, self.device), len(c)) for bf16, c in chunks.items()}
+        self._members = {bf16: {c[0] for c in cs} for bf16, cs in chunks.items()}
+        # the chunk table names gradients by their index in specs: one address table per dtype
+        self._grads = {bf16: _GradTable(self.device) for bf16 in chunks}
+        self._red = _pinned_to(red, self.device)
+        self._nred = len(red)
+
+    def run(self, grads) -> torch.Tensor:
+        out = torch.zeros(self.total, dtype=torch.float64, device=self.device)
+        if not self._nred:
+            return out
+        part = torch.zeros(self._part_elems, dtype=torch.float64, device=self.device)
+        ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext()
+        with ctx:
+            for bf16, (tab, n) in self._chunk_tabs.items():
+                # addresses indexed by position in specs (gradients of the other dtype: 0, unused)
+                mem = self._members[bf16]
+                gt = self._grads[bf16]([g if i in mem else None for i, g in enumerate(grads)])
+                _kernel("colsum")[(n, self._ntiles)](gt, tab, part, IS_BF16=bf16, RB=_CS_RB,
+                                                      BLOCK_C=_CS_BLOCK_C, num_warps=4)
+            _kernel("reduce")[(self._nred, self._ntiles)](part, self._red, out, CH=_CS_CH, BLOCK_C=_CS_BLOCK_C,
+                                                          num_warps=4)
+        return out

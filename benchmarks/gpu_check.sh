@@ -1,0 +1,22 @@
+#!/bin/bash
+# The checks for a session that is lent a CUDA GPU, as one prepared run (a few minutes on an H200):
+#   1. the CUDA tests: the compiled Triton kernels (shared, per-element and factored second moment)
+#      against the eager path, and Gefen on a CUDA model against the eager path on CPU;
+#   2. benchmarks/gpu_step.py: Gefen(...).step() against torch's fused AdamW on GPT-2 small and XL,
+#      then the kernel-level timings and the chunk-size sweep.
+# Everything lands under $OUT (default /tmp/gpu_check): gpu.txt, pytest.log, gpu_step.log, gpu_step.json.
+#   usage: bash benchmarks/gpu_check.sh [extra gpu_step.py arguments]
+set -o pipefail
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
+$PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
+  2>&1 | tee -a "$OUT/gpu.txt"
+timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider -o addopts=-ra \
+  tests/test_triton_step.py tests/test_optimizer.py -k cuda 2>&1 | tee "$OUT/pytest.log"
+echo "pytest rc ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
+timeout "${BENCH_TIMEOUT:-330}" $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "$@" 2>&1 | tee "$OUT/gpu_step.log"
+echo "gpu_step rc ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_step.log"
