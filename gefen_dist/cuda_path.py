@@ -30,7 +30,7 @@ from typing import Dict, Optional
 import torch
 
 from .core.step import adamw_foreach_, bias_corrections, row_block_args
-from .layout import global_shape, is_dtensor, local_tensor
+from .layout import global_shape, is_dtensor, local_tensor, piece_of
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ _DEVICE_TYPES = ("cuda",)
 
 def _key(opt, entries) -> tuple:
     state = opt.state
-    return tuple((id(p), p.data_ptr(), id(state.get(p))) for _, p in entries)
+    return tuple((id(p), local_tensor(p).data_ptr(), id(state.get(p))) for _, p in entries)
 
 
 class CudaPlan:
@@ -53,29 +53,33 @@ class CudaPlan:
 
         self.key, self.device = key, device
         self.entries = entries
+        comm = opt._comm
+        self.sharded = comm.world_size > 1 and any(is_dtensor(p) for _, p in entries)
         groups: Dict[int, dict] = {}
-        fact_specs, self.fact = [], []  # (entry index, item index in its group, v_col, rows per block)
+        fact_specs, self.fact = [], []  # (entry index, v_col, global rows per block, contributes)
         for e, (group, p) in enumerate(entries):
             st = opt.state[p]
             gi = groups.setdefault(id(group), dict(group=group, items=[], item_entries=[], exact=[], vcols=[],
                                                    fact_pos=[]))
-            param = local_tensor(p)
             if "exp_avg" in st:
                 gi["exact"].append(e)
                 continue
+            pc = piece_of(p, comm.rank, comm.world_size > 1)
+            param = pc.local
             if "v_col" in st:
                 v_col = st["v_col"]
                 S = v_col.shape[-1]
                 G = max(1, v_col.numel() // S)
                 rows = global_shape(p)[0]
-                rkw = row_block_args(v_col, rows, 0)
+                rkw = row_block_args(v_col, rows, pc.start)
                 item = _tri.StepItem(param.view(-1), local_tensor(st["idx"]).view(-1),
                                      local_tensor(st["scale"]).view(-1), local_tensor(st["v_row"]).view(-1), v_col,
                                      S, int(st["scale_block"]), 2, rkw.get("row0", 0), rkw.get("row_block", 1))
                 gi["fact_pos"].append(len(self.fact))
                 gi["vcols"].append(v_col)
-                self.fact.append((e, v_col, rows // G))
-                fact_specs.append((param.numel() // S, S, 0, rkw.get("row_block", 1), G, param.dtype))
+                # replicas that must not add to global sums a second time (HSDP) contribute zeros
+                self.fact.append((e, v_col, rows // G, pc.contributes or not self.sharded))
+                fact_specs.append((param.numel() // S, S, pc.start // S, rkw.get("row_block", 1), G, param.dtype))
             else:
                 P, B = int(st["period"]), int(st["scale_block"])
                 item = _tri.StepItem(param.view(-1), local_tensor(st["idx"]).view(-1),
@@ -87,20 +91,24 @@ class CudaPlan:
         for gi in self.groups:
             gi["multi"] = _tri.MultiStep(gi["items"], device) if gi["items"] else None
         self.colsums = _tri.ColumnSums(fact_specs, device) if fact_specs else None
+        self.mask = None
         if self.colsums is not None:
-            rows = [torch.full((v.numel(),), float(r), dtype=torch.float64) for _, v, r in self.fact]
-            self.rows = torch.cat(rows).to(device)
+            self.rows = torch.cat([torch.full((v.numel(),), float(r), dtype=torch.float64)
+                                   for _, v, r, _ in self.fact]).to(device)
+            if not all(c for *_, c in self.fact):
+                self.mask = torch.cat([torch.full((v.numel(),), float(c), dtype=torch.float64)
+                                       for _, v, _, c in self.fact]).to(device)
             self.fact_slices = []
             o = 0
-            for _, v, _ in self.fact:
+            for _, v, _, _ in self.fact:
                 self.fact_slices.append((o, v.numel(), v.shape))
                 o += v.numel()
-        self.fact_entries = {e for e, _, _ in self.fact}
-        self.others = [e for e in range(len(entries)) if e not in self.fact_entries]
-        self.codebook_state = next((opt.state[p] for gi in self.groups for e in gi["item_entries"]
-                                    for p in [entries[e][1]]), None)
-        logger.debug("gefen_dist: CUDA plan for %d tensors: %d quantized launches, %d factored", len(entries),
-                     sum(gi["multi"].launches for gi in self.groups if gi["multi"]), len(self.fact))
+        fact_entries = {f[0] for f in self.fact}
+        self.others = [e for e in range(len(entries)) if e not in fact_entries]
+        self.codebook_state = next((opt.state[entries[e][1]] for gi in self.groups for e in gi["item_entries"]), None)
+        logger.debug("gefen_dist: CUDA plan for %d tensors: %d quantized launches, %d factored%s", len(entries),
+                     sum(gi["multi"].launches for gi in self.groups if gi["multi"]), len(self.fact),
+                     ", sharded" if self.sharded else "")
 
     # ------------------------------------------------------------------ building
     @staticmethod
@@ -112,8 +120,6 @@ class CudaPlan:
         cb = None
         steps: Dict[int, int] = {}
         for group, p in entries:
-            if is_dtensor(p):
-                return None
             st = opt.state.get(p)
             if not st or st.get("learned", 1) == 0:
                 return None
@@ -123,7 +129,8 @@ class CudaPlan:
                 dev = p.device
                 if dev.type not in _DEVICE_TYPES:
                     return None
-            if p.device != dev or p.dtype not in (torch.float32, torch.bfloat16) or not p.is_contiguous():
+            loc = local_tensor(p)
+            if loc.device != dev or loc.dtype not in (torch.float32, torch.bfloat16) or not loc.is_contiguous():
                 return None
             if "exp_avg" in st:
                 continue
@@ -162,27 +169,46 @@ class CudaPlan:
 
     # ------------------------------------------------------------------ stepping
     def step(self, opt) -> bool:
-        """One optimizer step; False (nothing changed) when the per-tensor path must take it: a
-        gradient of another dtype, non-contiguous or non-finite, or an overflowing statistic."""
+        """One optimizer step (or a skipped one, for ``nonfinite="skip"``); False, with nothing
+        changed and no collective entered, when the per-tensor path must take it (a gradient of
+        another dtype or layout). Collectives, when the tensors are sharded: the same as the
+        per-tensor path's (a fixed-size summary of the non-finite check, the per-tensor flags only
+        when some rank has one, one SUM of the column statistics)."""
         grads = []
         for _, p in self.entries:
-            g = p.grad
-            if g is None or g.dtype != p.dtype or not g.is_contiguous() or g.device != self.device:
+            g = local_tensor(p.grad)
+            if g is None or g.dtype != local_tensor(p).dtype or not g.is_contiguous() or g.device != self.device:
                 return False
             grads.append(g)
-        cms = None
+        buf = cms = None
         if self.colsums is not None:
-            buf = self.colsums.run([grads[e] for e, _, _ in self.fact])
-            cms = (buf / self.rows).to(torch.float32)
-        if opt.nonfinite != "ignore":
-            checks = []
-            if cms is not None:
-                checks += [torch.isfinite(buf).all().logical_not(), torch.isinf(cms).any()]
+            buf = self.colsums.run([grads[e] for e, *_ in self.fact])
+            if self.mask is not None:
+                buf.mul_(self.mask)  # NaN * 0 stays NaN: a replica's non-finite gradient is still seen
+        check = opt.nonfinite != "ignore"
+        if check:
+            flags = []
+            if buf is not None:
+                flags.append(torch.isfinite(buf).all().logical_not())
             other = [grads[e] for e in self.others if grads[e].numel()]
-            if other:
-                checks.append(torch.stack(torch._foreach_norm(other)).isfinite().all().logical_not())
-            if checks and any(torch.stack(checks).tolist()):  # the one host synchronisation
-                return False
+            if other:  # an overflowing norm of finite values is a false alarm, settled exactly below
+                flags.append(torch.stack(torch._foreach_norm(other)).isfinite().all().logical_not())
+            any_flag = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=self.device)
+            if not self.sharded and buf is not None:
+                cms = (buf / self.rows).to(torch.float32)
+                any_flag, inf = torch.stack([any_flag, torch.isinf(cms).any()]).tolist()  # the one sync
+            else:
+                inf = None
+            if opt._nonfinite_agree(self.entries, any_flag, lambda: opt._nonfinite_local(self.entries)):
+                return True  # skipped (nonfinite="skip"); "raise" raised
+        if buf is not None and cms is None:
+            if self.sharded:
+                opt._comm.all_reduce_sum_(buf)
+            cms = (buf / self.rows).to(torch.float32)
+            inf = bool(torch.isinf(cms).any()) if check else False
+        if check and buf is not None and inf:
+            opt._raise_column_overflow({self.entries[e][1]: cms[o:o + n] for (e, *_), (o, n, _) in
+                                        zip(self.fact, self.fact_slices)})
         for _, p in self.entries:
             opt.state[p]["step"] += 1
         for gi in self.groups:
@@ -210,4 +236,3 @@ class CudaPlan:
                                [local_tensor(opt.state[p]["exp_avg"]) for p in ps],
                                [local_tensor(opt.state[p]["exp_avg_sq"]) for p in ps], bc1=bc1, bc2=bc2, **hp)
         return True
-

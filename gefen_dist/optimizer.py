@@ -510,6 +510,12 @@ class Gefen(Optimizer):
         (no temporaries; a factored tensor's column sums of ``g^2`` from ``partials`` serve as its
         sum, so its gradient is not read again), and one small MAX all-reduce when several ranks
         take part."""
+        flags = self._nonfinite_local(entries, partials)
+        return self._nonfinite_agree(entries, float(flags.any()), lambda: flags)
+
+    def _nonfinite_local(self, entries, partials: Optional[Dict[torch.Tensor, torch.Tensor]] = None
+                         ) -> torch.Tensor:
+        """Per-entry flags (float32, CPU): 1 where this rank's piece of the gradient is not finite."""
         flags = torch.zeros(len(entries), dtype=torch.float32)
         partials = partials or {}
         sums: Dict[torch.device, Tuple[List[int], List[torch.Tensor]]] = {}
@@ -527,6 +533,14 @@ class Gefen(Optimizer):
                 if not math.isfinite(total):
                     # a finite gradient can overflow its sum (or its square): confirm exactly
                     flags[i] = float(not bool(torch.isfinite(local_tensor(entries[i][1].grad)).all()))
+        return flags
+
+    def _nonfinite_agree(self, entries, any_flag, local_flags: Callable[[], torch.Tensor]) -> bool:
+        """The cross-rank decision on this rank's ``any_flag`` (a float or a 0-dim tensor, on any
+        device: 1 when some local gradient may be non-finite; a false alarm is allowed) and, only
+        when some rank raised it, the exact per-entry flags ``local_flags()``. Entered by every rank
+        with the same collectives whichever path (per-tensor or :mod:`gefen_dist.cuda_path`) it
+        takes. True when the step must be skipped; raises for ``nonfinite="raise"``."""
         # Replicated (plain) gradients are identical on every rank after DDP's all-reduce, so the
         # local decision is already global; sharded (DTensor) gradients need one tiny all-reduce.
         if self._comm.world_size > 1 and any(is_dtensor(p) for _, p in entries):
@@ -534,8 +548,15 @@ class Gefen(Optimizer):
             # step different numbers of tensors get a clear error here instead of a gloo abort or
             # an NCCL hang in the variable-size all-reduce; the per-tensor flags travel only when
             # some gradient is non-finite.
-            head = torch.tensor([float(flags.any()), len(entries), -len(entries)], dtype=torch.float64)
+            n = float(len(entries))
+            if isinstance(any_flag, torch.Tensor):
+                head = torch.stack([any_flag.to(torch.float64).reshape(()),
+                                    torch.tensor(n, dtype=torch.float64, device=any_flag.device),
+                                    torch.tensor(-n, dtype=torch.float64, device=any_flag.device)])
+            else:
+                head = torch.tensor([float(any_flag), n, -n], dtype=torch.float64)
             self._comm.all_reduce_max_(head)
+            head = head.tolist()
             if int(head[1]) != -int(head[2]):
                 raise RuntimeError(
                     f"gefen_dist: ranks disagree about the tensors to step (this rank has {len(entries)} "
@@ -543,9 +564,14 @@ class Gefen(Optimizer):
                     "rank must build Gefen over the same parameters in the same order; check that the model "
                     "and param groups are identical on all ranks."
                 )
-            if not bool(head[0]):
+            if not head[0]:
                 return False
+            flags = local_flags()
             self._comm.all_reduce_max_(flags)
+        else:
+            if not float(any_flag):
+                return False
+            flags = local_flags()
         if not bool(flags.any()):
             return False
         names = self._names()
@@ -687,18 +713,21 @@ class Gefen(Optimizer):
             rows = global_shape(p)[0] // max(1, n // v_col.shape[-1])  # per row block (D12)
             out[p] = (buf[o:o + n] / rows).to(torch.float32).to(local_tensor(p).device)
             o += n
-        if self.nonfinite != "ignore":
+        if self.nonfinite != "ignore" and bool(torch.isinf(buf.to(torch.float32)).any()):
             # one host synchronisation for all tensors (the per-tensor check only on failure)
-            bad = [p for p in fact if bool(torch.isinf(out[p]).any())] if bool(
-                torch.isinf(buf.to(torch.float32)).any()) else []
-            if bad:
-                raise RuntimeError(
-                    f"Gefen: the squared gradient of {self._names()[id(bad[0])]!r} overflows float32 (|g| above "
-                    "~1.8e19), so its factored second moment would be inf/NaN; nothing was updated. Clip or "
-                    "scale the gradients (a loss scaler must unscale before step()), or use "
-                    "second_moment='shared'."
-                )
+            self._raise_column_overflow(out)
         return out
+
+    def _raise_column_overflow(self, col_mean_sq: Dict[torch.Tensor, torch.Tensor]) -> None:
+        """Raise for the first tensor whose float32 column statistic is infinite (if any)."""
+        bad = [p for p, c in col_mean_sq.items() if bool(torch.isinf(c).any())]
+        if bad:
+            raise RuntimeError(
+                f"Gefen: the squared gradient of {self._names()[id(bad[0])]!r} overflows float32 (|g| above "
+                "~1.8e19), so its factored second moment would be inf/NaN; nothing was updated. Clip or "
+                "scale the gradients (a loss scaler must unscale before step()), or use "
+                "second_moment='shared'."
+            )
 
     def _update(self, group: dict, p: torch.Tensor, col_mean_sq: Optional[torch.Tensor] = None) -> None:
         st = self.state[p]
