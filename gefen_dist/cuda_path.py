@@ -15,12 +15,15 @@ same tensors with the same arithmetic in
   (:class:`~gefen_dist.kernels.triton_step.MultiStep`), and
   :func:`~gefen_dist.core.step.adamw_foreach_` for the exact ones.
 
-A plan is built for a fixed set of plain (non-DTensor) CUDA tensors whose state exists and is
-learned, and reused while the parameters, their storage and their state dicts stay the same;
-anything else (the first step, FSDP2's DTensors, CPU tensors, non-contiguous tensors, gradients of
-another dtype) runs the per-tensor path. Results equal the per-tensor Triton path's bitwise except
-the column sums, which are added in another (fixed) order: float64 sums, so the float32 column
-statistics agree except in rare last-bit cases.
+A plan is built for a fixed set of CUDA tensors (plain, or FSDP2/HSDP DTensors sharded by whole
+rows) whose state exists and is learned, and reused while the parameters, their storage and their
+state dicts stay the same; anything else (the first step, CPU tensors, non-contiguous tensors,
+gradients of another dtype) runs the per-tensor path. Sharded tensors take the per-tensor path's
+collectives in the same order (a fixed-size summary of the non-finite check, the per-tensor flags
+only when some rank raised one, one SUM of the column statistics; replicas that must not count
+twice contribute zeros), so ranks on either path stay in step. Results equal the per-tensor Triton
+path's bitwise except the column sums, which are added in another (fixed) order: float64 sums, so
+the float32 column statistics agree except in rare last-bit cases (the tests see none).
 """
 from __future__ import annotations
 
