@@ -593,8 +593,15 @@ class Gefen(Optimizer):
         try:
             from .kernels import triton_step as _tri
         except ImportError:
-            return False
-        return _tri.available(t.device)
+            ok = False
+        else:
+            ok = _tri.available(t.device)
+        if not ok and not getattr(self, "_warned_no_triton", False):
+            self._warned_no_triton = True
+            logger.warning("Gefen: CUDA parameters but triton is not importable, so they step with the eager "
+                           "torch path (20-50x slower per step than the Triton kernels on an H200, "
+                           "docs/benchmarks.md); install triton (pip install triton) to use the kernels.")
+        return ok
 
     def _use_fused(self, t: torch.Tensor) -> bool:
         if self.fused is False or t.device.type != "cpu":

@@ -75,6 +75,23 @@ def test_adamw_foreach_equals_single_tensor_steps(dtype):
         assert torch.equal(a, b)
 
 
+def test_cuda_without_triton_warns_once(monkeypatch, caplog):
+    """CUDA parameters without a usable triton: the eager path, and one warning that says why."""
+    import types
+
+    pytest.importorskip("triton")
+    from gefen_dist.kernels import triton_step
+
+    monkeypatch.setattr(triton_step, "available", lambda device=None: False)
+    opt = Gefen(mlp().parameters())
+    fake = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="gefen_dist.optimizer"):
+        assert opt._use_triton(fake) is False
+        assert opt._use_triton(fake) is False
+    msgs = [r.getMessage() for r in caplog.records if "triton is not importable" in r.getMessage()]
+    assert len(msgs) == 1 and "pip install triton" in msgs[0]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("second_moment", ["factored", "shared"])
 def test_cuda_step_matches_cpu_eager(second_moment):
