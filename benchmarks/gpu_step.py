@@ -368,6 +368,39 @@ def run_optimizers(key: str, dtype: torch.dtype, dev, args, size: str = "small")
     return dict(ms=res, ratios=ratios)
 
 
+TUNE_CONFIGS = [(r, bs, w) for bs in (128, 256, 512, 1024) for r in (1, 2, 4, 8, 16)
+                for w in (4, 8) if 512 <= r * bs <= 4096]
+
+
+def tune(dev, args) -> dict:
+    """ms per ``Gefen(...).step()`` (the multi-tensor plan) for each (ROWS, BLOCK_SIZE, num_warps)
+    forced on every launch, against _config's choice (``None``), on GPT-2 ``--tune-size`` fp32."""
+    from gefen_dist import Gefen
+    from gefen_dist.kernels import triton_step
+
+    b = Bench(torch.float32, None, dev, seed=1, size=args.tune_size)
+    out = {}
+    for cfg in [None] + TUNE_CONFIGS:
+        params = [torch.nn.Parameter(p.detach().clone()) for p in b.params]
+        for p, q in zip(params, b.params):
+            p.grad = q.grad.clone()
+        triton_step._CONFIG_OVERRIDE = cfg
+        try:
+            opt = Gefen(params, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                        weight_decay=HP["weight_decay"])
+            opt.step()
+            r = cuda_time(opt.step, 2, max(5, args.iters // 2))
+        except Exception as e:  # a config that does not compile or run: record and go on
+            r = dict(error=repr(e)[:200])
+        finally:
+            triton_step._CONFIG_OVERRIDE = None
+        out[str(cfg)] = r
+        print(f"  tune {str(cfg):16s} {r.get('median_ms', float('nan')):8.3f} ms {r.get('error', '')}", flush=True)
+        del params
+        torch.cuda.empty_cache()
+    return out
+
+
 def plot(json_path: str, png: str, before: str = "") -> None:
     """Bar chart of the optimizer-class step times in ``json_path`` (and, from ``before``, the
     Gefen default of an earlier run, e.g. the per-tensor path), ms per step, log scale."""
@@ -446,6 +479,9 @@ def main() -> int:
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     ap.add_argument("--sizes", default="small,xl",
                     help="GPT-2 sizes for the optimizer-class timings (small, medium, large, xl)")
+    ap.add_argument("--tune", action="store_true", help="also time the plan's step for every forced "
+                    "(ROWS, BLOCK_SIZE, num_warps) in TUNE_CONFIGS (one compile each: minutes)")
+    ap.add_argument("--tune-size", default="xl")
     ap.add_argument("--no-optimizers", dest="optimizers", action="store_false",
                     help="skip the optimizer-class timings (Gefen(...).step() vs torch AdamW)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "gpu_step.json"))
@@ -521,6 +557,11 @@ def main() -> int:
                 dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[key.strip()]
                 info["optimizers"][f"{size}_{key}"] = run_optimizers(key, dtype, dev, args, size)
                 save()
+
+    if args.tune:
+        print(f"\nlaunch-configuration sweep of the plan (GPT-2 {args.tune_size}, fp32):")
+        info["tune"] = dict(size=args.tune_size, ms=tune(dev, args))
+        save()
 
     info["results"] = {}
     for key in args.dtypes.split(","):
