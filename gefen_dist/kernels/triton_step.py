@@ -109,6 +109,33 @@ def available(device: Optional[torch.device] = None) -> bool:
 # so the variable must be set before that import for the interpreter to work)
 # --------------------------------------------------------------------------------------
 
+def _load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
+    """float32 values (bfloat16 tensors travel as int16 bits: widened exactly by a shift)."""
+    if IS_BF16:
+        x = (tl.load(ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
+            tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptr + offs, mask=mask, other=0.0)
+    return x
+
+
+def _ema_m(g, idx_ptr, offs, mask, cb_ptr, Mb, lerp_c, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr):
+    """The first moment's EMA ``lerp(C[idx] * M, g, 1 - beta1)`` as torch computes it (both sweeps
+    call this, so they get the same bits)."""
+    ix = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
+    m0 = tl.load(cb_ptr + ix) * Mb
+    d = g - m0
+    if LERP_SMALL:
+        base = m0
+    else:
+        base = g
+    if FUSED_LERP:
+        m = tl.fma(d, lerp_c, base)
+    else:
+        m = base + d * lerp_c
+    return m
+
+
 def _step_rows(
     p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
     r_first, nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
@@ -135,11 +162,7 @@ def _step_rows(
             cols = c0 + cols0
             mask = rmask[:, None] & (cols < S)[None, :]
             offs = rbase[:, None] + cols[None, :]
-            if IS_BF16:
-                g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
-                    tl.float32, bitcast=True)
-            else:
-                g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+            g = _load_f32_jit(g_ptr, offs, mask, IS_BF16)
             ss += g * g
         r = tl.div_rn(tl.sum(ss, axis=1), S_f)
         vt = tl.load(v_ptr + rows, mask=rmask, other=0.0) * beta2
@@ -173,22 +196,8 @@ def _step_rows(
             cols = c0 + cols0
             mask = rmask[:, None] & (cols < B)[None, :]
             offs = bbase[:, None] + cols[None, :]
-            if IS_BF16:
-                g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
-                    tl.float32, bitcast=True)
-            else:
-                g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-            ix = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
-            m0 = tl.load(cb_ptr + ix) * Mb
-            d = g - m0
-            if LERP_SMALL:
-                base = m0
-            else:
-                base = g
-            if FUSED_LERP:
-                m = tl.fma(d, lerp_c, base)
-            else:
-                m = base + d * lerp_c
+            g = _load_f32_jit(g_ptr, offs, mask, IS_BF16)
+            m = _ema_m_jit(g, idx_ptr, offs, mask, cb_ptr, Mb, lerp_c, LERP_SMALL, FUSED_LERP)
             if MODE == 0:
                 ss += g * g
             am = tl.where(mask, tl.abs(m), 0.0)
@@ -219,22 +228,8 @@ def _step_rows(
             cols = c0 + cols0
             mask = rmask[:, None] & (cols < B)[None, :]
             offs = bbase[:, None] + cols[None, :]
-            if IS_BF16:
-                g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
-                    tl.float32, bitcast=True)
-            else:
-                g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-            ix = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
-            m0 = tl.load(cb_ptr + ix) * Mb
-            d = g - m0
-            if LERP_SMALL:
-                base = m0
-            else:
-                base = g
-            if FUSED_LERP:
-                m = tl.fma(d, lerp_c, base)
-            else:
-                m = base + d * lerp_c
+            g = _load_f32_jit(g_ptr, offs, mask, IS_BF16)
+            m = _ema_m_jit(g, idx_ptr, offs, mask, cb_ptr, Mb, lerp_c, LERP_SMALL, FUSED_LERP)
             z = tl.where(posb, tl.div_rn(m, Ad), 0.0)
 
             # nearest codeword: bucket (z * H exact, H a power of two), then table
@@ -286,11 +281,7 @@ def _step_rows(
                 sg = sigma_row
             u = (cq * Ab) * sg
             u = u * lr
-            if IS_BF16:
-                pf = (tl.load(p_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
-                    tl.float32, bitcast=True)
-            else:
-                pf = tl.load(p_ptr + offs, mask=mask, other=0.0)
+            pf = _load_f32_jit(p_ptr, offs, mask, IS_BF16)
             if HAS_WD:
                 pf = pf * decay
             pf = pf - u
@@ -382,11 +373,7 @@ def _colsum_kernel(gptr_ptr, chunk_ptr, part_ptr, IS_BF16: tl.constexpr, RB: tl.
         rows = r + tl.arange(0, RB)
         mask = (rows < r1)[:, None] & cmask[None, :]
         offs = rows.to(tl.int64)[:, None] * S + cols[None, :]
-        if IS_BF16:
-            g = (tl.load(g_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
-                tl.float32, bitcast=True)
-        else:
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        g = _load_f32_jit(g_ptr, offs, mask, IS_BF16)
         acc += (g * g).to(tl.float64)
     tl.store(part_ptr + off + cols, tl.sum(acc, axis=0), mask=cmask)
 
@@ -414,26 +401,27 @@ def _colsum_reduce_kernel(part_ptr, red_ptr, out_ptr, CH: tl.constexpr, BLOCK_C:
 _META = tl.constexpr(10) if _HAVE_TRITON else 10  # int64 fields per tensor in MultiStep's table
 _kernels: Dict[Tuple[bool, str], object] = {}
 _kernels_lock = threading.Lock()
-_step_rows_jit = None
+# the helpers the kernels call, by these module-level names (jit-wrapped on first use)
+_HELPERS = {"_step_rows_jit": _step_rows, "_load_f32_jit": _load_f32, "_ema_m_jit": _ema_m}
+_step_rows_jit = _load_f32_jit = _ema_m_jit = None
 
 
 def _kernel(name: str = "step"):
     """The jit-wrapped kernel ``name`` (step, multi, colsum, reduce) for the current mode
-    (compiled, or interpreted under TRITON_INTERPRET=1); the shared body is wrapped first, as
-    the kernels call it by its module-level name."""
-    global _step_rows_jit
+    (compiled, or interpreted under TRITON_INTERPRET=1); the helpers are wrapped first and bound
+    to their module-level names, by which the kernels call them."""
     interp = _interpret()
     with _kernels_lock:
+        for hname, fn in _HELPERS.items():
+            h = _kernels.get((interp, hname))
+            if h is None:
+                h = _kernels[(interp, hname)] = triton.jit(fn)
+            globals()[hname] = h
         k = _kernels.get((interp, name))
         if k is None:
-            body = _kernels.get((interp, "body"))
-            if body is None:
-                body = _kernels[(interp, "body")] = triton.jit(_step_rows)
-            _step_rows_jit = body
             fn = {"step": _gefen_step_kernel, "multi": _gefen_multi_kernel, "colsum": _colsum_kernel,
                   "reduce": _colsum_reduce_kernel}[name]
             k = _kernels[(interp, name)] = triton.jit(fn)
-        _step_rows_jit = _kernels[(interp, "body")]
     return k
 
 
