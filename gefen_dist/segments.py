@@ -455,12 +455,19 @@ class FlatSegments:
 
     # ------------------------------------------------------------------ the step
     def step(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], *, lr: float, beta1: float,
-             beta2: float, eps: float, weight_decay: float, fused_step=None) -> None:
-        """One Gefen step of every segment (``st['step']`` already incremented)."""
+             beta2: float, eps: float, weight_decay: float, fused_step=None, fused_factored=None,
+             column_sums=None) -> None:
+        """One Gefen step of every segment (``st['step']`` already incremented). ``fused_step`` /
+        ``fused_factored``: kernels with the signatures of :func:`quantized_step_eager_` /
+        :func:`quantized_step_factored_eager_` for whole blocks / whole rows (the native CPU or the
+        Triton kernel); None: the eager functions. ``column_sums``: the factored statistics' per-column
+        sums of ``g^2`` over a range of whole rows (``gefen_dist.kernels.cpu.column_sumsq``; None: the
+        eager :func:`column_sumsq`, on the buffer's device)."""
         bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
         hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2)
         if "v_col" in st:
-            return self._step_factored(flat, grad, st, hp)
+            return self._step_factored(flat, grad, st, hp, fused_factored or quantized_step_factored_eager_,
+                                       column_sums or column_sumsq)
         plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold)
         cb = st["codebook"]
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
@@ -542,14 +549,16 @@ class FlatSegments:
             p.sub_(u)
 
     # ------------------------------------------------------------------ factored second moment
-    def _step_factored(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], hp: Dict[str, float]) -> None:
+    def _step_factored(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], hp: Dict[str, float],
+                       whole_rows=quantized_step_factored_eager_, sumsq=column_sumsq) -> None:
         """One step with the factored (row x column) second moment (Adafactor's estimator).
 
         Per quantized tensor of ``R`` rows of ``S`` elements: ``v_col`` ([S], identical on every
         rank holding part of the tensor) is the EMA of the column mean of ``g^2`` over all ``R``
         rows; ``v_row`` (one entry per row a segment touches) the EMA of the row mean. Whole rows go
-        through :func:`gefen_dist.core.step.quantized_step_factored_eager_`; rows and scale blocks
-        cut by partition edges are reconciled. One collective per buffer: a float64 SUM all-reduce
+        through ``whole_rows`` (the native CPU or Triton kernel, or
+        :func:`gefen_dist.core.step.quantized_step_factored_eager_`); rows and scale blocks cut by
+        partition edges are reconciled (eager). One collective per buffer: a float64 SUM all-reduce
         of ``[column sums of every learned tensor | per-rank slots of cut-row partial sum g^2 and
         cut-block partial max |m|]`` (the slots are combined in rank order, so a cut row's ``v_row``
         and a cut block's scale are identical on the ranks that share them).
@@ -577,7 +586,8 @@ class FlatSegments:
         row_pos = {c: j for j, c in enumerate(cut_rows)}
         blk_pos = {c: j for j, c in enumerate(cut_blks)}
         nr, nb = len(cut_rows), len(cut_blks)
-        cols = torch.zeros(nc, dtype=torch.float64)
+        dev = flat.device  # the column sums stay on the buffer's device (no per-tensor copy on CUDA)
+        cols = torch.zeros(nc, dtype=torch.float64, device=dev)
         slots = torch.zeros(nr + nb, dtype=torch.float64)
         # Phase 1: exact tensors, decay of unlearned ones, local statistics of learned ones.
         work = []
@@ -606,14 +616,14 @@ class FlatSegments:
             rb = cat[s.key]["shape"][0] // G
             lo, hi, rparts = _split(a, e, S)
             if hi > lo:
-                cols[co:co + G * S] += block_column_sumsq(g[lo - a:hi - a], S, lo // S, rb, G).cpu()
+                cols[co:co + G * S] += block_column_sumsq(g[lo - a:hi - a], S, lo // S, rb, G, sumsq).to(dev)
             pend = []
             for r, ps, pe in rparts:  # rows cut by a partition edge
                 r0, r1 = ps - a, pe - a
                 gp = g[r0:r1].float()
                 g2 = gp.double() ** 2
                 c0 = ps - r * S + (r // rb) * S  # in the row's block of column sums
-                cols[co + c0:co + c0 + (pe - ps)] += (gp * gp).double().cpu()  # as column_sumsq
+                cols[co + c0:co + c0 + (pe - ps)] += (gp * gp).double()  # as column_sumsq
                 slots[row_pos[(s.key, r)]] += float(g2.sum())
                 # first moment of the row piece, block by block (scale slots of the segment)
                 first = ps // B - a // B
@@ -635,12 +645,12 @@ class FlatSegments:
         ws, rank = self.comm.world_size, self.comm.rank
         k = nr + nb
         if ws > 1 and nc + k:
-            buf = torch.zeros(nc + ws * k, dtype=torch.float64)
+            buf = torch.zeros(nc + ws * k, dtype=torch.float64, device=dev)
             buf[:nc] = cols
-            buf[nc + rank * k:nc + (rank + 1) * k] = slots
+            buf[nc + rank * k:nc + (rank + 1) * k] = slots.to(dev)
             self.comm.all_reduce_sum_(buf)
             cols = buf[:nc]
-            allr = buf[nc:].view(ws, k)
+            allr = buf[nc:].view(ws, k).cpu()  # the few cut-row / cut-block slots: read on the host
             rsum = torch.zeros(nr, dtype=torch.float64)
             for rr in range(ws):  # fixed order: identical on every rank
                 rsum += allr[rr, :nr]
@@ -655,9 +665,8 @@ class FlatSegments:
             nrow = (hi - lo) // S
             vcb = vc.view(G, S) if G > 1 else vc
             # updates v_col (always) and steps the whole rows [lo, hi) (possibly none)
-            quantized_step_factored_eager_(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a],
-                                           sc[so:so + nrow * (S // B)], vr[ro:ro + nrow], vcb, cb, col_mean_sq,
-                                           scale_block=B, row0=lo // S, row_block=rb, **hp)
+            whole_rows(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a], sc[so:so + nrow * (S // B)],
+                       vr[ro:ro + nrow], vcb, cb, col_mean_sq, scale_block=B, row0=lo // S, row_block=rb, **hp)
             if not pend:
                 continue
             col_fb = column_factors(vcb)

@@ -487,6 +487,43 @@ def test_cuda_plan_through_interpreter(monkeypatch, second_moment):
 
 
 @interp
+@pytest.mark.parametrize("second_moment", ["factored", "shared"])
+def test_flat_segments_with_triton_kernels(second_moment):
+    """DeepSpeed's flat-buffer step (gefen_dist.segments) with the Triton kernels for whole rows /
+    blocks (what the integration runs on CUDA) against its eager step: same indices and scales,
+    parameters within the kernel's tolerance."""
+    from gefen_dist.comm import LocalComm
+    from gefen_dist.segments import FlatSegments, Segment, counts_to_codebook
+
+    shapes = [("a", (96, 64)), ("b", (192, 64)), ("c", (64, 200)), ("bias", (64,))]
+    gen = torch.Generator().manual_seed(0)
+    segs, off = [], 0
+    for name, shape in shapes:
+        n = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        segs.append(Segment(name, name, shape, 0, off, n))
+        off += n
+    flat0 = torch.randn(off, generator=gen) * 0.02
+    runs = []
+    for kernels in (True, False):
+        fs = FlatSegments(segs, LocalComm(), 4096)
+        flat = flat0.clone()
+        st = fs.new_state(flat, torch.zeros(256), factored=second_moment == "factored")
+        g0 = torch.Generator().manual_seed(1)
+        for step in range(1, 4):
+            grad = torch.randn(off, generator=g0) * 1e-2
+            if step == 1:
+                st["codebook"] = counts_to_codebook(fs.learn(st, grad, codebook_needed=True)).codebook.float()
+            st["step"] = step
+            kw = dict(fused_step=triton_step.quantized_step_,
+                      fused_factored=triton_step.quantized_step_factored_) if kernels else {}
+            fs.step(flat, grad, st, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, **kw)
+        runs.append((flat, st))
+    (fa, sa), (fb, sb) = runs
+    assert torch.equal(sa["idx"], sb["idx"]) and torch.equal(sa["scale"], sb["scale"])
+    torch.testing.assert_close(fa, fb, rtol=1e-6, atol=1e-6 * fb.abs().max().item())
+
+
+@interp
 def test_factored_errors():
     cb = random_codebook()
     rows, S = 8, 64

@@ -205,13 +205,17 @@ class Gefen(_opt_mod.Gefen):
                             total, res.active_bins)
         st["step"] += 1
         beta1, beta2 = group["betas"]
-        fused = None
+        fused = fused_f = sumsq = None
         if self._use_fused(flat):
             from ..kernels import cpu as _cpu
 
-            fused = _cpu.quantized_step_
+            fused, fused_f, sumsq = _cpu.quantized_step_, _cpu.quantized_step_factored_, _cpu.column_sumsq
+        elif self._use_triton(flat):
+            from ..kernels import triton_step as _tri
+
+            fused, fused_f = _tri.quantized_step_, _tri.quantized_step_factored_
         fs.step(flat, grad, st, lr=_opt_mod._scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], fused_step=fused)
+                weight_decay=group["weight_decay"], fused_step=fused, fused_factored=fused_f, column_sums=sumsq)
 
     # ------------------------------------------------------------------ introspection
     def periods(self) -> Dict[str, int]:

@@ -1,0 +1,130 @@
+"""Step time of Gefen on a DeepSpeed-style flat buffer (``gefen_dist.segments.FlatSegments``), CPU.
+
+    python benchmarks/flat_step.py [--threads 1] [--rounds 5] [--second-moment factored]
+                                   [--out docs/results/flat_step.json]
+
+DeepSpeed ZeRO hands the optimizer one flat fp32 buffer of many tensors' pieces; Gefen steps it
+through ``FlatSegments.step`` (the path of ``gefen_dist.integrations.deepspeed.Gefen``). Here the
+buffer holds every GPT-2-small tensor whole (124,439,808 parameters; one process, so no piece is
+cut: the whole-row / whole-block path that carries almost all elements under ZeRO), with
+synthetic gradients. Timed side by side, interleaved in rounds (medians; the machine is shared):
+
+* ``flat_fused``: whole blocks / rows and the column sums through the native CPU kernels (what
+  the integration runs on CPU);
+* ``flat_eager``: the same step with the eager torch path (what the integration ran for the
+  factored default before: only the shared mode's whole blocks were fused);
+* ``torch_adamw_fused``: ``torch.optim.AdamW(fused=True)`` over the same tensors, the baseline.
+
+Prints ms per step and ratios; writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _gpt2 import GPT2_PARAMS, gpt2_shapes  # noqa: E402
+from gefen_dist.comm import LocalComm  # noqa: E402
+from gefen_dist.segments import FlatSegments, Segment, counts_to_codebook  # noqa: E402
+
+HP = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def build(second_moment: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    segs, off = [], 0
+    for name, shape in gpt2_shapes():
+        n = 1
+        for s in shape:
+            n *= s
+        segs.append(Segment(name, name, tuple(shape), 0, off, n))
+        off += n
+    flat = torch.randn(off, generator=gen) * 0.02
+    grad = torch.empty(off)
+    for s in segs:  # row-structured gradients (log-normal row scales), as the step benchmarks use
+        rows = s.shape[0] if len(s.shape) == 2 else 1
+        scale = torch.exp(0.5 * torch.randn(rows, 1, generator=gen))
+        grad[s.flat_offset:s.flat_offset + s.numel] = (
+            torch.randn(rows, s.numel // rows, generator=gen) * 1e-3 * scale).reshape(-1)
+    fs = FlatSegments(segs, LocalComm(), 4096, "benchmark buffer")
+    st = fs.new_state(flat, torch.zeros(256), factored=second_moment == "factored")
+    counts = fs.learn(st, grad, codebook_needed=True, elementwise=second_moment == "elementwise")
+    st["codebook"] = counts_to_codebook(counts).codebook.float()
+    return fs, flat, grad, st
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--second-moment", default="factored", choices=("factored", "shared"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "flat_step.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from gefen_dist.kernels import cpu as _cpu
+
+    if not _cpu.available():
+        print("flat_step.py: the native CPU kernel is not available (no C compiler?)", file=sys.stderr)
+        return 2
+    fs, flat, grad, st = build(args.second_moment)
+    fs2, flat2, grad2, st2 = build(args.second_moment)
+    params = [torch.nn.Parameter(flat[s.flat_offset:s.flat_offset + s.numel].clone().view(s.shape))
+              for s in fs.segments]
+    for p, s in zip(params, fs.segments):
+        p.grad = grad[s.flat_offset:s.flat_offset + s.numel].clone().view(s.shape)
+    adam = torch.optim.AdamW(params, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                             weight_decay=HP["weight_decay"], fused=True)
+    kw = {k: HP[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay")}
+
+    def fused():
+        st["step"] += 1
+        fs.step(flat, grad, st, fused_step=_cpu.quantized_step_, fused_factored=_cpu.quantized_step_factored_,
+                column_sums=_cpu.column_sumsq, **kw)
+
+    def eager():
+        st2["step"] += 1
+        fs2.step(flat2, grad2, st2, **kw)
+
+    methods = {"flat_fused": fused, "flat_eager": eager, "torch_adamw_fused": adam.step}
+    for fn in methods.values():  # warm-up (first calls build tables, allocate AdamW state)
+        fn()
+    times = {k: [] for k in methods}
+    cpu = {k: [] for k in methods}
+    for _ in range(args.rounds):
+        for k, fn in methods.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+    res = {k: dict(median_ms=statistics.median(v) * 1e3, min_ms=min(v) * 1e3,
+                   cpu_median_ms=statistics.median(cpu[k]) * 1e3) for k, v in times.items()}
+    base = res["torch_adamw_fused"]
+    out = dict(command="python benchmarks/flat_step.py " + " ".join(sys.argv[1:]), params=GPT2_PARAMS,
+               second_moment=args.second_moment, threads=args.threads, rounds=args.rounds,
+               cpu=platform.processor() or platform.machine(), torch=torch.__version__,
+               timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"), ms=res,
+               ratios={k: dict(wall=res[k]["median_ms"] / base["median_ms"],
+                               cpu_time=res[k]["cpu_median_ms"] / base["cpu_median_ms"])
+                       for k in res if k != "torch_adamw_fused"})
+    for k, r in res.items():
+        print(f"  {k:18s} {r['median_ms']:9.1f} ms (cpu {r['cpu_median_ms']:9.1f} ms)")
+    for k, r in out["ratios"].items():
+        print(f"  ratio {k} / torch_adamw_fused: wall {r['wall']:.2f}, cpu time {r['cpu_time']:.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
