@@ -15,7 +15,7 @@ synthetic gradients. Timed side by side, interleaved in rounds (medians; the mac
   factored default before: only the shared mode's whole blocks were fused);
 * ``torch_adamw_fused``: ``torch.optim.AdamW(fused=True)`` over the same tensors, the baseline.
 
-Prints ms per step and ratios; writes JSON.
+Prints ms per step and ratios; writes JSON (default docs/results/flat_step.json).
 """
 from __future__ import annotations
 
