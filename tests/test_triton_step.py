@@ -486,9 +486,13 @@ def test_cuda_plan_through_interpreter(monkeypatch, second_moment):
     assert all(torch.equal(u, w) for u, w in zip(before, b.parameters()))
 
 
-@interp
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=interp),
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        _CHILD or not torch.cuda.is_available() or not triton_step.available("cuda"), reason="needs CUDA")),
+])
 @pytest.mark.parametrize("second_moment", ["factored", "shared"])
-def test_flat_segments_with_triton_kernels(second_moment):
+def test_flat_segments_with_triton_kernels(second_moment, device):
     """DeepSpeed's flat-buffer step (gefen_dist.segments) with the Triton kernels for whole rows /
     blocks (what the integration runs on CUDA) against its eager step: same indices and scales,
     parameters within the kernel's tolerance."""
@@ -502,24 +506,27 @@ def test_flat_segments_with_triton_kernels(second_moment):
         n = shape[0] * (shape[1] if len(shape) > 1 else 1)
         segs.append(Segment(name, name, shape, 0, off, n))
         off += n
-    flat0 = torch.randn(off, generator=gen) * 0.02
+    flat0 = (torch.randn(off, generator=gen) * 0.02).to(device)
     runs = []
     for kernels in (True, False):
         fs = FlatSegments(segs, LocalComm(), 4096)
         flat = flat0.clone()
-        st = fs.new_state(flat, torch.zeros(256), factored=second_moment == "factored")
+        st = fs.new_state(flat, torch.zeros(256, device=device), factored=second_moment == "factored")
         g0 = torch.Generator().manual_seed(1)
         for step in range(1, 4):
-            grad = torch.randn(off, generator=g0) * 1e-2
+            grad = (torch.randn(off, generator=g0) * 1e-2).to(device)
             if step == 1:
-                st["codebook"] = counts_to_codebook(fs.learn(st, grad, codebook_needed=True)).codebook.float()
+                st["codebook"] = counts_to_codebook(fs.learn(st, grad, codebook_needed=True)).codebook.float().to(device)
             st["step"] = step
             kw = dict(fused_step=triton_step.quantized_step_,
                       fused_factored=triton_step.quantized_step_factored_) if kernels else {}
             fs.step(flat, grad, st, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, **kw)
         runs.append((flat, st))
     (fa, sa), (fb, sb) = runs
-    assert torch.equal(sa["idx"], sb["idx"]) and torch.equal(sa["scale"], sb["scale"])
+    if device == "cpu":
+        assert torch.equal(sa["idx"], sb["idx"]) and torch.equal(sa["scale"], sb["scale"])
+    else:  # torch's CUDA lerp may round differently from the kernel's fma in rare elements
+        assert (sa["idx"] != sb["idx"]).float().mean().item() <= 1e-4
     torch.testing.assert_close(fa, fb, rtol=1e-6, atol=1e-6 * fb.abs().max().item())
 
 
