@@ -32,7 +32,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .core.step import adamw_foreach_, bias_corrections, row_block_args
+from .core.step import bias_corrections, row_block_args, scalar_value
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 
 logger = logging.getLogger(__name__)
@@ -116,9 +116,8 @@ class CudaPlan:
     # ------------------------------------------------------------------ building
     @staticmethod
     def eligible(opt, entries) -> Optional[torch.device]:
-        """The device of a plan for ``entries``, or None when the per-tensor path must run."""
-        if opt.fused is False or not entries:
-            return None
+        """The device of a plan for ``entries`` (non-empty, ``opt.fused`` not False), or None when the
+        per-tensor path must run."""
         dev = None
         cb = None
         steps: Dict[int, int] = {}
@@ -212,13 +211,14 @@ class CudaPlan:
         if check and buf is not None and inf:
             opt._raise_column_overflow({self.entries[e][1]: cms[o:o + n] for (e, *_), (o, n, _) in
                                         zip(self.fact, self.fact_slices)})
-        for _, p in self.entries:
-            opt.state[p]["step"] += 1
+        for gi in self.groups:
+            for e in gi["item_entries"]:
+                opt.state[self.entries[e][1]]["step"] += 1
         for gi in self.groups:
             group = gi["group"]
             beta1, beta2 = group["betas"]
-            lr = float(group["lr"].item()) if isinstance(group["lr"], torch.Tensor) else float(group["lr"])
-            hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+            hp = dict(lr=scalar_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                      weight_decay=group["weight_decay"])
             if gi["vcols"]:
                 parts = []
                 for k in gi["fact_pos"]:
@@ -231,11 +231,6 @@ class CudaPlan:
                 bc1, bc2 = bias_corrections(step, beta1, beta2)
                 cb = local_tensor(self.codebook_state["codebook"])
                 gi["multi"].run([grads[e] for e in gi["item_entries"]], cb, bc1=bc1, bc2=bc2, **hp)
-            if gi["exact"]:
-                ps = [self.entries[e][1] for e in gi["exact"]]
-                step = opt.state[ps[0]]["step"]
-                bc1, bc2 = bias_corrections(step, beta1, beta2)
-                adamw_foreach_([local_tensor(p) for p in ps], [grads[e] for e in gi["exact"]],
-                               [local_tensor(opt.state[p]["exp_avg"]) for p in ps],
-                               [local_tensor(opt.state[p]["exp_avg_sq"]) for p in ps], bc1=bc1, bc2=bc2, **hp)
+            # the exact tensors as the per-tensor path batches them (it advances their step)
+            opt._update_exact_batched([(group, self.entries[e][1]) for e in gi["exact"]])
         return True

@@ -21,7 +21,9 @@ from .core import periods as _periods
 from .core.quant import block_histogram, NUM_BINS
 from .core.step import (adamw_foreach_, adamw_step_, bias_corrections, block_column_sumsq, column_sumsq,
                         quantized_step_eager_, quantized_step_factored_eager_, row_block_args)
+from .core.step import scalar_value as _scalar
 from .cuda_path import CudaPlan
+from .nonfinite import NonfiniteChecks
 from .layout import (KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, check_supported, global_shape, is_dtensor,
                      is_exact, like_param, local_tensor, piece_of)
 
@@ -37,10 +39,6 @@ _STATE_KEYS_E = ("step", "exp_avg", "exp_avg_sq")
 def _nbytes(t: torch.Tensor) -> int:
     t = local_tensor(t)
     return t.numel() * t.element_size()
-
-
-def _scalar(x: Any) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
 def _validate_row_blocks(rb, where: str = "") -> None:
@@ -106,7 +104,7 @@ class Report(list):
         return self.summary()
 
 
-class Gefen(Optimizer):
+class Gefen(NonfiniteChecks, Optimizer):
     r"""AdamW with ~1 byte per parameter of state (Gefen, Benedek, Koren, Fried 2026).
 
     Large tensors keep the first moment as uint8 indices into one learned 256-entry codebook times
@@ -505,88 +503,6 @@ class Gefen(Optimizer):
                 out.append((g, p))
         return out
 
-    def _nonfinite(self, entries, partials: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> bool:
-        """True when the step must be skipped; raises for ``nonfinite="raise"``. One sum per gradient
-        (no temporaries; a factored tensor's column sums of ``g^2`` from ``partials`` serve as its
-        sum, so its gradient is not read again), and one small MAX all-reduce when several ranks
-        take part."""
-        flags = self._nonfinite_local(entries, partials)
-        return self._nonfinite_agree(entries, float(flags.any()), lambda: flags)
-
-    def _nonfinite_local(self, entries, partials: Optional[Dict[torch.Tensor, torch.Tensor]] = None
-                         ) -> torch.Tensor:
-        """Per-entry flags (float32, CPU): 1 where this rank's piece of the gradient is not finite."""
-        flags = torch.zeros(len(entries), dtype=torch.float32)
-        partials = partials or {}
-        sums: Dict[torch.device, Tuple[List[int], List[torch.Tensor]]] = {}
-        for i, (_, p) in enumerate(entries):
-            g = local_tensor(p.grad)
-            if not g.numel():
-                continue
-            cs = partials.get(p)
-            total = cs.sum() if cs is not None else g.sum(dtype=torch.float32)
-            at, ts = sums.setdefault(total.device, ([], []))
-            at.append(i)
-            ts.append(total.double())
-        for at, ts in sums.values():  # one host synchronisation per device
-            for i, total in zip(at, torch.stack(ts).tolist()):
-                if not math.isfinite(total):
-                    # a finite gradient can overflow its sum (or its square): confirm exactly
-                    flags[i] = float(not bool(torch.isfinite(local_tensor(entries[i][1].grad)).all()))
-        return flags
-
-    def _nonfinite_agree(self, entries, any_flag, local_flags: Callable[[], torch.Tensor]) -> bool:
-        """The cross-rank decision on this rank's ``any_flag`` (a float or a 0-dim tensor, on any
-        device: 1 when some local gradient may be non-finite; a false alarm is allowed) and, only
-        when some rank raised it, the exact per-entry flags ``local_flags()``. Entered by every rank
-        with the same collectives whichever path (per-tensor or :mod:`gefen_dist.cuda_path`) it
-        takes. True when the step must be skipped; raises for ``nonfinite="raise"``."""
-        # Replicated (plain) gradients are identical on every rank after DDP's all-reduce, so the
-        # local decision is already global; sharded (DTensor) gradients need one tiny all-reduce.
-        if self._comm.world_size > 1 and any(is_dtensor(p) for _, p in entries):
-            # Fixed-size summary first (added with the DDP cross-rank mismatch test): ranks that
-            # step different numbers of tensors get a clear error here instead of a gloo abort or
-            # an NCCL hang in the variable-size all-reduce; the per-tensor flags travel only when
-            # some gradient is non-finite.
-            n = float(len(entries))
-            if isinstance(any_flag, torch.Tensor):
-                head = torch.stack([any_flag.to(torch.float64).reshape(()),
-                                    torch.tensor(n, dtype=torch.float64, device=any_flag.device),
-                                    torch.tensor(-n, dtype=torch.float64, device=any_flag.device)])
-            else:
-                head = torch.tensor([float(any_flag), n, -n], dtype=torch.float64)
-            self._comm.all_reduce_max_(head)
-            head = head.tolist()
-            if int(head[1]) != -int(head[2]):
-                raise RuntimeError(
-                    f"gefen_dist: ranks disagree about the tensors to step (this rank has {len(entries)} "
-                    f"parameters with gradients; ranks hold between {-int(head[2])} and {int(head[1])}). Every "
-                    "rank must build Gefen over the same parameters in the same order; check that the model "
-                    "and param groups are identical on all ranks."
-                )
-            if not head[0]:
-                return False
-            flags = local_flags()
-            self._comm.all_reduce_max_(flags)
-        else:
-            if not float(any_flag):
-                return False
-            flags = local_flags()
-        if not bool(flags.any()):
-            return False
-        names = self._names()
-        bad = [names[id(p)] for (_, p), f in zip(entries, flags.tolist()) if f]
-        if self.nonfinite == "raise":
-            raise RuntimeError(
-                f"Gefen: non-finite gradient (NaN or inf) in {len(bad)} tensor(s): {bad[:8]}"
-                f"{' ...' if len(bad) > 8 else ''}. Nothing was updated. Lower the learning rate, clip "
-                "gradients, use a loss scaler for fp16, or pass nonfinite='skip' to skip such steps."
-            )
-        self.skipped_steps += 1
-        logger.warning("Gefen: skipped step with non-finite gradients in %s (%d skipped so far)",
-                       bad[:4], self.skipped_steps)
-        return True
-
     def _use_triton(self, t: torch.Tensor) -> bool:
         if self.fused is False or t.device.type != "cuda" or t.dtype not in (torch.float32, torch.bfloat16):
             return False
@@ -724,17 +640,6 @@ class Gefen(Optimizer):
             # one host synchronisation for all tensors (the per-tensor check only on failure)
             self._raise_column_overflow(out)
         return out
-
-    def _raise_column_overflow(self, col_mean_sq: Dict[torch.Tensor, torch.Tensor]) -> None:
-        """Raise for the first tensor whose float32 column statistic is infinite (if any)."""
-        bad = [p for p, c in col_mean_sq.items() if bool(torch.isinf(c).any())]
-        if bad:
-            raise RuntimeError(
-                f"Gefen: the squared gradient of {self._names()[id(bad[0])]!r} overflows float32 (|g| above "
-                "~1.8e19), so its factored second moment would be inf/NaN; nothing was updated. Clip or "
-                "scale the gradients (a loss scaler must unscale before step()), or use "
-                "second_moment='shared'."
-            )
 
     def _update(self, group: dict, p: torch.Tensor, col_mean_sq: Optional[torch.Tensor] = None) -> None:
         st = self.state[p]

@@ -29,6 +29,11 @@ from .quant import nearest_codeword
 _EAGER_CHUNK_ELEMS = 1 << 22
 
 
+def scalar_value(x) -> float:
+    """A hyperparameter given as a number or a 0-dim tensor (a tensor ``lr``), as a float."""
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
 def bias_corrections(step: int, beta1: float, beta2: float) -> tuple[float, float]:
     """``1 - beta^t`` in double precision, as torch's Adam computes them."""
     return 1.0 - beta1 ** step, 1.0 - beta2 ** step

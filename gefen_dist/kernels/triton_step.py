@@ -639,6 +639,23 @@ def _launch(param, grad, idx, scale, v, codebook, *, lr, beta1, beta2, eps, weig
          block_size=block_size)
 
 
+def _step_scalars(device, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2) -> Tuple[tuple, dict]:
+    """The kernels' trailing scalar arguments (as torch converts them: Python double -> float32
+    opmath) and the constexprs that depend on the hyperparameters and the codebook table."""
+    w = 1.0 - beta1
+    small = abs(w) < 0.5
+    wf = np.float32(w)
+    fused_lerp, fused_axpy = _fma_flags(device, small)
+    args = (float(wf) if small else float(wf - np.float32(1.0)),
+            float(np.float32(beta2)), float(np.float32(1.0 - beta2)),
+            float(np.float32(np.sqrt(bc2))), float(np.float32(eps)), float(np.float32(1.0 / bc1)),
+            float(np.float32(lr)), float(np.float32(1.0 - lr * weight_decay)),
+            tab.h, float(tab.nb - 1))
+    consts = dict(LERP_SMALL=small, FUSED_LERP=fused_lerp, FUSED_AXPY=fused_axpy, HAS_WD=(weight_decay != 0.0),
+                  LUT_FAST=tab.fast)
+    return args, consts
+
+
 def _run(param, grad, idx, scale, v, v_col, codebook, *, S, B, mode, row0, row_block, lr, beta1, beta2,
          eps, weight_decay, bc1, bc2, block_size) -> None:
     """Check the common arguments and launch the kernel over ``numel / S`` rows of ``S``."""
@@ -658,10 +675,8 @@ def _run(param, grad, idx, scale, v, v_col, codebook, *, S, B, mode, row0, row_b
     _check("scale", scale, device, torch.float32, n // B)
     tab = _device_table(codebook, device)
 
-    w = 1.0 - beta1
-    small = abs(w) < 0.5
-    wf = np.float32(w)
-    fused_lerp, fused_axpy = _fma_flags(device, small)
+    scalars, consts = _step_scalars(device, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                    weight_decay=weight_decay, bc1=bc1, bc2=bc2)
     nrows = n // S
     rows, bs, warps = _config(B, nrows, block_size)
     grid = (triton.cdiv(nrows, rows),)
@@ -670,19 +685,11 @@ def _run(param, grad, idx, scale, v, v_col, codebook, *, S, B, mode, row0, row_b
     # bfloat16 travels as int16 bits (converted by hand in the kernel)
     pk, gk = (param.view(torch.int16), grad.view(torch.int16)) if bf16 else (param, grad)
     ctx = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
-    # scalars as torch converts them (Python double -> float32 opmath)
     with ctx:
         kern[grid](
             pk, gk, idx, scale, v, v_col, tab.cb, tab.lut,
-            nrows, S, B, S // B, float(B), float(S), tab.scan_steps, row0, row_block,
-            float(wf) if small else float(wf - np.float32(1.0)),
-            float(np.float32(beta2)), float(np.float32(1.0 - beta2)),
-            float(np.float32(np.sqrt(bc2))), float(np.float32(eps)), float(np.float32(1.0 / bc1)),
-            float(np.float32(lr)), float(np.float32(1.0 - lr * weight_decay)),
-            tab.h, float(tab.nb - 1),
-            MODE=mode, LERP_SMALL=small, FUSED_LERP=fused_lerp, FUSED_AXPY=fused_axpy,
-            HAS_WD=(weight_decay != 0.0), LUT_FAST=tab.fast, IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=bs,
-            num_warps=warps, enable_fp_fusion=False,
+            nrows, S, B, S // B, float(B), float(S), tab.scan_steps, row0, row_block, *scalars,
+            MODE=mode, IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=bs, num_warps=warps, enable_fp_fusion=False, **consts,
         )
     for t in (param, idx, scale, v):
         torch.autograd.graph.increment_version(t)
@@ -786,25 +793,17 @@ class MultiStep:
             weight_decay: float, bc1: float, bc2: float) -> None:
         """One step of every item; ``grads[i]`` (contiguous, the item's dtype and size) for item ``i``."""
         tab = _device_table(codebook, self.device)
-        w = 1.0 - beta1
-        small = abs(w) < 0.5
-        wf = np.float32(w)
-        fused_lerp, fused_axpy = _fma_flags(self.device, small)
+        scalars, consts = _step_scalars(self.device, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                        weight_decay=weight_decay, bc1=bc1, bc2=bc2)
         kern = _kernel("multi")
         ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext()
         with ctx:
             for L in self._launches:
                 gs = [grads[i] for i in L["members"]]
                 kern[(L["nprog"],)](
-                    L["meta"], L["grads"](gs), L["prog"], tab.cb, tab.lut, tab.scan_steps,
-                    float(wf) if small else float(wf - np.float32(1.0)),
-                    float(np.float32(beta2)), float(np.float32(1.0 - beta2)),
-                    float(np.float32(np.sqrt(bc2))), float(np.float32(eps)), float(np.float32(1.0 / bc1)),
-                    float(np.float32(lr)), float(np.float32(1.0 - lr * weight_decay)),
-                    tab.h, float(tab.nb - 1),
-                    MODE=L["mode"], LERP_SMALL=small, FUSED_LERP=fused_lerp, FUSED_AXPY=fused_axpy,
-                    HAS_WD=(weight_decay != 0.0), LUT_FAST=tab.fast, IS_BF16=L["bf16"], ROWS=L["rows"],
-                    BLOCK_SIZE=L["bs"], num_warps=L["warps"], enable_fp_fusion=False,
+                    L["meta"], L["grads"](gs), L["prog"], tab.cb, tab.lut, tab.scan_steps, *scalars,
+                    MODE=L["mode"], IS_BF16=L["bf16"], ROWS=L["rows"], BLOCK_SIZE=L["bs"], num_warps=L["warps"],
+                    enable_fp_fusion=False, **consts,
                 )
         for it in self.items:
             for t in (it.param, it.idx, it.scale, it.v):
