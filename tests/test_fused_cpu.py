@@ -637,6 +637,50 @@ def test_step_floor_loops_move_their_bytes():
         torch.testing.assert_close(p, p0 - 0.01 * m1, rtol=1e-6, atol=1e-7)
 
 
+def test_kernel_breakdown_builds(tmp_path):
+    """benchmarks/kernel_breakdown.py's timing-only builds: ``GEFEN_ABLATE=0`` is the library's kernel
+    (bitwise the same step), and every other build really leaves its stage out (its step differs), so
+    the costs the script reports are those of the stages it names."""
+    import importlib.util
+    from pathlib import Path
+
+    if not cpu.simd_compiled():
+        pytest.skip("no AVX-512 VBMI on this CPU: the ablated stages are not compiled here")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_breakdown.py"
+    spec = importlib.util.spec_from_file_location("kernel_breakdown", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from gefen_dist.kernels import native
+
+    rows, S, B = 12, 256, 128
+    n = rows * S
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(n, generator=gen) * 1e-3
+    p0 = torch.randn(n, generator=gen) * 0.02
+    idx0 = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    sc0 = torch.rand(n // B, generator=gen) * 1e-3
+    vr0, vc0 = torch.rand(rows, generator=gen) * 1e-6, torch.rand(1, S, generator=gen) * 1e-6
+    cm = torch.rand(1, S, generator=gen) * 1e-6
+    cb = dp_codebook()
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bc1=0.1, bc2=0.05)
+
+    def step():
+        st = [t.clone() for t in (p0, idx0, sc0, vr0, vc0)]
+        cpu.quantized_step_factored_(st[0], g, st[1], st[2], st[3], st[4], cb, cm, scale_block=B, **hp)
+        return st
+
+    want = step()
+    saved = native._cache.get(cpu._LIB_NAME)
+    try:
+        for name, (bits, _) in mod.BUILDS.items():
+            mod.use(mod.build(bits, tmp_path))
+            got = step()
+            same = all(torch.equal(a, b) for a, b in zip(got, want))
+            assert same == (bits == 0), (name, bits)
+    finally:
+        native._cache[cpu._LIB_NAME] = saved
+
+
 # --------------------------------------------------------------------------------------
 # factored second moment with row blocks (D12)
 # --------------------------------------------------------------------------------------

@@ -57,6 +57,17 @@
 
 #define GEFEN_STEP_ABI 8
 
+/* Timing-only builds (benchmarks/kernel_breakdown.py): each set bit of GEFEN_ABLATE skips one stage
+ * of the AVX-512 block step, so the difference in time is that stage's cost. The results are WRONG
+ * in such a build; the library is always built with GEFEN_ABLATE == 0.
+ *   1: the nearest-codeword table (two-level / gather): the bucket index stands in for lut[k]
+ *   2: the two candidate lookups C[j], C[j + 1] (z and 2z stand in for them)
+ *   4: the dequantisation lookup C[idx] of sweep 1 (the index converted to float stands in)
+ *   8: sweep 2 entirely (quantise and update): only sweep 1 and the scale are computed */
+#ifndef GEFEN_ABLATE
+#define GEFEN_ABLATE 0
+#endif
+
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #else
@@ -596,7 +607,12 @@ ALWAYS_INLINE void vm64(const gefen_step_args *a, const void *grad, const uint8_
 {
     __m512 cv[4];
     __m512i ixv = _mm512_maskz_loadu_epi8(k64, ix + i0);
-    cb_lookup64(transpose_bytes(ixv), pl->p[0], cv);
+    if (GEFEN_ABLATE & 4) {
+        for (int r = 0; r < 4; ++r)
+            cv[r] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(ixv, 0)));
+    } else {
+        cb_lookup64(transpose_bytes(ixv), pl->p[0], cv);
+    }
     const __m512 Mv = _mm512_set1_ps(M), c = _mm512_set1_ps(a->lerp_c);
     for (int r = 0; r < 4; ++r) {
         __mmask16 k = lane_mask(B - i0 - 16 * r);
@@ -649,6 +665,7 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
     const __m512 us = _mm512_set1_ps(PM == 0 ? (A * sigma) * a->lr : A * a->lr);
     const __m512 sl = _mm512_set1_ps(PM == 1 ? 1.0f / a->sqrt_bc2 : sigma);
 
+    if (GEFEN_ABLATE & 8) return;
     /* sweep 2 */
     const __m512i dtr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     for (int64_t i0 = 0; i0 < B; i0 += 64) {
@@ -671,6 +688,9 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
             z[r] = zz;
         }
         __m512i jb; /* the lower candidate of each element, bytes in natural order */
+        if (GEFEN_ABLATE & 1) {
+            jb = _mm512_packus_epi16(_mm512_packus_epi32(kb[0], kb[1]), _mm512_packus_epi32(kb[2], kb[3]));
+        } else
 #ifdef GEFEN_TWO_LEVEL
         if (pl->two) {
             jb = two_level64(pl, kb);
@@ -689,8 +709,15 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
         /* transposed byte order for the lookups: dword (L*4 + q) <- (q*4 + L) of the natural order */
         const __m512i jt = _mm512_permutexvar_epi32(dtr, jb);
         __m512 c0[4], c1[4], cq[4];
-        cb_lookup64(jt, pl->p[0], c0);
-        cb_lookup64(jt, pl->p[1], c1);
+        if (GEFEN_ABLATE & 2) {
+            for (int r = 0; r < 4; ++r) {
+                c0[r] = z[r];
+                c1[r] = _mm512_add_ps(z[r], z[r]);
+            }
+        } else {
+            cb_lookup64(jt, pl->p[0], c0);
+            cb_lookup64(jt, pl->p[1], c1);
+        }
         __mmask64 up = 0, nanm = 0;
         for (int r = 0; r < 4; ++r) {
             __m512 d1 = _mm512_and_ps(_mm512_sub_ps(z[r], c1[r]), absmask);
