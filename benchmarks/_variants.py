@@ -544,3 +544,20 @@ class GefenVariant(Gefen):
             pf.mul_(1.0 - lr * wd)
         pf.sub_(q * sigma * lr)
         assert pf.numel() == n
+
+
+class LagColGefen(Gefen):
+    """The library's Gefen (every option as passed), but the factored second moment's column EMA
+    advances with the *previous* step's column means of g^2 (the first step uses its own): what
+    fusing the column statistics into the kernel's single read of g would compute, since the
+    column means of step t would then only be complete after step t's update. Benchmark code: it
+    measures what the one-step lag costs in loss before any backend is changed."""
+
+    def _update(self, group, p, col_mean_sq=None):
+        if col_mean_sq is not None:
+            st = self.state[p]
+            prev = st.get("lag_col_mean_sq")
+            st["lag_col_mean_sq"] = col_mean_sq.detach().clone()
+            if prev is not None:
+                col_mean_sq = prev
+        return super()._update(group, p, col_mean_sq)

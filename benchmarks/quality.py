@@ -76,6 +76,14 @@ def _gefen(**kw):
     return make
 
 
+def _lagcol(**kw):
+    def make(groups, lr, betas, seed):
+        from _variants import LagColGefen
+        kw.setdefault("fused", False)
+        return LagColGefen(groups, lr=lr, betas=betas, eps=1e-8, **kw)
+    return make
+
+
 def _variant(**kw):
     def make(groups, lr, betas, seed):
         from _variants import GefenVariant
@@ -338,6 +346,10 @@ VARIANTS = {
     "u_square_blocks": ("(u) factored, but every 2-D tensor of k x C rows (C columns, k >= 2) keeps one column "
                         "profile per block of C rows: c_attn's q, k, v and mlp.c_fc's four blocks (a shape rule)",
                         _variant_square_rowblocks(second_moment_mode="factored")),
+    # (x) speed: the column statistics one step late (would let the kernel fuse them into its read of g)
+    "x_lagcol": ("(x) gefen_dist Gefen, defaults (row blocks), but v_col advanced with the previous step's column "
+                 "means of g^2: the one-step lag that fusing the column pass into the kernel would need",
+                 _lagcol(row_blocks="auto")),
     "w_blocks_emb_q4vmax": ("(w) u_square_blocks plus p_q4vmax_emb's 4-bit m + floored per-element 4-bit v code "
                             "for the embeddings: the default's budget",
                             _variant_blocks_emb("factored_q4", m_mode="quant4", second_moment_mode="factored",
