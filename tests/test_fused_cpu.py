@@ -638,9 +638,10 @@ def test_step_floor_loops_move_their_bytes():
 
 
 def test_kernel_breakdown_builds(tmp_path):
-    """benchmarks/kernel_breakdown.py's timing-only builds: ``GEFEN_ABLATE=0`` is the library's kernel
-    (bitwise the same step), and every other build really leaves its stage out (its step differs), so
-    the costs the script reports are those of the stages it names."""
+    """benchmarks/kernel_breakdown.py's timing-only builds really leave their stage out (the step
+    differs), so the costs the script reports are those of the stages it names; and
+    benchmarks/lagcol_speed.py's ``GEFEN_COLACC`` build, which only adds work, steps bitwise as the
+    library does."""
     import importlib.util
     from pathlib import Path
 
@@ -670,13 +671,25 @@ def test_kernel_breakdown_builds(tmp_path):
         return st
 
     want = step()
+    # benchmarks/lagcol_speed.py's build too: the column sums it adds are discarded, its step is the library's
+    spec = importlib.util.spec_from_file_location("lagcol_speed", path.parent / "lagcol_speed.py")
+    lag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lag)
+    # the single-stage builds (no_nearest = no_table + no_candidates is not rebuilt here), compiled in parallel
+    # (~16 s of CPU each); GEFEN_ABLATE=0 is exactly the library's build, tested everywhere else
+    single = {name: bits for name, (bits, _) in mod.BUILDS.items() if bits and bits & (bits - 1) == 0}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as ex:
+        futs = {name: ex.submit(mod.build, bits, tmp_path) for name, bits in single.items()}
+        futs["colacc"] = ex.submit(lag.build_colacc, tmp_path)
+        libs = {name: f.result() for name, f in futs.items()}
     saved = native._cache.get(cpu._LIB_NAME)
     try:
-        for name, (bits, _) in mod.BUILDS.items():
-            mod.use(mod.build(bits, tmp_path))
-            got = step()
-            same = all(torch.equal(a, b) for a, b in zip(got, want))
-            assert same == (bits == 0), (name, bits)
+        for name, lib in libs.items():
+            mod.use(lib)
+            same = all(torch.equal(a, b) for a, b in zip(step(), want))
+            assert same == (name == "colacc"), name
     finally:
         native._cache[cpu._LIB_NAME] = saved
 

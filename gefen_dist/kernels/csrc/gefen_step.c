@@ -67,6 +67,16 @@
 #ifndef GEFEN_ABLATE
 #define GEFEN_ABLATE 0
 #endif
+/* Timing-only build (benchmarks/lagcol_speed.py): GEFEN_COLACC=1 makes the factored kernel also
+ * accumulate each row's g^2 into per-thread float64 column sums while the row is in cache (what a
+ * one-step-lagged v_col would need instead of the separate column pass); the sums are only folded
+ * into a sink here, not returned. The library is always built with GEFEN_COLACC == 0. */
+#ifndef GEFEN_COLACC
+#define GEFEN_COLACC 0
+#endif
+#if GEFEN_COLACC
+volatile double gefen_colacc_sink;
+#endif
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -908,6 +918,28 @@ static int threads_for(const gefen_step_args *a, int64_t nb, int64_t *chunk)
     return nt;
 }
 
+/* GEFEN_COLACC (timing only): add row [o, o + S) of g^2 to the float64 column sums acc. */
+ALWAYS_INLINE void colacc_row(double *restrict acc, const void *restrict g, int64_t o, int64_t S, const int dt)
+{
+#pragma omp simd
+    for (int64_t j = 0; j < S; ++j) {
+        const float x = load_g(g, o + j, dt);
+        acc[j] += (double)(x * x);
+    }
+}
+static void colacc_sink(double *acc, int64_t S)
+{
+    double t = 0.0;
+    for (int64_t j = 0; j < S; ++j) t += acc[j];
+    free(acc);
+#if GEFEN_COLACC
+#pragma omp critical
+    gefen_colacc_sink += t;
+#else
+    (void)t;
+#endif
+}
+
 /* All blocks, one specialisation per (dtype, period mode, table mode, fused lerp). The
  * OpenMP region sits in a separate non-inline function per specialisation so that the
  * outlined parallel body sees the constants (an inline helper's region is outlined
@@ -959,9 +991,11 @@ static int threads_for(const gefen_step_args *a, int64_t nb, int64_t *chunk)
         _Pragma("omp parallel num_threads(nt) if (nt > 1)")                                 \
         {                                                                                   \
             float *buf = use_buf ? (float *)malloc((size_t)B * sizeof(float)) : NULL;       \
+            double *cacc = GEFEN_COLACC ? (double *)calloc((size_t)S, sizeof(double)) : NULL; \
             _Pragma("omp for schedule(dynamic, chunk)")                                     \
             for (int64_t r = 0; r < rows; ++r) {                                            \
                 float s = sumsq(grad, r * S, S, a->sum_lanes, DT, a->simd);                 \
+                if (GEFEN_COLACC && cacc) colacc_row(cacc, grad, r * S, S, DT);             \
                 float vr = vupd(vrow[r], s / (float)S, a->beta2, a->alpha2, a->fused_axpy); \
                 vrow[r] = vr;                                                               \
                 const float srs = sqrtf(vr) * isb;                                          \
@@ -971,6 +1005,7 @@ static int threads_for(const gefen_step_args *a, int64_t nb, int64_t *chunk)
                              planes, cfr, srs, DT, 2, LM, FL);                              \
             }                                                                               \
             free(buf);                                                                      \
+            if (cacc) colacc_sink(cacc, S);                                                 \
         }                                                                                   \
     }
 #define DEFINE_RUNF_FL(DT, LM) DEFINE_RUNF(DT, LM, 0) DEFINE_RUNF(DT, LM, 1)
