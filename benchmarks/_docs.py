@@ -16,3 +16,17 @@ def splice(doc: Path, marker: str, body: str) -> bool:
         return False
     doc.write_text(text[:text.index(a) + len(a)] + "\n" + body.rstrip("\n") + "\n" + text[text.index(b):])
     return True
+
+
+def publish(out: dict, out_path, md: str, md_path, default_md: Path, marker: str) -> None:
+    """Write a benchmark's JSON results and markdown table, print the table, and splice it into
+    ``docs/benchmarks.md`` between its ``marker`` markers when ``md_path`` is the default one."""
+    import json
+
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_path).write_text(json.dumps(out, indent=1) + "\n")
+    Path(md_path).write_text(md)
+    print("\n" + md)
+    if Path(md_path).resolve() == Path(default_md).resolve():
+        splice(Path(default_md).resolve().parents[1] / "benchmarks.md", marker, md)
+    print(f"wrote {out_path} and {md_path}")

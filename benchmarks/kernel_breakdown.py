@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from _docs import splice  # noqa: E402
+from _docs import publish  # noqa: E402
 from gefen_dist.kernels import cpu as C  # noqa: E402
 from gefen_dist.kernels import native  # noqa: E402
 from step_speed import HP, Bench, cpu_name, demo_codebook, time_rounds  # noqa: E402
@@ -156,14 +155,8 @@ def main() -> None:
                            wall_ms_median={k: statistics.median(v) for k, v in wall.items()},
                            cpu_ms_samples=cpu_ms, wall_ms_samples=wall))
     command = ("python benchmarks/kernel_breakdown.py " + " ".join(sys.argv[1:])).strip()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     md = table_md(out, command)
-    Path(args.md).write_text(md)
-    print("\n" + md)
-    if Path(args.md).resolve() == DEFAULT_MD.resolve():
-        splice(ROOT / "docs" / "benchmarks.md", "kernel_breakdown_table.md", md)
-    print(f"wrote {args.out} and {args.md}")
+    publish(out, args.out, md, args.md, DEFAULT_MD, "kernel_breakdown_table.md")
 
 
 if __name__ == "__main__":

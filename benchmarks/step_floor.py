@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from _docs import splice  # noqa: E402
+from _docs import publish  # noqa: E402
 from gefen_dist.kernels import native  # noqa: E402
 from step_speed import HP, Bench, cpu_name, demo_codebook, time_rounds  # noqa: E402
 
@@ -166,14 +165,8 @@ def main() -> None:
                          quantized_params=sum(p.numel() for p, _ in b.quant)),
                results=results)
     command = "python benchmarks/step_floor.py " + " ".join(sys.argv[1:])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     md = table_md(out, command.strip())
-    Path(args.md).write_text(md)
-    print("\n" + md)
-    if Path(args.md).resolve() == DEFAULT_MD.resolve():
-        splice(ROOT / "docs" / "benchmarks.md", "step_floor_table.md", md)
-    print(f"wrote {args.out} and {args.md}")
+    publish(out, args.out, md, args.md, DEFAULT_MD, "step_floor_table.md")
 
 
 if __name__ == "__main__":
