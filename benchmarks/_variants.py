@@ -185,7 +185,7 @@ class GefenVariant(Gefen):
                  codebook_scope: str = "global", m_override: Optional[dict] = None,
                  q4_zero: int = Q4_ZERO, q4_step: float = 0.5, q4_rounding: str = "stochastic",
                  m_bits: int = 4, v_bits: int = 4, lowbit_override: Optional[dict] = None,
-                 q4_floor: bool = False, **kw):
+                 q4_floor: bool = False, v_lag: bool = False, **kw):
         assert first_moment in ("quant", "fp32", "quant4")
         assert period_rule in ("paper", "row", "one")
         assert rounding in ("nearest", "stochastic")
@@ -216,6 +216,10 @@ class GefenVariant(Gefen):
         assert 2 <= m_bits <= 7 and 1 <= v_bits <= 4 and q4_zero < 2 ** v_bits
         self.m_bits, self.v_bits = int(m_bits), int(v_bits)
         self.q4_floor = bool(q4_floor)
+        # "factored" / "rowblock": step with the second-moment EMAs as they were *before* this step's
+        # gradient (from the second step on, bias-corrected for t - 1 updates): a delayed v, as
+        # AdaShift (Zhou et al. 2019) decorrelates v from g
+        self.v_lag = bool(v_lag)
         self.lowbit_override = {k: dict(v) for k, v in (lowbit_override or {}).items()}
         for cfg in self.lowbit_override.values():
             assert set(cfg) <= {"m_bits", "v_bits", "q4_zero", "q4_step", "q4_floor"}, cfg
@@ -372,7 +376,7 @@ class GefenVariant(Gefen):
                    and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3", "factored_q4", "meanvar",
                                            "meanvar_min", "rowblock")
                    and self.rounding == "nearest"
-                   and not self.codebook_refresh and id(p) not in self.v_override
+                   and not self.codebook_refresh and not self.v_lag and id(p) not in self.v_override
                    and id(p) not in self.m_override and self.codebook_scope == "global")
         if default or "exp_avg" in st or not st.get("learned", 1):
             return super()._update(group, p, col_mean_sq)
@@ -397,6 +401,9 @@ class GefenVariant(Gefen):
             sb = (v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)
             sigma = sb.repeat_interleave(P)
         elif v_mode in ("grouped", "rowblock"):
+            lag = self.v_lag and t > 1
+            if lag:
+                old = (local_tensor(st["v_row"]).view(-1).clone(), st["v_col"].clone(), st["v_colg"].clone())
             v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
             K, R = st["v_colg"].shape[0], v_row.numel()
             if v_mode == "rowblock":  # K contiguous row blocks (e.g. c_attn's q / k / v, or its heads)
@@ -407,12 +414,15 @@ class GefenVariant(Gefen):
                 grp[v_row.argsort()] = torch.arange(R, device=g.device) * K // R  # K equal quantile groups
             colg = st["v_colg"]
             colg.mul_(b2).index_add_(0, grp, g2, alpha=1.0 - b2)
+            bc2v = bc2
+            if lag:
+                v_row, v_col, colg, bc2v = old[0], old[1], old[2], 1.0 - b2 ** (t - 1)
             prof = colg[grp]  # [R, slab]: each row's group column profile
             mg = prof.mean(dim=1, keepdim=True)
             mc = float(v_col.mean())
             fallback = (v_col / mc) if mc > 0 else torch.zeros_like(v_col)
             ratio = torch.where(mg > 0, prof / torch.where(mg > 0, mg, torch.ones_like(mg)), fallback.unsqueeze(0))
-            denom = (v_row.sqrt().unsqueeze(1) * ratio.sqrt_()).div_(math.sqrt(bc2)).add_(eps)
+            denom = (v_row.sqrt().unsqueeze(1) * ratio.sqrt_()).div_(math.sqrt(bc2v)).add_(eps)
             sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
         elif v_mode == "sm3":
             v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
@@ -494,10 +504,16 @@ class GefenVariant(Gefen):
             vhat = torch.maximum(vhat, g2.view(-1) * (1.0 - b2))
             sigma = None
         else:  # factored (Adafactor estimator, as gefen_dist.core.step)
+            lag = self.v_lag and t > 1
+            if lag:
+                old = (local_tensor(st["v_row"]).view(-1).clone(), st["v_col"].clone())
             v_row, v_col, _ = self._factored_ema(st, g, col_mean_sq, b2)
+            bc2v = bc2
+            if lag:
+                v_row, v_col, bc2v = old[0], old[1], 1.0 - b2 ** (t - 1)
             mc = float(v_col.mean())
             col_f = (v_col / mc).sqrt() if mc > 0 else torch.zeros_like(v_col)
-            denom = (v_row.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).div_(math.sqrt(bc2)).add_(eps)
+            denom = (v_row.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).div_(math.sqrt(bc2v)).add_(eps)
             sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
         # first moment
         if self.first_moment == "fp32":

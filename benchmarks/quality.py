@@ -350,6 +350,10 @@ VARIANTS = {
     "x_lagcol": ("(x) gefen_dist Gefen, defaults (row blocks), but v_col advanced with the previous step's column "
                  "means of g^2: the one-step lag that fusing the column pass into the kernel would need",
                  _lagcol(row_blocks="auto")),
+    "x_lagv": ("(x) u_square_blocks (the default's math), but every step uses the second-moment EMAs from before "
+               "its own gradient (v_row and the column profiles of step t-1, bias-corrected for t-1 updates; the "
+               "first step its own): a delayed v as in AdaShift; same state",
+               _variant_square_rowblocks(second_moment_mode="factored", v_lag=True)),
     "w_blocks_emb_q4vmax": ("(w) u_square_blocks plus p_q4vmax_emb's 4-bit m + floored per-element 4-bit v code "
                             "for the embeddings: the default's budget",
                             _variant_blocks_emb("factored_q4", m_mode="quant4", second_moment_mode="factored",

@@ -509,3 +509,41 @@ def test_meanvar_min_variant_never_steps_shorter_than_factored():
     assert float(free.float().mean()) > 0.5
     assert bool((mvm[free] >= fact[free] * (1 - 1e-4) - 1e-12).all())
     assert int((mvm[mean != 0] > 1.05 * fact[mean != 0]).sum()) > 100
+
+
+def test_lag_variants():
+    """x_lagcol (v_col one step late) and x_lagv (v_row and the column profiles one step late) change
+    nothing when every step's gradient has the same shape of second moment (the column factors are
+    normalised, and a constant g makes every bias-corrected EMA equal g^2), and change the step when
+    it varies: the variants lag what they say they lag, and only that."""
+    _variants()
+    import importlib
+
+    q = importlib.import_module("quality")
+    from launch.gpt import GPT, get_config
+
+    mcfg = get_config("tiny", context=64)
+
+    def run(variant, mode):
+        torch.manual_seed(0)
+        model = GPT(mcfg)
+        opt = q.make_optimizer(variant, model, 0.1, 2e-3, (0.9, 0.95), 0, dim=mcfg.d_model, n_heads=mcfg.n_head)
+        g = torch.Generator().manual_seed(1)
+        base = {}
+        for t in range(5):
+            for p in model.parameters():
+                if mode == "varying" or p not in base:
+                    scale = torch.exp(torch.randn(p.shape[0], *([1] * (p.dim() - 1)), generator=g))
+                    base[p] = torch.randn(p.shape, generator=g) * scale * 1e-2
+                # "scaled": one shape, a new overall size each step; "constant": the same gradient
+                p.grad = base[p] * (1.0 + 0.5 * t if mode == "scaled" else 1.0)
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    def close(a, b):
+        return all(torch.allclose(x, y, rtol=1e-5, atol=1e-7) for x, y in zip(a, b))
+
+    assert close(run("x_lagcol", "scaled"), run("gefen_default", "scaled"))
+    assert not close(run("x_lagcol", "varying"), run("gefen_default", "varying"))
+    assert close(run("x_lagv", "constant"), run("u_square_blocks", "constant"))
+    assert not close(run("x_lagv", "varying"), run("u_square_blocks", "varying"))
