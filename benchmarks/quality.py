@@ -766,15 +766,23 @@ def plot(runs: dict, workload: str, variants: list, path: Path, title: str) -> b
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    # zoom on the late phase of validation loss
-    ys = [l.get_ydata()[len(l.get_ydata()) // 2:] for l in axes[0].get_lines()]
-    flat = [y for a in ys for y in a]
-    if flat:
-        lo, hi = min(flat), max(flat)
-        axes[0].set_ylim(lo - 0.05 * (hi - lo + 1e-3), hi + 0.3 * (hi - lo + 1e-3))
-    fl = [y for l in axes[1].get_lines() for y in l.get_ydata()[len(l.get_ydata()) // 2:]]
-    if fl:
-        axes[1].set_ylim(min(fl) * 0.98, max(fl) * 1.05)
+    # zoom on the late phase; a diverged variant (late values far above the typical line's) is drawn
+    # off the scale rather than flattening every other curve, and its label says so
+    def late(line):
+        return [float(y) for y in line.get_ydata()[len(line.get_ydata()) // 2:]]
+
+    for ai, ax in enumerate(axes):
+        lines = [l for l in ax.get_lines() if late(l)]
+        if not lines:
+            continue
+        typical = statistics.median(max(late(l)) for l in lines)
+        lo = min(min(late(l)) for l in lines)
+        hi = min(max(max(late(l)) for l in lines), typical + 3.0 * (typical - lo) + 1e-3)
+        ax.set_ylim(*((lo - 0.05 * (hi - lo + 1e-3), hi + 0.3 * (hi - lo + 1e-3)) if ai == 0 else (lo * 0.98, hi * 1.05)))
+        for l in lines:
+            if max(late(l)) > hi:
+                l.set_label(f"{l.get_label()} (off scale)")
+        ax.legend(fontsize=7)
     for ax in axes:  # the same late phase on the step axis (the early curves are off the scale)
         xs = [l.get_xdata() for l in ax.get_lines() if len(l.get_xdata())]
         if xs:
