@@ -52,22 +52,26 @@ BUILDS = {
 }
 
 
-def build(bits: int, outdir: Path) -> ctypes.CDLL:
+def build_with(define: str, outdir: Path) -> ctypes.CDLL:
+    """``gefen_step.c`` compiled as the loader compiles it, plus ``-D<define>`` (a timing-only build)."""
     cc = native._compiler()
     if cc is None:
-        raise SystemExit("kernel_breakdown.py needs a C compiler (set CC)")
-    out = outdir / f"gefen_step_ablate{bits}.so"
-    cmd = [cc, *native._BASE_FLAGS, "-march=native", "-fopenmp", f"-DGEFEN_ABLATE={bits}", "-o", str(out),
-           str(SOURCE), "-lm"]
+        raise SystemExit("this benchmark needs a C compiler (set CC)")
+    out = outdir / f"gefen_step_{define.replace('=', '_')}.so"
+    cmd = [cc, *native._BASE_FLAGS, "-march=native", "-fopenmp", f"-D{define}", "-o", str(out), str(SOURCE), "-lm"]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return ctypes.CDLL(str(out))
+
+
+def build(bits: int, outdir: Path) -> ctypes.CDLL:
+    return build_with(f"GEFEN_ABLATE={bits}", outdir)
 
 
 def use(lib: ctypes.CDLL) -> None:
     """Make ``lib`` the kernel library the optimizer calls (cpu._lib configures it on first use)."""
     native._cache[C._LIB_NAME] = lib
     if C._lib() is not lib:
-        raise SystemExit("the ablation build was not accepted by gefen_dist.kernels.cpu (ABI mismatch?)")
+        raise SystemExit("the timing-only build was not accepted by gefen_dist.kernels.cpu (ABI mismatch?)")
 
 
 def table_md(out: dict, command: str) -> str:

@@ -25,7 +25,6 @@ import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,19 +38,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from gefen_dist import Gefen  # noqa: E402
 from gefen_dist.kernels import cpu as C  # noqa: E402
 from gefen_dist.kernels import native  # noqa: E402
+from kernel_breakdown import build_with, use  # noqa: E402
 from step_speed import HP, Bench, cpu_name, demo_codebook, time_rounds  # noqa: E402
 
 DEFAULT_OUT = ROOT / "docs" / "results" / "lagcol_speed.json"
 
 
 def build_colacc(outdir: Path) -> ctypes.CDLL:
-    cc = native._compiler()
-    if cc is None:
-        raise SystemExit("lagcol_speed.py needs a C compiler (set CC)")
-    out = outdir / "gefen_step_colacc.so"
-    subprocess.run([cc, *native._BASE_FLAGS, "-march=native", "-fopenmp", "-DGEFEN_COLACC=1", "-o", str(out),
-                    str(native.CSRC / "gefen_step.c"), "-lm"], check=True, capture_output=True, text=True)
-    return ctypes.CDLL(str(out))
+    return build_with("GEFEN_COLACC=1", outdir)
 
 
 def main() -> None:
@@ -84,29 +78,18 @@ def main() -> None:
                 store[key] = real_partials(self, entries, fact)
             return store[key]
 
-        def as_is():
-            native._cache[C._LIB_NAME] = lib
-            Gefen._column_partials = real_partials
-            gef.step()
+        def step_with(kernel, partials):
+            def f():
+                native._cache[C._LIB_NAME] = kernel
+                Gefen._column_partials = partials
+                gef.step()
+            return f
 
-        def no_pass():
-            native._cache[C._LIB_NAME] = lib
-            Gefen._column_partials = cached_partials
-            gef.step()
-
-        def lagged():
-            native._cache[C._LIB_NAME] = colacc
-            Gefen._column_partials = cached_partials
-            gef.step()
-
-        methods = {"torch_adamw_fused": adam.step, "Gefen_step": as_is, "no_column_pass": no_pass,
-                   "no_column_pass_kernel_accumulates": lagged}
+        methods = {"torch_adamw_fused": adam.step, "Gefen_step": step_with(lib, real_partials),
+                   "no_column_pass": step_with(lib, cached_partials),
+                   "no_column_pass_kernel_accumulates": step_with(colacc, cached_partials)}
         try:
-            if C._lib() is not lib:
-                raise SystemExit("unexpected kernel library")
-            native._cache[C._LIB_NAME] = colacc
-            if C._lib() is not colacc:
-                raise SystemExit("the GEFEN_COLACC build was not accepted (ABI mismatch?)")
+            use(colacc)  # checks that the loader accepts the build
             wall, cpu_ms = time_rounds(methods, {}, args.rounds, log)
         finally:
             Gefen._column_partials = real_partials

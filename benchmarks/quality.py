@@ -765,7 +765,6 @@ def plot(runs: dict, workload: str, variants: list, path: Path, title: str) -> b
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     # zoom on the late phase; a diverged variant (late values far above the typical line's) is drawn
     # off the scale rather than flattening every other curve, and its label says so
     def late(line):
@@ -782,6 +781,7 @@ def plot(runs: dict, workload: str, variants: list, path: Path, title: str) -> b
         for l in lines:
             if max(late(l)) > hi:
                 l.set_label(f"{l.get_label()} (off scale)")
+    for ax in axes:
         ax.legend(fontsize=7)
     for ax in axes:  # the same late phase on the step axis (the early curves are off the scale)
         xs = [l.get_xdata() for l in ax.get_lines() if len(l.get_xdata())]
