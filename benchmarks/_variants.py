@@ -78,6 +78,13 @@ decoupled weight decay) to the parent class:
 * ``m_override={id(param): "quant4"}``: the low-bit first moment for those parameters only;
   ``lowbit_override={id(param): dict(m_bits=, v_bits=, q4_zero=, q4_step=)}``: other bit splits and
   levels for those parameters (one low-bit codebook per distinct ``m_bits``).
+* ``v_innov=True`` (``"factored"`` / ``"rowblock"``): each element's step size uses AdamW's
+  recursion for ``v`` with only the history factored, ``v_hat_t = b2 fact_{t-1} + (1 - b2) g_t^2``
+  (``fact_{t-1}``: the factored estimate before this step's gradient; the row and column EMAs then
+  advance as usual), bias-corrected for ``t`` updates. The current gradient enters every element's
+  step exactly, as in AdamW, so an element whose gradient jumps is damped at once rather than
+  through its row and column means. Same state; equal to the factored estimate where that is exact
+  (a constant rank-1 ``g^2``).
 * ``codebook_refresh=N``: every N steps, re-learn the codebook from the histogram of the current
   (pre-rounding) normalised first moments and re-encode every index into the new codebook (the
   end codewords stay at -1/+1, so the absmax scales are unchanged).
@@ -185,7 +192,7 @@ class GefenVariant(Gefen):
                  codebook_scope: str = "global", m_override: Optional[dict] = None,
                  q4_zero: int = Q4_ZERO, q4_step: float = 0.5, q4_rounding: str = "stochastic",
                  m_bits: int = 4, v_bits: int = 4, lowbit_override: Optional[dict] = None,
-                 q4_floor: bool = False, v_lag: bool = False, **kw):
+                 q4_floor: bool = False, v_lag: bool = False, v_innov: bool = False, **kw):
         assert first_moment in ("quant", "fp32", "quant4")
         assert period_rule in ("paper", "row", "one")
         assert rounding in ("nearest", "stochastic")
@@ -220,6 +227,12 @@ class GefenVariant(Gefen):
         # gradient (from the second step on, bias-corrected for t - 1 updates): a delayed v, as
         # AdaShift (Zhou et al. 2019) decorrelates v from g
         self.v_lag = bool(v_lag)
+        # "factored" / "rowblock": the per-element EMA's recursion with only its history factored:
+        # v_hat_t = b2 fact_{t-1} + (1 - b2) g_t^2 (fact_{t-1}: the factored estimate before this
+        # step's gradient; its row and column EMAs then advance as usual). The current gradient
+        # enters every element's step size exactly, as in AdamW; no extra state
+        self.v_innov = bool(v_innov)
+        assert not (self.v_lag and self.v_innov), "v_lag and v_innov are exclusive"
         self.lowbit_override = {k: dict(v) for k, v in (lowbit_override or {}).items()}
         for cfg in self.lowbit_override.values():
             assert set(cfg) <= {"m_bits", "v_bits", "q4_zero", "q4_step", "q4_floor"}, cfg
@@ -376,7 +389,7 @@ class GefenVariant(Gefen):
                    and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3", "factored_q4", "meanvar",
                                            "meanvar_min", "rowblock")
                    and self.rounding == "nearest"
-                   and not self.codebook_refresh and not self.v_lag and id(p) not in self.v_override
+                   and not self.codebook_refresh and not self.v_lag and not self.v_innov and id(p) not in self.v_override
                    and id(p) not in self.m_override and self.codebook_scope == "global")
         if default or "exp_avg" in st or not st.get("learned", 1):
             return super()._update(group, p, col_mean_sq)
@@ -401,10 +414,11 @@ class GefenVariant(Gefen):
             sb = (v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1)
             sigma = sb.repeat_interleave(P)
         elif v_mode in ("grouped", "rowblock"):
-            lag = self.v_lag and t > 1
+            lag = (self.v_lag or self.v_innov) and t > 1
             if lag:
                 old = (local_tensor(st["v_row"]).view(-1).clone(), st["v_col"].clone(), st["v_colg"].clone())
             v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
+            g2_now = g2
             K, R = st["v_colg"].shape[0], v_row.numel()
             if v_mode == "rowblock":  # K contiguous row blocks (e.g. c_attn's q / k / v, or its heads)
                 assert R % K == 0, f"rowblock: {R} rows do not split into {K} equal blocks"
@@ -422,7 +436,11 @@ class GefenVariant(Gefen):
             mc = float(v_col.mean())
             fallback = (v_col / mc) if mc > 0 else torch.zeros_like(v_col)
             ratio = torch.where(mg > 0, prof / torch.where(mg > 0, mg, torch.ones_like(mg)), fallback.unsqueeze(0))
-            denom = (v_row.sqrt().unsqueeze(1) * ratio.sqrt_()).div_(math.sqrt(bc2v)).add_(eps)
+            if self.v_innov:  # b2 fact_{t-1} + (1 - b2) g_t^2 (at t = 1: (1 - b2) g^2), bias-corrected for t
+                vh = (v_row.unsqueeze(1) * ratio).mul_(b2).add_(g2_now, alpha=1.0 - b2) if lag else g2_now * (1.0 - b2)
+                denom = vh.div_(bc2).sqrt_().add_(eps)
+            else:
+                denom = (v_row.sqrt().unsqueeze(1) * ratio.sqrt_()).div_(math.sqrt(bc2v)).add_(eps)
             sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
         elif v_mode == "sm3":
             v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
@@ -504,16 +522,21 @@ class GefenVariant(Gefen):
             vhat = torch.maximum(vhat, g2.view(-1) * (1.0 - b2))
             sigma = None
         else:  # factored (Adafactor estimator, as gefen_dist.core.step)
-            lag = self.v_lag and t > 1
+            lag = (self.v_lag or self.v_innov) and t > 1
             if lag:
                 old = (local_tensor(st["v_row"]).view(-1).clone(), st["v_col"].clone())
-            v_row, v_col, _ = self._factored_ema(st, g, col_mean_sq, b2)
+            v_row, v_col, g2_now = self._factored_ema(st, g, col_mean_sq, b2)
             bc2v = bc2
             if lag:
                 v_row, v_col, bc2v = old[0], old[1], 1.0 - b2 ** (t - 1)
             mc = float(v_col.mean())
             col_f = (v_col / mc).sqrt() if mc > 0 else torch.zeros_like(v_col)
-            denom = (v_row.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).div_(math.sqrt(bc2v)).add_(eps)
+            if self.v_innov:  # as in the rowblock branch
+                vh = ((v_row.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).square_().mul_(b2)
+                      .add_(g2_now, alpha=1.0 - b2) if lag else g2_now * (1.0 - b2))
+                denom = vh.div_(bc2).sqrt_().add_(eps)
+            else:
+                denom = (v_row.sqrt().unsqueeze(1) * col_f.unsqueeze(0)).div_(math.sqrt(bc2v)).add_(eps)
             sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
         # first moment
         if self.first_moment == "fp32":

@@ -354,6 +354,10 @@ VARIANTS = {
                "its own gradient (v_row and the column profiles of step t-1, bias-corrected for t-1 updates; the "
                "first step its own): a delayed v as in AdaShift; same state",
                _variant_square_rowblocks(second_moment_mode="factored", v_lag=True)),
+    # (y) the per-element recursion with a factored history: the current gradient enters exactly
+    "y_innov": ("(y) u_square_blocks (the default's math), but each element's step uses b2 fact_{t-1} + (1 - b2) g_t^2: "
+                "AdamW's recursion for v with only the history factored, the current gradient per element; same state",
+                _variant_square_rowblocks(second_moment_mode="factored", v_innov=True)),
     "w_blocks_emb_q4vmax": ("(w) u_square_blocks plus p_q4vmax_emb's 4-bit m + floored per-element 4-bit v code "
                             "for the embeddings: the default's budget",
                             _variant_blocks_emb("factored_q4", m_mode="quant4", second_moment_mode="factored",

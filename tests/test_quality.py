@@ -515,7 +515,9 @@ def test_lag_variants():
     """x_lagcol (v_col one step late) and x_lagv (v_row and the column profiles one step late) change
     nothing when every step's gradient has the same shape of second moment (the column factors are
     normalised, and a constant g makes every bias-corrected EMA equal g^2), and change the step when
-    it varies: the variants lag what they say they lag, and only that."""
+    it varies: the variants lag what they say they lag, and only that. y_innov (the current g^2 per
+    element, the history factored) changes nothing where the factored estimate is exact (a constant
+    rank-1 g^2) and changes the step where it is not."""
     _variants()
     import importlib
 
@@ -532,7 +534,10 @@ def test_lag_variants():
         base = {}
         for t in range(5):
             for p in model.parameters():
-                if mode == "varying" or p not in base:
+                if mode == "rank1" and p not in base and p.dim() == 2:  # g^2 = a_i^2 b_j^2, constant
+                    a, b = (torch.exp(torch.randn(n, generator=g)) for n in p.shape)
+                    base[p] = torch.outer(a, b) * torch.randn(p.shape, generator=g).sign() * 1e-2
+                elif mode == "varying" or p not in base:
                     scale = torch.exp(torch.randn(p.shape[0], *([1] * (p.dim() - 1)), generator=g))
                     base[p] = torch.randn(p.shape, generator=g) * scale * 1e-2
                 # "scaled": one shape, a new overall size each step; "constant": the same gradient
@@ -547,3 +552,7 @@ def test_lag_variants():
     assert not close(run("x_lagcol", "varying"), run("gefen_default", "varying"))
     assert close(run("x_lagv", "constant"), run("u_square_blocks", "constant"))
     assert not close(run("x_lagv", "varying"), run("u_square_blocks", "varying"))
+    # y_innov: the factored history is exact when every step's g^2 is the same rank-1 matrix, and
+    # then b2 fact_{t-1} + (1 - b2) g_t^2 is the factored estimate itself
+    assert close(run("y_innov", "rank1"), run("u_square_blocks", "rank1"))
+    assert not close(run("y_innov", "constant"), run("u_square_blocks", "constant"))
