@@ -390,6 +390,14 @@ VARIANTS = {
     "g_shared_lr0.7": ("(g) shared, lr x0.7", _gefen(second_moment="shared")),
     "g_factored_lr1.5": ("(g) factored, lr x1.5", _gefen(second_moment="factored")),
     "g_adamw_lr1.5": ("(g) AdamW, lr x1.5 (the control for the lr-scaled Gefen rows)", _adamw),
+    "gefen_elementwise": ("gefen_dist Gefen, second_moment='elementwise' for every tensor (8-bit m, fp32 v per "
+                          "element: the setting that buys AdamW's second moment back with ~4 B/param)",
+                          _gefen(second_moment="elementwise")),
+    "g_default_lr0.75": ("(g) gefen_dist Gefen, defaults (row blocks, D12), lr x0.75",
+                         _gefen(second_moment="factored", row_blocks="auto")),
+    "g_adamw_lr0.75": ("(g) AdamW, lr x0.75 (the control for g_default_lr0.75)", _adamw),
+    "g_default_lr1.5": ("(g) gefen_dist Gefen, defaults (row blocks, D12), lr x1.5",
+                        _gefen(second_moment="factored", row_blocks="auto")),
     # peers: other memory-saving optimizers, same lr, betas, eps and weight decay as AdamW
     "ao_adamw8bit": ("torchao 0.18.0 AdamW8bit (block-wise 8-bit m and v, blocks of 256; tensors < 4096 elements fp32)", _ao(8)),
     "ao_adamw4bit": ("torchao 0.18.0 AdamW4bit (block-wise 4-bit m and v, blocks of 128; tensors < 4096 elements fp32)", _ao(4)),
@@ -400,6 +408,7 @@ VARIANTS = {
     "gefen_x": ("gefen-x 0.5.0 Gefen, defaults (factored_v_2d=True; CPU: fused=False); run in a subprocess", _gefen_x),
 }
 LR_SCALE = {"g_shared_lr1.5": 1.5, "g_shared_lr0.7": 0.7, "g_factored_lr1.5": 1.5, "g_adamw_lr1.5": 1.5,
+            "g_default_lr1.5": 1.5, "g_default_lr0.75": 0.75, "g_adamw_lr0.75": 0.75,
             "adafactor_lr5x": 5.0}
 PEERS = ["ao_adamw8bit", "ao_adamw4bit", "bnb_adamw8bit", "adam_mini", "adafactor", "adafactor_lr5x", "gefen_x"]
 # variants whose package may not share this process: run in a child with PYTHONPATH=<target dir>
@@ -607,7 +616,8 @@ def _extra(opt) -> dict:
 GPT2_STATE_ROWS = ("shared", "factored", "factored, embeddings elementwise",
                    "factored, embeddings 4-bit m + 4-bit v correction (m_q4v_emb)",
                    "factored, embeddings 8-bit m + 4-bit v correction (m_emb_q4v_m8)",
-                   "factored, one column profile per tensor (row_blocks=1, the default before D12)")
+                   "factored, one column profile per tensor (row_blocks=1, the default before D12)",
+                   "elementwise (every quantized tensor: 8-bit m, fp32 v per element)")
 
 
 def gpt2_small_bytes() -> dict:
@@ -634,9 +644,12 @@ def gpt2_small_bytes() -> dict:
             ids = {id(p): "factored_q4" for name, p in params if name in emb}
             m4 = {k: "quant4" for k in ids} if sm == GPT2_STATE_ROWS[3] else None
             opt = GefenVariant(params, lr=1e-3, second_moment_mode="factored", v_override=ids, m_override=m4)
+        elif sm == GPT2_STATE_ROWS[6]:
+            opt = Gefen(params, lr=1e-3, second_moment="elementwise", fused=False)
         else:
             opt = Gefen(params, lr=1e-3, second_moment=sm, fused=False)
-        opt.init_state({r["name"]: 1 if sm == GPT2_STATE_ROWS[2] and r["name"] in emb else r["period"]
+        every = sm == GPT2_STATE_ROWS[6]
+        opt.init_state({r["name"]: 1 if every or (sm == GPT2_STATE_ROWS[2] and r["name"] in emb) else r["period"]
                         for r in per_tensor if r["kind"] == "quantized"})
         n = sum(p.numel() for _, p in params)
         sb = opt.state_bytes() + (16 * 4 if sm == GPT2_STATE_ROWS[3] else 0)  # + the 16-entry codebook
