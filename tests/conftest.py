@@ -10,6 +10,38 @@ for p in (ROOT, os.path.join(ROOT, "tests")):
         sys.path.insert(0, p)
 
 
+def _own_extension_dir() -> None:
+    """DeepSpeed JIT-builds ``deepspeed_shm_comm`` at every CPU ``init_distributed`` under torch's
+    extension root, guarded by a ``lock`` file that torch waits on forever. A build killed there
+    (a timed-out test, an interrupted run: it happened, and every DeepSpeed test of the next CI
+    run then hung to its timeout) poisons every later launch that shares the directory. The
+    suite therefore builds in its own directory (``build/torch_extensions`` of this checkout,
+    inherited by every launched rank) and, holding an ``flock`` for the session so that a
+    concurrent session in the same checkout is never disturbed, removes the locks a killed
+    session left there. A ``TORCH_EXTENSIONS_DIR`` set by the caller is used as it is and never
+    cleaned (other programs may build there)."""
+    import fcntl
+    import glob
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return
+    root = os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(ROOT, "build", "torch_extensions")
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(os.path.join(root, ".pytest-session"), os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # another session of this checkout is running: its locks are live
+        os.close(fd)
+        return
+    globals()["_SESSION_FD"] = fd  # held (and the flock with it) until this process exits
+    for lock in glob.glob(os.path.join(root, "*", "lock")):  # torch builds in $TORCH_EXTENSIONS_DIR/<op>
+        sys.stderr.write(f"conftest: removing {lock}, left by a killed extension build\n")
+        os.unlink(lock)
+
+
+_own_extension_dir()
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(2)

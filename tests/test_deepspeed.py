@@ -76,3 +76,35 @@ def test_deepspeed_universal_other_world_size(two_ranks, ranks, cases):
     rc, out, ok = _launch(ranks, cases, ckpt, keep=True)
     assert rc == 0 and "ALL OK" in out, out[-6000:]
     assert len(ok) == len(cases.split(",")), "\n".join(ok)
+
+
+def test_stale_extension_lock_is_reported(tmp_path, caplog):
+    """A ``lock`` left by a killed JIT build makes every later DeepSpeed init wait forever (torch's
+    FileBaton); importing the integration names such a lock and the command that removes it."""
+    import logging
+    import time
+
+    from gefen_dist.integrations import deepspeed as gds
+
+    # <root>/<op>/lock under $TORCH_EXTENSIONS_DIR, <root>/py311_cpu/<op>/lock under the default root
+    live, stale = tmp_path / "op_live" / "lock", tmp_path / "py311_cpu" / "op_stale" / "lock"
+    for p in (live, stale):
+        p.parent.mkdir(parents=True)
+        p.touch()
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    assert [p for p, _ in gds.extension_locks(str(tmp_path))] == [str(live), str(stale)]
+    with caplog.at_level(logging.WARNING, logger=gds.__name__):
+        assert gds.warn_stale_extension_locks(root=str(tmp_path)) == [str(stale)]
+    assert f"rm {stale}" in caplog.text and "60 minutes old" in caplog.text and str(live) not in caplog.text
+    with caplog.at_level(logging.WARNING, logger=gds.__name__):
+        assert gds.warn_stale_extension_locks(max_age_s=7200, root=str(tmp_path)) == []
+
+
+def test_suite_builds_extensions_in_its_own_directory():
+    """tests/conftest.py points every launched rank at this checkout's build/torch_extensions, so a
+    lock a killed build left in the shared ~/.cache cannot hang the suite (it did, in CI)."""
+    root = os.environ["TORCH_EXTENSIONS_DIR"]
+    if os.path.realpath(root) != os.path.realpath(os.path.join(REPO, "build", "torch_extensions")):
+        pytest.skip(f"TORCH_EXTENSIONS_DIR was set by the caller ({root})")
+    assert os.path.isdir(root)

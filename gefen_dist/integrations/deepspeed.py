@@ -40,7 +40,7 @@ from ..segments import FlatSegments, LayoutError, Segment, counts_to_codebook, v
 logger = logging.getLogger(__name__)
 
 __all__ = ["Gefen", "initialize", "register", "check_config", "load_universal", "LayoutError",
-           "CheckpointWorldSizeError"]
+           "CheckpointWorldSizeError", "extension_locks", "warn_stale_extension_locks"]
 
 _WRAPPER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
 
@@ -535,4 +535,44 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, con
     return engine, opt, loader, sched
 
 
+def extension_locks(root: Optional[str] = None) -> List[Tuple[str, float]]:
+    """The ``lock`` files of torch's JIT extension builds under ``root`` (default: where torch
+    builds, ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), with their age in seconds.
+
+    DeepSpeed builds its ops this way on first use (on CPU, ``deepspeed_shm_comm`` at every
+    ``init_distributed``), and torch's ``FileBaton`` waits *forever* for a ``lock`` file that a
+    killed build left behind: every later DeepSpeed launch on the machine hangs without a word.
+    """
+    import glob
+    import time
+
+    if root is None:  # torch builds in $TORCH_EXTENSIONS_DIR/<op>, else <default root>/py311_cpu/<op>
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    now, out = time.time(), []
+    for path in sorted(glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))):
+        try:
+            out.append((path, now - os.path.getmtime(path)))
+        except OSError:  # released between glob and stat
+            pass
+    return out
+
+
+def warn_stale_extension_locks(max_age_s: float = 600.0, root: Optional[str] = None) -> List[str]:
+    """Log a warning, with the fix, for each extension-build ``lock`` older than ``max_age_s``
+    (a build of DeepSpeed's CPU ops takes well under a minute; such a lock is almost surely
+    left by a killed process). Called once when this module is imported; returns the paths."""
+    stale = [(p, age) for p, age in extension_locks(root) if age > max_age_s]
+    for path, age in stale:
+        logger.warning("torch extension build lock %s is %.0f minutes old: DeepSpeed will wait on it forever "
+                       "(it builds its ops at init_distributed). If no build is running, a killed one left it: "
+                       "remove it with `rm %s`", path, age / 60, path)
+    return [p for p, _ in stale]
+
+
 register()
+try:
+    warn_stale_extension_locks()
+except Exception:  # pragma: no cover - a diagnostic must never break the import
+    logger.debug("could not check torch extension locks", exc_info=True)
