@@ -201,10 +201,11 @@ class GefenVariant(Gefen):
         self.codebook_scope = codebook_scope
         self.v_mode = second_moment_mode or kw.get("second_moment", "shared")
         assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp", "sm3", "factored_q4",
-                               "meanvar", "meanvar_min", "rowblock")
+                               "meanvar", "meanvar_min", "rowblock", "rowblock_meanvar_min")
         if self.v_mode in ("shared", "factored"):
             kw["second_moment"] = self.v_mode  # explicit: the library default is "factored"
-        if self.v_mode in ("grouped", "factored_clamp", "sm3", "factored_q4", "meanvar", "meanvar_min", "rowblock"):
+        if self.v_mode in ("grouped", "factored_clamp", "sm3", "factored_q4", "meanvar", "meanvar_min", "rowblock",
+                           "rowblock_meanvar_min"):
             kw["second_moment"] = "factored"  # v_row / v_col come from the parent's factored layout
         # K, or {id(param): K} (parameters not in it: 4)
         self.v_groups = {k: int(v) for k, v in v_groups.items()} if isinstance(v_groups, dict) else int(v_groups)
@@ -214,7 +215,8 @@ class GefenVariant(Gefen):
         self.rounding = rounding
         self.codebook_refresh = int(codebook_refresh)
         self.v_override = dict(v_override or {})
-        assert set(self.v_override.values()) <= {"exact", "row", "sm3", "grouped", "factored_q4", "rowblock"}
+        assert set(self.v_override.values()) <= {"exact", "row", "sm3", "grouped", "factored_q4", "rowblock",
+                                                 "meanvar_min", "rowblock_meanvar_min"}
         self.m_override = dict(m_override or {})
         assert set(self.m_override.values()) <= {"quant4"}
         self.codebooks_lowbit: dict = {}  # m_bits -> codebook
@@ -341,10 +343,13 @@ class GefenVariant(Gefen):
             assert "v_col" in st, "meanvar_min needs the factored layout"
             st["e_row"] = torch.zeros_like(local_tensor(st["v_row"]).view(-1))
             st["e_col"] = torch.zeros_like(st["v_col"])
-        elif mode in ("grouped", "rowblock"):
+        if mode in ("grouped", "rowblock", "rowblock_meanvar_min"):
             assert "v_col" in st, f"{mode} needs the factored layout"
             K = self.v_groups.get(id(p), 4) if isinstance(self.v_groups, dict) else self.v_groups
             st["v_colg"] = torch.zeros(K, st["v_col"].numel(), dtype=torch.float32, device=dev)
+        if mode == "rowblock_meanvar_min":  # and the innovations' row EMA and per-block column profiles
+            st["e_row"] = torch.zeros_like(local_tensor(st["v_row"]).view(-1))
+            st["e_colg"] = torch.zeros_like(st["v_colg"])
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
@@ -382,12 +387,35 @@ class GefenVariant(Gefen):
         v_row.mul_(b2).add_(g2.mean(dim=1), alpha=1.0 - b2)
         return v_row, v_col, g2
 
+    @staticmethod
+    def _row_blocks(R: int, K: int, device) -> torch.Tensor:
+        """Each of R rows' block id when the rows split into K equal contiguous blocks."""
+        assert R % K == 0, f"rowblock: {R} rows do not split into {K} equal blocks"
+        return torch.arange(R, device=device) // (R // K)
+
+    @staticmethod
+    def _profile_ratio(colg: torch.Tensor, grp: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+        """[R, C]: each row's group column profile over its own mean (``fallback``, a [C] column
+        vector normalised the same way, where the group's profile is still all zero)."""
+        prof = colg[grp]
+        mg = prof.mean(dim=1, keepdim=True)
+        mc = float(fallback.mean())
+        fb = (fallback / mc) if mc > 0 else torch.zeros_like(fallback)
+        return torch.where(mg > 0, prof / torch.where(mg > 0, mg, torch.ones_like(mg)), fb.unsqueeze(0))
+
+    @staticmethod
+    def _prev_m_hat(st, t: int, b1: float, B: int) -> torch.Tensor:
+        """The bias-corrected (quantized) first moment before this step's gradient, flat."""
+        m_prev = (st["codebook"][local_tensor(st["idx"]).view(-1, B).long()]
+                  * local_tensor(st["scale"]).view(-1, 1)).view(-1)
+        return m_prev / (1.0 - b1 ** (t - 1))
+
     def _update(self, group, p, col_mean_sq=None):
         st = self.state[p]
         v_mode = self.v_override.get(id(p), self.v_mode)
         default = (self.first_moment == "quant"
                    and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3", "factored_q4", "meanvar",
-                                           "meanvar_min", "rowblock")
+                                           "meanvar_min", "rowblock", "rowblock_meanvar_min")
                    and self.rounding == "nearest"
                    and not self.codebook_refresh and not self.v_lag and not self.v_innov and id(p) not in self.v_override
                    and id(p) not in self.m_override and self.codebook_scope == "global")
@@ -421,8 +449,7 @@ class GefenVariant(Gefen):
             g2_now = g2
             K, R = st["v_colg"].shape[0], v_row.numel()
             if v_mode == "rowblock":  # K contiguous row blocks (e.g. c_attn's q / k / v, or its heads)
-                assert R % K == 0, f"rowblock: {R} rows do not split into {K} equal blocks"
-                grp = torch.arange(R, device=g.device) // (R // K)
+                grp = self._row_blocks(R, K, g.device)
             else:
                 grp = torch.empty(R, dtype=torch.long, device=g.device)
                 grp[v_row.argsort()] = torch.arange(R, device=g.device) * K // R  # K equal quantile groups
@@ -431,11 +458,7 @@ class GefenVariant(Gefen):
             bc2v = bc2
             if lag:
                 v_row, v_col, colg, bc2v = old[0], old[1], old[2], 1.0 - b2 ** (t - 1)
-            prof = colg[grp]  # [R, slab]: each row's group column profile
-            mg = prof.mean(dim=1, keepdim=True)
-            mc = float(v_col.mean())
-            fallback = (v_col / mc) if mc > 0 else torch.zeros_like(v_col)
-            ratio = torch.where(mg > 0, prof / torch.where(mg > 0, mg, torch.ones_like(mg)), fallback.unsqueeze(0))
+            ratio = self._profile_ratio(colg, grp, v_col)  # [R, slab]: each row's group column profile
             if self.v_innov:  # b2 fact_{t-1} + (1 - b2) g_t^2 (at t = 1: (1 - b2) g^2), bias-corrected for t
                 vh = (v_row.unsqueeze(1) * ratio).mul_(b2).add_(g2_now, alpha=1.0 - b2) if lag else g2_now * (1.0 - b2)
                 denom = vh.div_(bc2).sqrt_().add_(eps)
@@ -494,24 +517,34 @@ class GefenVariant(Gefen):
             var_hat = (v_row.unsqueeze(1) * col_f.unsqueeze(0)).view(-1).mul_(
                 max(0.0, 1.0 - c_t) / (1.0 - b2 ** (t - 1)) if t > 1 else 0.0)
             sigma = None
-        elif v_mode == "meanvar_min":  # min(factored, m_hat^2 + factored variance), formed below
+        elif v_mode in ("meanvar_min", "rowblock_meanvar_min"):  # min(factored, m_hat^2 + factored variance)
             assert self.first_moment == "quant", "meanvar_min: the 8-bit first moment"
             v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
-            mc = float(v_col.mean())
-            col_f = v_col / mc if mc > 0 else torch.zeros_like(v_col)
-            fact_hat = (v_row.unsqueeze(1) * col_f.unsqueeze(0)).view(-1).div_(bc2)
-            e_row, e_col = st["e_row"], st["e_col"]
+            e_row = st["e_row"]
             c_t = (1.0 - b1) / (1.0 + b1) * (1.0 + b1 ** t) / (1.0 - b1 ** t)
-            if t > 1:
-                m_prev = (st["codebook"][local_tensor(st["idx"]).view(-1, B).long()]
-                          * local_tensor(st["scale"]).view(-1, 1)).view(-1)
+            e2 = None
+            if t > 1:  # the innovation g_t - m_hat_{t-1}, scaled to the gradient's variance
                 c_prev = (1.0 - b1) / (1.0 + b1) * (1.0 + b1 ** (t - 1)) / (1.0 - b1 ** (t - 1))
-                e2 = (g - m_prev / (1.0 - b1 ** (t - 1))).square_().div_(1.0 + c_prev).view(-1, v_col.numel())
-                e_col.mul_(b2).add_(e2.mean(dim=0), alpha=1.0 - b2)
+                e2 = (g - self._prev_m_hat(st, t, b1, B)).square_().div_(1.0 + c_prev).view(-1, v_col.numel())
                 e_row.mul_(b2).add_(e2.mean(dim=1), alpha=1.0 - b2)
-            mce = float(e_col.mean())
-            var_hat = (e_row.unsqueeze(1) * (e_col / mce).unsqueeze(0)).view(-1).mul_(
-                max(0.0, 1.0 - c_t) / (1.0 - b2 ** (t - 1))) if (t > 1 and mce > 0) else torch.zeros_like(g)
+            if v_mode == "meanvar_min":  # one column profile for g^2 and one for the innovations
+                e_col = st["e_col"]
+                if e2 is not None:
+                    e_col.mul_(b2).add_(e2.mean(dim=0), alpha=1.0 - b2)
+                mc, mce = float(v_col.mean()), float(e_col.mean())
+                col_f = v_col / mc if mc > 0 else torch.zeros_like(v_col)
+                ecol_f = (e_col / mce).unsqueeze(0) if mce > 0 else None
+            else:  # one column profile per block of rows, for both (as the default's row blocks, D12)
+                colg, e_colg = st["v_colg"], st["e_colg"]
+                grp = self._row_blocks(v_row.numel(), colg.shape[0], g.device)
+                colg.mul_(b2).index_add_(0, grp, g2, alpha=1.0 - b2)
+                if e2 is not None:
+                    e_colg.mul_(b2).index_add_(0, grp, e2, alpha=1.0 - b2)
+                col_f = self._profile_ratio(colg, grp, v_col)
+                ecol_f = self._profile_ratio(e_colg, grp, e_colg.sum(dim=0)) if float(e_colg.sum()) > 0 else None
+            fact_hat = (v_row.unsqueeze(1) * col_f).view(-1).div_(bc2)
+            var_hat = (e_row.unsqueeze(1) * ecol_f).view(-1).mul_(
+                max(0.0, 1.0 - c_t) / (1.0 - b2 ** (t - 1))) if (t > 1 and ecol_f is not None) else torch.zeros_like(g)
             floor_hat = g2.reshape(-1) * ((1.0 - b2) / bc2)  # every per-element EMA v obeys v_t >= (1-b2) g_t^2
             sigma = None
         elif v_mode == "factored_clamp":  # sigma is formed after the first moment, below
@@ -567,7 +600,7 @@ class GefenVariant(Gefen):
                 new = nearest_codeword(z, cb)
             ix.copy_(new)
             q = (cb[new.long()] * a).view(-1)
-        if sigma is None and v_mode == "meanvar_min":  # never a shorter step than the factored estimate's
+        if sigma is None and v_mode in ("meanvar_min", "rowblock_meanvar_min"):  # never shorter than factored
             vhat = torch.minimum(fact_hat, (q.view(-1) / bc1).square().add_(var_hat))
             vhat = torch.maximum(vhat, floor_hat)
             sigma = vhat.sqrt_().add_(eps).reciprocal_().mul_(1.0 / bc1)

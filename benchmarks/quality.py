@@ -149,6 +149,22 @@ def _variant_square_rowblocks(**kw):
     return make
 
 
+def _variant_blocks_meanvar_min(**kw):
+    """(z) s_meanvar_min on the default's layout: every 2-D tensor of R = k x C rows (2 <= k <= 8, the
+    library's row_blocks="auto" rule) gets ``"rowblock_meanvar_min"`` with k blocks (one column
+    profile per block for g^2 and for the innovations), every other tensor ``"meanvar_min"``."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        over, K = {}, {}
+        for _, p in model.named_parameters():
+            if p.dim() == 2 and 2 * p.shape[1] <= p.shape[0] <= 8 * p.shape[1] and p.shape[0] % p.shape[1] == 0:
+                over[id(p)], K[id(p)] = "rowblock_meanvar_min", p.shape[0] // p.shape[1]
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, v_groups=K,
+                            second_moment_mode="meanvar_min", **kw)
+    make.needs_model = True
+    return make
+
+
 def _variant_blocks_emb(mode: str, m_mode: Optional[str] = None, **kw):
     """u_square_blocks (row blocks on every [k x C, C] tensor) with the embeddings (wte, tied to
     the LM head, and wpe) given the second moment ``mode`` and first moment ``m_mode``, as
@@ -358,6 +374,11 @@ VARIANTS = {
     "y_innov": ("(y) u_square_blocks (the default's math), but each element's step uses b2 fact_{t-1} + (1 - b2) g_t^2: "
                 "AdamW's recursion for v with only the history factored, the current gradient per element; same state",
                 _variant_square_rowblocks(second_moment_mode="factored", v_innov=True)),
+    # (z) the element's own mean (s) on the default's row blocks (u / D12)
+    "z_blocks_meanvar_min": ("(z) s_meanvar_min with the default's row blocks: v_hat = max(min(factored, m_hat^2 + "
+                             "factored innovation variance), (1-b2) g^2), both factored estimates with one column "
+                             "profile per block of C rows of a [k x C, C] tensor; 2 more float vectors per tensor "
+                             "(k column profiles for the blocked ones)", _variant_blocks_meanvar_min()),
     "w_blocks_emb_q4vmax": ("(w) u_square_blocks plus p_q4vmax_emb's 4-bit m + floored per-element 4-bit v code "
                             "for the embeddings: the default's budget",
                             _variant_blocks_emb("factored_q4", m_mode="quant4", second_moment_mode="factored",

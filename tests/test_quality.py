@@ -511,6 +511,46 @@ def test_meanvar_min_variant_never_steps_shorter_than_factored():
     assert int((mvm[mean != 0] > 1.05 * fact[mean != 0]).sum()) > 100
 
 
+def test_rowblock_meanvar_min_is_meanvar_min_per_block():
+    """(z) rowblock_meanvar_min on a [3C, C] tensor with 3 row blocks steps exactly as meanvar_min on
+    its three [C, C] blocks as separate tensors (the same rows, so the same codebook, scales and
+    quantized first moment, with whole-row periods; each block its own column profiles of g^2 and
+    of the innovations), and
+    differently from meanvar_min on the whole tensor (one column profile) once the blocks' column
+    scales differ."""
+    GefenVariant = _variants().GefenVariant
+    C = 96  # each block above the small-tensor threshold (4,096 elements)
+    torch.manual_seed(0)
+    w0 = torch.randn(3 * C, C) * 0.02
+    col = torch.exp(2 * torch.randn(3, 1, C))  # each block its own column scales
+    mean = 0.3 * torch.sign(torch.randn(3 * C, C)) * (torch.rand(3 * C, C) < 0.2)
+    g = torch.Generator().manual_seed(5)
+    grads = [((mean + torch.randn(3 * C, C, generator=g)).view(3, C, C) * col).view(3 * C, C) for _ in range(6)]
+
+    def run(kind):
+        if kind == "split":
+            ws = [nn.Parameter(b.clone()) for b in w0.view(3, C, C)]
+            opt = GefenVariant(ws, lr=1e-3, betas=(0.9, 0.95), second_moment_mode="meanvar_min", period_rule="row")
+        else:
+            ws = [nn.Parameter(w0.clone())]
+            over = {id(ws[0]): "rowblock_meanvar_min"} if kind == "blocks" else None
+            opt = GefenVariant(ws, lr=1e-3, betas=(0.9, 0.95), second_moment_mode="meanvar_min", period_rule="row",
+                               v_override=over, v_groups=3)
+        for gr in grads:
+            for w, gb in zip(ws, gr.view(len(ws), -1, C)):
+                w.grad = gb.reshape(w.shape).clone()
+            opt.step()
+        return torch.cat([w.detach().reshape(-1, C) for w in ws]), opt, ws
+
+    blocks, ob, wb = run("blocks")
+    split, _, _ = run("split")
+    whole, _, _ = run("whole")
+    st = ob.state[wb[0]]
+    assert st["v_colg"].shape == st["e_colg"].shape == (3, C) and float(st["e_colg"].min()) > 0
+    torch.testing.assert_close(blocks, split, rtol=1e-5, atol=2e-8)  # column sums vs means: rounding
+    assert (blocks - whole).abs().max() > 100 * (blocks - split).abs().max() + 1e-7
+
+
 def test_lag_variants():
     """x_lagcol (v_col one step late) and x_lagv (v_row and the column profiles one step late) change
     nothing when every step's gradient has the same shape of second moment (the column factors are
