@@ -192,7 +192,8 @@ class GefenVariant(Gefen):
                  codebook_scope: str = "global", m_override: Optional[dict] = None,
                  q4_zero: int = Q4_ZERO, q4_step: float = 0.5, q4_rounding: str = "stochastic",
                  m_bits: int = 4, v_bits: int = 4, lowbit_override: Optional[dict] = None,
-                 q4_floor: bool = False, v_lag: bool = False, v_innov: bool = False, **kw):
+                 q4_floor: bool = False, v_lag: bool = False, v_innov: bool = False, v_clamp: bool = False,
+                 **kw):
         assert first_moment in ("quant", "fp32", "quant4")
         assert period_rule in ("paper", "row", "one")
         assert rounding in ("nearest", "stochastic")
@@ -235,6 +236,10 @@ class GefenVariant(Gefen):
         # enters every element's step size exactly, as in AdamW; no extra state
         self.v_innov = bool(v_innov)
         assert not (self.v_lag and self.v_innov), "v_lag and v_innov are exclusive"
+        # "grouped" / "rowblock": factored_clamp's per-element floors ((1 - b2) g^2 and kappa m^2) on
+        # the grouped estimate; no extra state
+        self.v_clamp = bool(v_clamp)
+        assert not (self.v_clamp and (self.v_lag or self.v_innov)), "v_clamp excludes v_lag and v_innov"
         self.lowbit_override = {k: dict(v) for k, v in (lowbit_override or {}).items()}
         for cfg in self.lowbit_override.values():
             assert set(cfg) <= {"m_bits", "v_bits", "q4_zero", "q4_step", "q4_floor"}, cfg
@@ -417,7 +422,8 @@ class GefenVariant(Gefen):
                    and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3", "factored_q4", "meanvar",
                                            "meanvar_min", "rowblock", "rowblock_meanvar_min")
                    and self.rounding == "nearest"
-                   and not self.codebook_refresh and not self.v_lag and not self.v_innov and id(p) not in self.v_override
+                   and not self.codebook_refresh and not self.v_lag and not self.v_innov and not self.v_clamp
+                   and id(p) not in self.v_override
                    and id(p) not in self.m_override and self.codebook_scope == "global")
         if default or "exp_avg" in st or not st.get("learned", 1):
             return super()._update(group, p, col_mean_sq)
@@ -459,12 +465,16 @@ class GefenVariant(Gefen):
             if lag:
                 v_row, v_col, colg, bc2v = old[0], old[1], old[2], 1.0 - b2 ** (t - 1)
             ratio = self._profile_ratio(colg, grp, v_col)  # [R, slab]: each row's group column profile
-            if self.v_innov:  # b2 fact_{t-1} + (1 - b2) g_t^2 (at t = 1: (1 - b2) g^2), bias-corrected for t
+            if self.v_clamp:  # factored_clamp's two per-element floors, on the row blocks' estimate
+                vhat = torch.maximum((v_row.unsqueeze(1) * ratio).view(-1), g2.view(-1) * (1.0 - b2))
+                sigma = None  # the kappa m^2 floor needs this step's first moment: formed below
+            elif self.v_innov:  # b2 fact_{t-1} + (1 - b2) g_t^2 (at t = 1: (1 - b2) g^2), bias-corrected for t
                 vh = (v_row.unsqueeze(1) * ratio).mul_(b2).add_(g2_now, alpha=1.0 - b2) if lag else g2_now * (1.0 - b2)
                 denom = vh.div_(bc2).sqrt_().add_(eps)
             else:
                 denom = (v_row.sqrt().unsqueeze(1) * ratio.sqrt_()).div_(math.sqrt(bc2v)).add_(eps)
-            sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
+            if not self.v_clamp:
+                sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
         elif v_mode == "sm3":
             v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
             g2 = (g * g).view(-1, v_col.numel())

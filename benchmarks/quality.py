@@ -379,6 +379,9 @@ VARIANTS = {
                              "factored innovation variance), (1-b2) g^2), both factored estimates with one column "
                              "profile per block of C rows of a [k x C, C] tensor; 2 more float vectors per tensor "
                              "(k column profiles for the blocked ones)", _variant_blocks_meanvar_min()),
+    "z_blocks_clamp": ("(z) k_factored_clamp with the default's row blocks: the row blocks' factored estimate raised, per "
+                       "element, to (1-b2) g^2 and kappa m^2 (no step longer than AdamW's can be); same state as the "
+                       "default", _variant_square_rowblocks(second_moment_mode="factored_clamp", v_clamp=True)),
     "w_blocks_emb_q4vmax": ("(w) u_square_blocks plus p_q4vmax_emb's 4-bit m + floored per-element 4-bit v code "
                             "for the embeddings: the default's budget",
                             _variant_blocks_emb("factored_q4", m_mode="quant4", second_moment_mode="factored",

@@ -551,6 +551,40 @@ def test_rowblock_meanvar_min_is_meanvar_min_per_block():
     assert (blocks - whole).abs().max() > 100 * (blocks - split).abs().max() + 1e-7
 
 
+def test_rowblock_clamp_is_factored_clamp_per_block():
+    """(z) z_blocks_clamp's "rowblock" second moment with v_clamp: with one block it steps as
+    k_factored_clamp (up to the rounding of column sums against means), and it is the row blocks'
+    estimate wherever neither floor binds (most elements), shorter wherever one does (the spikes,
+    whose g^2 the row and column averages under-estimate)."""
+    GefenVariant = _variants().GefenVariant
+    torch.manual_seed(0)
+    R, C = 192, 96
+    w0 = torch.randn(R, C) * 0.02
+    spike = torch.rand(R, C) < 0.02  # a few elements far above their row's and column's level
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(R, C, generator=g) * torch.where(spike, 30.0, 1.0) for _ in range(5)]
+
+    def run(mode, K=1, clamp=False):
+        w = nn.Parameter(w0.clone())
+        over = {id(w): "rowblock"} if mode == "rowblock" else None
+        opt = GefenVariant([w], lr=1e-3, betas=(0.9, 0.95), second_moment_mode="factored_clamp" if clamp else
+                           "factored", period_rule="row", v_override=over, v_groups=K, v_clamp=clamp and over is not None)
+        for gr in grads:
+            before = w.detach().clone()
+            w.grad = gr.clone()
+            opt.step()
+        return (w.detach() - before).abs()
+
+    one_clamped, clamped = run("rowblock", 1, clamp=True), run("factored", clamp=True)
+    torch.testing.assert_close(one_clamped, clamped, rtol=1e-5, atol=1e-8)  # a few ulps of the weights
+    blocks, blocks_clamped = run("rowblock", 2), run("rowblock", 2, clamp=True)
+    # the floors only shorten steps, and they shorten the spikes' (whose g^2 exceeds the estimate)
+    assert bool((blocks_clamped <= blocks * (1 + 1e-5) + 1e-8).all())
+    assert float(blocks_clamped[spike].mean()) < 0.9 * float(blocks[spike].mean())
+    # most ordinary elements sit under the estimate: their steps are the row blocks' own
+    assert float((blocks_clamped[~spike] >= blocks[~spike] * (1 - 1e-5) - 1e-8).float().mean()) > 0.8
+
+
 def test_lag_variants():
     """x_lagcol (v_col one step late) and x_lagv (v_row and the column profiles one step late) change
     nothing when every step's gradient has the same shape of second moment (the column factors are
