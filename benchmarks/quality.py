@@ -690,6 +690,20 @@ def _cfg_key(cfg: dict) -> str:
     return json.dumps({k: v for k, v in sorted(cfg.items())}, default=list)
 
 
+def host_signature() -> str:
+    """The CPU model and the SIMD level torch dispatches to, recorded with every run. AdamW's runs
+    reproduce bitwise on another host, Gefen's do not (the same code and seed differ by 0.4% of
+    validation loss on the `small` preset; docs/quality.md, round 14), so runs compared seed by
+    seed should come from one host."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}; torch {torch.backends.cpu.get_cpu_capability()}"
+
+
 def load_runs(lm_cfg: dict, dg_cfg: dict) -> dict:
     runs = {}
     if not RUNS.exists():
@@ -1024,7 +1038,8 @@ def main(argv=None):
                         continue
                     t0 = time.time()
                     res = (run_lm if w == "lm" else run_digits)(v, seed, cfg)
-                    rec = dict(workload=w, variant=v, seed=seed, config=cfg, result=res, time=time.time())
+                    rec = dict(workload=w, variant=v, seed=seed, config=cfg, result=res, time=time.time(),
+                               host=host_signature())
                     with open(RUNS, "a") as f:
                         f.write(json.dumps(rec, default=list) + "\n")
                     acc = f" acc {res['val_acc']:.4f}" if "val_acc" in res else ""
