@@ -409,11 +409,20 @@ class GefenVariant(Gefen):
         return torch.where(mg > 0, prof / torch.where(mg > 0, mg, torch.ones_like(mg)), fb.unsqueeze(0))
 
     @staticmethod
-    def _prev_m_hat(st, t: int, b1: float, B: int) -> torch.Tensor:
-        """The bias-corrected (quantized) first moment before this step's gradient, flat."""
-        m_prev = (st["codebook"][local_tensor(st["idx"]).view(-1, B).long()]
-                  * local_tensor(st["scale"]).view(-1, 1)).view(-1)
-        return m_prev / (1.0 - b1 ** (t - 1))
+    def _mhat_var_ratio(b1: float, t: int) -> float:
+        """c_t = Var(m_hat_t) / sigma^2 for i.i.d. gradients of variance sigma^2."""
+        return (1.0 - b1) / (1.0 + b1) * (1.0 + b1 ** t) / (1.0 - b1 ** t)
+
+    def _innovation_sq(self, st, g: torch.Tensor, t: int, b1: float, B: int, cols: int) -> torch.Tensor:
+        """[rows, cols]: (g_t - m_hat_{t-1})^2 / (1 + c_{t-1}), an estimate of the gradient's
+        variance (t >= 2); m_hat the bias-corrected fp32 or quantized first moment before this step."""
+        if self.first_moment == "fp32":
+            m_prev = st["m32"].view(-1)
+        else:
+            m_prev = (st["codebook"][local_tensor(st["idx"]).view(-1, B).long()]
+                      * local_tensor(st["scale"]).view(-1, 1)).view(-1)
+        e = g - m_prev / (1.0 - b1 ** (t - 1))
+        return e.square_().div_(1.0 + self._mhat_var_ratio(b1, t - 1)).view(-1, cols)
 
     def _update(self, group, p, col_mean_sq=None):
         st = self.state[p]
@@ -468,12 +477,13 @@ class GefenVariant(Gefen):
             if self.v_clamp:  # factored_clamp's two per-element floors, on the row blocks' estimate
                 vhat = torch.maximum((v_row.unsqueeze(1) * ratio).view(-1), g2.view(-1) * (1.0 - b2))
                 sigma = None  # the kappa m^2 floor needs this step's first moment: formed below
-            elif self.v_innov:  # b2 fact_{t-1} + (1 - b2) g_t^2 (at t = 1: (1 - b2) g^2), bias-corrected for t
-                vh = (v_row.unsqueeze(1) * ratio).mul_(b2).add_(g2_now, alpha=1.0 - b2) if lag else g2_now * (1.0 - b2)
-                denom = vh.div_(bc2).sqrt_().add_(eps)
             else:
-                denom = (v_row.sqrt().unsqueeze(1) * ratio.sqrt_()).div_(math.sqrt(bc2v)).add_(eps)
-            if not self.v_clamp:
+                if self.v_innov:  # b2 fact_{t-1} + (1 - b2) g_t^2 (at t = 1: (1 - b2) g^2), bias-corrected for t
+                    vh = ((v_row.unsqueeze(1) * ratio).mul_(b2).add_(g2_now, alpha=1.0 - b2) if lag
+                          else g2_now * (1.0 - b2))
+                    denom = vh.div_(bc2).sqrt_().add_(eps)
+                else:
+                    denom = (v_row.sqrt().unsqueeze(1) * ratio.sqrt_()).div_(math.sqrt(bc2v)).add_(eps)
                 sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
         elif v_mode == "sm3":
             v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
@@ -510,15 +520,9 @@ class GefenVariant(Gefen):
         elif v_mode == "meanvar":  # the factored estimate of the innovations' variance; m^2 added below
             assert self.first_moment in ("quant", "fp32"), "meanvar: the 8-bit or the fp32 first moment"
             v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
-            if self.first_moment == "fp32":
-                m_prev = st["m32"].view(-1).clone()
-            else:
-                m_prev = (st["codebook"][local_tensor(st["idx"]).view(-1, B).long()]
-                          * local_tensor(st["scale"]).view(-1, 1)).view(-1)
-            c_t = (1.0 - b1) / (1.0 + b1) * (1.0 + b1 ** t) / (1.0 - b1 ** t)  # Var(m_hat_t) / sigma^2
+            c_t = self._mhat_var_ratio(b1, t)
             if t > 1:  # innovation g_t - m_hat_{t-1}: variance sigma^2 (1 + c_{t-1}), scaled to sigma^2
-                c_prev = (1.0 - b1) / (1.0 + b1) * (1.0 + b1 ** (t - 1)) / (1.0 - b1 ** (t - 1))
-                e2 = (g - m_prev / (1.0 - b1 ** (t - 1))).square_().div_(1.0 + c_prev).view(-1, v_col.numel())
+                e2 = self._innovation_sq(st, g, t, b1, B, v_col.numel())
                 v_col.mul_(b2).add_(e2.mean(dim=0), alpha=1.0 - b2)
                 v_row.mul_(b2).add_(e2.mean(dim=1), alpha=1.0 - b2)
             mc = float(v_col.mean())
@@ -531,11 +535,10 @@ class GefenVariant(Gefen):
             assert self.first_moment == "quant", "meanvar_min: the 8-bit first moment"
             v_row, v_col, g2 = self._factored_ema(st, g, col_mean_sq, b2)
             e_row = st["e_row"]
-            c_t = (1.0 - b1) / (1.0 + b1) * (1.0 + b1 ** t) / (1.0 - b1 ** t)
+            c_t = self._mhat_var_ratio(b1, t)
             e2 = None
             if t > 1:  # the innovation g_t - m_hat_{t-1}, scaled to the gradient's variance
-                c_prev = (1.0 - b1) / (1.0 + b1) * (1.0 + b1 ** (t - 1)) / (1.0 - b1 ** (t - 1))
-                e2 = (g - self._prev_m_hat(st, t, b1, B)).square_().div_(1.0 + c_prev).view(-1, v_col.numel())
+                e2 = self._innovation_sq(st, g, t, b1, B, v_col.numel())
                 e_row.mul_(b2).add_(e2.mean(dim=1), alpha=1.0 - b2)
             if v_mode == "meanvar_min":  # one column profile for g^2 and one for the innovations
                 e_col = st["e_col"]

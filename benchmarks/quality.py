@@ -155,11 +155,11 @@ def _variant_blocks_meanvar_min(**kw):
     profile per block for g^2 and for the innovations), every other tensor ``"meanvar_min"``."""
     def make(groups, lr, betas, seed, *, model, **_):
         from _variants import GefenVariant
-        over, K = {}, {}
-        for _, p in model.named_parameters():
-            if p.dim() == 2 and 2 * p.shape[1] <= p.shape[0] <= 8 * p.shape[1] and p.shape[0] % p.shape[1] == 0:
-                over[id(p)], K[id(p)] = "rowblock_meanvar_min", p.shape[0] // p.shape[1]
-        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, v_groups=K,
+        from gefen_dist.core.periods import factored_row_blocks
+
+        K = {id(p): k for p in model.parameters() if p.dim() == 2 and (k := factored_row_blocks(p.shape)) > 1}
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed,
+                            v_override=dict.fromkeys(K, "rowblock_meanvar_min"), v_groups=K,
                             second_moment_mode="meanvar_min", **kw)
     make.needs_model = True
     return make
