@@ -630,3 +630,45 @@ def test_lag_variants():
     # then b2 fact_{t-1} + (1 - b2) g_t^2 is the factored estimate itself
     assert close(run("y_innov", "rank1"), run("u_square_blocks", "rank1"))
     assert not close(run("y_innov", "constant"), run("u_square_blocks", "constant"))
+
+
+def test_seed_gaps_pairs_by_seed_and_flags_stalled_baselines(tmp_path):
+    """benchmarks/seed_gaps.py: gaps paired by seed, newest record wins across files, the
+    trains-well rule (baseline within 2% of its median), a Student-t interval, clear errors."""
+    import json
+    import math
+    import statistics
+
+    _variants()  # puts benchmarks/ on sys.path
+    import seed_gaps as sg
+
+    cfg = {"preset": "small", "steps": 800}
+
+    def rec(variant, seed, val, preset="small"):
+        return json.dumps({"workload": "lm", "variant": variant, "seed": seed,
+                           "config": dict(cfg, preset=preset), "result": {"val_loss": val}})
+
+    base = {0: 1.50, 1: 1.52, 2: 1.51, 3: 1.70}  # seed 3: 12% above the median, a stall
+    gef = {0: 1.512, 1: 1.52, 2: 1.53, 3: 1.60}
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join([rec("adamw", s, v) for s, v in base.items()]
+                           + [rec("g", s, 9.9) for s in base] + [rec("g", 0, 1.0, preset="tiny")]) + "\n")
+    b.write_text("\n".join(rec("g", s, v) for s, v in gef.items()) + "\n")  # newer: replaces 9.9
+    res = sg.seed_gaps(sg.load_finals([a, b]), "g")
+    gaps = {r["seed"]: r["gap_pct"] for r in res["seeds"]}
+    assert gaps == pytest.approx({s: 100 * (gef[s] / base[s] - 1) for s in base})
+    assert res["stalled_seeds"] == [3]
+    good = [gaps[s] for s in (0, 1, 2)]
+    tw = res["trains_well"]
+    assert tw["n"] == 3 and tw["mean"] == pytest.approx(sum(good) / 3)
+    assert tw["within_1pct"] == 2 and tw["max"] == pytest.approx(max(good))
+    half = 4.302652729911275 * statistics.stdev(good) / math.sqrt(3)  # t(0.975, df=2)
+    assert tw["ci95"] == pytest.approx((tw["mean"] - half, tw["mean"] + half))
+    assert res["all"]["n"] == 4 and res["all"]["min"] == pytest.approx(gaps[3])
+    assert "adamw stalls" in sg.report(res)
+    with pytest.raises(ValueError, match=r"seeds \[7\] lack"):
+        sg.seed_gaps(sg.load_finals([a, b]), "g", seeds=[0, 7])
+    with pytest.raises(ValueError, match="no seed has both"):
+        sg.seed_gaps(sg.load_finals([a]), "nope")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        sg.load_finals([tmp_path / "missing.jsonl"])
