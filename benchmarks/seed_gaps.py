@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_finals(paths: Iterable[Path], preset: str = "small", steps: int = 800) -> Dict[Tuple[str, int], dict]:
-    """``{(variant, seed): {"val": final validation loss, "host": host or None, "file": name}}`` of the
-    LM runs of ``preset`` and ``steps`` in ``paths`` (newest wins)."""
+    """``{(variant, seed): {"val": final validation loss, "curve": {step: validation loss}, "host":
+    host or None, "file": name}}`` of the LM runs of ``preset`` and ``steps`` in ``paths`` (newest
+    wins)."""
     out: Dict[Tuple[str, int], dict] = {}
     for p in paths:
         p = Path(p)
@@ -50,7 +51,8 @@ def load_finals(paths: Iterable[Path], preset: str = "small", steps: int = 800) 
             c = r["config"]
             if r["workload"] != "lm" or c.get("preset") != preset or c.get("steps") != steps:
                 continue
-            out[(r["variant"], int(r["seed"]))] = dict(val=r["result"]["val_loss"], host=r.get("host"), file=p.name)
+            out[(r["variant"], int(r["seed"]))] = dict(val=r["result"]["val_loss"], host=r.get("host"), file=p.name,
+                                                       curve=dict(r["result"].get("val_curve", [])))
     return out
 
 
