@@ -9,7 +9,7 @@ row; the same generator as ``benchmarks/step_speed.py``), float32.
 Timed, interleaved in one process (round r runs each variant once), minimum over rounds, wall
 time and process CPU time (all threads; robust against other load on a shared machine):
 
-* ``periods_native``: :func:`gefen_dist.core.periods.grad_period_partials` per tensor (``l``
+* ``periods_native``: :func:`gefen_dist.kernels.dispatch.grad_period_partials` per tensor (``l``
   computed on the fly), combined and selected;
 * ``periods_native_via_log_sq``: ``period_partials(log_sq(g))`` with both native (the call the
   optimizer makes today, which materialises ``l``: 8 B/element);
@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from _gpt2 import GPT2_PARAMS, gpt2_shapes  # noqa: E402,F401
 from gefen_dist.core import periods as P  # noqa: E402
-from gefen_dist.core.quant import NUM_BINS, block_histogram, block_histogram_eager  # noqa: E402
+from gefen_dist.core.quant import NUM_BINS, block_histogram_eager  # noqa: E402
+from gefen_dist.kernels import dispatch as D  # noqa: E402
 from gefen_dist.kernels import first_step as F  # noqa: E402
 
 
@@ -69,9 +70,9 @@ def periods_of(grads, mode: str):
             continue
         flat = g.reshape(-1)
         if mode == "native":
-            part = P.grad_period_partials(flat, 0, n, cands)
+            part = D.grad_period_partials(flat, 0, n, cands)
         elif mode == "native_via_log_sq":
-            part = P.period_partials(P.log_sq(flat), 0, n, cands)
+            part = D.period_partials(D.log_sq(flat), 0, n, cands)
         else:
             part = P.period_partials_eager(P.log_sq_eager(flat), 0, n, cands)
         p = P.select_paper_period(cands, P.combine_partials([part], n))
@@ -81,7 +82,7 @@ def periods_of(grads, mode: str):
 
 def hist_of(grads, blocks, native: bool):
     counts = torch.zeros(NUM_BINS, dtype=torch.int64)
-    fn = block_histogram if native else block_histogram_eager
+    fn = D.block_histogram if native else block_histogram_eager
     for (_, g), b in zip(grads, blocks):
         if b:
             fn(g, b, out=counts)

@@ -18,11 +18,12 @@ from torch.optim import Optimizer
 
 from .comm import LocalComm, comm_for
 from .core import periods as _periods
-from .core.quant import block_histogram, NUM_BINS
+from .core.quant import NUM_BINS
 from .core.step import (adamw_foreach_, adamw_step_, bias_corrections, block_column_sumsq, column_sumsq,
                         quantized_step_eager_, quantized_step_factored_eager_, row_block_args)
 from .core.step import scalar_value as _scalar
 from .cuda_path import CudaPlan
+from .kernels import dispatch as _dispatch
 from .nonfinite import NonfiniteChecks
 from .layout import (KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, check_supported, global_shape, is_dtensor,
                      is_exact, like_param, local_tensor, piece_of)
@@ -405,7 +406,7 @@ class Gefen(NonfiniteChecks, Optimizer):
                 payload.append(None)
                 continue
             g = pc.grad.reshape(-1) if pc.grad is not None else torch.zeros(0)
-            part = _periods.grad_period_partials(g, pc.start, n, cands)
+            part = _dispatch.grad_period_partials(g, pc.start, n, cands)
             payload.append(part.to_payload())
         gathered = self._comm.all_gather_object(payload)
         out = []
@@ -426,16 +427,14 @@ class Gefen(NonfiniteChecks, Optimizer):
         counts = torch.zeros(NUM_BINS, dtype=torch.int64)
         for p, pc in live:
             if pc.contributes and pc.grad is not None and pc.grad.numel():
-                block_histogram(pc.grad, self.state[p]["scale_block"], out=counts)
+                _dispatch.block_histogram(pc.grad, self.state[p]["scale_block"], out=counts)
         self._comm.all_reduce_sum_(counts)
         return counts
 
     def _learn_codebook(self, live: Sequence[Tuple[torch.Tensor, Piece]], t_periods: float) -> None:
-        from .core.codebook import solve_codebook
-
         t0 = time.perf_counter()
         counts = self._global_histogram(live)
-        res = solve_codebook(counts.numpy())
+        res = _dispatch.solve_codebook(counts.numpy())
         t_hist = time.perf_counter() - t0 - res.seconds
         dev = live[0][1].local.device
         self.codebook = res.codebook.to(device=dev, dtype=torch.float32)

@@ -16,7 +16,7 @@ steps such a buffer with exact per-tensor Gefen:
   and each rank finishes its part with the global values. The state of a cut block (its ``v``
   and scale) is duplicated on the ranks that share it and stays identical;
 * at the first step with a nonzero gradient, periods come from decomposed statistics
-  (:func:`gefen_dist.core.periods.period_partials`, all-gathered and combined) and the codebook
+  (:func:`gefen_dist.kernels.dispatch.grad_period_partials`, all-gathered and combined) and the codebook
   from an all-reduced histogram in which cut blocks are normalised by their global absmax, so
   periods and codebook equal single-process Gefen's.
 
@@ -55,10 +55,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .core import periods as _periods
-from .core.quant import NUM_BINS, block_histogram, nearest_codeword
+from .core.quant import NUM_BINS, nearest_codeword
 from .core.step import (adamw_step_, bias_corrections, block_column_sumsq, column_factors, column_sumsq,
                         quantized_step_eager_,
                         quantized_step_factored_eager_)
+from .kernels import dispatch as _dispatch
 from .layout import is_exact
 
 logger = logging.getLogger(__name__)
@@ -393,7 +394,7 @@ class FlatSegments:
             if i is None or len(cands[key]) < 3:
                 continue
             s = self.segments[i]
-            part = _periods.grad_period_partials(g[s.flat_offset:s.flat_offset + s.numel],
+            part = _dispatch.grad_period_partials(g[s.flat_offset:s.flat_offset + s.numel],
                                                  s.param_offset, n, cands[key])
             payload[key] = part.to_payload()
         gathered = self.comm.all_gather_object(payload)
@@ -443,7 +444,7 @@ class FlatSegments:
         counts = torch.zeros(NUM_BINS, dtype=torch.int64)
         for gs, a, lo, hi, B, parts, key in todo:
             if hi > lo:
-                block_histogram(gs[lo - a:hi - a], B, out=counts)
+                _dispatch.block_histogram(gs[lo - a:hi - a], B, out=counts)
             for b, ps, pe in parts:
                 x = gs[ps - a:pe - a].float()
                 am = torch.tensor(float(gmax[cut_pos[(key, b)]]), dtype=torch.float32)
@@ -695,6 +696,4 @@ class FlatSegments:
 
 
 def counts_to_codebook(counts: torch.Tensor):
-    from .core.codebook import solve_codebook
-
-    return solve_codebook(counts.numpy())
+    return _dispatch.solve_codebook(counts.numpy())

@@ -5,14 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from gefen_dist.core import codebook as cbm
-from gefen_dist.core.codebook import (
-    NUM_BINS,
-    NUM_CODEWORDS,
-    bin_centres,
-    dp_segments,
-    solve_codebook,
-)
+from gefen_dist.core.codebook import NUM_BINS, NUM_CODEWORDS, bin_centres
+from gefen_dist.kernels import dp as native_dp
+from gefen_dist.kernels.dispatch import dp_segments, solve_codebook
 
 
 def brute_force_dp(centres, weights, K):
@@ -70,7 +65,7 @@ def brute_force_dp(centres, weights, K):
 
 
 def _native_available() -> bool:
-    return cbm._native() is not None
+    return native_dp.solver() is not None
 
 
 BACKENDS = [

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from gefen_dist import Gefen
 from gefen_dist.core import periods as P
 from gefen_dist.core.codebook import solve_codebook
-from gefen_dist.core.quant import block_histogram, nearest_codeword
+from gefen_dist.core.quant import block_histogram_eager as block_histogram, nearest_codeword
 
 SETTINGS = dict(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -69,11 +69,11 @@ def test_period_scores_decompose_over_any_pieces(n_rows, cols, cut):
     g = torch.randn(n_rows, cols, dtype=torch.float64)
     n = g.numel()
     cands = P.candidate_periods(n)
-    l = P.log_sq(g)
-    whole = P.combine_partials([P.period_partials(l, 0, n, cands)], n)
+    l = P.log_sq_eager(g)
+    whole = P.combine_partials([P.period_partials_eager(l, 0, n, cands)], n)
     edges = sorted(set(cut.draw(st.lists(st.integers(1, n - 1), max_size=5))))
     bounds = [0, *edges, n]
-    parts = [P.period_partials(l[a:b], a, n, cands) for a, b in zip(bounds[:-1], bounds[1:])]
+    parts = [P.period_partials_eager(l[a:b], a, n, cands) for a, b in zip(bounds[:-1], bounds[1:])]
     split = P.combine_partials(parts[::-1], n)  # any order
     assert np.allclose(whole, split, rtol=1e-9, atol=1e-12)
 

@@ -12,8 +12,9 @@ sorted points) minimises the weighted SSE exactly:
 with cost_1 / cost_K the SSE around -1 / +1 and cost_k the SSE around the segment mean, all
 from float64 prefix sums. The reference evaluates this in O(K N^2); here the middle layers
 use divide-and-conquer over the monotone smallest argmin (the SSE cost satisfies the
-quadrangle inequality), O(K N log N), in C (``kernels/csrc/dp.c``) with a numpy fallback
-that evaluates every cost with the same IEEE operations, so both backends agree bit for bit.
+quadrangle inequality), O(K N log N), here in numpy and in C (``kernels/csrc/dp.c``, passed in
+as ``dp`` by :mod:`gefen_dist.kernels.dispatch`), which evaluates every cost with the same IEEE
+operations, so both agree bit for bit.
 
 With fewer than K active bins the reference's padding is faulty (it overwrites c_1 and
 duplicates codewords); gefen_dist instead keeps -1, +1 and every active centre and fills the
@@ -23,12 +24,10 @@ neighbour is left out (and ``sse`` reports that cost; otherwise it is 0).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -48,6 +47,10 @@ __all__ = [
 ]
 
 
+# (W, S, Q, K) -> (1-based segment starts int64 [K], objective): the middle of the DP
+DPSolver = Callable[[np.ndarray, np.ndarray, np.ndarray, int], Tuple[np.ndarray, float]]
+
+
 @dataclass
 class CodebookResult:
     codebook: torch.Tensor  # float32 [NUM_CODEWORDS], CPU, strictly ascending
@@ -63,46 +66,6 @@ def bin_centres() -> np.ndarray:
     """float32 [NUM_BINS] bin centres -1 + (2j + 1) / 4096 (exact in float32)."""
     j = np.arange(NUM_BINS, dtype=np.float64)
     return (-1.0 + (2.0 * j + 1.0) / NUM_BINS).astype(np.float32)
-
-
-# --------------------------------------------------------------------------------------
-# native backend
-# --------------------------------------------------------------------------------------
-
-_lib_lock = threading.Lock()
-_configured: set = set()
-
-
-def _native() -> Optional[ctypes.CDLL]:
-    """The native DP library, or None (no compiler, or ``GEFEN_DIST_NO_NATIVE=1``).
-
-    ``load_library`` checks the environment variable on every call and caches the build, so
-    this stays cheap and honours the variable even after the library was first loaded.
-    """
-    from gefen_dist.kernels.native import load_library
-
-    lib = load_library("gefen_dp", ["dp.c"])
-    if lib is None:
-        return None
-    with _lib_lock:
-        if id(lib) not in _configured:
-            fn = lib.gefen_dp_solve
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
-            _configured.add(id(lib))
-    return lib
-
-
-def _dp_native(lib: ctypes.CDLL, W: np.ndarray, S: np.ndarray, Q: np.ndarray, K: int
-               ) -> Tuple[np.ndarray, float]:
-    n = W.shape[0] - 1
-    starts = np.empty(K, dtype=np.int64)
-    obj = np.empty(1, dtype=np.float64)
-    rc = lib.gefen_dp_solve(n, K, W.ctypes.data, S.ctypes.data, Q.ctypes.data,
-                            starts.ctypes.data, obj.ctypes.data)
-    if rc != 0:
-        raise RuntimeError(f"gefen_dp_solve failed with code {rc} (n={n}, K={K})")
-    return starts, float(obj[0])
 
 
 # --------------------------------------------------------------------------------------
@@ -206,24 +169,20 @@ def _prefix(centres: np.ndarray, weights: np.ndarray) -> Tuple[np.ndarray, np.nd
 
 
 def dp_segments(centres: np.ndarray, weights: np.ndarray, K: int = NUM_CODEWORDS,
-                backend: str = "auto") -> Tuple[np.ndarray, np.ndarray, float, str]:
+                dp: Optional[DPSolver] = None) -> Tuple[np.ndarray, np.ndarray, float, str]:
     """Exact DP on ascending ``centres`` with positive ``weights`` (len N >= K >= 2).
 
     Returns ``(codebook float32 [K], seg_start int64 [K] (1-based), objective, method)``.
-    ``backend``: "auto" (native if it builds), "native" (error if unavailable) or "numpy".
+    ``dp``: the solver of the prefix-sum DP (``(W, S, Q, K) -> (starts, objective)``, e.g. the
+    native one of :mod:`gefen_dist.kernels.dp`); None: this module's numpy solver.
     """
     n = int(np.asarray(centres).shape[0])
     if K < 2 or n < K:
         raise ValueError(f"dp_segments needs N >= K >= 2 (N={n}, K={K})")
     W, S, Q = _prefix(centres, weights)
-    if backend not in ("auto", "native", "numpy"):
-        raise ValueError(f"unknown backend {backend!r}")
-    lib = _native() if backend != "numpy" else None
-    if backend == "native" and lib is None:
-        raise RuntimeError("native DP library unavailable (no compiler or GEFEN_DIST_NO_NATIVE)")
-    if lib is not None:
-        starts, obj = _dp_native(lib, W, S, Q, K)
-        method = "native-dc"
+    if dp is not None:
+        starts, obj = dp(W, S, Q, K)
+        method = getattr(dp, "method", "custom-dc")
     else:
         starts, obj = _dp_numpy(W, S, Q, K)
         method = "numpy-dc"
@@ -277,8 +236,10 @@ def _to_counts(counts) -> np.ndarray:
     return arr
 
 
-def solve_codebook(counts, backend: str = "auto") -> CodebookResult:
-    """Optimal codebook for a ``NUM_BINS`` histogram (int64 numpy array or torch tensor)."""
+def solve_codebook(counts, dp: Optional[DPSolver] = None) -> CodebookResult:
+    """Optimal codebook for a ``NUM_BINS`` histogram (int64 numpy array or torch tensor). ``dp``:
+    as for :func:`dp_segments` (:func:`gefen_dist.kernels.dispatch.solve_codebook` passes the native
+    solver when it builds; both give the same codebook bit for bit)."""
     t0 = time.perf_counter()
     cnt = _to_counts(counts)
     idx = np.flatnonzero(cnt)
@@ -287,7 +248,7 @@ def solve_codebook(counts, backend: str = "auto") -> CodebookResult:
     weights = cnt[idx].astype(np.float64)
     K = NUM_CODEWORDS
     if n >= K:
-        cb, starts, sse, method = dp_segments(centres, weights, K, backend=backend)
+        cb, starts, sse, method = dp_segments(centres, weights, K, dp=dp)
         assignment = np.repeat(np.arange(K, dtype=np.int64), np.diff(np.append(starts, n + 1)))
     else:
         cb = _pad_codebook(centres, weights, K)

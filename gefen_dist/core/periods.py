@@ -51,28 +51,9 @@ def candidate_periods(numel: int) -> List[int]:
     return [p for p in divisors(numel) if numel // p >= MIN_BLOCKS]
 
 
-def _native():
-    """The native first-step kernels, or None (no compiler, ``GEFEN_DIST_NO_NATIVE=1``)."""
-    from gefen_dist.kernels import first_step
-
-    return first_step if first_step.available() else None
-
-
-def log_sq(grad: torch.Tensor) -> torch.Tensor:
-    """``ln(f64(f32(g)^2) + 1e-12)`` of a flattened gradient, in float64.
-
-    CPU tensors go to the native kernel when it is available (its logarithm may differ from
-    torch's in the last bit, see :mod:`gefen_dist.kernels.first_step`)."""
-    nat = _native()
-    if nat is not None:
-        out = nat.log_sq(grad)
-        if out is not None:
-            return out
-    return log_sq_eager(grad)
-
-
 def log_sq_eager(grad: torch.Tensor) -> torch.Tensor:
-    """The torch implementation of :func:`log_sq` (the fallback)."""
+    """``ln(f64(f32(g)^2) + 1e-12)`` of a flattened gradient, in float64 (the reference; the native
+    kernel, :func:`gefen_dist.kernels.dispatch.log_sq`, may differ in the last bit of the logarithm)."""
     g = grad.reshape(-1).float()
     x = (g * g).double()
     if x.numel() and bool(torch.isinf(x).any()):
@@ -107,44 +88,23 @@ class PeriodPartials:
         return cls(*t)
 
 
-def period_partials(l: torch.Tensor, start: int, numel: int, periods: Sequence[int]) -> PeriodPartials:
-    """Partial period statistics of one piece.
-
-    ``l`` is :func:`log_sq` of the piece (float64, 1-D) whose first element sits at flat offset
-    ``start`` of a tensor with ``numel`` elements; ``periods`` are the candidates (divisors of numel).
-    Uses the native kernel when it is available (see :mod:`gefen_dist.kernels.first_step`: one
-    pass, chunk-local prefix sums, so the scores differ from this numpy path by its own rounding
-    error, ~1e-10 relative at most); else :func:`period_partials_eager`.
-    """
-    nat = _native() if (l.numel() and len(periods)) else None
-    if nat is not None:
-        res = nat.period_partials(l, start, periods, is_log=True)
-        if res is not None:
-            return _partials_from(start, int(l.numel()), periods, res)
-    return period_partials_eager(l, start, numel, periods)
+def grad_period_partials_eager(grad: torch.Tensor, start: int, numel: int, periods: Sequence[int]) -> PeriodPartials:
+    """``period_partials_eager(log_sq_eager(grad), start, numel, periods)`` for a gradient piece: the
+    reference of the native kernels' fused statistics (:mod:`gefen_dist.kernels.dispatch`)."""
+    return period_partials_eager(log_sq_eager(grad.reshape(-1)).cpu(), start, numel, periods)
 
 
-def grad_period_partials(grad: torch.Tensor, start: int, numel: int, periods: Sequence[int]) -> PeriodPartials:
-    """:func:`period_partials` of ``log_sq(grad)`` for a gradient piece, fused: the native kernel
-    computes ``l`` on the fly (never stored); the fallback is
-    ``period_partials(log_sq(grad), start, numel, periods)``."""
-    g = grad.reshape(-1)
-    nat = _native() if (g.numel() and len(periods)) else None
-    if nat is not None:
-        res = nat.period_partials(g, start, periods, is_log=False)
-        if res is not None:
-            return _partials_from(start, int(g.numel()), periods, res)
-    return period_partials(log_sq(g).cpu(), start, numel, periods)
-
-
-def _partials_from(start: int, length: int, periods: Sequence[int], res) -> PeriodPartials:
+def partials_from(start: int, length: int, periods: Sequence[int], res) -> PeriodPartials:
     internal, edge_blocks, edge_sums = res
     return PeriodPartials(start=start, length=length, periods=list(periods), internal=internal,
                           edge_blocks=edge_blocks, edge_sums=edge_sums)
 
 
 def period_partials_eager(l: torch.Tensor, start: int, numel: int, periods: Sequence[int]) -> PeriodPartials:
-    """The numpy implementation of :func:`period_partials` (the fallback).
+    """Partial period statistics of one piece (numpy; the reference the native kernel is tested against).
+
+    ``l`` is :func:`log_sq_eager` of the piece (float64, 1-D) whose first element sits at flat offset
+    ``start`` of a tensor with ``numel`` elements; ``periods`` are the candidates (divisors of numel).
 
     Vectorised over candidates: block sums come from one prefix sum, boundaries for many
     candidates are gathered in one pass (chunked to bound memory).
@@ -257,13 +217,14 @@ def select_paper_period(periods: Sequence[int], scores: Sequence[float]) -> int:
     return best_p
 
 
-def paper_period(grad: torch.Tensor) -> int:
-    """The reference's period for a whole (unsharded) gradient: one piece."""
+def paper_period(grad: torch.Tensor, partials=grad_period_partials_eager) -> int:
+    """The reference's period for a whole (unsharded) gradient: one piece (``partials``: how to
+    compute the statistics, e.g. the native kernels' :func:`gefen_dist.kernels.dispatch.grad_period_partials`)."""
     n = grad.numel()
     cands = candidate_periods(n)
     if len(cands) < 3:
         return 1
-    part = grad_period_partials(grad, 0, n, cands)
+    part = partials(grad, 0, n, cands)
     return select_paper_period(cands, combine_partials([part], n))
 
 

@@ -8,30 +8,13 @@ NUM_CODEWORDS = 256
 _HIST_CHUNK = 1 << 22  # elements per chunk when building histograms (bounds int64 temporaries)
 
 
-def block_histogram(values: torch.Tensor, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def block_histogram_eager(values: torch.Tensor, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Add the 4096-bin histogram of ``values`` normalised by the absmax of each ``block``
     consecutive elements (the blocks that will actually scale them, D3) to ``out`` (int64).
 
     ``z = x / absmax`` in float32 (0 for all-zero blocks), ``bin = clamp(floor((z+1)*2048), 0, 4095)``.
-    CPU tensors use the native kernel when it is available (bitwise the same counts,
-    :mod:`gefen_dist.kernels.first_step`); else :func:`block_histogram_eager`.
-    """
-    if out is None:
-        out = torch.zeros(NUM_BINS, dtype=torch.int64)
-    flat = values.reshape(-1)
-    if flat.numel() == 0:
-        return out
-    assert flat.numel() % block == 0, (flat.numel(), block)
-    if flat.device.type == "cpu":
-        from gefen_dist.kernels import first_step
-
-        if first_step.available() and first_step.block_histogram_(flat, block, out):
-            return out
-    return block_histogram_eager(flat, block, out)
-
-
-def block_histogram_eager(values: torch.Tensor, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch implementation of :func:`block_histogram` (the fallback, any device)."""
+    The reference (any device); :func:`gefen_dist.kernels.dispatch.block_histogram` uses the native
+    kernel on CPU (bitwise the same counts)."""
     if out is None:
         out = torch.zeros(NUM_BINS, dtype=torch.int64)
     flat = values.reshape(-1)

@@ -45,8 +45,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..core import periods as _periods
-from ..core.quant import NUM_BINS, block_histogram, nearest_codeword
+from ..core.quant import NUM_BINS, nearest_codeword
 from ..core.step import column_ratios
+from ..kernels import dispatch as _dispatch
 from ..layout import is_exact
 from ..segments import Segment, _plan, counts_to_codebook
 
@@ -474,11 +475,11 @@ def _load_state(opt, entries, params, zero: str, meta: Optional[Dict[str, Any]],
         if len(cands) < 3:
             p_paper = 1
         else:
-            part = _periods.grad_period_partials(v.clamp(min=0).sqrt(), 0, n, cands)
+            part = _dispatch.grad_period_partials(v.clamp(min=0).sqrt(), 0, n, cands)
             p_paper = _periods.select_paper_period(cands, _periods.combine_partials([part], n))
         per = _periods.resolve_period(p_paper, _periods.row_slab(shape))
         info[name] = _Learned(per, True)
-        block_histogram(m, _periods.scale_block_for(per, _periods.row_slab(shape)), out=counts)
+        _dispatch.block_histogram(m, _periods.scale_block_for(per, _periods.row_slab(shape)), out=counts)
     if meta is not None and meta.get("codebook") is not None:
         opt.codebook = meta["codebook"].float().clone()
     elif int(counts.sum()) > 0:

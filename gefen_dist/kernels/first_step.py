@@ -1,18 +1,18 @@
 """Native first-step kernels (ctypes wrapper of ``csrc/first_step.c``): period statistics and
 the codebook histogram, multi-threaded with OpenMP (``torch.get_num_threads()`` threads).
 
-:mod:`gefen_dist.core.periods` and :mod:`gefen_dist.core.quant` dispatch here when the library
-is available and the data is on the CPU; otherwise (no compiler, ``GEFEN_DIST_NO_NATIVE=1``, a
-CUDA tensor) they run their numpy/torch code, which stays the reference.
+:mod:`gefen_dist.kernels.dispatch` calls these when the library is available and the data is on
+the CPU; otherwise (no compiler, ``GEFEN_DIST_NO_NATIVE=1``, a CUDA tensor) it runs the reference
+in :mod:`gefen_dist.core.periods` / :mod:`gefen_dist.core.quant`.
 
 ``log_sq``
     ``l_i = ln(f64(f32(g_i)^2) + 1e-12)``, the float64 square where the float32 one overflows,
-    exactly like :func:`gefen_dist.core.periods.log_sq` except for the logarithm itself: a
+    exactly like :func:`gefen_dist.core.periods.log_sq_eager` except for the logarithm itself: a
     vectorised fdlibm-style ``ln`` (< 1 ulp) instead of torch's (SLEEF, <= 1 ulp), so a small
     fraction of the ``l_i`` differ in the last bit.
 
 ``period_partials``
-    The same statistics as :func:`gefen_dist.core.periods.period_partials` in one pass, from
+    The same statistics as :func:`gefen_dist.core.periods.period_partials_eager` in one pass, from
     ``l`` (float64) or straight from the gradient (float32 / bfloat16 / float16; ``l`` is then
     computed on the fly and never stored). Extra memory: per thread three chunk buffers of
     16384 elements (~320 KiB), plus ``ceil(length / 2^18) * n_candidates * 56`` bytes of
@@ -33,7 +33,7 @@ CUDA tensor) they run their numpy/torch code, which stays the reference.
     right, so the result does not depend on the number of threads.
 
 ``block_histogram_``
-    Bitwise the counts of :func:`gefen_dist.core.quant.block_histogram` (same float32
+    Bitwise the counts of :func:`gefen_dist.core.quant.block_histogram_eager` (same float32
     division, ``floor``, clamp); blocks whose absmax is NaN count as zero blocks (bin 2048) like
     the torch path. A block holding an infinity gives a NaN bin, on which the torch path raises
     in ``bincount``: the wrapper then reports failure and the caller runs the torch path, which
