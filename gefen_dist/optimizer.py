@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from .comm import LocalComm, comm_for
 from .core import periods as _periods
 from .core.quant import NUM_BINS
-from .core.step import (adamw_foreach_, adamw_step_, bias_corrections, block_column_sumsq, column_sumsq,
+from .core.step import (adamw_foreach_, adamw_step_, bias_corrections, block_column_sumsq, column_sumsq, decay_only_,
                         quantized_step_eager_, quantized_step_factored_eager_, row_block_args)
 from .core.step import scalar_value as _scalar
 from .cuda_path import CudaPlan
@@ -655,9 +655,7 @@ class Gefen(NonfiniteChecks, Optimizer):
         if param.numel() == 0:
             return
         if not st["learned"]:
-            # Gradient globally zero so far: m and v stay exactly zero, only decay applies.
-            if hp["weight_decay"] != 0.0 and lr != 0.0:
-                param.mul_(1.0 - lr * hp["weight_decay"])
+            decay_only_(param, lr, hp["weight_decay"])
             return
         contiguous = param.is_contiguous()
         work = param if contiguous else param.contiguous()

@@ -55,10 +55,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .core import periods as _periods
-from .core.quant import NUM_BINS, nearest_codeword
-from .core.step import (adamw_step_, bias_corrections, block_column_sumsq, column_factors, column_sumsq,
-                        quantized_step_eager_,
-                        quantized_step_factored_eager_)
+from .core.quant import NUM_BINS
+from .core.step import (adamw_step_, apply_, bias_corrections, block_column_sumsq, column_factors, column_sumsq,
+                        decay_only_, ema_, first_moment, inv_rms_, quantize, quantized_step_eager_, quantized_step_factored_eager_)
 from .kernels import dispatch as _dispatch
 from .layout import is_exact
 
@@ -473,7 +472,6 @@ class FlatSegments:
         cb = st["codebook"]
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
         idx_all, scale_all, v_all = st["idx"], st["scale"], st["v"]
-        decay = 1.0 - lr * weight_decay
         # Phase 1: whole blocks through the kernels; partial blocks' partial statistics.
         pend = []  # (key, block, p, g, idx, scale slot view, v view, m)
         for sp, learned in zip(plan, st["learned"]):
@@ -486,9 +484,8 @@ class FlatSegments:
                 adamw_step_(p, g, st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
                             st["exact_v"][sp.exact_off:sp.exact_off + s.numel], **hp)
                 continue
-            if not learned:  # gradient globally zero so far: m, v stay zero, only decay applies
-                if weight_decay != 0.0 and lr != 0.0:
-                    p.mul_(decay)
+            if not learned:
+                decay_only_(p, lr, weight_decay)
                 continue
             P, B = sp.period, sp.block
             a, e = s.param_offset, s.param_offset + s.numel
@@ -509,8 +506,7 @@ class FlatSegments:
                 r0, r1 = ps - a, pe - a
                 gp = g[r0:r1].float()
                 slot = b - a // B
-                m = cb[ix[r0:r1].long()] * sc[slot]
-                m.lerp_(gp, 1.0 - beta1)
+                m = first_moment(ix[r0:r1], sc[slot], gp, cb, beta1)
                 vs = vv[ps // P - a // P:(pe - 1) // P - a // P + 1]
                 pend.append((s.key, b, P, p[r0:r1], gp, ix[r0:r1], sc[slot:slot + 1], vs, m,
                              float((gp.double() ** 2).sum()) if P > 1 else 0.0, float(m.abs().max())))
@@ -532,22 +528,14 @@ class FlatSegments:
         sqrt_bc2 = math.sqrt(bc2)
         for key, b, P, p, gp, ix, sc, vs, m, _, _ in pend:
             j = pos[(key, b)]
-            if P > 1:
-                r = torch.tensor([float(tsum[j])], dtype=torch.float64).float() / P
-                vs.mul_(beta2).add_(r, alpha=1.0 - beta2)
-                sigma = vs.sqrt().div_(sqrt_bc2).add_(eps).reciprocal_().mul_(1.0 / bc1)
-            else:
-                vs.mul_(beta2).add_(gp * gp, alpha=1.0 - beta2)
-                sigma = vs.sqrt().div_(sqrt_bc2).add_(eps).reciprocal_().mul_(1.0 / bc1)
+            # the block's mean g^2 from the reconciled sum (P > 1), or the element's own (P == 1)
+            ms = torch.tensor([float(tsum[j])], dtype=torch.float64).float() / P if P > 1 else gp * gp
+            sigma = inv_rms_(ema_(vs, ms, beta2).sqrt(), eps, bc1, sqrt_bc2)
             A = torch.tensor([float(tmax[j])], dtype=torch.float32, device=m.device)
             sc.copy_(A)
-            z = m / A if float(A) > 0 else torch.zeros_like(m)
-            new = nearest_codeword(z, cb)
+            new = quantize(m, A, cb)
             ix.copy_(new)
-            u = (cb[new.long()] * A).mul_(sigma).mul_(lr)
-            if weight_decay != 0.0:
-                p.mul_(decay)
-            p.sub_(u)
+            apply_(p, cb[new.long()] * A, sigma, lr, weight_decay)
 
     # ------------------------------------------------------------------ factored second moment
     def _step_factored(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], hp: Dict[str, float],
@@ -570,7 +558,6 @@ class FlatSegments:
         cb = st["codebook"]
         lr, beta1, beta2, eps = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"]
         bc1, bc2, weight_decay = hp["bc1"], hp["bc2"], hp["weight_decay"]
-        decay = 1.0 - lr * weight_decay
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
         idx_all, scale_all, vrow_all, vcol_all = st["idx"], st["scale"], st["v_row"], st["v_col"]
         # Global catalog of learned tensors (identical on every rank): column-sum offsets, cuts.
@@ -602,9 +589,8 @@ class FlatSegments:
                 adamw_step_(p, g, st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
                             st["exact_v"][sp.exact_off:sp.exact_off + s.numel], **hp)
                 continue
-            if not learned:  # gradient globally zero so far: m, v stay zero, only decay applies
-                if weight_decay != 0.0 and lr != 0.0:
-                    p.mul_(decay)
+            if not learned:
+                decay_only_(p, lr, weight_decay)
                 continue
             S, B = slab_of[s.key], sp.block
             a, e = s.param_offset, s.param_offset + s.numel
@@ -630,8 +616,7 @@ class FlatSegments:
                 first = ps // B - a // B
                 nblk = (pe - 1) // B - ps // B + 1
                 bl = (torch.arange(ps, pe, device=ix.device) // B) - ps // B
-                m = cb[ix[r0:r1].long()] * sc[first:first + nblk][bl]
-                m.lerp_(gp, 1.0 - beta1)
+                m = first_moment(ix[r0:r1], sc[first:first + nblk][bl], gp, cb, beta1)
                 lead = ps - (ps // B) * B  # pad to whole blocks with zeros (neutral for max |m|)
                 am = torch.nn.functional.pad(m.abs(), (lead, nblk * B - lead - (pe - ps))).view(nblk, B).amax(dim=1)
                 _, _, bparts = _split(ps, pe, B)
@@ -676,23 +661,17 @@ class FlatSegments:
                 ps = a + r0
                 tot = torch.tensor([float(rsum[row_pos[(sp.seg.key, r)]])], dtype=torch.float64).float() / S
                 v1 = vr[r - a // S:r - a // S + 1]
-                v1.mul_(beta2).add_(tot.to(v1.device), alpha=1.0 - beta2)
                 c0 = ps - r * S
-                denom = (v1.sqrt() * col_f[c0:c0 + (r1 - r0)]).div_(sqrt_bc2).add_(eps)
-                sigma = denom.reciprocal_().mul_(1.0 / bc1)
+                sigma = inv_rms_(ema_(v1, tot.to(v1.device), beta2).sqrt() * col_f[c0:c0 + (r1 - r0)], eps, bc1,
+                                 sqrt_bc2)
                 for b in cut:
                     am[b - ps // B] = float(bmax[blk_pos[(sp.seg.key, b)]])
                 sblk = sc[first:first + nblk]
                 sblk.copy_(am)
                 A = am[bl]
-                z = torch.where(A > 0, m / torch.where(A > 0, A, torch.ones_like(A)), torch.zeros_like(m))
-                new = nearest_codeword(z, cb)
+                new = quantize(m, A, cb)
                 ix[r0:r1].copy_(new)
-                u = (cb[new.long()] * A).mul_(sigma).mul_(lr)
-                pr = p[r0:r1]
-                if weight_decay != 0.0:
-                    pr.mul_(decay)
-                pr.sub_(u)
+                apply_(p[r0:r1], cb[new.long()] * A, sigma, lr, weight_decay)
 
 
 def counts_to_codebook(counts: torch.Tensor):

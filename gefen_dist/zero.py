@@ -69,9 +69,8 @@ import torch
 
 from .core import periods as _periods
 from .core.apply import apply_compressed, apply_factored, update_v_col
-from .core.quant import nearest_codeword
-from .core.step import (adamw_step_, bias_corrections, quantized_step_eager_, quantized_step_factored_eager_,
-                        row_block_args)
+from .core.step import (adamw_step_, bias_corrections, decay_only_, factored_state_eager_, quantized_state_eager_,
+                        quantized_step_eager_, quantized_step_factored_eager_, row_block_args)
 from .layout import Geometry, Piece, global_shape, is_dtensor, is_exact
 from .optimizer import Gefen, Report, _scalar
 from .zero_checkpoint import ZeroCheckpointMixin
@@ -84,8 +83,7 @@ __all__ = ["ZeroGefen", "partition", "unit_cost", "step_wire_bytes", "factored_w
            "MODE_COMPRESSED", "MODE_DENSE", "MODE_FACTORED"]
 
 
-_CHUNK_ELEMS = 1 << 22       # elements per chunk when applying / updating (bounds fp32 temporaries)
-_SCRATCH_ELEMS = 1 << 20     # scratch parameter chunk for the native kernel's state-only call
+_STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")  # what a state-only update needs of the hyperparameters
 
 
 def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
@@ -465,9 +463,7 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
                 mode = MODE_DENSE
             elif not st["learned"]:
                 mode = MODE_LOCAL
-                # Gradient globally zero so far: m and v stay zero, only decay (on every rank).
-                if hp["weight_decay"] != 0.0 and hp["lr"] != 0.0 and p.numel():
-                    p.mul_(1.0 - hp["lr"] * hp["weight_decay"])
+                decay_only_(p, hp["lr"], hp["weight_decay"])  # on every rank
             elif "v_col" in st:
                 # Compressed (idx, M, sqrt(v_row)); the appliers replay the eager step's or, with the
                 # native kernel, the kernel's arithmetic (apply_factored(kernel_order=...)).
@@ -543,58 +539,18 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
         self.last_wire = dict(world_size=W, bytes_per_rank=sizes, padded_bytes_per_rank=width,
                               gathered_bytes=W * width, elements=sum(p.numel() for p, _, _, m in items if m != MODE_LOCAL))
 
-    def _scratch_buf(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buf = getattr(self, "_scratch", None)
-        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
-            buf = torch.zeros(n, dtype=dtype, device=device)
-            self._scratch = buf
-        return buf
-
     def _owner_compressed(self, p, st, hp, s, e) -> List[torch.Tensor]:
         """Update this rank's (v, m, idx, scale) of ``p[s:e]``; return (idx, M, sigma)."""
         P = st["period"]
         assert st["scale_block"] == P
         g = p.grad.reshape(-1)[s:e].contiguous()
         idx, scale, v, cb = st["idx"], st["scale"], st["v"], st["codebook"]
-        kw = dict(period=P, scale_block=P, **hp)
+        state_fn = quantized_state_eager_
         if self._use_fused(p):
             from .kernels import cpu as _cpu
 
-            # State only, with lr = wd = 0 into a scratch buffer (chunks of whole blocks; the
-            # scratch values are never read), leaving idx/scale/v as the kernel's full step does.
-            # sigma as the kernel computes it: its float32 operations with a correctly rounded
-            # sqrt (float64 sqrt rounded once to float32 is correctly rounded), so the update
-            # applied below is the kernel's, bitwise.
-            n = e - s
-            chunk = max(P, (_SCRATCH_ELEMS // P) * P)
-            scratch = self._scratch_buf(min(n, chunk), p.dtype, p.device)
-            for c0 in range(0, n, chunk):
-                c1 = min(n, c0 + chunk)
-                _cpu.quantized_step_(scratch[:c1 - c0], g[c0:c1].to(p.dtype), idx[c0:c1], scale[c0 // P:c1 // P],
-                                     v[c0 // P:c1 // P], cb, **dict(kw, lr=0.0, weight_decay=0.0))
-            sigma = v.double().sqrt().float().div_(math.sqrt(hp["bc2"])).add_(hp["eps"]).reciprocal_()
-            sigma.mul_(1.0 / hp["bc1"])
-            return [idx, scale, sigma]
-        sigma = torch.empty_like(v)
-        n = e - s
-        chunk = max(P, (_CHUNK_ELEMS // P) * P)
-        sqrt_bc2 = math.sqrt(hp["bc2"])
-        beta1, beta2 = hp["beta1"], hp["beta2"]
-        for c0 in range(0, n, chunk):
-            c1 = min(n, c0 + chunk)
-            # the operations of quantized_step_eager_, in its order, minus the parameter update
-            gb = g[c0:c1].float().view(-1, P)
-            vb = v[c0 // P:c1 // P]
-            vb.mul_(beta2).add_((gb * gb).mean(dim=1), alpha=1.0 - beta2)
-            sigma[c0 // P:c1 // P] = vb.sqrt().div_(sqrt_bc2).add_(hp["eps"]).reciprocal_().mul_(1.0 / hp["bc1"])
-            sb = scale[c0 // P:c1 // P].view(-1, 1)
-            ib = idx[c0:c1].view(-1, P)
-            m = cb[ib.long()] * sb
-            m.lerp_(gb, 1.0 - beta1)
-            a = m.abs().amax(dim=1, keepdim=True)
-            sb.copy_(a)
-            z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
-            ib.copy_(nearest_codeword(z, cb))
+            state_fn, g = _cpu.quantized_state_, g.to(p.dtype)
+        sigma = state_fn(g, idx, scale, v, cb, **{k: hp[k] for k in _STATE_HP}, period=P, scale_block=P)
         return [idx, scale, sigma]
 
     def _owner_dense(self, p, st, hp, s, e, col_mean_sq=None) -> torch.Tensor:
@@ -633,34 +589,12 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
         B, slab = st["scale_block"], st["v_col"].shape[-1]
         g = p.grad.reshape(-1)[s:e].contiguous()
         idx, scale, v_row, cb = st["idx"], st["scale"], st["v_row"], st["codebook"]
-        beta1, beta2 = hp["beta1"], hp["beta2"]
-        rows = (e - s) // slab
+        state_fn = factored_state_eager_
         if self._use_fused(p):
             from .kernels import cpu as _cpu
 
-            # The kernel's state update (v_row, m, idx, scale) on a scratch copy with lr = wd = 0;
-            # sqrt(v_row) correctly rounded, as the kernel's sqrtf, for the appliers.
-            scratch = p.detach().reshape(-1)[s:e].clone()
-            _cpu.quantized_step_factored_(scratch, g.to(p.dtype), idx, scale, v_row, st["v_col"].clone(), cb,
-                                          torch.zeros_like(st["v_col"]), scale_block=B,
-                                          **_row_blocks_kw(p, st, s), **dict(hp, lr=0.0, weight_decay=0.0))
-            return [idx, scale, v_row.reshape(-1).double().sqrt().float()]
-        rsq = torch.empty(rows, dtype=torch.float32, device=p.device)
-        rows_per = max(1, _CHUNK_ELEMS // slab)
-        for r0 in range(0, rows, rows_per):
-            r1 = min(rows, r0 + rows_per)
-            gb = g[r0 * slab:r1 * slab].float().view(r1 - r0, slab)
-            vr = v_row[r0:r1]
-            vr.mul_(beta2).add_((gb * gb).mean(dim=1), alpha=1.0 - beta2)
-            rsq[r0:r1] = vr.sqrt()
-            sb = scale[r0 * slab // B:r1 * slab // B].view(-1, 1)
-            ib = idx[r0 * slab:r1 * slab].view(-1, B)
-            m = cb[ib.long()] * sb
-            m.lerp_(gb.reshape(-1, B), 1.0 - beta1)
-            a = m.abs().amax(dim=1, keepdim=True)
-            sb.copy_(a)
-            z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
-            ib.copy_(nearest_codeword(z, cb))
+            state_fn, g = _cpu.factored_state_, g.to(p.dtype)
+        rsq = state_fn(g, idx, scale, v_row, cb, slab=slab, **{k: hp[k] for k in _STATE_HP}, scale_block=B)
         return [idx, scale, rsq]
 
     # ------------------------------------------------------------------ introspection

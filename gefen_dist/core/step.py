@@ -39,17 +39,46 @@ def bias_corrections(step: int, beta1: float, beta2: float) -> tuple[float, floa
     return 1.0 - beta1 ** step, 1.0 - beta2 ** step
 
 
-def _ema_requantize_(ib: torch.Tensor, sb: torch.Tensor, g_blocks: torch.Tensor, codebook: torch.Tensor,
-                     beta1: float) -> tuple[torch.Tensor, torch.Tensor]:
+# ---------------------------------------------------------------------------------------------
+# Phases of the update. Every eager path (the whole step here, ZeRO-1's owners and appliers, the
+# cut blocks of DeepSpeed's flat buffers) composes these; the fused kernels implement the same.
+# ---------------------------------------------------------------------------------------------
+
+def ema_(v: torch.Tensor, x: torch.Tensor, beta2: float) -> torch.Tensor:
+    """``v <- beta2 * v + (1 - beta2) * x`` in place (a second-moment statistic)."""
+    return v.mul_(beta2).add_(x, alpha=1.0 - beta2)
+
+
+def inv_rms_(rms: torch.Tensor, eps: float, bc1: float, sqrt_bc2: float) -> torch.Tensor:
+    """``sigma = (1 / (rms / sqrt(bc2) + eps)) * (1 / bc1)``, in place on ``rms`` (a fresh tensor:
+    ``sqrt(v)``, or ``sqrt(v_row) * col_f`` for the factored second moment)."""
+    return rms.div_(sqrt_bc2).add_(eps).reciprocal_().mul_(1.0 / bc1)
+
+
+def first_moment(ib: torch.Tensor, sb: torch.Tensor, g: torch.Tensor, codebook: torch.Tensor,
+                 beta1: float) -> torch.Tensor:
+    """The new first moment ``lerp(C[idx] * M, g, 1 - beta1)`` in float32 (``ib`` uint8 indices,
+    ``sb`` their scales broadcast against them, ``g`` float32 of the same shape)."""
+    m = codebook[ib.long()] * sb
+    return m.lerp_(g, 1.0 - beta1)
+
+
+def quantize(m: torch.Tensor, a: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Nearest-codeword indices (uint8) of ``m / a`` (``a``: the absmax scales broadcast against
+    ``m``; 0 where the scale is 0)."""
+    z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
+    return nearest_codeword(z, codebook)
+
+
+def requantize_(ib: torch.Tensor, sb: torch.Tensor, g_blocks: torch.Tensor, codebook: torch.Tensor,
+                beta1: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantise ``C[idx] * M``, take the EMA towards ``g``, store the new absmax ``M`` and
     nearest indices in place (``ib``: [blocks, B] uint8, ``sb``: [blocks, 1]); returns (new idx,
     absmax) for the parameter update."""
-    m = codebook[ib.long()] * sb
-    m.lerp_(g_blocks, 1.0 - beta1)
+    m = first_moment(ib, sb, g_blocks, codebook, beta1)
     a = m.abs().amax(dim=1, keepdim=True)
     sb.copy_(a)
-    z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
-    new = nearest_codeword(z, codebook)
+    new = quantize(m, a, codebook)
     ib.copy_(new)
     return new, a
 
@@ -63,6 +92,52 @@ def _apply_update_(p: torch.Tensor, u: torch.Tensor, weight_decay: float, decay:
     p32.sub_(u)
     if p32 is not p:
         p.copy_(p32)
+
+
+def apply_(p: torch.Tensor, qa: torch.Tensor, sigma: torch.Tensor, lr: float, weight_decay: float) -> None:
+    """The parameter update ``p <- p * (1 - lr*wd) - ((C[idx] * M) * sigma) * lr``: ``qa`` is the
+    dequantised first moment ``C[idx] * M`` (consumed), ``sigma`` broadcasts against it, ``p`` has
+    its number of elements."""
+    u = qa.mul_(sigma).mul_(lr)
+    _apply_update_(p, u.view(p.shape), weight_decay, 1.0 - lr * weight_decay)
+
+
+def decay_only_(p: torch.Tensor, lr: float, weight_decay: float) -> None:
+    """The update of a quantized tensor whose gradient has been globally zero so far (D4: its
+    state is not learned yet, so ``m`` and ``v`` are exactly zero): only the weight decay."""
+    if weight_decay != 0.0 and lr != 0.0 and p.numel():
+        p.mul_(1.0 - lr * weight_decay)
+
+
+def _shared_chunks(grad, idx, scale, v, codebook, *, beta1, beta2, eps, bc1, bc2, period, scale_block):
+    """The state update of a quantized piece with a shared second moment, chunk by chunk of whole
+    blocks: yields ``(start, end, sigma [blocks of P], new idx [., B], absmax [., 1])``."""
+    n = idx.numel()
+    P, B = period, scale_block
+    # Whole scale blocks (which contain whole v-blocks or are contained in one when P == 1).
+    unit = max(P, B)
+    chunk = max(unit, (_EAGER_CHUNK_ELEMS // unit) * unit)
+    gf, ix, sf, vf = grad.reshape(-1), idx.view(-1), scale.view(-1), v.view(-1)
+    sqrt_bc2 = math.sqrt(bc2)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        g = gf[s:e].float().view(-1, P)
+        vb = ema_(vf[s // P:e // P], (g * g).mean(dim=1), beta2)
+        sigma = inv_rms_(vb.sqrt(), eps, bc1, sqrt_bc2)
+        new, a = requantize_(ix[s:e].view(-1, B), sf[s // B:e // B].view(-1, 1), g.view(-1, B), codebook, beta1)
+        yield s, e, sigma, new, a
+
+
+def quantized_state_eager_(grad, idx, scale, v, codebook, *, beta1, beta2, eps, bc1, bc2, period,
+                           scale_block) -> torch.Tensor:
+    """The state update of :func:`quantized_step_eager_` without the parameter update (ZeRO-1's
+    owners): updates ``v``, ``scale``, ``idx`` in place and returns ``sigma`` per v-block."""
+    sigma = torch.empty_like(v.view(-1))
+    P = period
+    for s, e, sg, _, _ in _shared_chunks(grad, idx, scale, v, codebook, beta1=beta1, beta2=beta2, eps=eps,
+                                         bc1=bc1, bc2=bc2, period=period, scale_block=scale_block):
+        sigma[s // P:e // P] = sg
+    return sigma
 
 
 def quantized_step_eager_(
@@ -85,28 +160,12 @@ def quantized_step_eager_(
 ) -> None:
     """One Gefen update of a quantized piece, in place. All tensors are contiguous views of
     the same ``numel`` (``scale``: numel/B, ``v``: numel/P elements)."""
-    n = param.numel()
-    if n == 0:
+    if param.numel() == 0:
         return
-    P, B = period, scale_block
-    # Process whole scale blocks (which contain whole v-blocks or are contained in one when P == 1).
-    unit = max(P, B)
-    chunk = max(unit, (_EAGER_CHUNK_ELEMS // unit) * unit)
-    pf, gf, ix = param.view(-1), grad.reshape(-1), idx.view(-1)
-    sf, vf = scale.view(-1), v.view(-1)
-    decay = 1.0 - lr * weight_decay
-    sqrt_bc2 = math.sqrt(bc2)
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        g = gf[s:e].float().view(-1, P)
-        vb = vf[s // P:e // P]
-        vb.mul_(beta2).add_((g * g).mean(dim=1), alpha=1.0 - beta2)
-        sigma = vb.sqrt().div_(sqrt_bc2).add_(eps).reciprocal_().mul_(1.0 / bc1)
-
-        new, a = _ema_requantize_(ix[s:e].view(-1, B), sf[s // B:e // B].view(-1, 1), g.view(-1, B),
-                                  codebook, beta1)
-        u = (codebook[new.long()] * a).view(-1, P).mul_(sigma.view(-1, 1)).mul_(lr)
-        _apply_update_(pf[s:e], u.view(-1), weight_decay, decay)
+    pf, P = param.view(-1), period
+    for s, e, sigma, new, a in _shared_chunks(grad, idx, scale, v, codebook, beta1=beta1, beta2=beta2, eps=eps,
+                                              bc1=bc1, bc2=bc2, period=period, scale_block=scale_block):
+        apply_(pf[s:e], (codebook[new.long()] * a).view(-1, P), sigma.view(-1, 1), lr, weight_decay)
 
 
 def adamw_step_(
@@ -300,32 +359,47 @@ def quantized_step_factored_eager_(
     block's ``row_block`` global rows) gives every block of rows its own column profile; this
     piece's first row is global row ``row0``.
     """
-    n = param.numel()
     slab = v_col.shape[-1]
-    v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
-    if n == 0:
+    ema_(v_col, col_mean_sq.view_as(v_col), beta2)
+    if param.numel() == 0:
         return
     if v_col.dim() > 1 and row_block < 1:
         raise ValueError(f"a v_col of shape {tuple(v_col.shape)} (row blocks) needs row_block >= 1")
-    B = scale_block
     col_f = column_factors(v_col)
     sqrt_bc2 = math.sqrt(bc2)
-    decay = 1.0 - lr * weight_decay
+    p_all = param.view(-1, slab)
+    for r0, r1, rsq, new, a in _factored_chunks(grad, idx, scale, v_row, codebook, slab=slab, beta1=beta1,
+                                                beta2=beta2, scale_block=scale_block):
+        sigma = inv_rms_(rsq.unsqueeze(1) * row_factors(col_f, row0, r0, r1, row_block), eps, bc1, sqrt_bc2)
+        apply_(p_all[r0:r1], (codebook[new.long()] * a).view(r1 - r0, slab), sigma, lr, weight_decay)
+
+
+def _factored_chunks(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, scale_block):
+    """The row-local state update of a factored piece (``v_row``, ``m``, ``idx``, ``scale``), chunk by
+    chunk of whole rows: yields ``(r0, r1, sqrt(v_row) [r1 - r0], new idx [., B], absmax [., 1])``."""
+    B = scale_block
     rows_per = max(1, _EAGER_CHUNK_ELEMS // slab)
     g_all = grad.reshape(-1, slab)
-    p_all = param.view(-1, slab)
     i_all = idx.view(-1, slab)
     s_all = scale.view(-1, slab // B)
     vr_all = v_row.view(-1)
     for r0 in range(0, g_all.shape[0], rows_per):
         r1 = min(g_all.shape[0], r0 + rows_per)
         g = g_all[r0:r1].float()
-        vr = vr_all[r0:r1]
-        vr.mul_(beta2).add_((g * g).mean(dim=1), alpha=1.0 - beta2)
-        denom = (vr.sqrt().unsqueeze(1) * row_factors(col_f, row0, r0, r1, row_block)).div_(sqrt_bc2).add_(eps)
-        sigma = denom.reciprocal_().mul_(1.0 / bc1)
+        rsq = ema_(vr_all[r0:r1], (g * g).mean(dim=1), beta2).sqrt()
+        new, a = requantize_(i_all[r0:r1].reshape(-1, B), s_all[r0:r1].reshape(-1, 1), g.reshape(-1, B),
+                             codebook, beta1)
+        yield r0, r1, rsq, new, a
 
-        new, a = _ema_requantize_(i_all[r0:r1].reshape(-1, B), s_all[r0:r1].reshape(-1, 1), g.reshape(-1, B),
-                                  codebook, beta1)
-        u = (codebook[new.long()] * a).view(r1 - r0, slab).mul_(sigma).mul_(lr)
-        _apply_update_(p_all[r0:r1], u, weight_decay, decay)
+
+def factored_state_eager_(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, scale_block, eps=None, bc1=None,
+                          bc2=None) -> torch.Tensor:
+    """The row-local state update of :func:`quantized_step_factored_eager_` without the column factor
+    and the parameter update (ZeRO-1's owners): updates ``v_row``, ``scale``, ``idx`` in place and
+    returns ``sqrt(v_row)`` per row (``eps``, ``bc1``, ``bc2`` are accepted for the signature of the
+    kernels' state functions and unused: the state never depends on them)."""
+    rsq = torch.empty(idx.numel() // slab, dtype=torch.float32, device=idx.device)
+    for r0, r1, r, _, _ in _factored_chunks(grad, idx, scale, v_row, codebook, slab=slab, beta1=beta1,
+                                            beta2=beta2, scale_block=scale_block):
+        rsq[r0:r1] = r
+    return rsq

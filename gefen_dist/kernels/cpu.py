@@ -612,6 +612,43 @@ def quantized_step_factored_(
         torch.autograd.graph.increment_version(t)
 
 
+_SCRATCH_ELEMS = 1 << 20  # parameter scratch of a state-only call (chunks of whole blocks)
+
+
+def quantized_state_(grad, idx, scale, v, codebook, *, beta1, beta2, eps, bc1, bc2, period,
+                     scale_block) -> torch.Tensor:
+    """The kernel's state update of :func:`quantized_step_` (``v``, ``idx``, ``scale`` in place,
+    bitwise the full step's) without the parameter update, for ZeRO-1's owners; returns ``sigma``
+    per v-block as the kernel computes it (its float32 operations with a correctly rounded sqrt:
+    a float64 sqrt rounded once to float32), so an update applied with
+    :func:`gefen_dist.core.apply.apply_compressed` ``(kernel_order=True)`` is the kernel's, bitwise.
+    The kernel runs with ``lr = wd = 0`` on a scratch parameter of ``grad``'s dtype."""
+    P, n = period, idx.numel()
+    chunk = max(P, (_SCRATCH_ELEMS // P) * P)
+    scratch = torch.zeros(min(n, chunk), dtype=grad.dtype)
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        quantized_step_(scratch[:c1 - c0], grad[c0:c1], idx[c0:c1], scale[c0 // P:c1 // P], v[c0 // P:c1 // P],
+                        codebook, lr=0.0, beta1=beta1, beta2=beta2, eps=eps, weight_decay=0.0, bc1=bc1, bc2=bc2,
+                        period=P, scale_block=scale_block)
+    sigma = v.double().sqrt().float().div_(math.sqrt(bc2)).add_(eps).reciprocal_()
+    return sigma.mul_(1.0 / bc1)
+
+
+def factored_state_(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, eps, bc1, bc2,
+                    scale_block) -> torch.Tensor:
+    """The kernel's row-local state update of :func:`quantized_step_factored_` (``v_row``, ``idx``,
+    ``scale`` in place) without the column factor and the parameter update, for ZeRO-1's owners;
+    returns ``sqrt(v_row)`` correctly rounded, as the kernel's ``sqrtf``. The state never depends
+    on ``v_col``, so the kernel runs against a zero column profile, with ``lr = wd = 0``, on a
+    scratch parameter of ``grad``'s dtype."""
+    zeros = torch.zeros(slab, dtype=torch.float32)
+    quantized_step_factored_(torch.zeros(idx.numel(), dtype=grad.dtype), grad, idx, scale, v_row, zeros.clone(),
+                             codebook, zeros, lr=0.0, beta1=beta1, beta2=beta2, eps=eps, weight_decay=0.0,
+                             bc1=bc1, bc2=bc2, scale_block=scale_block)
+    return v_row.reshape(-1).double().sqrt().float()
+
+
 def column_sumsq(grad: torch.Tensor, slab: int) -> torch.Tensor:
     """Per-column sum of the float32 squares ``g * g`` over the rows of ``slab`` elements that
     ``grad`` holds, accumulated in float64 (``[slab]``): the contract of
