@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _gpt2 import GPT2_PARAMS, gpt2_shapes  # noqa: E402
 from gefen_dist.comm import LocalComm  # noqa: E402
+from gefen_dist.kernels import dispatch  # noqa: E402
 from gefen_dist.segments import FlatSegments, Segment, counts_to_codebook  # noqa: E402
 
 HP = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -88,8 +89,7 @@ def main() -> int:
 
     def fused():
         st["step"] += 1
-        fs.step(flat, grad, st, fused_step=_cpu.quantized_step_, fused_factored=_cpu.quantized_step_factored_,
-                column_sums=_cpu.column_sumsq, **kw)
+        fs.step(flat, grad, st, impl=dispatch.select(flat), **kw)
 
     def eager():
         st2["step"] += 1

@@ -19,8 +19,7 @@ from torch.optim import Optimizer
 from .comm import LocalComm, comm_for
 from .core import periods as _periods
 from .core.quant import NUM_BINS
-from .core.step import (adamw_foreach_, adamw_step_, bias_corrections, block_column_sumsq, column_sumsq, decay_only_,
-                        quantized_step_eager_, quantized_step_factored_eager_, row_block_args)
+from .core.step import adamw_foreach_, adamw_step_, bias_corrections, block_column_sumsq, decay_only_, row_block_args
 from .core.step import scalar_value as _scalar
 from .cuda_path import CudaPlan
 from .kernels import dispatch as _dispatch
@@ -502,30 +501,9 @@ class Gefen(NonfiniteChecks, Optimizer):
                 out.append((g, p))
         return out
 
-    def _use_triton(self, t: torch.Tensor) -> bool:
-        if self.fused is False or t.device.type != "cuda" or t.dtype not in (torch.float32, torch.bfloat16):
-            return False
-        try:
-            from .kernels import triton_step as _tri
-        except ImportError:
-            ok = False
-        else:
-            ok = _tri.available(t.device)
-        if not ok and not getattr(self, "_warned_no_triton", False):
-            self._warned_no_triton = True
-            logger.warning("Gefen: CUDA parameters but triton is not importable, so they step with the eager "
-                           "torch path (20-50x slower per step than the Triton kernels on an H200, "
-                           "docs/benchmarks.md); install triton (pip install triton) to use the kernels.")
-        return ok
-
-    def _use_fused(self, t: torch.Tensor) -> bool:
-        if self.fused is False or t.device.type != "cpu":
-            return False
-        try:
-            from .kernels import cpu as _cpu
-        except ImportError:
-            return False
-        return _cpu.available() and t.dtype in (torch.float32, torch.bfloat16)
+    def _impl(self, t: torch.Tensor) -> _dispatch.StepImpl:
+        """The implementation that steps tensor ``t`` (:func:`gefen_dist.kernels.dispatch.select`)."""
+        return _dispatch.select(t, self.fused)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
@@ -601,12 +579,7 @@ class Gefen(NonfiniteChecks, Optimizer):
             if pc.grad is None or pc.grad.numel() == 0 or (sharded and not pc.contributes):
                 out[p] = torch.zeros(G * slab, dtype=torch.float64, device=v_col.device)
                 continue
-            if self._use_fused(pc.grad):
-                from .kernels import cpu as _cpu
-
-                sumsq = _cpu.column_sumsq
-            else:
-                sumsq = column_sumsq  # on the gradient's device (no host copy on CUDA)
+            sumsq = self._impl(pc.grad).column_sumsq  # on the gradient's device (no host copy on CUDA)
             out[p] = block_column_sumsq(pc.grad, slab, pc.start // slab, global_shape(p)[0] // G, G, sumsq)
         return out
 
@@ -659,42 +632,20 @@ class Gefen(NonfiniteChecks, Optimizer):
             return
         contiguous = param.is_contiguous()
         work = param if contiguous else param.contiguous()
-        g = grad.contiguous()
-        cb = st["codebook"]
+        impl = self._impl(work)
+        g = impl.grad_for(grad.contiguous(), work)
+        cb = st["codebook"].to(work.device)
         if "v_col" in st:
-            fargs = (local_tensor(st["idx"]), local_tensor(st["scale"]), local_tensor(st["v_row"]),
-                     st["v_col"], cb, col_mean_sq)
             rkw = {}
             if st["v_col"].dim() > 1:  # row blocks (D12): this piece's first global row, rows per block
                 rkw = row_block_args(st["v_col"], global_shape(p)[0],
                                      piece_of(p, self._comm.rank, self._comm.world_size > 1).start)
-            if self._use_triton(work):
-                from .kernels import triton_step as _tri
-
-                _tri.quantized_step_factored_(work, g.to(work.dtype), *fargs, scale_block=st["scale_block"],
-                                              **rkw, **hp)
-            elif self._use_fused(work):
-                from .kernels import cpu as _cpu
-
-                _cpu.quantized_step_factored_(work, g.to(work.dtype), *fargs,
-                                              scale_block=st["scale_block"], **rkw, **hp)
-            else:
-                quantized_step_factored_eager_(work, g, *fargs, scale_block=st["scale_block"], **rkw, **hp)
-            if not contiguous:
-                param.copy_(work)
-            return
-        kw = dict(period=st["period"], scale_block=st["scale_block"], **hp)
-        idx, scale, v = (local_tensor(st[k]) for k in ("idx", "scale", "v"))
-        if self._use_triton(work):
-            from .kernels import triton_step as _tri
-
-            _tri.quantized_step_(work, g.to(work.dtype), idx, scale, v, cb.to(work.device), **kw)
-        elif self._use_fused(work):
-            from .kernels import cpu as _cpu
-
-            _cpu.quantized_step_(work, g.to(work.dtype), idx, scale, v, cb, **kw)
+            impl.quantized_step_factored_(work, g, local_tensor(st["idx"]), local_tensor(st["scale"]),
+                                          local_tensor(st["v_row"]), st["v_col"], cb, col_mean_sq,
+                                          scale_block=st["scale_block"], **rkw, **hp)
         else:
-            quantized_step_eager_(work, g, idx, scale, v, cb, **kw)
+            impl.quantized_step_(work, g, local_tensor(st["idx"]), local_tensor(st["scale"]), local_tensor(st["v"]),
+                                 cb, period=st["period"], scale_block=st["scale_block"], **hp)
         if not contiguous:
             param.copy_(work)
 

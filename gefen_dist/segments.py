@@ -56,8 +56,8 @@ import torch
 
 from .core import periods as _periods
 from .core.quant import NUM_BINS
-from .core.step import (adamw_step_, apply_, bias_corrections, block_column_sumsq, column_factors, column_sumsq,
-                        decay_only_, ema_, first_moment, inv_rms_, quantize, quantized_step_eager_, quantized_step_factored_eager_)
+from .core.step import (adamw_step_, apply_, bias_corrections, block_column_sumsq, column_factors, decay_only_, ema_,
+                        first_moment, inv_rms_, quantize)
 from .kernels import dispatch as _dispatch
 from .layout import is_exact
 
@@ -455,19 +455,16 @@ class FlatSegments:
 
     # ------------------------------------------------------------------ the step
     def step(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], *, lr: float, beta1: float,
-             beta2: float, eps: float, weight_decay: float, fused_step=None, fused_factored=None,
-             column_sums=None) -> None:
-        """One Gefen step of every segment (``st['step']`` already incremented). ``fused_step`` /
-        ``fused_factored``: kernels with the signatures of :func:`quantized_step_eager_` /
-        :func:`quantized_step_factored_eager_` for whole blocks / whole rows (the native CPU or the
-        Triton kernel); None: the eager functions. ``column_sums``: the factored statistics' per-column
-        sums of ``g^2`` over a range of whole rows (``gefen_dist.kernels.cpu.column_sumsq``; None: the
-        eager :func:`column_sumsq`, on the buffer's device)."""
+             beta2: float, eps: float, weight_decay: float, impl=None) -> None:
+        """One Gefen step of every segment (``st['step']`` already incremented). ``impl``: the
+        implementation that steps whole blocks / whole rows (a
+        :class:`gefen_dist.kernels.dispatch.StepImpl`: the native CPU or the Triton kernels; None: the
+        eager reference); cut blocks and rows are finished with the reference's phase functions."""
+        impl = impl or _dispatch.select(flat, fused=False)
         bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
         hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2)
         if "v_col" in st:
-            return self._step_factored(flat, grad, st, hp, fused_factored or quantized_step_factored_eager_,
-                                       column_sums or column_sumsq)
+            return self._step_factored(flat, grad, st, hp, impl.quantized_step_factored_, impl.column_sumsq)
         plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold)
         cb = st["codebook"]
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
@@ -495,13 +492,8 @@ class FlatSegments:
             lo, hi, parts = _split(a, e, B)
             if hi > lo:  # whole blocks [lo, hi)
                 so, vo = lo // B - a // B, lo // P - a // P
-                kw = dict(period=P, scale_block=B, **hp)
-                args = (p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a], sc[so:so + (hi - lo) // B],
-                        vv[vo:vo + (hi - lo) // P], cb)
-                if fused_step is not None:
-                    fused_step(*args, **kw)
-                else:
-                    quantized_step_eager_(*args, **kw)
+                impl.quantized_step_(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a], sc[so:so + (hi - lo) // B],
+                                     vv[vo:vo + (hi - lo) // P], cb, period=P, scale_block=B, **hp)
             for b, ps, pe in parts:
                 r0, r1 = ps - a, pe - a
                 gp = g[r0:r1].float()
@@ -539,7 +531,7 @@ class FlatSegments:
 
     # ------------------------------------------------------------------ factored second moment
     def _step_factored(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], hp: Dict[str, float],
-                       whole_rows=quantized_step_factored_eager_, sumsq=column_sumsq) -> None:
+                       whole_rows, sumsq) -> None:
         """One step with the factored (row x column) second moment (Adafactor's estimator).
 
         Per quantized tensor of ``R`` rows of ``S`` elements: ``v_col`` ([S], identical on every

@@ -69,8 +69,8 @@ import torch
 
 from .core import periods as _periods
 from .core.apply import apply_compressed, apply_factored, update_v_col
-from .core.step import (adamw_step_, bias_corrections, decay_only_, factored_state_eager_, quantized_state_eager_,
-                        quantized_step_eager_, quantized_step_factored_eager_, row_block_args)
+from .core.step import adamw_step_, bias_corrections, decay_only_, row_block_args
+from .kernels import dispatch as _dispatch
 from .layout import Geometry, Piece, global_shape, is_dtensor, is_exact
 from .optimizer import Gefen, Report, _scalar
 from .zero_checkpoint import ZeroCheckpointMixin
@@ -446,6 +446,11 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
         self._zero_update(entries, partials)
         return loss
 
+    def _impl(self, t: torch.Tensor) -> _dispatch.StepImpl:
+        """Owners and appliers use one implementation with state-only functions (the native CPU
+        kernel or the eager reference; see :func:`gefen_dist.kernels.dispatch.select`)."""
+        return _dispatch.select(t, self.fused, need_state=True)
+
     def _hparams(self, group: dict, st: dict) -> dict:
         beta1, beta2 = group["betas"]
         bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
@@ -519,7 +524,7 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
                     M, off = self._take(chunks[r], off, n // P, torch.float32)
                     sigma, off = self._take(chunks[r], off, n // P, torch.float32)
                     apply_compressed(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
-                                           st["codebook"], P, hp, kernel_order=self._use_fused(p))
+                                           st["codebook"], P, hp, kernel_order=self._impl(p).kernel_order)
                 elif mode == MODE_FACTORED:
                     B, slab = st["scale_block"], st["v_col"].shape[-1]
                     idx, off = self._take(chunks[r], off, n, torch.uint8)
@@ -527,7 +532,7 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
                     rf, off = self._take(chunks[r], off, n // slab, torch.float32)
                     apply_factored(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device),
                                          col_f[id(p)], st["codebook"], B, slab, hp,
-                                         kernel_order=self._use_fused(p), **_row_blocks_kw(p, st, s))
+                                         kernel_order=self._impl(p).kernel_order, **_row_blocks_kw(p, st, s))
                 else:
                     vals, off = self._take(chunks[r], off, n, p.dtype)
                     flat[s:e].copy_(vals.to(p.device))
@@ -545,12 +550,8 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
         assert st["scale_block"] == P
         g = p.grad.reshape(-1)[s:e].contiguous()
         idx, scale, v, cb = st["idx"], st["scale"], st["v"], st["codebook"]
-        state_fn = quantized_state_eager_
-        if self._use_fused(p):
-            from .kernels import cpu as _cpu
-
-            state_fn, g = _cpu.quantized_state_, g.to(p.dtype)
-        sigma = state_fn(g, idx, scale, v, cb, **{k: hp[k] for k in _STATE_HP}, period=P, scale_block=P)
+        impl = self._impl(p)
+        sigma = impl.quantized_state_(impl.grad_for(g, p), idx, scale, v, cb, **{k: hp[k] for k in _STATE_HP}, period=P, scale_block=P)
         return [idx, scale, sigma]
 
     def _owner_dense(self, p, st, hp, s, e, col_mean_sq=None) -> torch.Tensor:
@@ -561,24 +562,17 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
         if "exp_avg" in st:
             adamw_step_(work, g, st["exp_avg"], st["exp_avg_sq"], **hp)
             return work
+        impl = self._impl(work)
+        gk = impl.grad_for(g, work)
         if "v_col" in st:
             # Gefen's factored step on this rank's rows; it updates a copy of the (old) v_col,
             # every rank updates its own v_col afterwards (update_v_col).
-            step_fn = quantized_step_factored_eager_
-            if self._use_fused(work):
-                from .kernels import cpu as _cpu
-
-                step_fn = _cpu.quantized_step_factored_
-            step_fn(work, g.to(work.dtype), st["idx"], st["scale"], st["v_row"], st["v_col"].clone(),
-                    st["codebook"], col_mean_sq, scale_block=st["scale_block"], **_row_blocks_kw(p, st, s), **hp)
-            return work
-        kw = dict(period=st["period"], scale_block=st["scale_block"], **hp)
-        if self._use_fused(work):
-            from .kernels import cpu as _cpu
-
-            _cpu.quantized_step_(work, g.to(work.dtype), st["idx"], st["scale"], st["v"], st["codebook"], **kw)
+            impl.quantized_step_factored_(work, gk, st["idx"], st["scale"], st["v_row"], st["v_col"].clone(),
+                                          st["codebook"], col_mean_sq, scale_block=st["scale_block"],
+                                          **_row_blocks_kw(p, st, s), **hp)
         else:
-            quantized_step_eager_(work, g, st["idx"], st["scale"], st["v"], st["codebook"], **kw)
+            impl.quantized_step_(work, gk, st["idx"], st["scale"], st["v"], st["codebook"], period=st["period"],
+                                 scale_block=st["scale_block"], **hp)
         return work
 
     def _owner_factored(self, p, st, hp, s, e) -> List[torch.Tensor]:
@@ -589,12 +583,8 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
         B, slab = st["scale_block"], st["v_col"].shape[-1]
         g = p.grad.reshape(-1)[s:e].contiguous()
         idx, scale, v_row, cb = st["idx"], st["scale"], st["v_row"], st["codebook"]
-        state_fn = factored_state_eager_
-        if self._use_fused(p):
-            from .kernels import cpu as _cpu
-
-            state_fn, g = _cpu.factored_state_, g.to(p.dtype)
-        rsq = state_fn(g, idx, scale, v_row, cb, slab=slab, **{k: hp[k] for k in _STATE_HP}, scale_block=B)
+        impl = self._impl(p)
+        rsq = impl.factored_state_(impl.grad_for(g, p), idx, scale, v_row, cb, slab=slab, **{k: hp[k] for k in _STATE_HP}, scale_block=B)
         return [idx, scale, rsq]
 
     # ------------------------------------------------------------------ introspection

@@ -332,8 +332,9 @@ def test_optimizer_cuda_path_through_interpreter(monkeypatch, second_moment):
     hp = dict(lr=1e-3, weight_decay=0.1, second_moment=second_moment)
     oa = Gefen(a.parameters(), fused=False, **hp)
     ob = Gefen(b.parameters(), **hp)
-    monkeypatch.setattr(ob, "_use_triton", lambda t: True)
-    monkeypatch.setattr(ob, "_use_fused", lambda t: False)
+    from gefen_dist.kernels import dispatch
+
+    monkeypatch.setattr(ob, "_impl", lambda t: dispatch._triton())
     monkeypatch.setattr(ob, "_foreach_exact", lambda p: "exp_avg" in ob.state.get(p, {}))
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):
@@ -440,6 +441,7 @@ def test_cuda_plan_through_interpreter(monkeypatch, second_moment):
     import copy
 
     from gefen_dist import Gefen, cuda_path
+    from gefen_dist.kernels import dispatch
 
     monkeypatch.setattr(cuda_path, "_DEVICE_TYPES", ("cuda", "cpu"))
     base = _three_kinds_model()
@@ -448,8 +450,7 @@ def test_cuda_plan_through_interpreter(monkeypatch, second_moment):
     oa = Gefen(a.named_parameters(), **hp)
     ob = Gefen(b.named_parameters(), **hp)
     for o in (oa, ob):
-        monkeypatch.setattr(o, "_use_triton", lambda t: True)
-        monkeypatch.setattr(o, "_use_fused", lambda t: False)
+        monkeypatch.setattr(o, "_impl", lambda t: dispatch._triton())
     monkeypatch.setattr(oa, "_foreach_exact", lambda p: "exp_avg" in oa.state.get(p, {}))
     monkeypatch.setattr(cuda_path.CudaPlan, "get", classmethod(
         lambda cls, opt, entries, _get=cuda_path.CudaPlan.get.__func__: None if opt is oa else _get(cls, opt, entries)))
@@ -497,6 +498,7 @@ def test_flat_segments_with_triton_kernels(second_moment, device):
     blocks (what the integration runs on CUDA) against its eager step: same indices and scales,
     parameters within the kernel's tolerance."""
     from gefen_dist.comm import LocalComm
+    from gefen_dist.kernels import dispatch
     from gefen_dist.segments import FlatSegments, Segment, counts_to_codebook
 
     shapes = [("a", (96, 64)), ("b", (192, 64)), ("c", (64, 200)), ("bias", (64,))]
@@ -518,8 +520,7 @@ def test_flat_segments_with_triton_kernels(second_moment, device):
             if step == 1:
                 st["codebook"] = counts_to_codebook(fs.learn(st, grad, codebook_needed=True)).codebook.float().to(device)
             st["step"] = step
-            kw = dict(fused_step=triton_step.quantized_step_,
-                      fused_factored=triton_step.quantized_step_factored_) if kernels else {}
+            kw = dict(impl=dispatch._triton()) if kernels else {}
             fs.step(flat, grad, st, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, **kw)
         runs.append((flat, st))
     (fa, sa), (fb, sb) = runs

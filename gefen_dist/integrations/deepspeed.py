@@ -170,7 +170,7 @@ class Gefen(_opt_mod.Gefen):
     def _step_flat(self, group: dict, flat: torch.Tensor) -> None:
         fs = self._ds_flats[id(flat)]
         st = self.state.get(flat)
-        factored = group.get("second_moment", "shared") == "factored"
+        factored = group["second_moment"] == "factored"
         if st and "idx" not in st:
             raise LayoutError(
                 f"{fs.where}: the optimizer state holds {sorted(st)[:4]} (Adam-shaped state put there by "
@@ -184,7 +184,7 @@ class Gefen(_opt_mod.Gefen):
         elif ("v_col" in st) != factored:
             raise ValueError(
                 f"{fs.where}: the optimizer state holds a {'factored' if 'v_col' in st else 'shared'} second "
-                f"moment but the param group asks for second_moment={group.get('second_moment', 'shared')!r}; "
+                f"moment but the param group asks for second_moment={group['second_moment']!r}; "
                 "resume with the setting the checkpoint was saved with")
         grad = flat.grad
         if grad.dtype != torch.float32:
@@ -205,17 +205,8 @@ class Gefen(_opt_mod.Gefen):
                             total, res.active_bins)
         st["step"] += 1
         beta1, beta2 = group["betas"]
-        fused = fused_f = sumsq = None
-        if self._use_fused(flat):
-            from ..kernels import cpu as _cpu
-
-            fused, fused_f, sumsq = _cpu.quantized_step_, _cpu.quantized_step_factored_, _cpu.column_sumsq
-        elif self._use_triton(flat):
-            from ..kernels import triton_step as _tri
-
-            fused, fused_f = _tri.quantized_step_, _tri.quantized_step_factored_
         fs.step(flat, grad, st, lr=_opt_mod._scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], fused_step=fused, fused_factored=fused_f, column_sums=sumsq)
+                weight_decay=group["weight_decay"], impl=self._impl(flat))
 
     # ------------------------------------------------------------------ introspection
     def periods(self) -> Dict[str, int]:

@@ -13,7 +13,10 @@ the reference's own rounding for the period scores, see :mod:`.first_step`).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,8 +25,10 @@ from ..core import codebook as _codebook
 from ..core import periods as _periods
 from ..core.quant import NUM_BINS, block_histogram_eager
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["log_sq", "period_partials", "grad_period_partials", "paper_period", "block_histogram",
-           "solve_codebook", "dp_segments"]
+           "solve_codebook", "dp_segments", "StepImpl", "select", "native_cpu_usable", "triton_usable"]
 
 
 def _first_step():
@@ -113,3 +118,108 @@ def solve_codebook(counts, backend: str = "auto") -> _codebook.CodebookResult:
     """:func:`gefen_dist.core.codebook.solve_codebook` with the DP solver of ``backend`` (as
     :func:`dp_segments`); the same codebook bit for bit whichever solver runs."""
     return _codebook.solve_codebook(counts, dp=_dp_solver(backend))
+
+
+# ---------------------------------------------------------------------------------------------
+# The step: which implementation updates a tensor of this device and dtype
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepImpl:
+    """One implementation of Gefen's update, as the engine and the backends call it.
+
+    ``quantized_step_`` / ``quantized_step_factored_`` have the contracts of
+    :func:`gefen_dist.core.step.quantized_step_eager_` / :func:`~gefen_dist.core.step.quantized_step_factored_eager_`;
+    ``column_sumsq`` that of :func:`gefen_dist.core.step.column_sumsq`. ``quantized_state_`` /
+    ``factored_state_`` are the state updates without the parameter update (ZeRO-1's owners), and
+    ``kernel_order`` says that the appliers of :mod:`gefen_dist.core.apply` must replay this
+    implementation's float32 sequence (the native CPU kernel's) to equal its full step bitwise.
+    An implementation without state functions (Triton) is not used by owners: they fall back to
+    the eager reference, and so do their appliers."""
+
+    name: str
+    quantized_step_: Callable
+    quantized_step_factored_: Callable
+    column_sumsq: Callable
+    quantized_state_: Optional[Callable] = None
+    factored_state_: Optional[Callable] = None
+    kernel_order: bool = False
+    grad_in_param_dtype: bool = True  # the kernels read g in the parameter's dtype; the reference any dtype
+
+    def grad_for(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """The gradient as this implementation reads it next to ``param``."""
+        return grad.to(param.dtype) if self.grad_in_param_dtype else grad
+
+
+@functools.lru_cache(maxsize=None)
+def _eager() -> StepImpl:
+    from ..core import step as s
+
+    return StepImpl("eager", s.quantized_step_eager_, s.quantized_step_factored_eager_, s.column_sumsq,
+                    s.quantized_state_eager_, s.factored_state_eager_, grad_in_param_dtype=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _native_cpu() -> StepImpl:
+    from . import cpu
+
+    return StepImpl("cpu", cpu.quantized_step_, cpu.quantized_step_factored_, cpu.column_sumsq,
+                    cpu.quantized_state_, cpu.factored_state_, kernel_order=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton() -> StepImpl:
+    from ..core.step import column_sumsq
+    from . import triton_step as tri
+
+    return StepImpl("triton", tri.quantized_step_, tri.quantized_step_factored_, column_sumsq)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_triton() -> None:
+    logger.warning("Gefen: CUDA parameters but triton is not importable, so they step with the eager torch path "
+                   "(20-50x slower per step than the Triton kernels on an H200, docs/benchmarks.md); install "
+                   "triton (pip install triton) to use the kernels.")
+
+
+def triton_usable(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels can step tensor ``t`` (a CUDA float32/bfloat16 tensor, triton
+    importable and working on its device); logs once per process when triton is missing."""
+    if t.device.type != "cuda" or t.dtype not in _KERNEL_DTYPES:
+        return False
+    try:
+        from . import triton_step as tri
+    except ImportError:
+        ok = False
+    else:
+        ok = tri.available(t.device)
+    if not ok:
+        _warn_no_triton()
+    return ok
+
+
+def native_cpu_usable(t: torch.Tensor) -> bool:
+    """Whether the native CPU kernel can step tensor ``t`` (a CPU float32/bfloat16 tensor, the
+    library built)."""
+    if t.device.type != "cpu" or t.dtype not in _KERNEL_DTYPES:
+        return False
+    from . import cpu
+
+    return cpu.available()
+
+
+def select(t: torch.Tensor, fused: Optional[bool] = None, need_state: bool = False) -> StepImpl:
+    """The implementation that steps tensor ``t``: with ``fused`` not False, the native CPU kernel
+    for CPU float32/bfloat16 tensors or the Triton kernels for CUDA ones when they are usable; the
+    eager reference otherwise (any device and dtype). ``need_state``: only an implementation with
+    state-only functions (what ZeRO-1's owners and appliers need: the native CPU kernel or the
+    reference)."""
+    if fused is not False:
+        if native_cpu_usable(t):
+            return _native_cpu()
+        if not need_state and triton_usable(t):
+            return _triton()
+    return _eager()
