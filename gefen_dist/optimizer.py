@@ -6,7 +6,6 @@ Citation: Benedek, Koren, Fried, "Gefen: Optimized Stochastic Optimizer", arXiv 
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -17,28 +16,23 @@ import torch
 from torch.optim import Optimizer
 
 from .comm import LocalComm, comm_for
-from .core import periods as _periods
-from .core.quant import NUM_BINS
 from .core.step import adamw_foreach_, adamw_step_, bias_corrections, block_column_sumsq, decay_only_, row_block_args
 from .core.step import scalar_value as _scalar
 from .cuda_path import CudaPlan
+from . import learning
+from .report import Report, build_report, state_bytes
+from .state import SECOND_MOMENTS, StateSpec
 from .kernels import dispatch as _dispatch
 from .nonfinite import NonfiniteChecks
-from .layout import (KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, check_supported, global_shape, is_dtensor,
+from .layout import (Geometry, Piece, check_supported, global_shape, is_dtensor,
                      is_exact, like_param, local_tensor, piece_of)
 
 logger = logging.getLogger(__name__)
 
 _STATE_KEYS_Q = ("step", "period", "scale_block", "learned", "idx", "scale", "v", "codebook")
 _STATE_KEYS_F = ("step", "period", "scale_block", "learned", "idx", "scale", "v_row", "v_col", "codebook")
-SECOND_MOMENTS = ("shared", "factored", "elementwise")
 NONFINITE = ("raise", "skip", "ignore")
 _STATE_KEYS_E = ("step", "exp_avg", "exp_avg_sq")
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    t = local_tensor(t)
-    return t.numel() * t.element_size()
 
 
 def _validate_row_blocks(rb, where: str = "") -> None:
@@ -81,27 +75,6 @@ def saved_param_map(opt: Optimizer, state_dict: Dict[str, Any]) -> Dict[Any, tor
                              f"the size of optimizer's group ({len(sg['params'])} vs {len(g['params'])})")
         id_map.update(zip(sg["params"], g["params"]))
     return id_map
-
-
-class Report(list):
-    """Per-tensor records (dicts) with a readable table as ``str(report)``."""
-
-    def summary(self) -> str:
-        lines = [f"{'name':<40} {'shape':<18} {'kind':<9} {'period':>6} {'block':>6} {'bytes':>12} {'B/param':>8}"]
-        tot_b = tot_n = 0
-        for r in self:
-            n = max(1, r["local_numel"])
-            tot_b += r["state_bytes"]
-            tot_n += r["local_numel"]
-            lines.append(
-                f"{r['name'][:40]:<40} {str(tuple(r['shape'])):<18} {r['kind']:<9} {r['period']:>6} "
-                f"{r['scale_block']:>6} {r['state_bytes']:>12,} {r['state_bytes'] / n:>8.3f}"
-            )
-        lines.append(f"total: {tot_n:,} parameters, {tot_b:,} state bytes ({tot_b / max(1, tot_n):.4f} B/param)")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.summary()
 
 
 class Gefen(NonfiniteChecks, Optimizer):
@@ -217,52 +190,15 @@ class Gefen(NonfiniteChecks, Optimizer):
     # ------------------------------------------------------------------ introspection
     def state_bytes(self) -> int:
         """Exact bytes held in optimizer state tensors (the shared codebook counted once)."""
-        seen = set()
-        total = 0
-        for st in self.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    v = local_tensor(v)
-                    key = (v.untyped_storage().data_ptr(), v.device)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    total += v.numel() * v.element_size()
-        return total
+        return state_bytes(self.state)
 
     def report(self) -> Report:
         """One record per parameter: name, shape, numel, kind, period, scale_block, state_bytes."""
         names = self._names()
-        rep = Report()
-        for g in self.param_groups:
-            for p in g["params"]:
-                if not p.requires_grad:
-                    continue
-                st = self.state.get(p, {})
-                shape = global_shape(p)
-                rec = dict(name=names[id(p)], shape=tuple(shape), numel=int(math.prod(shape)),
-                           local_numel=local_tensor(p).numel(), dtype=str(p.dtype).replace("torch.", ""))
-                if not st:
-                    rec.update(kind="pending", period=0, scale_block=0, state_bytes=0)
-                elif "idx" in st:
-                    nbytes = sum(_nbytes(st[k]) for k in ("idx", "scale", "v", "v_row", "v_col") if k in st)
-                    rec.update(kind=KIND_QUANTIZED, period=st["period"], scale_block=st["scale_block"],
-                               state_bytes=nbytes, learned=bool(st["learned"]))
-                else:
-                    nbytes = sum(_nbytes(st[k]) for k in ("exp_avg", "exp_avg_sq"))
-                    rec.update(kind=KIND_EXACT, period=0, scale_block=0, state_bytes=nbytes)
-                rep.append(rec)
-        return rep
+        return build_report([(names[id(p)], p, self.state.get(p, {})) for g in self.param_groups
+                             for p in g["params"] if p.requires_grad])
 
     # ------------------------------------------------------------------ state creation
-    def _geometry(self, p: torch.Tensor) -> Optional[Geometry]:
-        st = self.state.get(p)
-        if not st:
-            return None
-        if "idx" in st:
-            return Geometry.quantized(global_shape(p), st["period"])
-        return Geometry.exact(global_shape(p))
-
     def _group_of(self, p: torch.Tensor) -> dict:
         for g in self.param_groups:
             for q in g["params"]:
@@ -270,43 +206,22 @@ class Gefen(NonfiniteChecks, Optimizer):
                     return g
         raise KeyError("parameter not in any param group")
 
-    def _alloc(self, p: torch.Tensor, piece: Piece, geo: Geometry, *, learned: bool, step: int = 0) -> None:
+    def _spec(self, p: torch.Tensor, period: Optional[int] = None) -> StateSpec:
+        """The state spec of ``p`` (its group's mode; ``period`` None: the placeholder period)."""
+        g = self._group_of(p)
+        try:
+            return StateSpec.of(global_shape(p), second_moment=g["second_moment"], small_threshold=self.small_threshold,
+                                period=period, row_blocks=g.get("row_blocks", "auto"))
+        except ValueError as e:
+            raise ValueError(f"Gefen: parameter {self._names().get(id(p), '?')!r}: {e}") from None
+
+    def _alloc(self, p: torch.Tensor, piece: Piece, period: Optional[int] = None, *, learned: bool,
+               step: int = 0) -> None:
+        """Zero state for ``p``'s piece (exact tensors ignore ``period``)."""
         dev = piece.local.device
-
-        def zeros(local_shape, global_shape_, dtype):
-            return like_param(torch.zeros(local_shape, dtype=dtype, device=dev), p, global_shape_)
-
-        if geo.kind == KIND_EXACT:
-            shape = tuple(piece.local.shape)
-            self.state[p] = {
-                "step": step,
-                "exp_avg": zeros(shape, geo.global_shape, torch.float32),
-                "exp_avg_sq": zeros(shape, geo.global_shape, torch.float32),
-            }
-            return
-        loc = geo.state_shapes(piece.local_rows)
-        glo = geo.state_shapes(geo.global_shape[0])
-        st = {
-            "step": step,
-            "period": geo.period,
-            "scale_block": geo.scale_block,
-            "learned": int(learned),
-            "idx": zeros(loc["idx"], glo["idx"], torch.uint8),
-            "scale": zeros(loc["scale"], glo["scale"], torch.float32),
-        }
-        if self._group_of(p)["second_moment"] == "factored":
-            st["v_row"] = zeros((piece.local_rows, 1), (geo.global_shape[0], 1), torch.float32)
-            # column factor: the same on every rank (statistics are all-reduced), a plain tensor;
-            # [G, slab] with G row blocks (D12)
-            try:
-                G = _periods.factored_row_blocks(geo.global_shape, self._group_of(p).get("row_blocks", "auto"))
-            except ValueError as e:
-                raise ValueError(f"Gefen: parameter {self._names().get(id(p), '?')!r}: {e}") from None
-            st["v_col"] = torch.zeros(*((G,) if G > 1 else ()), geo.slab, dtype=torch.float32, device=dev)
-        else:
-            st["v"] = zeros(loc["v"], glo["v"], torch.float32)
-        st["codebook"] = self._codebook_for(dev)
-        self.state[p] = st
+        self.state[p] = self._spec(p, period).allocate(
+            tuple(piece.local.shape), dev, learned=learned, step=step, codebook=self._codebook_for(dev),
+            wrap=lambda t, gs: like_param(t, p, gs))
 
     def init_state(self, periods: Optional[Dict[Any, int]] = None) -> None:
         """Allocate (zero) state for every trainable parameter now, without a step.
@@ -324,14 +239,9 @@ class Gefen(NonfiniteChecks, Optimizer):
                 if not p.requires_grad or self.state.get(p):
                     continue
                 pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
-                if is_exact(pc.shape, self.small_threshold):
-                    self._alloc(p, pc, Geometry.exact(pc.shape), learned=True)
-                    continue
-                per = periods.get(p, periods.get(names[id(p)]))
-                if per is None:
-                    self._alloc(p, pc, Geometry.quantized(pc.shape, _periods.row_slab(pc.shape)), learned=False)
-                else:
-                    self._alloc(p, pc, Geometry.quantized(pc.shape, int(per)), learned=True)
+                per = None if is_exact(pc.shape, self.small_threshold) else periods.get(p, periods.get(names[id(p)]))
+                self._alloc(p, pc, None if per is None else int(per),
+                            learned=per is not None or is_exact(pc.shape, self.small_threshold))
 
     def _codebook_for(self, device: torch.device) -> torch.Tensor:
         if self.codebook is None:
@@ -363,23 +273,19 @@ class Gefen(NonfiniteChecks, Optimizer):
         quant = [(p, pc) for p, pc in todo if not is_exact(pc.shape, self.small_threshold)]
         for p, pc in todo:
             if is_exact(pc.shape, self.small_threshold) and not self.state.get(p):
-                self._alloc(p, pc, Geometry.exact(pc.shape), learned=True)
+                self._alloc(p, pc, learned=True)
         # Fixed-size cross-rank check before the variable-size collectives below (added with the
         # checkpoint/DDP tests): ranks about to learn different tensors (an extra parameter on one
         # rank) would otherwise make gloo abort the process or NCCL hang instead of a clear error.
         self._check_same_tensors([pc.shape for _, pc in quant])
         if not quant:
             return
-        # Which tensors have a nonzero global gradient? (one MAX over a small vector)
-        amax = torch.tensor([float(pc.grad.abs().max()) if pc.grad is not None and pc.grad.numel() else 0.0
-                             for _, pc in quant], dtype=torch.float64)
-        self._comm.all_reduce_max_(amax)
-        nonzero = [bool(a > 0) or math.isnan(float(a)) for a in amax.tolist()]
+        nonzero = learning.live_pieces(self._comm, [pc for _, pc in quant])
         live = [(p, pc) for (p, pc), nz in zip(quant, nonzero) if nz]
         for (p, pc), nz in zip(quant, nonzero):
             if not nz and not self.state.get(p):
                 # Zero gradient (e.g. DCP's init step): placeholder with the row as period.
-                self._alloc(p, pc, Geometry.quantized(pc.shape, _periods.row_slab(pc.shape)), learned=False)
+                self._alloc(p, pc, learned=False)
         if not live:
             return
         t0 = time.perf_counter()
@@ -387,100 +293,44 @@ class Gefen(NonfiniteChecks, Optimizer):
         t_periods = time.perf_counter() - t0
         for (p, pc), per in zip(live, periods):
             step = self.state[p]["step"] if self.state.get(p) else 0
-            self._alloc(p, pc, Geometry.quantized(pc.shape, per), learned=True, step=step)
+            self._alloc(p, pc, per, learned=True, step=step)
         if self.codebook is None:
             self._learn_codebook(live, t_periods)
 
     def _learn_periods(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> List[int]:
-        payload = []
-        cands_all = []
-        # second_moment="elementwise": the shared layout with period 1 (v per element), nothing to
-        # detect; the group is the same on every rank, so the gathered payloads still line up
-        elementwise = [self._group_of(p)["second_moment"] == "elementwise" for p, _ in live]
-        for (_, pc), elem in zip(live, elementwise):
-            n = int(math.prod(pc.shape))
-            cands = [] if elem else _periods.candidate_periods(n)
-            cands_all.append(cands)
-            if len(cands) < 3:
-                payload.append(None)
-                continue
-            g = pc.grad.reshape(-1) if pc.grad is not None else torch.zeros(0)
-            part = _dispatch.grad_period_partials(g, pc.start, n, cands)
-            payload.append(part.to_payload())
-        gathered = self._comm.all_gather_object(payload)
-        out = []
-        for i, (_, pc) in enumerate(live):
-            n = int(math.prod(pc.shape))
-            if payload[i] is None:
-                p_paper = 1
-            else:
-                parts = [_periods.PeriodPartials.from_payload(r[i]) for r in gathered]
-                p_paper = _periods.select_paper_period(cands_all[i], _periods.combine_partials(parts, n))
-            out.append(_periods.resolve_period(p_paper, _periods.row_slab(pc.shape)))
-        return out
+        return learning.learn_periods(self._comm, [pc for _, pc in live],
+                                      [self._group_of(p)["second_moment"] == "elementwise" for p, _ in live])
 
     def _global_histogram(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> torch.Tensor:
-        """The histogram (``NUM_BINS`` int64) of every quantized tensor's gradient normalised by its
-        scale blocks' absmax, summed over ranks (replicas counted once): what the codebook is
-        learned from."""
-        counts = torch.zeros(NUM_BINS, dtype=torch.int64)
-        for p, pc in live:
-            if pc.contributes and pc.grad is not None and pc.grad.numel():
-                _dispatch.block_histogram(pc.grad, self.state[p]["scale_block"], out=counts)
-        self._comm.all_reduce_sum_(counts)
-        return counts
+        return learning.global_histogram(self._comm, [(pc, self.state[p]["scale_block"]) for p, pc in live])
 
     def _learn_codebook(self, live: Sequence[Tuple[torch.Tensor, Piece]], t_periods: float) -> None:
         t0 = time.perf_counter()
         counts = self._global_histogram(live)
-        res = _dispatch.solve_codebook(counts.numpy())
-        t_hist = time.perf_counter() - t0 - res.seconds
-        dev = live[0][1].local.device
-        self.codebook = res.codebook.to(device=dev, dtype=torch.float32)
+        t_hist = time.perf_counter() - t0
+        fit = learning.learn_codebook(counts)
+        self.codebook = fit.codebook.to(device=live[0][1].local.device)
         for st in self.state.values():
             if "codebook" in st:
                 st["codebook"] = self._codebook_for(local_tensor(st["idx"]).device)
-        total = int(counts.sum())
-        self.codebook_info = dict(active_bins=res.active_bins, sse=res.sse, method=res.method,
-                                  values=total, rms_error=math.sqrt(res.sse / max(1, total)),
-                                  seconds_dp=res.seconds, seconds_hist=t_hist, seconds_periods=t_periods)
+        self.codebook_info = dict(fit.info, seconds_hist=t_hist, seconds_periods=t_periods)
         self._check_agreement()
         per = Counter(self.state[p]["period"] for p, _ in live)
         top = ", ".join(f"P={k}: {v}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:6])
         logger.info(
             "Gefen learned its codebook: %d tensors quantized (%s), %d values in %d active bins, "
             "RMS quantization error %.2e (normalised units), periods %.2fs, histogram %.2fs, DP %.2fs (%s)",
-            len(live), top, total, res.active_bins, self.codebook_info["rms_error"], t_periods,
-            t_hist, res.seconds, res.method,
+            len(live), top, fit.info["values"], fit.info["active_bins"], fit.info["rms_error"], t_periods,
+            t_hist, fit.info["seconds_dp"], fit.info["method"],
         )
 
     def _check_same_tensors(self, shapes) -> None:
-        """Raise on every rank if ranks hold different lists of quantized tensors to learn. The
-        collective has a fixed size (4 int64), so it cannot itself mismatch."""
-        if self._comm.world_size == 1:
-            return
-        h = int.from_bytes(hashlib.sha256(repr([tuple(s) for s in shapes]).encode()).digest()[:6], "little")
-        t = torch.tensor([len(shapes), -len(shapes), h, -h], dtype=torch.int64)
-        self._comm.all_reduce_max_(t)
-        if int(t[0]) != -int(t[1]) or int(t[2]) != -int(t[3]):
-            what = (f"this rank has {len(shapes)} quantized tensors; ranks hold between {-int(t[1])} and "
-                    f"{int(t[0])}" if int(t[0]) != -int(t[1]) else
-                    f"all have {len(shapes)} quantized tensors, but their shapes differ")
-            raise RuntimeError(
-                f"gefen_dist: ranks disagree about the tensors to learn ({what}). Every rank must build "
-                "Gefen over the same parameters in the same order; check that the model and param groups "
-                "are identical on all ranks."
-            )
+        learning.check_same_tensors(self._comm, shapes)
 
     def _check_agreement(self) -> None:
-        if self._comm.world_size == 1:
-            return
-        h = hashlib.sha256(self.codebook.cpu().numpy().tobytes())
-        for g in self.param_groups:
-            for p in g["params"]:
-                st = self.state.get(p)
-                h.update(repr((st.get("period"), st.get("learned")) if st else None).encode())
-        self._comm.check_agreement("periods and codebook", h.digest())
+        records = [(st.get("period"), st.get("learned")) if st else None
+                   for g in self.param_groups for st in (self.state.get(p) for p in g["params"])]
+        learning.check_agreement(self._comm, self.codebook, records)
 
     # ------------------------------------------------------------------ step
     def _entries(self) -> List[Tuple[dict, torch.Tensor]]:

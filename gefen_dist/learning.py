@@ -1,0 +1,123 @@
+"""The learner: periods and the codebook from the first nonzero gradient, over pieces (D3, D4, D6).
+
+Every function here takes the pieces this rank holds (:class:`gefen_dist.layout.Piece`: a
+contiguous range of a global tensor's flattening, with the gradient of that range) and the
+communicator of the optimizer's process group; every rank reaches the same decisions from the
+same collectives, entered by all ranks in the same order. Nothing here holds optimizer state:
+the optimizers (and their backends) allocate state from what these functions return.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .core import periods as _periods
+from .core.quant import NUM_BINS
+from .kernels import dispatch as _dispatch
+from .layout import Piece
+
+__all__ = ["live_pieces", "learn_periods", "global_histogram", "learn_codebook", "CodebookFit",
+           "check_same_tensors", "check_agreement"]
+
+
+def live_pieces(comm, pieces: Sequence[Piece]) -> List[bool]:
+    """Which pieces belong to a tensor whose gradient is nonzero somewhere (one MAX all-reduce of a
+    small vector; NaN counts as nonzero, so a non-finite gradient is never mistaken for 'not yet')."""
+    amax = torch.tensor([float(pc.grad.abs().max()) if pc.grad is not None and pc.grad.numel() else 0.0
+                         for pc in pieces], dtype=torch.float64)
+    comm.all_reduce_max_(amax)
+    return [bool(a > 0) or math.isnan(float(a)) for a in amax.tolist()]
+
+
+def learn_periods(comm, pieces: Sequence[Piece], elementwise: Sequence[bool]) -> List[int]:
+    """The period of each piece's tensor (D1, D6): the paper's rule on the global gradient, from
+    partial statistics that each rank computes for what it holds and one all-gather combines.
+    ``elementwise[i]``: the tensor keeps a per-element second moment (period 1, nothing to
+    detect; the flag is the same on every rank, so the gathered payloads still line up)."""
+    payload, cands_all = [], []
+    for pc, elem in zip(pieces, elementwise):
+        n = int(math.prod(pc.shape))
+        cands = [] if elem else _periods.candidate_periods(n)
+        cands_all.append(cands)
+        if len(cands) < 3:
+            payload.append(None)
+            continue
+        g = pc.grad.reshape(-1) if pc.grad is not None else torch.zeros(0)
+        payload.append(_dispatch.grad_period_partials(g, pc.start, n, cands).to_payload())
+    gathered = comm.all_gather_object(payload)
+    out = []
+    for i, pc in enumerate(pieces):
+        n = int(math.prod(pc.shape))
+        if payload[i] is None:
+            p_paper = 1
+        else:
+            parts = [_periods.PeriodPartials.from_payload(r[i]) for r in gathered]
+            p_paper = _periods.select_paper_period(cands_all[i], _periods.combine_partials(parts, n))
+        out.append(_periods.resolve_period(p_paper, _periods.row_slab(pc.shape)))
+    return out
+
+
+def global_histogram(comm, items: Sequence[Tuple[Piece, int]]) -> torch.Tensor:
+    """The histogram (``NUM_BINS`` int64) of every quantized piece's gradient normalised by its
+    scale blocks' absmax (``items``: (piece, scale block)), summed over ranks (replicas counted
+    once): what the codebook is learned from (D3)."""
+    counts = torch.zeros(NUM_BINS, dtype=torch.int64)
+    for pc, block in items:
+        if pc.contributes and pc.grad is not None and pc.grad.numel():
+            _dispatch.block_histogram(pc.grad, block, out=counts)
+    comm.all_reduce_sum_(counts)
+    return counts
+
+
+@dataclass
+class CodebookFit:
+    """A learned codebook and what the report and logs say about it."""
+
+    codebook: torch.Tensor  # float32 [256], CPU
+    info: Dict[str, Any]
+
+
+def learn_codebook(counts: torch.Tensor) -> CodebookFit:
+    """The job's codebook from the global histogram (the exact DP, native when it builds), with its
+    summary: active bins, SSE, method, values, RMS error (normalised units) and the DP's time."""
+    res = _dispatch.solve_codebook(counts.numpy())
+    total = int(counts.sum())
+    info = dict(active_bins=res.active_bins, sse=res.sse, method=res.method, values=total,
+                rms_error=math.sqrt(res.sse / max(1, total)), seconds_dp=res.seconds)
+    return CodebookFit(res.codebook.to(torch.float32), info)
+
+
+def check_same_tensors(comm, shapes: Sequence[Sequence[int]]) -> None:
+    """Raise on every rank if ranks hold different lists of quantized tensors to learn. Fixed-size
+    (4 int64), so the check itself cannot mismatch; it runs before the variable-size collectives
+    of :func:`learn_periods`, where ranks about to learn different tensors (an extra parameter on
+    one rank) would otherwise make gloo abort the process or NCCL hang instead of a clear error."""
+    if comm.world_size == 1:
+        return
+    h = int.from_bytes(hashlib.sha256(repr([tuple(s) for s in shapes]).encode()).digest()[:6], "little")
+    t = torch.tensor([len(shapes), -len(shapes), h, -h], dtype=torch.int64)
+    comm.all_reduce_max_(t)
+    if int(t[0]) != -int(t[1]) or int(t[2]) != -int(t[3]):
+        what = (f"this rank has {len(shapes)} quantized tensors; ranks hold between {-int(t[1])} and "
+                f"{int(t[0])}" if int(t[0]) != -int(t[1]) else
+                f"all have {len(shapes)} quantized tensors, but their shapes differ")
+        raise RuntimeError(
+            f"gefen_dist: ranks disagree about the tensors to learn ({what}). Every rank must build "
+            "Gefen over the same parameters in the same order; check that the model and param groups "
+            "are identical on all ranks."
+        )
+
+
+def check_agreement(comm, codebook: Optional[torch.Tensor], records: Sequence[Any]) -> None:
+    """Raise on every rank unless all ranks hold the same codebook and per-tensor ``records``
+    (periods, learned flags): one fixed-size digest comparison."""
+    if comm.world_size == 1:
+        return
+    h = hashlib.sha256(codebook.cpu().numpy().tobytes() if codebook is not None else b"")
+    for r in records:
+        h.update(repr(r).encode())
+    comm.check_agreement("periods and codebook", h.digest())

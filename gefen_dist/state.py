@@ -1,0 +1,110 @@
+"""One description of a tensor's Gefen state: its mode, keys, shapes and dtypes (D2, D5, D12).
+
+A tensor's state is a function of its *global* shape, its param group's ``second_moment`` and
+``row_blocks``, the optimizer's ``small_threshold`` and (once learned) its period, never of the
+world size. :class:`StateSpec` says what that state is; allocation, validation of loaded state
+and the report read it from here instead of guessing the mode from which keys a dict holds.
+
+=============  =================================================================  ==============
+mode           tensors (besides ``step``; quantized ones also hold ``period``,      bytes/element
+               ``scale_block``, ``learned`` and the shared ``codebook``)
+=============  =================================================================  ==============
+exact          ``exp_avg``, ``exp_avg_sq`` (fp32, the parameter's shape)            8
+shared         ``idx`` (uint8), ``scale`` [rows, slab/B], ``v`` [rows, slab/P]      1 + 4/B + 4/P
+elementwise    as shared with period 1 (``v`` per element)                         ~5
+factored       ``idx``, ``scale``, ``v_row`` [rows, 1], ``v_col`` [G, slab] or       ~1 + 4/B
+               [slab] (replicated: the same on every rank)
+=============  =================================================================  ==============
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .core import periods as _periods
+from .layout import Geometry, is_exact
+
+MODE_EXACT, MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE = "exact", "shared", "factored", "elementwise"
+SECOND_MOMENTS = (MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE)
+
+__all__ = ["StateSpec", "SECOND_MOMENTS", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED", "MODE_ELEMENTWISE"]
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """The state of one global tensor: ``mode`` (one of exact/shared/factored/elementwise), its
+    block ``geometry`` and, for the factored mode, the number of row blocks with their own column
+    profile (``row_blocks``)."""
+
+    mode: str
+    geometry: Geometry
+    row_blocks: int = 1
+
+    @classmethod
+    def of(cls, shape: Sequence[int], *, second_moment: str, small_threshold: int,
+           period: Optional[int] = None, row_blocks="auto") -> "StateSpec":
+        """The spec of a tensor of global ``shape`` in a group with ``second_moment`` and
+        ``row_blocks``; ``period`` None is the placeholder (the row as period) of a tensor that
+        has not learned its period yet."""
+        shape = tuple(int(s) for s in shape)
+        if is_exact(shape, small_threshold):
+            return cls(MODE_EXACT, Geometry.exact(shape))
+        if second_moment not in SECOND_MOMENTS:
+            raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENTS})")
+        per = _periods.row_slab(shape) if period is None else int(period)
+        G = _periods.factored_row_blocks(shape, row_blocks) if second_moment == MODE_FACTORED else 1
+        return cls(second_moment, Geometry.quantized(shape, per), G)
+
+    @property
+    def exact(self) -> bool:
+        return self.mode == MODE_EXACT
+
+    @property
+    def tensor_keys(self) -> Tuple[str, ...]:
+        if self.exact:
+            return ("exp_avg", "exp_avg_sq")
+        return ("idx", "scale", "v_row", "v_col") if self.mode == MODE_FACTORED else ("idx", "scale", "v")
+
+    @property
+    def keys(self) -> Tuple[str, ...]:
+        """Every key of the state dict entry, in its order."""
+        if self.exact:
+            return ("step",) + self.tensor_keys
+        return ("step", "period", "scale_block", "learned") + self.tensor_keys + ("codebook",)
+
+    def tensors(self, local_shape: Sequence[int]) -> Dict[str, Tuple[tuple, tuple, torch.dtype, bool]]:
+        """``key -> (local shape, global shape, dtype, sharded)`` of the state tensors of a piece of
+        ``local_shape`` (whole dim-0 rows of the global tensor); ``sharded`` False for what every rank
+        holds whole (``v_col``)."""
+        geo = self.geometry
+        gshape = geo.global_shape
+        if self.exact:
+            ls = tuple(local_shape)
+            return {"exp_avg": (ls, gshape, torch.float32, True), "exp_avg_sq": (ls, gshape, torch.float32, True)}
+        rows = int(local_shape[0])
+        loc, glo = geo.state_shapes(rows), geo.state_shapes(gshape[0])
+        out = {"idx": (loc["idx"], glo["idx"], torch.uint8, True),
+               "scale": (loc["scale"], glo["scale"], torch.float32, True)}
+        if self.mode == MODE_FACTORED:
+            out["v_row"] = ((rows, 1), (gshape[0], 1), torch.float32, True)
+            vc = ((self.row_blocks,) if self.row_blocks > 1 else ()) + (geo.slab,)
+            out["v_col"] = (vc, vc, torch.float32, False)
+        else:
+            out["v"] = (loc["v"], glo["v"], torch.float32, True)
+        return out
+
+    def allocate(self, local_shape: Sequence[int], device: torch.device, *, learned: bool, step: int,
+                 codebook: Optional[torch.Tensor], wrap: Callable[[torch.Tensor, tuple], torch.Tensor]) -> dict:
+        """Zero state for a piece of ``local_shape`` on ``device``; ``wrap(local, global_shape)`` turns
+        a sharded local tensor into what the optimizer stores (a DTensor for FSDP2 parameters)."""
+        st = {"step": step}
+        if not self.exact:
+            st.update(period=self.geometry.period, scale_block=self.geometry.scale_block, learned=int(learned))
+        for key, (ls, gs, dtype, sharded) in self.tensors(local_shape).items():
+            t = torch.zeros(ls, dtype=dtype, device=device)
+            st[key] = wrap(t, gs) if sharded else t
+        if not self.exact:
+            st["codebook"] = codebook
+        return st
