@@ -94,3 +94,60 @@ def comm_for(process_group: Optional[Any]) -> LocalComm:
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return LocalComm()
     return ProcessGroupComm(process_group)
+
+
+ALIGN = 8  # every part in an exchanged byte buffer starts at a multiple of 8 bytes
+
+
+def pad_bytes(nbytes: int) -> int:
+    """Bytes a part occupies in an exchange buffer: padded to :data:`ALIGN` (every dtype's view of
+    it stays aligned)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def exchange_bytes(comm: LocalComm, parts, sizes, to: Optional[int], device: torch.device) -> Optional[List[torch.Tensor]]:
+    """Gather every rank's parts (any dtypes; each padded to 8 bytes) as raw bytes.
+
+    ``sizes[r]`` is rank ``r``'s padded byte count (every rank knows all of them). With ``to=None``
+    an all-gather (every rank gets every chunk); else a gather onto group rank ``to`` (others get
+    None). Returns one uint8 chunk per rank. Every rank must call this, even with nothing to send;
+    it is skipped only when every rank sends nothing.
+    """
+    W = comm.world_size
+    width = max(sizes) if sizes else 0
+    if width == 0:
+        return [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(W)]
+    dev = getattr(comm, "_device", device) if W > 1 else device
+    buf = torch.empty(width, dtype=torch.uint8, device=dev)
+    off = 0
+    for t in parts:
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        buf[off:off + b.numel()].copy_(b)
+        buf[off + b.numel():off + pad_bytes(b.numel())].zero_()  # padding is zeros, not garbage
+        off += pad_bytes(b.numel())
+    if off != sizes[comm.rank]:
+        raise RuntimeError(f"gefen_dist: internal error: this rank packed {off} bytes, the plan says {sizes[comm.rank]}")
+    buf[off:].zero_()
+    if W == 1:
+        return [buf]
+    import torch.distributed as dist
+
+    group = comm.group
+    if to is None:
+        out = torch.empty(W * width, dtype=torch.uint8, device=dev)
+        gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather_single(out, buf, group=group)
+        return list(out.view(W, width).unbind(0))
+    dst = dist.get_global_rank(group, to) if group is not None and group != dist.group.WORLD else to
+    if comm.rank == to:
+        outs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(W)]
+        dist.gather(buf, outs, dst=dst, group=group)
+        return outs
+    dist.gather(buf, None, dst=dst, group=group)
+    return None
+
+
+def take_bytes(chunk: torch.Tensor, off: int, n: int, dtype: torch.dtype):
+    """``n`` values of ``dtype`` at byte ``off`` of an exchanged chunk, and the next part's offset."""
+    nb = n * dtype.itemsize
+    return chunk[off:off + nb].view(dtype), off + pad_bytes(nb)

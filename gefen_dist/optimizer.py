@@ -16,10 +16,11 @@ import torch
 from torch.optim import Optimizer
 
 from .comm import LocalComm, comm_for
-from .core.step import adamw_foreach_, adamw_step_, bias_corrections, block_column_sumsq, decay_only_, row_block_args
+from .core.step import adamw_foreach_, adamw_step_, bias_corrections, decay_only_, row_block_args
 from .core.step import scalar_value as _scalar
 from .cuda_path import CudaPlan
 from . import learning
+from .column_stats import column_means, piece_column_sums
 from .report import Report, build_report, state_bytes
 from .state import SECOND_MOMENTS, StateSpec
 from .kernels import dispatch as _dispatch
@@ -418,19 +419,13 @@ class Gefen(NonfiniteChecks, Optimizer):
         the native one-pass kernel on CPU (``fused`` not False), the eager function otherwise.
         Replicas of a sharded tensor that do not contribute give zeros."""
         fact = self._factored(entries) if fact is None else fact
-        if not fact:
-            return {}
         sharded = self._comm.world_size > 1 and any(is_dtensor(p) for p in fact)
         out = {}
         for p in fact:
             pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
-            v_col = self.state[p]["v_col"]
-            slab, G = v_col.shape[-1], max(1, v_col.numel() // v_col.shape[-1])
-            if pc.grad is None or pc.grad.numel() == 0 or (sharded and not pc.contributes):
-                out[p] = torch.zeros(G * slab, dtype=torch.float64, device=v_col.device)
-                continue
-            sumsq = self._impl(pc.grad).column_sumsq  # on the gradient's device (no host copy on CUDA)
-            out[p] = block_column_sumsq(pc.grad, slab, pc.start // slab, global_shape(p)[0] // G, G, sumsq)
+            sumsq = self._impl(pc.grad).column_sumsq if pc.grad is not None else None
+            out[p] = piece_column_sums(pc, self.state[p]["v_col"], global_shape(p)[0], sumsq,
+                                       skip=sharded and not pc.contributes)
         return out
 
     def _column_stats(self, entries, partials: Optional[Dict[torch.Tensor, torch.Tensor]] = None
@@ -447,17 +442,10 @@ class Gefen(NonfiniteChecks, Optimizer):
         missing = [p for p in fact if p not in partials]
         if missing:
             partials.update(self._column_partials(entries, missing))
-        dev = partials[fact[0]].device
-        buf = torch.cat([partials[p].to(dev) for p in fact])
-        if sharded:
-            self._comm.all_reduce_sum_(buf)
-        out, o = {}, 0
-        for p in fact:
-            v_col = self.state[p]["v_col"]
-            n = v_col.numel()
-            rows = global_shape(p)[0] // max(1, n // v_col.shape[-1])  # per row block (D12)
-            out[p] = (buf[o:o + n] / rows).to(torch.float32).to(local_tensor(p).device)
-            o += n
+        means, buf = column_means(self._comm, [partials[p] for p in fact],
+                                  [(self.state[p]["v_col"], global_shape(p)[0], local_tensor(p).device) for p in fact],
+                                  sharded)
+        out = dict(zip(fact, means))
         if self.nonfinite != "ignore" and bool(torch.isinf(buf.to(torch.float32)).any()):
             # one host synchronisation for all tensors (the per-tensor check only on failure)
             self._raise_column_overflow(out)

@@ -67,13 +67,12 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from .comm import exchange_bytes, take_bytes
 from .core import periods as _periods
-from .core.apply import apply_compressed, apply_factored, update_v_col
-from .core.step import adamw_step_, bias_corrections, decay_only_, row_block_args
-from .kernels import dispatch as _dispatch
 from .layout import Geometry, Piece, global_shape, is_dtensor, is_exact
-from .optimizer import Gefen, Report, _scalar
+from .optimizer import Gefen, Report
 from .zero_checkpoint import ZeroCheckpointMixin
+from .zero_step import ZeroStepMixin
 from .zero_plan import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, _Plan, _pad,  # noqa: F401
                         factored_wire_compressed, partition, step_wire_bytes, unit_cost)
 
@@ -83,14 +82,7 @@ __all__ = ["ZeroGefen", "partition", "unit_cost", "step_wire_bytes", "factored_w
            "MODE_COMPRESSED", "MODE_DENSE", "MODE_FACTORED"]
 
 
-_STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")  # what a state-only update needs of the hyperparameters
-
-
-def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
-    return row_block_args(st["v_col"], global_shape(p)[0], s)
-
-
-class ZeroGefen(ZeroCheckpointMixin, Gefen):
+class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     r"""Gefen with ZeRO-1 state partitioning for DDP (replicated parameters, identical gradients).
 
     Each rank keeps Gefen's state only for its block-aligned share of the parameters (about
@@ -139,54 +131,9 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
     def _rank(self) -> int:
         return self._comm.rank
 
-    def _coll_device(self, fallback: torch.device) -> torch.device:
-        return getattr(self._comm, "_device", fallback) if self._world > 1 else fallback
-
     def _exchange(self, parts: Sequence[torch.Tensor], sizes: Sequence[int], to: Optional[int],
                   device: torch.device) -> Optional[List[torch.Tensor]]:
-        """Gather every rank's parts (any dtypes; each padded to 8 bytes) as raw bytes.
-
-        ``sizes[r]`` is rank ``r``'s padded byte count (every rank knows all of them). With
-        ``to=None`` an all-gather (every rank gets every chunk); else a gather onto group rank
-        ``to`` (others get None). Returns one uint8 chunk per rank. Every rank must call this,
-        even with nothing to send; it is skipped only when every rank sends nothing.
-        """
-        W = self._world
-        width = max(sizes) if sizes else 0
-        if width == 0:
-            return [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(W)]
-        dev = self._coll_device(device)
-        buf = torch.empty(width, dtype=torch.uint8, device=dev)
-        off = 0
-        for t in parts:
-            b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            buf[off:off + b.numel()].copy_(b)
-            buf[off + b.numel():off + _pad(b.numel())].zero_()  # padding is zeros, not garbage
-            off += _pad(b.numel())
-        assert off == sizes[self._rank], (off, sizes[self._rank])
-        buf[off:].zero_()
-        if W == 1:
-            return [buf]
-        import torch.distributed as dist
-
-        group = self._comm.group
-        if to is None:
-            out = torch.empty(W * width, dtype=torch.uint8, device=dev)
-            gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather_single(out, buf, group=group)
-            return list(out.view(W, width).unbind(0))
-        dst = dist.get_global_rank(group, to) if group is not None and group != dist.group.WORLD else to
-        if self._rank == to:
-            outs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(W)]
-            dist.gather(buf, outs, dst=dst, group=group)
-            return outs
-        dist.gather(buf, None, dst=dst, group=group)
-        return None
-
-    @staticmethod
-    def _take(chunk: torch.Tensor, off: int, n: int, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
-        nb = n * dtype.itemsize
-        return chunk[off:off + nb].view(dtype), off + _pad(nb)
+        return exchange_bytes(self._comm, parts, sizes, to, device)
 
     # ------------------------------------------------------------------ the plan
     def _trainable(self) -> List[torch.Tensor]:
@@ -357,7 +304,7 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
             off = 0
             for p, k, d, dt in keys:
                 s, e = plan.of(p)[r]
-                seg, off = self._take(chunks[r], off, (e - s) // d, dt)
+                seg, off = take_bytes(chunks[r], off, (e - s) // d, dt)
                 out[id(p)][k][s // d:e // d].copy_(seg)
         return out
 
@@ -445,147 +392,6 @@ class ZeroGefen(ZeroCheckpointMixin, Gefen):
         self._prepare(entries)
         self._zero_update(entries, partials)
         return loss
-
-    def _impl(self, t: torch.Tensor) -> _dispatch.StepImpl:
-        """Owners and appliers use one implementation with state-only functions (the native CPU
-        kernel or the eager reference; see :func:`gefen_dist.kernels.dispatch.select`)."""
-        return _dispatch.select(t, self.fused, need_state=True)
-
-    def _hparams(self, group: dict, st: dict) -> dict:
-        beta1, beta2 = group["betas"]
-        bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
-        return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], bc1=bc1, bc2=bc2)
-
-    def _zero_update(self, entries, partials=None) -> None:
-        W = self._world
-        items = []  # (p, st, hp, mode)
-        for group, p in entries:
-            st = self.state[p]
-            st["step"] += 1
-            hp = self._hparams(group, st)
-            if "exp_avg" in st:
-                mode = MODE_DENSE
-            elif not st["learned"]:
-                mode = MODE_LOCAL
-                decay_only_(p, hp["lr"], hp["weight_decay"])  # on every rank
-            elif "v_col" in st:
-                # Compressed (idx, M, sqrt(v_row)); the appliers replay the eager step's or, with the
-                # native kernel, the kernel's arithmetic (apply_factored(kernel_order=...)).
-                mode = (MODE_FACTORED if factored_wire_compressed(
-                    st["scale_block"], st["v_col"].shape[-1], p.element_size()) else MODE_DENSE)
-            elif st["period"] > 1:
-                mode = MODE_COMPRESSED
-            else:
-                mode = MODE_DENSE
-            items.append((p, st, hp, mode))
-        wire = [(mode, st["scale_block"], p.element_size(), self._plan.of(p), st["v_col"].shape[-1])
-                if mode == MODE_FACTORED else (mode, st.get("period", 1), p.element_size(), self._plan.of(p))
-                for p, st, hp, mode in items]
-        sizes = step_wire_bytes(wire, W)
-        # Factored tensors: the column means of g^2 over all rows, computed by every rank from its
-        # full (DDP) gradient with Gefen's own code, so bitwise the single-process values.
-        col = self._column_stats(entries, partials)
-        # 1. this rank's state update, in compressed form
-        parts: List[torch.Tensor] = []
-        for p, st, hp, mode in items:
-            s, e = self._mine(p)
-            if mode == MODE_LOCAL or e == s:
-                continue
-            if mode == MODE_COMPRESSED:
-                parts.extend(self._owner_compressed(p, st, hp, s, e))
-            elif mode == MODE_FACTORED:
-                parts.extend(self._owner_factored(p, st, hp, s, e))
-            else:
-                parts.append(self._owner_dense(p, st, hp, s, e, col.get(p)))
-        # every rank: the replicated column factor (v_col <- EMA, then sqrt(v_col / mean(v_col))),
-        # after the owners' dense steps, which update a copy of the old v_col themselves
-        col_f = {}
-        for p, st, hp, mode in items:
-            if "v_col" in st and mode != MODE_LOCAL:
-                col_f[id(p)] = update_v_col(st, col[p], hp)
-        dev = items[0][0].device if items else torch.device("cpu")
-        chunks = self._exchange(parts, sizes, None, dev)
-        # 2. every rank applies every range, identically
-        works = {}
-        for r in range(W):
-            off = 0
-            for p, st, hp, mode in items:
-                s, e = self._plan.of(p)[r]
-                n = e - s
-                if mode == MODE_LOCAL or n == 0:
-                    continue
-                if id(p) not in works:
-                    works[id(p)] = p if p.is_contiguous() else p.detach().contiguous()
-                flat = works[id(p)].view(-1)
-                if mode == MODE_COMPRESSED:
-                    P = st["period"]
-                    idx, off = self._take(chunks[r], off, n, torch.uint8)
-                    M, off = self._take(chunks[r], off, n // P, torch.float32)
-                    sigma, off = self._take(chunks[r], off, n // P, torch.float32)
-                    apply_compressed(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
-                                           st["codebook"], P, hp, kernel_order=self._impl(p).kernel_order)
-                elif mode == MODE_FACTORED:
-                    B, slab = st["scale_block"], st["v_col"].shape[-1]
-                    idx, off = self._take(chunks[r], off, n, torch.uint8)
-                    M, off = self._take(chunks[r], off, n // B, torch.float32)
-                    rf, off = self._take(chunks[r], off, n // slab, torch.float32)
-                    apply_factored(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device),
-                                         col_f[id(p)], st["codebook"], B, slab, hp,
-                                         kernel_order=self._impl(p).kernel_order, **_row_blocks_kw(p, st, s))
-                else:
-                    vals, off = self._take(chunks[r], off, n, p.dtype)
-                    flat[s:e].copy_(vals.to(p.device))
-        for p, st, hp, mode in items:
-            w = works.get(id(p))
-            if w is not None and w is not p:
-                p.copy_(w)
-        width = max(sizes) if sizes else 0
-        self.last_wire = dict(world_size=W, bytes_per_rank=sizes, padded_bytes_per_rank=width,
-                              gathered_bytes=W * width, elements=sum(p.numel() for p, _, _, m in items if m != MODE_LOCAL))
-
-    def _owner_compressed(self, p, st, hp, s, e) -> List[torch.Tensor]:
-        """Update this rank's (v, m, idx, scale) of ``p[s:e]``; return (idx, M, sigma)."""
-        P = st["period"]
-        assert st["scale_block"] == P
-        g = p.grad.reshape(-1)[s:e].contiguous()
-        idx, scale, v, cb = st["idx"], st["scale"], st["v"], st["codebook"]
-        impl = self._impl(p)
-        sigma = impl.quantized_state_(impl.grad_for(g, p), idx, scale, v, cb, **{k: hp[k] for k in _STATE_HP}, period=P, scale_block=P)
-        return [idx, scale, sigma]
-
-    def _owner_dense(self, p, st, hp, s, e, col_mean_sq=None) -> torch.Tensor:
-        """This rank's new values of ``p[s:e]`` (exact AdamW, or the full step when P == 1 or a
-        factored tensor's compressed form is not smaller)."""
-        work = p.detach().reshape(-1)[s:e].clone()
-        g = p.grad.reshape(-1)[s:e].contiguous()
-        if "exp_avg" in st:
-            adamw_step_(work, g, st["exp_avg"], st["exp_avg_sq"], **hp)
-            return work
-        impl = self._impl(work)
-        gk = impl.grad_for(g, work)
-        if "v_col" in st:
-            # Gefen's factored step on this rank's rows; it updates a copy of the (old) v_col,
-            # every rank updates its own v_col afterwards (update_v_col).
-            impl.quantized_step_factored_(work, gk, st["idx"], st["scale"], st["v_row"], st["v_col"].clone(),
-                                          st["codebook"], col_mean_sq, scale_block=st["scale_block"],
-                                          **_row_blocks_kw(p, st, s), **hp)
-        else:
-            impl.quantized_step_(work, gk, st["idx"], st["scale"], st["v"], st["codebook"], period=st["period"],
-                                 scale_block=st["scale_block"], **hp)
-        return work
-
-    def _owner_factored(self, p, st, hp, s, e) -> List[torch.Tensor]:
-        """Update this rank's rows of ``p`` (v_row, m, idx, scale); return (idx, M, sqrt(v_row)).
-
-        The operations of :func:`quantized_step_factored_eager_`, in its order, minus the
-        column factor and the parameter update (the appliers do those)."""
-        B, slab = st["scale_block"], st["v_col"].shape[-1]
-        g = p.grad.reshape(-1)[s:e].contiguous()
-        idx, scale, v_row, cb = st["idx"], st["scale"], st["v_row"], st["codebook"]
-        impl = self._impl(p)
-        rsq = impl.factored_state_(impl.grad_for(g, p), idx, scale, v_row, cb, slab=slab, **{k: hp[k] for k in _STATE_HP}, scale_block=B)
-        return [idx, scale, rsq]
 
     # ------------------------------------------------------------------ introspection
     def owned_range(self, p: torch.Tensor) -> Tuple[int, int]:

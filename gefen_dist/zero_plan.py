@@ -11,17 +11,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .comm import pad_bytes as _pad
+
 MODE_LOCAL = 0       # nothing travels (a quantized tensor whose gradient was always zero: decay only)
 MODE_COMPRESSED = 1  # idx bytes + per-block fp32 (M, sigma): period > 1
 MODE_DENSE = 2       # new values in the parameter's dtype: exact tensors and period == 1
 MODE_FACTORED = 3    # second_moment="factored": idx bytes + per-block fp32 M + per-row fp32 sqrt(v_row)
-
-_ALIGN = 8                   # every segment in a byte buffer starts at a multiple of 8 bytes
-
-
-def _pad(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
 
 # ---------------------------------------------------------------------------------------------
 # partition of the global parameter space

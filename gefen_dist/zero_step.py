@@ -1,0 +1,185 @@
+"""ZeroGefen's step (D8): wire modes, owners, one all-gather, appliers. A mixin of
+:class:`gefen_dist.zero.ZeroGefen`, which holds the partition plan and the state."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from .comm import take_bytes
+from .core.apply import apply_compressed, apply_factored, update_v_col
+from .core.step import adamw_step_, bias_corrections, decay_only_, row_block_args, scalar_value
+from .kernels import dispatch as _dispatch
+from .layout import global_shape
+from .zero_plan import MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, factored_wire_compressed, step_wire_bytes
+
+_STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")  # what a state-only update needs of the hyperparameters
+
+
+def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
+    return row_block_args(st["v_col"], global_shape(p)[0], s)
+
+
+class ZeroStepMixin:
+    """ZeroGefen's step (module docstring of :mod:`gefen_dist.zero`): wire modes, the owners' state
+    updates through the implementation of :func:`gefen_dist.kernels.dispatch.select` (with state-only
+    functions), one all-gather of the compressed updates, the appliers of :mod:`gefen_dist.core.apply`."""
+
+    def _impl(self, t: torch.Tensor) -> _dispatch.StepImpl:
+        """Owners and appliers use one implementation with state-only functions (the native CPU
+        kernel or the eager reference; see :func:`gefen_dist.kernels.dispatch.select`)."""
+        return _dispatch.select(t, self.fused, need_state=True)
+
+
+    def _hparams(self, group: dict, st: dict) -> dict:
+        beta1, beta2 = group["betas"]
+        bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
+        return dict(lr=scalar_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], bc1=bc1, bc2=bc2)
+
+
+    def _zero_update(self, entries, partials=None) -> None:
+        """One ZeRO-1 step: every rank updates the state it owns and packs the update in its
+        compressed form, one all-gather, every rank applies every range identically."""
+        items = self._wire_items(entries)
+        wire = [(mode, st["scale_block"], p.element_size(), self._plan.of(p), st["v_col"].shape[-1])
+                if mode == MODE_FACTORED else (mode, st.get("period", 1), p.element_size(), self._plan.of(p))
+                for p, st, hp, mode in items]
+        sizes = step_wire_bytes(wire, self._world)
+        # Factored tensors: the column means of g^2 over all rows, computed by every rank from its
+        # full (DDP) gradient with Gefen's own code, so bitwise the single-process values.
+        col = self._column_stats(entries, partials)
+        parts = self._owner_parts(items, col)
+        # every rank: the replicated column factor (v_col <- EMA, then sqrt(v_col / mean(v_col))),
+        # after the owners' dense steps, which update a copy of the old v_col themselves
+        col_f = {id(p): update_v_col(st, col[p], hp) for p, st, hp, mode in items
+                 if "v_col" in st and mode != MODE_LOCAL}
+        dev = items[0][0].device if items else torch.device("cpu")
+        self._apply_all(items, self._exchange(parts, sizes, None, dev), col_f)
+        width = max(sizes) if sizes else 0
+        self.last_wire = dict(world_size=self._world, bytes_per_rank=sizes, padded_bytes_per_rank=width,
+                              gathered_bytes=self._world * width,
+                              elements=sum(p.numel() for p, _, _, m in items if m != MODE_LOCAL))
+
+
+    def _wire_items(self, entries) -> List[tuple]:
+        """``(p, state, hyperparameters, wire mode)`` per entry, after advancing its step (tensors
+        still unlearned only decay, on every rank)."""
+        items = []
+        for group, p in entries:
+            st = self.state[p]
+            st["step"] += 1
+            hp = self._hparams(group, st)
+            if "exp_avg" in st:
+                mode = MODE_DENSE
+            elif not st["learned"]:
+                mode = MODE_LOCAL
+                decay_only_(p, hp["lr"], hp["weight_decay"])  # on every rank
+            elif "v_col" in st:
+                # Compressed (idx, M, sqrt(v_row)); the appliers replay the eager step's or, with the
+                # native kernel, the kernel's arithmetic (apply_factored(kernel_order=...)).
+                mode = (MODE_FACTORED if factored_wire_compressed(
+                    st["scale_block"], st["v_col"].shape[-1], p.element_size()) else MODE_DENSE)
+            else:
+                mode = MODE_COMPRESSED if st["period"] > 1 else MODE_DENSE
+            items.append((p, st, hp, mode))
+        return items
+
+
+    def _owner_parts(self, items, col) -> List[torch.Tensor]:
+        """This rank's state update of the ranges it owns, as the parts it sends."""
+        parts: List[torch.Tensor] = []
+        for p, st, hp, mode in items:
+            s, e = self._mine(p)
+            if mode == MODE_LOCAL or e == s:
+                continue
+            if mode == MODE_COMPRESSED:
+                parts.extend(self._owner_compressed(p, st, hp, s, e))
+            elif mode == MODE_FACTORED:
+                parts.extend(self._owner_factored(p, st, hp, s, e))
+            else:
+                parts.append(self._owner_dense(p, st, hp, s, e, col.get(p)))
+        return parts
+
+
+    def _apply_all(self, items, chunks, col_f) -> None:
+        """Every rank applies every rank's range of every tensor, identically (the appliers of
+        :mod:`gefen_dist.core.apply`, or the owner's dense values)."""
+        works = {}
+        for r in range(self._world):
+            off = 0
+            for p, st, hp, mode in items:
+                s, e = self._plan.of(p)[r]
+                n = e - s
+                if mode == MODE_LOCAL or n == 0:
+                    continue
+                if id(p) not in works:
+                    works[id(p)] = p if p.is_contiguous() else p.detach().contiguous()
+                flat, ko = works[id(p)].view(-1), self._impl(p).kernel_order
+                if mode == MODE_COMPRESSED:
+                    P = st["period"]
+                    idx, off = take_bytes(chunks[r], off, n, torch.uint8)
+                    M, off = take_bytes(chunks[r], off, n // P, torch.float32)
+                    sigma, off = take_bytes(chunks[r], off, n // P, torch.float32)
+                    apply_compressed(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
+                                     st["codebook"], P, hp, kernel_order=ko)
+                elif mode == MODE_FACTORED:
+                    B, slab = st["scale_block"], st["v_col"].shape[-1]
+                    idx, off = take_bytes(chunks[r], off, n, torch.uint8)
+                    M, off = take_bytes(chunks[r], off, n // B, torch.float32)
+                    rf, off = take_bytes(chunks[r], off, n // slab, torch.float32)
+                    apply_factored(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device), col_f[id(p)],
+                                   st["codebook"], B, slab, hp, kernel_order=ko, **_row_blocks_kw(p, st, s))
+                else:
+                    vals, off = take_bytes(chunks[r], off, n, p.dtype)
+                    flat[s:e].copy_(vals.to(p.device))
+        for p, st, hp, mode in items:
+            w = works.get(id(p))
+            if w is not None and w is not p:
+                p.copy_(w)
+
+
+    def _owner_compressed(self, p, st, hp, s, e) -> List[torch.Tensor]:
+        """Update this rank's (v, m, idx, scale) of ``p[s:e]``; return (idx, M, sigma)."""
+        P = st["period"]
+        assert st["scale_block"] == P
+        g = p.grad.reshape(-1)[s:e].contiguous()
+        idx, scale, v, cb = st["idx"], st["scale"], st["v"], st["codebook"]
+        impl = self._impl(p)
+        sigma = impl.quantized_state_(impl.grad_for(g, p), idx, scale, v, cb, **{k: hp[k] for k in _STATE_HP}, period=P, scale_block=P)
+        return [idx, scale, sigma]
+
+
+    def _owner_dense(self, p, st, hp, s, e, col_mean_sq=None) -> torch.Tensor:
+        """This rank's new values of ``p[s:e]`` (exact AdamW, or the full step when P == 1 or a
+        factored tensor's compressed form is not smaller)."""
+        work = p.detach().reshape(-1)[s:e].clone()
+        g = p.grad.reshape(-1)[s:e].contiguous()
+        if "exp_avg" in st:
+            adamw_step_(work, g, st["exp_avg"], st["exp_avg_sq"], **hp)
+            return work
+        impl = self._impl(work)
+        gk = impl.grad_for(g, work)
+        if "v_col" in st:
+            # Gefen's factored step on this rank's rows; it updates a copy of the (old) v_col,
+            # every rank updates its own v_col afterwards (update_v_col).
+            impl.quantized_step_factored_(work, gk, st["idx"], st["scale"], st["v_row"], st["v_col"].clone(),
+                                          st["codebook"], col_mean_sq, scale_block=st["scale_block"],
+                                          **_row_blocks_kw(p, st, s), **hp)
+        else:
+            impl.quantized_step_(work, gk, st["idx"], st["scale"], st["v"], st["codebook"], period=st["period"],
+                                 scale_block=st["scale_block"], **hp)
+        return work
+
+
+    def _owner_factored(self, p, st, hp, s, e) -> List[torch.Tensor]:
+        """Update this rank's rows of ``p`` (v_row, m, idx, scale); return (idx, M, sqrt(v_row)).
+
+        The operations of :func:`quantized_step_factored_eager_`, in its order, minus the
+        column factor and the parameter update (the appliers do those)."""
+        B, slab = st["scale_block"], st["v_col"].shape[-1]
+        g = p.grad.reshape(-1)[s:e].contiguous()
+        idx, scale, v_row, cb = st["idx"], st["scale"], st["v_row"], st["codebook"]
+        impl = self._impl(p)
+        rsq = impl.factored_state_(impl.grad_for(g, p), idx, scale, v_row, cb, slab=slab, **{k: hp[k] for k in _STATE_HP}, scale_block=B)
+        return [idx, scale, rsq]
