@@ -20,7 +20,7 @@ from .core.quant import NUM_BINS
 from .kernels import dispatch as _dispatch
 from .layout import Piece
 
-__all__ = ["live_pieces", "learn_periods", "global_histogram", "learn_codebook", "CodebookFit",
+__all__ = ["live_pieces", "learn_periods", "learn_periods_by_key", "global_histogram", "learn_codebook", "CodebookFit",
            "check_same_tensors", "check_agreement"]
 
 
@@ -36,28 +36,38 @@ def live_pieces(comm, pieces: Sequence[Piece]) -> List[bool]:
 def learn_periods(comm, pieces: Sequence[Piece], elementwise: Sequence[bool]) -> List[int]:
     """The period of each piece's tensor (D1, D6): the paper's rule on the global gradient, from
     partial statistics that each rank computes for what it holds and one all-gather combines.
-    ``elementwise[i]``: the tensor keeps a per-element second moment (period 1, nothing to
-    detect; the flag is the same on every rank, so the gathered payloads still line up)."""
-    payload, cands_all = [], []
-    for pc, elem in zip(pieces, elementwise):
-        n = int(math.prod(pc.shape))
-        cands = [] if elem else _periods.candidate_periods(n)
-        cands_all.append(cands)
-        if len(cands) < 3:
-            payload.append(None)
+    Every rank passes the same tensors in the same order (a piece of each). ``elementwise[i]``:
+    the tensor keeps a per-element second moment (period 1, nothing to detect; the flag is the
+    same on every rank, so the gathered payloads still line up)."""
+    found = learn_periods_by_key(comm, {i: (pc.shape, elem) for i, (pc, elem) in enumerate(zip(pieces, elementwise))},
+                                 {i: pc for i, pc in enumerate(pieces)})
+    return [found[i] for i in range(len(pieces))]
+
+
+def learn_periods_by_key(comm, tensors: Dict[Any, Tuple[Sequence[int], bool]], pieces: Dict[Any, Piece]
+                         ) -> Dict[Any, int]:
+    """:func:`learn_periods` for tensors that not every rank holds (DeepSpeed's flat buffers):
+    ``tensors`` maps a rank-independent key to (global shape, elementwise) and is the same on every
+    rank; ``pieces`` holds this rank's piece of some of them. One all-gather of the partials."""
+    payload, cands = {}, {}
+    for key, (shape, elem) in tensors.items():
+        n = int(math.prod(shape))
+        cands[key] = [] if elem else _periods.candidate_periods(n)
+        pc = pieces.get(key)
+        if pc is None or len(cands[key]) < 3:
             continue
         g = pc.grad.reshape(-1) if pc.grad is not None else torch.zeros(0)
-        payload.append(_dispatch.grad_period_partials(g, pc.start, n, cands).to_payload())
+        payload[key] = _dispatch.grad_period_partials(g, pc.start, n, cands[key]).to_payload()
     gathered = comm.all_gather_object(payload)
-    out = []
-    for i, pc in enumerate(pieces):
-        n = int(math.prod(pc.shape))
-        if payload[i] is None:
+    out = {}
+    for key, (shape, _) in tensors.items():
+        n = int(math.prod(shape))
+        if len(cands[key]) < 3:
             p_paper = 1
         else:
-            parts = [_periods.PeriodPartials.from_payload(r[i]) for r in gathered]
-            p_paper = _periods.select_paper_period(cands_all[i], _periods.combine_partials(parts, n))
-        out.append(_periods.resolve_period(p_paper, _periods.row_slab(pc.shape)))
+            parts = [_periods.PeriodPartials.from_payload(r[key]) for r in gathered if key in r]
+            p_paper = _periods.select_paper_period(cands[key], _periods.combine_partials(parts, n))
+        out[key] = _periods.resolve_period(p_paper, _periods.row_slab(shape))
     return out
 
 

@@ -49,140 +49,22 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .core import periods as _periods
 from .core.quant import NUM_BINS
-from .core.step import (adamw_step_, apply_, bias_corrections, block_column_sumsq, column_factors, decay_only_, ema_,
-                        first_moment, inv_rms_, quantize)
+from . import learning
 from .kernels import dispatch as _dispatch
-from .layout import is_exact
+from .layout import Piece, is_exact
+from .segment_layout import LayoutError, Segment, _plan, _split, verify_segments  # noqa: F401  (re-exported)
+from .segments_step import SegmentStepMixin
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Segment:
-    """One rank-local contiguous piece of a global tensor inside a flat buffer."""
-
-    key: str  # identical on every rank for the same tensor, unique within the buffer
-    name: str
-    shape: Tuple[int, ...]  # global shape
-    param_offset: int  # start inside the flattened global tensor
-    flat_offset: int  # start inside the flat buffer
-    numel: int
-
-    def as_dict(self) -> Dict[str, Any]:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "Segment":
-        return cls(d["key"], d["name"], tuple(int(s) for s in d["shape"]), int(d["param_offset"]),
-                   int(d["flat_offset"]), int(d["numel"]))
-
-
-class LayoutError(RuntimeError):
-    """The flat buffer's layout could not be recovered or does not match the parameters."""
-
-
-def verify_segments(flat: torch.Tensor, segments: Sequence[Segment], sources: Sequence[torch.Tensor],
-                    where: str) -> None:
-    """Check once that ``flat[segment] == source[segment]`` (the flat master copy of each piece
-    equals the parameter's data, in the parameter's dtype); raise :class:`LayoutError` if not."""
-    covered = 0
-    flat_v = flat.detach().reshape(-1)
-    for seg, src in zip(segments, sources):
-        if seg.flat_offset < 0 or seg.flat_offset + seg.numel > flat_v.numel():
-            raise LayoutError(f"{where}: segment of {seg.name!r} [{seg.flat_offset}, +{seg.numel}) lies outside "
-                              f"the flat buffer of {flat_v.numel()} elements")
-        covered += seg.numel
-        if src is None or src.numel() == 0 or seg.numel == 0:
-            continue
-        a = flat_v[seg.flat_offset:seg.flat_offset + seg.numel]
-        b = src.detach().reshape(-1)
-        if b.numel() < seg.numel:
-            continue  # data not resident here (swapped out): cannot compare
-        b = b[:seg.numel] if b.numel() != math.prod(seg.shape) else b[seg.param_offset:seg.param_offset + seg.numel]
-        if not torch.equal(a.to(device=b.device, dtype=b.dtype), b):
-            raise LayoutError(
-                f"{where}: the flat optimizer buffer does not hold parameter {seg.name!r} (shape {seg.shape}) "
-                f"elements [{seg.param_offset}, {seg.param_offset + seg.numel}) at offset {seg.flat_offset}. "
-                "The recovered layout is wrong (for DeepSpeed ZeRO-1/2 with round_robin_gradients this is a known "
-                "DeepSpeed mapping bug: build the engine with gefen_dist.integrations.deepspeed.initialize, or "
-                "disable round_robin_gradients). Refusing to treat the buffer as one tensor."
-            )
-    if covered > flat_v.numel():
-        raise LayoutError(f"{where}: segments cover {covered} elements, more than the buffer's {flat_v.numel()}")
-
-
-# --------------------------------------------------------------------------- plans
-@dataclass
-class _SegPlan:
-    seg: Segment
-    exact: bool
-    period: int = 0
-    block: int = 0  # scale block B (a multiple of the period)
-    scale_off: int = 0
-    scale_n: int = 0
-    v_off: int = 0
-    v_n: int = 0
-    exact_off: int = 0
-    vcol_off: int = 0  # factored: this segment's full v_col ([slab]) in st["v_col"]
-    vcol_n: int = 0
-
-
-def _plan(segments: Sequence[Segment], periods: Sequence[int], small_threshold: Optional[int],
-          factored: bool = False, row_blocks=1) -> Tuple[List[_SegPlan], int, int, int]:
-    """Offsets of every segment's state. Shared second moment: ``v`` per touched v-block (period).
-    Factored (``factored=True``): ``v`` is ``v_row``, one entry per touched row (independent of the
-    period), and ``vcol_off``/``vcol_n`` place a full ``v_col`` per non-empty quantized segment:
-    ``G x slab`` floats with ``G = factored_row_blocks(shape, row_blocks)`` row blocks (D12; the
-    state records its rule as ``st["row_blocks"]``, 1 for states saved before D12).
-    ``small_threshold=None`` reads a *saved* state without knowing the optimizer's threshold: a
-    segment is exact iff its period is 0 (quantized segments always have a period >= 1)."""
-    out, so, vo, eo, co = [], 0, 0, 0, 0
-    for seg, per in zip(segments, periods):
-        if (int(per) == 0) if small_threshold is None else is_exact(seg.shape, small_threshold):
-            out.append(_SegPlan(seg, True, exact_off=eo))
-            eo += seg.numel
-            continue
-        slab = _periods.row_slab(seg.shape)
-        B = _periods.scale_block_for(per, slab)
-        a, e = seg.param_offset, seg.param_offset + seg.numel
-        vu = slab if factored else per
-        sn = ((e - 1) // B - a // B + 1) if seg.numel else 0
-        vn = ((e - 1) // vu - a // vu + 1) if seg.numel else 0
-        cn = slab * _periods.factored_row_blocks(seg.shape, row_blocks) if (factored and seg.numel) else 0
-        out.append(_SegPlan(seg, False, per, B, so, sn, vo, vn, vcol_off=co, vcol_n=cn))
-        so += sn
-        vo += vn
-        co += cn
-    return out, so, vo, eo
-
-
-def _split(a: int, e: int, B: int) -> Tuple[int, int, List[Tuple[int, int, int]]]:
-    """Split ``[a, e)`` into whole blocks of ``B`` (``[lo, hi)``) and the blocks it covers only
-    partly: ``(lo, hi, [(block index, start, end), ...])``."""
-    if e <= a:
-        return a, a, []
-    A = -(-a // B) * B
-    E = (e // B) * B
-    if A > E:  # inside one block, aligned on neither side
-        return a, a, [(a // B, a, e)]
-    parts = []
-    if a < A:
-        parts.append((a // B, a, A))
-    if E < e:
-        parts.append((E // B, E, e))
-    return A, E, parts
-
-
-class FlatSegments:
+class FlatSegments(SegmentStepMixin):
     """The per-buffer machinery: global catalog (all ranks' pieces), plans, learning, stepping.
 
     ``comm`` is a :class:`gefen_dist.comm.LocalComm`-like object for the buffer's own process group.
@@ -384,29 +266,11 @@ class FlatSegments:
             return None
         cat = self.global_catalog()
         # 2) periods from decomposed statistics (one all-gather of partials)
-        payload = {}
-        cands = {}
-        for key in live:
-            n = math.prod(cat[key]["shape"])
-            cands[key] = [] if elementwise else _periods.candidate_periods(n)
-            i = local.get(key)
-            if i is None or len(cands[key]) < 3:
-                continue
-            s = self.segments[i]
-            part = _dispatch.grad_period_partials(g[s.flat_offset:s.flat_offset + s.numel],
-                                                 s.param_offset, n, cands[key])
-            payload[key] = part.to_payload()
-        gathered = self.comm.all_gather_object(payload)
-        new_period = {}
-        for key in live:
-            shape = cat[key]["shape"]
-            n = math.prod(shape)
-            if len(cands[key]) < 3:
-                p_paper = 1
-            else:
-                parts = [_periods.PeriodPartials.from_payload(r[key]) for r in gathered if key in r]
-                p_paper = _periods.select_paper_period(cands[key], _periods.combine_partials(parts, n))
-            new_period[key] = _periods.resolve_period(p_paper, _periods.row_slab(shape))
+        held = {key: self.segments[local[key]] for key in live if key in local}
+        new_period = learning.learn_periods_by_key(
+            self.comm, {key: (cat[key]["shape"], elementwise) for key in live},
+            {key: Piece(local=None, grad=g[s.flat_offset:s.flat_offset + s.numel], start=s.param_offset,
+                        shape=tuple(cat[key]["shape"])) for key, s in held.items()})
         periods = list(st["periods"])
         for i, s in enumerate(self.segments):
             if s.key in new_period:
@@ -422,8 +286,13 @@ class FlatSegments:
                 gper[j] = new_period[key]
         if not codebook_needed:
             return None
-        # 3) histogram, cut blocks normalised by their global absmax (one all-gather + one SUM)
-        block_of = {k: _periods.scale_block_for(new_period[k], _periods.row_slab(cat[k]["shape"])) for k in live}
+        return self._histogram(g, live, {k: _periods.scale_block_for(new_period[k], _periods.row_slab(cat[k]["shape"]))
+                                         for k in live})
+
+    def _histogram(self, g: torch.Tensor, live: Sequence[str], block_of: Dict[str, int]) -> torch.Tensor:
+        """The codebook histogram of the tensors ``live`` (all-reduced), cut blocks normalised by
+        their global absmax (one all-gather of the cut blocks' partial absmax, one SUM)."""
+        local = {s.key: i for i, s in enumerate(self.segments)}
         cuts = self.cut_blocks(block_of)
         cut_pos = {c: j for j, c in enumerate(cuts)}
         pmax = torch.zeros(len(cuts), dtype=torch.float64)
@@ -452,219 +321,6 @@ class FlatSegments:
                 counts += torch.bincount(bins, minlength=NUM_BINS)
         self.comm.all_reduce_sum_(counts)
         return counts
-
-    # ------------------------------------------------------------------ the step
-    def step(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], *, lr: float, beta1: float,
-             beta2: float, eps: float, weight_decay: float, impl=None) -> None:
-        """One Gefen step of every segment (``st['step']`` already incremented). ``impl``: the
-        implementation that steps whole blocks / whole rows (a
-        :class:`gefen_dist.kernels.dispatch.StepImpl`: the native CPU or the Triton kernels; None: the
-        eager reference); cut blocks and rows are finished with the reference's phase functions."""
-        impl = impl or _dispatch.select(flat, fused=False)
-        bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
-        hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2)
-        if "v_col" in st:
-            return self._step_factored(flat, grad, st, hp, impl.quantized_step_factored_, impl.column_sumsq)
-        plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold)
-        cb = st["codebook"]
-        fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
-        idx_all, scale_all, v_all = st["idx"], st["scale"], st["v"]
-        # Phase 1: whole blocks through the kernels; partial blocks' partial statistics.
-        pend = []  # (key, block, p, g, idx, scale slot view, v view, m)
-        for sp, learned in zip(plan, st["learned"]):
-            s = sp.seg
-            if not s.numel:
-                continue
-            p = fv[s.flat_offset:s.flat_offset + s.numel]
-            g = gv[s.flat_offset:s.flat_offset + s.numel]
-            if sp.exact:
-                adamw_step_(p, g, st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
-                            st["exact_v"][sp.exact_off:sp.exact_off + s.numel], **hp)
-                continue
-            if not learned:
-                decay_only_(p, lr, weight_decay)
-                continue
-            P, B = sp.period, sp.block
-            a, e = s.param_offset, s.param_offset + s.numel
-            ix = idx_all[s.flat_offset:s.flat_offset + s.numel]
-            sc = scale_all[sp.scale_off:sp.scale_off + sp.scale_n]
-            vv = v_all[sp.v_off:sp.v_off + sp.v_n]
-            lo, hi, parts = _split(a, e, B)
-            if hi > lo:  # whole blocks [lo, hi)
-                so, vo = lo // B - a // B, lo // P - a // P
-                impl.quantized_step_(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a], sc[so:so + (hi - lo) // B],
-                                     vv[vo:vo + (hi - lo) // P], cb, period=P, scale_block=B, **hp)
-            for b, ps, pe in parts:
-                r0, r1 = ps - a, pe - a
-                gp = g[r0:r1].float()
-                slot = b - a // B
-                m = first_moment(ix[r0:r1], sc[slot], gp, cb, beta1)
-                vs = vv[ps // P - a // P:(pe - 1) // P - a // P + 1]
-                pend.append((s.key, b, P, p[r0:r1], gp, ix[r0:r1], sc[slot:slot + 1], vs, m,
-                             float((gp.double() ** 2).sum()) if P > 1 else 0.0, float(m.abs().max())))
-        # Exchange partial statistics of cut blocks (identical catalog on every rank).
-        cuts = self.cut_blocks(self._global_blocks(st))
-        if not cuts:
-            if pend:
-                raise LayoutError(f"{self.where}: internal error: partial blocks but no cut catalog")
-            return
-        pos = {c: j for j, c in enumerate(cuts)}
-        sums = torch.zeros(len(cuts), dtype=torch.float64)
-        maxes = torch.zeros(len(cuts), dtype=torch.float64)
-        for key, b, P, *_rest, ssum, smax in pend:
-            j = pos[(key, b)]
-            sums[j] += ssum
-            maxes[j] = max(float(maxes[j]), smax)
-        tsum, tmax = self._exchange(sums, maxes)
-        # Phase 2: finish partial blocks with the global statistics.
-        sqrt_bc2 = math.sqrt(bc2)
-        for key, b, P, p, gp, ix, sc, vs, m, _, _ in pend:
-            j = pos[(key, b)]
-            # the block's mean g^2 from the reconciled sum (P > 1), or the element's own (P == 1)
-            ms = torch.tensor([float(tsum[j])], dtype=torch.float64).float() / P if P > 1 else gp * gp
-            sigma = inv_rms_(ema_(vs, ms, beta2).sqrt(), eps, bc1, sqrt_bc2)
-            A = torch.tensor([float(tmax[j])], dtype=torch.float32, device=m.device)
-            sc.copy_(A)
-            new = quantize(m, A, cb)
-            ix.copy_(new)
-            apply_(p, cb[new.long()] * A, sigma, lr, weight_decay)
-
-    # ------------------------------------------------------------------ factored second moment
-    def _step_factored(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], hp: Dict[str, float],
-                       whole_rows, sumsq) -> None:
-        """One step with the factored (row x column) second moment (Adafactor's estimator).
-
-        Per quantized tensor of ``R`` rows of ``S`` elements: ``v_col`` ([S], identical on every
-        rank holding part of the tensor) is the EMA of the column mean of ``g^2`` over all ``R``
-        rows; ``v_row`` (one entry per row a segment touches) the EMA of the row mean. Whole rows go
-        through ``whole_rows`` (the native CPU or Triton kernel, or
-        :func:`gefen_dist.core.step.quantized_step_factored_eager_`); rows and scale blocks cut by
-        partition edges are reconciled (eager). One collective per buffer: a float64 SUM all-reduce
-        of ``[column sums of every learned tensor | per-rank slots of cut-row partial sum g^2 and
-        cut-block partial max |m|]`` (the slots are combined in rank order, so a cut row's ``v_row``
-        and a cut block's scale are identical on the ranks that share them).
-        """
-        rbr = st.get("row_blocks", 1)
-        plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold, True, rbr)
-        cat = self.global_catalog()
-        cb = st["codebook"]
-        lr, beta1, beta2, eps = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"]
-        bc1, bc2, weight_decay = hp["bc1"], hp["bc2"], hp["weight_decay"]
-        fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
-        idx_all, scale_all, vrow_all, vcol_all = st["idx"], st["scale"], st["v_row"], st["v_col"]
-        # Global catalog of learned tensors (identical on every rank): column-sum offsets, cuts.
-        fkeys = [k for k, lrn in zip(st["global_keys"], st["global_learned"]) if lrn]
-        slab_of, col_off, nblk_of, nc = {}, {}, {}, 0
-        for k in fkeys:
-            slab_of[k] = _periods.row_slab(cat[k]["shape"])
-            nblk_of[k] = _periods.factored_row_blocks(cat[k]["shape"], rbr)  # row blocks (D12)
-            col_off[k] = nc
-            nc += slab_of[k] * nblk_of[k]
-        block_of = self._global_blocks(st)
-        cut_rows = self.cut_blocks({k: slab_of[k] for k in fkeys})
-        cut_blks = self.cut_blocks(block_of)
-        row_pos = {c: j for j, c in enumerate(cut_rows)}
-        blk_pos = {c: j for j, c in enumerate(cut_blks)}
-        nr, nb = len(cut_rows), len(cut_blks)
-        dev = flat.device  # the column sums stay on the buffer's device (no per-tensor copy on CUDA)
-        cols = torch.zeros(nc, dtype=torch.float64, device=dev)
-        slots = torch.zeros(nr + nb, dtype=torch.float64)
-        # Phase 1: exact tensors, decay of unlearned ones, local statistics of learned ones.
-        work = []
-        for sp, learned in zip(plan, st["learned"]):
-            s = sp.seg
-            if not s.numel:
-                continue
-            p = fv[s.flat_offset:s.flat_offset + s.numel]
-            g = gv[s.flat_offset:s.flat_offset + s.numel]
-            if sp.exact:
-                adamw_step_(p, g, st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
-                            st["exact_v"][sp.exact_off:sp.exact_off + s.numel], **hp)
-                continue
-            if not learned:
-                decay_only_(p, lr, weight_decay)
-                continue
-            S, B = slab_of[s.key], sp.block
-            a, e = s.param_offset, s.param_offset + s.numel
-            ix = idx_all[s.flat_offset:s.flat_offset + s.numel]
-            sc = scale_all[sp.scale_off:sp.scale_off + sp.scale_n]
-            vr = vrow_all[sp.v_off:sp.v_off + sp.v_n]
-            vc = vcol_all[sp.vcol_off:sp.vcol_off + sp.vcol_n]
-            co = col_off[s.key]
-            G = nblk_of[s.key]
-            rb = cat[s.key]["shape"][0] // G
-            lo, hi, rparts = _split(a, e, S)
-            if hi > lo:
-                cols[co:co + G * S] += block_column_sumsq(g[lo - a:hi - a], S, lo // S, rb, G, sumsq).to(dev)
-            pend = []
-            for r, ps, pe in rparts:  # rows cut by a partition edge
-                r0, r1 = ps - a, pe - a
-                gp = g[r0:r1].float()
-                g2 = gp.double() ** 2
-                c0 = ps - r * S + (r // rb) * S  # in the row's block of column sums
-                cols[co + c0:co + c0 + (pe - ps)] += (gp * gp).double()  # as column_sumsq
-                slots[row_pos[(s.key, r)]] += float(g2.sum())
-                # first moment of the row piece, block by block (scale slots of the segment)
-                first = ps // B - a // B
-                nblk = (pe - 1) // B - ps // B + 1
-                bl = (torch.arange(ps, pe, device=ix.device) // B) - ps // B
-                m = first_moment(ix[r0:r1], sc[first:first + nblk][bl], gp, cb, beta1)
-                lead = ps - (ps // B) * B  # pad to whole blocks with zeros (neutral for max |m|)
-                am = torch.nn.functional.pad(m.abs(), (lead, nblk * B - lead - (pe - ps))).view(nblk, B).amax(dim=1)
-                _, _, bparts = _split(ps, pe, B)
-                for b, _, _ in bparts:  # scale blocks cut by the edge: partial max |m|
-                    j = nr + blk_pos[(s.key, b)]
-                    slots[j] = max(float(slots[j]), float(am[b - ps // B]))
-                pend.append((r, r0, r1, gp, m, bl, am, first, nblk, [b for b, _, _ in bparts]))
-            work.append((sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb))
-        if not work and nc == 0:
-            return
-        # One SUM all-reduce: column sums (zeros for tensors not held here) + per-rank slots.
-        ws, rank = self.comm.world_size, self.comm.rank
-        k = nr + nb
-        if ws > 1 and nc + k:
-            buf = torch.zeros(nc + ws * k, dtype=torch.float64, device=dev)
-            buf[:nc] = cols
-            buf[nc + rank * k:nc + (rank + 1) * k] = slots.to(dev)
-            self.comm.all_reduce_sum_(buf)
-            cols = buf[:nc]
-            allr = buf[nc:].view(ws, k).cpu()  # the few cut-row / cut-block slots: read on the host
-            rsum = torch.zeros(nr, dtype=torch.float64)
-            for rr in range(ws):  # fixed order: identical on every rank
-                rsum += allr[rr, :nr]
-            bmax = allr[:, nr:].amax(dim=0) if nb else torch.zeros(0, dtype=torch.float64)
-        else:
-            rsum, bmax = slots[:nr], slots[nr:]
-        # Phase 2: v_col, whole rows through the kernel, then the cut rows.
-        sqrt_bc2 = math.sqrt(bc2)
-        for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb in work:
-            col_mean_sq = (cols[co:co + G * S] / rb).to(torch.float32).to(vc.device)
-            so, ro = lo // B - a // B, lo // S - a // S
-            nrow = (hi - lo) // S
-            vcb = vc.view(G, S) if G > 1 else vc
-            # updates v_col (always) and steps the whole rows [lo, hi) (possibly none)
-            whole_rows(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a], sc[so:so + nrow * (S // B)],
-                       vr[ro:ro + nrow], vcb, cb, col_mean_sq, scale_block=B, row0=lo // S, row_block=rb, **hp)
-            if not pend:
-                continue
-            col_fb = column_factors(vcb)
-            for r, r0, r1, gp, m, bl, am, first, nblk, cut in pend:
-                col_f = col_fb[r // rb] if G > 1 else col_fb
-                ps = a + r0
-                tot = torch.tensor([float(rsum[row_pos[(sp.seg.key, r)]])], dtype=torch.float64).float() / S
-                v1 = vr[r - a // S:r - a // S + 1]
-                c0 = ps - r * S
-                sigma = inv_rms_(ema_(v1, tot.to(v1.device), beta2).sqrt() * col_f[c0:c0 + (r1 - r0)], eps, bc1,
-                                 sqrt_bc2)
-                for b in cut:
-                    am[b - ps // B] = float(bmax[blk_pos[(sp.seg.key, b)]])
-                sblk = sc[first:first + nblk]
-                sblk.copy_(am)
-                A = am[bl]
-                new = quantize(m, A, cb)
-                ix[r0:r1].copy_(new)
-                apply_(p[r0:r1], cb[new.long()] * A, sigma, lr, weight_decay)
-
 
 def counts_to_codebook(counts: torch.Tensor):
     return _dispatch.solve_codebook(counts.numpy())

@@ -1,0 +1,270 @@
+"""The step of a DeepSpeed flat buffer (D7): a mixin of :class:`gefen_dist.segments.FlatSegments`,
+which holds the layout, the catalog of cut blocks and the state."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Tuple
+
+import torch
+
+from .core import periods as _periods
+from .core.step import (adamw_step_, apply_, bias_corrections, block_column_sumsq, column_factors, decay_only_, ema_,
+                        first_moment, inv_rms_, quantize)
+from .kernels import dispatch as _dispatch
+from .segment_layout import LayoutError, _plan, _split
+
+
+class SegmentStepMixin:
+    """The step of a :class:`~gefen_dist.segments.FlatSegments` buffer: whole blocks and rows through
+    the implementation of :func:`gefen_dist.kernels.dispatch.select`, blocks and rows cut by the
+    partition edges reconciled with one small collective and finished with the reference's phase
+    functions (D7)."""
+
+    # ------------------------------------------------------------------ the step
+    def step(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], *, lr: float, beta1: float,
+             beta2: float, eps: float, weight_decay: float, impl=None) -> None:
+        """One Gefen step of every segment (``st['step']`` already incremented). ``impl``: the
+        implementation that steps whole blocks / whole rows (a
+        :class:`gefen_dist.kernels.dispatch.StepImpl`: the native CPU or the Triton kernels; None: the
+        eager reference); cut blocks and rows are finished with the reference's phase functions."""
+        impl = impl or _dispatch.select(flat, fused=False)
+        bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
+        hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2)
+        if "v_col" in st:
+            return self._step_factored(flat, grad, st, hp, impl.quantized_step_factored_, impl.column_sumsq)
+        plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold)
+        cb = st["codebook"]
+        fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
+        idx_all, scale_all, v_all = st["idx"], st["scale"], st["v"]
+        # Phase 1: whole blocks through the kernels; partial blocks' partial statistics.
+        pend = []  # (key, block, p, g, idx, scale slot view, v view, m)
+        for sp, learned in zip(plan, st["learned"]):
+            s = sp.seg
+            if not s.numel:
+                continue
+            p = fv[s.flat_offset:s.flat_offset + s.numel]
+            g = gv[s.flat_offset:s.flat_offset + s.numel]
+            if sp.exact:
+                adamw_step_(p, g, st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
+                            st["exact_v"][sp.exact_off:sp.exact_off + s.numel], **hp)
+                continue
+            if not learned:
+                decay_only_(p, lr, weight_decay)
+                continue
+            P, B = sp.period, sp.block
+            a, e = s.param_offset, s.param_offset + s.numel
+            ix = idx_all[s.flat_offset:s.flat_offset + s.numel]
+            sc = scale_all[sp.scale_off:sp.scale_off + sp.scale_n]
+            vv = v_all[sp.v_off:sp.v_off + sp.v_n]
+            lo, hi, parts = _split(a, e, B)
+            if hi > lo:  # whole blocks [lo, hi)
+                so, vo = lo // B - a // B, lo // P - a // P
+                impl.quantized_step_(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a], sc[so:so + (hi - lo) // B],
+                                     vv[vo:vo + (hi - lo) // P], cb, period=P, scale_block=B, **hp)
+            for b, ps, pe in parts:
+                r0, r1 = ps - a, pe - a
+                gp = g[r0:r1].float()
+                slot = b - a // B
+                m = first_moment(ix[r0:r1], sc[slot], gp, cb, beta1)
+                vs = vv[ps // P - a // P:(pe - 1) // P - a // P + 1]
+                pend.append((s.key, b, P, p[r0:r1], gp, ix[r0:r1], sc[slot:slot + 1], vs, m,
+                             float((gp.double() ** 2).sum()) if P > 1 else 0.0, float(m.abs().max())))
+        # Exchange partial statistics of cut blocks (identical catalog on every rank).
+        cuts = self.cut_blocks(self._global_blocks(st))
+        if not cuts:
+            if pend:
+                raise LayoutError(f"{self.where}: internal error: partial blocks but no cut catalog")
+            return
+        pos = {c: j for j, c in enumerate(cuts)}
+        sums = torch.zeros(len(cuts), dtype=torch.float64)
+        maxes = torch.zeros(len(cuts), dtype=torch.float64)
+        for key, b, P, *_rest, ssum, smax in pend:
+            j = pos[(key, b)]
+            sums[j] += ssum
+            maxes[j] = max(float(maxes[j]), smax)
+        tsum, tmax = self._exchange(sums, maxes)
+        # Phase 2: finish partial blocks with the global statistics.
+        sqrt_bc2 = math.sqrt(bc2)
+        for key, b, P, p, gp, ix, sc, vs, m, _, _ in pend:
+            j = pos[(key, b)]
+            # the block's mean g^2 from the reconciled sum (P > 1), or the element's own (P == 1)
+            ms = torch.tensor([float(tsum[j])], dtype=torch.float64).float() / P if P > 1 else gp * gp
+            sigma = inv_rms_(ema_(vs, ms, beta2).sqrt(), eps, bc1, sqrt_bc2)
+            A = torch.tensor([float(tmax[j])], dtype=torch.float32, device=m.device)
+            sc.copy_(A)
+            new = quantize(m, A, cb)
+            ix.copy_(new)
+            apply_(p, cb[new.long()] * A, sigma, lr, weight_decay)
+
+
+    # ------------------------------------------------------------------ factored second moment
+    def _step_factored(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], hp: Dict[str, float],
+                       whole_rows, sumsq) -> None:
+        """One step with the factored (row x column) second moment (Adafactor's estimator).
+
+        Per quantized tensor of ``R`` rows of ``S`` elements: ``v_col`` ([S], identical on every
+        rank holding part of the tensor) is the EMA of the column mean of ``g^2`` over all ``R``
+        rows; ``v_row`` (one entry per row a segment touches) the EMA of the row mean. Whole rows go
+        through ``whole_rows`` (the native CPU or Triton kernel, or
+        :func:`gefen_dist.core.step.quantized_step_factored_eager_`); rows and scale blocks cut by
+        partition edges are reconciled (eager). One collective per buffer: a float64 SUM all-reduce
+        of ``[column sums of every learned tensor | per-rank slots of cut-row partial sum g^2 and
+        cut-block partial max |m|]`` (the slots are combined in rank order, so a cut row's ``v_row``
+        and a cut block's scale are identical on the ranks that share them).
+        """
+        rbr = st.get("row_blocks", 1)
+        plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold, True, rbr)
+        ctx = self._factored_catalog(st, rbr)
+        dev = flat.device  # the column sums stay on the buffer's device (no per-tensor copy on CUDA)
+        cols = torch.zeros(ctx.nc, dtype=torch.float64, device=dev)
+        slots = torch.zeros(ctx.nr + ctx.nb, dtype=torch.float64)
+        work = self._factored_local(plan, st, ctx, hp, sumsq, flat.detach().reshape(-1), grad.detach().reshape(-1),
+                                    cols, slots)
+        if not work and ctx.nc == 0:
+            return
+        cols, rsum, bmax = self._reconcile_factored(cols, slots, ctx, dev)
+        self._factored_finish(work, cols, rsum, bmax, ctx, st["codebook"], hp, whole_rows)
+
+
+    def _factored_catalog(self, st: Dict[str, Any], rbr) -> "_FactoredCatalog":
+        """The global catalog of learned factored tensors (identical on every rank): column-sum
+        offsets, row blocks, cut rows and cut scale blocks."""
+        cat = self.global_catalog()
+        ctx = _FactoredCatalog(cat=cat)
+        for k in (k for k, lrn in zip(st["global_keys"], st["global_learned"]) if lrn):
+            ctx.slab_of[k] = _periods.row_slab(cat[k]["shape"])
+            ctx.nblk_of[k] = _periods.factored_row_blocks(cat[k]["shape"], rbr)  # row blocks (D12)
+            ctx.col_off[k] = ctx.nc
+            ctx.nc += ctx.slab_of[k] * ctx.nblk_of[k]
+        cut_rows = self.cut_blocks(dict(ctx.slab_of))
+        cut_blks = self.cut_blocks(self._global_blocks(st))
+        ctx.row_pos = {c: j for j, c in enumerate(cut_rows)}
+        ctx.blk_pos = {c: j for j, c in enumerate(cut_blks)}
+        ctx.nr, ctx.nb = len(cut_rows), len(cut_blks)
+        return ctx
+
+
+    def _factored_local(self, plan, st, ctx: "_FactoredCatalog", hp, sumsq, fv, gv, cols, slots) -> list:
+        """Phase 1: exact tensors, the decay of unlearned ones, and this rank's statistics of the
+        learned ones (column sums into ``cols``; cut rows' partial sums of ``g^2`` and cut blocks'
+        partial max |m| into ``slots``). Returns the learned segments' work items for phase 2."""
+        work = []
+        for sp, learned in zip(plan, st["learned"]):
+            s = sp.seg
+            if not s.numel:
+                continue
+            p = fv[s.flat_offset:s.flat_offset + s.numel]
+            g = gv[s.flat_offset:s.flat_offset + s.numel]
+            if sp.exact:
+                adamw_step_(p, g, st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
+                            st["exact_v"][sp.exact_off:sp.exact_off + s.numel], **hp)
+                continue
+            if not learned:
+                decay_only_(p, hp["lr"], hp["weight_decay"])
+                continue
+            S, B, G = ctx.slab_of[s.key], sp.block, ctx.nblk_of[s.key]
+            a, e = s.param_offset, s.param_offset + s.numel
+            ix = st["idx"][s.flat_offset:s.flat_offset + s.numel]
+            sc = st["scale"][sp.scale_off:sp.scale_off + sp.scale_n]
+            co, rb = ctx.col_off[s.key], ctx.cat[s.key]["shape"][0] // G
+            lo, hi, rparts = _split(a, e, S)
+            if hi > lo:
+                cols[co:co + G * S] += block_column_sumsq(g[lo - a:hi - a], S, lo // S, rb, G, sumsq).to(cols.device)
+            pend = [self._cut_row_partials(s.key, r, ps, pe, a, S, B, rb, g, ix, sc, st["codebook"], hp["beta1"],
+                                           ctx, cols[co:co + G * S], slots) for r, ps, pe in rparts]
+            work.append((sp, p, g, ix, sc, st["v_row"][sp.v_off:sp.v_off + sp.v_n],
+                         st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n], co, S, B, a, lo, hi, pend, G, rb))
+        return work
+
+
+    @staticmethod
+    def _cut_row_partials(key, r, ps, pe, a, S, B, rb, g, ix, sc, cb, beta1, ctx, tcols, slots) -> tuple:
+        """A row cut by a partition edge: its column sums (into ``tcols``, the tensor's), its partial
+        sum of ``g^2`` and its cut blocks' partial max |m| (into ``slots``), and its first moment."""
+        r0, r1 = ps - a, pe - a
+        gp = g[r0:r1].float()
+        g2 = gp.double() ** 2
+        c0 = ps - r * S + (r // rb) * S  # in the row's block of column sums
+        tcols[c0:c0 + (pe - ps)] += (gp * gp).double()  # as column_sumsq
+        slots[ctx.row_pos[(key, r)]] += float(g2.sum())
+        # first moment of the row piece, block by block (scale slots of the segment)
+        first = ps // B - a // B
+        nblk = (pe - 1) // B - ps // B + 1
+        bl = (torch.arange(ps, pe, device=ix.device) // B) - ps // B
+        m = first_moment(ix[r0:r1], sc[first:first + nblk][bl], gp, cb, beta1)
+        lead = ps - (ps // B) * B  # pad to whole blocks with zeros (neutral for max |m|)
+        am = torch.nn.functional.pad(m.abs(), (lead, nblk * B - lead - (pe - ps))).view(nblk, B).amax(dim=1)
+        _, _, bparts = _split(ps, pe, B)
+        for b, _, _ in bparts:  # scale blocks cut by the edge: partial max |m|
+            j = ctx.nr + ctx.blk_pos[(key, b)]
+            slots[j] = max(float(slots[j]), float(am[b - ps // B]))
+        return (r, r0, r1, gp, m, bl, am, first, nblk, [b for b, _, _ in bparts])
+
+
+    def _reconcile_factored(self, cols, slots, ctx: "_FactoredCatalog", dev):
+        """One SUM all-reduce: column sums (zeros for tensors not held here) + per-rank slots; the
+        slots are combined in rank order, so every sharing rank gets the same cut rows and blocks."""
+        ws, rank = self.comm.world_size, self.comm.rank
+        nc, nr, nb = ctx.nc, ctx.nr, ctx.nb
+        k = nr + nb
+        if not (ws > 1 and nc + k):
+            return cols, slots[:nr], slots[nr:]
+        buf = torch.zeros(nc + ws * k, dtype=torch.float64, device=dev)
+        buf[:nc] = cols
+        buf[nc + rank * k:nc + (rank + 1) * k] = slots.to(dev)
+        self.comm.all_reduce_sum_(buf)
+        allr = buf[nc:].view(ws, k).cpu()  # the few cut-row / cut-block slots: read on the host
+        rsum = torch.zeros(nr, dtype=torch.float64)
+        for rr in range(ws):  # fixed order: identical on every rank
+            rsum += allr[rr, :nr]
+        bmax = allr[:, nr:].amax(dim=0) if nb else torch.zeros(0, dtype=torch.float64)
+        return buf[:nc], rsum, bmax
+
+
+    @staticmethod
+    def _factored_finish(work, cols, rsum, bmax, ctx: "_FactoredCatalog", cb, hp, whole_rows) -> None:
+        """Phase 2: ``v_col``, the whole rows through the implementation, then the cut rows with the
+        reconciled statistics (the reference's phase functions)."""
+        sqrt_bc2 = math.sqrt(hp["bc2"])
+        for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb in work:
+            col_mean_sq = (cols[co:co + G * S] / rb).to(torch.float32).to(vc.device)
+            so, ro = lo // B - a // B, lo // S - a // S
+            nrow = (hi - lo) // S
+            vcb = vc.view(G, S) if G > 1 else vc
+            # updates v_col (always) and steps the whole rows [lo, hi) (possibly none)
+            whole_rows(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a], sc[so:so + nrow * (S // B)],
+                       vr[ro:ro + nrow], vcb, cb, col_mean_sq, scale_block=B, row0=lo // S, row_block=rb, **hp)
+            if not pend:
+                continue
+            col_fb = column_factors(vcb)
+            for r, r0, r1, gp, m, bl, am, first, nblk, cut in pend:
+                col_f = col_fb[r // rb] if G > 1 else col_fb
+                ps = a + r0
+                tot = torch.tensor([float(rsum[ctx.row_pos[(sp.seg.key, r)]])], dtype=torch.float64).float() / S
+                v1 = vr[r - a // S:r - a // S + 1]
+                c0 = ps - r * S
+                sigma = inv_rms_(ema_(v1, tot.to(v1.device), hp["beta2"]).sqrt() * col_f[c0:c0 + (r1 - r0)],
+                                 hp["eps"], hp["bc1"], sqrt_bc2)
+                for b in cut:
+                    am[b - ps // B] = float(bmax[ctx.blk_pos[(sp.seg.key, b)]])
+                sc[first:first + nblk].copy_(am)
+                A = am[bl]
+                new = quantize(m, A, cb)
+                ix[r0:r1].copy_(new)
+                apply_(p[r0:r1], cb[new.long()] * A, sigma, hp["lr"], hp["weight_decay"])
+
+
+@dataclass
+class _FactoredCatalog:
+    """What every rank knows about the learned factored tensors of a flat buffer (one step)."""
+
+    cat: Dict[str, Dict[str, Any]]
+    slab_of: Dict[str, int] = field(default_factory=dict)
+    nblk_of: Dict[str, int] = field(default_factory=dict)
+    col_off: Dict[str, int] = field(default_factory=dict)
+    nc: int = 0
+    row_pos: Dict[Tuple[str, int], int] = field(default_factory=dict)
+    blk_pos: Dict[Tuple[str, int], int] = field(default_factory=dict)
+    nr: int = 0
+    nb: int = 0
