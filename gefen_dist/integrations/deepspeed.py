@@ -33,9 +33,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import learning
 from .. import optimizer as _opt_mod
 from ..comm import LocalComm, ProcessGroupComm
-from ..segments import FlatSegments, LayoutError, Segment, counts_to_codebook, verify_segments
+from ..segments import FlatSegments, LayoutError, Segment, verify_segments
 
 logger = logging.getLogger(__name__)
 
@@ -193,16 +194,14 @@ class Gefen(_opt_mod.Gefen):
             counts = fs.learn(st, grad, codebook_needed=self.codebook is None,
                               elementwise=group.get("second_moment") == "elementwise")
             if counts is not None:
-                res = counts_to_codebook(counts)
-                self.codebook = res.codebook.to(device=flat.device, dtype=torch.float32)
+                fit = learning.learn_codebook(counts)
+                self.codebook = fit.codebook.to(device=flat.device)
                 for s in self.state.values():
                     if "codebook" in s:
                         s["codebook"] = self.codebook
-                total = int(counts.sum())
-                self.codebook_info = dict(active_bins=res.active_bins, sse=res.sse, method=res.method, values=total,
-                                          rms_error=math.sqrt(res.sse / max(1, total)), seconds_dp=res.seconds)
+                self.codebook_info = fit.info
                 logger.info("Gefen (DeepSpeed) learned its codebook from %d values in %d active bins",
-                            total, res.active_bins)
+                            fit.info["values"], fit.info["active_bins"])
         st["step"] += 1
         beta1, beta2 = group["betas"]
         fs.step(flat, grad, st, lr=_opt_mod._scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],

@@ -47,9 +47,10 @@ import torch
 from ..core import periods as _periods
 from ..core.quant import NUM_BINS, nearest_codeword
 from ..core.step import column_ratios
+from .. import learning
 from ..kernels import dispatch as _dispatch
 from ..layout import is_exact
-from ..segments import Segment, _plan, counts_to_codebook
+from ..segments import Segment, _plan
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,75 @@ class _Tensor:
         return m, v
 
 
+def _rank_states(f: str, obj) -> Tuple[Dict[str, Any], Any, list, int]:
+    """The optimizer file ``f``'s (state dict, base optimizer state, fp32 partitions, ZeRO stage),
+    refusing files that are not Gefen's DeepSpeed state with what to do instead."""
+    osd = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
+    if not isinstance(osd, dict):
+        raise UniversalCheckpointError(f"{f!r} holds no 'optimizer_state_dict': not a DeepSpeed ZeRO optimizer file")
+    if "fp32_flat_groups" in osd:  # ZeRO-3
+        base, flats, stage = osd["optimizer_state_dict"], osd["fp32_flat_groups"], 3
+    elif "single_partition_of_fp32_groups" in osd:  # ZeRO-1/2, BF16_Optimizer
+        base, flats = osd["base_optimizer_state"], osd["single_partition_of_fp32_groups"]
+        stage = int(osd.get("zero_stage", 1))
+    else:
+        raise UniversalCheckpointError(f"{f!r}: unknown DeepSpeed optimizer file layout (keys {sorted(osd)[:8]})")
+    states = base.get("state", {}) if isinstance(base, dict) else {}
+    if not states or not all(isinstance(s, dict) and "segments" in s for s in states.values()):
+        keys = sorted({k for s in states.values() if isinstance(s, dict) for k in s})
+        if "exp_avg" in keys:
+            raise UniversalCheckpointError(
+                f"{f!r} is an Adam/AdamW DeepSpeed checkpoint, not Gefen's. Convert it with DeepSpeed's own "
+                "converter (python -m deepspeed.checkpoint.ds_to_universal --input_folder CKPT/TAG "
+                "--output_folder OUT); gefen_dist.integrations.deepspeed.load_universal(engine, OUT) then "
+                "warm-starts Gefen from it.")
+        raise UniversalCheckpointError(f"{f!r}: optimizer state without Gefen's DeepSpeed 'segments' (state keys "
+                                       f"{keys[:8]}): not saved by gefen_dist.integrations.deepspeed.Gefen")
+    if len(states) != len(flats):
+        raise UniversalCheckpointError(f"{f!r}: {len(states)} optimizer states but {len(flats)} fp32 partitions")
+    return osd, base, flats, stage
+
+
+def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict[str, "_Tensor"],
+                   order: List[str]) -> None:
+    """Copy one flat partition's segments (fp32 values and Gefen state) into the global tensors."""
+    factored = "v_col" in st
+    segs = [Segment.from_dict(d) for d in st["segments"]]
+    plan, _, _, _ = _plan(segs, st["periods"], None, factored, st.get("row_blocks", 1))
+    for sp, learned in zip(plan, st["learned"]):
+        s = sp.seg
+        t = tensors.get(s.name)
+        if t is None:
+            G = sp.vcol_n // _periods.row_slab(s.shape) if (factored and not sp.exact and sp.vcol_n) else 1
+            t = tensors[s.name] = _Tensor(s.name, s.shape, 0 if sp.exact else sp.period, factored, col_blocks=G)
+            order.append(s.name)
+        elif t.shape != s.shape or t.exact != sp.exact or (not sp.exact and t.period != sp.period):
+            raise UniversalCheckpointError(f"{f!r}: ranks disagree on tensor {s.name!r} (shape/period)")
+        t.step = int(st["step"])
+        if not s.numel:
+            continue
+        a, n, fo = s.param_offset, s.numel, s.flat_offset
+        if fo + n > flat.numel():
+            raise UniversalCheckpointError(f"{f!r}: segment of {s.name!r} beyond its fp32 partition")
+        t.fp32[a:a + n] = flat[fo:fo + n]
+        t.covered[a:a + n] = True
+        if sp.exact:
+            t.exp_avg[a:a + n] = st["exact_m"][sp.exact_off:sp.exact_off + n].float()
+            t.exp_avg_sq[a:a + n] = st["exact_v"][sp.exact_off:sp.exact_off + n].float()
+            continue
+        t.learned = bool(learned)
+        t.idx[a:a + n] = st["idx"][fo:fo + n]
+        B = sp.block
+        t.scale[a // B:a // B + sp.scale_n] = st["scale"][sp.scale_off:sp.scale_off + sp.scale_n].float()
+        if factored:
+            S = t.slab
+            t.v_row[a // S:a // S + sp.v_n] = st["v_row"][sp.v_off:sp.v_off + sp.v_n].float()
+            t.v_col.copy_(st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n].float())
+        else:
+            P = sp.period
+            t.v[a // P:a // P + sp.v_n] = st["v"][sp.v_off:sp.v_off + sp.v_n].float()
+
+
 def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
     """Assemble the full per-tensor Gefen state of a rigid DeepSpeed checkpoint (all ranks).
 
@@ -172,80 +242,21 @@ def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
     global_state, param_groups = None, None
     for rank, f in files:
         obj = _load(f)
-        osd = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
-        if not isinstance(osd, dict):
-            raise UniversalCheckpointError(f"{f!r} holds no 'optimizer_state_dict': not a DeepSpeed ZeRO optimizer "
-                                           "file")
-        if "fp32_flat_groups" in osd:  # ZeRO-3
-            base, flats, stage = osd["optimizer_state_dict"], osd["fp32_flat_groups"], 3
-        elif "single_partition_of_fp32_groups" in osd:  # ZeRO-1/2, BF16_Optimizer
-            base, flats = osd["base_optimizer_state"], osd["single_partition_of_fp32_groups"]
-            stage = int(osd.get("zero_stage", 1))
-        else:
-            raise UniversalCheckpointError(f"{f!r}: unknown DeepSpeed optimizer file layout (keys {sorted(osd)[:8]})")
-        states = base.get("state", {}) if isinstance(base, dict) else {}
-        if not states or not all(isinstance(s, dict) and "segments" in s for s in states.values()):
-            keys = sorted({k for s in states.values() if isinstance(s, dict) for k in s})
-            if "exp_avg" in keys:
-                raise UniversalCheckpointError(
-                    f"{f!r} is an Adam/AdamW DeepSpeed checkpoint, not Gefen's. Convert it with DeepSpeed's own "
-                    "converter (python -m deepspeed.checkpoint.ds_to_universal --input_folder CKPT/TAG "
-                    "--output_folder OUT); gefen_dist.integrations.deepspeed.load_universal(engine, OUT) then "
-                    "warm-starts Gefen from it.")
-            raise UniversalCheckpointError(f"{f!r}: optimizer state without Gefen's DeepSpeed 'segments' (state keys "
-                                           f"{keys[:8]}): not saved by gefen_dist.integrations.deepspeed.Gefen")
+        osd, base, flats, stage = _rank_states(f, obj)
+        states = base["state"]
         if rank == 0:
             global_state = {k: v for k, v in osd.items() if k not in _SHARDED}
             param_groups = base.get("param_groups")
-        keys = sorted(states)
-        if len(keys) != len(flats):
-            raise UniversalCheckpointError(f"{f!r}: {len(keys)} optimizer states but {len(flats)} fp32 partitions")
-        for k, flat in zip(keys, flats):
+        for k, flat in zip(sorted(states), flats):
             st = states[k]
-            flat = flat.reshape(-1).float()
-            factored = "v_col" in st
-            modes.add("factored" if factored else "shared")
+            modes.add("factored" if "v_col" in st else "shared")
             steps.add(int(st["step"]))
             c = st.get("codebook")
             if isinstance(c, torch.Tensor) and c.numel() and float(c[0]) == -1.0:
                 if cb is not None and not torch.equal(cb, c.float()):
                     raise UniversalCheckpointError(f"{f!r}: two different learned codebooks in one checkpoint")
                 cb = c.float().clone()
-            segs = [Segment.from_dict(d) for d in st["segments"]]
-            plan, _, _, _ = _plan(segs, st["periods"], None, factored, st.get("row_blocks", 1))
-            for sp, learned in zip(plan, st["learned"]):
-                s = sp.seg
-                t = tensors.get(s.name)
-                if t is None:
-                    G = sp.vcol_n // _periods.row_slab(s.shape) if (factored and not sp.exact and sp.vcol_n) else 1
-                    t = tensors[s.name] = _Tensor(s.name, s.shape, 0 if sp.exact else sp.period, factored,
-                                                  col_blocks=G)
-                    order.append(s.name)
-                elif t.shape != s.shape or t.exact != sp.exact or (not sp.exact and t.period != sp.period):
-                    raise UniversalCheckpointError(f"{f!r}: ranks disagree on tensor {s.name!r} (shape/period)")
-                t.step = int(st["step"])
-                if not s.numel:
-                    continue
-                a, n, fo = s.param_offset, s.numel, s.flat_offset
-                if fo + n > flat.numel():
-                    raise UniversalCheckpointError(f"{f!r}: segment of {s.name!r} beyond its fp32 partition")
-                t.fp32[a:a + n] = flat[fo:fo + n]
-                t.covered[a:a + n] = True
-                if sp.exact:
-                    t.exp_avg[a:a + n] = st["exact_m"][sp.exact_off:sp.exact_off + n].float()
-                    t.exp_avg_sq[a:a + n] = st["exact_v"][sp.exact_off:sp.exact_off + n].float()
-                    continue
-                t.learned = bool(learned)
-                t.idx[a:a + n] = st["idx"][fo:fo + n]
-                B = sp.block
-                t.scale[a // B:a // B + sp.scale_n] = st["scale"][sp.scale_off:sp.scale_off + sp.scale_n].float()
-                if factored:
-                    S = t.slab
-                    t.v_row[a // S:a // S + sp.v_n] = st["v_row"][sp.v_off:sp.v_off + sp.v_n].float()
-                    t.v_col.copy_(st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n].float())
-                else:
-                    P = sp.period
-                    t.v[a // P:a // P + sp.v_n] = st["v"][sp.v_off:sp.v_off + sp.v_n].float()
+            _add_partition(f, st, flat.reshape(-1).float(), tensors, order)
         del obj
     missing = [n for n in order if not bool(tensors[n].covered.all())]
     if missing:
@@ -448,15 +459,27 @@ def load_into_engine(engine, folder: str, load_optimizer_states: bool = True) ->
 
 
 def _load_state(opt, entries, params, zero: str, meta: Optional[Dict[str, Any]], optim_sd: Dict[str, Any]) -> None:
-    small = opt.small_threshold
     names = [n for n, _, _ in params]
     step = int(meta["step"]) if meta is not None else _read_step(zero, names, optim_sd)
+    info = _learned_info(opt, params, zero, meta)
+    key_name = {k: n for n, k, _ in params}
+    opt.state.clear()
+    for flat, fs, group in entries:
+        st = _flat_state(opt, flat, fs, group, info, key_name, zero, meta)
+        st["step"] = step
+        opt.state[flat] = st
+    _set_hparams(opt, optim_sd, meta is not None)
+
+
+def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]]) -> Dict[str, "_Learned"]:
+    """Period and learned flag of every quantized tensor (all of them: the cut catalog needs them),
+    from Gefen's metadata, or warm-started from AdamW state (periods from ``exp_avg_sq``, the
+    codebook from ``exp_avg``); sets ``opt.codebook`` (and its info)."""
     mt = meta.get("tensors", {}) if meta is not None else {}
-    # 1) period and learned flag of every quantized tensor (all of them: the cut catalog needs them)
     info: Dict[str, _Learned] = {}
     generic = []
     for name, _, shape in params:
-        if is_exact(shape, small):
+        if is_exact(shape, opt.small_threshold):
             continue
         rec = mt.get(name)
         if rec is not None and rec["kind"] == "quantized" and tuple(rec["shape"]) == shape:
@@ -464,73 +487,62 @@ def _load_state(opt, entries, params, zero: str, meta: Optional[Dict[str, Any]],
         else:
             generic.append((name, shape))
     counts = torch.zeros(NUM_BINS, dtype=torch.int64)
-    for name, shape in generic:  # warm start (AdamW): periods from exp_avg_sq, codebook histogram from exp_avg
+    for name, shape in generic:  # warm start (AdamW)
         v = _read_param(zero, name, "exp_avg_sq")
         m = _read_param(zero, name, "exp_avg")
         if not bool((v != 0).any()) and not bool((m != 0).any()):
             info[name] = _Learned(_periods.row_slab(shape), False)
             continue
-        n = v.numel()
-        cands = _periods.candidate_periods(n)
-        if len(cands) < 3:
-            p_paper = 1
-        else:
-            part = _dispatch.grad_period_partials(v.clamp(min=0).sqrt(), 0, n, cands)
-            p_paper = _periods.select_paper_period(cands, _periods.combine_partials([part], n))
-        per = _periods.resolve_period(p_paper, _periods.row_slab(shape))
+        per = _periods.resolve_period(_dispatch.paper_period(v.clamp(min=0).sqrt()), _periods.row_slab(shape))
         info[name] = _Learned(per, True)
         _dispatch.block_histogram(m, _periods.scale_block_for(per, _periods.row_slab(shape)), out=counts)
     if meta is not None and meta.get("codebook") is not None:
         opt.codebook = meta["codebook"].float().clone()
     elif int(counts.sum()) > 0:
-        res = counts_to_codebook(counts)
-        opt.codebook = res.codebook.to(torch.float32)
-        total = int(counts.sum())
-        opt.codebook_info = dict(active_bins=res.active_bins, sse=res.sse, method=res.method, values=total,
-                                 rms_error=math.sqrt(res.sse / max(1, total)), seconds_dp=res.seconds,
-                                 source="exp_avg (universal warm start)")
+        fit = learning.learn_codebook(counts)
+        opt.codebook = fit.codebook
+        opt.codebook_info = dict(fit.info, source="exp_avg (universal warm start)")
     else:
         opt.codebook = None
     if generic:
         logger.info("Gefen warm start from Adam state: periods and codebook learned for %d tensors (%s)",
                     len(generic), ", ".join(n for n, _ in generic[:4]) + ("..." if len(generic) > 4 else ""))
-    key_name = {k: n for n, k, _ in params}
-    opt.state.clear()
-    for flat, fs, group in entries:
-        factored = group.get("second_moment", "shared") == "factored"
-        cb = opt._codebook_for(flat.device)
-        st = fs.new_state(flat, cb, factored=factored, row_blocks=group.get("row_blocks", "auto"))
-        periods, learned = [], []
-        for s in fs.segments:
-            if is_exact(s.shape, small):
-                periods.append(0)
-                learned.append(1)
-            else:
-                li = info[s.name]
-                periods.append(li.period if li.learned else _periods.row_slab(s.shape))
-                learned.append(int(li.learned))
-        fs._replan(st, periods)
-        st["learned"] = learned
-        for j, key in enumerate(st["global_keys"]):
-            li = info[key_name[key]]
-            st["global_learned"][j] = int(li.learned)
-            st["global_periods"][j] = li.period if li.learned else 0
-        plan, _, _, _ = _plan(fs.segments, st["periods"], small, factored, st.get("row_blocks", 1))
-        for sp, lrn in zip(plan, learned):
-            s = sp.seg
-            if not s.numel:
-                continue
-            a, e = s.param_offset, s.param_offset + s.numel
-            if sp.exact:
-                st["exact_m"][sp.exact_off:sp.exact_off + s.numel] = _read_param(zero, s.name, "exp_avg")[a:e]
-                st["exact_v"][sp.exact_off:sp.exact_off + s.numel] = _read_param(zero, s.name, "exp_avg_sq")[a:e]
-                continue
-            if not lrn:
-                continue
+    return info
+
+
+def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[str, Any]:
+    """The Gefen state of one flat buffer of the new layout, filled from the universal files."""
+    small = opt.small_threshold
+    factored = group["second_moment"] == "factored"
+    st = fs.new_state(flat, opt._codebook_for(flat.device), factored=factored, row_blocks=group.get("row_blocks", "auto"))
+    periods, learned = [], []
+    for s in fs.segments:
+        if is_exact(s.shape, small):
+            periods.append(0)
+            learned.append(1)
+        else:
+            li = info[s.name]
+            periods.append(li.period if li.learned else _periods.row_slab(s.shape))
+            learned.append(int(li.learned))
+    fs._replan(st, periods)
+    st["learned"] = learned
+    for j, key in enumerate(st["global_keys"]):
+        li = info[key_name[key]]
+        st["global_learned"][j] = int(li.learned)
+        st["global_periods"][j] = li.period if li.learned else 0
+    plan, _, _, _ = _plan(fs.segments, st["periods"], small, factored, st.get("row_blocks", 1))
+    for sp, lrn in zip(plan, learned):
+        s = sp.seg
+        if not s.numel:
+            continue
+        a, e = s.param_offset, s.param_offset + s.numel
+        if sp.exact:
+            st["exact_m"][sp.exact_off:sp.exact_off + s.numel] = _read_param(zero, s.name, "exp_avg")[a:e]
+            st["exact_v"][sp.exact_off:sp.exact_off + s.numel] = _read_param(zero, s.name, "exp_avg_sq")[a:e]
+            continue
+        if lrn:
             _fill_quantized(st, sp, zero, info[s.name], opt.codebook, factored, meta)
-        st["step"] = step
-        opt.state[flat] = st
-    _set_hparams(opt, optim_sd, meta is not None)
+    return st
 
 
 def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, factored: bool, meta) -> None:
