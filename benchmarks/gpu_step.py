@@ -292,16 +292,16 @@ OPTIMIZERS = (
 
 
 class _no_plan:
-    """Within the block, Gefen steps tensor by tensor (CudaPlan.get returns None)."""
+    """Within the block, Gefen steps tensor by tensor (CudaBatch.get returns None)."""
 
     def __enter__(self):
         from gefen_dist import cuda_path
 
-        self._mod, self._orig = cuda_path, cuda_path.CudaPlan.__dict__["get"]
-        cuda_path.CudaPlan.get = classmethod(lambda cls, opt, entries: None)
+        self._mod, self._orig = cuda_path, cuda_path.CudaBatch.__dict__["get"]
+        cuda_path.CudaBatch.get = classmethod(lambda cls, opt, entries: None)
 
     def __exit__(self, *exc):
-        self._mod.CudaPlan.get = self._orig
+        self._mod.CudaBatch.get = self._orig
 
 
 def profile_step(fn) -> dict:

@@ -2,7 +2,7 @@
 
 Stepping tensor by tensor costs a kernel launch or several, and some Python, per tensor: on a GPU
 that overhead, not memory traffic, sets the step time (GPT-2 small on an H200: 27 ms per step
-against 1.4 ms for torch's fused AdamW, ``benchmarks/gpu_step.py``). :class:`CudaPlan` steps the
+against 1.4 ms for torch's fused AdamW, ``benchmarks/gpu_step.py``). :class:`CudaBatch` steps the
 same tensors with the same arithmetic in
 
 * one column-sum launch per gradient dtype plus one reduction (factored tensors' column
@@ -15,7 +15,7 @@ same tensors with the same arithmetic in
   (:class:`~gefen_dist.kernels.triton_step.MultiStep`), and
   :func:`~gefen_dist.core.step.adamw_foreach_` for the exact ones.
 
-A plan is built for a fixed set of CUDA tensors (plain, or FSDP2/HSDP DTensors sharded by whole
+A batch is built for a fixed set of CUDA tensors (plain, or FSDP2/HSDP DTensors sharded by whole
 rows) whose state exists and is learned, and reused while the parameters, their storage and their
 state dicts stay the same; anything else (the first step, CPU tensors, non-contiguous tensors,
 gradients of another dtype) runs the per-tensor path. Sharded tensors take the per-tensor path's
@@ -37,9 +37,9 @@ from .layout import global_shape, is_dtensor, local_tensor, piece_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CudaPlan"]
+__all__ = ["CudaBatch"]
 
-# device types a plan is built for (tests add "cpu" to run the plan through the Triton interpreter)
+# device types a batch is built for (tests add "cpu" to run the batch through the Triton interpreter)
 _DEVICE_TYPES = ("cuda",)
 
 
@@ -48,7 +48,7 @@ def _key(opt, entries) -> tuple:
     return tuple((id(p), local_tensor(p).data_ptr(), id(state.get(p))) for _, p in entries)
 
 
-class CudaPlan:
+class CudaBatch:
     """Tables and launch groups for one optimizer's set of tensors (see the module docstring)."""
 
     def __init__(self, key: tuple, device: torch.device, entries, opt):
@@ -109,14 +109,14 @@ class CudaPlan:
         fact_entries = {f[0] for f in self.fact}
         self.others = [e for e in range(len(entries)) if e not in fact_entries]
         self.codebook_state = next((opt.state[entries[e][1]] for gi in self.groups for e in gi["item_entries"]), None)
-        logger.debug("gefen_dist: CUDA plan for %d tensors: %d quantized launches, %d factored%s", len(entries),
+        logger.debug("gefen_dist: CUDA batch for %d tensors: %d quantized launches, %d factored%s", len(entries),
                      sum(gi["multi"].launches for gi in self.groups if gi["multi"]), len(self.fact),
                      ", sharded" if self.sharded else "")
 
     # ------------------------------------------------------------------ building
     @staticmethod
     def eligible(opt, entries) -> Optional[torch.device]:
-        """The device of a plan for ``entries`` (non-empty, ``opt.fused`` not False), or None when the
+        """The device of a batch for ``entries`` (non-empty, ``opt.fused`` not False), or None when the
         per-tensor path must run."""
         dev = None
         cb = None
@@ -148,15 +148,15 @@ class CudaPlan:
         return dev
 
     @classmethod
-    def get(cls, opt, entries) -> Optional["CudaPlan"]:
-        """The cached plan when ``entries`` and their state are unchanged, else a new one (or None)."""
+    def get(cls, opt, entries) -> Optional["CudaBatch"]:
+        """The cached batch when ``entries`` and their state are unchanged, else a new one (or None)."""
         if opt.fused is False or not entries or entries[0][1].device.type not in _DEVICE_TYPES:
             return None
         key = _key(opt, entries)
-        plan = getattr(opt, "_cuda_plan", None)
-        if plan is not None and plan.key == key:
-            return plan
-        opt._cuda_plan = None
+        batch = getattr(opt, "_cuda_batch", None)
+        if batch is not None and batch.key == key:
+            return batch
+        opt._cuda_batch = None
         dev = cls.eligible(opt, entries)
         if dev is None:
             return None
@@ -166,8 +166,8 @@ class CudaPlan:
             return None
         if not _tri.available(dev if dev.type == "cuda" else None):
             return None
-        opt._cuda_plan = cls(key, dev, entries, opt)
-        return opt._cuda_plan
+        opt._cuda_batch = cls(key, dev, entries, opt)
+        return opt._cuda_batch
 
     # ------------------------------------------------------------------ stepping
     def step(self, opt) -> bool:

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from .comm import LocalComm, comm_for
 from .core.step import adamw_foreach_, adamw_step_, bias_corrections, decay_only_, row_block_args
 from .core.step import scalar_value as _scalar
-from .cuda_path import CudaPlan
+from .cuda_path import CudaBatch
 from . import learning
 from .column_stats import column_means, piece_column_sums
 from .report import Report, build_report, state_bytes
@@ -364,8 +364,8 @@ class Gefen(NonfiniteChecks, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         entries = self._entries()
-        plan = CudaPlan.get(self, entries)
-        if plan is not None and plan.step(self):
+        batch = CudaBatch.get(self, entries)
+        if batch is not None and batch.step(self):
             return loss
         partials = self._column_partials(entries)
         if self.nonfinite != "ignore" and self._nonfinite(entries, partials):

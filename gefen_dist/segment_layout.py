@@ -1,5 +1,5 @@
 """The layout of a flat buffer made of segments of many tensors (:mod:`gefen_dist.segments`):
-what each segment is, where its state lives (the plan of slots), and how a range splits into whole
+what each segment is, where its state lives (its slots), and how a range splits into whole
 blocks and cut ones."""
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def verify_segments(flat: torch.Tensor, segments: Sequence[Segment], sources: Se
 
 # --------------------------------------------------------------------------- plans
 @dataclass
-class _SegPlan:
+class _SegSlots:
     seg: Segment
     exact: bool
     period: int = 0
@@ -85,8 +85,8 @@ class _SegPlan:
     vcol_n: int = 0
 
 
-def _plan(segments: Sequence[Segment], periods: Sequence[int], small_threshold: Optional[int],
-          factored: bool = False, row_blocks=1) -> Tuple[List[_SegPlan], int, int, int]:
+def _slots(segments: Sequence[Segment], periods: Sequence[int], small_threshold: Optional[int],
+          factored: bool = False, row_blocks=1) -> Tuple[List[_SegSlots], int, int, int]:
     """Offsets of every segment's state. Shared second moment: ``v`` per touched v-block (period).
     Factored (``factored=True``): ``v`` is ``v_row``, one entry per touched row (independent of the
     period), and ``vcol_off``/``vcol_n`` place a full ``v_col`` per non-empty quantized segment:
@@ -97,7 +97,7 @@ def _plan(segments: Sequence[Segment], periods: Sequence[int], small_threshold: 
     out, so, vo, eo, co = [], 0, 0, 0, 0
     for seg, per in zip(segments, periods):
         if (int(per) == 0) if small_threshold is None else is_exact(seg.shape, small_threshold):
-            out.append(_SegPlan(seg, True, exact_off=eo))
+            out.append(_SegSlots(seg, True, exact_off=eo))
             eo += seg.numel
             continue
         slab = _periods.row_slab(seg.shape)
@@ -107,7 +107,7 @@ def _plan(segments: Sequence[Segment], periods: Sequence[int], small_threshold: 
         sn = ((e - 1) // B - a // B + 1) if seg.numel else 0
         vn = ((e - 1) // vu - a // vu + 1) if seg.numel else 0
         cn = slab * _periods.factored_row_blocks(seg.shape, row_blocks) if (factored and seg.numel) else 0
-        out.append(_SegPlan(seg, False, per, B, so, sn, vo, vn, vcol_off=co, vcol_n=cn))
+        out.append(_SegSlots(seg, False, per, B, so, sn, vo, vn, vcol_off=co, vcol_n=cn))
         so += sn
         vo += vn
         co += cn

@@ -58,7 +58,7 @@ from .core.quant import NUM_BINS
 from . import learning
 from .kernels import dispatch as _dispatch
 from .layout import Piece, is_exact
-from .segment_layout import LayoutError, Segment, _plan, _split, verify_segments  # noqa: F401  (re-exported)
+from .segment_layout import LayoutError, Segment, _slots, _split, verify_segments  # noqa: F401  (re-exported)
 from .segments_step import SegmentStepMixin
 
 logger = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class FlatSegments(SegmentStepMixin):
                   row_blocks="auto") -> Dict[str, Any]:
         periods = [0 if is_exact(s.shape, self.small_threshold) else _periods.row_slab(s.shape)
                    for s in self.segments]
-        plan, ns, nv, ne = _plan(self.segments, periods, self.small_threshold, factored, row_blocks)
+        slots, ns, nv, ne = _slots(self.segments, periods, self.small_threshold, factored, row_blocks)
         dev = flat.device
         qkeys = self.quantized_keys()
         st = {
@@ -178,7 +178,7 @@ class FlatSegments(SegmentStepMixin):
         }
         if factored:
             st["v_row"] = torch.zeros(nv, dtype=torch.float32, device=dev)
-            st["v_col"] = torch.zeros(sum(sp.vcol_n for sp in plan), dtype=torch.float32, device=dev)
+            st["v_col"] = torch.zeros(sum(sp.vcol_n for sp in slots), dtype=torch.float32, device=dev)
             st["row_blocks"] = row_blocks
         else:
             st["v"] = torch.zeros(nv, dtype=torch.float32, device=dev)
@@ -210,19 +210,19 @@ class FlatSegments(SegmentStepMixin):
             raise LayoutError(f"{self.where}: saved idx has {st['idx'].numel()} elements of {st['idx'].dtype}, "
                               f"expected {flat.numel()} uint8")
 
-    def _replan(self, st: Dict[str, Any], new_periods: List[int]) -> None:
+    def _reslot(self, st: Dict[str, Any], new_periods: List[int]) -> None:
         if "v_col" in st:  # factored: v_row / v_col do not depend on the period, only scale does
             rb = st.get("row_blocks", 1)
-            old, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold, True, rb)
-            new, ns, _, _ = _plan(self.segments, new_periods, self.small_threshold, True, rb)
+            old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rb)
+            new, ns, _, _ = _slots(self.segments, new_periods, self.small_threshold, True, rb)
             scale = torch.zeros(ns, dtype=torch.float32, device=st["scale"].device)
             for o, n, learned in zip(old, new, st["learned"]):
                 if not o.exact and learned and o.period == n.period:
                     scale[n.scale_off:n.scale_off + n.scale_n] = st["scale"][o.scale_off:o.scale_off + o.scale_n]
             st["scale"], st["periods"] = scale, list(new_periods)
             return
-        old, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold)
-        new, ns, nv, _ = _plan(self.segments, new_periods, self.small_threshold)
+        old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold)
+        new, ns, nv, _ = _slots(self.segments, new_periods, self.small_threshold)
         scale = torch.zeros(ns, dtype=torch.float32, device=st["scale"].device)
         v = torch.zeros(nv, dtype=torch.float32, device=st["v"].device)
         for o, n, learned in zip(old, new, st["learned"]):
@@ -275,7 +275,7 @@ class FlatSegments(SegmentStepMixin):
         for i, s in enumerate(self.segments):
             if s.key in new_period:
                 periods[i] = new_period[s.key]
-        self._replan(st, periods)
+        self._reslot(st, periods)
         for i, s in enumerate(self.segments):
             if s.key in new_period:
                 st["learned"][i] = 1

@@ -12,7 +12,7 @@ from .core import periods as _periods
 from .core.step import (adamw_step_, apply_, bias_corrections, block_column_sumsq, column_factors, decay_only_, ema_,
                         first_moment, inv_rms_, quantize)
 from .kernels import dispatch as _dispatch
-from .segment_layout import LayoutError, _plan, _split
+from .segment_layout import LayoutError, _slots, _split
 
 
 class SegmentStepMixin:
@@ -33,13 +33,13 @@ class SegmentStepMixin:
         hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2)
         if "v_col" in st:
             return self._step_factored(flat, grad, st, hp, impl.quantized_step_factored_, impl.column_sumsq)
-        plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold)
+        layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold)
         cb = st["codebook"]
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
         idx_all, scale_all, v_all = st["idx"], st["scale"], st["v"]
         # Phase 1: whole blocks through the kernels; partial blocks' partial statistics.
         pend = []  # (key, block, p, g, idx, scale slot view, v view, m)
-        for sp, learned in zip(plan, st["learned"]):
+        for sp, learned in zip(layout, st["learned"]):
             s = sp.seg
             if not s.numel:
                 continue
@@ -114,12 +114,12 @@ class SegmentStepMixin:
         and a cut block's scale are identical on the ranks that share them).
         """
         rbr = st.get("row_blocks", 1)
-        plan, _, _, _ = _plan(self.segments, st["periods"], self.small_threshold, True, rbr)
+        layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rbr)
         ctx = self._factored_catalog(st, rbr)
         dev = flat.device  # the column sums stay on the buffer's device (no per-tensor copy on CUDA)
         cols = torch.zeros(ctx.nc, dtype=torch.float64, device=dev)
         slots = torch.zeros(ctx.nr + ctx.nb, dtype=torch.float64)
-        work = self._factored_local(plan, st, ctx, hp, sumsq, flat.detach().reshape(-1), grad.detach().reshape(-1),
+        work = self._factored_local(layout, st, ctx, hp, sumsq, flat.detach().reshape(-1), grad.detach().reshape(-1),
                                     cols, slots)
         if not work and ctx.nc == 0:
             return
@@ -145,12 +145,12 @@ class SegmentStepMixin:
         return ctx
 
 
-    def _factored_local(self, plan, st, ctx: "_FactoredCatalog", hp, sumsq, fv, gv, cols, slots) -> list:
+    def _factored_local(self, layout, st, ctx: "_FactoredCatalog", hp, sumsq, fv, gv, cols, slots) -> list:
         """Phase 1: exact tensors, the decay of unlearned ones, and this rank's statistics of the
         learned ones (column sums into ``cols``; cut rows' partial sums of ``g^2`` and cut blocks'
         partial max |m| into ``slots``). Returns the learned segments' work items for phase 2."""
         work = []
-        for sp, learned in zip(plan, st["learned"]):
+        for sp, learned in zip(layout, st["learned"]):
             s = sp.seg
             if not s.numel:
                 continue

@@ -73,7 +73,7 @@ from .layout import Geometry, Piece, global_shape, is_dtensor, is_exact
 from .optimizer import Gefen, Report
 from .zero_checkpoint import ZeroCheckpointMixin
 from .zero_step import ZeroStepMixin
-from .zero_plan import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, _Plan, _pad,  # noqa: F401
+from .zero_partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, Partition, _pad,  # noqa: F401
                         factored_wire_compressed, partition, step_wire_bytes, unit_cost)
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, process_group: Optional[Any] = None,
                  **gefen_kwargs):
-        self._plan: Optional[_Plan] = None
+        self._partition: Optional[Partition] = None
         self._fact_ids: Optional[Set[int]] = None
         self._consolidated: Optional[Dict[int, dict]] = None
         self.last_wire: Dict[str, Any] = {}
@@ -135,7 +135,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
                   device: torch.device) -> Optional[List[torch.Tensor]]:
         return exchange_bytes(self._comm, parts, sizes, to, device)
 
-    # ------------------------------------------------------------------ the plan
+    # ------------------------------------------------------------------ the part
     def _trainable(self) -> List[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]
                 if p.requires_grad or p.grad is not None or self.state.get(p)]
@@ -163,25 +163,25 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
                               for q in g["params"]}
         return id(p) in self._fact_ids
 
-    def _make_plan(self, pending: Optional[dict] = None) -> _Plan:
+    def _make_partition(self, pending: Optional[dict] = None) -> Partition:
         params = self._trainable()
         units = [self._unit(p, pending) for p in params]
         specs = [(int(math.prod(global_shape(p))), u, c) for p, (u, c) in zip(params, units)]
-        return _Plan(params, [u for u, _ in units], partition(specs, self._world))
+        return Partition(params, [u for u, _ in units], partition(specs, self._world))
 
     def _mine(self, p: torch.Tensor) -> Tuple[int, int]:
-        return self._plan.of(p)[self._rank]
+        return self._partition.of(p)[self._rank]
 
-    def _replan(self, pending: Optional[dict] = None, zero_ok: Set[int] = frozenset()) -> None:
+    def _repartition(self, pending: Optional[dict] = None, zero_ok: Set[int] = frozenset()) -> None:
         """Recompute the partition and move existing state to it. States in ``zero_ok`` (ids) and
         quantized states not learned yet are all zeros and are reallocated; others travel in
         compressed form (an all-gather; only at the first learning, when at most exact tensors
         have nonzero state, or after the set of trainable parameters changed)."""
-        new = self._make_plan(pending)
-        old = self._plan
+        new = self._make_partition(pending)
+        old = self._partition
         if old is not None and old.key == new.key and old.ranges == new.ranges:
             return
-        self._check_plan_agreement(new)
+        self._check_partition_agreement(new)
         moving = []
         for p in new.params:
             st = self.state.get(p)
@@ -198,7 +198,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
             if old is None or any(id(p) not in old.index for p in travel):
                 raise RuntimeError("ZeroGefen: state exists for a parameter outside the partition")
             full = self._gather_state(travel, old, to=None)
-        self._plan = new
+        self._partition = new
         for p in moving:
             if id(p) in realloc:
                 st = (pending or {}).get(p) or self.state[p]
@@ -208,13 +208,13 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         if moving:
             logger.debug("ZeroGefen: repartitioned %d tensors (%d moved in compressed form)", len(moving), len(travel))
 
-    def _check_plan_agreement(self, plan: _Plan) -> None:
+    def _check_partition_agreement(self, part: Partition) -> None:
         """Raise on every rank if ranks computed different partitions (different models or param
         groups): a fixed-size collective, so it cannot itself mismatch (the step's all-gather would
         abort gloo or hang NCCL instead)."""
         if self._world == 1:
             return
-        desc = repr([(tuple(global_shape(p)), u, rs) for p, u, rs in zip(plan.params, plan.units, plan.ranges)])
+        desc = repr([(tuple(global_shape(p)), u, rs) for p, u, rs in zip(part.params, part.units, part.ranges)])
         h = int.from_bytes(hashlib.sha256(desc.encode()).digest()[:6], "little")
         t = torch.tensor([h, -h], dtype=torch.int64)
         self._comm.all_reduce_max_(t)
@@ -225,10 +225,10 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
                 "parameters in the same order, with the same requires_grad flags."
             )
 
-    def _ensure_plan(self) -> None:
+    def _ensure_partition(self) -> None:
         trainable = self._trainable()
-        if self._plan is None or self._plan.key != tuple(id(p) for p in trainable):
-            self._replan()
+        if self._partition is None or self._partition.key != tuple(id(p) for p in trainable):
+            self._repartition()
 
     # ------------------------------------------------------------------ state slices
     def _zalloc(self, p: torch.Tensor, period: Optional[int], *, learned: bool, step: int = 0) -> None:
@@ -277,7 +277,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         for k, d in self._divisors(st).items():
             st[k] = full[k].reshape(-1)[s // d:e // d].to(device=p.device).clone()
 
-    def _gather_state(self, params: Sequence[torch.Tensor], plan: _Plan, to: Optional[int]) -> Dict[int, Dict[str, torch.Tensor]]:
+    def _gather_state(self, params: Sequence[torch.Tensor], part: Partition, to: Optional[int]) -> Dict[int, Dict[str, torch.Tensor]]:
         """Global flat state tensors of ``params`` (compressed form), on every rank (``to=None``)
         or on group rank ``to`` only (empty dict elsewhere)."""
         W = self._world
@@ -289,7 +289,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         sizes = [0] * W
         for p, k, d, dt in keys:
             isz = dt.itemsize
-            for r, (s, e) in enumerate(plan.of(p)):
+            for r, (s, e) in enumerate(part.of(p)):
                 sizes[r] += _pad((e - s) // d * isz)
         dev = params[0].device if params else torch.device("cpu")
         chunks = self._exchange([self.state[p][k] for p, k, _, _ in keys], sizes, to, dev)
@@ -303,7 +303,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         for r in range(W):
             off = 0
             for p, k, d, dt in keys:
-                s, e = plan.of(p)[r]
+                s, e = part.of(p)[r]
                 seg, off = take_bytes(chunks[r], off, (e - s) // d, dt)
                 out[id(p)][k][s // d:e // d].copy_(seg)
         return out
@@ -316,7 +316,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     # ------------------------------------------------------------------ learning
     def _prepare(self, entries) -> None:
         """As :meth:`Gefen._prepare`, on this rank's ranges: statistics of owned elements only."""
-        self._ensure_plan()
+        self._ensure_partition()
         for _, p in entries:
             if not self.state.get(p):
                 self._zalloc(p, None, learned=is_exact(global_shape(p), self.small_threshold))
@@ -344,7 +344,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
                 geo = Geometry.quantized(global_shape(p), per)
                 pending[p] = {"learned": 1, "period": geo.period, "scale_block": geo.scale_block}
             zero_ok = {id(p) for p in live}
-            self._replan(pending, zero_ok)
+            self._repartition(pending, zero_ok)
         for p, per in zip(live, periods):
             self._zalloc(p, per, learned=True, step=self.state[p]["step"])
         if first:
@@ -371,8 +371,8 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
                 else:
                     geo = Geometry.quantized(shape, int(per))
                     pending[p] = {"learned": 1, "period": geo.period, "scale_block": geo.scale_block}
-        if self._plan is None or self.codebook is None or self._plan.key != tuple(id(p) for p in self._trainable()):
-            self._replan({p: v for p, v in pending.items() if v}, {id(p) for p in pending})
+        if self._partition is None or self.codebook is None or self._partition.key != tuple(id(p) for p in self._trainable()):
+            self._repartition({p: v for p, v in pending.items() if v}, {id(p) for p in pending})
         for p, v in pending.items():
             self._zalloc(p, v["period"] if v else None, learned=bool(v["learned"]) if v else True)
 
@@ -396,7 +396,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     # ------------------------------------------------------------------ introspection
     def owned_range(self, p: torch.Tensor) -> Tuple[int, int]:
         """The flat range ``[start, end)`` of ``p`` whose state this rank keeps."""
-        if self._plan is None or id(p) not in self._plan.index:
+        if self._partition is None or id(p) not in self._partition.index:
             return (0, 0)
         return self._mine(p)
 

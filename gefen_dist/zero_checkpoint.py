@@ -4,7 +4,7 @@
 dequantized fp32 copy of m or v) onto one rank, whose :meth:`~ZeroCheckpointMixin.state_dict` then
 has exactly single-process Gefen's layout, independent of the world size;
 :meth:`~ZeroCheckpointMixin.load_state_dict` at any world size keeps this rank's slice. The mixin
-uses ZeroGefen's plan and collectives (``_plan``, ``_gather_state``, ``_make_plan``,
+uses ZeroGefen's part and collectives (``_plan``, ``_gather_state``, ``_make_partition``,
 ``_set_from_full``, ``_world``, ``_rank``).
 """
 from __future__ import annotations
@@ -29,12 +29,12 @@ class ZeroCheckpointMixin:
         if not 0 <= to < self._world:
             raise ValueError(f"consolidate_state_dict: to={to} is not a rank of the group (size {self._world})")
         self._consolidated = None
-        if self._plan is None:  # no state on any rank yet (state is created collectively)
+        if self._partition is None:  # no state on any rank yet (state is created collectively)
             if self._rank == to:
                 self._consolidated = {}
             return
-        params = [p for p in self._plan.params if self.state.get(p)]
-        full = self._gather_state(params, self._plan, to)
+        params = [p for p in self._partition.params if self.state.get(p)]
+        full = self._gather_state(params, self._partition, to)
         if self._rank != to:
             return
         index = {}
@@ -114,8 +114,8 @@ class ZeroCheckpointMixin:
             self.state[p] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
             if "idx" in st:
                 self.state[p]["learned"] = int(st["learned"])
-        self._plan = None
-        self._plan = self._make_plan()
+        self._partition = None
+        self._partition = self._make_partition()
         for p, st in full.items():
             loc = self.state[p]
             keys = (_F_KEYS if "v_col" in st else _Q_KEYS) if "idx" in st else _E_KEYS

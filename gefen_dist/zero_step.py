@@ -1,5 +1,5 @@
 """ZeroGefen's step (D8): wire modes, owners, one all-gather, appliers. A mixin of
-:class:`gefen_dist.zero.ZeroGefen`, which holds the partition plan and the state."""
+:class:`gefen_dist.zero.ZeroGefen`, which holds the partition part and the state."""
 from __future__ import annotations
 
 from typing import List
@@ -11,7 +11,7 @@ from .core.apply import apply_compressed, apply_factored, update_v_col
 from .core.step import adamw_step_, bias_corrections, decay_only_, row_block_args, scalar_value
 from .kernels import dispatch as _dispatch
 from .layout import global_shape
-from .zero_plan import MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, factored_wire_compressed, step_wire_bytes
+from .zero_partition import MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, factored_wire_compressed, step_wire_bytes
 
 _STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")  # what a state-only update needs of the hyperparameters
 
@@ -42,8 +42,8 @@ class ZeroStepMixin:
         """One ZeRO-1 step: every rank updates the state it owns and packs the update in its
         compressed form, one all-gather, every rank applies every range identically."""
         items = self._wire_items(entries)
-        wire = [(mode, st["scale_block"], p.element_size(), self._plan.of(p), st["v_col"].shape[-1])
-                if mode == MODE_FACTORED else (mode, st.get("period", 1), p.element_size(), self._plan.of(p))
+        wire = [(mode, st["scale_block"], p.element_size(), self._partition.of(p), st["v_col"].shape[-1])
+                if mode == MODE_FACTORED else (mode, st.get("period", 1), p.element_size(), self._partition.of(p))
                 for p, st, hp, mode in items]
         sizes = step_wire_bytes(wire, self._world)
         # Factored tensors: the column means of g^2 over all rows, computed by every rank from its
@@ -109,7 +109,7 @@ class ZeroStepMixin:
         for r in range(self._world):
             off = 0
             for p, st, hp, mode in items:
-                s, e = self._plan.of(p)[r]
+                s, e = self._partition.of(p)[r]
                 n = e - s
                 if mode == MODE_LOCAL or n == 0:
                     continue

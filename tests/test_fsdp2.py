@@ -24,13 +24,13 @@ def _torchrun(nproc, *args):
     (4, ["--same-grads", "--hsdp", "--second-moment", "factored"]),
     (4, ["--hsdp"]),
     (2, ["--same-grads", "--second-moment", "elementwise"]),
-    # the multi-tensor CUDA plan (gefen_dist.cuda_path) on DTensor shards, through the Triton
+    # the multi-tensor CUDA batch (gefen_dist.cuda_path) on DTensor shards, through the Triton
     # interpreter: pieces that cut row blocks, the replica mask (HSDP), the non-finite protocol
-    (3, ["--same-grads", "--second-moment", "factored", "--nonfinite", "--cuda-plan", "--steps", "5"]),
-    (4, ["--same-grads", "--hsdp", "--second-moment", "factored", "--cuda-plan", "--steps", "4"]),
+    (3, ["--same-grads", "--second-moment", "factored", "--nonfinite", "--cuda-batch", "--steps", "5"]),
+    (4, ["--same-grads", "--hsdp", "--second-moment", "factored", "--cuda-batch", "--steps", "4"]),
 ])
 def test_fsdp2_matches_single_process(nproc, args):
-    if "--cuda-plan" in args:
+    if "--cuda-batch" in args:
         pytest.importorskip("triton", reason="the CUDA plan's kernels run through the Triton interpreter")
     out = _torchrun(nproc, *args)
     assert "OK fsdp" in out
@@ -38,7 +38,7 @@ def test_fsdp2_matches_single_process(nproc, args):
         assert "OK refusals" in out
     if "--nonfinite" in args:
         assert "OK nonfinite" in out
-    if "--cuda-plan" in args:
-        assert "OK cuda plan: sharded=True" in out
+    if "--cuda-batch" in args:
+        assert "OK cuda batch: sharded=True" in out
     if "--same-grads" in args:
         assert "max relative param diff 0.000e+00" in out

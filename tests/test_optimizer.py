@@ -77,7 +77,7 @@ def test_adamw_foreach_equals_single_tensor_steps(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_plan_matches_per_tensor_path(monkeypatch, dtype):
+def test_cuda_batch_matches_per_tensor_path(monkeypatch, dtype):
     """On a GPU: the multi-tensor plan (gefen_dist.cuda_path) against the same optimizer stepping
     tensor by tensor with the same Triton kernels, the same gradients: same indices and scales,
     parameters equal up to the column sums' summation order (fp32 and bf16, whose exact tensors
@@ -90,8 +90,8 @@ def test_cuda_plan_matches_per_tensor_path(monkeypatch, dtype):
                          nn.Linear(768, 16)).cuda().to(dtype)
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     oa, ob = Gefen(a.parameters(), lr=1e-3, weight_decay=0.1), Gefen(b.parameters(), lr=1e-3, weight_decay=0.1)
-    get = cuda_path.CudaPlan.__dict__["get"].__func__
-    monkeypatch.setattr(cuda_path.CudaPlan, "get", classmethod(
+    get = cuda_path.CudaBatch.__dict__["get"].__func__
+    monkeypatch.setattr(cuda_path.CudaBatch, "get", classmethod(
         lambda cls, opt, entries: None if opt is oa else get(cls, opt, entries)))
     for x, y in data(12, dtype=dtype):
         oa.zero_grad()
@@ -100,7 +100,7 @@ def test_cuda_plan_matches_per_tensor_path(monkeypatch, dtype):
             q.grad = p.grad.clone()
         oa.step()
         ob.step()
-    assert ob._cuda_plan is not None and getattr(oa, "_cuda_plan", None) is None
+    assert ob._cuda_batch is not None and getattr(oa, "_cuda_batch", None) is None
     for p, q in zip(a.parameters(), b.parameters()):
         sa, sb = oa.state[p], ob.state[q]
         if "idx" in sa:

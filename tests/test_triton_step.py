@@ -432,7 +432,7 @@ def _three_kinds_model():
 
 @interp
 @pytest.mark.parametrize("second_moment", ["factored", "shared", "elementwise"])
-def test_cuda_plan_through_interpreter(monkeypatch, second_moment):
+def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
     """The multi-tensor CUDA step (gefen_dist.cuda_path), run on CPU tensors through the
     interpreter, against the per-tensor Triton path on the same gradients: bitwise equal (on CPU the
     foreach operations are the per-tensor ones and the float64 column sums round to the same
@@ -452,8 +452,8 @@ def test_cuda_plan_through_interpreter(monkeypatch, second_moment):
     for o in (oa, ob):
         monkeypatch.setattr(o, "_impl", lambda t: dispatch._triton())
     monkeypatch.setattr(oa, "_foreach_exact", lambda p: "exp_avg" in oa.state.get(p, {}))
-    monkeypatch.setattr(cuda_path.CudaPlan, "get", classmethod(
-        lambda cls, opt, entries, _get=cuda_path.CudaPlan.get.__func__: None if opt is oa else _get(cls, opt, entries)))
+    monkeypatch.setattr(cuda_path.CudaBatch, "get", classmethod(
+        lambda cls, opt, entries, _get=cuda_path.CudaBatch.get.__func__: None if opt is oa else _get(cls, opt, entries)))
     gen = torch.Generator().manual_seed(1)
     plans = []
     for step in range(5):
@@ -464,7 +464,7 @@ def test_cuda_plan_through_interpreter(monkeypatch, second_moment):
             q.grad = p.grad.clone()
         oa.step()
         ob.step()
-        plans.append(getattr(ob, "_cuda_plan", None))
+        plans.append(getattr(ob, "_cuda_batch", None))
         if step == 3:
             ob.load_state_dict(ob.state_dict())
     assert plans[0] is None and plans[1] is not None and plans[2] is plans[1] and plans[3] is plans[1]

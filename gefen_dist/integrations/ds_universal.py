@@ -50,7 +50,7 @@ from ..core.step import column_ratios
 from .. import learning
 from ..kernels import dispatch as _dispatch
 from ..layout import is_exact
-from ..segments import Segment, _plan
+from ..segments import Segment, _slots
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +194,8 @@ def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict
     """Copy one flat partition's segments (fp32 values and Gefen state) into the global tensors."""
     factored = "v_col" in st
     segs = [Segment.from_dict(d) for d in st["segments"]]
-    plan, _, _, _ = _plan(segs, st["periods"], None, factored, st.get("row_blocks", 1))
-    for sp, learned in zip(plan, st["learned"]):
+    slots, _, _, _ = _slots(segs, st["periods"], None, factored, st.get("row_blocks", 1))
+    for sp, learned in zip(slots, st["learned"]):
         s = sp.seg
         t = tensors.get(s.name)
         if t is None:
@@ -524,14 +524,14 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[s
             li = info[s.name]
             periods.append(li.period if li.learned else _periods.row_slab(s.shape))
             learned.append(int(li.learned))
-    fs._replan(st, periods)
+    fs._reslot(st, periods)
     st["learned"] = learned
     for j, key in enumerate(st["global_keys"]):
         li = info[key_name[key]]
         st["global_learned"][j] = int(li.learned)
         st["global_periods"][j] = li.period if li.learned else 0
-    plan, _, _, _ = _plan(fs.segments, st["periods"], small, factored, st.get("row_blocks", 1))
-    for sp, lrn in zip(plan, learned):
+    slots, _, _, _ = _slots(fs.segments, st["periods"], small, factored, st.get("row_blocks", 1))
+    for sp, lrn in zip(slots, learned):
         s = sp.seg
         if not s.numel:
             continue

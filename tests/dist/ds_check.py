@@ -212,7 +212,7 @@ def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="
 def check_factored_state(case, opt, ref_opt):
     """v_col of every held tensor and v_row of every row match the reference's (1e-6 relative), and a
     row cut by a partition edge has a bit-identical v_row on the ranks that share it."""
-    from gefen_dist.segments import _plan
+    from gefen_dist.segments import _slots
 
     ref_by_shape = {}
     for g in ref_opt.param_groups:
@@ -222,7 +222,7 @@ def check_factored_state(case, opt, ref_opt):
     rows, n_cut, vdiff, cdiff = {}, 0, 0.0, 0.0
     for k, st in opt.state.items():
         fs = opt._ds_flats[id(k)]
-        plan, *_ = _plan(fs.segments, st["periods"], fs.small_threshold, True, st.get("row_blocks", 1))
+        plan, *_ = _slots(fs.segments, st["periods"], fs.small_threshold, True, st.get("row_blocks", 1))
         for sp, lrn in zip(plan, st["learned"]):
             if sp.exact or not sp.seg.numel or not lrn:
                 continue

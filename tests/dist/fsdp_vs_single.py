@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-if "--cuda-plan" in sys.argv:  # before anything imports triton (its interpreter is chosen at import)
+if "--cuda-batch" in sys.argv:  # before anything imports triton (its interpreter is chosen at import)
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
@@ -54,9 +54,9 @@ def main():
     ap.add_argument("--refusals", action="store_true", help="also check the clear refusals (Shard(1), FSDP1)")
     ap.add_argument("--nonfinite", action="store_true",
                     help="also check that a NaN/inf in one rank's shard makes every rank skip or raise")
-    ap.add_argument("--cuda-plan", action="store_true",
-                    help="step both optimizers with the multi-tensor CUDA plan (gefen_dist.cuda_path) on CPU "
-                         "tensors through the Triton interpreter: the sharded plan's collectives and pieces")
+    ap.add_argument("--cuda-batch", action="store_true",
+                    help="step both optimizers with the multi-tensor CUDA batch (gefen_dist.cuda_path) on CPU "
+                         "tensors through the Triton interpreter: the sharded batch's collectives and pieces")
     ap.add_argument("--same-grads", action="store_true",
                     help="feed the FSDP optimizer the single-process gradient (sharded): isolates the "
                          "optimizer's rank invariance, which must then be bitwise")
@@ -79,7 +79,7 @@ def main():
         fully_shard(mod, mesh=mesh)
     fully_shard(m, mesh=mesh)
     opt = Gefen(m.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment)
-    if args.cuda_plan:
+    if args.cuda_batch:
         from gefen_dist import cuda_path
 
         cuda_path._DEVICE_TYPES = ("cuda", "cpu")
@@ -104,13 +104,13 @@ def main():
                 p.grad._local_tensor.copy_(distribute_tensor(q.grad, p.device_mesh, p.placements)._local_tensor)
             opt.step()
         ref_opt.step()
-    if args.cuda_plan:
-        assert opt._cuda_plan is not None and opt._cuda_plan.sharded, "the sharded plan did not run"
-        assert ref_opt._cuda_plan is not None and not ref_opt._cuda_plan.sharded
+    if args.cuda_batch:
+        assert opt._cuda_batch is not None and opt._cuda_batch.sharded, "the sharded batch did not run"
+        assert ref_opt._cuda_batch is not None and not ref_opt._cuda_batch.sharded
         if args.hsdp:
-            assert (opt._cuda_plan.mask is not None) == (mesh.get_coordinate()[0] != 0), "replica mask"
+            assert (opt._cuda_batch.mask is not None) == (mesh.get_coordinate()[0] != 0), "replica mask"
         if rank == 0:
-            print(f"OK cuda plan: sharded={opt._cuda_plan.sharded}", flush=True)
+            print(f"OK cuda batch: sharded={opt._cuda_batch.sharded}", flush=True)
     if args.second_moment == "factored":  # b's four row blocks (D12), on every rank as in the oracle
         assert tuple(opt.state[m.b.weight]["v_col"].shape) == (4, 33), opt.state[m.b.weight]["v_col"].shape
     if args.same_grads:

@@ -86,7 +86,7 @@ def unit_cost(exact: bool, period: int, scale_block: int, row: Optional[int] = N
 
 
 @dataclass
-class _Plan:
+class Partition:
     """The partition in force: ``ranges[j][r]`` for parameter ``params[j]``."""
 
     params: List[torch.Tensor]
