@@ -22,8 +22,10 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 PENDING_MARKERS: set = set()
 
 
-def _blocks():
-    pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+def _blocks(pages=None):
+    """The fenced code blocks of ``pages`` (default: README.md and docs/*.md)."""
+    if pages is None:
+        pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
     out = []
     for page in pages:
         rel = os.path.relpath(page, ROOT)
