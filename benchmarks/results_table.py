@@ -92,7 +92,8 @@ def rows() -> list:
     g, a = soak["runs"]["gefen"], soak["runs"]["adamw"]
     out.append((f"soak: `tiny` LM, {g['steps']:,} steps",
                 f"{g['nonfinite_losses']} non-finite losses, constant state, RSS {g['rss_growth_end_bytes'] / 2**20:+.1f} MiB; "
-                f"final val loss {_pct(100 * (g['final_val_loss'] / a['final_val_loss'] - 1))} vs AdamW (1 seed)",
+                f"final val loss {_pct(100 * (g['final_val_loss'] / a['final_val_loss'] - 1))} vs AdamW (1 seed, "
+                f"at {g['state_bytes_per_param']:.3f} B/param: before row blocks)",
                 soak["machine"], soak["torch"], soak["date"], "python benchmarks/soak.py"))
 
     sp = _load("step_speed_peers.json")
