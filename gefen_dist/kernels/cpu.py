@@ -91,8 +91,8 @@ On the AVX-512 path the table's lower candidate is found without gathers when th
 at a time the kernel packs group and position into bytes, looks the three up with byte
 permutes, and adds the popcount of the mask bits up to the position (a 16-bit popcount,
 AVX-512 BITALG). Otherwise it gathers from a byte copy of the table. Measured side by side
-with ``python benchmarks/lut_ab.py``: the gather from the original int32 table cost about a
-fifth of the whole step on this CPU.
+with ``python research/lut_ab.py`` (then on whole steps): the gather from the original int32
+table cost about a fifth of the whole step on this CPU.
 """
 from __future__ import annotations
 
