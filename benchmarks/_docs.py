@@ -18,9 +18,10 @@ def splice(doc: Path, marker: str, body: str) -> bool:
     return True
 
 
-def publish(out: dict, out_path, md: str, md_path, default_md: Path, marker: str) -> None:
+def publish(out: dict, out_path, md: str, md_path, default_md: Path, marker: str, doc: Path = None) -> None:
     """Write a benchmark's JSON results and markdown table, print the table, and splice it into
-    ``docs/benchmarks.md`` between its ``marker`` markers when ``md_path`` is the default one."""
+    ``doc`` (default: ``docs/benchmarks.md``) between its ``marker`` markers when ``md_path`` is the
+    default one."""
     import json
 
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
@@ -28,5 +29,5 @@ def publish(out: dict, out_path, md: str, md_path, default_md: Path, marker: str
     Path(md_path).write_text(md)
     print("\n" + md)
     if Path(md_path).resolve() == Path(default_md).resolve():
-        splice(Path(default_md).resolve().parents[1] / "benchmarks.md", marker, md)
+        splice(Path(doc) if doc is not None else Path(default_md).resolve().parents[1] / "benchmarks.md", marker, md)
     print(f"wrote {out_path} and {md_path}")

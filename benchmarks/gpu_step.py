@@ -384,16 +384,17 @@ def tune(dev, args) -> dict:
         params = [torch.nn.Parameter(p.detach().clone()) for p in b.params]
         for p, q in zip(params, b.params):
             p.grad = q.grad.clone()
-        triton_step._CONFIG_OVERRIDE = cfg
         try:
             opt = Gefen(params, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
                         weight_decay=HP["weight_decay"])
-            opt.step()
+            opt.step()  # builds the plan with _config's choice
+            if cfg is not None:  # the same plan with every launch forced to cfg
+                for gi in opt._cuda_plan.groups:
+                    if gi["items"]:
+                        gi["multi"] = triton_step.MultiStep(gi["items"], dev, config=cfg)
             r = cuda_time(opt.step, 2, max(5, args.iters // 2))
         except Exception as e:  # a config that does not compile or run: record and go on
             r = dict(error=repr(e)[:200])
-        finally:
-            triton_step._CONFIG_OVERRIDE = None
         out[str(cfg)] = r
         print(f"  tune {str(cfg):16s} {r.get('median_ms', float('nan')):8.3f} ms {r.get('error', '')}", flush=True)
         del params

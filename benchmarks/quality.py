@@ -17,7 +17,7 @@ finishes) aggregates the newest record of every (workload, config, variant, seed
 
     python benchmarks/quality.py --quick                         # smoke: tiny model, few steps
     python benchmarks/quality.py --seeds 0,1 --only headline     # AdamW, Gefen shared/factored, reference
-    python benchmarks/quality.py --seeds 0 --only ablations
+    python benchmarks/quality.py --seeds 0 --only options        # the memory-for-quality options
     python benchmarks/quality.py --seeds 0 --only peers          # torchao, bitsandbytes, Adam-mini, Adafactor, gefen-x
     python benchmarks/quality.py --report --tag small            # tables and plots only (the issue's LM)
     python benchmarks/quality.py --report --lm-preset tiny --lm-context 64 --tag tiny
@@ -27,6 +27,12 @@ finishes) aggregates the newest record of every (workload, config, variant, seed
 that file has a ``quality_table_T.md`` marker (``--tag tiny``, ``--tag small``), and the peer table,
 when there are peer runs, into ``docs/benchmarks.md``. ``--runs-file`` points
 at another runs JSONL.
+
+This harness holds the product configurations only: AdamW, Gefen's shipped settings (``headline``,
+``options``), the reference and the peers. The ablation variants (research code that overrides
+Gefen's private methods) live in ``research/``: ``python research/quality_variants.py`` registers
+them with :func:`register` and runs this same command line (``--only ablations`` and every variant
+name there).
 
 Peers (group ``peers``; ``benchmarks/_peers.py``): same lr, betas, eps and weight decay as AdamW.
 ``gefen_x`` runs in a child process with ``PYTHONPATH=$GEFENX_PATH`` (or ``--gefenx-path``), because
@@ -73,128 +79,6 @@ def _gefen(**kw):
         kw.setdefault("fused", False)
         kw.setdefault("row_blocks", 1)  # the rows recorded before D12; gefen_default passes "auto"
         return Gefen(groups, lr=lr, betas=betas, eps=1e-8, **kw)
-    return make
-
-
-def _lagcol(**kw):
-    def make(groups, lr, betas, seed):
-        from _variants import LagColGefen
-        kw.setdefault("fused", False)
-        return LagColGefen(groups, lr=lr, betas=betas, eps=1e-8, **kw)
-    return make
-
-
-def _variant(**kw):
-    def make(groups, lr, betas, seed):
-        from _variants import GefenVariant
-        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, **kw)
-    return make
-
-
-def _variant_emb(mode: Optional[str], m_mode: Optional[str] = None, **kw):
-    """A GefenVariant whose nn.Embedding weights (the GPT's wte, tied to the LM head, and wpe) get
-    the second moment ``mode`` ("exact" / "row" / ...) and, with ``m_mode``, that first moment
-    ("quant4"), every other tensor ``kw``'s."""
-    def make(groups, lr, betas, seed, *, model, **_):
-        from _variants import GefenVariant
-        emb = {id(m.weight): mode for m in model.modules() if isinstance(m, nn.Embedding)}
-        m_over = {k: m_mode for k in emb} if m_mode else None
-        v_over = emb if mode else None  # None: the embeddings keep kw's second moment
-        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=v_over,
-                            m_override=m_over, **kw)
-    make.needs_model = True
-    return make
-
-
-def _variant_named(mode: str, substrings, **kw):
-    """A GefenVariant whose parameters with a name containing one of ``substrings`` get the second
-    moment ``mode`` ("exact", ...), every other tensor ``kw``'s: to locate which tensors an
-    estimator costs loss on."""
-    def make(groups, lr, betas, seed, *, model, **_):
-        from _variants import GefenVariant
-        over = {id(p): mode for name, p in model.named_parameters() if any(s in name for s in substrings)}
-        assert over, f"no parameter name contains any of {substrings}"
-        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, **kw)
-    make.needs_model = True
-    return make
-
-
-def _variant_attn_rowblock(per_head: bool, **kw):
-    """A GefenVariant whose attention input projections (``attn.c_attn``, [3d, d]: q, k, v stacked
-    by rows, each head's rows contiguous) get the ``"rowblock"`` second moment with one column
-    profile per section (q, k, v) or, ``per_head``, per head of each section; every other tensor
-    ``kw``'s."""
-    def make(groups, lr, betas, seed, *, model, n_heads, **_):
-        from _variants import GefenVariant
-        over = {id(p): "rowblock" for name, p in model.named_parameters() if "attn.c_attn.weight" in name}
-        assert over, "no attn.c_attn.weight"
-        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over,
-                            v_groups=3 * n_heads if per_head else 3, **kw)
-    make.needs_model = True
-    return make
-
-
-def _variant_square_rowblocks(**kw):
-    """A GefenVariant in which every 2-D tensor of R = k x C rows (k >= 2 an integer, C columns) gets
-    the ``"rowblock"`` second moment with k blocks of C rows (a shape rule, no names): c_attn
-    [3d, d] gets q, k, v, mlp.c_fc [4d, d] four blocks of d hidden units; every other tensor ``kw``'s."""
-    def make(groups, lr, betas, seed, *, model, **_):
-        from _variants import GefenVariant
-        over, K = {}, {}
-        for _, p in model.named_parameters():
-            if p.dim() == 2 and p.shape[0] >= 2 * p.shape[1] and p.shape[0] % p.shape[1] == 0:
-                over[id(p)], K[id(p)] = "rowblock", p.shape[0] // p.shape[1]
-        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, v_groups=K, **kw)
-    make.needs_model = True
-    return make
-
-
-def _variant_blocks_meanvar_min(**kw):
-    """(z) s_meanvar_min on the default's layout: every 2-D tensor of R = k x C rows (2 <= k <= 8, the
-    library's row_blocks="auto" rule) gets ``"rowblock_meanvar_min"`` with k blocks (one column
-    profile per block for g^2 and for the innovations), every other tensor ``"meanvar_min"``."""
-    def make(groups, lr, betas, seed, *, model, **_):
-        from _variants import GefenVariant
-        from gefen_dist.core.periods import factored_row_blocks
-
-        K = {id(p): k for p in model.parameters() if p.dim() == 2 and (k := factored_row_blocks(p.shape)) > 1}
-        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed,
-                            v_override=dict.fromkeys(K, "rowblock_meanvar_min"), v_groups=K,
-                            second_moment_mode="meanvar_min", **kw)
-    make.needs_model = True
-    return make
-
-
-def _variant_blocks_emb(mode: str, m_mode: Optional[str] = None, **kw):
-    """u_square_blocks (row blocks on every [k x C, C] tensor) with the embeddings (wte, tied to
-    the LM head, and wpe) given the second moment ``mode`` and first moment ``m_mode``, as
-    :func:`_variant_emb` does."""
-    def make(groups, lr, betas, seed, *, model, **_):
-        from _variants import GefenVariant
-        emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-        over, K = {k: mode for k in emb}, {}
-        for _, p in model.named_parameters():
-            if (id(p) not in emb and p.dim() == 2 and 2 * p.shape[1] <= p.shape[0] <= 8 * p.shape[1]
-                    and p.shape[0] % p.shape[1] == 0):
-                over[id(p)], K[id(p)] = "rowblock", p.shape[0] // p.shape[1]
-        m_over = {k: m_mode for k in emb} if m_mode else None
-        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, v_groups=K,
-                            m_override=m_over, **kw)
-    make.needs_model = True
-    return make
-
-
-def _lowbit_split(m_bits: int, v_bits: int, q4_zero: int):
-    """(o) every quantized tensor stores one byte per element split into an ``m_bits`` first moment
-    and a ``v_bits`` per-element v correction (levels 2^(k/3) around the factored estimate, k from
-    -q4_zero); the embeddings (wte = LM head, wpe) keep the (m) split of 4 + 4 bits."""
-    def make(groups, lr, betas, seed, *, model, **_):
-        from _variants import GefenVariant
-        emb = {id(m.weight): dict(Q4V_EMB) for m in model.modules() if isinstance(m, nn.Embedding)}
-        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, first_moment="quant4",
-                            second_moment_mode="factored_q4", m_bits=m_bits, v_bits=v_bits, q4_zero=q4_zero,
-                            q4_step=1.0 / 3.0, lowbit_override=emb)
-    make.needs_model = True
     return make
 
 
@@ -270,10 +154,8 @@ def _gefen_x(groups, lr, betas, seed):
     return make_gefenx(groups, lr=lr, betas=betas, eps=1e-8)
 
 
-Q4V = dict(q4_step=1.0 / 3.0, q4_zero=6)  # levels 2^(-2) .. 2^3 around the factored estimate
-Q4V_EMB = dict(m_bits=4, v_bits=4, **Q4V)
-Q4V_FLOOR = dict(q4_step=1.0 / 3.0, q4_zero=0, q4_floor=True)  # levels 1x .. 2^5 above the factored estimate
-
+# The product configurations: AdamW, Gefen's shipped settings, the reference and the peers.
+# research/quality_variants.py registers the ablation variants (research code) with register().
 VARIANTS = {
     "adamw": ("torch AdamW (fp32 m and v)", _adamw),
     "gefen_shared": ("gefen_dist Gefen, second_moment='shared' (paper + D1-D5)", _gefen(second_moment="shared")),
@@ -282,146 +164,12 @@ VARIANTS = {
     "gefen_default": ("gefen_dist Gefen, defaults: second_moment='factored', row_blocks='auto' (D12: k column "
                       "profiles for a tensor of k x C rows)", _gefen(second_moment="factored", row_blocks="auto")),
     "reference": ("reference gefen 1.2.3, fused=False", _reference),
-    # (a) unquantized first moment
-    "a_fp32m_shared": ("(a) fp32 first moment, shared second moment", _variant(first_moment="fp32")),
-    "a_fp32m_factored": ("(a) fp32 first moment, factored second moment",
-                         _variant(first_moment="fp32", second_moment_mode="factored")),
-    # (b) per-element second moment, quantized first moment on the default scale blocks
-    "b_quantm_exactv": ("(b) quantized first moment, per-element fp32 second moment",
-                        _variant(second_moment_mode="exact")),
-    # (c) period rules for the shared second moment
-    "c_period_row": ("(c) shared v, period = whole row", _variant(period_rule="row")),
-    "c_period_one": ("(c) period 1 (per-element v; scale block = largest divisor of row <= 256)",
-                     _variant(period_rule="one")),
-    # (d) small-tensor threshold
-    "d_thresh0": ("(d) shared, small_threshold=0 (only 1-D tensors exact)", _gefen(second_moment="shared", small_threshold=0)),
-    "d_thresh64k": ("(d) shared, small_threshold=65536", _gefen(second_moment="shared", small_threshold=65536)),
-    "d_factored_thresh0": ("(d) factored, small_threshold=0", _gefen(second_moment="factored", small_threshold=0)),
-    # (h) which tensors the factored second moment costs loss on
-    "h_factored_emb_exactv": ("(h) factored, but per-element fp32 v for the embeddings (wte = LM head, wpe)",
-                              _variant_emb("exact", second_moment_mode="factored")),
-    "h_factored_emb_rowv": ("(h) factored, but one v per row for the embeddings (wte = LM head, wpe)",
-                            _variant_emb("row", second_moment_mode="factored")),
-    "h_factored_emb_sm3": ("(h) factored, but the SM3 cover (steps never larger than AdamW's) for the embeddings "
-                           "(wte = LM head, wpe); same state", _variant_emb("sm3", second_moment_mode="factored")),
-    "h_factored_emb_grouped4": ("(h) factored, but 4 column profiles (rows grouped by v_row quantile, as j_grouped4) "
-                                "for the embeddings only (wte = LM head, wpe)",
-                                _variant_emb("grouped", second_moment_mode="factored", v_groups=4)),
-    # (j) the factored estimate with K column profiles (rows grouped by v_row quantile)
-    "j_grouped4": ("(j) factored with 4 column profiles, rows grouped by v_row quantile (all tensors)",
-                   _variant(second_moment_mode="grouped", v_groups=4)),
-    # (k) the factored estimate raised to the per-element EMA's own lower bounds (no extra state)
-    "k_factored_clamp": ("(k) factored, raised per element to (1-b2) g^2 and kappa m^2 (bounds every "
-                         "per-element EMA v obeys; no extra state)", _variant(second_moment_mode="factored_clamp")),
-    # (l) SM3-II's cover of the per-element v (an upper bound: steps never larger than AdamW's)
-    "l_sm3": ("(l) SM3 cover on the factored layout's row/column vectors: v_hat = b2 min(R_i, C_j) + "
-              "(1-b2) g^2 >= AdamW's v per element (same state as factored)", _variant(second_moment_mode="sm3")),
-    # (m) a per-element v in 4 bits relative to the factored estimate, paid for with a 4-bit m
-    "m_q4v_all": ("(m) 4-bit m (16-entry DP codebook) and a per-element 4-bit v relative to the factored "
-                  "estimate (levels 2^(k/3), k=-6..9, stochastic rounding) on every quantized tensor: 1 B/element, "
-                  "the default's budget", _variant(first_moment="quant4", second_moment_mode="factored_q4", **Q4V)),
-    "m_q4v_emb": ("(m) default, but 4-bit m and the per-element 4-bit v correction for the embeddings only "
-                  "(wte = LM head, wpe): the default's budget",
-                  _variant_emb("factored_q4", m_mode="quant4", second_moment_mode="factored", **Q4V)),
-    "m_emb_q4v_m8": ("(m) default, but the per-element 4-bit v correction for the embeddings only, their first "
-                     "moment kept at 8 bits (embeddings 1.5 B/element): m_q4v_emb without the 4-bit m",
-                     _variant_emb("factored_q4", second_moment_mode="factored", **Q4V)),
-    "m_emb_m4": ("(m) default, but a 4-bit first moment for the embeddings only (factored v everywhere): "
-                 "m_q4v_emb without the v correction", _variant_emb(None, m_mode="quant4", second_moment_mode="factored")),
-    "n_quant8m_q4v": ("(n) 8-bit m (the default's) and the per-element 4-bit v correction on every quantized tensor "
-                      "(1.5 B/element): how much of per-element v's gain 4 bits keep",
-                      _variant(second_moment_mode="factored_q4", **Q4V)),
-    # (p) the (m) split with the element's v never below the factored estimate
-    "p_q4vmax_emb": ("(p) as m_q4v_emb (4-bit m + per-element 4-bit v code for the embeddings only), but the "
-                     "element's v kept >= the factored estimate (levels 2^(k/3), k=0..15): only steps the factored "
-                     "estimate makes too long are shortened; the default's budget",
-                     _variant_emb("factored_q4", m_mode="quant4", second_moment_mode="factored", **Q4V_FLOOR)),
-    "p_q4vmax_all": ("(p) the floored 4-bit v code with a 4-bit m on every quantized tensor: 1 B/element, the "
-                     "default's budget", _variant(first_moment="quant4", second_moment_mode="factored_q4", **Q4V_FLOOR)),
-    # (q) per-element mean + factored variance: the same state as the default
-    "q_meanvar": ("(q) the element's own m_hat^2 plus the factored estimate of the gradient's variance, from the "
-                  "innovations g_t - m_hat_{t-1} (t >= 2, each scaled by 1/(1 + c_{t-1})): v_hat = m_hat^2 + "
-                  "(1 - c_t) var_hat, c_t = Var(m_hat_t)/sigma^2; same state as the default, no step longer than lr",
-                  _variant(second_moment_mode="meanvar")),
-    "q_meanvar_fp32m": ("(q) as q_meanvar with an fp32 first moment (no rounding error in the innovations)",
-                        _variant(second_moment_mode="meanvar", first_moment="fp32")),
-    # (s) the element's own mean may only lengthen the factored step
-    "s_meanvar_min": ("(s) v_hat = max(min(factored, m_hat^2 + factored innovation variance), (1-b2) g^2): the "
-                      "element's own mean lengthens the factored step of consistent elements, never shortens it; "
-                      "2 more float vectors per tensor", _variant(second_moment_mode="meanvar_min")),
-    # (t) which non-embedding tensors the factored estimate costs loss on
-    "t_exactv_attn": ("(t) factored, but a per-element fp32 v for the attention input projections (c_attn: q, k, v) "
-                      "only", _variant_named("exact", ("attn.c_attn",), second_moment_mode="factored")),
-    "t_exactv_mlp": ("(t) factored, but a per-element fp32 v for the MLP weights (mlp.c_fc, mlp.c_proj) only",
-                     _variant_named("exact", ("mlp.c_fc", "mlp.c_proj"), second_moment_mode="factored")),
-    "u_attn_qkv": ("(u) factored, but the attention input projections (c_attn) keep one column profile per section "
-                   "(q, k, v): 3 x d floats more per layer", _variant_attn_rowblock(False, second_moment_mode="factored")),
-    "u_attn_heads": ("(u) factored, but the attention input projections (c_attn) keep one column profile per head of "
-                     "each of q, k, v: 3 x heads x d floats more per layer",
-                     _variant_attn_rowblock(True, second_moment_mode="factored")),
-    "u_square_blocks": ("(u) factored, but every 2-D tensor of k x C rows (C columns, k >= 2) keeps one column "
-                        "profile per block of C rows: c_attn's q, k, v and mlp.c_fc's four blocks (a shape rule)",
-                        _variant_square_rowblocks(second_moment_mode="factored")),
-    # (x) speed: the column statistics one step late (would let the kernel fuse them into its read of g)
-    "x_lagcol": ("(x) gefen_dist Gefen, defaults (row blocks), but v_col advanced with the previous step's column "
-                 "means of g^2: the one-step lag that fusing the column pass into the kernel would need",
-                 _lagcol(row_blocks="auto")),
-    "x_lagv": ("(x) u_square_blocks (the default's math), but every step uses the second-moment EMAs from before "
-               "its own gradient (v_row and the column profiles of step t-1, bias-corrected for t-1 updates; the "
-               "first step its own): a delayed v as in AdaShift; same state",
-               _variant_square_rowblocks(second_moment_mode="factored", v_lag=True)),
-    # (y) the per-element recursion with a factored history: the current gradient enters exactly
-    "y_innov": ("(y) u_square_blocks (the default's math), but each element's step uses b2 fact_{t-1} + (1 - b2) g_t^2: "
-                "AdamW's recursion for v with only the history factored, the current gradient per element; same state",
-                _variant_square_rowblocks(second_moment_mode="factored", v_innov=True)),
-    # (z) the element's own mean (s) on the default's row blocks (u / D12)
-    "z_blocks_meanvar_min": ("(z) s_meanvar_min with the default's row blocks: v_hat = max(min(factored, m_hat^2 + "
-                             "factored innovation variance), (1-b2) g^2), both factored estimates with one column "
-                             "profile per block of C rows of a [k x C, C] tensor; 2 more float vectors per tensor "
-                             "(k column profiles for the blocked ones)", _variant_blocks_meanvar_min()),
-    "z_blocks_clamp": ("(z) k_factored_clamp with the default's row blocks: the row blocks' factored estimate raised, per "
-                       "element, to (1-b2) g^2 and kappa m^2 (no step longer than AdamW's can be); same state as the "
-                       "default", _variant_square_rowblocks(second_moment_mode="factored_clamp", v_clamp=True)),
-    "w_blocks_emb_q4vmax": ("(w) u_square_blocks plus p_q4vmax_emb's 4-bit m + floored per-element 4-bit v code "
-                            "for the embeddings: the default's budget",
-                            _variant_blocks_emb("factored_q4", m_mode="quant4", second_moment_mode="factored",
-                                                **Q4V_FLOOR)),
-    # (r) the two partial fixes together, at the default's budget
-    "r_clamp_emb_q4vmax": ("(r) k_factored_clamp on every tensor but the embeddings, which get p_q4vmax_emb's 4-bit m + "
-                           "floored per-element 4-bit v code: the default's budget",
-                           _variant_emb("factored_q4", m_mode="quant4", second_moment_mode="factored_clamp",
-                                        **Q4V_FLOOR)),
-    # (o) the same byte split differently on the other tensors
-    "o_m5v3": ("(o) as m_q4v_emb for the embeddings; every other quantized tensor 5-bit m (32-entry DP codebook) + "
-               "3-bit v correction (levels 2^(k/3), k=-3..4): 1 B/element", _lowbit_split(5, 3, 3)),
-    "o_m6v2": ("(o) as m_q4v_emb for the embeddings; every other quantized tensor 6-bit m (64-entry DP codebook) + "
-               "2-bit v correction (levels 2^(k/3), k=-1..2): 1 B/element", _lowbit_split(6, 2, 1)),
-    "i_emb_elementwise": ("(i) gefen_dist Gefen, default (factored) with second_moment='elementwise' for the "
+    "i_emb_elementwise": ("gefen_dist Gefen, default (factored) with second_moment='elementwise' for the "
                           "embeddings' param group (wte = LM head, wpe): the option that trades memory for quality",
                           _gefen_emb("elementwise")),
-    # (e) codebook refresh
-    "e_refresh100": ("(e) shared, codebook re-learned every 100 steps", _variant(codebook_refresh=100)),
-    "e_factored_refresh100": ("(e) factored, codebook re-learned every 100 steps",
-                              _variant(second_moment_mode="factored", codebook_refresh=100)),
-    "e_factored_cb_tensor": ("(e) factored, one codebook per tensor (each learned from its own first gradient)",
-                             _variant(second_moment_mode="factored", codebook_scope="tensor")),
-    # (f) rounding
-    "f_stochastic": ("(f) shared, stochastic rounding (seeded per step and tensor)", _variant(rounding="stochastic")),
-    "f_factored_stochastic": ("(f) factored, stochastic rounding",
-                              _variant(second_moment_mode="factored", rounding="stochastic")),
-    # (g) lr scaling
-    "g_shared_lr1.5": ("(g) shared, lr x1.5", _gefen(second_moment="shared")),
-    "g_shared_lr0.7": ("(g) shared, lr x0.7", _gefen(second_moment="shared")),
-    "g_factored_lr1.5": ("(g) factored, lr x1.5", _gefen(second_moment="factored")),
-    "g_adamw_lr1.5": ("(g) AdamW, lr x1.5 (the control for the lr-scaled Gefen rows)", _adamw),
     "gefen_elementwise": ("gefen_dist Gefen, second_moment='elementwise' for every tensor (8-bit m, fp32 v per "
                           "element: the setting that buys AdamW's second moment back with ~4 B/param)",
                           _gefen(second_moment="elementwise")),
-    "g_default_lr0.75": ("(g) gefen_dist Gefen, defaults (row blocks, D12), lr x0.75",
-                         _gefen(second_moment="factored", row_blocks="auto")),
-    "g_adamw_lr0.75": ("(g) AdamW, lr x0.75 (the control for g_default_lr0.75)", _adamw),
-    "g_default_lr1.5": ("(g) gefen_dist Gefen, defaults (row blocks, D12), lr x1.5",
-                        _gefen(second_moment="factored", row_blocks="auto")),
     # peers: other memory-saving optimizers, same lr, betas, eps and weight decay as AdamW
     "ao_adamw8bit": ("torchao 0.18.0 AdamW8bit (block-wise 8-bit m and v, blocks of 256; tensors < 4096 elements fp32)", _ao(8)),
     "ao_adamw4bit": ("torchao 0.18.0 AdamW4bit (block-wise 4-bit m and v, blocks of 128; tensors < 4096 elements fp32)", _ao(4)),
@@ -431,14 +179,29 @@ VARIANTS = {
     "adafactor_lr5x": ("torch.optim.Adafactor, lr x5 (= torch's default 1e-2 at the 2e-3 base)", _adafactor),
     "gefen_x": ("gefen-x 0.5.0 Gefen, defaults (factored_v_2d=True; CPU: fused=False); run in a subprocess", _gefen_x),
 }
-LR_SCALE = {"g_shared_lr1.5": 1.5, "g_shared_lr0.7": 0.7, "g_factored_lr1.5": 1.5, "g_adamw_lr1.5": 1.5,
-            "g_default_lr1.5": 1.5, "g_default_lr0.75": 0.75, "g_adamw_lr0.75": 0.75,
-            "adafactor_lr5x": 5.0}
+LR_SCALE = {"adafactor_lr5x": 5.0}
 PEERS = ["ao_adamw8bit", "ao_adamw4bit", "bnb_adamw8bit", "adam_mini", "adafactor", "adafactor_lr5x", "gefen_x"]
 # variants whose package may not share this process: run in a child with PYTHONPATH=<target dir>
 SUBPROCESS = {"gefen_x"}
-ABLATIONS = [k for k in VARIANTS if k not in HEADLINE and k not in PEERS]
-GROUPS = {"headline": HEADLINE, "ablations": ABLATIONS, "peers": PEERS, "all": HEADLINE + ABLATIONS}
+OPTIONS = ["gefen_elementwise", "i_emb_elementwise"]  # the library's memory-for-quality options
+
+
+def register(name: str, description: str, factory, lr_scale: Optional[float] = None) -> None:
+    """Add a configuration (``factory(groups, lr, betas, seed)``, or with ``factory.needs_model``
+    also ``model=`` and the model's ``dim``/``n_heads``) under ``name``: how research code adds its
+    ablation variants to this harness (it lands in the ``ablations`` group)."""
+    if name in VARIANTS and VARIANTS[name][1] is not factory:
+        raise ValueError(f"configuration {name!r} is already registered")
+    VARIANTS[name] = (description, factory)
+    if lr_scale is not None:
+        LR_SCALE[name] = lr_scale
+
+
+def groups() -> dict:
+    """``--only`` groups over the registered configurations."""
+    ablations = [k for k in VARIANTS if k not in HEADLINE and k not in PEERS and k not in OPTIONS]
+    return {"headline": HEADLINE, "options": OPTIONS, "ablations": ablations, "peers": PEERS,
+            "all": HEADLINE + OPTIONS + ablations}
 
 
 def make_optimizer(variant: str, model: nn.Module, weight_decay: float, lr: float, betas, seed: int, **model_info):
@@ -597,10 +360,14 @@ def run_digits(variant: str, seed: int, cfg: dict) -> dict:
                 seconds=time.perf_counter() - t0, extra=_extra(opt))
 
 
+# modules whose optimizers are this project's (no third-party package to record); research adds its own
+OWN_MODULES = {"gefen_dist", "quality"}
+
+
 def _extra(opt) -> dict:
     out = {}
     mod = type(opt).__module__.split(".")[0]
-    if mod not in ("gefen_dist", "_variants", "quality"):
+    if mod not in OWN_MODULES:
         out["optimizer_class"] = f"{type(opt).__module__}.{type(opt).__qualname__}"
         try:
             from importlib.metadata import version
@@ -637,47 +404,52 @@ def _extra(opt) -> dict:
 # GPT-2 small state bytes (no training: state allocated for the measured periods)
 # --------------------------------------------------------------------------------------------
 
-GPT2_STATE_ROWS = ("shared", "factored", "factored, embeddings elementwise",
-                   "factored, embeddings 4-bit m + 4-bit v correction (m_q4v_emb)",
-                   "factored, embeddings 8-bit m + 4-bit v correction (m_emb_q4v_m8)",
-                   "factored, one column profile per tensor (row_blocks=1, the default before D12)",
-                   "elementwise (every quantized tensor: 8-bit m, fp32 v per element)")
+EMBEDDINGS = ("wte.weight", "wpe.weight")  # GPT-2's embeddings (wte is tied to the LM head)
+
+
+def _state_gefen(period_one_embeddings: bool = False, **kw):
+    """A GPT-2-small state row built by gefen_dist Gefen with ``kw`` (the embeddings in a group of
+    their own with ``second_moment="elementwise"`` when ``period_one_embeddings``)."""
+    def build(params):
+        from gefen_dist import Gefen
+
+        if period_one_embeddings:
+            params = [{"params": [x for x in params if x[0] not in EMBEDDINGS]},
+                      {"params": [x for x in params if x[0] in EMBEDDINGS], "second_moment": "elementwise"}]
+        return Gefen(params, lr=1e-3, fused=False, **kw)
+    build.period_one = (lambda name: name in EMBEDDINGS) if period_one_embeddings else (lambda name: False)
+    return build
+
+
+# label -> build(named params) -> optimizer; build.period_one(name): that tensor gets period 1;
+# build.extra_bytes: state the optimizer does not count. research/quality_variants.py adds rows.
+GPT2_STATE_ROWS = {
+    "shared": _state_gefen(second_moment="shared"),
+    "factored": _state_gefen(second_moment="factored"),
+    "factored, embeddings elementwise": _state_gefen(True, second_moment="factored"),
+    "factored, one column profile per tensor (row_blocks=1, the default before D12)":
+        _state_gefen(second_moment="factored", row_blocks=1),
+    "elementwise (every quantized tensor: 8-bit m, fp32 v per element)": _state_gefen(second_moment="elementwise"),
+}
+GPT2_STATE_ROWS["elementwise (every quantized tensor: 8-bit m, fp32 v per element)"].period_one = lambda name: True
 
 
 def gpt2_small_bytes() -> dict:
-    """B/param of Gefen shared and factored on the GPT-2 small tensor set, with the periods that
+    """B/param of each of ``GPT2_STATE_ROWS`` on the GPT-2 small tensor set, with the periods that
     ``benchmarks/memory.py`` measured (``docs/results/memory.json``), allocated via ``init_state``."""
-    from gefen_dist import Gefen
-
     mem = RESULTS / "memory.json"
     if not mem.exists():
         return {}
     per_tensor = json.loads(mem.read_text())["per_tensor"]
     out = {"source": "docs/results/memory.json shapes and periods"}
-    emb = ("wte.weight", "wpe.weight")  # "embeddings elementwise": their own group, period 1
-    for sm in GPT2_STATE_ROWS:
+    for label, build in GPT2_STATE_ROWS.items():
         params = [(r["name"], nn.Parameter(torch.empty(r["shape"]))) for r in per_tensor]
-        if sm == GPT2_STATE_ROWS[2]:
-            groups = [{"params": [x for x in params if x[0] not in emb]},
-                      {"params": [x for x in params if x[0] in emb], "second_moment": "elementwise"}]
-            opt = Gefen(groups, lr=1e-3, fused=False)
-        elif sm == GPT2_STATE_ROWS[5]:
-            opt = Gefen(params, lr=1e-3, second_moment="factored", row_blocks=1, fused=False)
-        elif sm in GPT2_STATE_ROWS[3:5]:
-            from _variants import GefenVariant
-            ids = {id(p): "factored_q4" for name, p in params if name in emb}
-            m4 = {k: "quant4" for k in ids} if sm == GPT2_STATE_ROWS[3] else None
-            opt = GefenVariant(params, lr=1e-3, second_moment_mode="factored", v_override=ids, m_override=m4)
-        elif sm == GPT2_STATE_ROWS[6]:
-            opt = Gefen(params, lr=1e-3, second_moment="elementwise", fused=False)
-        else:
-            opt = Gefen(params, lr=1e-3, second_moment=sm, fused=False)
-        every = sm == GPT2_STATE_ROWS[6]
-        opt.init_state({r["name"]: 1 if every or (sm == GPT2_STATE_ROWS[2] and r["name"] in emb) else r["period"]
+        opt = build(params)
+        opt.init_state({r["name"]: 1 if build.period_one(r["name"]) else r["period"]
                         for r in per_tensor if r["kind"] == "quantized"})
         n = sum(p.numel() for _, p in params)
-        sb = opt.state_bytes() + (16 * 4 if sm == GPT2_STATE_ROWS[3] else 0)  # + the 16-entry codebook
-        out[sm] = dict(params=n, state_bytes=sb, bytes_per_param=sb / n)
+        sb = opt.state_bytes() + getattr(build, "extra_bytes", 0)
+        out[label] = dict(params=n, state_bytes=sb, bytes_per_param=sb / n)
         del opt, params
     return out
 
@@ -693,7 +465,7 @@ def _cfg_key(cfg: dict) -> str:
 def host_signature() -> str:
     """The CPU model and the SIMD level torch dispatches to, recorded with every run. AdamW's runs
     reproduce bitwise on another host, Gefen's do not (the same code and seed differ by 0.4% of
-    validation loss on the `small` preset; docs/quality.md, round 14), so runs compared seed by
+    validation loss on the `small` preset; research/quality-log.md, round 14), so runs compared seed by
     seed should come from one host."""
     model = "unknown CPU"
     try:
@@ -849,8 +621,8 @@ def plot(runs: dict, workload: str, variants: list, path: Path, title: str) -> b
     return True
 
 
-def _command(args) -> str:
-    c = "python benchmarks/quality.py --report"
+def _command(args, script: str = "benchmarks/quality.py") -> str:
+    c = f"python {script} --report"
     for flag in ("quick",):
         if getattr(args, flag):
             c += f" --{flag}"
@@ -865,11 +637,11 @@ def report_suffix(args) -> str:
     return ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
 
 
-def peers_md(runs: dict, lm_cfg: dict, dg_cfg: dict, args) -> str:
+def peers_md(runs: dict, lm_cfg: dict, dg_cfg: dict, args, script: str = "benchmarks/quality.py") -> str:
     """The peer table (docs/benchmarks.md): every peer against AdamW and Gefen, paired by seed."""
     suffix = report_suffix(args)
-    md = [f"<!-- generated by `{_command(args)}`; do not edit -->"]
-    show = ["adamw", "gefen_factored", "gefen_shared", "reference"] + PEERS
+    md = [f"<!-- generated by `{_command(args, script)}`; do not edit -->"]
+    show = ["adamw", "gefen_default", "gefen_factored", "gefen_shared", "reference"] + PEERS
     shown = [x.strip() for x in args.workloads.split(",")]
     for w, cfg, title in (("lm", lm_cfg, "Byte-level GPT"), ("digits", dg_cfg, "Digits MLP")):
         if w not in shown:
@@ -893,12 +665,14 @@ def peers_md(runs: dict, lm_cfg: dict, dg_cfg: dict, args) -> str:
 
 
 
-def report(args, lm_cfg, dg_cfg) -> None:
+def report(args, lm_cfg, dg_cfg, doc: Optional[Path] = None, script: str = "benchmarks/quality.py") -> None:
+    """Tables, plots and the aggregate JSON of the stored runs; a non-quick report's table is spliced
+    into ``doc`` (default ``docs/quality.md``) where it has the report's marker."""
     runs = load_runs(lm_cfg, dg_cfg)
     suffix = report_suffix(args)
     out = {"lm_config": lm_cfg, "digits_config": dg_cfg, "variants": {k: v[0] for k, v in VARIANTS.items()},
-           "lr_scale": LR_SCALE, "torch": torch.__version__, "command": _command(args)}
-    md = [f"<!-- generated by benchmarks/quality.py{' --quick' if args.quick else ''}"
+           "lr_scale": LR_SCALE, "torch": torch.__version__, "command": _command(args, script)}
+    md = [f"<!-- generated by {script}{' --quick' if args.quick else ''}"
           f"{' --tag ' + args.tag if args.tag else ''}; do not edit -->"]
     shown = [x.strip() for x in args.workloads.split(",")]
     for w, cfg, title in (("lm", lm_cfg, "Byte-level GPT"), ("digits", dg_cfg, "Digits MLP")):
@@ -948,14 +722,16 @@ def report(args, lm_cfg, dg_cfg) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"quality{suffix}.json").write_text(json.dumps(out, indent=1, default=list) + "\n")
     (RESULTS / f"quality_table{suffix}.md").write_text("\n".join(md) + "\n")
-    pm = peers_md(runs, lm_cfg, dg_cfg, args)
+    pm = peers_md(runs, lm_cfg, dg_cfg, args, script)
     if pm.count("\n") > 1:
         (RESULTS / f"quality_peers{suffix}.md").write_text(pm)
         splice(ROOT / "docs" / "benchmarks.md", f"quality_peers{suffix}.md", pm)
         print(pm)
     # docs/quality.md embeds each non-quick report that has a marker there (quality_table_<tag>.md)
     if not args.quick:
-        splice(ROOT / "docs" / "quality.md", f"quality_table{suffix}.md", "\n".join(md).replace("](../img/", "](img/"))
+        page = Path(doc) if doc is not None else ROOT / "docs" / "quality.md"
+        rel = os.path.relpath(IMG, page.parent)
+        splice(page, f"quality_table{suffix}.md", "\n".join(md).replace("](../img/", f"]({rel}/"))
     print("\n".join(md))
 
 
@@ -987,12 +763,14 @@ def _run_child(args, variant: str, workload: str, seed: int) -> None:
         print(f"[{workload}] {variant} seed {seed}: child exited with {r.returncode}", flush=True)
 
 
-def main(argv=None):
+def main(argv=None, doc: Optional[Path] = None, script: str = "benchmarks/quality.py"):
+    """The command line; research/quality_variants.py calls it after registering its variants, with
+    its own page (``doc``) for the report's tables."""
     global RUNS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny GPT, 200 steps; digits 300 steps")
     ap.add_argument("--only", default="headline",
-                    help="comma-separated variant names, globs or groups (headline, ablations, all)")
+                    help="comma-separated variant names, globs or groups (headline, options, peers, ablations, all)")
     ap.add_argument("--workloads", default="lm,digits")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--threads", type=int, default=1)
@@ -1017,14 +795,14 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     lm_cfg, dg_cfg = lm_config(args), digits_config(args)
     if not args.report:
-        names = []
+        names, grp = [], groups()
         for tok in args.only.split(","):
             tok = tok.strip()
-            for n in GROUPS.get(tok, [v for v in VARIANTS if fnmatch.fnmatch(v, tok)]):
+            for n in grp.get(tok, [v for v in VARIANTS if fnmatch.fnmatch(v, tok)]):
                 if n not in names:
                     names.append(n)
         if not names:
-            ap.error(f"--only {args.only!r} matches no variant; choose from {list(VARIANTS)} or {list(GROUPS)}")
+            ap.error(f"--only {args.only!r} matches no variant; choose from {list(VARIANTS)} or {list(grp)}")
         seeds = [int(s) for s in args.seeds.split(",")]
         workloads = [w.strip() for w in args.workloads.split(",")]
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -1046,7 +824,7 @@ def main(argv=None):
                     print(f"[{w}] {v:<24} seed {seed}: val {res['val_loss']:.4f}{acc} "
                           f"{res['bytes_per_param']:.3f} B/param  {time.time() - t0:.0f}s", flush=True)
     if not args.no_report:
-        report(args, lm_cfg, dg_cfg)
+        report(args, lm_cfg, dg_cfg, doc, script)
 
 
 if __name__ == "__main__":

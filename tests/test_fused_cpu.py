@@ -358,7 +358,6 @@ def test_simd_path_equals_portable(monkeypatch, shape, P, B, dtype, variant):
         monkeypatch.setattr(cpu, "_BUF_MAX_ELEMS", 0)
     outs = []
     for simd in (1, 2, 3, 0):
-        monkeypatch.setattr(cpu, "_USE_SIMD", simd)
         p, idx, sc, v = _state(n, P, B, dtype, 11)
         g = torch.Generator().manual_seed(12)
         for step in range(1, 4):
@@ -368,7 +367,7 @@ def test_simd_path_equals_portable(monkeypatch, shape, P, B, dtype, variant):
                 grad[n // 2] = float("inf")
             bc1, bc2 = bias_corrections(step, hp["beta1"], hp["beta2"])
             cpu.quantized_step_(p, grad, idx, sc, v, cb, **hp, bc1=bc1, bc2=bc2, period=P,
-                                scale_block=B)
+                                scale_block=B, simd=simd)
         outs.append((p, idx, sc, v))
     for other in outs[1:]:
         _bitwise(outs[0], other)
@@ -383,7 +382,7 @@ def _has_cpu_flag(flag: str) -> bool:
 
 
 @pytest.mark.skipif(not cpu.simd_compiled(), reason="AVX-512 VBMI path not compiled for this CPU")
-def test_two_level_table_every_bucket(monkeypatch):
+def test_two_level_table_every_bucket():
     """The register two-level table gives the same codeword as the gathered table in every one of
     the 4096 buckets, at both ends of each (z = each bucket's lower bound and the float below it)."""
     cb = dp_codebook()
@@ -397,11 +396,10 @@ def test_two_level_table_every_bucket(monkeypatch):
     g[: z.numel()] = z
     outs = []
     for simd in (1, 2):
-        monkeypatch.setattr(cpu, "_USE_SIMD", simd)
         p, idx, sc, v = _state(n, n, n, torch.float32, 3)
         idx.fill_(0)
         bc1, bc2 = bias_corrections(1, HP["beta1"], HP["beta2"])
-        cpu.quantized_step_(p, g, idx, sc, v, cb, **HP, bc1=bc1, bc2=bc2, period=n, scale_block=n)
+        cpu.quantized_step_(p, g, idx, sc, v, cb, **HP, bc1=bc1, bc2=bc2, period=n, scale_block=n, simd=simd)
         outs.append((p, idx, sc, v))
     assert len(set(outs[0][1].tolist())) > 200  # the codewords are really spanned
     _bitwise(*outs)
@@ -493,11 +491,11 @@ def test_factored_thread_count_independent():
 @pytest.mark.skipif(not cpu.simd_compiled(), reason="AVX-512 VBMI path not compiled for this CPU")
 @pytest.mark.parametrize("shape,B,dtype", [((8, 768), 256, torch.float32), ((4, 1031), 1031, torch.bfloat16),
                                            ((6, 100), 50, torch.float32)])
-def test_factored_simd_equals_portable(monkeypatch, shape, B, dtype):
+def test_factored_simd_equals_portable(shape, B, dtype):
     outs = []
     for simd in (1, 2, 3, 0):
-        monkeypatch.setattr(cpu, "_USE_SIMD", simd)
-        outs.append(_run_factored(*shape, B, dtype, 3, [cpu.quantized_step_factored_], seed=5)[0])
+        step = functools.partial(cpu.quantized_step_factored_, simd=simd)
+        outs.append(_run_factored(*shape, B, dtype, 3, [step], seed=5)[0])
     for other in outs[1:]:
         _bitwise(outs[0], other)
 
@@ -565,6 +563,9 @@ def test_rejects_bad_arguments():
         cpu.quantized_step_(p, g.double(), idx, sc, v, cb, **kw, period=768, scale_block=768)
     with pytest.raises(ValueError):
         cpu.quantized_step_(p, g, idx, sc, v, cb.flip(0), **kw, period=768, scale_block=768)
+    if cpu.available():  # the path is checked where the kernel runs
+        with pytest.raises(ValueError, match="simd"):
+            cpu.quantized_step_(p, g, idx, sc, v, cb, **kw, period=768, scale_block=768, simd=4)
 
 
 def test_falls_back_to_eager_without_native(monkeypatch, one_thread):
@@ -635,63 +636,6 @@ def test_step_floor_loops_move_their_bytes():
         torch.testing.assert_close(m, m1, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(v, v0 + 0.05 * (g * g - v0), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(p, p0 - 0.01 * m1, rtol=1e-6, atol=1e-7)
-
-
-def test_kernel_breakdown_builds(tmp_path):
-    """benchmarks/kernel_breakdown.py's timing-only builds really leave their stage out (the step
-    differs), so the costs the script reports are those of the stages it names; and
-    benchmarks/lagcol_speed.py's ``GEFEN_COLACC`` build, which only adds work, steps bitwise as the
-    library does."""
-    import importlib.util
-    from pathlib import Path
-
-    if not cpu.simd_compiled():
-        pytest.skip("no AVX-512 VBMI on this CPU: the ablated stages are not compiled here")
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_breakdown.py"
-    spec = importlib.util.spec_from_file_location("kernel_breakdown", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    from gefen_dist.kernels import native
-
-    rows, S, B = 12, 256, 128
-    n = rows * S
-    gen = torch.Generator().manual_seed(5)
-    g = torch.randn(n, generator=gen) * 1e-3
-    p0 = torch.randn(n, generator=gen) * 0.02
-    idx0 = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-    sc0 = torch.rand(n // B, generator=gen) * 1e-3
-    vr0, vc0 = torch.rand(rows, generator=gen) * 1e-6, torch.rand(1, S, generator=gen) * 1e-6
-    cm = torch.rand(1, S, generator=gen) * 1e-6
-    cb = dp_codebook()
-    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bc1=0.1, bc2=0.05)
-
-    def step():
-        st = [t.clone() for t in (p0, idx0, sc0, vr0, vc0)]
-        cpu.quantized_step_factored_(st[0], g, st[1], st[2], st[3], st[4], cb, cm, scale_block=B, **hp)
-        return st
-
-    want = step()
-    # benchmarks/lagcol_speed.py's build too: the column sums it adds are discarded, its step is the library's
-    spec = importlib.util.spec_from_file_location("lagcol_speed", path.parent / "lagcol_speed.py")
-    lag = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lag)
-    # the single-stage builds (no_nearest = no_table + no_candidates is not rebuilt here), compiled in parallel
-    # (~16 s of CPU each); GEFEN_ABLATE=0 is exactly the library's build, tested everywhere else
-    single = {name: bits for name, (bits, _) in mod.BUILDS.items() if bits and bits & (bits - 1) == 0}
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as ex:
-        futs = {name: ex.submit(mod.build, bits, tmp_path) for name, bits in single.items()}
-        futs["colacc"] = ex.submit(lag.build_colacc, tmp_path)
-        libs = {name: f.result() for name, f in futs.items()}
-    saved = native._cache.get(cpu._LIB_NAME)
-    try:
-        for name, lib in libs.items():
-            mod.use(lib)
-            same = all(torch.equal(a, b) for a, b in zip(step(), want))
-            assert same == (name == "colacc"), name
-    finally:
-        native._cache[cpu._LIB_NAME] = saved
 
 
 # --------------------------------------------------------------------------------------

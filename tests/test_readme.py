@@ -22,8 +22,10 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 PENDING_MARKERS: set = set()
 
 
-def _blocks():
-    pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+def _blocks(pages=None):
+    """The fenced code blocks of ``pages`` (default: README.md and docs/*.md)."""
+    if pages is None:
+        pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
     out = []
     for page in pages:
         rel = os.path.relpath(page, ROOT)
@@ -100,3 +102,20 @@ def test_pending_markers_are_still_needed():
 def test_readme_quick_start_is_collected():
     assert any(b["page"] == "README.md" and "Gefen(" in b["code"] and not b["skip"] for b in PY)
     assert RUNNABLE_SH, "docs have at least one gefen-dist plan example"
+
+
+def test_readme_results_table_is_the_scripts():
+    """README.md's results table is exactly what benchmarks/results_table.py prints from the stored
+    results (rerun it with --write after a benchmark changes a file in docs/results/)."""
+    import sys
+
+    bench = os.path.join(ROOT, "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import results_table
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    a, b = f"<!-- BEGIN generated: {results_table.MARKER} -->\n", f"<!-- END generated: {results_table.MARKER} -->"
+    assert a in text and b in text
+    assert text[text.index(a) + len(a):text.index(b)] == results_table.table_md()

@@ -420,6 +420,43 @@ def test_multi_step_bitwise_equals_one_launch_per_tensor():
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
 
 
+@interp
+def test_multi_step_forced_config():
+    """MultiStep's ``config`` (benchmarks/gpu_step.py --tune) forces one (ROWS, BLOCK_SIZE, num_warps)
+    on every tensor: one launch per (mode, dtype), the same update up to the summation order of the
+    row statistics; a malformed config is refused."""
+    cb = random_codebook()
+    gen = torch.Generator().manual_seed(4)
+    specs = [(24, 96, 96, 0, torch.float32), (10, 64, 64, 0, torch.float32), (12, 256, 256, 1, torch.float32),
+             (40, 64, 32, 2, torch.float32), (9, 128, 128, 2, torch.bfloat16)]  # (rows, S, B, mode, dtype)
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bc1=0.1, bc2=0.05)
+    states, grads = [], []
+    for rows, S, B, mode, dt in specs:
+        n = rows * S
+        nv = rows if mode == 2 else (n if mode == 1 else n // B)
+        states.append([torch.randn(n, generator=gen).to(dt), torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+                       torch.rand(n // B, generator=gen) * 1e-2, torch.rand(nv, generator=gen) * 1e-4,
+                       torch.rand(1, S, generator=gen) * 1e-4])
+        grads.append(_grad(n, dt, gen))
+
+    def run(config):
+        st = [[t.clone() for t in s] for s in states]
+        items = [triton_step.StepItem(m[0], m[1], m[2], m[3], m[4] if sp[3] == 2 else None, sp[1], sp[2], sp[3])
+                 for m, sp in zip(st, specs)]
+        ms = triton_step.MultiStep(items, torch.device("cpu"), config=config)
+        ms.run(grads, cb, **hp)
+        return ms.launches, st
+
+    n_auto, auto = run(None)
+    n_forced, forced = run((2, 64, 4))
+    assert n_auto == 5 and n_forced == 4  # forced: the two shared fp32 tensors share one launch
+    for a, b in zip(auto, forced):
+        torch.testing.assert_close(a[0].float(), b[0].float(), rtol=0, atol=1e-4)
+        assert float((a[1] != b[1]).float().mean()) < 0.01  # isolated codeword flips at most
+    with pytest.raises(ValueError, match="config"):
+        triton_step.MultiStep([], torch.device("cpu"), config=(2, 64))
+
+
 def _three_kinds_model():
     from torch import nn
 

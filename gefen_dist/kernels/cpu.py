@@ -71,7 +71,7 @@ candidate codewords when quantising) are done in registers with byte permutes of
 codebook's four byte planes rather than with gathers (GCC emulates byte-indexed gathers with
 scalar loads, which made the dequantisation the most expensive part of the step). Both
 paths execute the same float operations in the same order and are tested to be bitwise
-equal (``_USE_SIMD`` switches between them).
+equal (the step functions' ``simd=`` argument chooses between them).
 
 Nearest codeword
 ----------------
@@ -91,8 +91,8 @@ On the AVX-512 path the table's lower candidate is found without gathers when th
 at a time the kernel packs group and position into bytes, looks the three up with byte
 permutes, and adds the popcount of the mask bits up to the position (a 16-bit popcount,
 AVX-512 BITALG). Otherwise it gathers from a byte copy of the table. Measured side by side
-with ``python benchmarks/lut_ab.py``: the gather from the original int32 table cost about a
-fifth of the whole step on this CPU.
+with ``python research/lut_ab.py`` (then on whole steps): the gather from the original int32
+table cost about a fifth of the whole step on this CPU.
 """
 from __future__ import annotations
 
@@ -125,11 +125,11 @@ _SCAN_LUT_BITS = 16
 _BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together
 _BUF_MAX_ELEMS = 1 << 20     # per thread
 _TABLE_CACHE_SIZE = 32
-# AVX-512 VBMI path when compiled in: 1 (default) the fastest form of the nearest-codeword table (a
-# two-level form in registers when the table allows it, else gathers from a byte copy), 2 gathers from
-# the int32 table, 3 from its byte copy, 0 / False the portable loops. All are bitwise equal (tests
-# compare them); benchmarks/lut_ab.py times them.
-_USE_SIMD = 1
+# ``simd=`` of the step functions (the AVX-512 VBMI path when compiled in): 1 (default) the fastest
+# form of the nearest-codeword table (a two-level form in registers when the table allows it, else
+# gathers from a byte copy), 2 gathers from the int32 table, 3 from its byte copy, 0 the portable
+# loops. All are bitwise equal (tests compare them); research/lut_ab.py times them.
+SIMD_MODES = (0, 1, 2, 3)
 
 
 class _Args(ctypes.Structure):
@@ -470,10 +470,12 @@ def quantized_step_(
     bc2: float,
     period: int,
     scale_block: int,
+    simd: int = 1,
 ) -> None:
     """One Gefen update of a quantized piece, in place (fused kernel; same contract as
-    :func:`gefen_dist.core.step.quantized_step_eager_`). Falls back to the eager path when
-    the native library is unavailable."""
+    :func:`gefen_dist.core.step.quantized_step_eager_`). ``simd`` picks the code path (one of
+    :data:`SIMD_MODES`; all give the same bits). Falls back to the eager path when the native
+    library is unavailable."""
     n = param.numel()
     if n == 0:
         return
@@ -499,7 +501,7 @@ def quantized_step_(
     _check("v", v, torch.float32, n // P)
     tab = codebook_table(codebook)
     a = _make_args(param, n, P, B, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                   weight_decay=weight_decay, bc1=bc1, bc2=bc2)
+                   weight_decay=weight_decay, bc1=bc1, bc2=bc2, simd=simd)
     rc = lib.gefen_quantized_step(ctypes.byref(a), param.data_ptr(), grad.data_ptr(),
                                   idx.data_ptr(), scale.data_ptr(), v.data_ptr(),
                                   tab.cb.data_ptr(), tab.lut.data_ptr())
@@ -509,7 +511,9 @@ def quantized_step_(
         torch.autograd.graph.increment_version(t)
 
 
-def _make_args(param, n, P, B, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2) -> _Args:
+def _make_args(param, n, P, B, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2, simd) -> _Args:
+    if simd not in SIMD_MODES:
+        raise ValueError(f"simd must be one of {SIMD_MODES}, got {simd!r}")
     num = numerics()
     w = 1.0 - beta1
     small = abs(w) < 0.5
@@ -526,7 +530,7 @@ def _make_args(param, n, P, B, tab, *, lr, beta1, beta2, eps, weight_decay, bc1,
     a.lerp_small = int(small)
     a.has_wd = int(weight_decay != 0.0)
     a.lut_mode, a.lut_n, a.lut_h = tab.mode, tab.nb, tab.h
-    a.simd = int(_USE_SIMD)
+    a.simd = int(simd)
     # scalars as torch converts them (Python double -> float32 opmath)
     a.lerp_c = float(wf) if small else float(wf - np.float32(1.0))
     a.beta2 = beta2
@@ -559,12 +563,13 @@ def quantized_step_factored_(
     scale_block: int,
     row0: int = 0,
     row_block: int = 0,
+    simd: int = 1,
 ) -> None:
     """Gefen update with a factored second moment, in place (fused kernel; same contract as
     :func:`gefen_dist.core.step.quantized_step_factored_eager_`). ``v_col`` and the column
     factors ``sqrt(v_col / mean(v_col))`` are computed with the eager path's torch operations
-    (``slab`` elements); rows run in the kernel, each by one thread. Falls back to the eager
-    path when the native library is unavailable."""
+    (``slab`` elements); rows run in the kernel, each by one thread. ``simd`` as for
+    :func:`quantized_step_`. Falls back to the eager path when the native library is unavailable."""
     lib = _lib()
     if lib is None:
         from gefen_dist.core.step import quantized_step_factored_eager_
@@ -601,7 +606,7 @@ def quantized_step_factored_(
     rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
     tab = codebook_table(codebook)
     a = _make_args(param, n, S, B, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                   weight_decay=weight_decay, bc1=bc1, bc2=bc2)
+                   weight_decay=weight_decay, bc1=bc1, bc2=bc2, simd=simd)
     rc = lib.gefen_quantized_step_factored(ctypes.byref(a), param.data_ptr(), grad.data_ptr(),
                                            idx.data_ptr(), scale.data_ptr(), v_row.data_ptr(),
                                            col_f.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr(),

@@ -742,19 +742,19 @@ class _GradTable:
         return self._table
 
 
-# (ROWS, BLOCK_SIZE, num_warps) for every MultiStep launch instead of _config's choice: for
-# benchmarks/gpu_step.py --tune only (results then differ from single-tensor launches in the
-# summation order of mean(g^2))
-_CONFIG_OVERRIDE: Optional[Tuple[int, int, int]] = None
-
-
 class MultiStep:
     """The Gefen update of many tensors with one kernel launch per (mode, dtype, chunk config):
     the same per-row work as :func:`quantized_step_` / :func:`quantized_step_factored_`, so each
     tensor's result is bitwise that of its own launch. Built once for a fixed set of tensors
-    (their state tensors must stay in place); :meth:`run` takes this step's gradients."""
+    (their state tensors must stay in place); :meth:`run` takes this step's gradients.
 
-    def __init__(self, items, device: torch.device):
+    ``config`` = (ROWS, BLOCK_SIZE, num_warps) forces one launch configuration on every tensor
+    instead of :func:`_config`'s choice (benchmarks/gpu_step.py --tune times them); results then
+    differ from single-tensor launches in the summation order of mean(g^2)."""
+
+    def __init__(self, items, device: torch.device, config: Optional[Tuple[int, int, int]] = None):
+        if config is not None and (len(config) != 3 or any(int(c) < 1 for c in config)):
+            raise ValueError(f"config must be (ROWS, BLOCK_SIZE, num_warps) of positive ints, got {config!r}")
         self.device = torch.device(device)
         self.items = list(items)
         buckets: Dict[tuple, list] = {}
@@ -766,7 +766,7 @@ class MultiStep:
                 raise ValueError(f"param dtype {it.param.dtype} not supported (float32, bfloat16)")
             if it.S % it.B or n % it.S or (it.mode != 2 and it.S != it.B):
                 raise ValueError(f"bad item {i}: S={it.S}, B={it.B}, mode={it.mode}, numel={n}")
-            rows, bs, warps = _CONFIG_OVERRIDE or _config(it.B, n // it.S)
+            rows, bs, warps = tuple(config) if config is not None else _config(it.B, n // it.S)
             buckets.setdefault((it.mode, it.param.dtype == torch.bfloat16, rows, bs, warps), []).append(i)
         self._launches = []
         for (mode, bf16, rows, bs, warps), members in buckets.items():

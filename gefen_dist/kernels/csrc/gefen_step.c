@@ -57,27 +57,6 @@
 
 #define GEFEN_STEP_ABI 8
 
-/* Timing-only builds (benchmarks/kernel_breakdown.py): each set bit of GEFEN_ABLATE skips one stage
- * of the AVX-512 block step, so the difference in time is that stage's cost. The results are WRONG
- * in such a build; the library is always built with GEFEN_ABLATE == 0.
- *   1: the nearest-codeword table (two-level / gather): the bucket index stands in for lut[k]
- *   2: the two candidate lookups C[j], C[j + 1] (z and 2z stand in for them)
- *   4: the dequantisation lookup C[idx] of sweep 1 (the index converted to float stands in)
- *   8: sweep 2 entirely (quantise and update): only sweep 1 and the scale are computed */
-#ifndef GEFEN_ABLATE
-#define GEFEN_ABLATE 0
-#endif
-/* Timing-only build (benchmarks/lagcol_speed.py): GEFEN_COLACC=1 makes the factored kernel also
- * accumulate each row's g^2 into per-thread float64 column sums while the row is in cache (what a
- * one-step-lagged v_col would need instead of the separate column pass); the sums are only folded
- * into a sink here, not returned. The library is always built with GEFEN_COLACC == 0. */
-#ifndef GEFEN_COLACC
-#define GEFEN_COLACC 0
-#endif
-#if GEFEN_COLACC
-volatile double gefen_colacc_sink;
-#endif
-
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #else
@@ -617,12 +596,7 @@ ALWAYS_INLINE void vm64(const gefen_step_args *a, const void *grad, const uint8_
 {
     __m512 cv[4];
     __m512i ixv = _mm512_maskz_loadu_epi8(k64, ix + i0);
-    if (GEFEN_ABLATE & 4) {
-        for (int r = 0; r < 4; ++r)
-            cv[r] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(ixv, 0)));
-    } else {
-        cb_lookup64(transpose_bytes(ixv), pl->p[0], cv);
-    }
+    cb_lookup64(transpose_bytes(ixv), pl->p[0], cv);
     const __m512 Mv = _mm512_set1_ps(M), c = _mm512_set1_ps(a->lerp_c);
     for (int r = 0; r < 4; ++r) {
         __mmask16 k = lane_mask(B - i0 - 16 * r);
@@ -675,7 +649,6 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
     const __m512 us = _mm512_set1_ps(PM == 0 ? (A * sigma) * a->lr : A * a->lr);
     const __m512 sl = _mm512_set1_ps(PM == 1 ? 1.0f / a->sqrt_bc2 : sigma);
 
-    if (GEFEN_ABLATE & 8) return;
     /* sweep 2 */
     const __m512i dtr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     for (int64_t i0 = 0; i0 < B; i0 += 64) {
@@ -698,9 +671,6 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
             z[r] = zz;
         }
         __m512i jb; /* the lower candidate of each element, bytes in natural order */
-        if (GEFEN_ABLATE & 1) {
-            jb = _mm512_packus_epi16(_mm512_packus_epi32(kb[0], kb[1]), _mm512_packus_epi32(kb[2], kb[3]));
-        } else
 #ifdef GEFEN_TWO_LEVEL
         if (pl->two) {
             jb = two_level64(pl, kb);
@@ -719,15 +689,8 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
         /* transposed byte order for the lookups: dword (L*4 + q) <- (q*4 + L) of the natural order */
         const __m512i jt = _mm512_permutexvar_epi32(dtr, jb);
         __m512 c0[4], c1[4], cq[4];
-        if (GEFEN_ABLATE & 2) {
-            for (int r = 0; r < 4; ++r) {
-                c0[r] = z[r];
-                c1[r] = _mm512_add_ps(z[r], z[r]);
-            }
-        } else {
-            cb_lookup64(jt, pl->p[0], c0);
-            cb_lookup64(jt, pl->p[1], c1);
-        }
+        cb_lookup64(jt, pl->p[0], c0);
+        cb_lookup64(jt, pl->p[1], c1);
         __mmask64 up = 0, nanm = 0;
         for (int r = 0; r < 4; ++r) {
             __m512 d1 = _mm512_and_ps(_mm512_sub_ps(z[r], c1[r]), absmask);
@@ -918,28 +881,6 @@ static int threads_for(const gefen_step_args *a, int64_t nb, int64_t *chunk)
     return nt;
 }
 
-/* GEFEN_COLACC (timing only): add row [o, o + S) of g^2 to the float64 column sums acc. */
-ALWAYS_INLINE void colacc_row(double *restrict acc, const void *restrict g, int64_t o, int64_t S, const int dt)
-{
-#pragma omp simd
-    for (int64_t j = 0; j < S; ++j) {
-        const float x = load_g(g, o + j, dt);
-        acc[j] += (double)(x * x);
-    }
-}
-static void colacc_sink(double *acc, int64_t S)
-{
-    double t = 0.0;
-    for (int64_t j = 0; j < S; ++j) t += acc[j];
-    free(acc);
-#if GEFEN_COLACC
-#pragma omp critical
-    gefen_colacc_sink += t;
-#else
-    (void)t;
-#endif
-}
-
 /* All blocks, one specialisation per (dtype, period mode, table mode, fused lerp). The
  * OpenMP region sits in a separate non-inline function per specialisation so that the
  * outlined parallel body sees the constants (an inline helper's region is outlined
@@ -991,11 +932,9 @@ static void colacc_sink(double *acc, int64_t S)
         _Pragma("omp parallel num_threads(nt) if (nt > 1)")                                 \
         {                                                                                   \
             float *buf = use_buf ? (float *)malloc((size_t)B * sizeof(float)) : NULL;       \
-            double *cacc = GEFEN_COLACC ? (double *)calloc((size_t)S, sizeof(double)) : NULL; \
             _Pragma("omp for schedule(dynamic, chunk)")                                     \
             for (int64_t r = 0; r < rows; ++r) {                                            \
                 float s = sumsq(grad, r * S, S, a->sum_lanes, DT, a->simd);                 \
-                if (GEFEN_COLACC && cacc) colacc_row(cacc, grad, r * S, S, DT);             \
                 float vr = vupd(vrow[r], s / (float)S, a->beta2, a->alpha2, a->fused_axpy); \
                 vrow[r] = vr;                                                               \
                 const float srs = sqrtf(vr) * isb;                                          \
@@ -1005,7 +944,6 @@ static void colacc_sink(double *acc, int64_t S)
                              planes, cfr, srs, DT, 2, LM, FL);                              \
             }                                                                               \
             free(buf);                                                                      \
-            if (cacc) colacc_sink(cacc, S);                                                 \
         }                                                                                   \
     }
 #define DEFINE_RUNF_FL(DT, LM) DEFINE_RUNF(DT, LM, 0) DEFINE_RUNF(DT, LM, 1)

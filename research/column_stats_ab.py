@@ -1,6 +1,6 @@
 """A/B of Gefen.step()'s gradient statistics on the GPT-2-small tensor set (default, factored).
 
-    python benchmarks/column_stats_ab.py [THREADS]     # default 1 thread
+    python research/column_stats_ab.py [THREADS]     # default 1 thread
 
 "new": the factored tensors' column sums of g^2 in one native pass (kernels/cpu.column_sumsq),
 reused as their non-finite check; "old": the eager torch column_sumsq plus a g.sum() per tensor
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "research"), str(ROOT / "benchmarks"), str(ROOT)]
 import gefen_dist.optimizer as O  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 from gefen_dist.core.step import column_sumsq  # noqa: E402

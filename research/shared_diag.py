@@ -1,7 +1,7 @@
 """Why is gefen_dist's second_moment="shared" worse than the paper's code on the small preset?
 
-    python benchmarks/shared_diag.py ref_exact1d shared_refcb gefen_shared reference
-    python benchmarks/shared_diag.py step1      # one step against the reference, same codebook
+    python research/shared_diag.py ref_exact1d shared_refcb gefen_shared reference
+    python research/shared_diag.py step1      # one step against the reference, same codebook
 
 Runs benchmarks/quality.py's LM recipe (small preset, seed 0) shortened to 100 steps (the cosine
 schedule then spans those 100 steps) for variants that each undo one gefen_dist decision, and
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "research"), str(ROOT / "benchmarks"), str(ROOT)]
 import quality as Q  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 class Combo(torch.optim.Optimizer):
@@ -116,10 +117,10 @@ def main() -> None:
     if sys.argv[1:] == ["step1"]:
         step1_check()
         return
-    Q.VARIANTS["shared_refcb"] = ("gefen_dist shared with the reference's codebook",
-                                  lambda groups, lr, betas, seed: SharedRefCB(groups, lr, betas))
-    Q.VARIANTS["ref_exact1d"] = ("reference on >=2-D, AdamW on 1-D",
-                                 lambda groups, lr, betas, seed: Combo(groups, lr, betas))
+    Q.register("shared_refcb", "gefen_dist shared with the reference's codebook",
+               lambda groups, lr, betas, seed: SharedRefCB(groups, lr, betas))
+    Q.register("ref_exact1d", "reference on >=2-D, AdamW on 1-D",
+               lambda groups, lr, betas, seed: Combo(groups, lr, betas))
     args = type("A", (), {"quick": False, "lm_preset": None, "lm_batch": None, "lm_context": None, "lm_steps": 100})()
     cfg = Q.lm_config(args)
     for v in sys.argv[1:] or ["ref_exact1d", "shared_refcb", "gefen_shared", "reference"]:

@@ -1,18 +1,19 @@
 """What a one-step lag in the factored column statistics would save on the CPU step (a prototype
 measurement; the library does not lag).
 
-    python benchmarks/lagcol_speed.py [--threads 1] [--rounds 7]
-                                      [--out docs/results/lagcol_speed.json]
+    python research/lagcol_speed.py [--threads 1] [--rounds 7]
+                                    [--out research/results/lagcol_speed.json]
 
 The default (factored) step reads every 2-D gradient twice: once for the column means of ``g^2``
 (all rows are needed before the first row's update) and once in the kernel. If ``v_col`` advanced
-with the *previous* step's column means (benchmark variant ``x_lagcol`` of ``quality.py`` measures
+with the *previous* step's column means (variant ``x_lagcol`` of ``research/quality_variants.py`` measures
 what that costs in loss), the kernel could accumulate this step's column sums while each row is in
 cache and the separate pass would go. This script times ``Gefen.step()`` (defaults, fp32, the
 GPT-2-small tensor set of ``step_speed.py``) as it is, next to the same step with
 
 * the column pass replaced by the first step's (cached) column sums, and
-* the kernel built with ``-DGEFEN_COLACC=1`` (``gefen_dist/kernels/csrc/gefen_step.c``), which adds
+* the kernel built with ``-DGEFEN_COLACC=1`` (a copy of ``gefen_dist/kernels/csrc/gefen_step.c`` with
+  ``research/patches/timing_builds.patch`` applied, see ``kernel_breakdown.py``), which adds
   each row's ``g^2`` to per-thread float64 column sums in the row loop (the work the lag moves
   into the kernel; the sums are discarded, so the result is a timing, not a step),
 
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "research")]
 
 from gefen_dist import Gefen  # noqa: E402
 from gefen_dist.kernels import cpu as C  # noqa: E402
@@ -41,7 +42,7 @@ from gefen_dist.kernels import native  # noqa: E402
 from kernel_breakdown import build_with, use  # noqa: E402
 from step_speed import HP, Bench, cpu_name, demo_codebook, time_rounds  # noqa: E402
 
-DEFAULT_OUT = ROOT / "docs" / "results" / "lagcol_speed.json"
+DEFAULT_OUT = ROOT / "research" / "results" / "lagcol_speed.json"
 
 
 def build_colacc(outdir: Path) -> ctypes.CDLL:

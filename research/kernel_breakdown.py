@@ -1,15 +1,18 @@
 """Where the fused CPU step's time goes: timing-only builds of the kernel with one stage removed.
 
-    python benchmarks/kernel_breakdown.py [--threads 1] [--rounds 7]
-                                          [--out docs/results/kernel_breakdown.json]
-                                          [--md docs/results/kernel_breakdown_table.md]
+    python research/kernel_breakdown.py [--threads 1] [--rounds 7]
+                                        [--out research/results/kernel_breakdown.json]
+                                        [--md research/results/kernel_breakdown_table.md]
 
-``gefen_dist/kernels/csrc/gefen_step.c`` compiled with ``-DGEFEN_ABLATE=k`` skips stages of its
+The production ``gefen_dist/kernels/csrc/gefen_step.c`` has no timing switches. This script copies
+it to a temporary directory, applies ``research/patches/timing_builds.patch`` (which adds the
+``GEFEN_ABLATE`` and ``GEFEN_COLACC`` macros, both 0 by default) and compiles the copy with
+``-DGEFEN_ABLATE=k``, which skips stages of its
 AVX-512 block step (bit 1: the nearest-codeword table, 2: the two candidate codeword lookups,
 4: sweep 1's dequantisation lookup, 8: all of sweep 2). Such a build computes wrong numbers; only
 its time is of interest. Each build is loaded in this process and ``Gefen.step()`` (the library
 default: factored second moment with row blocks, fp32) on the GPT-2-small tensor set of
-``step_speed.py`` (124,439,808 parameters) is timed with every build in turn, interleaved over
+``benchmarks/step_speed.py`` (124,439,808 parameters) is timed with every build in turn, interleaved over
 ``--rounds`` rounds, next to torch's fused AdamW on the same tensors. A stage's cost is the median
 of the full build's time minus the median of the build without it (process CPU time, steadier
 than wall time on a shared machine). Needs a CPU with AVX-512 VBMI (the path these stages live
@@ -20,10 +23,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,15 +36,18 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+RESULTS = ROOT / "research" / "results"
+PATCH = ROOT / "research" / "patches" / "timing_builds.patch"
 
 from _docs import publish  # noqa: E402
 from gefen_dist.kernels import cpu as C  # noqa: E402
 from gefen_dist.kernels import native  # noqa: E402
 from step_speed import HP, Bench, cpu_name, demo_codebook, time_rounds  # noqa: E402
 
-DEFAULT_OUT = ROOT / "docs" / "results" / "kernel_breakdown.json"
-DEFAULT_MD = ROOT / "docs" / "results" / "kernel_breakdown_table.md"
+DEFAULT_OUT = RESULTS / "kernel_breakdown.json"
+DEFAULT_MD = RESULTS / "kernel_breakdown_table.md"
 SOURCE = native.CSRC / "gefen_step.c"
+_PATCH_LOCK = threading.Lock()
 
 # name -> (GEFEN_ABLATE bits, what the build leaves out)
 BUILDS = {
@@ -52,13 +60,37 @@ BUILDS = {
 }
 
 
+def patched_source(outdir: Path) -> Path:
+    """A copy of the production ``gefen_step.c`` in ``outdir`` with the timing switches patched in
+    (``research/patches/timing_builds.patch``); the headers it includes are copied beside it."""
+    src = outdir / "csrc"
+    target = src / SOURCE.name
+    with _PATCH_LOCK:  # the builds run in threads and share outdir
+        if target.exists():
+            return target
+        work = outdir / "csrc.tmp"
+        work.mkdir(exist_ok=True)
+        for f in native.CSRC.iterdir():
+            if f.suffix in (".c", ".h"):
+                shutil.copy2(f, work / f.name)
+        r = subprocess.run(["patch", "--quiet", "--forward", str(work / SOURCE.name), str(PATCH)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"{PATCH.name} does not apply to {SOURCE} (the kernel changed: refresh the patch)\n"
+                             f"{r.stdout}{r.stderr}")
+        work.rename(src)
+    return target
+
+
 def build_with(define: str, outdir: Path) -> ctypes.CDLL:
-    """``gefen_step.c`` compiled as the loader compiles it, plus ``-D<define>`` (a timing-only build)."""
+    """``gefen_step.c`` with the timing switches patched in, compiled as the loader compiles it, plus
+    ``-D<define>`` (a timing-only build)."""
     cc = native._compiler()
     if cc is None:
         raise SystemExit("this benchmark needs a C compiler (set CC)")
     out = outdir / f"gefen_step_{define.replace('=', '_')}.so"
-    cmd = [cc, *native._BASE_FLAGS, "-march=native", "-fopenmp", f"-D{define}", "-o", str(out), str(SOURCE), "-lm"]
+    cmd = [cc, *native._BASE_FLAGS, "-march=native", "-fopenmp", f"-D{define}", "-o", str(out),
+           str(patched_source(outdir)), "-lm"]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return ctypes.CDLL(str(out))
 
@@ -160,7 +192,7 @@ def main() -> None:
                            cpu_ms_samples=cpu_ms, wall_ms_samples=wall))
     command = ("python benchmarks/kernel_breakdown.py " + " ".join(sys.argv[1:])).strip()
     md = table_md(out, command)
-    publish(out, args.out, md, args.md, DEFAULT_MD, "kernel_breakdown_table.md")
+    publish(out, args.out, md, args.md, DEFAULT_MD, "kernel_breakdown_table.md", doc=ROOT / "research" / "speed-log.md")
 
 
 if __name__ == "__main__":

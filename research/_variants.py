@@ -1,4 +1,5 @@
-"""Ablation variants of ``gefen_dist.Gefen`` for ``benchmarks/quality.py`` (benchmark code only).
+"""Ablation variants of ``gefen_dist.Gefen`` for the quality benchmark (research code only;
+``research/quality_variants.py`` registers them with ``benchmarks/quality.py``).
 
 ``GefenVariant`` subclasses :class:`gefen_dist.Gefen` and changes one mechanism at a time, leaving
 everything else (period detection, codebook learning, exact small tensors, bias correction,

@@ -1,0 +1,166 @@
+"""The README's results table, from the stored results in docs/results/ (nothing is measured here).
+
+    python benchmarks/results_table.py            # print the table
+    python benchmarks/results_table.py --write    # and splice it into README.md (results_table markers)
+
+Each row names what was measured, the figure, and the hardware, torch version and date that the
+stored JSON records for it ("not recorded" where the file does not say); ``--commands`` also
+prints the command that wrote each file. tests/test_readme.py checks that README.md holds exactly this table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _docs import splice  # noqa: E402
+from seed_gaps import load_finals, seed_gaps  # noqa: E402
+
+NR = "not recorded"
+MARKER = "results_table"
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _day(ts) -> str:
+    """A run's date (YYYY-MM-DD) from a unix time or an ISO timestamp."""
+    return time.strftime("%Y-%m-%d", time.gmtime(ts)) if isinstance(ts, (int, float)) else str(ts)[:10]
+
+
+def _span(days) -> str:
+    days = sorted(set(days))
+    return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+
+
+def _runs(*files: str):
+    """(records, their dates) of the quality runs files."""
+    recs = [json.loads(line) for f in files for line in (RESULTS / f).read_text().splitlines() if line.strip()]
+    return recs, [_day(r["time"]) for r in recs if "time" in r]
+
+
+def _params(recs, preset: str) -> str:
+    n = next(r["result"]["params"] for r in recs if r["workload"] == "lm" and r["config"].get("preset") == preset)
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _pct(x: float) -> str:
+    return f"{x:+.2f}%"
+
+
+def rows() -> list:
+    """(what, result, hardware, torch, date, command) per row."""
+    out = []
+    mem = _load("memory.json")
+    out.append((f"optimizer state, GPT-2 small ({mem['params']:,} params)",
+                f"**{mem['gefen_bytes_per_param']:.4f} B/param** (default) vs AdamW {mem['adamw_bytes_per_param']:.4f} "
+                f"({mem['ratio_adamw_over_gefen']:.2f}x less)", "any (counted bytes)", NR, NR, "python benchmarks/memory.py"))
+
+    q_torch = _load("quality_r14.json")["torch"]
+    recs, days = _runs("quality_runs_r14.jsonl", "quality_runs_r15.jsonl")
+    res = seed_gaps(load_finals([RESULTS / "quality_runs_r14.jsonl", RESULTS / "quality_runs_r15.jsonl"]), "u_square_blocks")
+    tw = res["trains_well"]
+    behind = sum(r["gap_pct"] > 0 for r in res["seeds"] if r["base_trains_well"])
+    hosts = sorted({r["host"] for r in recs if r.get("host") and not r["host"].startswith("copied")})
+    out.append((f"val loss vs AdamW, `small` LM ({_params(recs, 'small')} params, 800 steps)",
+                f"**{_pct(tw['mean'])}** mean over {tw['n']} seeds (95% interval {_pct(tw['ci95'][0])} to "
+                f"{_pct(tw['ci95'][1])}), behind on {behind}, worst {_pct(tw['max'])}",
+                "; ".join(hosts) or NR, q_torch, _span(days), "python benchmarks/seed_gaps.py"))
+
+    recs, _ = _runs("quality_runs.jsonl")
+    for preset, steps, seeds in (("base", 800, (0, 1)), ("tiny", 800, (0, 1, 2))):
+        f = load_finals([RESULTS / "quality_runs.jsonl"], preset, steps)
+        gaps = [100 * (f[("gefen_default", s)]["val"] / f[("adamw", s)]["val"] - 1) for s in seeds]
+        mine = [r for r in recs if r["workload"] == "lm" and r["variant"] in ("adamw", "gefen_default")
+                and r["config"].get("preset") == preset and r["config"].get("steps") == steps and r["seed"] in seeds]
+        result = ", ".join(_pct(g) for g in gaps) + f" (seeds {', '.join(map(str, seeds))}"
+        result += f"; mean {_pct(statistics.fmean(gaps))})" if len(gaps) > 2 else "; AdamW stalls on seed 2)"
+        out.append((f"val loss vs AdamW, `{preset}` LM ({_params(recs, preset)} params, {steps} steps)", result, NR,
+                    _load(f"quality_{preset}.json")["torch"], _span(_day(r["time"]) for r in mine),
+                    f"python benchmarks/quality.py --lm-preset {preset} ..."))
+
+    soak = _load("soak.json")
+    g, a = soak["runs"]["gefen"], soak["runs"]["adamw"]
+    out.append((f"soak: `tiny` LM, {g['steps']:,} steps",
+                f"{g['nonfinite_losses']} non-finite losses, constant state, RSS {g['rss_growth_end_bytes'] / 2**20:+.1f} MiB; "
+                f"final val loss {_pct(100 * (g['final_val_loss'] / a['final_val_loss'] - 1))} vs AdamW (1 seed, "
+                f"at {g['state_bytes_per_param']:.3f} B/param: before row blocks)",
+                soak["machine"], soak["torch"], soak["date"], "python benchmarks/soak.py"))
+
+    sp = _load("step_speed_peers.json")
+    m = sp["results"]["fp32"]["methods"]
+    out.append(("CPU step, GPT-2 small fp32, 1 thread",
+                f"**slower** than fused AdamW: `Gefen.step()` {m['Gefen_e2e_fused']['ratio_to_torch_adamw_fused']:.2f}x "
+                f"its time (measured at {m['Gefen_e2e_fused']['state_bytes_per_param']:.4f} B/param: before row blocks), "
+                f"kernel {m['gefen_fused']['ratio_to_torch_adamw_fused']:.2f}x",
+                sp["meta"]["cpu"], sp["meta"]["torch"], NR, "python benchmarks/step_speed.py --threads 1 ..."))
+
+    fl = _load("flat_step.json")["ms"]
+    fm = _load("flat_step.json")
+    out.append(("DeepSpeed flat-buffer step, GPT-2 small, 1 thread",
+                f"{fl['flat_fused']['cpu_median_ms'] / 1e3:.2f} s CPU time vs fused AdamW "
+                f"{fl['torch_adamw_fused']['cpu_median_ms'] / 1e3:.2f} s",
+                fm["cpu"], fm["torch"], _day(fm["timestamp"]), "python benchmarks/flat_step.py"))
+
+    gp = _load("gpu_step.json")
+    o = gp["optimizers"]
+
+    def ratio(k):
+        return o[k]["ms"]["gefen_default"]["median_ms"] / o[k]["ms"]["torch_adamw_fused"]["median_ms"]
+
+    out.append(("GPU step, `Gefen.step()` vs fused AdamW",
+                f"**slower**: {ratio('small_fp32'):.1f}x (GPT-2 small fp32), {ratio('xl_fp32'):.1f}x (GPT-2 XL), "
+                f"{ratio('small_bf16'):.1f}x / {ratio('xl_bf16'):.1f}x in bf16",
+                gp["gpu"], gp["torch"], _day(gp["timestamp"]), "bash benchmarks/gpu_check.sh"))
+
+    th = _load("throughput.json")
+    fs = th["results"]["fsdp"]
+    out.append((f"FSDP2 under AdamW's memory budget, {th['settings']['nproc']} CPU ranks",
+                f"largest micro-batch {fs['adamw']['fit_micro_batch']} -> {fs['gefen']['fit_micro_batch']}, tokens/s "
+                f"{fs['gefen']['tokens_per_s'] / fs['adamw']['tokens_per_s']:.2f}x",
+                f"{th['env']['machine']}, {th['env']['cpus']} CPUs", th["env"]["torch"], NR, "python benchmarks/throughput.py"))
+
+    fst = _load("first_step.json")
+    gs = fst["gefen_step"]
+    out.append(("first step (periods + codebook), GPT-2 small",
+                f"{gs['first_step_s']:.2f} s vs an ordinary step's {gs['ordinary_step_s']:.2f} s",
+                fst["cpu"], NR, NR, "python benchmarks/first_step.py"))
+
+    zw = _load("zero_wire.json")
+    out.append((f"ZeroGefen all-gather bytes, GPT-2 small, {zw['analytic_gpt2_small'][0]['world_size']} ranks",
+                f"{zw['analytic_gpt2_small'][0]['ratio_fp32_over_zero']:.2f}x fewer than an fp32 parameter all-gather",
+                "any (counted bytes)", zw["torch"], NR, "python benchmarks/zero_wire.py"))
+    return out
+
+
+def table_md() -> str:
+    lines = ["<!-- generated by `python benchmarks/results_table.py --write`; do not edit -->", "",
+             "| measured | result | hardware | torch | date |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(r[:5]) + " |" for r in rows()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", action="store_true", help="splice the table into README.md")
+    ap.add_argument("--commands", action="store_true", help="also print the command behind each row")
+    args = ap.parse_args(argv)
+    md = table_md()
+    print(md, end="")
+    if args.commands:
+        print("\n".join(f"{r[0]}: {r[5]}" for r in rows()))
+    if args.write and not splice(ROOT / "README.md", MARKER, md):
+        raise SystemExit(f"README.md has no {MARKER} markers")
+
+
+if __name__ == "__main__":
+    main()

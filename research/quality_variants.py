@@ -1,0 +1,336 @@
+"""The quality benchmark's ablation variants (research): each changes one mechanism of Gefen.
+
+``benchmarks/quality.py`` holds the product configurations; this module registers the variants
+(``research/_variants.py``: subclasses that override Gefen's private methods) with
+``quality.register`` and then runs the same command line, so every variant name, the
+``ablations`` group and ``--report`` work as they did. The report's tables are spliced into
+``research/quality-log.md`` (markers ``quality_table_<tag>.md``)::
+
+    python research/quality_variants.py --only adamw,u_square_blocks --workloads lm --seeds 0,1
+    python research/quality_variants.py --seeds 0 --only ablations --lm-preset tiny --lm-context 64
+    python research/quality_variants.py --report --tag small --workloads lm
+
+Research imports benchmarks, never the reverse.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT / "research", ROOT / "benchmarks", ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from torch import nn  # noqa: E402
+
+import quality  # noqa: E402
+from quality import _adamw, _gefen  # noqa: E402
+
+LOG = ROOT / "research" / "quality-log.md"
+
+Q4V = dict(q4_step=1.0 / 3.0, q4_zero=6)  # levels 2^(-2) .. 2^3 around the factored estimate
+Q4V_EMB = dict(m_bits=4, v_bits=4, **Q4V)
+Q4V_FLOOR = dict(q4_step=1.0 / 3.0, q4_zero=0, q4_floor=True)  # levels 1x .. 2^5 above the factored estimate
+
+def _lagcol(**kw):
+    def make(groups, lr, betas, seed):
+        from _variants import LagColGefen
+        kw.setdefault("fused", False)
+        return LagColGefen(groups, lr=lr, betas=betas, eps=1e-8, **kw)
+    return make
+
+
+def _variant(**kw):
+    def make(groups, lr, betas, seed):
+        from _variants import GefenVariant
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, **kw)
+    return make
+
+
+def _variant_emb(mode: Optional[str], m_mode: Optional[str] = None, **kw):
+    """A GefenVariant whose nn.Embedding weights (the GPT's wte, tied to the LM head, and wpe) get
+    the second moment ``mode`` ("exact" / "row" / ...) and, with ``m_mode``, that first moment
+    ("quant4"), every other tensor ``kw``'s."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        emb = {id(m.weight): mode for m in model.modules() if isinstance(m, nn.Embedding)}
+        m_over = {k: m_mode for k in emb} if m_mode else None
+        v_over = emb if mode else None  # None: the embeddings keep kw's second moment
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=v_over,
+                            m_override=m_over, **kw)
+    make.needs_model = True
+    return make
+
+
+def _variant_named(mode: str, substrings, **kw):
+    """A GefenVariant whose parameters with a name containing one of ``substrings`` get the second
+    moment ``mode`` ("exact", ...), every other tensor ``kw``'s: to locate which tensors an
+    estimator costs loss on."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        over = {id(p): mode for name, p in model.named_parameters() if any(s in name for s in substrings)}
+        assert over, f"no parameter name contains any of {substrings}"
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, **kw)
+    make.needs_model = True
+    return make
+
+
+def _variant_attn_rowblock(per_head: bool, **kw):
+    """A GefenVariant whose attention input projections (``attn.c_attn``, [3d, d]: q, k, v stacked
+    by rows, each head's rows contiguous) get the ``"rowblock"`` second moment with one column
+    profile per section (q, k, v) or, ``per_head``, per head of each section; every other tensor
+    ``kw``'s."""
+    def make(groups, lr, betas, seed, *, model, n_heads, **_):
+        from _variants import GefenVariant
+        over = {id(p): "rowblock" for name, p in model.named_parameters() if "attn.c_attn.weight" in name}
+        assert over, "no attn.c_attn.weight"
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over,
+                            v_groups=3 * n_heads if per_head else 3, **kw)
+    make.needs_model = True
+    return make
+
+
+def _variant_square_rowblocks(**kw):
+    """A GefenVariant in which every 2-D tensor of R = k x C rows (k >= 2 an integer, C columns) gets
+    the ``"rowblock"`` second moment with k blocks of C rows (a shape rule, no names): c_attn
+    [3d, d] gets q, k, v, mlp.c_fc [4d, d] four blocks of d hidden units; every other tensor ``kw``'s."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        over, K = {}, {}
+        for _, p in model.named_parameters():
+            if p.dim() == 2 and p.shape[0] >= 2 * p.shape[1] and p.shape[0] % p.shape[1] == 0:
+                over[id(p)], K[id(p)] = "rowblock", p.shape[0] // p.shape[1]
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, v_groups=K, **kw)
+    make.needs_model = True
+    return make
+
+
+def _variant_blocks_meanvar_min(**kw):
+    """(z) s_meanvar_min on the default's layout: every 2-D tensor of R = k x C rows (2 <= k <= 8, the
+    library's row_blocks="auto" rule) gets ``"rowblock_meanvar_min"`` with k blocks (one column
+    profile per block for g^2 and for the innovations), every other tensor ``"meanvar_min"``."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        from gefen_dist.core.periods import factored_row_blocks
+
+        K = {id(p): k for p in model.parameters() if p.dim() == 2 and (k := factored_row_blocks(p.shape)) > 1}
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed,
+                            v_override=dict.fromkeys(K, "rowblock_meanvar_min"), v_groups=K,
+                            second_moment_mode="meanvar_min", **kw)
+    make.needs_model = True
+    return make
+
+
+def _variant_blocks_emb(mode: str, m_mode: Optional[str] = None, **kw):
+    """u_square_blocks (row blocks on every [k x C, C] tensor) with the embeddings (wte, tied to
+    the LM head, and wpe) given the second moment ``mode`` and first moment ``m_mode``, as
+    :func:`_variant_emb` does."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        over, K = {k: mode for k in emb}, {}
+        for _, p in model.named_parameters():
+            if (id(p) not in emb and p.dim() == 2 and 2 * p.shape[1] <= p.shape[0] <= 8 * p.shape[1]
+                    and p.shape[0] % p.shape[1] == 0):
+                over[id(p)], K[id(p)] = "rowblock", p.shape[0] // p.shape[1]
+        m_over = {k: m_mode for k in emb} if m_mode else None
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, v_groups=K,
+                            m_override=m_over, **kw)
+    make.needs_model = True
+    return make
+
+
+def _lowbit_split(m_bits: int, v_bits: int, q4_zero: int):
+    """(o) every quantized tensor stores one byte per element split into an ``m_bits`` first moment
+    and a ``v_bits`` per-element v correction (levels 2^(k/3) around the factored estimate, k from
+    -q4_zero); the embeddings (wte = LM head, wpe) keep the (m) split of 4 + 4 bits."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from _variants import GefenVariant
+        emb = {id(m.weight): dict(Q4V_EMB) for m in model.modules() if isinstance(m, nn.Embedding)}
+        return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, first_moment="quant4",
+                            second_moment_mode="factored_q4", m_bits=m_bits, v_bits=v_bits, q4_zero=q4_zero,
+                            q4_step=1.0 / 3.0, lowbit_override=emb)
+    make.needs_model = True
+    return make
+
+
+# name -> (description, factory); the letters are the ablation families of research/quality-log.md
+RESEARCH_VARIANTS = {
+    # (a) unquantized first moment
+    "a_fp32m_shared": ("(a) fp32 first moment, shared second moment", _variant(first_moment="fp32")),
+    "a_fp32m_factored": ("(a) fp32 first moment, factored second moment",
+                         _variant(first_moment="fp32", second_moment_mode="factored")),
+    # (b) per-element second moment, quantized first moment on the default scale blocks
+    "b_quantm_exactv": ("(b) quantized first moment, per-element fp32 second moment",
+                        _variant(second_moment_mode="exact")),
+    # (c) period rules for the shared second moment
+    "c_period_row": ("(c) shared v, period = whole row", _variant(period_rule="row")),
+    "c_period_one": ("(c) period 1 (per-element v; scale block = largest divisor of row <= 256)",
+                     _variant(period_rule="one")),
+    # (d) small-tensor threshold
+    "d_thresh0": ("(d) shared, small_threshold=0 (only 1-D tensors exact)", _gefen(second_moment="shared", small_threshold=0)),
+    "d_thresh64k": ("(d) shared, small_threshold=65536", _gefen(second_moment="shared", small_threshold=65536)),
+    "d_factored_thresh0": ("(d) factored, small_threshold=0", _gefen(second_moment="factored", small_threshold=0)),
+    # (h) which tensors the factored second moment costs loss on
+    "h_factored_emb_exactv": ("(h) factored, but per-element fp32 v for the embeddings (wte = LM head, wpe)",
+                              _variant_emb("exact", second_moment_mode="factored")),
+    "h_factored_emb_rowv": ("(h) factored, but one v per row for the embeddings (wte = LM head, wpe)",
+                            _variant_emb("row", second_moment_mode="factored")),
+    "h_factored_emb_sm3": ("(h) factored, but the SM3 cover (steps never larger than AdamW's) for the embeddings "
+                           "(wte = LM head, wpe); same state", _variant_emb("sm3", second_moment_mode="factored")),
+    "h_factored_emb_grouped4": ("(h) factored, but 4 column profiles (rows grouped by v_row quantile, as j_grouped4) "
+                                "for the embeddings only (wte = LM head, wpe)",
+                                _variant_emb("grouped", second_moment_mode="factored", v_groups=4)),
+    # (j) the factored estimate with K column profiles (rows grouped by v_row quantile)
+    "j_grouped4": ("(j) factored with 4 column profiles, rows grouped by v_row quantile (all tensors)",
+                   _variant(second_moment_mode="grouped", v_groups=4)),
+    # (k) the factored estimate raised to the per-element EMA's own lower bounds (no extra state)
+    "k_factored_clamp": ("(k) factored, raised per element to (1-b2) g^2 and kappa m^2 (bounds every "
+                         "per-element EMA v obeys; no extra state)", _variant(second_moment_mode="factored_clamp")),
+    # (l) SM3-II's cover of the per-element v (an upper bound: steps never larger than AdamW's)
+    "l_sm3": ("(l) SM3 cover on the factored layout's row/column vectors: v_hat = b2 min(R_i, C_j) + "
+              "(1-b2) g^2 >= AdamW's v per element (same state as factored)", _variant(second_moment_mode="sm3")),
+    # (m) a per-element v in 4 bits relative to the factored estimate, paid for with a 4-bit m
+    "m_q4v_all": ("(m) 4-bit m (16-entry DP codebook) and a per-element 4-bit v relative to the factored "
+                  "estimate (levels 2^(k/3), k=-6..9, stochastic rounding) on every quantized tensor: 1 B/element, "
+                  "the default's budget", _variant(first_moment="quant4", second_moment_mode="factored_q4", **Q4V)),
+    "m_q4v_emb": ("(m) default, but 4-bit m and the per-element 4-bit v correction for the embeddings only "
+                  "(wte = LM head, wpe): the default's budget",
+                  _variant_emb("factored_q4", m_mode="quant4", second_moment_mode="factored", **Q4V)),
+    "m_emb_q4v_m8": ("(m) default, but the per-element 4-bit v correction for the embeddings only, their first "
+                     "moment kept at 8 bits (embeddings 1.5 B/element): m_q4v_emb without the 4-bit m",
+                     _variant_emb("factored_q4", second_moment_mode="factored", **Q4V)),
+    "m_emb_m4": ("(m) default, but a 4-bit first moment for the embeddings only (factored v everywhere): "
+                 "m_q4v_emb without the v correction", _variant_emb(None, m_mode="quant4", second_moment_mode="factored")),
+    "n_quant8m_q4v": ("(n) 8-bit m (the default's) and the per-element 4-bit v correction on every quantized tensor "
+                      "(1.5 B/element): how much of per-element v's gain 4 bits keep",
+                      _variant(second_moment_mode="factored_q4", **Q4V)),
+    # (p) the (m) split with the element's v never below the factored estimate
+    "p_q4vmax_emb": ("(p) as m_q4v_emb (4-bit m + per-element 4-bit v code for the embeddings only), but the "
+                     "element's v kept >= the factored estimate (levels 2^(k/3), k=0..15): only steps the factored "
+                     "estimate makes too long are shortened; the default's budget",
+                     _variant_emb("factored_q4", m_mode="quant4", second_moment_mode="factored", **Q4V_FLOOR)),
+    "p_q4vmax_all": ("(p) the floored 4-bit v code with a 4-bit m on every quantized tensor: 1 B/element, the "
+                     "default's budget", _variant(first_moment="quant4", second_moment_mode="factored_q4", **Q4V_FLOOR)),
+    # (q) per-element mean + factored variance: the same state as the default
+    "q_meanvar": ("(q) the element's own m_hat^2 plus the factored estimate of the gradient's variance, from the "
+                  "innovations g_t - m_hat_{t-1} (t >= 2, each scaled by 1/(1 + c_{t-1})): v_hat = m_hat^2 + "
+                  "(1 - c_t) var_hat, c_t = Var(m_hat_t)/sigma^2; same state as the default, no step longer than lr",
+                  _variant(second_moment_mode="meanvar")),
+    "q_meanvar_fp32m": ("(q) as q_meanvar with an fp32 first moment (no rounding error in the innovations)",
+                        _variant(second_moment_mode="meanvar", first_moment="fp32")),
+    # (s) the element's own mean may only lengthen the factored step
+    "s_meanvar_min": ("(s) v_hat = max(min(factored, m_hat^2 + factored innovation variance), (1-b2) g^2): the "
+                      "element's own mean lengthens the factored step of consistent elements, never shortens it; "
+                      "2 more float vectors per tensor", _variant(second_moment_mode="meanvar_min")),
+    # (t) which non-embedding tensors the factored estimate costs loss on
+    "t_exactv_attn": ("(t) factored, but a per-element fp32 v for the attention input projections (c_attn: q, k, v) "
+                      "only", _variant_named("exact", ("attn.c_attn",), second_moment_mode="factored")),
+    "t_exactv_mlp": ("(t) factored, but a per-element fp32 v for the MLP weights (mlp.c_fc, mlp.c_proj) only",
+                     _variant_named("exact", ("mlp.c_fc", "mlp.c_proj"), second_moment_mode="factored")),
+    "u_attn_qkv": ("(u) factored, but the attention input projections (c_attn) keep one column profile per section "
+                   "(q, k, v): 3 x d floats more per layer", _variant_attn_rowblock(False, second_moment_mode="factored")),
+    "u_attn_heads": ("(u) factored, but the attention input projections (c_attn) keep one column profile per head of "
+                     "each of q, k, v: 3 x heads x d floats more per layer",
+                     _variant_attn_rowblock(True, second_moment_mode="factored")),
+    "u_square_blocks": ("(u) factored, but every 2-D tensor of k x C rows (C columns, k >= 2) keeps one column "
+                        "profile per block of C rows: c_attn's q, k, v and mlp.c_fc's four blocks (a shape rule)",
+                        _variant_square_rowblocks(second_moment_mode="factored")),
+    # (x) speed: the column statistics one step late (would let the kernel fuse them into its read of g)
+    "x_lagcol": ("(x) gefen_dist Gefen, defaults (row blocks), but v_col advanced with the previous step's column "
+                 "means of g^2: the one-step lag that fusing the column pass into the kernel would need",
+                 _lagcol(row_blocks="auto")),
+    "x_lagv": ("(x) u_square_blocks (the default's math), but every step uses the second-moment EMAs from before "
+               "its own gradient (v_row and the column profiles of step t-1, bias-corrected for t-1 updates; the "
+               "first step its own): a delayed v as in AdaShift; same state",
+               _variant_square_rowblocks(second_moment_mode="factored", v_lag=True)),
+    # (y) the per-element recursion with a factored history: the current gradient enters exactly
+    "y_innov": ("(y) u_square_blocks (the default's math), but each element's step uses b2 fact_{t-1} + (1 - b2) g_t^2: "
+                "AdamW's recursion for v with only the history factored, the current gradient per element; same state",
+                _variant_square_rowblocks(second_moment_mode="factored", v_innov=True)),
+    # (z) the element's own mean (s) on the default's row blocks (u / D12)
+    "z_blocks_meanvar_min": ("(z) s_meanvar_min with the default's row blocks: v_hat = max(min(factored, m_hat^2 + "
+                             "factored innovation variance), (1-b2) g^2), both factored estimates with one column "
+                             "profile per block of C rows of a [k x C, C] tensor; 2 more float vectors per tensor "
+                             "(k column profiles for the blocked ones)", _variant_blocks_meanvar_min()),
+    "z_blocks_clamp": ("(z) k_factored_clamp with the default's row blocks: the row blocks' factored estimate raised, per "
+                       "element, to (1-b2) g^2 and kappa m^2 (no step longer than AdamW's can be); same state as the "
+                       "default", _variant_square_rowblocks(second_moment_mode="factored_clamp", v_clamp=True)),
+    "w_blocks_emb_q4vmax": ("(w) u_square_blocks plus p_q4vmax_emb's 4-bit m + floored per-element 4-bit v code "
+                            "for the embeddings: the default's budget",
+                            _variant_blocks_emb("factored_q4", m_mode="quant4", second_moment_mode="factored",
+                                                **Q4V_FLOOR)),
+    # (r) the two partial fixes together, at the default's budget
+    "r_clamp_emb_q4vmax": ("(r) k_factored_clamp on every tensor but the embeddings, which get p_q4vmax_emb's 4-bit m + "
+                           "floored per-element 4-bit v code: the default's budget",
+                           _variant_emb("factored_q4", m_mode="quant4", second_moment_mode="factored_clamp",
+                                        **Q4V_FLOOR)),
+    # (o) the same byte split differently on the other tensors
+    "o_m5v3": ("(o) as m_q4v_emb for the embeddings; every other quantized tensor 5-bit m (32-entry DP codebook) + "
+               "3-bit v correction (levels 2^(k/3), k=-3..4): 1 B/element", _lowbit_split(5, 3, 3)),
+    "o_m6v2": ("(o) as m_q4v_emb for the embeddings; every other quantized tensor 6-bit m (64-entry DP codebook) + "
+               "2-bit v correction (levels 2^(k/3), k=-1..2): 1 B/element", _lowbit_split(6, 2, 1)),
+    # (e) codebook refresh
+    "e_refresh100": ("(e) shared, codebook re-learned every 100 steps", _variant(codebook_refresh=100)),
+    "e_factored_refresh100": ("(e) factored, codebook re-learned every 100 steps",
+                              _variant(second_moment_mode="factored", codebook_refresh=100)),
+    "e_factored_cb_tensor": ("(e) factored, one codebook per tensor (each learned from its own first gradient)",
+                             _variant(second_moment_mode="factored", codebook_scope="tensor")),
+    # (f) rounding
+    "f_stochastic": ("(f) shared, stochastic rounding (seeded per step and tensor)", _variant(rounding="stochastic")),
+    "f_factored_stochastic": ("(f) factored, stochastic rounding",
+                              _variant(second_moment_mode="factored", rounding="stochastic")),
+    # (g) lr scaling
+    "g_shared_lr1.5": ("(g) shared, lr x1.5", _gefen(second_moment="shared")),
+    "g_shared_lr0.7": ("(g) shared, lr x0.7", _gefen(second_moment="shared")),
+    "g_factored_lr1.5": ("(g) factored, lr x1.5", _gefen(second_moment="factored")),
+    "g_adamw_lr1.5": ("(g) AdamW, lr x1.5 (the control for the lr-scaled Gefen rows)", _adamw),
+    "g_default_lr0.75": ("(g) gefen_dist Gefen, defaults (row blocks, D12), lr x0.75",
+                         _gefen(second_moment="factored", row_blocks="auto")),
+    "g_adamw_lr0.75": ("(g) AdamW, lr x0.75 (the control for g_default_lr0.75)", _adamw),
+    "g_default_lr1.5": ("(g) gefen_dist Gefen, defaults (row blocks, D12), lr x1.5",
+                        _gefen(second_moment="factored", row_blocks="auto")),
+}
+LR_SCALE = {"g_shared_lr1.5": 1.5, "g_shared_lr0.7": 0.7, "g_factored_lr1.5": 1.5, "g_adamw_lr1.5": 1.5,
+            "g_default_lr1.5": 1.5, "g_default_lr0.75": 0.75, "g_adamw_lr0.75": 0.75}
+
+
+def _state_q4_embeddings(m4: bool):
+    """GPT-2-small state row: the default (one column profile) with the embeddings' per-element
+    4-bit v correction, and with ``m4`` their 4-bit first moment (+ its 16-entry codebook)."""
+    def build(params):
+        from _variants import GefenVariant
+
+        ids = {id(p): "factored_q4" for name, p in params if name in quality.EMBEDDINGS}
+        return GefenVariant(params, lr=1e-3, second_moment_mode="factored", v_override=ids,
+                            m_override={k: "quant4" for k in ids} if m4 else None)
+    build.period_one = lambda name: False
+    build.extra_bytes = 16 * 4 if m4 else 0
+    return build
+
+
+GPT2_STATE_ROWS = {
+    "factored, embeddings 4-bit m + 4-bit v correction (m_q4v_emb)": _state_q4_embeddings(True),
+    "factored, embeddings 8-bit m + 4-bit v correction (m_emb_q4v_m8)": _state_q4_embeddings(False),
+}
+
+
+def register_all() -> None:
+    """Add every research variant (and its GPT-2-small state rows) to ``benchmarks/quality.py``."""
+    quality.OWN_MODULES.add("_variants")
+    for name, (desc, factory) in RESEARCH_VARIANTS.items():
+        quality.register(name, desc, factory, LR_SCALE.get(name))
+    quality.GPT2_STATE_ROWS.update(GPT2_STATE_ROWS)
+
+
+register_all()
+
+
+def main(argv=None):
+    return quality.main(argv, doc=LOG, script="research/quality_variants.py")
+
+
+if __name__ == "__main__":
+    main()
