@@ -101,7 +101,8 @@ import torch
 
 from gefen_dist import Gefen
 from gefen_dist.core import periods as _periods
-from gefen_dist.core.quant import NUM_BINS, block_histogram, nearest_codeword
+from gefen_dist.core.quant import NUM_BINS, nearest_codeword
+from gefen_dist.kernels.dispatch import block_histogram
 from gefen_dist.layout import local_tensor
 
 __all__ = ["GefenVariant"]
@@ -310,8 +311,8 @@ class GefenVariant(Gefen):
             st["codebook_m"] = self.codebooks_lowbit[mb]
 
     # ---------------------------------------------------------------- state
-    def _alloc(self, p, piece, geo, *, learned, step=0):
-        super()._alloc(p, piece, geo, learned=learned, step=step)
+    def _alloc(self, p, piece, period=None, *, learned, step=0):
+        super()._alloc(p, piece, period, learned=learned, step=step)
         st = self.state[p]
         if "idx" not in st:
             return

@@ -75,7 +75,8 @@ def test_per_tensor_codebook_variant():
     codebook is the DP's answer for its own first gradient's histogram; with one quantized tensor it
     is the global codebook, and the run matches the library's."""
     from gefen_dist.core.codebook import solve_codebook
-    from gefen_dist.core.quant import NUM_BINS, block_histogram
+    from gefen_dist.core.quant import NUM_BINS
+    from gefen_dist.kernels.dispatch import block_histogram
 
     GefenVariant = _variants().GefenVariant
 
