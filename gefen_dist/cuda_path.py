@@ -32,7 +32,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .core.step import bias_corrections, row_block_args, scalar_value
+from .core.step import hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 
 logger = logging.getLogger(__name__)
@@ -216,9 +216,7 @@ class CudaBatch:
                 opt.state[self.entries[e][1]]["step"] += 1
         for gi in self.groups:
             group = gi["group"]
-            beta1, beta2 = group["betas"]
-            hp = dict(lr=scalar_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                      weight_decay=group["weight_decay"])
+            beta2 = group["betas"][1]
             if gi["vcols"]:
                 parts = []
                 for k in gi["fact_pos"]:
@@ -228,9 +226,9 @@ class CudaBatch:
                 torch._foreach_add_(gi["vcols"], parts, alpha=1.0 - beta2)
             if gi["multi"] is not None:
                 step = opt.state[self.entries[gi["item_entries"][0]][1]]["step"]
-                bc1, bc2 = bias_corrections(step, beta1, beta2)
+                hp = hyperparameters(group, step, opt.bound_updates)
                 cb = local_tensor(self.codebook_state["codebook"])
-                gi["multi"].run([grads[e] for e in gi["item_entries"]], cb, bc1=bc1, bc2=bc2, **hp)
+                gi["multi"].run([grads[e] for e in gi["item_entries"]], cb, **hp)
             # the exact tensors as the per-tensor path batches them (it advances their step)
             opt._update_exact_batched([(group, self.entries[e][1]) for e in gi["exact"]])
         return True

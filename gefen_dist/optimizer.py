@@ -16,7 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from .comm import LocalComm, comm_for
-from .core.step import adamw_foreach_, adamw_step_, bias_corrections, decay_only_, row_block_args
+from .core.step import adamw_foreach_, adamw_step_, bias_corrections, decay_only_, hyperparameters, row_block_args
 from .core.step import scalar_value as _scalar
 from .cuda_path import CudaBatch
 from . import learning
@@ -106,6 +106,11 @@ class Gefen(NonfiniteChecks, Optimizer):
             to AdamW: docs/quality.md); every other tensor one. An int asks for that many blocks (it
             must divide every such tensor's rows); ``1`` is Adafactor's single profile. Costs
             ``blocks x C`` fp32 per tensor (+0.0015 B/param on GPT-2 small).
+        bound_updates: ``True`` (default) clamps every quantized element's normalised update to
+            AdamW's own bound ``K_t`` (:func:`gefen_dist.core.step.update_bound`; 1 at the first step,
+            7.27 for betas (0.9, 0.999) as t grows), so no gradient sequence moves a weight by more
+            than ``K_t * lr`` beyond its decay, as for AdamW (docs/algorithm.md, D13); ``False`` is the
+            paper's unbounded update.
         fused: ``None`` (default) uses the fused native kernel when it is available for the
             parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
         process_group: the group over which periods and the codebook are agreed (default: WORLD
@@ -125,6 +130,7 @@ class Gefen(NonfiniteChecks, Optimizer):
         second_moment: str = "factored",
         row_blocks: Any = "auto",
         nonfinite: str = "raise",
+        bound_updates: bool = True,
         fused: Optional[bool] = None,
         process_group: Optional[Any] = None,
     ):
@@ -141,6 +147,9 @@ class Gefen(NonfiniteChecks, Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment,
                         row_blocks=row_blocks)
         self.small_threshold = small_threshold
+        if not isinstance(bound_updates, bool):
+            raise ValueError(f"Invalid bound_updates: {bound_updates!r} (expected True or False)")
+        self.bound_updates = bound_updates
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.fused = fused
@@ -454,11 +463,8 @@ class Gefen(NonfiniteChecks, Optimizer):
     def _update(self, group: dict, p: torch.Tensor, col_mean_sq: Optional[torch.Tensor] = None) -> None:
         st = self.state[p]
         st["step"] += 1
-        beta1, beta2 = group["betas"]
-        lr = _scalar(group["lr"])
-        bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
-        hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                  bc1=bc1, bc2=bc2)
+        hp = hyperparameters(group, st["step"], self.bound_updates)
+        lr = hp["lr"]
         param, grad = local_tensor(p), local_tensor(p.grad)
         if "exp_avg" in st:
             adamw_step_(param, grad, local_tensor(st["exp_avg"]), local_tensor(st["exp_avg_sq"]), **hp)

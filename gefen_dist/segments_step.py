@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -23,14 +23,15 @@ class SegmentStepMixin:
 
     # ------------------------------------------------------------------ the step
     def step(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], *, lr: float, beta1: float,
-             beta2: float, eps: float, weight_decay: float, impl=None) -> None:
-        """One Gefen step of every segment (``st['step']`` already incremented). ``impl``: the
+             beta2: float, eps: float, weight_decay: float, impl=None, bound: Optional[float] = None) -> None:
+        """One Gefen step of every segment (``st['step']`` already incremented). ``bound``: the clamp
+        of the normalised update (:func:`gefen_dist.core.step.update_bound`; None: unbounded). ``impl``: the
         implementation that steps whole blocks / whole rows (a
         :class:`gefen_dist.kernels.dispatch.StepImpl`: the native CPU or the Triton kernels; None: the
         eager reference); cut blocks and rows are finished with the reference's phase functions."""
         impl = impl or _dispatch.select(flat, fused=False)
         bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
-        hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2)
+        hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound)
         if "v_col" in st:
             return self._step_factored(flat, grad, st, hp, impl.quantized_step_factored_, impl.column_sumsq)
         layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold)
@@ -95,7 +96,7 @@ class SegmentStepMixin:
             sc.copy_(A)
             new = quantize(m, A, cb)
             ix.copy_(new)
-            apply_(p, cb[new.long()] * A, sigma, lr, weight_decay)
+            apply_(p, cb[new.long()] * A, sigma, lr, weight_decay, bound)
 
 
     # ------------------------------------------------------------------ factored second moment
@@ -252,7 +253,7 @@ class SegmentStepMixin:
                 A = am[bl]
                 new = quantize(m, A, cb)
                 ix[r0:r1].copy_(new)
-                apply_(p[r0:r1], cb[new.long()] * A, sigma, hp["lr"], hp["weight_decay"])
+                apply_(p[r0:r1], cb[new.long()] * A, sigma, hp["lr"], hp["weight_decay"], hp["bound"])
 
 
 @dataclass

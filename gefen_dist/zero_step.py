@@ -8,7 +8,7 @@ import torch
 
 from .comm import take_bytes
 from .core.apply import apply_compressed, apply_factored, update_v_col
-from .core.step import adamw_step_, bias_corrections, decay_only_, row_block_args, scalar_value
+from .core.step import adamw_step_, decay_only_, hyperparameters, row_block_args
 from .kernels import dispatch as _dispatch
 from .layout import global_shape
 from .zero_partition import MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, factored_wire_compressed, step_wire_bytes
@@ -32,10 +32,7 @@ class ZeroStepMixin:
 
 
     def _hparams(self, group: dict, st: dict) -> dict:
-        beta1, beta2 = group["betas"]
-        bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
-        return dict(lr=scalar_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], bc1=bc1, bc2=bc2)
+        return hyperparameters(group, st["step"], self.bound_updates)
 
 
     def _zero_update(self, entries, partials=None) -> None:

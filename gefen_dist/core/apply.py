@@ -31,6 +31,14 @@ def _f32(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32)
 
 
+def _clamp_kernel_order(u: torch.Tensor, hp: dict) -> torch.Tensor:
+    """The native kernel's bound (D13): ``u`` (already times lr) clamped to ``+-float32(bound * lr)``."""
+    if hp.get("bound") is None:
+        return u
+    lim = _f32(hp["bound"] * hp["lr"])
+    return torch.where(u > lim, lim, torch.where(u < -lim, -lim, u))
+
+
 def _apply_kernel_order_(p: torch.Tensor, u: torch.Tensor, wd: float, decay: float) -> None:
     """The native kernel's parameter update ``p <- p * decay - u`` (float32, rounded once)."""
     if p.dtype == torch.float32:
@@ -66,7 +74,7 @@ def apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: to
         p = pf[r0 * slab:r1 * slab].view(r1 - r0, slab)
         if not kernel_order:
             sigma = inv_rms_(rsq[r0:r1].unsqueeze(1) * cf, eps, bc1, sqrt_bc2)
-            apply_(p, (q * a).view(r1 - r0, slab), sigma, lr, wd)
+            apply_(p, (q * a).view(r1 - r0, slab), sigma, lr, wd, hp.get("bound"))
             continue
         # the native kernel's float32 sequence: srs = sqrt(v_row)*(1/sqrt(bc2)),
         # sigma = (1/bc1) / (col_f*srs + eps), u = C[idx] * (sigma * (M*lr))
@@ -74,7 +82,7 @@ def apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: to
         sigma = _f32(1.0 / bc1) / ((cf * srs.unsqueeze(1)) + _f32(eps))
         us = (a * _f32(lr)).view(r1 - r0, slab // B, 1)
         u = q.view(r1 - r0, slab // B, B) * (sigma.view(r1 - r0, slab // B, B) * us)
-        _apply_kernel_order_(p, u.view(r1 - r0, slab), wd, 1.0 - lr * wd)
+        _apply_kernel_order_(p, _clamp_kernel_order(u.view(r1 - r0, slab), hp), wd, 1.0 - lr * wd)
 
 
 def apply_compressed(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, sigma: torch.Tensor,
@@ -93,6 +101,7 @@ def apply_compressed(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, sigma
         # cb.index_select(int32) reads the same codewords as the eager cb[idx.long()], 5x faster
         q = cb.index_select(0, ib.reshape(-1).int()).view(-1, P)
         if kernel_order:
-            _apply_kernel_order_(pf[c0:c1], (q * (a * sg).mul_(lr)).view(-1), wd, 1.0 - lr * wd)
+            _apply_kernel_order_(pf[c0:c1], _clamp_kernel_order((q * (a * sg).mul_(lr)).view(-1), hp), wd,
+                                 1.0 - lr * wd)
         else:
-            apply_(pf[c0:c1], q * a, sg, lr, wd)
+            apply_(pf[c0:c1], q * a, sg, lr, wd, hp.get("bound"))

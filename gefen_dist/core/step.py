@@ -39,6 +39,41 @@ def bias_corrections(step: int, beta1: float, beta2: float) -> tuple[float, floa
     return 1.0 - beta1 ** step, 1.0 - beta2 ** step
 
 
+def hyperparameters(group: dict, step: int, bounded: bool = True) -> dict:
+    """The scalars of one update of a tensor at ``step`` (>= 1) in param group ``group``: lr (a tensor
+    lr as a float), beta1, beta2, eps, weight_decay, the bias corrections bc1, bc2 and the update
+    bound (:func:`update_bound`, or None when ``bounded`` is False: the paper's unbounded update)."""
+    beta1, beta2 = group["betas"]
+    bc1, bc2 = bias_corrections(step, beta1, beta2)
+    return dict(lr=scalar_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], bc1=bc1, bc2=bc2,
+                bound=update_bound(beta1, beta2, step) if bounded else None)
+
+
+def update_bound(beta1: float, beta2: float, step: int) -> float:
+    """AdamW's tight bound on its per-element normalised update after ``step`` steps (D13): for every
+    gradient sequence ``|m_hat_t| / (sqrt(v_hat_t) + eps) <= K_t`` with
+
+        K_t = (1-beta1)/(1-beta1^t) * sqrt((1-beta2^t)/(1-beta2)) * sqrt(sum_{j<t} (beta1^2/beta2)^j)
+
+    (Cauchy-Schwarz on the two EMAs; equality for ``g_k`` proportional to ``(beta1/beta2)^(t-k)``).
+    ``K_1 = 1``; non-decreasing in ``t``; as ``t -> inf`` it tends to
+    ``(1-beta1)/sqrt((1-beta2)(1-beta1^2/beta2))`` when ``beta1^2 < beta2`` (7.27 for (0.9, 0.999),
+    1.165 for (0.9, 0.95)). Gefen clamps every quantized element's normalised update
+    ``sigma_i * C[idx_i] * M_b`` to ``[-K_t, K_t]``, so ``|dp_i| <= K_t * lr`` (weight decay aside)
+    whatever the gradients, as for AdamW (docs/algorithm.md)."""
+    t = int(step)
+    if t < 1:
+        raise ValueError(f"update_bound: step must be >= 1, got {step}")
+    if beta1 == 0.0:  # m_t = g_t: |g_t| / sqrt(v_hat_t) <= sqrt((1-beta2^t)/(1-beta2))
+        return math.sqrt((1.0 - beta2 ** t) / (1.0 - beta2))
+    if beta2 == 0.0:  # v_t = g_t^2: AdamW itself is unbounded after the first step
+        return 1.0 if t == 1 else math.inf
+    rho = beta1 * beta1 / beta2
+    s = float(t) if rho == 1.0 else (1.0 - rho ** t) / (1.0 - rho)
+    return (1.0 - beta1) / (1.0 - beta1 ** t) * math.sqrt((1.0 - beta2 ** t) / (1.0 - beta2) * s)
+
+
 # ---------------------------------------------------------------------------------------------
 # Phases of the update. Every eager path (the whole step here, ZeRO-1's owners and appliers, the
 # cut blocks of DeepSpeed's flat buffers) composes these; the fused kernels implement the same.
@@ -94,11 +129,16 @@ def _apply_update_(p: torch.Tensor, u: torch.Tensor, weight_decay: float, decay:
         p.copy_(p32)
 
 
-def apply_(p: torch.Tensor, qa: torch.Tensor, sigma: torch.Tensor, lr: float, weight_decay: float) -> None:
-    """The parameter update ``p <- p * (1 - lr*wd) - ((C[idx] * M) * sigma) * lr``: ``qa`` is the
-    dequantised first moment ``C[idx] * M`` (consumed), ``sigma`` broadcasts against it, ``p`` has
-    its number of elements."""
-    u = qa.mul_(sigma).mul_(lr)
+def apply_(p: torch.Tensor, qa: torch.Tensor, sigma: torch.Tensor, lr: float, weight_decay: float,
+           bound: float | None = None) -> None:
+    """The parameter update ``p <- p * (1 - lr*wd) - clamp((C[idx] * M) * sigma, +-bound) * lr``:
+    ``qa`` is the dequantised first moment ``C[idx] * M`` (consumed), ``sigma`` broadcasts against
+    it, ``p`` has its number of elements. ``bound``: :func:`update_bound` (D13), or None for the
+    paper's unbounded update (a NaN stays NaN either way)."""
+    u = qa.mul_(sigma)
+    if bound is not None:
+        u.clamp_(-bound, bound)
+    u.mul_(lr)
     _apply_update_(p, u.view(p.shape), weight_decay, 1.0 - lr * weight_decay)
 
 
@@ -157,15 +197,17 @@ def quantized_step_eager_(
     bc2: float,
     period: int,
     scale_block: int,
+    bound: float | None = None,
 ) -> None:
     """One Gefen update of a quantized piece, in place. All tensors are contiguous views of
-    the same ``numel`` (``scale``: numel/B, ``v``: numel/P elements)."""
+    the same ``numel`` (``scale``: numel/B, ``v``: numel/P elements). ``bound``: the clamp of the
+    normalised update (:func:`update_bound`; None: unbounded, the paper's)."""
     if param.numel() == 0:
         return
     pf, P = param.view(-1), period
     for s, e, sigma, new, a in _shared_chunks(grad, idx, scale, v, codebook, beta1=beta1, beta2=beta2, eps=eps,
                                               bc1=bc1, bc2=bc2, period=period, scale_block=scale_block):
-        apply_(pf[s:e], (codebook[new.long()] * a).view(-1, P), sigma.view(-1, 1), lr, weight_decay)
+        apply_(pf[s:e], (codebook[new.long()] * a).view(-1, P), sigma.view(-1, 1), lr, weight_decay, bound)
 
 
 def adamw_step_(
@@ -181,9 +223,12 @@ def adamw_step_(
     weight_decay: float,
     bc1: float,
     bc2: float,
+    bound: float | None = None,
 ) -> None:
     """Exact AdamW (torch's single-tensor formula) with float32 state, for small and 1-D
-    tensors (D2). The parameter is updated in float32 and rounded once to its dtype."""
+    tensors (D2). The parameter is updated in float32 and rounded once to its dtype. ``bound`` is
+    accepted so that one hyperparameter dict serves every tensor, and unused: AdamW's update is
+    within :func:`update_bound` by construction."""
     if param.numel() == 0:
         return
     g = grad.float()
@@ -345,6 +390,7 @@ def quantized_step_factored_eager_(
     scale_block: int,
     row0: int = 0,
     row_block: int = 0,
+    bound: float | None = None,
 ) -> None:
     """Gefen update with a factored (row x column) second moment, in place.
 
@@ -357,7 +403,7 @@ def quantized_step_factored_eager_(
 
     Row blocks (D12): a ``[G, slab]`` ``v_col`` (and ``col_mean_sq``, the column means over each
     block's ``row_block`` global rows) gives every block of rows its own column profile; this
-    piece's first row is global row ``row0``.
+    piece's first row is global row ``row0``. ``bound``: as for :func:`quantized_step_eager_`.
     """
     slab = v_col.shape[-1]
     ema_(v_col, col_mean_sq.view_as(v_col), beta2)
@@ -371,7 +417,7 @@ def quantized_step_factored_eager_(
     for r0, r1, rsq, new, a in _factored_chunks(grad, idx, scale, v_row, codebook, slab=slab, beta1=beta1,
                                                 beta2=beta2, scale_block=scale_block):
         sigma = inv_rms_(rsq.unsqueeze(1) * row_factors(col_f, row0, r0, r1, row_block), eps, bc1, sqrt_bc2)
-        apply_(p_all[r0:r1], (codebook[new.long()] * a).view(r1 - r0, slab), sigma, lr, weight_decay)
+        apply_(p_all[r0:r1], (codebook[new.long()] * a).view(r1 - r0, slab), sigma, lr, weight_decay, bound)
 
 
 def _factored_chunks(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, scale_block):

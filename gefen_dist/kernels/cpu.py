@@ -116,7 +116,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["available", "simd_compiled", "quantized_step_", "quantized_step_factored_", "numerics", "nearest_lut", "nearest_sweep",
            "CodebookTable", "codebook_table"]
 
-_ABI = 8
+_ABI = 9
 _LIB_NAME = "gefen_step"
 _SOURCES = ["gefen_step.c"]
 _MIN_LUT_BITS = 12
@@ -157,7 +157,7 @@ class _Args(ctypes.Structure):
         ("lr", ctypes.c_float),
         ("decay", ctypes.c_float),
         ("lut_h", ctypes.c_float),
-        ("pad1", ctypes.c_float),
+        ("ulim", ctypes.c_float),
     ]
 
 
@@ -470,6 +470,7 @@ def quantized_step_(
     bc2: float,
     period: int,
     scale_block: int,
+    bound: Optional[float] = None,
     simd: int = 1,
 ) -> None:
     """One Gefen update of a quantized piece, in place (fused kernel; same contract as
@@ -485,7 +486,7 @@ def quantized_step_(
 
         quantized_step_eager_(param, grad, idx, scale, v, codebook, lr=lr, beta1=beta1,
                               beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1,
-                              bc2=bc2, period=period, scale_block=scale_block)
+                              bc2=bc2, period=period, scale_block=scale_block, bound=bound)
         return
     P, B = int(period), int(scale_block)
     if P < 1 or B < 1 or not (P == 1 or P == B):
@@ -501,7 +502,7 @@ def quantized_step_(
     _check("v", v, torch.float32, n // P)
     tab = codebook_table(codebook)
     a = _make_args(param, n, P, B, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                   weight_decay=weight_decay, bc1=bc1, bc2=bc2, simd=simd)
+                   weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound, simd=simd)
     rc = lib.gefen_quantized_step(ctypes.byref(a), param.data_ptr(), grad.data_ptr(),
                                   idx.data_ptr(), scale.data_ptr(), v.data_ptr(),
                                   tab.cb.data_ptr(), tab.lut.data_ptr())
@@ -511,7 +512,7 @@ def quantized_step_(
         torch.autograd.graph.increment_version(t)
 
 
-def _make_args(param, n, P, B, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2, simd) -> _Args:
+def _make_args(param, n, P, B, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2, bound, simd) -> _Args:
     if simd not in SIMD_MODES:
         raise ValueError(f"simd must be one of {SIMD_MODES}, got {simd!r}")
     num = numerics()
@@ -540,6 +541,7 @@ def _make_args(param, n, P, B, tab, *, lr, beta1, beta2, eps, weight_decay, bc1,
     a.inv_bc1 = 1.0 / bc1
     a.lr = lr
     a.decay = 1.0 - lr * weight_decay
+    a.ulim = math.inf if bound is None else bound * lr  # the bound times lr, rounded once to float32
     return a
 
 
@@ -563,6 +565,7 @@ def quantized_step_factored_(
     scale_block: int,
     row0: int = 0,
     row_block: int = 0,
+    bound: Optional[float] = None,
     simd: int = 1,
 ) -> None:
     """Gefen update with a factored second moment, in place (fused kernel; same contract as
@@ -577,7 +580,7 @@ def quantized_step_factored_(
         quantized_step_factored_eager_(param, grad, idx, scale, v_row, v_col, codebook, col_mean_sq,
                                        lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                        weight_decay=weight_decay, bc1=bc1, bc2=bc2,
-                                       scale_block=scale_block, row0=row0, row_block=row_block)
+                                       scale_block=scale_block, row0=row0, row_block=row_block, bound=bound)
         return
     n = param.numel()
     S, B = v_col.shape[-1], int(scale_block)
@@ -606,7 +609,7 @@ def quantized_step_factored_(
     rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
     tab = codebook_table(codebook)
     a = _make_args(param, n, S, B, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                   weight_decay=weight_decay, bc1=bc1, bc2=bc2, simd=simd)
+                   weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound, simd=simd)
     rc = lib.gefen_quantized_step_factored(ctypes.byref(a), param.data_ptr(), grad.data_ptr(),
                                            idx.data_ptr(), scale.data_ptr(), v_row.data_ptr(),
                                            col_f.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr(),

@@ -54,6 +54,7 @@ identical to ``searchsorted(left)`` + lower index on ties for every float32 ``z`
 from __future__ import annotations
 
 import functools
+import math
 import logging
 import os
 import threading
@@ -139,7 +140,7 @@ def _ema_m(g, idx_ptr, offs, mask, cb_ptr, Mb, lerp_c, LERP_SMALL: tl.constexpr,
 def _step_rows(
     p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
     r_first, nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
-    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1,
+    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
     MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
     FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
     IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -280,6 +281,8 @@ def _step_rows(
             else:
                 sg = sigma_row
             u = (cq * Ab) * sg
+            # the bound (D13; +inf: none); comparisons are false for NaN, so NaN stays NaN
+            u = tl.where(u > ubound, ubound, tl.where(u < -ubound, -ubound, u))
             u = u * lr
             pf = _load_f32_jit(p_ptr, offs, mask, IS_BF16)
             if HAS_WD:
@@ -299,7 +302,7 @@ def _step_rows(
 def _gefen_step_kernel(
     p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
     nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
-    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1,
+    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
     MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
     FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
     IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -308,14 +311,14 @@ def _gefen_step_kernel(
     _step_rows_jit(
         p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
         tl.program_id(0) * ROWS, nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
-        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1,
+        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
         MODE, LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, LUT_FAST, IS_BF16, ROWS, BLOCK_SIZE,
     )
 
 
 def _gefen_multi_kernel(
     meta_ptr, gptr_ptr, prog_ptr, cb_ptr, lut_ptr, scan_steps,
-    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1,
+    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
     MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
     FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
     IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -344,7 +347,7 @@ def _gefen_multi_kernel(
         p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
         r_first, nrows, S, B, S // B, B.to(tl.float32), S.to(tl.float32), scan_steps,
         tl.load(mb + 8).to(tl.int32), tl.load(mb + 9).to(tl.int32),
-        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1,
+        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
         MODE, LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, LUT_FAST, IS_BF16, ROWS, BLOCK_SIZE,
     )
 
@@ -565,12 +568,13 @@ def quantized_step_(
     bc2: float,
     period: int,
     scale_block: int,
+    bound: Optional[float] = None,
 ) -> None:
     """One Gefen update of a quantized piece, in place (Triton kernel; same contract as
     :func:`gefen_dist.core.step.quantized_step_eager_`). CUDA tensors, or CPU tensors with
     ``TRITON_INTERPRET=1``."""
     _launch(param, grad, idx, scale, v, codebook, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, bc1=bc1, bc2=bc2, period=period, scale_block=scale_block)
+            weight_decay=weight_decay, bc1=bc1, bc2=bc2, period=period, scale_block=scale_block, bound=bound)
 
 
 def quantized_step_factored_(
@@ -594,6 +598,7 @@ def quantized_step_factored_(
     row0: int = 0,
     row_block: int = 0,
     block_size: Optional[int] = None,
+    bound: Optional[float] = None,
 ) -> None:
     """Gefen update with a factored second moment, in place (Triton kernel; same contract as
     :func:`gefen_dist.core.step.quantized_step_factored_eager_`). The ``v_col`` EMA is two torch
@@ -621,11 +626,11 @@ def quantized_step_factored_(
     rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
     _run(param, grad, idx, scale, v_row, v_col, codebook, S=S, B=B, mode=2, row0=int(row0), row_block=rb,
          lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
-         block_size=block_size)
+         block_size=block_size, bound=bound)
 
 
 def _launch(param, grad, idx, scale, v, codebook, *, lr, beta1, beta2, eps, weight_decay, bc1,
-            bc2, period, scale_block, block_size: Optional[int] = None) -> None:
+            bc2, period, scale_block, block_size: Optional[int] = None, bound: Optional[float] = None) -> None:
     P, B = int(period), int(scale_block)
     if P < 1 or B < 1 or not (P == 1 or P == B):
         raise ValueError(f"need period == scale_block or period == 1 (got P={P}, B={B})")
@@ -636,10 +641,10 @@ def _launch(param, grad, idx, scale, v, codebook, *, lr, beta1, beta2, eps, weig
         _check("v", v, param.device, torch.float32, n // P)
     _run(param, grad, idx, scale, v, v, codebook, S=B, B=B, mode=1 if P == 1 else 0, row0=0, row_block=1,
          lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
-         block_size=block_size)
+         block_size=block_size, bound=bound)
 
 
-def _step_scalars(device, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2) -> Tuple[tuple, dict]:
+def _step_scalars(device, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2, bound=None) -> Tuple[tuple, dict]:
     """The kernels' trailing scalar arguments (as torch converts them: Python double -> float32
     opmath) and the constexprs that depend on the hyperparameters and the codebook table."""
     w = 1.0 - beta1
@@ -650,14 +655,14 @@ def _step_scalars(device, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2)
             float(np.float32(beta2)), float(np.float32(1.0 - beta2)),
             float(np.float32(np.sqrt(bc2))), float(np.float32(eps)), float(np.float32(1.0 / bc1)),
             float(np.float32(lr)), float(np.float32(1.0 - lr * weight_decay)),
-            tab.h, float(tab.nb - 1))
+            tab.h, float(tab.nb - 1), math.inf if bound is None else float(np.float32(bound)))
     consts = dict(LERP_SMALL=small, FUSED_LERP=fused_lerp, FUSED_AXPY=fused_axpy, HAS_WD=(weight_decay != 0.0),
                   LUT_FAST=tab.fast)
     return args, consts
 
 
 def _run(param, grad, idx, scale, v, v_col, codebook, *, S, B, mode, row0, row_block, lr, beta1, beta2,
-         eps, weight_decay, bc1, bc2, block_size) -> None:
+         eps, weight_decay, bc1, bc2, block_size, bound=None) -> None:
     """Check the common arguments and launch the kernel over ``numel / S`` rows of ``S``."""
     n = param.numel()
     if n == 0:
@@ -676,7 +681,7 @@ def _run(param, grad, idx, scale, v, v_col, codebook, *, S, B, mode, row0, row_b
     tab = _device_table(codebook, device)
 
     scalars, consts = _step_scalars(device, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                    weight_decay=weight_decay, bc1=bc1, bc2=bc2)
+                                    weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound)
     nrows = n // S
     rows, bs, warps = _config(B, nrows, block_size)
     grid = (triton.cdiv(nrows, rows),)
@@ -790,11 +795,12 @@ class MultiStep:
         return len(self._launches)
 
     def run(self, grads, codebook: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
-            weight_decay: float, bc1: float, bc2: float) -> None:
-        """One step of every item; ``grads[i]`` (contiguous, the item's dtype and size) for item ``i``."""
+            weight_decay: float, bc1: float, bc2: float, bound: Optional[float] = None) -> None:
+        """One step of every item; ``grads[i]`` (contiguous, the item's dtype and size) for item ``i``;
+        ``bound`` as for :func:`quantized_step_`."""
         tab = _device_table(codebook, self.device)
         scalars, consts = _step_scalars(self.device, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                        weight_decay=weight_decay, bc1=bc1, bc2=bc2)
+                                        weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound)
         kern = _kernel("multi")
         ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext()
         with ctx:

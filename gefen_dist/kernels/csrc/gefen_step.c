@@ -55,7 +55,7 @@
 #endif
 #endif
 
-#define GEFEN_STEP_ABI 8
+#define GEFEN_STEP_ABI 9
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -80,7 +80,7 @@ typedef struct {
     int32_t simd;        /* AVX-512 VBMI path when compiled in (same results): 1 fastest table form,
                             2 gather from the int32 table, 3 from its byte copy */
     float lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h;
-    float pad1;
+    float ulim;          /* the update bound times lr (D13): |u| <= ulim per element; +inf: unbounded */
 } gefen_step_args;
 
 int gefen_step_abi(void) { return GEFEN_STEP_ABI; }
@@ -648,6 +648,7 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
     const __m512 decay = _mm512_set1_ps(a->decay);
     const __m512 us = _mm512_set1_ps(PM == 0 ? (A * sigma) * a->lr : A * a->lr);
     const __m512 sl = _mm512_set1_ps(PM == 1 ? 1.0f / a->sqrt_bc2 : sigma);
+    const __m512 ulv = _mm512_set1_ps(a->ulim), nulv = _mm512_set1_ps(-a->ulim);
 
     /* sweep 2 */
     const __m512i dtr = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
@@ -716,6 +717,8 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
                 if (PM == 1) c = _mm512_sqrt_ps(c);
                 u = _mm512_mul_ps(cq[r], _mm512_mul_ps(vsigma_el(c, sl, a), us));
             }
+            /* the bound (D13); vmaxps/vminps return their second operand for a NaN: u stays NaN */
+            u = _mm512_min_ps(ulv, _mm512_max_ps(nulv, u));
             const int64_t e = o + i0 + 16 * r;
             if (DT == 0) {
                 float *p = (float *)param + e;
@@ -757,6 +760,7 @@ ALWAYS_INLINE void sweep2(const gefen_step_args *restrict a, void *restrict para
     const float Y = qd ? 1.0f / A : 0.0f;
     const float us = PM == 0 ? (A * sigma) * a->lr : A * a->lr;
     const float sl = PM == 1 ? 1.0f / a->sqrt_bc2 : sigma;
+    const float ulim = a->ulim;
 #pragma omp simd
     for (int64_t i = 0; i < B; ++i) {
         float m;
@@ -778,6 +782,7 @@ ALWAYS_INLINE void sweep2(const gefen_step_args *restrict a, void *restrict para
             float c = PM == 1 ? sqrtf(vv[i]) : vv[i];
             u = cq * (sigma_el(c, sl, a) * us);
         }
+        u = u > ulim ? ulim : (u < -ulim ? -ulim : u); /* the bound (D13); NaN stays NaN */
         if (DT == 0) {
             float pi = pf[i];
             if (WD) pi = pi * decay;
