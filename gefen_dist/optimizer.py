@@ -166,6 +166,7 @@ class Gefen(NonfiniteChecks, Optimizer):
         self.codebook_info: Dict[str, Any] = {}
         self._agreement_checked = False
         super().__init__(params, defaults)
+        _validation.warn_meta(self)
         if fused is True:
             from .kernels import cpu as _cpu
 
@@ -177,9 +178,17 @@ class Gefen(NonfiniteChecks, Optimizer):
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``, validated first: a bad value raises (naming
+        it and the fix) and the optimizer is left as it was."""
         where = f" in param group {len(self.param_groups)}"
         if isinstance(param_group, dict):
             _validation.validate_group_keys(param_group, len(self.param_groups))
+            merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+            _validate_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], where)
+            if merged["second_moment"] not in SECOND_MOMENTS:
+                raise ValueError(f"Invalid second_moment{where}: {merged['second_moment']!r} (expected one of "
+                                 f"{SECOND_MOMENTS})")
+            _validate_row_blocks(merged.get("row_blocks", "auto"), where)
         for p in (param_group["params"] if isinstance(param_group.get("params"), (list, tuple))
                   else [param_group.get("params")]):
             if isinstance(p, tuple):  # (name, param) when a group holds named params
@@ -191,13 +200,13 @@ class Gefen(NonfiniteChecks, Optimizer):
                 )
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        _validate_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"], where)
-        if g["second_moment"] not in SECOND_MOMENTS:
-            raise ValueError(f"Invalid second_moment{where}: {g['second_moment']!r} (expected one of {SECOND_MOMENTS})")
-        _validate_row_blocks(g.get("row_blocks", "auto"), where)
-        pn = g.get("param_names")
-        for i, p in enumerate(g["params"]):
-            check_supported(p, pn[i] if pn is not None else f"group{len(self.param_groups) - 1}.param{i}")
+        try:
+            pn = g.get("param_names")
+            for i, p in enumerate(g["params"]):
+                check_supported(p, pn[i] if pn is not None else f"group{len(self.param_groups) - 1}.param{i}")
+        except Exception:
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
 
     def _names(self) -> Dict[int, str]:
         names: Dict[int, str] = {}

@@ -130,6 +130,8 @@ def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
     if _under_torch_compile():
         raise _compile_refusal()
     names = None
+    if not entries:
+        _no_entries(opt)
     learn: List[torch.Tensor] = []
     for _, p in entries:
         t = local_tensor(p)
@@ -140,7 +142,7 @@ def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
                 "holds no data, so it cannot be stepped. Materialise the model first: "
                 "model.to_empty(device=...) and initialise the weights (e.g. reset_parameters() or loading a "
                 "checkpoint), then compute gradients and call step(); Gefen creates its state on that device "
-                "at the first step."
+                f"at the first step. {_META_REBUILD}."
             )
         st = opt.state.get(p)
         if st:
@@ -165,6 +167,28 @@ def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
             learn.append(p)
     if learn and opt.nonfinite == "ignore":
         _learn_from_finite(opt, entries, learn)
+
+
+_META_REBUILD = ("model.to_empty(device=...) replaces meta parameters with new Parameter objects, so an "
+                 "optimizer built before it holds the old, empty ones; build Gefen after to_empty() and "
+                 "initialising the weights: model.to_empty(device=...); <init>; Gefen(model.parameters())")
+
+
+def _no_entries(opt) -> None:
+    """No parameter has a gradient: fine, unless the optimizer holds meta parameters (it was built
+    before ``model.to_empty()``, and would otherwise do nothing, silently, at every step)."""
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if local_tensor(p).is_meta:
+                raise RuntimeError(f"Gefen: no parameter has a gradient, and parameter {opt._names()[id(p)]!r} is on "
+                                   f"the meta device. {_META_REBUILD}.")
+
+
+def warn_meta(opt) -> None:
+    """At construction: a warning when some parameters are on the meta device."""
+    n = sum(1 for g in opt.param_groups for p in g["params"] if local_tensor(p).is_meta)
+    if n:
+        logger.warning("Gefen: built over %d meta-device parameter(s). %s.", n, _META_REBUILD)
 
 
 def _learn_from_finite(opt, entries, learn: List[torch.Tensor]) -> None:

@@ -50,19 +50,17 @@ def optim_inputs_func_gefen(device, dtype=None):
     q = {"small_threshold": 0}  # quantize every >= 2-D tensor, however small
     return [
         OptimizerInput(params=None, kwargs={}, desc="default"),
-        OptimizerInput(params=None, kwargs={"lr": 0.01}, desc="non-default lr"),
-        OptimizerInput(params=None, kwargs={"weight_decay": 0.1}, desc="nonzero weight_decay"),
-        OptimizerInput(params=None, kwargs={"weight_decay": 0.0}, desc="zero weight_decay"),
-        OptimizerInput(params=None, kwargs={"lr": torch.tensor(0.001)}, desc="Tensor lr"),
-        OptimizerInput(params=None, kwargs={"betas": (0.8, 0.95), "eps": 1e-6}, desc="betas, eps"),
+        OptimizerInput(params=None, kwargs={"lr": 0.01, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0},
+                       desc="non-default lr, betas, eps; no weight decay"),
+        OptimizerInput(params=None, kwargs={"lr": torch.tensor(0.001), "weight_decay": 0.1},
+                       desc="Tensor lr, nonzero weight_decay"),
         OptimizerInput(params=None, kwargs={**q}, desc="quantized factored"),
-        OptimizerInput(params=None, kwargs={**q, "lr": 0.01, "weight_decay": 0.0}, desc="quantized, no decay"),
         OptimizerInput(params=None, kwargs={**q, "second_moment": "shared", "weight_decay": 0.1},
                        desc="quantized shared"),
-        OptimizerInput(params=None, kwargs={**q, "second_moment": "elementwise"}, desc="quantized elementwise"),
-        OptimizerInput(params=None, kwargs={**q, "lr": torch.tensor(0.001), "row_blocks": 1},
-                       desc="quantized, Tensor lr, one row block"),
-        OptimizerInput(params=None, kwargs={**q, "nonfinite": "skip"}, desc="quantized, nonfinite skip"),
+        OptimizerInput(params=None, kwargs={**q, "second_moment": "elementwise", "lr": 0.01},
+                       desc="quantized elementwise"),
+        OptimizerInput(params=None, kwargs={**q, "lr": torch.tensor(0.001), "row_blocks": 1, "nonfinite": "skip"},
+                       desc="quantized, Tensor lr, one row block, nonfinite skip"),
     ]
 
 
