@@ -326,7 +326,7 @@ class Gefen(NonfiniteChecks, Optimizer):
                 if not p.requires_grad or self.state.get(p):
                     continue
                 pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
-                if is_exact(pc.shape, self.small_threshold):
+                if is_exact(pc.shape, self.small_threshold) or not math.prod(pc.shape):  # zero-size: exact
                     self._alloc(p, pc, Geometry.exact(pc.shape), learned=True)
                     continue
                 per = periods.get(p, periods.get(names[id(p)]))

@@ -133,9 +133,26 @@ def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
     if not entries:
         _no_entries(opt)
     learn: List[torch.Tensor] = []
+    state = opt.state
     for _, p in entries:
-        t = local_tensor(p)
-        if t.is_meta or local_tensor(p.grad).is_meta:
+        st = state.get(p)
+        if st:
+            # the state's tensors have the parameter's (global) shape, DTensor or not: one compare
+            ref = st.get("idx")
+            if ref is None:
+                ref = st.get("exp_avg")
+            if ref is not None and ref.shape != p.shape:
+                names = names or opt._names()
+                raise RuntimeError(
+                    f"Gefen: parameter {names[id(p)]!r} has shape {tuple(p.shape)}, but its optimizer state "
+                    f"was created for shape {tuple(ref.shape)}: the parameter changed shape since its state "
+                    "was created. Re-create the optimizer after resizing parameters (or "
+                    "`del optimizer.state[param]` to restart that parameter's state)."
+                )
+            if not st.get("learned", 1):
+                learn.append(p)
+            continue
+        if local_tensor(p).is_meta or local_tensor(p.grad).is_meta:
             names = names or opt._names()
             raise RuntimeError(
                 f"Gefen: parameter {names[id(p)]!r} (shape {tuple(global_shape(p))}) is on the meta device, which "
@@ -144,20 +161,6 @@ def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
                 "checkpoint), then compute gradients and call step(); Gefen creates its state on that device "
                 f"at the first step. {_META_REBUILD}."
             )
-        st = opt.state.get(p)
-        if st:
-            ref = st.get("idx", st.get("exp_avg"))
-            if isinstance(ref, torch.Tensor) and tuple(local_tensor(ref).shape) != tuple(t.shape):
-                names = names or opt._names()
-                raise RuntimeError(
-                    f"Gefen: parameter {names[id(p)]!r} has shape {tuple(t.shape)}, but its optimizer state "
-                    f"was created for shape {tuple(local_tensor(ref).shape)}: the parameter changed shape "
-                    "since its state was created. Re-create the optimizer after resizing parameters (or "
-                    "`del optimizer.state[param]` to restart that parameter's state)."
-                )
-            if "learned" in st and not st["learned"]:
-                learn.append(p)
-            continue
         shape = global_shape(p)
         if int(math.prod(shape)) == 0:
             # nothing to learn or store: an exact (AdamW) state of zero elements
