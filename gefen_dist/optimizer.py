@@ -31,11 +31,9 @@ from .layout import (KIND_EXACT, KIND_QUANTIZED, Geometry, Piece, check_supporte
 
 logger = logging.getLogger(__name__)
 
-_STATE_KEYS_Q = ("step", "period", "scale_block", "learned", "idx", "scale", "v", "codebook")
-_STATE_KEYS_F = ("step", "period", "scale_block", "learned", "idx", "scale", "v_row", "v_col", "codebook")
 SECOND_MOMENTS = ("shared", "factored", "elementwise")
 NONFINITE = ("raise", "skip", "ignore")
-_STATE_KEYS_E = ("step", "exp_avg", "exp_avg_sq")
+# the state keys of each kind of tensor: gefen_dist.state_dict_io.STATE_KEYS_{Q,F,E}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -148,7 +146,7 @@ class Gefen(NonfiniteChecks, Optimizer):
         _validate_hparams(lr, betas, eps, weight_decay)
         if second_moment not in SECOND_MOMENTS:
             raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENTS})")
-        if not isinstance(small_threshold, int) or small_threshold < 0:
+        if isinstance(small_threshold, bool) or not isinstance(small_threshold, int) or small_threshold < 0:
             raise ValueError(f"Invalid small_threshold: {small_threshold!r} (must be an int >= 0)")
         if nonfinite not in NONFINITE:
             raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {NONFINITE})")

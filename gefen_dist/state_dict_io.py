@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import numbers
 from collections import defaultdict
 from typing import Any, Dict
 
@@ -56,9 +57,8 @@ def _kind(opt, p: torch.Tensor, group: dict) -> str:
     return "factored" if group["second_moment"] == "factored" else group["second_moment"]
 
 
-def _fix_hint(kind: str) -> str:
-    return ("load a checkpoint saved by Gefen for the same model with the same small_threshold and "
-            "second_moment, or do not load optimizer state for this model (start the optimizer fresh)")
+_FIX = ("load a checkpoint saved by Gefen for the same model with the same small_threshold and "
+        "second_moment, or do not load optimizer state for this model (start the optimizer fresh)")
 
 
 def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None = None) -> None:
@@ -68,7 +68,7 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
     shape = global_shape(p)
     if not isinstance(st, dict):
         raise ValueError(f"checkpoint state for parameter {name!r} is a {type(st).__name__}, not a dict of "
-                         f"state tensors; {_fix_hint('')}")
+                         f"state tensors; {_FIX}")
     kind = _kind(opt, p, group)
     exact = kind == "exact"
     keys = STATE_KEYS_E if exact else (STATE_KEYS_F if kind == "factored" else STATE_KEYS_Q)
@@ -82,7 +82,7 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
                 f"it was saved from a different model, optimizer, small_threshold or second_moment (this tensor is "
                 f"{'exact' if exact else 'quantized, second_moment=' + repr(group['second_moment'])} here)")
         raise ValueError(f"checkpoint state for parameter {name!r} (shape {shape}) lacks {missing}: {what}; "
-                         f"{_fix_hint(kind)}")
+                         f"{_FIX}")
     for k in keys:
         v = st[k]
         if k == "step":
@@ -90,17 +90,17 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
                 if v.numel() != 1:
                     raise ValueError(f"checkpoint state 'step' of parameter {name!r} has shape {tuple(v.shape)}, "
                                      "expected a number")
-            elif not (isinstance(v, numbers_real()) and not isinstance(v, bool)):
+            elif not (isinstance(v, numbers.Real) and not isinstance(v, bool)):
                 raise ValueError(f"checkpoint state 'step' of parameter {name!r} is {v!r}, expected an int")
         elif k in _INT_KEYS:
             if isinstance(v, torch.Tensor):
                 v = v.item() if v.numel() == 1 else v
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"checkpoint state {k!r} of parameter {name!r} is {v!r}, expected an int >= 0; "
-                                 f"{_fix_hint(kind)}")
+                                 f"{_FIX}")
         elif not isinstance(v, torch.Tensor):
             raise ValueError(f"checkpoint state {k!r} of parameter {name!r} is a {type(v).__name__}, expected a "
-                             f"tensor; {_fix_hint(kind)}")
+                             f"tensor; {_FIX}")
     ref = st["exp_avg"] if exact else st["idx"]
     if tuple(ref.shape) != tuple(p.shape):
         raise ValueError(
@@ -119,7 +119,7 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
     period = int(st["period"])
     if period < 1 or int(math.prod(shape[1:])) % period:
         raise ValueError(f"checkpoint state 'period' of parameter {name!r} is {period}, which does not divide "
-                         f"its rows of {int(math.prod(shape[1:]))} elements; {_fix_hint(kind)}")
+                         f"its rows of {int(math.prod(shape[1:]))} elements; {_FIX}")
     geo = Geometry.quantized(shape, period)
     want = geo.state_shapes(tuple(p.shape)[0])
     factored = kind == "factored"
@@ -142,13 +142,7 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
     cb = st["codebook"]
     if tuple(cb.shape) != (256,) or not cb.is_floating_point():
         raise ValueError(f"checkpoint state 'codebook' of parameter {name!r} has shape {tuple(cb.shape)} and "
-                         f"dtype {cb.dtype}, expected 256 floats; {_fix_hint(kind)}")
-
-
-def numbers_real():
-    import numbers
-
-    return numbers.Real
+                         f"dtype {cb.dtype}, expected 256 floats; {_FIX}")
 
 
 def _groups(opt, saved_groups) -> list:
