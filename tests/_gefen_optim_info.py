@@ -43,6 +43,13 @@ from torch.testing._internal.common_optimizers import (  # noqa: E402
 
 from gefen_dist import Gefen  # noqa: E402
 
+# Importing torch.testing._internal.common_utils freezes torch.backends' global flags
+# (torch.backends.disable_global_flags(), for torch's own suite); the rest of this project's
+# test session may set them as usual, so they are unfrozen again.
+if torch.backends.flags_frozen():
+    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+    assert not torch.backends.flags_frozen()
+
 __all__ = ["GEFEN_OPTIM_INFO", "optim_inputs_func_gefen", "optim_error_inputs_func_gefen"]
 
 
