@@ -202,6 +202,64 @@ class TestGefenConformance(TestCase):
                 optimizer.step()
 
     @optims(DB, dtypes=[torch.float32])
+    def test_tensor_lr(self, device, dtype, optim_info):
+        # (later upstream versions' test_tensor_lr) a tensor lr steps exactly like the same float
+        for optim_input in _all_inputs(device, dtype, optim_info):
+            weight = Parameter(torch.randn((64, 80), device=device, dtype=dtype))
+            bias = Parameter(torch.randn((64), device=device, dtype=dtype))
+            weight_c, bias_c = (Parameter(t.detach().clone()) for t in (weight, bias))
+            inp = torch.randn(80, device=device, dtype=dtype)
+            kwargs = {k: v for k, v in optim_input.kwargs.items() if k != "lr"}
+            o_r = optim_info.optim_cls([weight, bias], lr=1e-3, **kwargs)
+            o_t = optim_info.optim_cls([weight_c, bias_c], lr=torch.tensor(1e-3), **kwargs)
+            for _ in range(5):
+                for o, w, b in ((o_r, weight, bias), (o_t, weight_c, bias_c)):
+                    o.zero_grad()
+                    (w.mv(inp) + b).pow(2).sum().backward()
+                    o.step()
+                self.assertEqual(weight, weight_c)
+                self.assertEqual(bias, bias_c)
+
+    @parametrize("named0", [False, True])
+    @parametrize("named1", [False, True])
+    @optims(DB, dtypes=[torch.float32])
+    def test_can_load_from_to_named_state_dict(self, device, dtype, optim_info, named0, named1):
+        # (later upstream versions' test) state dicts of named and unnamed param groups interchange
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(80, 64), nn.GELU(), nn.Linear(64, 8)).to(device=device, dtype=dtype)
+        inp = torch.rand(4, 80, device=device, dtype=dtype)
+        for optim_input in _all_inputs(device, dtype, optim_info)[:4]:
+            def make(m, named):
+                return optim_info.optim_cls(m.named_parameters() if named else m.parameters(), **optim_input.kwargs)
+
+            o0 = make(model, named0)
+            for _ in range(3):
+                o0.zero_grad()
+                model(inp).sum().backward()
+                o0.step()
+            model1 = copy.deepcopy(model)
+            o1 = make(model1, named1)
+            o1.load_state_dict(copy.deepcopy(o0.state_dict()))
+            self.assertEqual("param_names" in o1.param_groups[0], named0 or named1)
+            for o, m in ((o0, model), (o1, model1)):
+                o.zero_grad()
+                m(inp).sum().backward()
+                o.step()
+            for p, q in zip(model.parameters(), model1.parameters()):
+                self.assertEqual(p, q)
+
+    @optims(DB, dtypes=[torch.float32])
+    def test_step_hooks_fire_around_step(self, device, dtype, optim_info):
+        params = [Parameter(torch.randn(64, 80, device=device, dtype=dtype))]
+        params[0].grad = torch.rand_like(params[0])
+        calls = []
+        opt = optim_info.optim_cls(params, small_threshold=0)
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o.codebook is None)))
+        opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o.codebook is None)))
+        opt.step()
+        self.assertEqual(calls, [("pre", True), ("post", False)])
+
+    @optims(DB, dtypes=[torch.float32])
     def test_deepcopy_copies_all_public_attrs(self, device, dtype, optim_info):
         params = [Parameter(torch.randn(64, 80, device=device, dtype=dtype)), Parameter(torch.randn(3, device=device))]
         for p in params:
