@@ -68,9 +68,10 @@ class Geometry:
 
 
 def is_exact(shape: Sequence[int], small_threshold: int) -> bool:
-    """D2: 0-D/1-D tensors and tensors with fewer than ``small_threshold`` global elements keep
-    exact AdamW state."""
-    return len(shape) < 2 or int(math.prod(shape)) < small_threshold
+    """D2: 0-D/1-D tensors, zero-size tensors and tensors with fewer than ``small_threshold`` global
+    elements keep exact AdamW state."""
+    n = int(math.prod(shape))
+    return len(shape) < 2 or n == 0 or n < small_threshold
 
 
 def global_shape(p: torch.Tensor) -> Tuple[int, ...]:

@@ -7,7 +7,6 @@ Citation: Benedek, Koren, Fried, "Gefen: Optimized Stochastic Optimizer", arXiv 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -25,15 +24,14 @@ from .report import Report, build_report, state_bytes
 from .state import SECOND_MOMENTS, StateSpec
 from .kernels import dispatch as _dispatch
 from .nonfinite import NonfiniteChecks
-from .layout import (Geometry, Piece, check_supported, global_shape, is_dtensor,
+from . import state_dict_io as _sdio
+from . import validation as _validation
+from .layout import (Piece, check_supported, global_shape, is_dtensor,
                      is_exact, like_param, local_tensor, piece_of)
 
 logger = logging.getLogger(__name__)
 
-_STATE_KEYS_Q = ("step", "period", "scale_block", "learned", "idx", "scale", "v", "codebook")
-_STATE_KEYS_F = ("step", "period", "scale_block", "learned", "idx", "scale", "v_row", "v_col", "codebook")
 NONFINITE = ("raise", "skip", "ignore")
-_STATE_KEYS_E = ("step", "exp_avg", "exp_avg_sq")
 
 
 def _validate_row_blocks(rb, where: str = "") -> None:
@@ -43,23 +41,7 @@ def _validate_row_blocks(rb, where: str = "") -> None:
 
 
 def _validate_hparams(lr, betas, eps, weight_decay, where: str = "") -> None:
-    lr_v = _scalar(lr)
-    if not math.isfinite(lr_v) or lr_v < 0.0:
-        raise ValueError(f"Invalid learning rate{where}: {lr!r} (must be a finite number >= 0)")
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError(f"Invalid learning rate{where}: a tensor lr must have one element, got shape {tuple(lr.shape)}")
-    try:
-        b1, b2 = (float(b) for b in betas)
-    except (TypeError, ValueError):
-        raise ValueError(f"Invalid betas{where}: {betas!r} (expected a pair of floats in [0, 1))") from None
-    if not 0.0 <= b1 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0{where}: {b1} (must be in [0, 1))")
-    if not 0.0 <= b2 < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1{where}: {b2} (must be in [0, 1))")
-    if not (math.isfinite(float(eps)) and float(eps) >= 0.0):
-        raise ValueError(f"Invalid epsilon value{where}: {eps!r} (must be a finite number >= 0)")
-    if not (math.isfinite(float(weight_decay)) and float(weight_decay) >= 0.0):
-        raise ValueError(f"Invalid weight_decay value{where}: {weight_decay!r} (must be a finite number >= 0)")
+    _validation.validate_hparams(lr, betas, eps, weight_decay, where)
 
 
 def saved_param_map(opt: Optimizer, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
@@ -89,7 +71,8 @@ class Gefen(NonfiniteChecks, Optimizer):
     Args:
         params: parameters, ``(name, parameter)`` pairs (``model.named_parameters()``) or param
             groups, exactly as for ``torch.optim.AdamW``.
-        lr, betas, eps, weight_decay: as in ``torch.optim.AdamW`` (``lr`` may be a tensor).
+        lr, betas, eps, weight_decay: as in ``torch.optim.AdamW``, with its defaults (``lr`` may be a
+            1-element tensor; ``weight_decay`` defaults to 0.01 as AdamW's does). Also per param group.
         small_threshold: tensors with fewer global elements (and all 0-D/1-D tensors) keep exact
             fp32 AdamW state (D2). Default 4096.
         second_moment: how quantized tensors keep the second moment (also per param group):
@@ -113,6 +96,10 @@ class Gefen(NonfiniteChecks, Optimizer):
             paper's unbounded update.
         fused: ``None`` (default) uses the fused native kernel when it is available for the
             parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
+            Optimizer-wide: ``fused``, ``small_threshold``, ``nonfinite`` and ``process_group`` apply
+            to every param group, and a param group that sets one of them is rejected with a
+            ``ValueError`` (unlike AdamW's per-group ``fused``); per-group options are ``lr``,
+            ``betas``, ``eps``, ``weight_decay``, ``second_moment`` and ``row_blocks``.
         process_group: the group over which periods and the codebook are agreed (default: WORLD
             when ``torch.distributed`` is initialised, otherwise single process). Plain tensors on
             several ranks are treated as replicas (DDP).
@@ -124,7 +111,7 @@ class Gefen(NonfiniteChecks, Optimizer):
         lr: float | torch.Tensor = 1e-3,
         betas: Tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         *,
         small_threshold: int = 4096,
         second_moment: str = "factored",
@@ -137,7 +124,7 @@ class Gefen(NonfiniteChecks, Optimizer):
         _validate_hparams(lr, betas, eps, weight_decay)
         if second_moment not in SECOND_MOMENTS:
             raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENTS})")
-        if not isinstance(small_threshold, int) or small_threshold < 0:
+        if isinstance(small_threshold, bool) or not isinstance(small_threshold, int) or small_threshold < 0:
             raise ValueError(f"Invalid small_threshold: {small_threshold!r} (must be an int >= 0)")
         if nonfinite not in NONFINITE:
             raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {NONFINITE})")
@@ -158,6 +145,7 @@ class Gefen(NonfiniteChecks, Optimizer):
         self.codebook_info: Dict[str, Any] = {}
         self._agreement_checked = False
         super().__init__(params, defaults)
+        _validation.warn_meta(self)
         if fused is True:
             from .kernels import cpu as _cpu
 
@@ -169,7 +157,17 @@ class Gefen(NonfiniteChecks, Optimizer):
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``, validated first: a bad value raises (naming
+        it and the fix) and the optimizer is left as it was."""
         where = f" in param group {len(self.param_groups)}"
+        if isinstance(param_group, dict):
+            _validation.validate_group_keys(param_group, len(self.param_groups))
+            merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+            _validate_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], where)
+            if merged["second_moment"] not in SECOND_MOMENTS:
+                raise ValueError(f"Invalid second_moment{where}: {merged['second_moment']!r} (expected one of "
+                                 f"{SECOND_MOMENTS})")
+            _validate_row_blocks(merged.get("row_blocks", "auto"), where)
         for p in (param_group["params"] if isinstance(param_group.get("params"), (list, tuple))
                   else [param_group.get("params")]):
             if isinstance(p, tuple):  # (name, param) when a group holds named params
@@ -181,13 +179,13 @@ class Gefen(NonfiniteChecks, Optimizer):
                 )
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        _validate_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"], where)
-        if g["second_moment"] not in SECOND_MOMENTS:
-            raise ValueError(f"Invalid second_moment{where}: {g['second_moment']!r} (expected one of {SECOND_MOMENTS})")
-        _validate_row_blocks(g.get("row_blocks", "auto"), where)
-        pn = g.get("param_names")
-        for i, p in enumerate(g["params"]):
-            check_supported(p, pn[i] if pn is not None else f"group{len(self.param_groups) - 1}.param{i}")
+        try:
+            pn = g.get("param_names")
+            for i, p in enumerate(g["params"]):
+                check_supported(p, pn[i] if pn is not None else f"group{len(self.param_groups) - 1}.param{i}")
+        except Exception:
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
 
     def _names(self) -> Dict[int, str]:
         names: Dict[int, str] = {}
@@ -373,6 +371,7 @@ class Gefen(NonfiniteChecks, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         entries = self._entries()
+        _validation.prestep(self, entries)  # compile, meta, changed shapes, zero-size, nonfinite learning
         batch = CudaBatch.get(self, entries)
         if batch is not None and batch.step(self):
             return loss
@@ -495,58 +494,22 @@ class Gefen(NonfiniteChecks, Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load state, keeping stored dtypes (torch's base class would cast uint8 indices and fp32
-        scales to the parameter dtype), restoring periods and the codebook without re-learning."""
-        id_map = saved_param_map(self, state_dict)
-        originals = {k: dict(v) for k, v in state_dict["state"].items()}
-        super().load_state_dict(state_dict)
-        names = self._names()
-        cb = None
-        for k, saved in originals.items():
-            p = id_map[k]
-            st = {}
-            for key, val in saved.items():
-                st[key] = val.to(device=p.device) if isinstance(val, torch.Tensor) else val
-            self._validate_loaded(p, st, names[id(p)])
-            self.state[p] = st
-            if "codebook" in st and float(st["codebook"][0]) == -1.0:
-                cb = st["codebook"] if cb is None else cb
-        self.codebook = cb.to(torch.float32) if cb is not None else None
-        for st in self.state.values():
-            if "codebook" in st:
-                st["codebook"] = self._codebook_for(local_tensor(st["idx"]).device)
+        """Load state as ``torch.optim.Optimizer`` does (pre hooks first, post hooks after Gefen's
+        own load), but atomically (everything is validated before anything changes; errors name
+        the parameter, the key and the fix) and without torch's cast of the state to the parameter
+        dtype (uint8 indices stay uint8, no fp32 copy: D9). Periods and the codebook are restored,
+        never re-learned. See :mod:`gefen_dist.state_dict_io`."""
+        _sdio.load(self, state_dict)
 
     def _validate_loaded(self, p: torch.Tensor, st: dict, name: str) -> None:
-        shape = global_shape(p)
-        exact = is_exact(shape, self.small_threshold)
-        factored = self._group_of(p)["second_moment"] == "factored"
-        keys = _STATE_KEYS_E if exact else (_STATE_KEYS_F if factored else _STATE_KEYS_Q)
-        missing = [k for k in keys if k not in st]
-        if missing:
-            raise ValueError(
-                f"checkpoint state for parameter {name!r} (shape {shape}) lacks {missing}: it was saved "
-                f"from a different model, optimizer, small_threshold or second_moment (this tensor is "
-                f"{'exact' if exact else 'quantized'} here); load a checkpoint of the same model"
-            )
-        ref = st["exp_avg"] if exact else st["idx"]
-        if tuple(ref.shape) != tuple(p.shape):
-            raise ValueError(
-                f"checkpoint state for parameter {name!r} has shape {tuple(ref.shape)} but the parameter "
-                f"has shape {tuple(p.shape)}; the model changed since the checkpoint was saved"
-            )
-        if not exact:
-            geo = Geometry.quantized(shape, st["period"])
-            want = geo.state_shapes(tuple(p.shape)[0])
-            if factored:
-                want["v_row"], want["v_col"] = (tuple(p.shape)[0], 1), (geo.slab,)
-                vc = tuple(st["v_col"].shape)
-                if len(vc) == 2 and vc[1] == geo.slab and vc[0] >= 1 and tuple(p.shape)[0] % vc[0] == 0:
-                    want["v_col"] = vc  # row blocks (D12): the state's own block count is kept
-            for k in ("scale", "v_row", "v_col") if factored else ("scale", "v"):
-                if tuple(st[k].shape) != want[k]:
-                    raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape "
-                                     f"{tuple(st[k].shape)}, expected {want[k]} for period {st['period']}")
-            if st["idx"].dtype != torch.uint8:
-                raise ValueError(f"checkpoint state 'idx' of {name!r} has dtype {st['idx'].dtype}, expected "
-                                 "torch.uint8 (was the state dict passed through torch.optim.Optimizer."
-                                 "load_state_dict, which casts state to the parameter dtype?)")
+        _sdio.validate_entry(self, p, st, name)
+
+    # ------------------------------------------------------------------ copy / pickle
+    def __getstate__(self) -> Dict[str, Any]:
+        return _sdio.getstate(self)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        _sdio.setstate(self, state)
+
+    def __deepcopy__(self, memo):
+        return _sdio.deepcopy(self, memo)

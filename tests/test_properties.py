@@ -108,7 +108,7 @@ def test_one_element_and_empty_tensors():
     a = torch.nn.Parameter(torch.ones(()))
     b = torch.nn.Parameter(torch.ones(0, 7))
     c = torch.nn.Parameter(torch.ones(1))
-    opt = Gefen([a, b, c], lr=0.1)
+    opt = Gefen([a, b, c], lr=0.1, weight_decay=0.0)
     for p in (a, b, c):
         p.grad = torch.ones_like(p)
     opt.step()

@@ -277,8 +277,8 @@ def empty_rank_cases():
     torch.manual_seed(2)
     q = nn.Parameter(torch.randn(1, 8192) * 0.02)
     qr = nn.Parameter(q.detach().clone())
-    zo = ZeroGefen([q], lr=1e-2, second_moment="shared")  # (c) below covers factored
-    ro = Gefen([qr], lr=1e-2, second_moment="shared")
+    zo = ZeroGefen([q], lr=1e-2, weight_decay=0.0, second_moment="shared")  # (c) below covers factored
+    ro = Gefen([qr], lr=1e-2, weight_decay=0.0, second_moment="shared")
     ro._comm = LocalComm()
     tgt = torch.linspace(-1, 1, 8192).view(1, -1).repeat_interleave(1, 0) * torch.arange(8192).remainder(64).float()
     for i in range(4):

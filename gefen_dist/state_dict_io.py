@@ -1,0 +1,302 @@
+"""Loading, copying and pickling :class:`gefen_dist.Gefen`.
+
+``load_state_dict`` (:func:`load`), following ``torch.optim.Optimizer``'s contract:
+
+1. the load-state-dict **pre hooks** run first, on a shallow copy of the dict, and what they
+   return (or change) is what is loaded;
+2. everything is **validated before anything changes** (param groups and their hyperparameters,
+   the ``second_moment`` of each group against this optimizer's, every per-parameter entry: its
+   keys for the parameter's kind, shapes, dtypes); an error leaves the optimizer as it was and
+   names the parameter, the key and the fix;
+3. the state is built **without torch's cast** (the base class casts every floating state tensor
+   to the parameter dtype: uint8 indices would become fp32, 4 B/param, and be cast back): each
+   tensor is moved to its parameter's device keeping its dtype, so a load on the same device
+   allocates nothing, and one to another device allocates the state's own size;
+4. the **post hooks** run last, and see (and may change) Gefen's final state.
+
+Param groups of an older state dict that lack a key this version has (``second_moment``,
+``row_blocks``) are filled from this optimizer's group, with a warning. A ``torch.optim.AdamW``
+state dict loads into tensors Gefen keeps exact (same keys; a tensor ``step`` becomes an int) and
+is refused, clearly, for quantized ones.
+
+``copy.deepcopy`` and ``pickle`` (:func:`getstate`, :func:`setstate`, :func:`deepcopy`) keep every
+attribute (``fused``, ``small_threshold``, ``nonfinite``, the codebook, ``skipped_steps``, ...)
+but not the process group: a deep copy shares the original's, an unpickled optimizer re-derives
+it (WORLD when ``torch.distributed`` is initialised, else single process).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import numbers
+from collections import defaultdict
+from typing import Any, Dict
+
+import torch
+from torch.optim import Optimizer
+
+from .layout import global_shape, local_tensor
+from .state import StateSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["load", "validate_entry", "getstate", "setstate", "deepcopy"]
+
+_INT_KEYS = ("period", "scale_block", "learned")
+# keys whose absence in an older checkpoint's param group is filled from this optimizer's group
+NEWER_GROUP_KEYS = ("second_moment", "row_blocks")
+
+
+def _spec(opt, p: torch.Tensor, group: dict, period=None) -> StateSpec:
+    return StateSpec.of(global_shape(p), second_moment=group["second_moment"], small_threshold=opt.small_threshold,
+                        period=period, row_blocks=group.get("row_blocks", "auto"))
+
+
+_FIX = ("load a checkpoint saved by Gefen for the same model with the same small_threshold and "
+        "second_moment, or do not load optimizer state for this model (start the optimizer fresh)")
+
+
+def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None = None) -> None:
+    """Raise a ``ValueError`` naming ``name``, the key and the fix when ``st`` is not a valid Gefen
+    state for ``p`` (in ``group``, default: ``p``'s current group). ``st`` is not changed."""
+    group = opt._group_of(p) if group is None else group
+    shape = global_shape(p)
+    if not isinstance(st, dict):
+        raise ValueError(f"checkpoint state for parameter {name!r} is a {type(st).__name__}, not a dict of "
+                         f"state tensors; {_FIX}")
+    spec = _spec(opt, p, group)
+    kind = spec.mode
+    exact = spec.exact
+    keys = spec.keys
+    missing = [k for k in keys if k not in st]
+    if missing:
+        adamw = not exact and {"exp_avg", "exp_avg_sq"} <= set(st)
+        what = ("it holds torch.optim.AdamW-style exact moments (exp_avg, exp_avg_sq), but Gefen keeps this "
+                "tensor quantized (8-bit first moment, shared/factored second moment) and cannot import them: "
+                "AdamW checkpoints load only into tensors Gefen keeps exact (small_threshold=10**12 makes every "
+                "tensor exact)" if adamw else
+                f"it was saved from a different model, optimizer, small_threshold or second_moment (this tensor is "
+                f"{'exact' if exact else 'quantized, second_moment=' + repr(group['second_moment'])} here)")
+        raise ValueError(f"checkpoint state for parameter {name!r} (shape {shape}) lacks {missing}: {what}; "
+                         f"{_FIX}")
+    for k in keys:
+        v = st[k]
+        if k == "step":
+            if isinstance(v, torch.Tensor):
+                if v.numel() != 1:
+                    raise ValueError(f"checkpoint state 'step' of parameter {name!r} has shape {tuple(v.shape)}, "
+                                     "expected a number")
+            elif not (isinstance(v, numbers.Real) and not isinstance(v, bool)):
+                raise ValueError(f"checkpoint state 'step' of parameter {name!r} is {v!r}, expected an int")
+        elif k in _INT_KEYS:
+            if isinstance(v, torch.Tensor):
+                v = v.item() if v.numel() == 1 else v
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"checkpoint state {k!r} of parameter {name!r} is {v!r}, expected an int >= 0; "
+                                 f"{_FIX}")
+        elif not isinstance(v, torch.Tensor):
+            raise ValueError(f"checkpoint state {k!r} of parameter {name!r} is a {type(v).__name__}, expected a "
+                             f"tensor; {_FIX}")
+    ref = st["exp_avg"] if exact else st["idx"]
+    if tuple(ref.shape) != tuple(p.shape):
+        raise ValueError(
+            f"checkpoint state for parameter {name!r} has shape {tuple(ref.shape)} but the parameter "
+            f"has shape {tuple(p.shape)}; the model changed since the checkpoint was saved"
+        )
+    if exact:
+        for k in ("exp_avg", "exp_avg_sq"):
+            if tuple(st[k].shape) != tuple(p.shape):
+                raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape {tuple(st[k].shape)}, "
+                                 f"expected {tuple(p.shape)}; the model changed since the checkpoint was saved")
+            if not st[k].is_floating_point():
+                raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has dtype {st[k].dtype}, "
+                                 "expected a floating dtype (torch.float32)")
+        return
+    period = int(st["period"])
+    if period < 1 or int(math.prod(shape[1:])) % period:
+        raise ValueError(f"checkpoint state 'period' of parameter {name!r} is {period}, which does not divide "
+                         f"its rows of {int(math.prod(shape[1:]))} elements; {_FIX}")
+    want = {k: ls for k, (ls, _, _, _) in _spec(opt, p, group, period).tensors(tuple(p.shape)).items()}
+    factored = kind == "factored"
+    if factored:
+        slab = want["v_col"][-1]
+        vc = tuple(st["v_col"].shape)
+        if vc in ((slab,), (1, slab)) or (len(vc) == 2 and vc[1] == slab and vc[0] >= 1 and tuple(p.shape)[0] % vc[0] == 0):
+            want["v_col"] = vc  # row blocks (D12): the state's own block count is kept
+    for k in ("scale", "v_row", "v_col") if factored else ("scale", "v"):
+        if tuple(st[k].shape) != want[k]:
+            raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape "
+                             f"{tuple(st[k].shape)}, expected {want[k]} for period {st['period']}")
+        if st[k].dtype != torch.float32:
+            raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has dtype {st[k].dtype}, expected "
+                             "torch.float32 (D5); was it cast on the way (e.g. model.half() on a state dict)?")
+    if st["idx"].dtype != torch.uint8:
+        raise ValueError(f"checkpoint state 'idx' of {name!r} has dtype {st['idx'].dtype}, expected "
+                         "torch.uint8 (was the state dict passed through torch.optim.Optimizer."
+                         "load_state_dict, which casts state to the parameter dtype?)")
+    cb = st["codebook"]
+    if tuple(cb.shape) != (256,) or not cb.is_floating_point():
+        raise ValueError(f"checkpoint state 'codebook' of parameter {name!r} has shape {tuple(cb.shape)} and "
+                         f"dtype {cb.dtype}, expected 256 floats; {_FIX}")
+
+
+def _groups(opt, saved_groups) -> list:
+    """The param groups to install: the saved hyperparameters (deep-copied) with this optimizer's
+    parameters; validated; newer keys filled in. Raises before anything changes."""
+    from .validation import validate_group_keys, validate_hparams
+
+    out = []
+    filled = {}
+    for i, (sg, g) in enumerate(zip(saved_groups, opt.param_groups)):
+        if not isinstance(sg, dict) or "params" not in sg:
+            raise ValueError(f"loaded state dict's param group {i} is not a dict with 'params'; pass the dict "
+                             "returned by optimizer.state_dict()")
+        ng = copy.deepcopy({k: v for k, v in sg.items() if k != "params"})
+        for k in ("lr", "betas", "eps", "weight_decay"):
+            if k not in ng:
+                raise ValueError(f"loaded state dict's param group {i} lacks {k!r}; pass the dict returned by "
+                                 "optimizer.state_dict()")
+        for k in NEWER_GROUP_KEYS:
+            if k not in ng:
+                ng[k] = g.get(k, opt.defaults.get(k))
+                filled.setdefault(k, []).append(i)
+        if ng["second_moment"] != g["second_moment"]:
+            raise ValueError(
+                f"loaded state dict's param group {i} was saved with second_moment={ng['second_moment']!r}, but "
+                f"this optimizer's group {i} uses second_moment={g['second_moment']!r}; the state layouts differ. "
+                f"Build Gefen with second_moment={ng['second_moment']!r} for that group to resume this "
+                "checkpoint, or start the optimizer fresh to switch modes"
+            )
+        where = f" in loaded param group {i}"
+        validate_hparams(ng["lr"], ng["betas"], ng["eps"], ng["weight_decay"], where)
+        rejected = {k: ng[k] for k in ("small_threshold", "nonfinite", "process_group") if k in ng}
+        if rejected:
+            validate_group_keys(rejected, i)
+        unsupported = [k for k in ("maximize", "amsgrad", "differentiable", "capturable") if ng.get(k)]
+        if unsupported:
+            raise ValueError(f"loaded state dict's param group {i} sets {unsupported} (a torch.optim.AdamW/Adam "
+                             "checkpoint?), which Gefen does not implement; load a Gefen checkpoint, or start the "
+                             "optimizer fresh")
+        if "fused" in ng:
+            # torch.optim.AdamW stores its own `fused` in every group; Gefen's is optimizer-wide
+            ng.pop("fused")
+        ng["betas"] = tuple(ng["betas"])
+        ng["params"] = g["params"]
+        if "param_names" in g and "param_names" not in ng:
+            ng["param_names"] = g["param_names"]
+        out.append(ng)
+    for k, idx in filled.items():
+        logger.warning("Gefen.load_state_dict: param groups %s of the loaded state dict lack %r (saved by an "
+                       "older version); using this optimizer's value(s) %s", idx, k,
+                       [out[i][k] for i in idx])
+    return out
+
+
+def load(opt, state_dict: Dict[str, Any]) -> None:
+    """``Gefen.load_state_dict``: pre hooks, validation of everything, the state without a cast,
+    then post hooks (module docstring)."""
+    from .optimizer import saved_param_map
+
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("Gefen.load_state_dict expects the dict returned by optimizer.state_dict() (keys 'state' "
+                         f"and 'param_groups'), got {type(state_dict).__name__}"
+                         f"{' with keys ' + repr(sorted(map(str, state_dict))) if isinstance(state_dict, dict) else ''}")
+    state_dict = state_dict.copy()  # shallow, as torch does: hooks may replace entries
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        res = pre_hook(opt, state_dict)
+        if res is not None:
+            state_dict = res
+    id_map = saved_param_map(opt, state_dict)
+    groups = _groups(opt, state_dict["param_groups"])
+    group_of = {}
+    for ng in groups:
+        for p in ng["params"]:
+            group_of[id(p)] = ng
+    names = opt._names()
+    new_state: Dict[Any, Any] = defaultdict(dict)
+    cb = None
+    for k, saved in state_dict["state"].items():
+        if k not in id_map:
+            new_state[k] = saved  # state not assigned to a parameter is kept as is (as torch does)
+            continue
+        p = id_map[k]
+        validate_entry(opt, p, saved, names[id(p)], group_of[id(p)])
+        st = {}
+        for key, val in saved.items():
+            if isinstance(val, torch.Tensor):
+                if key == "step":
+                    val = int(val.item())
+                elif key in _INT_KEYS and val.numel() == 1:
+                    val = int(val.item())
+                elif key in ("exp_avg", "exp_avg_sq") and val.dtype != torch.float32:
+                    val = val.to(device=local_tensor(p).device, dtype=torch.float32)  # D5: fp32 exact state
+                else:
+                    val = val.to(device=local_tensor(p).device)  # keeps the dtype: no copy on the same device
+            st[key] = val
+        if "codebook" in st and cb is None and float(st["codebook"][0]) == -1.0:
+            cb = st["codebook"]
+        new_state[p] = st
+    # ---- everything validated: commit
+    opt.codebook = cb.to(torch.float32) if cb is not None else None
+    for p, st in new_state.items():
+        if isinstance(p, torch.Tensor) and "codebook" in st:
+            st["codebook"] = opt._codebook_for(local_tensor(st["idx"]).device)
+    Optimizer.__setstate__(opt, {"state": new_state, "param_groups": groups})
+    opt._cuda_plan = None
+    opt._agreement_checked = False
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
+
+
+# ------------------------------------------------------------------------ deepcopy / pickle
+_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+          "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+          "_optimizer_load_state_dict_post_hooks")
+_TRANSIENT = ("_cuda_plan",)  # caches that hold views of the state: rebuilt at the next step
+
+
+def getstate(opt) -> Dict[str, Any]:
+    """Every instance attribute except the comm (a process group cannot be pickled), transient
+    caches and the hooks (torch drops hooks in copies too)."""
+    from .comm import ProcessGroupComm
+
+    d = {k: v for k, v in opt.__dict__.items() if k not in _HOOKS and k not in _TRANSIENT and k != "_comm"}
+    comm = opt.__dict__.get("_comm")
+    if isinstance(comm, ProcessGroupComm):
+        import torch.distributed as dist
+
+        d["_comm_kind"] = "world" if comm.group is dist.group.WORLD else "group"
+    else:
+        d["_comm_kind"] = "local"
+    return d
+
+
+def setstate(opt, state: Dict[str, Any]) -> None:
+    """Restore :func:`getstate`'s dict (or torch's partial ``{"state", "param_groups"}`` update)."""
+    state = dict(state)
+    kind = state.pop("_comm_kind", None)
+    Optimizer.__setstate__(opt, state)
+    if "_comm" not in opt.__dict__:
+        from .comm import LocalComm, comm_for
+
+        if kind == "group":
+            logger.warning("Gefen: unpickled an optimizer built on a custom process group, which cannot be "
+                           "pickled; it now agrees its periods and codebook over WORLD (or a single process). "
+                           "Build a new Gefen with process_group=... if that is not what you want.")
+        opt._comm = LocalComm() if kind in (None, "local") else comm_for(None)
+    for k in _TRANSIENT:
+        opt.__dict__.setdefault(k, None)
+
+
+def deepcopy(opt, memo: Dict[int, Any]):
+    """A deep copy of every attribute (state, param groups, codebook, settings); the comm (process
+    group) is shared with the original."""
+    cls = type(opt)
+    new = cls.__new__(cls)
+    memo[id(opt)] = new
+    d = copy.deepcopy(getstate(opt), memo)
+    d.pop("_comm_kind", None)
+    d["_comm"] = opt.__dict__.get("_comm")
+    setstate(new, d)
+    return new

@@ -1,0 +1,215 @@
+"""Argument and pre-step checks of :class:`gefen_dist.Gefen`: every bad input answered clearly.
+
+* :func:`validate_hparams`: ``lr``, ``betas``, ``eps``, ``weight_decay`` at construction and in
+  every ``add_param_group`` (a string, a wrong-sized tensor or a negative value raises a
+  ``TypeError``/``ValueError`` naming the value and the fix, instead of failing later at ``step()``).
+* :func:`validate_group_keys`: options that are optimizer-wide (``fused``, ``small_threshold``,
+  ``nonfinite``, ``process_group``) are rejected in a param group (they would be ignored).
+* :func:`prestep`: called at the start of every ``step()`` (after the closure): refuses
+  ``torch.compile`` of the step, parameters still on the meta device, and parameters whose shape
+  changed since their state was created; gives zero-size parameters (no elements) an exact, empty
+  state; with ``nonfinite="ignore"``, learns periods and the codebook from the finite values of
+  the gradients only.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .layout import global_shape, is_exact, local_tensor, piece_of
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["validate_hparams", "validate_group_keys", "prestep", "GROUP_REJECTED"]
+
+# Constructor options that apply to the whole optimizer; a param group that sets them is refused.
+GROUP_REJECTED = ("fused", "small_threshold", "nonfinite", "process_group")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _number(name: str, value, where: str, example: str) -> float:
+    """``value`` as a float when it is a real number (or a 1-element real tensor), else a TypeError."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Invalid {name}{where}: a tensor must have 1 element, got shape "
+                             f"{tuple(value.shape)}; pass a float such as {example}")
+        if value.is_complex() or not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)):
+            raise TypeError(f"Invalid {name}{where}: {value!r} (expected a float such as {example})")
+        return float(value.item())
+    if not _is_number(value):
+        raise TypeError(f"Invalid {name}{where}: {value!r} (a {type(value).__name__}; expected a float "
+                        f"such as {example})")
+    return float(value)
+
+
+def validate_hparams(lr, betas, eps, weight_decay, where: str = "") -> None:
+    """Raise a ``TypeError``/``ValueError`` naming the bad value and the fix."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Invalid learning rate{where}: Tensor lr must be 1-element, got shape "
+                             f"{tuple(lr.shape)}; pass a float or a 1-element tensor such as torch.tensor(1e-3)")
+        lr_v = _number("learning rate", lr, where, "1e-3")
+    elif not _is_number(lr):
+        raise TypeError(f"Invalid learning rate{where}: {lr!r} (a {type(lr).__name__}; expected a float such as "
+                        "1e-3 or a 1-element tensor)")
+    else:
+        lr_v = float(lr)
+    if not math.isfinite(lr_v) or lr_v < 0.0:
+        raise ValueError(f"Invalid learning rate{where}: {lr!r} (must be a finite number >= 0)")
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, (tuple, list)):
+        raise TypeError(f"Invalid betas{where}: {betas!r} (expected a pair of floats in [0, 1), e.g. (0.9, 0.999))")
+    if len(betas) != 2:
+        raise ValueError(f"Invalid betas{where}: {betas!r} (expected a pair of floats in [0, 1), e.g. (0.9, 0.999))")
+    if not all(_is_number(b) or isinstance(b, torch.Tensor) for b in betas):
+        raise TypeError(f"Invalid betas{where}: {tuple(betas)!r} (expected a pair of floats in [0, 1), e.g. "
+                        "(0.9, 0.999))")
+    b1, b2 = (_number("betas", b, where, "0.9") for b in betas)
+    if not 0.0 <= b1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0{where}: {b1} (must be in [0, 1))")
+    if not 0.0 <= b2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1{where}: {b2} (must be in [0, 1))")
+    if not _is_number(eps):
+        raise TypeError(f"Invalid epsilon value{where}: {eps!r} (a {type(eps).__name__}; expected a float such "
+                        "as 1e-8)")
+    if not (math.isfinite(float(eps)) and float(eps) >= 0.0):
+        raise ValueError(f"Invalid epsilon value{where}: {eps!r} (must be a finite number >= 0)")
+    if not _is_number(weight_decay):
+        raise TypeError(f"Invalid weight_decay value{where}: {weight_decay!r} (a {type(weight_decay).__name__}; "
+                        "expected a float such as 0.01)")
+    if not (math.isfinite(float(weight_decay)) and float(weight_decay) >= 0.0):
+        raise ValueError(f"Invalid weight_decay value{where}: {weight_decay!r} (must be a finite number >= 0)")
+
+
+def validate_group_keys(param_group: Dict[str, Any], index: int) -> None:
+    """Refuse optimizer-wide options in a param group: Gefen applies them to every group, so a
+    per-group value would be silently ignored."""
+    bad = [k for k in GROUP_REJECTED if k in param_group]
+    if bad:
+        k = bad[0]
+        raise ValueError(
+            f"Invalid option {k!r} in param group {index}: {param_group[k]!r}. Gefen applies {k!r} to all "
+            f"param groups; pass it to the constructor instead (Gefen(params, {k}=...)) and remove it from the "
+            "group. Per-group options are lr, betas, eps, weight_decay, second_moment and row_blocks."
+        )
+
+
+# ---------------------------------------------------------------------------------- pre-step
+def _compile_refusal() -> RuntimeError:
+    return RuntimeError(
+        "Gefen.step() cannot be compiled with torch.compile: it learns its periods and codebook with "
+        "host-side decisions and data-dependent shapes at the first step. Compile the model, not the "
+        "optimizer step (torch.compile(model)), or keep the step out of a compiled region with "
+        "torch.compiler.disable(optimizer.step)."
+    )
+
+
+def _under_torch_compile() -> bool:
+    """True while TorchDynamo traces this code, or runs it between two compiled graphs (a graph
+    break inside a compiled ``step`` runs the rest eagerly with Dynamo's frame callback installed,
+    where ``torch.compiler.is_compiling()`` is False). ``torch.compiler.disable`` removes the
+    callback, so a disabled step is not refused."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch._C._dynamo import eval_frame as _ef
+
+        return _ef.get_eval_frame_callback() is not None
+    except (ImportError, AttributeError):  # pragma: no cover - other torch builds
+        return False
+
+
+def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
+    """The checks and fix-ups that come before any state is read or written in ``step()``."""
+    if _under_torch_compile():
+        raise _compile_refusal()
+    names = None
+    if not entries:
+        _no_entries(opt)
+    learn: List[torch.Tensor] = []
+    state = opt.state
+    for _, p in entries:
+        st = state.get(p)
+        if st:
+            # the state's tensors have the parameter's (global) shape, DTensor or not: one compare
+            ref = st.get("idx")
+            if ref is None:
+                ref = st.get("exp_avg")
+            if ref is not None and ref.shape != p.shape:
+                names = names or opt._names()
+                raise RuntimeError(
+                    f"Gefen: parameter {names[id(p)]!r} has shape {tuple(p.shape)}, but its optimizer state "
+                    f"was created for shape {tuple(ref.shape)}: the parameter changed shape since its state "
+                    "was created. Re-create the optimizer after resizing parameters (or "
+                    "`del optimizer.state[param]` to restart that parameter's state)."
+                )
+            if not st.get("learned", 1):
+                learn.append(p)
+            continue
+        if local_tensor(p).is_meta or local_tensor(p.grad).is_meta:
+            names = names or opt._names()
+            raise RuntimeError(
+                f"Gefen: parameter {names[id(p)]!r} (shape {tuple(global_shape(p))}) is on the meta device, which "
+                "holds no data, so it cannot be stepped. Materialise the model first: "
+                "model.to_empty(device=...) and initialise the weights (e.g. reset_parameters() or loading a "
+                "checkpoint), then compute gradients and call step(); Gefen creates its state on that device "
+                f"at the first step. {_META_REBUILD}."
+            )
+        shape = global_shape(p)
+        if int(math.prod(shape)) == 0:
+            # nothing to learn or store: an exact (AdamW) state of zero elements
+            opt._alloc(p, piece_of(p, opt._comm.rank, opt._comm.world_size > 1), learned=True)
+        elif not is_exact(shape, opt.small_threshold):
+            learn.append(p)
+    if learn and opt.nonfinite == "ignore":
+        _learn_from_finite(opt, entries, learn)
+
+
+_META_REBUILD = ("model.to_empty(device=...) replaces meta parameters with new Parameter objects, so an "
+                 "optimizer built before it holds the old, empty ones; build Gefen after to_empty() and "
+                 "initialising the weights: model.to_empty(device=...); <init>; Gefen(model.parameters())")
+
+
+def _no_entries(opt) -> None:
+    """No parameter has a gradient: fine, unless the optimizer holds meta parameters (it was built
+    before ``model.to_empty()``, and would otherwise do nothing, silently, at every step)."""
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if local_tensor(p).is_meta:
+                raise RuntimeError(f"Gefen: no parameter has a gradient, and parameter {opt._names()[id(p)]!r} is on "
+                                   f"the meta device. {_META_REBUILD}.")
+
+
+def warn_meta(opt) -> None:
+    """At construction: a warning when some parameters are on the meta device."""
+    n = sum(1 for g in opt.param_groups for p in g["params"] if local_tensor(p).is_meta)
+    if n:
+        logger.warning("Gefen: built over %d meta-device parameter(s). %s.", n, _META_REBUILD)
+
+
+def _learn_from_finite(opt, entries, learn: List[torch.Tensor]) -> None:
+    """``nonfinite="ignore"``: the step goes ahead whatever the gradients hold, but periods and the
+    codebook, which are learned once and kept for the whole run, are learned from the gradients
+    with their non-finite values replaced by 0 (a NaN or inf would make the histogram or period
+    score NaN and break every later step). Only at a learning step, and only when some gradient of
+    a tensor to learn is not finite."""
+    bad = [p for p in learn if not bool(torch.isfinite(local_tensor(p.grad)).all())]
+    if not bad:
+        return
+    names = opt._names()
+    logger.warning("Gefen (nonfinite='ignore'): non-finite gradients in %s at a learning step; periods and the "
+                   "codebook are learned from their finite values", [names[id(p)] for p in bad[:4]])
+    saved = {p: p.grad for p in bad}
+    try:
+        for p in bad:
+            p.grad = torch.nan_to_num(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+        opt._prepare(entries)
+    finally:
+        for p, g in saved.items():
+            p.grad = g
