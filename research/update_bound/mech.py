@@ -14,8 +14,8 @@ Mechanisms (per element; ``t`` the tensor's step, ``K_t = update_bound(beta1, be
 * ``floor``     the element's second moment floored by its own current contribution,
                 ``v_eff = max(v_est, (1-beta2) g^2)``, sigma recomputed from v_eff.
 * ``floor_clamp`` floor, then clamp to K_t.
-* ``atan``      Adam-atan2-style soft bound ``r <- K_t * atan(r / K_t) * 2/pi`` ... kept as
-                ``K_t * tanh(r / K_t)`` (smooth, identity to first order, |r| < K_t).
+* ``tanh``      a soft bound in the spirit of Adam-atan2 (Everett et al. 2024):
+                ``r <- K_t * tanh(r / K_t)`` (smooth, identity to first order, |r| < K_t).
 * ``rms``       Adafactor's update clipping per tensor: ``r <- r / max(1, RMS(r) / d)`` (d=1).
 * kw ``zero_code``: the codeword nearest 0 is snapped to exactly 0 (learned codebooks have no
                 exact 0, so a first moment whose gradient is 0 never decays below C_0 * M).
@@ -34,7 +34,7 @@ from gefen_dist.core.step import _apply_update_, column_factors, row_factors
 
 _ORIG = dict(shared=_step.quantized_step_eager_, factored=_step.quantized_step_factored_eager_)
 CFG = dict(name="none", kw={})
-STATS = dict(max_r_before=0.0, max_r_after=0.0, worst=None)
+STATS = dict(max_r_before=0.0, max_r_after=0.0, worst=None, n=0, n_over=0)
 
 
 def update_bound(beta1: float, beta2: float, step: int) -> float:
@@ -85,7 +85,8 @@ def _mechanism(r, g, v_el, q, *, bc1, bc2, eps, beta1, beta2, M=None):
         sigma = (v_eff.sqrt() / math.sqrt(bc2) + eps).reciprocal() * (1.0 / bc1)
         out = q * sigma
         if name == "floor_clamp":
-            out = out.clamp(-K, K)
+            c = K * kw.get("scale", 1.0)
+            out = out.clamp(-c, c)
     elif name == "tanh":
         out = K * torch.tanh(r / K)
     elif name == "rms":
@@ -93,6 +94,8 @@ def _mechanism(r, g, v_el, q, *, bc1, bc2, eps, beta1, beta2, M=None):
         out = r / max(1.0, rms / kw.get("d", 1.0))
     else:
         raise ValueError(name)
+    STATS["n"] += r.numel()
+    STATS["n_over"] += int((r.abs() > K).sum())  # elements whose unmodified update exceeds K_t
     ra = float(out.abs().max()) if out.numel() else 0.0
     STATS["max_r_after"] = max(STATS["max_r_after"], ra)
     return out
@@ -166,7 +169,7 @@ def factored_step_(param, grad, idx, scale, v_row, v_col, codebook, col_mean_sq,
 
 def use(name=None, **kw):
     """Install mechanism ``name`` (None: the library's own eager steps)."""
-    STATS.update(max_r_before=0.0, max_r_after=0.0, worst=None)
+    STATS.update(max_r_before=0.0, max_r_after=0.0, worst=None, n=0, n_over=0)
     if name is None:
         _opt.quantized_step_eager_ = _ORIG["shared"]
         _opt.quantized_step_factored_eager_ = _ORIG["factored"]
@@ -188,10 +191,12 @@ def mechanism(name=None, **kw):
 # name -> (mechanism, kwargs) for the tables
 MECHS = {
     "a_clampK": ("clamp", {}),
+    "a2_clamp2K": ("clamp", {"scale": 2.0}),
     "b_clamp1": ("clamp", {"c": 1.0}),
     "b_clamp2": ("clamp", {"c": 2.0}),
     "c_floor": ("floor", {}),
     "d_floor_clampK": ("floor_clamp", {}),
+    "d2_floor_clamp2K": ("floor_clamp", {"scale": 2.0}),
     "e_tanhK": ("tanh", {}),
     "e_rms": ("rms", {}),
     "f_zero_only": ("none", {"zero_code": True}),

@@ -70,6 +70,7 @@ def main():
             rec = dict(workload=a.workload, steps=a.steps, variant=v, seed=s, val_loss=r["val_loss"],
                        val_acc=r.get("val_acc"), final_train=r["train_loss"][-1],
                        max_r_before=stats["max_r_before"], max_r_after=stats["max_r_after"],
+                       frac_over_K=stats["n_over"] / max(1, stats["n"]),
                        seconds=round(time.perf_counter() - t0, 1))
             print(json.dumps(rec), flush=True)
             with open(a.out, "a") as f:
