@@ -1,11 +1,15 @@
-"""Check research/update_bound/step_bound.diff applied to a copy of gefen_dist (PYTHONPATH=/tmp/ubpkg):
-bound=None is bitwise the library's step; bound=K_t equals the prototype floor_clamp (mech.py) to rounding."""
+"""Check research/update_bound/step_bound.diff applied to a copy of gefen_dist:
+
+    rm -rf /tmp/ubpkg && mkdir -p /tmp/ubpkg && cp -r gefen_dist /tmp/ubpkg/ && \
+        (cd /tmp/ubpkg && patch -p1 < $OLDPWD/research/update_bound/step_bound.diff) && \
+        PYTHONPATH=/tmp/ubpkg python research/update_bound/check_diff.py
+
+bound=None is bitwise the library's step; bound=K_t is bitwise the prototype's clamp (mech.py)."""
 import sys, math, torch
-sys.path.insert(0, "/work/wt-c/research/update_bound")
+import os
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gefen_dist, gefen_dist.core.step as S
 assert gefen_dist.__file__.startswith("/tmp/ubpkg"), gefen_dist.__file__
-import importlib.util
-spec = importlib.util.spec_from_file_location("orig_step", "/work/wt-c/gefen_dist/core/step.py", submodule_search_locations=None)
 torch.set_num_threads(1)
 import mech
 from gefen_dist import Gefen
@@ -32,9 +36,9 @@ for mode in ("factored", "shared", "elementwise"):
     none = run(mode, lambda k: None)
     proto_none = run(mode, None, patch="none")
     bnd = run(mode, K)
-    proto = run(mode, None, patch="floor_clamp")
+    proto = run(mode, None, patch="clamp")
     print(mode, "bound=None bitwise:", torch.equal(base, none), "| prototype none bitwise:", torch.equal(base, proto_none),
-          "| bound=K vs prototype floor_clamp max|diff|:", float((bnd - proto).abs().max()),
+          "| bound=K vs prototype clamp max|diff|:", float((bnd - proto).abs().max()),
           "| bound changes params:", not torch.equal(base, bnd))
 for t in (1, 2, 10, 100, 10**6):
     assert S.update_bound(0.9, 0.999, t) == mech.update_bound(0.9, 0.999, t) or abs(S.update_bound(0.9, 0.999, t) / mech.update_bound(0.9, 0.999, t) - 1) < 1e-14

@@ -46,8 +46,10 @@ def proposal(shape, cur_block):
         scales = rows * (slab // cur_block if cur_block >= 64 else math.ceil(slab / 256))
         factored_v = 4 * (rows + slab)  # one column profile
         if factored_v / n <= 0.05:
-            return (n + 4 * scales + factored_v) / n, "factored, ragged 256-blocks"
-        return (n + 8 * scales) / n, "shared v per 256-block (ragged), few rows"
+            return (n + 4 * scales + factored_v) / n, ("factored, today's blocks" if cur_block >= 64
+                                                       else "factored, ragged 256-blocks")
+        return (n + 8 * scales) / n, "few rows: v shared per scale block" + (
+            "" if cur_block >= 64 else " (ragged 256-blocks)")
     R = math.ceil(256 / slab)
     groups = math.ceil(rows / R)
     return (n + 8 * groups) / n, f"row groups of {R} rows: one scale + one v per group"
