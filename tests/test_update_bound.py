@@ -7,66 +7,28 @@ AdamW's per-element normalised update |m_hat_t| / (sqrt(v_hat_t) + eps) never ex
 same bound for every element of every quantized tensor, whatever its second moment, shape or fused
 path: ``|dp| <= K_t * lr`` (weight_decay 0) at every step.
 
-These tests need ``gefen_dist.core.update_bound(beta1, beta2, step) -> float`` and the clamp of the
-normalised update to ``[-K_t, K_t]`` in every path (eager, native CPU, Triton); until the library
-has them the module is skipped. ``GEFEN_UPDATE_BOUND_PROTOTYPE=1`` runs them against the
-prototype in ``research/update_bound/mech.py`` (eager path only: the fused cases skip), which is
-how they were checked before the library change (``GEFEN_UPDATE_BOUND_MECH=none`` runs the prototype
-without the clamp, i.e. today's update, and the bound tests fail).
+The bound is :func:`gefen_dist.core.step.update_bound`; every path (eager, native CPU, Triton)
+clamps the normalised update to ``[-K_t, K_t]`` (tests/test_bound_kernels.py checks the kernels
+against the reference). These tests were written against the research prototype in
+``research/update_bound/`` before the library change, and fail on the unbounded update
+(``Gefen(bound_updates=False)``).
 """
 from __future__ import annotations
 
 import math
-import os
-import sys
-from contextlib import contextmanager
 
 import pytest
 import torch
 from torch import nn
 
-import gefen_dist
-import gefen_dist.core
 from gefen_dist import Gefen
+from gefen_dist.core.step import update_bound
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROTOTYPE = os.environ.get("GEFEN_UPDATE_BOUND_PROTOTYPE") == "1"
-
-if PROTOTYPE:
-    sys.path.insert(0, os.path.join(ROOT, "research", "update_bound"))
-    import mech as _proto  # noqa: E402
-
-    update_bound = _proto.update_bound
-else:
-    update_bound = getattr(gefen_dist.core, "update_bound", None)
-    if update_bound is None:
-        try:
-            from gefen_dist.core.step import update_bound  # noqa: F401
-        except ImportError:
-            update_bound = None
-    if update_bound is None:
-        pytest.skip("gefen_dist has no update bound yet (gefen_dist.core.update_bound and the per-element "
-                    "clamp of research/update_bound/step_bound.diff); set GEFEN_UPDATE_BOUND_PROTOTYPE=1 to "
-                    "run these tests against the research prototype", allow_module_level=True)
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 SETTINGS = dict(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FUSED = (False,) if PROTOTYPE else (None, False)
-
-
-@contextmanager
-def bounded():
-    """The library as it is, or (prototype mode) the research prototype's clamp installed."""  # noqa: D401
-    if not PROTOTYPE:
-        yield
-        return
-    _proto.use(os.environ.get("GEFEN_UPDATE_BOUND_MECH", "clamp"))  # "none": the library's update (must fail)
-    try:
-        yield
-    finally:
-        _proto.use(None)
+FUSED = (None, False)
 
 
 def _adamw_ratio(g, b1, b2):
@@ -154,22 +116,21 @@ def test_every_step_within_the_bound(shape, mode, fused, betas, lr, kinds, first
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     p = nn.Parameter(torch.randn(shape, generator=gen) * 0.02)
-    with bounded():
-        opt = Gefen([p], lr=lr, betas=betas, eps=1e-8, weight_decay=0.0, small_threshold=256,
-                    second_moment=mode, fused=fused)
-        for i, kind in enumerate(kinds):
-            g = _grad(kind, shape, gen)
-            if i == 0 and first_dense < 1.0:  # a mostly-zero first gradient
-                g = g * (torch.rand(shape, generator=gen) < first_dense)
-            p.grad = g
-            before = p.detach().double().clone()
-            opt.step()
-            t = opt.state[p]["step"]
-            dp = float((p.detach().double() - before).abs().max())
-            slack = 4 * torch.finfo(torch.float32).eps * max(1.0, float(before.abs().max()))
-            K = update_bound(betas[0], betas[1], t)
-            assert math.isfinite(dp) and dp <= K * lr * (1 + 1e-5) + slack, (
-                f"step {t} ({kind}): max|dp|/lr = {dp / lr:.4g} > K_t = {K:.4g}")
+    opt = Gefen([p], lr=lr, betas=betas, eps=1e-8, weight_decay=0.0, small_threshold=256,
+                second_moment=mode, fused=fused)
+    for i, kind in enumerate(kinds):
+        g = _grad(kind, shape, gen)
+        if i == 0 and first_dense < 1.0:  # a mostly-zero first gradient
+            g = g * (torch.rand(shape, generator=gen) < first_dense)
+        p.grad = g
+        before = p.detach().double().clone()
+        opt.step()
+        t = opt.state[p]["step"]
+        dp = float((p.detach().double() - before).abs().max())
+        slack = 4 * torch.finfo(torch.float32).eps * max(1.0, float(before.abs().max()))
+        K = update_bound(betas[0], betas[1], t)
+        assert math.isfinite(dp) and dp <= K * lr * (1 + 1e-5) + slack, (
+            f"step {t} ({kind}): max|dp|/lr = {dp / lr:.4g} > K_t = {K:.4g}")
 
 
 @pytest.mark.parametrize("fused", FUSED)
@@ -179,11 +140,10 @@ def test_one_gaussian_step_moves_each_weight_at_most_lr(shape, mode, fused):
     """The issue's one-step rows: at t = 1 AdamW moves every weight by lr; K_1 = 1."""
     torch.manual_seed(0)
     p = nn.Parameter(torch.randn(shape) * 0.02)
-    with bounded():
-        opt = Gefen([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, second_moment=mode, fused=fused)
-        p.grad = torch.randn(shape)
-        before = p.detach().clone()
-        opt.step()
+    opt = Gefen([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, second_moment=mode, fused=fused)
+    p.grad = torch.randn(shape)
+    before = p.detach().clone()
+    opt.step()
     assert float((p.detach() - before).abs().max()) / 1e-3 <= 1.0 + 1e-3
 
 
@@ -257,9 +217,8 @@ WORKLOADS = {
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_training_within_5_percent_of_adamw(workload):
-    fused = False if PROTOTYPE else None
+    fused = None
     run = WORKLOADS[workload]
     ref = run("adamw", fused)
-    with bounded():
-        got = run("gefen", fused)
+    got = run("gefen", fused)
     assert math.isfinite(got) and got <= 1.05 * ref, f"{workload}: Gefen {got:.4f} vs AdamW {ref:.4f}"
