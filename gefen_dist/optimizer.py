@@ -14,20 +14,17 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch.optim import Optimizer
 
-from .comm import LocalComm, comm_for
-from .core.step import adamw_foreach_, adamw_step_, bias_corrections, decay_only_, hyperparameters, row_block_args
-from .core.step import scalar_value as _scalar
-from .cuda_path import CudaBatch
 from . import learning
-from .column_stats import column_means, piece_column_sums
-from .report import Report, build_report, state_bytes
-from .state import SECOND_MOMENTS, StateSpec
-from .kernels import dispatch as _dispatch
-from .nonfinite import NonfiniteChecks
 from . import state_dict_io as _sdio
 from . import validation as _validation
-from .layout import (Piece, check_supported, global_shape, is_dtensor,
-                     is_exact, like_param, local_tensor, piece_of)
+from .comm import LocalComm, comm_for
+from .cuda_path import CudaBatch
+from .gefen_step import GefenStepMixin
+from .kernels import dispatch as _dispatch
+from .layout import Piece, check_supported, global_shape, is_exact, like_param, local_tensor, piece_of
+from .nonfinite import NonfiniteChecks
+from .report import Report, build_report, state_bytes
+from .state import SECOND_MOMENTS, StateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +57,7 @@ def saved_param_map(opt: Optimizer, state_dict: Dict[str, Any]) -> Dict[Any, tor
     return id_map
 
 
-class Gefen(NonfiniteChecks, Optimizer):
+class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
     r"""AdamW with ~1 byte per parameter of state (Gefen, Benedek, Koren, Fried 2026).
 
     Large tensors keep the first moment as uint8 indices into one learned 256-entry codebook times
@@ -388,109 +385,6 @@ class Gefen(NonfiniteChecks, Optimizer):
                 self._update(group, p, col.get(p))
         self._update_exact_batched(batched)
         return loss
-
-    def _foreach_exact(self, p: torch.Tensor) -> bool:
-        """Exact (AdamW) tensors on CUDA are stepped together with foreach operations."""
-        st = self.state.get(p)
-        return (self.fused is not False and st is not None and "exp_avg" in st
-                and local_tensor(p).device.type == "cuda")
-
-    def _update_exact_batched(self, batched) -> None:
-        """:func:`adamw_foreach_` over the exact tensors of ``batched``, per (group, step, device)."""
-        buckets: Dict[tuple, list] = {}
-        for group, p in batched:
-            st = self.state[p]
-            st["step"] += 1
-            key = (id(group), st["step"], local_tensor(p).device)
-            buckets.setdefault(key, (group, []))[1].append(p)
-        for (_, step, _), (group, ps) in buckets.items():
-            beta1, beta2 = group["betas"]
-            bc1, bc2 = bias_corrections(step, beta1, beta2)
-            adamw_foreach_([local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
-                           [local_tensor(self.state[p]["exp_avg"]) for p in ps],
-                           [local_tensor(self.state[p]["exp_avg_sq"]) for p in ps],
-                           lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], bc1=bc1, bc2=bc2)
-
-    def _factored(self, entries) -> List[torch.Tensor]:
-        """The factored tensors of ``entries`` whose second moment is learned."""
-        out = []
-        for _, p in entries:
-            st = self.state.get(p)
-            if st and "v_col" in st and st["learned"]:
-                out.append(p)
-        return out
-
-    def _column_partials(self, entries, fact: Optional[List[torch.Tensor]] = None
-                         ) -> Dict[torch.Tensor, torch.Tensor]:
-        """This rank's float64 column sums of ``g^2`` (``[row]``) for each learned factored tensor:
-        the native one-pass kernel on CPU (``fused`` not False), the eager function otherwise.
-        Replicas of a sharded tensor that do not contribute give zeros."""
-        fact = self._factored(entries) if fact is None else fact
-        sharded = self._comm.world_size > 1 and any(is_dtensor(p) for p in fact)
-        out = {}
-        for p in fact:
-            pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
-            sumsq = self._impl(pc.grad).column_sumsq if pc.grad is not None else None
-            out[p] = piece_column_sums(pc, self.state[p]["v_col"], global_shape(p)[0], sumsq,
-                                       skip=sharded and not pc.contributes)
-        return out
-
-    def _column_stats(self, entries, partials: Optional[Dict[torch.Tensor, torch.Tensor]] = None
-                      ) -> Dict[torch.Tensor, torch.Tensor]:
-        """Column means of g^2 over all global rows for factored tensors (one all-reduce when any
-        of them is sharded; replicas contribute zeros so sums equal a single process's).
-        ``partials`` (from :meth:`_column_partials`) are reused; tensors learned since then (the
-        first step) are computed here."""
-        fact = self._factored(entries)
-        if not fact:
-            return {}
-        sharded = self._comm.world_size > 1 and any(is_dtensor(p) for p in fact)
-        partials = dict(partials or {})
-        missing = [p for p in fact if p not in partials]
-        if missing:
-            partials.update(self._column_partials(entries, missing))
-        means, buf = column_means(self._comm, [partials[p] for p in fact],
-                                  [(self.state[p]["v_col"], global_shape(p)[0], local_tensor(p).device) for p in fact],
-                                  sharded)
-        out = dict(zip(fact, means))
-        if self.nonfinite != "ignore" and bool(torch.isinf(buf.to(torch.float32)).any()):
-            # one host synchronisation for all tensors (the per-tensor check only on failure)
-            self._raise_column_overflow(out)
-        return out
-
-    def _update(self, group: dict, p: torch.Tensor, col_mean_sq: Optional[torch.Tensor] = None) -> None:
-        st = self.state[p]
-        st["step"] += 1
-        hp = hyperparameters(group, st["step"], self.bound_updates)
-        lr = hp["lr"]
-        param, grad = local_tensor(p), local_tensor(p.grad)
-        if "exp_avg" in st:
-            adamw_step_(param, grad, local_tensor(st["exp_avg"]), local_tensor(st["exp_avg_sq"]), **hp)
-            return
-        if param.numel() == 0:
-            return
-        if not st["learned"]:
-            decay_only_(param, lr, hp["weight_decay"])
-            return
-        contiguous = param.is_contiguous()
-        work = param if contiguous else param.contiguous()
-        impl = self._impl(work)
-        g = impl.grad_for(grad.contiguous(), work)
-        cb = st["codebook"].to(work.device)
-        if "v_col" in st:
-            rkw = {}
-            if st["v_col"].dim() > 1:  # row blocks (D12): this piece's first global row, rows per block
-                rkw = row_block_args(st["v_col"], global_shape(p)[0],
-                                     piece_of(p, self._comm.rank, self._comm.world_size > 1).start)
-            impl.quantized_step_factored_(work, g, local_tensor(st["idx"]), local_tensor(st["scale"]),
-                                          local_tensor(st["v_row"]), st["v_col"], cb, col_mean_sq,
-                                          scale_block=st["scale_block"], **rkw, **hp)
-        else:
-            impl.quantized_step_(work, g, local_tensor(st["idx"]), local_tensor(st["scale"]), local_tensor(st["v"]),
-                                 cb, period=st["period"], scale_block=st["scale_block"], **hp)
-        if not contiguous:
-            param.copy_(work)
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

@@ -57,6 +57,29 @@ _FIX = ("load a checkpoint saved by Gefen for the same model with the same small
         "second_moment, or do not load optimizer state for this model (start the optimizer fresh)")
 
 
+def _check_entry_types(st: dict, keys, name: str) -> None:
+    """Every key of a loaded entry holds what it should: ``step`` a number, the int keys ints >= 0,
+    the others tensors."""
+    for k in keys:
+        v = st[k]
+        if k == "step":
+            if isinstance(v, torch.Tensor):
+                if v.numel() != 1:
+                    raise ValueError(f"checkpoint state 'step' of parameter {name!r} has shape {tuple(v.shape)}, "
+                                     "expected a number")
+            elif not (isinstance(v, numbers.Real) and not isinstance(v, bool)):
+                raise ValueError(f"checkpoint state 'step' of parameter {name!r} is {v!r}, expected an int")
+        elif k in _INT_KEYS:
+            if isinstance(v, torch.Tensor):
+                v = v.item() if v.numel() == 1 else v
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"checkpoint state {k!r} of parameter {name!r} is {v!r}, expected an int >= 0; "
+                                 f"{_FIX}")
+        elif not isinstance(v, torch.Tensor):
+            raise ValueError(f"checkpoint state {k!r} of parameter {name!r} is a {type(v).__name__}, expected a "
+                             f"tensor; {_FIX}")
+
+
 def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None = None) -> None:
     """Raise a ``ValueError`` naming ``name``, the key and the fix when ``st`` is not a valid Gefen
     state for ``p`` (in ``group``, default: ``p``'s current group). ``st`` is not changed."""
@@ -80,24 +103,7 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
                 f"{'exact' if exact else 'quantized, second_moment=' + repr(group['second_moment'])} here)")
         raise ValueError(f"checkpoint state for parameter {name!r} (shape {shape}) lacks {missing}: {what}; "
                          f"{_FIX}")
-    for k in keys:
-        v = st[k]
-        if k == "step":
-            if isinstance(v, torch.Tensor):
-                if v.numel() != 1:
-                    raise ValueError(f"checkpoint state 'step' of parameter {name!r} has shape {tuple(v.shape)}, "
-                                     "expected a number")
-            elif not (isinstance(v, numbers.Real) and not isinstance(v, bool)):
-                raise ValueError(f"checkpoint state 'step' of parameter {name!r} is {v!r}, expected an int")
-        elif k in _INT_KEYS:
-            if isinstance(v, torch.Tensor):
-                v = v.item() if v.numel() == 1 else v
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"checkpoint state {k!r} of parameter {name!r} is {v!r}, expected an int >= 0; "
-                                 f"{_FIX}")
-        elif not isinstance(v, torch.Tensor):
-            raise ValueError(f"checkpoint state {k!r} of parameter {name!r} is a {type(v).__name__}, expected a "
-                             f"tensor; {_FIX}")
+    _check_entry_types(st, keys, name)
     ref = st["exp_avg"] if exact else st["idx"]
     if tuple(ref.shape) != tuple(p.shape):
         raise ValueError(

@@ -36,7 +36,7 @@ import torch
 from .. import learning
 from .. import optimizer as _opt_mod
 from ..comm import LocalComm, ProcessGroupComm
-from ..core.step import update_bound
+from ..core.step import scalar_value, update_bound
 from ..segments import FlatSegments, LayoutError, Segment, verify_segments
 
 logger = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class Gefen(_opt_mod.Gefen):
                             fit.info["values"], fit.info["active_bins"])
         st["step"] += 1
         beta1, beta2 = group["betas"]
-        fs.step(flat, grad, st, lr=_opt_mod._scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+        fs.step(flat, grad, st, lr=scalar_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], impl=self._impl(flat),
                 bound=update_bound(beta1, beta2, st["step"]) if self.bound_updates else None)
 
