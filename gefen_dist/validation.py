@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["validate_hparams", "validate_group_keys", "prestep", "GROUP_REJECTED"]
 
 # Constructor options that apply to the whole optimizer; a param group that sets them is refused.
-GROUP_REJECTED = ("fused", "small_threshold", "nonfinite", "process_group")
+GROUP_REJECTED = ("fused", "small_threshold", "nonfinite", "bound_updates", "process_group")
 
 
 def _is_number(x) -> bool:

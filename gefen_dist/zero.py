@@ -105,7 +105,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     """
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, *, process_group: Optional[Any] = None,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, process_group: Optional[Any] = None,
                  **gefen_kwargs):
         self._partition: Optional[Partition] = None
         self._fact_ids: Optional[Set[int]] = None
