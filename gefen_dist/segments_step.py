@@ -40,19 +40,7 @@ class SegmentStepMixin:
         idx_all, scale_all, v_all = st["idx"], st["scale"], st["v"]
         # Phase 1: whole blocks through the kernels; partial blocks' partial statistics.
         pend = []  # (key, block, p, g, idx, scale slot view, v view, m)
-        for sp, learned in zip(layout, st["learned"]):
-            s = sp.seg
-            if not s.numel:
-                continue
-            p = fv[s.flat_offset:s.flat_offset + s.numel]
-            g = gv[s.flat_offset:s.flat_offset + s.numel]
-            if sp.exact:
-                adamw_step_(p, g, st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
-                            st["exact_v"][sp.exact_off:sp.exact_off + s.numel], **hp)
-                continue
-            if not learned:
-                decay_only_(p, lr, weight_decay)
-                continue
+        for sp, s, p, g in _learned_segments(layout, st, fv, gv, hp):
             P, B = sp.period, sp.block
             a, e = s.param_offset, s.param_offset + s.numel
             ix = idx_all[s.flat_offset:s.flat_offset + s.numel]
@@ -151,19 +139,7 @@ class SegmentStepMixin:
         learned ones (column sums into ``cols``; cut rows' partial sums of ``g^2`` and cut blocks'
         partial max |m| into ``slots``). Returns the learned segments' work items for phase 2."""
         work = []
-        for sp, learned in zip(layout, st["learned"]):
-            s = sp.seg
-            if not s.numel:
-                continue
-            p = fv[s.flat_offset:s.flat_offset + s.numel]
-            g = gv[s.flat_offset:s.flat_offset + s.numel]
-            if sp.exact:
-                adamw_step_(p, g, st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
-                            st["exact_v"][sp.exact_off:sp.exact_off + s.numel], **hp)
-                continue
-            if not learned:
-                decay_only_(p, hp["lr"], hp["weight_decay"])
-                continue
+        for sp, s, p, g in _learned_segments(layout, st, fv, gv, hp):
             S, B, G = ctx.slab_of[s.key], sp.block, ctx.nblk_of[s.key]
             a, e = s.param_offset, s.param_offset + s.numel
             ix = st["idx"][s.flat_offset:s.flat_offset + s.numel]
@@ -254,6 +230,25 @@ class SegmentStepMixin:
                 new = quantize(m, A, cb)
                 ix[r0:r1].copy_(new)
                 apply_(p[r0:r1], cb[new.long()] * A, sigma, hp["lr"], hp["weight_decay"], hp["bound"])
+
+
+def _learned_segments(layout, st, fv, gv, hp):
+    """The segments of a flat buffer in order: exact ones are stepped (AdamW), quantized ones whose
+    gradient has been globally zero so far only decay, and the learned quantized ones are yielded as
+    ``(slot, segment, param view, grad view)`` for the caller's step."""
+    for sp, learned in zip(layout, st["learned"]):
+        s = sp.seg
+        if not s.numel:
+            continue
+        p = fv[s.flat_offset:s.flat_offset + s.numel]
+        g = gv[s.flat_offset:s.flat_offset + s.numel]
+        if sp.exact:
+            adamw_step_(p, g, st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
+                        st["exact_v"][sp.exact_off:sp.exact_off + s.numel], **hp)
+        elif not learned:
+            decay_only_(p, hp["lr"], hp["weight_decay"])
+        else:
+            yield sp, s, p, g
 
 
 @dataclass

@@ -20,7 +20,8 @@ def block_histogram_eager(values: torch.Tensor, block: int, out: torch.Tensor | 
     flat = values.reshape(-1)
     if flat.numel() == 0:
         return out
-    assert flat.numel() % block == 0, (flat.numel(), block)
+    if flat.numel() % block:
+        raise ValueError(f"block_histogram: {flat.numel()} values are not a whole number of blocks of {block}")
     rows = flat.view(-1, block)
     step = max(1, _HIST_CHUNK // block)
     for r0 in range(0, rows.shape[0], step):

@@ -80,15 +80,11 @@ def paper_period(grad: torch.Tensor) -> int:
 def block_histogram(values: torch.Tensor, block: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`gefen_dist.core.quant.block_histogram_eager` (added to ``out``), natively for CPU
     tensors when available (bitwise the same counts)."""
-    if out is None:
-        out = torch.zeros(NUM_BINS, dtype=torch.int64)
     flat = values.reshape(-1)
-    if flat.numel() == 0:
-        return out
-    if flat.numel() % block:
-        raise ValueError(f"block_histogram: {flat.numel()} values are not a whole number of blocks of {block}")
-    if flat.device.type == "cpu":
+    if flat.numel() and flat.numel() % block == 0 and flat.device.type == "cpu":
         nat = _first_step()
+        if out is None:
+            out = torch.zeros(NUM_BINS, dtype=torch.int64)
         if nat is not None and nat.block_histogram_(flat, block, out):
             return out
     return block_histogram_eager(flat, block, out)
