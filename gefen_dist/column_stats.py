@@ -27,7 +27,7 @@ def piece_column_sums(pc: Piece, v_col: torch.Tensor, global_rows: int, sumsq: C
 def column_means(comm, sums: Sequence[torch.Tensor], tensors: Sequence[Tuple[torch.Tensor, int, torch.device]],
                  sharded: bool) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """Column means of ``g^2`` over all global rows of each tensor (``tensors``: its ``v_col``, its
-    global row count, the device its step runs on), from this rank's ``sums``: concatenated, one
+    row count in the global tensor, the device its step runs on), from this rank's ``sums``: concatenated, one
     SUM all-reduce when ``sharded``. Returns the float32 means (shaped like the ``v_col`` blocks,
     flat) and the reduced float64 buffer (for the overflow check)."""
     dev = sums[0].device
