@@ -523,14 +523,21 @@ def test_optimizer_dispatches_factored_to_kernel(monkeypatch):
     with fused=False, and both agree."""
     from gefen_dist import Gefen
 
+    import dataclasses
+
+    from gefen_dist.kernels import dispatch
+
     calls = []
-    real = cpu.quantized_step_factored_
+    real = dispatch._native_cpu()
 
     def spy(*a, **k):
         calls.append(1)
-        return real(*a, **k)
+        return real.quantized_step_factored_(*a, **k)
 
-    monkeypatch.setattr(cpu, "quantized_step_factored_", spy)
+    # the dispatcher caches its implementations, so spy on the one it hands out (patching the
+    # cpu module's function would miss a table built by an earlier test)
+    spied = dataclasses.replace(real, quantized_step_factored_=spy)
+    monkeypatch.setattr(dispatch, "_native_cpu", lambda: spied)
     outs = []
     for fused in (None, False):
         torch.manual_seed(0)
