@@ -1,4 +1,4 @@
-"""Step time of Gefen on a DeepSpeed-style flat buffer (``gefen_dist.segments.FlatSegments``), CPU.
+"""Step time of Gefen on a DeepSpeed-style flat buffer (``gefen_dist.engine.flat.FlatSegments``), CPU.
 
     python benchmarks/flat_step.py [--threads 1] [--rounds 5] [--second-moment factored]
                                    [--out docs/results/flat_step.json]
@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _gpt2 import GPT2_PARAMS, gpt2_shapes  # noqa: E402
-from gefen_dist.comm import LocalComm  # noqa: E402
+from gefen_dist.engine.comm import LocalComm  # noqa: E402
 from gefen_dist.kernels import dispatch  # noqa: E402
-from gefen_dist.segments import FlatSegments, Segment, counts_to_codebook  # noqa: E402
+from gefen_dist.engine.flat import FlatSegments, Segment, counts_to_codebook  # noqa: E402
 
 HP = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 

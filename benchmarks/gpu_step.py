@@ -10,7 +10,7 @@ Needs a CUDA GPU and triton (exits with a message otherwise).
 
 **Optimizer classes** (first, the numbers a user sees): ``Gefen(params).step()`` with its
 defaults (factored second moment with row blocks, the multi-tensor CUDA plan of
-``gefen_dist/cuda_path.py``), ``second_moment="shared"``, the default with the plan disabled
+``gefen_dist/engine/cuda_batch.py``), ``second_moment="shared"``, the default with the plan disabled
 (``gefen_default_per_tensor``: one Triton launch per tensor), the eager path (``fused=False``),
 and ``torch.optim.AdamW(fused=True)``, over every tensor of GPT-2 small (124,439,808
 parameters) and XL (1,557,611,200), the same parameters and random gradients for each. Per
@@ -282,7 +282,7 @@ def count_host_syncs(fn) -> int:
 
 OPTIMIZERS = (
     # name, Gefen keyword arguments (None: torch's fused AdamW), timed iterations (None: --iters);
-    # "_per_tensor": the multi-tensor plan (gefen_dist/cuda_path.py) disabled, one launch per tensor
+    # "_per_tensor": the multi-tensor plan (gefen_dist/engine/cuda_batch.py) disabled, one launch per tensor
     ("torch_adamw_fused", None, None),
     ("gefen_default", {}, None),
     ("gefen_shared", dict(second_moment="shared"), None),

@@ -5,7 +5,7 @@ fp32 parameter from its owner).
     python benchmarks/zero_wire.py [--worlds 2 4 8] [--no-measure] [--out docs/results/zero_wire.json]
 
 1. Analytic, GPT-2-small shapes (124M parameters, tied head): ZeroGefen's bytes are counted with
-   the functions the optimizer sizes its buffers with (``gefen_dist.zero.partition`` and
+   the functions the optimizer sizes its buffers with (``gefen_dist.zero.optimizer.partition`` and
    ``step_wire_bytes``: idx bytes + fp32 (M, sigma) per block for quantized tensors with P > 1,
    fp32 values for exact and P == 1 tensors, every segment padded to 8 bytes, every rank's
    chunk padded to the largest). Periods are not learned on this machine for 124M parameters;
@@ -36,8 +36,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from gefen_dist.core.periods import PERIOD_CAP, divisors, resolve_period, row_slab, scale_block_for  # noqa: E402
-from gefen_dist.layout import is_exact  # noqa: E402
-from gefen_dist.zero import (MODE_COMPRESSED, MODE_DENSE, partition, step_wire_bytes,  # noqa: E402
+from gefen_dist.engine.layout import is_exact  # noqa: E402
+from gefen_dist.zero.optimizer import (MODE_COMPRESSED, MODE_DENSE, partition, step_wire_bytes,  # noqa: E402
                              unit_cost)
 
 
@@ -151,7 +151,7 @@ def _worker(rank, world, init_file, out_file, steps):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from gefen_dist import Gefen, ZeroGefen
-    from gefen_dist.comm import LocalComm
+    from gefen_dist.engine.comm import LocalComm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

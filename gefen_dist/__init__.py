@@ -5,8 +5,8 @@ Gefen is the optimizer of Benedek, Koren and Fried, "Gefen: Optimized Stochastic
 re-implements it from its specification so that its state is identical in meaning at every
 world size (see docs/algorithm.md for the deliberate deviations).
 """
-from .optimizer import Gefen, Report
-from .zero import ZeroGefen  # noqa: F401  (ZeRO-1 for DDP, gefen_dist/zero.py)
+from .optim.gefen import Gefen, Report
+from .zero.optimizer import ZeroGefen  # noqa: F401  (ZeRO-1 for DDP, gefen_dist/zero/optimizer.py)
 
 __all__ = ["Gefen", "Report", "ZeroGefen"]
 __version__ = "0.1.0"

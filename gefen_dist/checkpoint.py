@@ -47,7 +47,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 
 from .core.periods import row_slab
-from .layout import global_shape, is_exact, local_tensor
+from .engine.layout import global_shape, is_exact, local_tensor
 
 logger = logging.getLogger(__name__)
 

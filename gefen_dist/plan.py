@@ -8,7 +8,7 @@ meta device). The Gefen estimate follows the optimizer's own rules:
 * otherwise ``1 + 4/B + 4/P`` B/element (uint8 index, fp32 absmax scale per block of ``B``, fp32
   shared second moment per period ``P``) with ``P`` estimated as the row length
   ``prod(shape[1:])`` under the paper's cap (a period above 1024 becomes its smallest divisor above
-  1024) and ``B = P`` (``gefen_dist.layout.Geometry``); plus the 1 KiB codebook once.
+  1024) and ``B = P`` (``gefen_dist.engine.layout.Geometry``); plus the 1 KiB codebook once.
 
 Learned periods can be *smaller* than the row (more bytes per parameter): the estimate is the
 common case for transformer weights (GPT-2 small: every matrix learns its row, see
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .core.periods import PERIOD_CAP, divisors, factored_row_blocks, row_slab
-from .layout import KIND_EXACT, KIND_QUANTIZED, Geometry, is_exact
+from .engine.layout import KIND_EXACT, KIND_QUANTIZED, Geometry, is_exact
 
 __all__ = [
     "TensorSpec", "ModelEstimate", "STRATEGIES", "PRECISIONS", "GPT2_SMALL_GEFEN_BYTES_PER_PARAM",

@@ -103,7 +103,7 @@ from gefen_dist import Gefen
 from gefen_dist.core import periods as _periods
 from gefen_dist.core.quant import NUM_BINS, nearest_codeword
 from gefen_dist.kernels.dispatch import block_histogram
-from gefen_dist.layout import local_tensor
+from gefen_dist.engine.layout import local_tensor
 
 __all__ = ["GefenVariant"]
 

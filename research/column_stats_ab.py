@@ -16,7 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "research"), str(ROOT / "benchmarks"), str(ROOT)]
-import gefen_dist.optimizer as O  # noqa: E402
+import gefen_dist.optim.gefen as O  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 from gefen_dist.core.step import column_sumsq  # noqa: E402
 from step_speed import HP, Bench, demo_codebook  # noqa: E402

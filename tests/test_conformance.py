@@ -444,7 +444,7 @@ def test_load_older_groups_fill_newer_keys_with_a_warning(caplog):
         del g["second_moment"], g["row_blocks"]
     m2 = _mlp()
     opt2 = Gefen(m2.parameters(), lr=1e-2)
-    with caplog.at_level(logging.WARNING, logger="gefen_dist.state_dict_io"):
+    with caplog.at_level(logging.WARNING, logger="gefen_dist.optim.state_dict_io"):
         opt2.load_state_dict(sd)
     msgs = " ".join(r.getMessage() for r in caplog.records)
     assert "lack 'second_moment'" in msgs and "lack 'row_blocks'" in msgs
@@ -535,7 +535,7 @@ def test_meta_parameters_to_empty_then_train(caplog):
 
     # stepping while the parameters are still on meta: a clear error, no state created
     m = meta_model()
-    with caplog.at_level(logging.WARNING, logger="gefen_dist.validation"):
+    with caplog.at_level(logging.WARNING, logger="gefen_dist.optim.validation"):
         opt = Gefen(m.parameters(), small_threshold=0)
     assert any("meta-device parameter" in r.getMessage() for r in caplog.records)
     for p in m.parameters():

@@ -24,7 +24,7 @@ def _torchrun(nproc, *args):
     (4, ["--same-grads", "--hsdp", "--second-moment", "factored"]),
     (4, ["--hsdp"]),
     (2, ["--same-grads", "--second-moment", "elementwise"]),
-    # the multi-tensor CUDA batch (gefen_dist.cuda_path) on DTensor shards, through the Triton
+    # the multi-tensor CUDA batch (gefen_dist.engine.cuda_batch) on DTensor shards, through the Triton
     # interpreter: pieces that cut row blocks, the replica mask (HSDP), the non-finite protocol
     (3, ["--same-grads", "--second-moment", "factored", "--nonfinite", "--cuda-batch", "--steps", "5"]),
     (4, ["--same-grads", "--hsdp", "--second-moment", "factored", "--cuda-batch", "--steps", "4"]),

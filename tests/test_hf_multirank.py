@@ -73,7 +73,7 @@ def test_accelerate_fsdp2_2ranks(tmp_path, monkeypatch):
     _hf_env(monkeypatch)
     res = _accelerate_launch(os.path.join(ACC, "cpu_fsdp2.yaml"), "accel_train.py", tmp_path)
     ok = _check(res, 2)
-    assert ok[0].startswith("OK fsdp2: gefen_dist.optimizer.Gefen"), ok
+    assert ok[0].startswith("OK fsdp2: gefen_dist.optim.gefen.Gefen"), ok
     assert (tmp_path / "state_fsdp2").is_dir()
 
 

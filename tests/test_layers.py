@@ -1,7 +1,8 @@
 """The package's one direction of dependency, checked on the source (ast, no imports run):
 
-core (pure math) <- kernels (one implementation per device, and the one dispatch) <- the engine,
-backends and integrations. ``core`` imports neither ``kernels`` nor ``torch.distributed``; only
+core (pure math) <- kernels (one implementation per device, and the one dispatch) <- engine
+(pieces, state spec, learner, steps) <- optim (``Gefen``) <- zero (``ZeroGefen``) <- checkpoint,
+plan, cli, integrations. ``core`` imports neither ``kernels`` nor ``torch.distributed``; only
 the DeepSpeed integration imports ``deepspeed``; nothing in the package imports ``research`` or
 ``benchmarks``; ``kernels`` imports nothing above it."""
 import ast
@@ -56,15 +57,33 @@ def test_import_resolution_sees_relative_imports():
     assert {"gefen_dist.core.quant", "gefen_dist.core", "gefen_dist.kernels.first_step"} <= got, got
 
 
+# The packages from the bottom up; each may import only those before it (and the top-level
+# modules ``checkpoint``, ``plan`` and ``cli`` sit above all of them but the integrations).
+LAYERS = ["core", "kernels", "engine", "optim", "zero"]
+ABOVE_ALL = ["gefen_dist.integrations", "gefen_dist.checkpoint", "gefen_dist.plan", "gefen_dist.cli"]
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_each_package_imports_only_the_layers_below(layer):
+    above = [f"gefen_dist.{x}" for x in LAYERS[LAYERS.index(layer) + 1:]] + ABOVE_ALL
+    assert _files(layer), f"gefen_dist/{layer}/ has no modules"
+    assert _offenders(_files(layer), above) == {}
+
+
 def test_core_is_pure_math():
-    assert _offenders(_files("core"), ["gefen_dist.kernels", "torch.distributed", "gefen_dist.comm",
-                                       "gefen_dist.optimizer", "gefen_dist.integrations", "deepspeed"]) == {}
+    assert _offenders(_files("core"), ["torch.distributed", "deepspeed", "numba", "triton"]) == {}
 
 
-def test_kernels_depend_only_on_core():
-    above = ["gefen_dist.optimizer", "gefen_dist.zero", "gefen_dist.segments", "gefen_dist.integrations",
-             "gefen_dist.comm", "gefen_dist.checkpoint", "gefen_dist.layout", "torch.distributed"]
-    assert _offenders(_files("kernels"), above) == {}
+def test_kernels_do_not_communicate():
+    assert _offenders(_files("kernels"), ["torch.distributed", "deepspeed"]) == {}
+
+
+def test_the_package_is_only_its_layers():
+    # a new module lands in a layer (or is one of the few top-level entry points), not loose
+    loose = sorted(p.name for p in PKG.glob("*.py"))
+    assert loose == ["__init__.py", "checkpoint.py", "cli.py", "plan.py"], loose
+    dirs = sorted(p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert dirs == sorted(LAYERS + ["integrations"]), dirs
 
 
 def test_only_the_deepspeed_integration_imports_deepspeed():

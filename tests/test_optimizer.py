@@ -78,7 +78,7 @@ def test_adamw_foreach_equals_single_tensor_steps(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_batch_matches_per_tensor_path(monkeypatch, dtype):
-    """On a GPU: the multi-tensor plan (gefen_dist.cuda_path) against the same optimizer stepping
+    """On a GPU: the multi-tensor plan (gefen_dist.engine.cuda_batch) against the same optimizer stepping
     tensor by tensor with the same Triton kernels, the same gradients: same indices and scales,
     parameters equal up to the column sums' summation order (fp32 and bf16, whose exact tensors
     take the foreach dtype copies)."""
@@ -417,7 +417,7 @@ def test_load_state_dict_rejects_other_model():
 def test_codebook_learned_log_line(caplog):
     m = mlp()
     opt = Gefen(m.parameters())
-    with caplog.at_level(logging.INFO, logger="gefen_dist.optimizer"):
+    with caplog.at_level(logging.INFO, logger="gefen_dist.optim.gefen"):
         train(m, opt, data(2))
     lines = [r for r in caplog.records if "learned its codebook" in r.getMessage()]
     assert len(lines) == 1

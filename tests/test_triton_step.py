@@ -470,7 +470,7 @@ def _three_kinds_model():
 @interp
 @pytest.mark.parametrize("second_moment", ["factored", "shared", "elementwise"])
 def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
-    """The multi-tensor CUDA step (gefen_dist.cuda_path), run on CPU tensors through the
+    """The multi-tensor CUDA step (gefen_dist.engine.cuda_batch), run on CPU tensors through the
     interpreter, against the per-tensor Triton path on the same gradients: bitwise equal (on CPU the
     foreach operations are the per-tensor ones and the float64 column sums round to the same
     float32). The plan is built at the second step, reused, and rebuilt after load_state_dict; a
@@ -531,12 +531,12 @@ def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
 ])
 @pytest.mark.parametrize("second_moment", ["factored", "shared"])
 def test_flat_segments_with_triton_kernels(second_moment, device):
-    """DeepSpeed's flat-buffer step (gefen_dist.segments) with the Triton kernels for whole rows /
+    """DeepSpeed's flat-buffer step (gefen_dist.engine.flat) with the Triton kernels for whole rows /
     blocks (what the integration runs on CUDA) against its eager step: same indices and scales,
     parameters within the kernel's tolerance."""
-    from gefen_dist.comm import LocalComm
+    from gefen_dist.engine.comm import LocalComm
     from gefen_dist.kernels import dispatch
-    from gefen_dist.segments import FlatSegments, Segment, counts_to_codebook
+    from gefen_dist.engine.flat import FlatSegments, Segment, counts_to_codebook
 
     shapes = [("a", (96, 64)), ("b", (192, 64)), ("c", (64, 200)), ("bias", (64,))]
     gen = torch.Generator().manual_seed(0)

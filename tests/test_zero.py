@@ -11,7 +11,7 @@ from torch import nn
 
 from gefen_dist import Gefen, ZeroGefen
 from gefen_dist.core.step import column_sumsq
-from gefen_dist.zero import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, factored_wire_compressed, partition,
+from gefen_dist.zero.optimizer import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, factored_wire_compressed, partition,
                              step_wire_bytes, unit_cost)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

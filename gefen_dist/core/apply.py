@@ -1,6 +1,6 @@
 """Applying a Gefen update that arrives in compressed form (pure math, no ``torch.distributed``).
 
-ZeRO-1 (:mod:`gefen_dist.zero`) sends each owner's update as new ``idx`` bytes plus per-block
+ZeRO-1 (:mod:`gefen_dist.zero.optimizer`) sends each owner's update as new ``idx`` bytes plus per-block
 absmax scales ``M`` and step sizes (``sigma`` per block, or ``sqrt(v_row)`` per row for the
 factored second moment); every rank then applies it to its replica with these functions. They
 replay the parameter update of :func:`gefen_dist.core.step.quantized_step_eager_` /

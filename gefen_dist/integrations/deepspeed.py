@@ -17,7 +17,7 @@ ZeRO hands the optimizer flat fp32 partitions that concatenate and cut many tens
 optimizer never treats such a buffer as one tensor: it recovers each tensor's segments from
 the ZeRO wrapper's own metadata (the buffer's real order, so ``round_robin_gradients`` is
 fine), verifies them once (``flat[segment] == parameter[segment]``) and steps them with
-:mod:`gefen_dist.segments`, reconciling blocks cut by partition edges with one small
+:mod:`gefen_dist.engine.flat`, reconciling blocks cut by partition edges with one small
 collective on the partition's process group. Without :func:`initialize` the layout is found
 lazily at the first ``step()``. See ``docs/deepspeed.md``.
 """
@@ -33,11 +33,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import learning
-from .. import optimizer as _opt_mod
-from ..comm import LocalComm, ProcessGroupComm
+from ..engine import learning
+from ..optim import gefen as _opt_mod
+from ..engine.comm import LocalComm, ProcessGroupComm
 from ..core.step import scalar_value, update_bound
-from ..segments import FlatSegments, LayoutError, Segment, verify_segments
+from ..engine.flat import FlatSegments, LayoutError, Segment, verify_segments
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ def extract_layout(wrapper, key_of, names: Dict[int, str]):
 
     ``sources[i]`` is the tensor that holds segment ``i``'s current values in the parameter's dtype
     (the full parameter for ZeRO-1/2, this rank's ``ds_tensor`` partition for ZeRO-3), for
-    :func:`gefen_dist.segments.verify_segments`.
+    :func:`gefen_dist.engine.flat.verify_segments`.
     """
     import torch.distributed as dist
 

@@ -47,10 +47,10 @@ import torch
 from ..core import periods as _periods
 from ..core.quant import NUM_BINS, nearest_codeword
 from ..core.step import column_ratios
-from .. import learning
+from ..engine import learning
 from ..kernels import dispatch as _dispatch
-from ..layout import is_exact
-from ..segments import Segment, _slots
+from ..engine.layout import is_exact
+from ..engine.flat import Segment, _slots
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from ..layout import is_dtensor
+from ..engine.layout import is_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def build_optimizer(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.
     Build it after :func:`shard_model` (over the sharded parameters). Extra keyword arguments go
     to :class:`gefen_dist.Gefen` (``betas``, ``eps``, ``small_threshold``, ``process_group``...).
     """
-    from ..optimizer import Gefen
+    from ..optim.gefen import Gefen
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():

@@ -55,7 +55,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..optimizer import Gefen
+from ..optim.gefen import Gefen
 
 __all__ = ["GefenFactory", "gefen_optimizer_cls_and_kwargs", "named_param_groups", "make_gefen", "deepspeed_active",
            "trainer_deepspeed_config"]

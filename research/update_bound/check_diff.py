@@ -16,11 +16,11 @@ from gefen_dist import Gefen
 def run(mode, bound_fn, shape=(64, 96), steps=5, patch=None):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(shape) * 0.02)
-    orig = dict(e=gefen_dist.optimizer.quantized_step_eager_, f=gefen_dist.optimizer.quantized_step_factored_eager_)
+    orig = dict(e=gefen_dist.optim.gefen.quantized_step_eager_, f=gefen_dist.optim.gefen.quantized_step_factored_eager_)
     if bound_fn is not None:
         def e(*a, **k): return S.quantized_step_eager_(*a, bound=bound_fn(k), **k)
         def f(*a, **k): return S.quantized_step_factored_eager_(*a, bound=bound_fn(k), **k)
-        gefen_dist.optimizer.quantized_step_eager_, gefen_dist.optimizer.quantized_step_factored_eager_ = e, f
+        gefen_dist.optim.gefen.quantized_step_eager_, gefen_dist.optim.gefen.quantized_step_factored_eager_ = e, f
     if patch: mech.use(patch)
     opt = Gefen([p], lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, second_moment=mode, fused=False, small_threshold=256)
     g = torch.Generator().manual_seed(1)
@@ -28,7 +28,7 @@ def run(mode, bound_fn, shape=(64, 96), steps=5, patch=None):
         p.grad = torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) < (0.01 if t == 0 else 1.0))
         opt.step()
     mech.use(None)
-    gefen_dist.optimizer.quantized_step_eager_, gefen_dist.optimizer.quantized_step_factored_eager_ = orig["e"], orig["f"]
+    gefen_dist.optim.gefen.quantized_step_eager_, gefen_dist.optim.gefen.quantized_step_factored_eager_ = orig["e"], orig["f"]
     return p.detach().clone()
 K = lambda k: S.update_bound(k["beta1"], k["beta2"], mech.step_of(k["bc1"], k["bc2"], k["beta1"], k["beta2"]))
 for mode in ("factored", "shared", "elementwise"):

@@ -3,7 +3,7 @@
 The eager steps of ``gefen_dist.core.step`` are re-implemented here with one hook: after the
 normalised update ``r_i = sigma_i * C[idx_i] * M_b`` (the update divided by lr) is formed, a
 *mechanism* may change it before ``p <- p*(1 - lr*wd) - lr*r``. ``use(name, **kw)`` patches
-``gefen_dist.optimizer``'s references to the eager functions (so ``Gefen(fused=False)`` runs
+``gefen_dist.optim.gefen``'s references to the eager functions (so ``Gefen(fused=False)`` runs
 them); ``use(None)`` restores the library's own functions. With ``name="none"`` the patched steps
 reproduce the library's eager steps (checked bitwise in ``check_identity``).
 
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-import gefen_dist.optimizer as _opt
+import gefen_dist.optim.gefen as _opt
 from gefen_dist.core import step as _step
 from gefen_dist.core.quant import nearest_codeword
 from gefen_dist.core.step import _apply_update_, column_factors, row_factors

@@ -32,7 +32,7 @@ from torch import nn
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
 from gefen_dist import checkpoint as gckpt  # noqa: E402
-from gefen_dist.comm import LocalComm  # noqa: E402
+from gefen_dist.engine.comm import LocalComm  # noqa: E402
 from gefen_dist.integrations.fsdp import build_optimizer, clip_grad_norm_, shard_model  # noqa: E402
 
 G = 12  # global batch: divisible by every world size used (1..4)

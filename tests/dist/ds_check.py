@@ -22,7 +22,7 @@ import deepspeed  # noqa: E402
 
 import gefen_dist.integrations.deepspeed as gds  # noqa: E402  (registers torch.optim.Gefen)
 from gefen_dist import Gefen as PlainGefen  # noqa: E402
-from gefen_dist.comm import LocalComm  # noqa: E402
+from gefen_dist.engine.comm import LocalComm  # noqa: E402
 
 CFG_DIR = os.path.join(REPO, "integrations", "deepspeed")
 MB = 4  # micro batch per rank
@@ -212,7 +212,7 @@ def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="
 def check_factored_state(case, opt, ref_opt):
     """v_col of every held tensor and v_row of every row match the reference's (1e-6 relative), and a
     row cut by a partition edge has a bit-identical v_row on the ranks that share it."""
-    from gefen_dist.segments import _slots
+    from gefen_dist.engine.flat import _slots
 
     ref_by_shape = {}
     for g in ref_opt.param_groups:

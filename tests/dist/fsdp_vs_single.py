@@ -55,7 +55,7 @@ def main():
     ap.add_argument("--nonfinite", action="store_true",
                     help="also check that a NaN/inf in one rank's shard makes every rank skip or raise")
     ap.add_argument("--cuda-batch", action="store_true",
-                    help="step both optimizers with the multi-tensor CUDA batch (gefen_dist.cuda_path) on CPU "
+                    help="step both optimizers with the multi-tensor CUDA batch (gefen_dist.engine.cuda_batch) on CPU "
                          "tensors through the Triton interpreter: the sharded batch's collectives and pieces")
     ap.add_argument("--same-grads", action="store_true",
                     help="feed the FSDP optimizer the single-process gradient (sharded): isolates the "
@@ -73,7 +73,7 @@ def main():
         mesh = init_device_mesh("cpu", (ws,))
     ref = model()
     ref_opt = Gefen(ref.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment)
-    ref_opt._comm = __import__("gefen_dist.comm", fromlist=["LocalComm"]).LocalComm()  # single-process oracle
+    ref_opt._comm = __import__("gefen_dist.engine.comm", fromlist=["LocalComm"]).LocalComm()  # single-process oracle
     m = model()
     for mod in (m.a, m.b, m.c):
         fully_shard(mod, mesh=mesh)

@@ -31,8 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from _models import TinyLM, lm_loss, markov_batches  # noqa: E402
 from gefen_dist import Gefen, ZeroGefen  # noqa: E402
-from gefen_dist.comm import LocalComm  # noqa: E402
-from gefen_dist.zero import unit_cost  # noqa: E402
+from gefen_dist.engine.comm import LocalComm  # noqa: E402
+from gefen_dist.zero.optimizer import unit_cost  # noqa: E402
 
 STEPS = 10
 CKPT_STEP = 5

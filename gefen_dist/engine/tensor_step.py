@@ -7,8 +7,8 @@ from typing import Dict, List, Optional
 import torch
 
 from .column_stats import column_means, piece_column_sums
-from .core.step import adamw_foreach_, adamw_step_, bias_corrections, decay_only_, hyperparameters, row_block_args
-from .core.step import scalar_value as _scalar
+from ..core.step import adamw_foreach_, adamw_step_, bias_corrections, decay_only_, hyperparameters, row_block_args
+from ..core.step import scalar_value as _scalar
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 
 

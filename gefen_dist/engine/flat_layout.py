@@ -1,4 +1,4 @@
-"""The layout of a flat buffer made of segments of many tensors (:mod:`gefen_dist.segments`):
+"""The layout of a flat buffer made of segments of many tensors (:mod:`gefen_dist.engine.flat`):
 what each segment is, where its state lives (its slots), and how a range splits into whole
 blocks and cut ones."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .core import periods as _periods
+from ..core import periods as _periods
 from .layout import is_exact
 
 

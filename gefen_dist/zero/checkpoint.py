@@ -1,4 +1,4 @@
-"""ZeroGefen's checkpoints (a mixin of :class:`gefen_dist.zero.ZeroGefen`).
+"""ZeroGefen's checkpoints (a mixin of :class:`gefen_dist.zero.optimizer.ZeroGefen`).
 
 :meth:`~ZeroCheckpointMixin.consolidate_state_dict` gathers the compressed state (never a
 dequantized fp32 copy of m or v) onto one rank, whose :meth:`~ZeroCheckpointMixin.state_dict` then
@@ -14,8 +14,8 @@ from typing import Any, Dict
 import torch
 from torch.optim import Optimizer
 
-from .layout import Geometry, global_shape
-from .optimizer import saved_param_map
+from ..engine.layout import Geometry, global_shape
+from ..optim.gefen import saved_param_map
 
 _Q_KEYS = ("idx", "scale", "v")
 _F_KEYS = ("idx", "scale", "v_row")  # sliced by rows; v_col is replicated (the same on every rank)

@@ -1,7 +1,7 @@
 """The non-finite gradient and overflow checks of :class:`gefen_dist.Gefen` (a mixin).
 
-Split so that the per-tensor path (:mod:`gefen_dist.optimizer`) and the multi-tensor CUDA plan
-(:mod:`gefen_dist.cuda_path`) share one cross-rank protocol: every rank enters the same collectives
+Split so that the per-tensor path (:mod:`gefen_dist.optim.gefen`) and the multi-tensor CUDA plan
+(:mod:`gefen_dist.engine.cuda_batch`) share one cross-rank protocol: every rank enters the same collectives
 in the same order, whichever path it takes. Uses the optimizer's ``_comm``, ``nonfinite``,
 ``skipped_steps`` and ``_names()``.
 """
@@ -55,7 +55,7 @@ class NonfiniteChecks:
         """The cross-rank decision on this rank's ``any_flag`` (a float or a 0-dim tensor, on any
         device: 1 when some local gradient may be non-finite; a false alarm is allowed) and, only
         when some rank raised it, the exact per-entry flags ``local_flags()``. Entered by every rank
-        with the same collectives whichever path (per-tensor or :mod:`gefen_dist.cuda_path`) it
+        with the same collectives whichever path (per-tensor or :mod:`gefen_dist.engine.cuda_batch`) it
         takes. True when the step must be skipped; raises for ``nonfinite="raise"``."""
         # Replicated (plain) gradients are identical on every rank after DDP's all-reduce, so the
         # local decision is already global; sharded (DTensor) gradients need one tiny all-reduce.

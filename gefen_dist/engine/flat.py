@@ -53,13 +53,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .core import periods as _periods
-from .core.quant import NUM_BINS
+from ..core import periods as _periods
+from ..core.quant import NUM_BINS
 from . import learning
-from .kernels import dispatch as _dispatch
+from ..kernels import dispatch as _dispatch
 from .layout import Piece, is_exact
-from .segment_layout import LayoutError, Segment, _slots, _split, verify_segments  # noqa: F401  (re-exported)
-from .segments_step import SegmentStepMixin
+from .flat_layout import LayoutError, Segment, _slots, _split, verify_segments  # noqa: F401  (re-exported)
+from .flat_step import SegmentStepMixin
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 class FlatSegments(SegmentStepMixin):
     """The per-buffer machinery: global catalog (all ranks' pieces), plans, learning, stepping.
 
-    ``comm`` is a :class:`gefen_dist.comm.LocalComm`-like object for the buffer's own process group.
+    ``comm`` is a :class:`gefen_dist.engine.comm.LocalComm`-like object for the buffer's own process group.
     Every method that communicates is entered by every rank of that group in the same order.
     """
 

@@ -52,7 +52,7 @@ that, and only their ranges travel. Learning is split across ranks: each rank co
 statistics and histogram counts only for what it owns, and the base class's collectives combine
 them (the same ones, in the same order, on every rank).
 
-Checkpoints (:mod:`gefen_dist.zero_checkpoint`): :meth:`ZeroGefen.consolidate_state_dict` gathers the compressed state (never a
+Checkpoints (:mod:`gefen_dist.zero.checkpoint`): :meth:`ZeroGefen.consolidate_state_dict` gathers the compressed state (never a
 dequantized fp32 copy of m or v) onto one rank, whose :meth:`state_dict` then has exactly
 single-process Gefen's layout, independent of the world size; :meth:`load_state_dict` at any
 world size takes this rank's slice. Plain :class:`Gefen` loads the same dict.
@@ -67,13 +67,13 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .comm import exchange_bytes, take_bytes
-from .core import periods as _periods
-from .layout import Geometry, Piece, global_shape, is_dtensor, is_exact
-from .optimizer import Gefen, Report
-from .zero_checkpoint import ZeroCheckpointMixin
-from .zero_step import ZeroStepMixin
-from .zero_partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, Partition, _pad,  # noqa: F401
+from ..engine.comm import exchange_bytes, take_bytes
+from ..core import periods as _periods
+from ..engine.layout import Geometry, Piece, global_shape, is_dtensor, is_exact
+from ..optim.gefen import Gefen, Report
+from .checkpoint import ZeroCheckpointMixin
+from .step import ZeroStepMixin
+from .partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, Partition, _pad,  # noqa: F401
                         factored_wire_compressed, partition, step_wire_bytes, unit_cost)
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .core.periods import row_slab, scale_block_for
+from ..core.periods import row_slab, scale_block_for
 
 KIND_EXACT = "exact"
 KIND_QUANTIZED = "quantized"

@@ -1,6 +1,6 @@
 """The learner: periods and the codebook from the first nonzero gradient, over pieces (D3, D4, D6).
 
-Every function here takes the pieces this rank holds (:class:`gefen_dist.layout.Piece`: a
+Every function here takes the pieces this rank holds (:class:`gefen_dist.engine.layout.Piece`: a
 contiguous range of a global tensor's flattening, with the gradient of that range) and the
 communicator of the optimizer's process group; every rank reaches the same decisions from the
 same collectives, entered by all ranks in the same order. Nothing here holds optimizer state:
@@ -15,9 +15,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .core import periods as _periods
-from .core.quant import NUM_BINS
-from .kernels import dispatch as _dispatch
+from ..core import periods as _periods
+from ..core.quant import NUM_BINS
+from ..kernels import dispatch as _dispatch
 from .layout import Piece
 
 __all__ = ["live_pieces", "learn_periods", "learn_periods_by_key", "global_histogram", "learn_codebook", "CodebookFit",

@@ -23,7 +23,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .core import periods as _periods
+from ..core import periods as _periods
 from .layout import Geometry, is_exact
 
 MODE_EXACT, MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE = "exact", "shared", "factored", "elementwise"

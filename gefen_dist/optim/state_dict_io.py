@@ -36,8 +36,8 @@ from typing import Any, Dict
 import torch
 from torch.optim import Optimizer
 
-from .layout import global_shape, local_tensor
-from .state import StateSpec
+from ..engine.layout import global_shape, local_tensor
+from ..engine.state import StateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def _groups(opt, saved_groups) -> list:
 def load(opt, state_dict: Dict[str, Any]) -> None:
     """``Gefen.load_state_dict``: pre hooks, validation of everything, the state without a cast,
     then post hooks (module docstring)."""
-    from .optimizer import saved_param_map
+    from .gefen import saved_param_map
 
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("Gefen.load_state_dict expects the dict returned by optimizer.state_dict() (keys 'state' "
@@ -265,7 +265,7 @@ _TRANSIENT = ("_cuda_plan",)  # caches that hold views of the state: rebuilt at 
 def getstate(opt) -> Dict[str, Any]:
     """Every instance attribute except the comm (a process group cannot be pickled), transient
     caches and the hooks (torch drops hooks in copies too)."""
-    from .comm import ProcessGroupComm
+    from ..engine.comm import ProcessGroupComm
 
     d = {k: v for k, v in opt.__dict__.items() if k not in _HOOKS and k not in _TRANSIENT and k != "_comm"}
     comm = opt.__dict__.get("_comm")
@@ -284,7 +284,7 @@ def setstate(opt, state: Dict[str, Any]) -> None:
     kind = state.pop("_comm_kind", None)
     Optimizer.__setstate__(opt, state)
     if "_comm" not in opt.__dict__:
-        from .comm import LocalComm, comm_for
+        from ..engine.comm import LocalComm, comm_for
 
         if kind == "group":
             logger.warning("Gefen: unpickled an optimizer built on a custom process group, which cannot be "

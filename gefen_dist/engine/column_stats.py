@@ -7,7 +7,7 @@ from typing import Callable, List, Sequence, Tuple
 
 import torch
 
-from .core.step import block_column_sumsq
+from ..core.step import block_column_sumsq
 from .layout import Piece
 
 __all__ = ["piece_column_sums", "column_means"]

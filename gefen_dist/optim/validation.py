@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .layout import global_shape, is_exact, local_tensor, piece_of
+from ..engine.layout import global_shape, is_exact, local_tensor, piece_of
 
 logger = logging.getLogger(__name__)
 

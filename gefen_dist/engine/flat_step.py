@@ -1,4 +1,4 @@
-"""The step of a DeepSpeed flat buffer (D7): a mixin of :class:`gefen_dist.segments.FlatSegments`,
+"""The step of a DeepSpeed flat buffer (D7): a mixin of :class:`gefen_dist.engine.flat.FlatSegments`,
 which holds the layout, the catalog of cut blocks and the state."""
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .core import periods as _periods
-from .core.step import (adamw_step_, apply_, bias_corrections, block_column_sumsq, column_factors, decay_only_, ema_,
+from ..core import periods as _periods
+from ..core.step import (adamw_step_, apply_, bias_corrections, block_column_sumsq, column_factors, decay_only_, ema_,
                         first_moment, inv_rms_, quantize)
-from .kernels import dispatch as _dispatch
-from .segment_layout import LayoutError, _slots, _split
+from ..kernels import dispatch as _dispatch
+from .flat_layout import LayoutError, _slots, _split
 
 
 class SegmentStepMixin:
-    """The step of a :class:`~gefen_dist.segments.FlatSegments` buffer: whole blocks and rows through
+    """The step of a :class:`~gefen_dist.engine.flat.FlatSegments` buffer: whole blocks and rows through
     the implementation of :func:`gefen_dist.kernels.dispatch.select`, blocks and rows cut by the
     partition edges reconciled with one small collective and finished with the reference's phase
     functions (D7)."""

@@ -32,7 +32,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .core.step import hyperparameters, row_block_args
+from ..core.step import hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class CudaBatch:
     """Tables and launch groups for one optimizer's set of tensors (see the module docstring)."""
 
     def __init__(self, key: tuple, device: torch.device, entries, opt):
-        from .kernels import triton_step as _tri
+        from ..kernels import triton_step as _tri
 
         self.key, self.device = key, device
         self.entries = entries
@@ -161,7 +161,7 @@ class CudaBatch:
         if dev is None:
             return None
         try:
-            from .kernels import triton_step as _tri
+            from ..kernels import triton_step as _tri
         except ImportError:
             return None
         if not _tri.available(dev if dev.type == "cuda" else None):

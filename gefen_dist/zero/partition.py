@@ -2,7 +2,7 @@
 
 The partition cuts the global parameter space into per-rank contiguous ranges aligned to each
 tensor's unit (scale block, row, or element) and balanced by state bytes; the wire helpers size
-the per-step all-gather. Used by :mod:`gefen_dist.zero` and its benchmark.
+the per-step all-gather. Used by :mod:`gefen_dist.zero.optimizer` and its benchmark.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .comm import pad_bytes as _pad
+from ..engine.comm import pad_bytes as _pad
 
 MODE_LOCAL = 0       # nothing travels (a quantized tensor whose gradient was always zero: decay only)
 MODE_COMPRESSED = 1  # idx bytes + per-block fp32 (M, sigma): period > 1

@@ -14,17 +14,17 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch.optim import Optimizer
 
-from . import learning
+from ..engine import learning
 from . import state_dict_io as _sdio
 from . import validation as _validation
-from .comm import LocalComm, comm_for
-from .cuda_path import CudaBatch
-from .gefen_step import GefenStepMixin
-from .kernels import dispatch as _dispatch
-from .layout import Piece, check_supported, global_shape, is_exact, like_param, local_tensor, piece_of
-from .nonfinite import NonfiniteChecks
-from .report import Report, build_report, state_bytes
-from .state import SECOND_MOMENTS, StateSpec
+from ..engine.comm import LocalComm, comm_for
+from ..engine.cuda_batch import CudaBatch
+from ..engine.tensor_step import GefenStepMixin
+from ..kernels import dispatch as _dispatch
+from ..engine.layout import Piece, check_supported, global_shape, is_exact, like_param, local_tensor, piece_of
+from ..engine.nonfinite import NonfiniteChecks
+from ..engine.report import Report, build_report, state_bytes
+from ..engine.state import SECOND_MOMENTS, StateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
         super().__init__(params, defaults)
         _validation.warn_meta(self)
         if fused is True:
-            from .kernels import cpu as _cpu
+            from ..kernels import cpu as _cpu
 
             if not _cpu.available():
                 raise RuntimeError(
@@ -392,7 +392,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
         own load), but atomically (everything is validated before anything changes; errors name
         the parameter, the key and the fix) and without torch's cast of the state to the parameter
         dtype (uint8 indices stay uint8, no fp32 copy: D9). Periods and the codebook are restored,
-        never re-learned. See :mod:`gefen_dist.state_dict_io`."""
+        never re-learned. See :mod:`gefen_dist.optim.state_dict_io`."""
         _sdio.load(self, state_dict)
 
     def _validate_loaded(self, p: torch.Tensor, st: dict, name: str) -> None:

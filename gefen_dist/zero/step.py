@@ -1,17 +1,17 @@
 """ZeroGefen's step (D8): wire modes, owners, one all-gather, appliers. A mixin of
-:class:`gefen_dist.zero.ZeroGefen`, which holds the partition part and the state."""
+:class:`gefen_dist.zero.optimizer.ZeroGefen`, which holds the partition part and the state."""
 from __future__ import annotations
 
 from typing import List
 
 import torch
 
-from .comm import take_bytes
-from .core.apply import apply_compressed, apply_factored, update_v_col
-from .core.step import adamw_step_, decay_only_, hyperparameters, row_block_args
-from .kernels import dispatch as _dispatch
-from .layout import global_shape
-from .zero_partition import MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, factored_wire_compressed, step_wire_bytes
+from ..engine.comm import take_bytes
+from ..core.apply import apply_compressed, apply_factored, update_v_col
+from ..core.step import adamw_step_, decay_only_, hyperparameters, row_block_args
+from ..kernels import dispatch as _dispatch
+from ..engine.layout import global_shape
+from .partition import MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, factored_wire_compressed, step_wire_bytes
 
 _STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")  # what a state-only update needs of the hyperparameters
 
@@ -21,7 +21,7 @@ def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
 
 
 class ZeroStepMixin:
-    """ZeroGefen's step (module docstring of :mod:`gefen_dist.zero`): wire modes, the owners' state
+    """ZeroGefen's step (module docstring of :mod:`gefen_dist.zero.optimizer`): wire modes, the owners' state
     updates through the implementation of :func:`gefen_dist.kernels.dispatch.select` (with state-only
     functions), one all-gather of the compressed updates, the appliers of :mod:`gefen_dist.core.apply`."""
 
