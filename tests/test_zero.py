@@ -254,6 +254,36 @@ def test_rejects_non_float_params():
         ZeroGefen([torch.zeros(3, dtype=torch.int64)])
 
 
+def test_prestep_checks_as_gefen():
+    """ZeroGefen refuses what Gefen refuses before any state is touched: a parameter whose shape
+    changed, meta parameters and a compiled step, each with a message that says what to do."""
+    w = torch.nn.Parameter(torch.randn(64, 256))
+    opt = ZeroGefen([w], lr=1e-3)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[w].items() if torch.is_tensor(v)}
+    w.data, w.grad = torch.randn(32, 256), torch.randn(32, 256)
+    with pytest.raises(RuntimeError, match=r"ZeroGefen: parameter .* has shape \(32, 256\).*created for shape "
+                                           r"\(64, 256\).*Re-create the optimizer"):
+        opt.step()
+    assert all(torch.equal(before[k], opt.state[w][k]) for k in before)
+
+    with torch.device("meta"):
+        m = nn.Linear(256, 64)
+    opt = ZeroGefen(m.parameters(), lr=1e-3)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(RuntimeError, match="ZeroGefen: parameter .* is on the meta device.*to_empty"):
+        opt.step()
+
+    w = torch.nn.Parameter(torch.randn(64, 256))
+    opt = ZeroGefen([w], lr=1e-3)
+    w.grad = torch.randn_like(w)
+    with pytest.raises(Exception, match="cannot be compiled with torch.compile"):
+        torch.compile(opt.step)()
+    assert not opt.state
+
+
 # --------------------------------------------------------------------------- torchrun
 
 def test_zero_distributed(tmp_path):

@@ -35,6 +35,7 @@ import torch
 
 from ..engine import learning
 from ..optim import gefen as _opt_mod
+from ..optim.validation import refuse_compile
 from ..engine.comm import LocalComm, ProcessGroupComm
 from ..core.step import scalar_value, update_bound
 from ..engine.flat import FlatSegments, LayoutError, Segment, verify_segments
@@ -157,6 +158,7 @@ class Gefen(_opt_mod.Gefen):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        refuse_compile()
         for g, p in entries:
             if id(p) not in self._ds_flats:
                 if id(p) in self._ds_orig_ids:

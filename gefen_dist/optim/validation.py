@@ -9,7 +9,7 @@
   ``torch.compile`` of the step, parameters still on the meta device, and parameters whose shape
   changed since their state was created; gives zero-size parameters (no elements) an exact, empty
   state; with ``nonfinite="ignore"``, learns periods and the codebook from the finite values of
-  the gradients only.
+  the gradients only. :func:`prestep_zero` is its counterpart for ``ZeroGefen``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ..engine.layout import global_shape, is_exact, local_tensor, piece_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["validate_hparams", "validate_group_keys", "prestep", "GROUP_REJECTED"]
+__all__ = ["validate_hparams", "validate_group_keys", "prestep", "prestep_zero", "refuse_compile", "GROUP_REJECTED"]
 
 # Constructor options that apply to the whole optimizer; a param group that sets them is refused.
 GROUP_REJECTED = ("fused", "small_threshold", "nonfinite", "bound_updates", "process_group")
@@ -110,6 +110,12 @@ def _compile_refusal() -> RuntimeError:
     )
 
 
+def refuse_compile() -> None:
+    """Raise the clear refusal when ``step()`` runs under ``torch.compile``."""
+    if _under_torch_compile():
+        raise _compile_refusal()
+
+
 def _under_torch_compile() -> bool:
     """True while TorchDynamo traces this code, or runs it between two compiled graphs (a graph
     break inside a compiled ``step`` runs the rest eagerly with Dynamo's frame callback installed,
@@ -127,8 +133,7 @@ def _under_torch_compile() -> bool:
 
 def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
     """The checks and fix-ups that come before any state is read or written in ``step()``."""
-    if _under_torch_compile():
-        raise _compile_refusal()
+    refuse_compile()
     names = None
     if not entries:
         _no_entries(opt)
@@ -143,24 +148,13 @@ def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
                 ref = st.get("exp_avg")
             if ref is not None and ref.shape != p.shape:
                 names = names or opt._names()
-                raise RuntimeError(
-                    f"Gefen: parameter {names[id(p)]!r} has shape {tuple(p.shape)}, but its optimizer state "
-                    f"was created for shape {tuple(ref.shape)}: the parameter changed shape since its state "
-                    "was created. Re-create the optimizer after resizing parameters (or "
-                    "`del optimizer.state[param]` to restart that parameter's state)."
-                )
+                raise _shape_changed(type(opt).__name__, names[id(p)], p.shape, ref.shape)
             if not st.get("learned", 1):
                 learn.append(p)
             continue
         if local_tensor(p).is_meta or local_tensor(p.grad).is_meta:
             names = names or opt._names()
-            raise RuntimeError(
-                f"Gefen: parameter {names[id(p)]!r} (shape {tuple(global_shape(p))}) is on the meta device, which "
-                "holds no data, so it cannot be stepped. Materialise the model first: "
-                "model.to_empty(device=...) and initialise the weights (e.g. reset_parameters() or loading a "
-                "checkpoint), then compute gradients and call step(); Gefen creates its state on that device "
-                f"at the first step. {_META_REBUILD}."
-            )
+            raise _on_meta(type(opt).__name__, names[id(p)], global_shape(p))
         shape = global_shape(p)
         if int(math.prod(shape)) == 0:
             # nothing to learn or store: an exact (AdamW) state of zero elements
@@ -169,6 +163,43 @@ def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
             learn.append(p)
     if learn and opt.nonfinite == "ignore":
         _learn_from_finite(opt, entries, learn)
+
+
+def prestep_zero(opt, entries: List[Tuple[dict, torch.Tensor]], partitioned_shape) -> None:
+    """:func:`prestep` for :class:`gefen_dist.ZeroGefen`, whose state holds flat slices of each
+    parameter: the shape to compare with is the one its partition was cut for
+    (``partitioned_shape(p)``, None before the first partition). Every rank holds every parameter
+    and gradient, so every rank raises the same error before any collective."""
+    if _under_torch_compile():
+        raise _compile_refusal()
+    names = None
+    if not entries:
+        _no_entries(opt)
+    for _, p in entries:
+        if p.is_meta or p.grad.is_meta:
+            names = names or opt._names()
+            raise _on_meta(type(opt).__name__, names[id(p)], tuple(p.shape))
+        was = partitioned_shape(p)
+        if was is not None and tuple(was) != tuple(p.shape):
+            names = names or opt._names()
+            raise _shape_changed(type(opt).__name__, names[id(p)], p.shape, was)
+
+
+def _shape_changed(cls: str, name: str, shape, was) -> RuntimeError:
+    # ZeroGefen cuts one partition over every parameter, so only a new optimizer re-cuts it
+    restart = "" if cls == "ZeroGefen" else " (or `del optimizer.state[param]` to restart that parameter's state)"
+    return RuntimeError(
+        f"{cls}: parameter {name!r} has shape {tuple(shape)}, but its optimizer state was created for shape "
+        f"{tuple(was)}: the parameter changed shape since its state was created. Re-create the optimizer after "
+        f"resizing parameters{restart}.")
+
+
+def _on_meta(cls: str, name: str, shape) -> RuntimeError:
+    return RuntimeError(
+        f"{cls}: parameter {name!r} (shape {tuple(shape)}) is on the meta device, which holds no data, so it "
+        "cannot be stepped. Materialise the model first: model.to_empty(device=...) and initialise the weights "
+        "(e.g. reset_parameters() or loading a checkpoint), then compute gradients and call step(); Gefen "
+        f"creates its state on that device at the first step. {_META_REBUILD}.")
 
 
 _META_REBUILD = ("model.to_empty(device=...) replaces meta parameters with new Parameter objects, so an "

@@ -71,6 +71,7 @@ from ..engine.comm import exchange_bytes, take_bytes
 from ..core import periods as _periods
 from ..engine.layout import Geometry, Piece, global_shape, is_dtensor, is_exact
 from ..optim.gefen import Gefen, Report
+from ..optim.validation import prestep_zero
 from .checkpoint import ZeroCheckpointMixin
 from .step import ZeroStepMixin
 from .partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, Partition, _pad,  # noqa: F401
@@ -385,6 +386,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
             with torch.enable_grad():
                 loss = closure()
         entries = self._entries()
+        prestep_zero(self, entries, self._partitioned_shape)  # compile, meta, changed shapes
         partials = self._column_partials(entries)
         if self.nonfinite != "ignore" and self._nonfinite(entries, partials):
             return loss
@@ -392,6 +394,13 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         self._prepare(entries)
         self._zero_update(entries, partials)
         return loss
+
+    def _partitioned_shape(self, p: torch.Tensor) -> Optional[Tuple[int, ...]]:
+        """The shape ``p`` had when the partition in force was cut (None while it has no state)."""
+        part = self._partition
+        if part is None or id(p) not in part.index or not self.state.get(p):
+            return None
+        return part.shapes[part.index[id(p)]]
 
     # ------------------------------------------------------------------ introspection
     def owned_range(self, p: torch.Tensor) -> Tuple[int, int]:

@@ -95,6 +95,7 @@ class Partition:
 
     def __post_init__(self):
         self.index = {id(p): j for j, p in enumerate(self.params)}
+        self.shapes = [tuple(p.shape) for p in self.params]  # what the state was cut for
         self.key = tuple(id(p) for p in self.params)
 
     def of(self, p: torch.Tensor) -> List[Tuple[int, int]]:
