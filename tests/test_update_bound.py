@@ -24,6 +24,8 @@ from torch import nn
 from gefen_dist import Gefen
 from gefen_dist.core.step import update_bound
 
+from _workloads import dead_first_batch_mlp
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -183,29 +185,9 @@ def _bag(name, fused, steps=300, feats=2000, hidden=64, out=8, batch=48, active=
         return float(nn.functional.mse_loss(model(torch.cat(xe)), torch.cat(ye)))
 
 
-def _mlp(name, fused, density, steps=300, din=32, h=256, dout=10, batch=128):
-    """ReLU MLP 32-256-256-10 regressing a tanh teacher; the first gradient kept ``density`` dense."""
-    torch.manual_seed(12345)
-    teacher = nn.Sequential(nn.Linear(din, 256), nn.Tanh(), nn.Linear(256, dout))
-    with torch.no_grad():
-        teacher[2].weight.mul_(10.0)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(din, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, dout))
-    opt = _make(name, model.parameters(), fused)
-    g = torch.Generator().manual_seed(2000)
-    xe = torch.randn(1024, din, generator=g)
-    for t in range(steps + 1):
-        x = torch.randn(batch, din, generator=g)
-        with torch.no_grad():
-            y = teacher(x)
-        opt.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
-        if t == 0 and density < 1.0:
-            for q in model.parameters():
-                q.grad.mul_((torch.rand(q.shape, generator=g) < density).float())
-        opt.step()
-    with torch.no_grad():
-        return float(nn.functional.mse_loss(model(xe), teacher(xe)))
+def _mlp(name, fused, density):
+    """tests/_workloads.py's ReLU MLP on a tanh teacher, the first gradient kept ``density`` dense."""
+    return dead_first_batch_mlp(lambda ps: _make(name, ps, fused), density=density)[1]
 
 
 WORKLOADS = {

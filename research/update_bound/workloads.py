@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -19,11 +18,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent))
+sys.path.insert(0, str(HERE.parent.parent / "tests"))
 
 import torch
 from torch import nn
 
 import mech
+from _workloads import dead_first_batch_mlp
 from gefen_dist import Gefen
 
 LR = 1e-3
@@ -125,40 +126,21 @@ def bag(opt_name, seed, steps=400, feats=2000, hidden=64, out=8, batch=64, activ
 # ------------------------------------------------------------------ dead first batch
 def dead(opt_name, seed, steps=300, density=0.01, din=32, h=256, dout=10, batch=128, tscale=10.0):
     """ReLU MLP din-h-h-dout regressing a tanh teacher (MSE); the first gradient is masked to
-    ``density`` of its elements (a mostly-dead first batch), then ``steps`` normal steps."""
-    torch.manual_seed(12345)
-    teacher = nn.Sequential(nn.Linear(din, 256), nn.Tanh(), nn.Linear(256, dout))
-    with torch.no_grad():
-        teacher[2].weight.mul_(tscale)
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(din, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, dout))
-    opt = make(opt_name, model.parameters())
-    tr = Tracker(model.parameters())
-    g = torch.Generator().manual_seed(2000 + seed)
-    xe = torch.randn(1024, din, generator=g)
-    with torch.no_grad():
-        ye = teacher(xe)
+    ``density`` of its elements (a mostly-dead first batch), then ``steps`` normal steps
+    (the workload of tests/_workloads.py, with this script's tracker around each step)."""
+    box = {}
 
-    def evaluate():
-        with torch.no_grad():
-            return float(nn.functional.mse_loss(model(xe), ye))
+    def make_opt(params):
+        params = list(params)
+        box["tr"] = Tracker(params)
+        return make(opt_name, params)
 
-    l0 = evaluate()
-    for t in range(steps + 1):
-        x = torch.randn(batch, din, generator=g)
-        with torch.no_grad():
-            y = teacher(x)
-        opt.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
-        if t == 0:  # the first gradient is `density` dense (a mostly-dead first batch)
-            for p in model.parameters():
-                p.grad.mul_((torch.rand(p.shape, generator=g) < density).float())
-        tr.before()
-        opt.step()
-        tr.after()
+    l0, loss, _ = dead_first_batch_mlp(make_opt, seed=seed, steps=steps, density=density, din=din, h=h,
+                                       dout=dout, batch=batch, tscale=tscale,
+                                       before=lambda: box["tr"].before(), after=lambda: box["tr"].after())
     worst = dict(mech.STATS["worst"] or {})
     mech.use(None)
-    return dict(max_step=tr.max_step, loss0=l0, loss=evaluate(), worst=worst)
+    return dict(max_step=box["tr"].max_step, loss0=l0, loss=loss, worst=worst)
 
 
 WORKLOADS = {
