@@ -87,6 +87,33 @@ def test_trainer_trains_saves_and_resumes(tmp_path):
         assert torch.equal(p, q2), n
 
 
+def test_trainer_with_the_plain_class(tmp_path):
+    """``optimizer_cls_and_kwargs=(gefen_dist.Gefen, {...})``, no helper: the Trainer builds its own
+    decay/no-decay groups and Gefen steps, saves and resumes through the Trainer's checkpoint."""
+    kw = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8}
+
+    def trainer(out):
+        args = transformers.TrainingArguments(
+            output_dir=str(out), max_steps=2, per_device_train_batch_size=8, learning_rate=3e-3, weight_decay=0.1,
+            save_steps=1, save_strategy="steps", logging_steps=1, report_to=[], use_cpu=True, seed=0, data_seed=0,
+            dataloader_num_workers=0, disable_tqdm=True)
+        return transformers.Trainer(model=_model(), args=args, train_dataset=Tokens(),
+                                    optimizer_cls_and_kwargs=(Gefen, dict(kw)))
+
+    a = trainer(tmp_path / "a")
+    a.train()
+    opt = getattr(a.optimizer, "optimizer", a.optimizer)
+    assert type(opt) is Gefen and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert tuple(opt.param_groups[0]["betas"]) == (0.9, 0.95)
+    assert {st["step"] for st in opt.state.values()} == {2} and opt.codebook is not None
+    b = trainer(tmp_path / "b")
+    b.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
+    opt_b = getattr(b.optimizer, "optimizer", b.optimizer)
+    assert type(opt_b) is Gefen and torch.equal(opt_b.codebook, opt.codebook)
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
 def test_deepspeed_selects_the_zero_aware_subclass(tmp_path, monkeypatch):
     from gefen_dist.integrations import deepspeed as gds
 

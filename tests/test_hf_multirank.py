@@ -1,12 +1,16 @@
 """Gefen through the Hugging Face stack on 2 CPU ranks (gloo), with a tiny randomly initialised GPT-2.
 
-Three real launches, each checking several things (the workers print ``OK ...`` lines and
+Four real launches, each checking several things (the workers print ``OK ...`` lines and
 ``ALL OK``; any failed check raises there):
 
 * ``torchrun`` x2, ``transformers.Trainer`` with a DeepSpeed JSON that names Gefen (ZeRO-2): DeepSpeed
   builds ``gefen_dist.integrations.deepspeed.Gefen`` and the layout is discovered lazily; loss goes
   down, uint8 state, ``gefen-dist inspect`` on the Trainer checkpoint, and a resume from
   ``checkpoint-2`` that ends bitwise equal to the uninterrupted run (``tests/dist/hf_trainer_ds.py``);
+* ``accelerate launch`` with the shipped ``integrations/accelerate/ddp.yaml`` (``--num_processes 2
+  --mixed_precision no``), ``transformers.Trainer`` with ``optimizer_cls_and_kwargs=(gefen_dist.Gefen,
+  {...})``: DDP over gloo, Gefen from the Trainer's own param groups, checkpoint, and a resume that
+  ends bitwise equal (``tests/dist/hf_trainer_ddp.py``);
 * ``accelerate launch`` with the FSDP2 plugin and with the DeepSpeed ZeRO-2 plugin
   (``integrations/accelerate/cpu_*.yaml``): Gefen from ``gefen_dist.integrations.hf`` steps, the
   loss goes down, compact (uint8, DTensor / ZeRO-partition) state, and ``save_state``/``load_state``
@@ -50,9 +54,9 @@ def _hf_env(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
 
 
-def _accelerate_launch(config, script, *args, timeout=TIMEOUT):
-    """``accelerate launch --config_file CONFIG SCRIPT ARGS`` in its own session, killed whole on timeout."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+def _accelerate_launch(config, script, *args, flags=(), timeout=TIMEOUT):
+    """``accelerate launch --config_file CONFIG FLAGS SCRIPT ARGS`` in its own session, killed whole on timeout."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, *flags,
            "--main_process_port", str(free_port()), os.path.join(HERE, "dist", script), *map(str, args)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -85,6 +89,20 @@ def test_accelerate_deepspeed_zero2_2ranks(tmp_path, monkeypatch):
     ok = _check(res, 2)
     assert ok[0].startswith("OK deepspeed zero2: gefen_dist.integrations.deepspeed.Gefen"), ok
     assert (tmp_path / "state_ds").is_dir()
+
+
+@pytest.mark.dist
+def test_trainer_ddp_shipped_config_2ranks(tmp_path, monkeypatch):
+    """The shipped ddp.yaml itself (two launch flags replace its 8 processes and bf16), the Trainer with
+    ``optimizer_cls_and_kwargs=(gefen_dist.Gefen, {...})``: DDP, save, resume bitwise."""
+    _hf_env(monkeypatch)
+    res = _accelerate_launch(os.path.join(ACC, "ddp.yaml"), "hf_trainer_ddp.py", tmp_path,
+                             flags=("--num_processes", "2", "--mixed_precision", "no"))
+    ok = _check(res, 4)
+    assert "MULTI_CPU, backend gloo, world size 2, mixed precision no" in ok[0], ok
+    assert ok[1].startswith("OK trainer+ddp: gefen_dist.optim.gefen.Gefen from optimizer_cls_and_kwargs"), ok
+    assert "bitwise equal" in ok[3], ok
+    assert (tmp_path / "a" / "checkpoint-2" / "optimizer.pt").is_file()
 
 
 def test_cpu_configs_match_the_shipped_ones():

@@ -5,6 +5,8 @@ Run (the plugin comes from the config; both configs are CPU variants of the ship
     accelerate launch --config_file integrations/accelerate/cpu_fsdp2.yaml tests/dist/accel_train.py OUTDIR
     DS_ACCELERATOR=cpu accelerate launch --config_file integrations/accelerate/cpu_deepspeed_zero2.yaml \
         tests/dist/accel_train.py OUTDIR
+    DS_ACCELERATOR=cpu accelerate launch --config_file integrations/accelerate/deepspeed_zero1.yaml \
+        --num_processes 2 --mixed_precision no tests/dist/accel_train.py OUTDIR     # ZeRO-1 (by hand)
 
 The optimizer comes from ``gefen_dist.integrations.hf`` (``GefenFactory`` with the kwargs of
 ``gefen_optimizer_cls_and_kwargs``: plain ``Gefen`` under FSDP2, the ZeRO-aware subclass under
@@ -108,9 +110,11 @@ def main():
         from gefen_dist.integrations import deepspeed as gds
 
         check(type(gopt) is gds.Gefen, f"under DeepSpeed the factory built {type(gopt)}")
+        stage = acc.state.deepspeed_plugin.zero_stage  # 2 from cpu_deepspeed_zero2.yaml; 1 from deepspeed_zero1.yaml
+        check(stage in (1, 2), f"ZeRO stage {stage}: this worker checks stages 1 and 2 (ZeRO-3 partitions parameters)")
         check(type(acc.deepspeed_engine_wrapped.engine.optimizer).__name__ == "DeepSpeedZeroOptimizer",
               type(acc.deepspeed_engine_wrapped.engine.optimizer).__name__)
-        what = "deepspeed zero2"
+        what = f"deepspeed zero{stage}"
     else:
         check(type(gopt) is Gefen, f"under FSDP2 the factory built {type(gopt)}")
         check(acc.is_fsdp2, "not FSDP2")
