@@ -766,3 +766,164 @@ def test_row_blocks_rule_and_errors():
     opt2.load_state_dict(sd)
     assert opt2.state[w]["v_col"].shape == (64,)
     opt2.step()
+
+
+# --------------------------------------------------------------------------------------
+# apply only: the kernel's parameter update from the state functions' results (what a
+# ZeroGefen replica does with an owner's idx, M and sigma / sqrt(v_row))
+# --------------------------------------------------------------------------------------
+
+def _apply_hp(variant: str, step: int) -> dict:
+    from gefen_dist.core.step import update_bound
+
+    hp = dict(HP, weight_decay=0.0) if variant == "no_decay_unbounded" else dict(HP)
+    bc1, bc2 = bias_corrections(step, hp["beta1"], hp["beta2"])
+    bound = {"no_decay_unbounded": None, "tight_bound": 0.05}.get(variant, update_bound(0.9, 0.999, step))
+    return dict(hp, bc1=bc1, bc2=bc2, bound=bound)
+
+
+def _state_kw(hp: dict) -> dict:
+    return {k: hp[k] for k in ("beta1", "beta2", "eps", "bc1", "bc2")}
+
+
+def _apply_grad(n, dtype, g, step, variant):
+    grad = (torch.randn(n, generator=g) * 1e-3).to(dtype)
+    if variant == "nonfinite" and step == 3:
+        grad[n // 3] = float("nan")
+        grad[n // 2] = float("inf")
+    return grad
+
+
+APPLY_VARIANTS = ["plain", "nonfinite", "no_decay_unbounded", "tight_bound"]
+
+
+@pytest.mark.parametrize("shape,P,dtype", [((8, 768), 768, torch.float32), ((4, 1031), 1031, torch.bfloat16),
+                                           ((10, 100), 100, torch.float32), ((7, 7), 7, torch.bfloat16)])
+@pytest.mark.parametrize("variant", APPLY_VARIANTS)
+def test_apply_compressed_equals_fused_step(shape, P, dtype, variant):
+    """quantized_state_ then apply_compressed_ (gefen_apply_compressed) is bitwise the fused step
+    (gefen_quantized_step) on the same input: the parameter, and idx / scale / v of the state
+    function; on the AVX-512 path (simd=1) and the portable one (simd=0), block tails included."""
+    cb = dp_codebook()
+    n = math.prod(shape)
+    p, idx, sc, v = _state(n, P, P, dtype, 21)
+    g = torch.Generator().manual_seed(22)
+    for step in range(1, 5):
+        hp = _apply_hp(variant, step)
+        grad = _apply_grad(n, dtype, g, step, variant)
+        ref = tuple(t.clone() for t in (p, idx, sc, v))
+        cpu.quantized_step_(ref[0], grad, *ref[1:], cb, **hp, period=P, scale_block=P)
+        sigma = cpu.quantized_state_(grad, idx, sc, v, cb, **_state_kw(hp), period=P, scale_block=P)
+        _bitwise(ref[1:], (idx, sc, v))
+        for simd in (1, 0):
+            out = p.clone()
+            cpu.apply_compressed_(out, idx, sc, sigma, cb, P, hp, simd=simd)
+            _bitwise((out,), ref[:1])
+        p = ref[0]
+
+
+@pytest.mark.parametrize("rows,slab,B,dtype,G", [(8, 768, 256, torch.float32, 1), (4, 1031, 1031, torch.bfloat16, 1),
+                                                 (6, 100, 50, torch.float32, 1), (12, 64, 32, torch.float32, 3),
+                                                 (12, 96, 48, torch.bfloat16, 4)])
+@pytest.mark.parametrize("variant", APPLY_VARIANTS)
+def test_apply_factored_equals_fused_step(rows, slab, B, dtype, G, variant):
+    """factored_state_ then apply_factored_ (gefen_apply_factored), piece by piece with the pieces'
+    first rows (as ZeroGefen's ranges, cutting row blocks), is bitwise the fused factored step on
+    the whole tensor, on both code paths."""
+    from gefen_dist.core.step import block_column_sumsq, column_factors, column_sumsq
+
+    cb = dp_codebook()
+    n, rb = rows * slab, rows // G
+    p, idx, sc, vr, _ = _fstate(rows, slab, B, dtype, 31)
+    vc = torch.zeros(G, slab) if G > 1 else torch.zeros(slab)
+    blocks = dict(row0=0, row_block=rb) if G > 1 else {}
+    cuts = [0, 1, rows // 2 + 1, rows]
+    g = torch.Generator().manual_seed(32)
+    for step in range(1, 5):
+        hp = _apply_hp(variant, step)
+        grad = _apply_grad(n, dtype, g, step, variant)
+        cms = (block_column_sumsq(grad, slab, 0, rb, G) / rb if G > 1 else column_sumsq(grad, slab) / rows).float()
+        ref = tuple(t.clone() for t in (p, idx, sc, vr, vc))
+        cpu.quantized_step_factored_(ref[0], grad, *ref[1:], cb, cms, **hp, scale_block=B, **blocks)
+        rsq = cpu.factored_state_(grad, idx, sc, vr, cb, slab=slab, **_state_kw(hp), scale_block=B)
+        _bitwise(ref[1:4], (idx, sc, vr))
+        col_f = column_factors(ref[4])
+        for simd in (1, 0):
+            out = p.clone()
+            for a, e in zip(cuts, cuts[1:]):
+                cpu.apply_factored_(out[a * slab:e * slab], idx[a * slab:e * slab], sc[a * slab // B:e * slab // B],
+                                    rsq[a:e], col_f, cb, B, slab, hp, simd=simd,
+                                    **(dict(row0=a, row_block=rb) if G > 1 else {}))
+            _bitwise((out,), ref[:1])
+        p, vc = ref[0], ref[4]
+
+
+def _apply_inputs_random(n, P, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    idx = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+    M = torch.rand(n // P, generator=g) * 1e-3
+    return p, idx, M, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bound", [None, 3.0, 0.05])
+def test_apply_entry_points_match_eager_reference(dtype, bound):
+    """apply_compressed_ / apply_factored_ against the reference appliers of core.apply (the eager
+    step's order): within the kernel's documented relaxation (the update as C[idx] times the
+    product of the block's scalars, per-element sigma with one division: a few ulps of the update,
+    far below one ulp of the parameter)."""
+    from gefen_dist.core.apply import apply_compressed, apply_factored
+
+    cb = dp_codebook()
+    hp = dict(HP, bc1=0.19, bc2=0.002, bound=bound)
+    P = 384
+    p, idx, M, g = _apply_inputs_random(64 * P, P, dtype, 41)
+    sigma = torch.exp(torch.randn(64, generator=g)) * 300.0
+    ref, out = p.clone(), p.clone()
+    apply_compressed(ref, idx, M, sigma, cb, P, hp)
+    cpu.apply_compressed_(out, idx, M, sigma, cb, P, hp)
+    _assert_params_close(ref, out)
+    slab, B, rows = 256, 128, 48
+    p, idx, M, g = _apply_inputs_random(rows * slab, B, dtype, 42)
+    rsq = torch.exp(torch.randn(rows, generator=g)) * 3e-3
+    col_f = torch.exp(0.5 * torch.randn(3, slab, generator=g))
+    ref, out = p.clone(), p.clone()
+    apply_factored(ref, idx, M, rsq, col_f, cb, B, slab, hp, row0=0, row_block=rows // 3)
+    cpu.apply_factored_(out, idx, M, rsq, col_f, cb, B, slab, hp, row0=0, row_block=rows // 3)
+    _assert_params_close(ref, out)
+    assert not torch.equal(out, p)
+
+
+def test_apply_entry_points_fall_back_and_check(monkeypatch):
+    """Bad arguments are refused; without the native library the entry points are the reference
+    appliers (bitwise); the dispatcher hands each implementation's own appliers out."""
+    from gefen_dist.core import apply as ap
+    from gefen_dist.kernels import dispatch
+
+    cb = dp_codebook()
+    hp = dict(HP, bc1=0.19, bc2=0.002, bound=3.0)
+    p, idx, M, g = _apply_inputs_random(4 * 64, 64, torch.float32, 43)
+    sigma = torch.rand(4, generator=g) * 300.0
+    for bad in (dict(pf=p.double()), dict(idx=idx[:-1]), dict(M=M.double()), dict(P=48)):
+        kw = dict(dict(pf=p.clone(), idx=idx, M=M, sigma=sigma, cb=cb, P=64, hp=hp), **bad)
+        with pytest.raises(ValueError):
+            cpu.apply_compressed_(**kw)
+    with pytest.raises(ValueError, match="simd"):
+        cpu.apply_compressed_(p.clone(), idx, M, sigma, cb, 64, hp, simd=4)
+    with pytest.raises(ValueError, match="row blocks"):
+        cpu.apply_factored_(p.clone(), idx, M, torch.ones(4), torch.ones(2, 64), cb, 64, 64, hp)
+    assert dispatch._native_cpu().apply_compressed_ is cpu.apply_compressed_
+    assert dispatch._native_cpu().apply_factored_ is cpu.apply_factored_
+    assert dispatch._eager().apply_compressed_ is ap.apply_compressed
+    assert dispatch._eager().apply_factored_ is ap.apply_factored
+    monkeypatch.setenv("GEFEN_DIST_NO_NATIVE", "1")
+    ref, out = p.clone(), p.clone()
+    ap.apply_compressed(ref, idx, M, sigma, cb, 64, hp)
+    cpu.apply_compressed_(out, idx, M, sigma, cb, 64, hp)
+    _bitwise((ref,), (out,))
+    rsq, col_f = torch.rand(4, generator=g) * 3e-3, torch.rand(64, generator=g) + 0.5
+    ref, out = p.clone(), p.clone()
+    ap.apply_factored(ref, idx, M, rsq, col_f, cb, 64, 64, hp)
+    cpu.apply_factored_(out, idx, M, rsq, col_f, cb, 64, 64, hp)
+    _bitwise((ref,), (out,))

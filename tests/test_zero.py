@@ -221,6 +221,36 @@ def test_single_process_factored_equals_gefen(fused):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), m.parameters()))
 
 
+@pytest.mark.parametrize("fused", [False, None])
+def test_appliers_are_the_selected_implementations(fused, monkeypatch):
+    """ZeroGefen applies compressed and factored ranges with the appliers of the implementation
+    that stepped them: the native kernel's apply-only entry points with fused=None on CPU (when
+    they build), the reference appliers of core.apply with fused=False."""
+    import dataclasses
+
+    from gefen_dist.core import apply as ref_apply
+    from gefen_dist.kernels import cpu, dispatch
+
+    native = fused is None and cpu.available()
+    real = dispatch._native_cpu() if native else dispatch._eager()
+    calls = []
+
+    def spy(name):
+        def call(*a, **k):
+            calls.append(name)
+            return getattr(real, name)(*a, **k)
+        return call
+
+    spied = dataclasses.replace(real, apply_compressed_=spy("apply_compressed_"), apply_factored_=spy("apply_factored_"))
+    monkeypatch.setattr(dispatch, "_native_cpu" if native else "_eager", lambda: spied)
+    want = (cpu.apply_compressed_, cpu.apply_factored_) if native else (ref_apply.apply_compressed,
+                                                                        ref_apply.apply_factored)
+    assert (real.apply_compressed_, real.apply_factored_) == want
+    m = _Mixed()
+    _train(m, ZeroGefen(_mixed_groups(m), lr=1e-2, weight_decay=0.1, fused=fused), 3)
+    assert {"apply_compressed_", "apply_factored_"} <= set(calls), calls
+
+
 def test_factored_column_stats_are_gefens():
     """ZeroGefen's column statistics are single-process Gefen's: every rank sums g^2 over all rows
     of its whole (DDP) gradient with Gefen's float64 code (column_sumsq, same row chunks), divides by

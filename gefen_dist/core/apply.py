@@ -2,11 +2,13 @@
 
 ZeRO-1 (:mod:`gefen_dist.zero.optimizer`) sends each owner's update as new ``idx`` bytes plus per-block
 absmax scales ``M`` and step sizes (``sigma`` per block, or ``sqrt(v_row)`` per row for the
-factored second moment); every rank then applies it to its replica with these functions. They
-replay the parameter update of :func:`gefen_dist.core.step.quantized_step_eager_` /
-:func:`~gefen_dist.core.step.quantized_step_factored_eager_` operation by operation, or, with
-``kernel_order=True``, the float32 sequence of the native CPU kernel, so a replica equals
-single-process :class:`~gefen_dist.Gefen` with the same ``fused`` setting bitwise.
+factored second moment); every rank then applies it to its replica. These functions are the
+reference appliers: they replay the parameter update of
+:func:`gefen_dist.core.step.quantized_step_eager_` /
+:func:`~gefen_dist.core.step.quantized_step_factored_eager_` operation by operation, so a replica
+equals single-process eager :class:`~gefen_dist.Gefen` bitwise. Each implementation of the step
+brings its own appliers (:class:`gefen_dist.kernels.dispatch.StepImpl`; the native CPU kernel's
+are entry points of its C library), so the order of an implementation's arithmetic is written once.
 """
 from __future__ import annotations
 
@@ -27,35 +29,9 @@ def update_v_col(st: dict, col_mean_sq: torch.Tensor, hp: dict) -> torch.Tensor:
     return column_factors(v_col)
 
 
-def _f32(x: float) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.float32)
-
-
-def _clamp_kernel_order(u: torch.Tensor, hp: dict) -> torch.Tensor:
-    """The native kernel's bound (D13): ``u`` (already times lr) clamped to ``+-float32(bound * lr)``."""
-    if hp.get("bound") is None:
-        return u
-    lim = _f32(hp["bound"] * hp["lr"])
-    return torch.where(u > lim, lim, torch.where(u < -lim, -lim, u))
-
-
-def _apply_kernel_order_(p: torch.Tensor, u: torch.Tensor, wd: float, decay: float) -> None:
-    """The native kernel's parameter update ``p <- p * decay - u`` (float32, rounded once)."""
-    if p.dtype == torch.float32:
-        if wd != 0.0:
-            p.mul_(decay)
-        p.sub_(u)
-        return
-    p32 = p.float()
-    if wd != 0.0:
-        p32.mul_(decay)
-    p32.sub_(u)
-    p.copy_(p32)
-
-
 def apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: torch.Tensor,
                    col_f: torch.Tensor, cb: torch.Tensor, B: int, slab: int, hp: dict,
-                   kernel_order: bool = False, row0: int = 0, row_block: int = 0) -> None:
+                   row0: int = 0, row_block: int = 0) -> None:
     """``p <- p*(1-lr*wd) - ((C[idx]*M) * sigma)*lr`` with ``sigma_ij = (1/((sqrt(v_row_i) *
     col_f_j)/sqrt(bc2) + eps)) * (1/bc1)``: quantized_step_factored_eager_'s update, same order.
     ``col_f`` is ``[slab]``, or ``[G, slab]`` per block of ``row_block`` rows (D12), this range's
@@ -72,24 +48,13 @@ def apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: to
         q = cb.index_select(0, ib.int()).view(-1, B)
         cf = row_factors(col_f, row0, r0, r1, row_block)
         p = pf[r0 * slab:r1 * slab].view(r1 - r0, slab)
-        if not kernel_order:
-            sigma = inv_rms_(rsq[r0:r1].unsqueeze(1) * cf, eps, bc1, sqrt_bc2)
-            apply_(p, (q * a).view(r1 - r0, slab), sigma, lr, wd, hp.get("bound"))
-            continue
-        # the native kernel's float32 sequence: srs = sqrt(v_row)*(1/sqrt(bc2)),
-        # sigma = (1/bc1) / (col_f*srs + eps), u = C[idx] * (sigma * (M*lr))
-        srs = rsq[r0:r1] * (_f32(1.0) / _f32(sqrt_bc2))
-        sigma = _f32(1.0 / bc1) / ((cf * srs.unsqueeze(1)) + _f32(eps))
-        us = (a * _f32(lr)).view(r1 - r0, slab // B, 1)
-        u = q.view(r1 - r0, slab // B, B) * (sigma.view(r1 - r0, slab // B, B) * us)
-        _apply_kernel_order_(p, _clamp_kernel_order(u.view(r1 - r0, slab), hp), wd, 1.0 - lr * wd)
+        sigma = inv_rms_(rsq[r0:r1].unsqueeze(1) * cf, eps, bc1, sqrt_bc2)
+        apply_(p, (q * a).view(r1 - r0, slab), sigma, lr, wd, hp.get("bound"))
 
 
 def apply_compressed(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, sigma: torch.Tensor,
-                     cb: torch.Tensor, P: int, hp: dict, kernel_order: bool = False) -> None:
-    """``p <- p*(1-lr*wd) - ((C[idx]*M)*sigma)*lr``: quantized_step_eager_'s update, same order;
-    with ``kernel_order`` the native kernel's ``C[idx] * ((M*sigma)*lr)`` (per-block coefficient
-    first), so replicas equal single-process Gefen with the same ``fused`` setting bitwise."""
+                     cb: torch.Tensor, P: int, hp: dict) -> None:
+    """``p <- p*(1-lr*wd) - ((C[idx]*M)*sigma)*lr``: quantized_step_eager_'s update, same order."""
     n = pf.numel()
     lr, wd = hp["lr"], hp["weight_decay"]
     chunk = max(P, (_EAGER_CHUNK_ELEMS // P) * P)
@@ -100,8 +65,4 @@ def apply_compressed(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, sigma
         sg = sigma[c0 // P:c1 // P].view(-1, 1)
         # cb.index_select(int32) reads the same codewords as the eager cb[idx.long()], 5x faster
         q = cb.index_select(0, ib.reshape(-1).int()).view(-1, P)
-        if kernel_order:
-            _apply_kernel_order_(pf[c0:c1], _clamp_kernel_order((q * (a * sg).mul_(lr)).view(-1), hp), wd,
-                                 1.0 - lr * wd)
-        else:
-            apply_(pf[c0:c1], q * a, sg, lr, wd, hp.get("bound"))
+        apply_(pf[c0:c1], q * a, sg, lr, wd, hp.get("bound"))

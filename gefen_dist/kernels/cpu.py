@@ -113,10 +113,10 @@ from gefen_dist.core.step import column_factors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "simd_compiled", "quantized_step_", "quantized_step_factored_", "numerics", "nearest_lut", "nearest_sweep",
-           "CodebookTable", "codebook_table"]
+__all__ = ["available", "simd_compiled", "quantized_step_", "quantized_step_factored_", "apply_compressed_",
+           "apply_factored_", "numerics", "nearest_lut", "nearest_sweep", "CodebookTable", "codebook_table"]
 
-_ABI = 9
+_ABI = 10
 _LIB_NAME = "gefen_step"
 _SOURCES = ["gefen_step.c"]
 _MIN_LUT_BITS = 12
@@ -184,6 +184,10 @@ def _lib() -> Optional[ctypes.CDLL]:
             lib.gefen_quantized_step.argtypes = [ctypes.POINTER(_Args)] + [vp] * 7
             lib.gefen_quantized_step_factored.restype = ctypes.c_int
             lib.gefen_quantized_step_factored.argtypes = [ctypes.POINTER(_Args)] + [vp] * 8 + [i64, i64]
+            lib.gefen_apply_compressed.restype = ctypes.c_int
+            lib.gefen_apply_compressed.argtypes = [ctypes.POINTER(_Args)] + [vp] * 5
+            lib.gefen_apply_factored.restype = ctypes.c_int
+            lib.gefen_apply_factored.argtypes = [ctypes.POINTER(_Args)] + [vp] * 6 + [i64, i64]
             lib.gefen_nearest.restype = None
             lib.gefen_nearest.argtypes = [vp, i64, vp, vp, i32, f32, i32, vp]
             lib.gefen_nearest_sweep.restype = i64
@@ -513,29 +517,34 @@ def quantized_step_(
 
 
 def _make_args(param, n, P, B, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2, bound, simd) -> _Args:
-    if simd not in SIMD_MODES:
-        raise ValueError(f"simd must be one of {SIMD_MODES}, got {simd!r}")
     num = numerics()
     w = 1.0 - beta1
     small = abs(w) < 0.5
     wf = np.float32(w)
-    nt = max(1, torch.get_num_threads())
     a = _Args()
-    a.n, a.period, a.block = n, P, B
-    a.buf_max = min(_BUF_MAX_ELEMS, _BUF_BYTES_TOTAL // (4 * nt))
-    a.dtype = 0 if param.dtype == torch.float32 else 1
-    a.nthreads = nt
+    a.buf_max = min(_BUF_MAX_ELEMS, _BUF_BYTES_TOTAL // (4 * max(1, torch.get_num_threads())))
     a.sum_lanes = num.sum_lanes
     a.fused_lerp = int(num.fused_lerp_small if small else num.fused_lerp_large)
     a.fused_axpy = int(num.fused_axpy)
     a.lerp_small = int(small)
-    a.has_wd = int(weight_decay != 0.0)
     a.lut_mode, a.lut_n, a.lut_h = tab.mode, tab.nb, tab.h
-    a.simd = int(simd)
     # scalars as torch converts them (Python double -> float32 opmath)
     a.lerp_c = float(wf) if small else float(wf - np.float32(1.0))
     a.beta2 = beta2
     a.alpha2 = 1.0 - beta2
+    return _update_args(a, param, n, P, B, lr=lr, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
+                        bound=bound, simd=simd)
+
+
+def _update_args(a: _Args, param, n, P, B, *, lr, eps, weight_decay, bc1, bc2, bound, simd) -> _Args:
+    """The fields of ``a`` that the parameter update reads (all the apply-only entry points read)."""
+    if simd not in SIMD_MODES:
+        raise ValueError(f"simd must be one of {SIMD_MODES}, got {simd!r}")
+    a.n, a.period, a.block = n, P, B
+    a.dtype = 0 if param.dtype == torch.float32 else 1
+    a.nthreads = max(1, torch.get_num_threads())
+    a.has_wd = int(weight_decay != 0.0)
+    a.simd = int(simd)
     a.sqrt_bc2 = math.sqrt(bc2)
     a.eps = eps
     a.inv_bc1 = 1.0 / bc1
@@ -628,8 +637,8 @@ def quantized_state_(grad, idx, scale, v, codebook, *, beta1, beta2, eps, bc1, b
     """The kernel's state update of :func:`quantized_step_` (``v``, ``idx``, ``scale`` in place,
     bitwise the full step's) without the parameter update, for ZeRO-1's owners; returns ``sigma``
     per v-block as the kernel computes it (its float32 operations with a correctly rounded sqrt:
-    a float64 sqrt rounded once to float32), so an update applied with
-    :func:`gefen_dist.core.apply.apply_compressed` ``(kernel_order=True)`` is the kernel's, bitwise.
+    a float64 sqrt rounded once to float32), so an update applied with :func:`apply_compressed_`
+    is the kernel's, bitwise.
     The kernel runs with ``lr = wd = 0`` on a scratch parameter of ``grad``'s dtype."""
     P, n = period, idx.numel()
     chunk = max(P, (_SCRATCH_ELEMS // P) * P)
@@ -647,7 +656,8 @@ def factored_state_(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, ep
                     scale_block) -> torch.Tensor:
     """The kernel's row-local state update of :func:`quantized_step_factored_` (``v_row``, ``idx``,
     ``scale`` in place) without the column factor and the parameter update, for ZeRO-1's owners;
-    returns ``sqrt(v_row)`` correctly rounded, as the kernel's ``sqrtf``. The state never depends
+    returns ``sqrt(v_row)`` correctly rounded, as the kernel's ``sqrtf`` (what :func:`apply_factored_`
+    reads). The state never depends
     on ``v_col``, so the kernel runs against a zero column profile, with ``lr = wd = 0``, on a
     scratch parameter of ``grad``'s dtype."""
     zeros = torch.zeros(slab, dtype=torch.float32)
@@ -655,6 +665,93 @@ def factored_state_(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, ep
                              codebook, zeros, lr=0.0, beta1=beta1, beta2=beta2, eps=eps, weight_decay=0.0,
                              bc1=bc1, bc2=bc2, scale_block=scale_block)
     return v_row.reshape(-1).double().sqrt().float()
+
+
+# --------------------------------------------------------------------------------------
+# apply only: the step's parameter update from its compressed results (ZeRO-1's replicas)
+# --------------------------------------------------------------------------------------
+
+def _apply_inputs(param, idx, M, rates, codebook, *, n_blocks: int, n_rates: int):
+    """The C inputs of an apply-only call (contiguous, checked) and the 257-entry codebook."""
+    if param.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"param dtype {param.dtype} not supported (float32, bfloat16)")
+    _check("param", param, None, param.numel())
+    idx, M, rates = idx.reshape(-1).contiguous(), M.reshape(-1).contiguous(), rates.reshape(-1).contiguous()
+    _check("idx", idx, torch.uint8, param.numel())
+    _check("M", M, torch.float32, n_blocks)
+    _check("sigma/rsq", rates, torch.float32, n_rates)
+    cb = torch.empty(NUM_CODEWORDS + 1, dtype=torch.float32)
+    cb[:NUM_CODEWORDS] = codebook.detach().to("cpu", torch.float32).reshape(-1)
+    cb[NUM_CODEWORDS] = float("inf")
+    return idx, M, rates, cb
+
+
+def apply_compressed_(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, sigma: torch.Tensor,
+                      cb: torch.Tensor, P: int, hp: dict, simd: int = 1) -> None:
+    """The parameter update of :func:`quantized_step_` (``period == scale_block == P``) from its
+    results, in the kernel (``gefen_apply_compressed``, the code of the step's last sweep): ``pf``
+    (float32/bfloat16, contiguous) <- ``pf*(1-lr*wd) - clamp(C[idx] * ((M*sigma)*lr), +-bound*lr)``
+    with the new ``idx``, the new scales ``M`` and ``sigma`` per block as :func:`quantized_state_`
+    returns it, so a replica equals the owner's full step bitwise. The contract of
+    :func:`gefen_dist.core.apply.apply_compressed` (whose order is the eager step's); falls back to it
+    without the native library."""
+    lib = _lib()
+    if lib is None:
+        from gefen_dist.core.apply import apply_compressed
+
+        return apply_compressed(pf, idx, M, sigma, cb, P, hp)
+    n, P = pf.numel(), int(P)
+    if P < 1 or n % P:
+        raise ValueError(f"numel {n} is not a multiple of the block {P}")
+    if n == 0:
+        return None
+    idx, M, sigma, cb = _apply_inputs(pf, idx, M, sigma, cb, n_blocks=n // P, n_rates=n // P)
+    a = _update_args(_Args(), pf, n, P, P, lr=hp["lr"], eps=hp["eps"], weight_decay=hp["weight_decay"],
+                     bc1=hp["bc1"], bc2=hp["bc2"], bound=hp.get("bound"), simd=simd)
+    rc = lib.gefen_apply_compressed(ctypes.byref(a), pf.data_ptr(), idx.data_ptr(), M.data_ptr(),
+                                    sigma.data_ptr(), cb.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"gefen_apply_compressed failed with code {rc}")
+    torch.autograd.graph.increment_version(pf)
+    return None
+
+
+def apply_factored_(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: torch.Tensor,
+                    col_f: torch.Tensor, cb: torch.Tensor, B: int, slab: int, hp: dict, row0: int = 0,
+                    row_block: int = 0, simd: int = 1) -> None:
+    """The parameter update of :func:`quantized_step_factored_` from its results, in the kernel
+    (``gefen_apply_factored``, the code of the step's last sweep): the new ``idx`` and scales ``M``
+    (per ``B`` elements), ``rsq = sqrt(v_row)`` per row of ``slab`` elements as
+    :func:`factored_state_` returns it, the column factors ``col_f`` (``[slab]``, or ``[G, slab]``
+    per block of ``row_block`` rows, this range's first row being global row ``row0``); bitwise the
+    full step's parameter. The contract of :func:`gefen_dist.core.apply.apply_factored`; falls back
+    to it without the native library."""
+    lib = _lib()
+    if lib is None:
+        from gefen_dist.core.apply import apply_factored
+
+        return apply_factored(pf, idx, M, rsq, col_f, cb, B, slab, hp, row0=row0, row_block=row_block)
+    n, B, S = pf.numel(), int(B), int(slab)
+    if B < 1 or S < 1 or S % B or n % S:
+        raise ValueError(f"need the scale block {B} to divide the row length {S}, and {S} to divide numel {n}")
+    if n == 0:
+        return None
+    G = col_f.numel() // S
+    cf = col_f.detach().reshape(-1).contiguous()
+    _check("col_f", cf, torch.float32, G * S)
+    if G > 1 and (row_block < 1 or row0 < 0 or row0 + n // S > G * row_block):
+        raise ValueError(f"col_f has {G} row blocks: need row_block >= 1 and rows [{row0}, {row0 + n // S}) "
+                         f"inside {G} x {row_block} rows")
+    rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
+    idx, M, rsq, cb = _apply_inputs(pf, idx, M, rsq, cb, n_blocks=n // B, n_rates=n // S)
+    a = _update_args(_Args(), pf, n, S, B, lr=hp["lr"], eps=hp["eps"], weight_decay=hp["weight_decay"],
+                     bc1=hp["bc1"], bc2=hp["bc2"], bound=hp.get("bound"), simd=simd)
+    rc = lib.gefen_apply_factored(ctypes.byref(a), pf.data_ptr(), idx.data_ptr(), M.data_ptr(), rsq.data_ptr(),
+                                  cf.data_ptr(), cb.data_ptr(), int(row0), rb)
+    if rc != 0:
+        raise RuntimeError(f"gefen_apply_factored failed with code {rc}")
+    torch.autograd.graph.increment_version(pf)
+    return None
 
 
 def column_sumsq(grad: torch.Tensor, slab: int) -> torch.Tensor:

@@ -128,10 +128,12 @@ class StepImpl:
     :func:`gefen_dist.core.step.quantized_step_eager_` / :func:`~gefen_dist.core.step.quantized_step_factored_eager_`;
     ``column_sumsq`` that of :func:`gefen_dist.core.step.column_sumsq`. ``quantized_state_`` /
     ``factored_state_`` are the state updates without the parameter update (ZeRO-1's owners), and
-    ``kernel_order`` says that the appliers of :mod:`gefen_dist.core.apply` must replay this
-    implementation's float32 sequence (the native CPU kernel's) to equal its full step bitwise.
-    An implementation without state functions (Triton) is not used by owners: they fall back to
-    the eager reference, and so do their appliers."""
+    ``apply_compressed_`` / ``apply_factored_`` (the contracts of
+    :func:`gefen_dist.core.apply.apply_compressed` / :func:`~gefen_dist.core.apply.apply_factored`)
+    the parameter update alone from the state functions' results (ZeRO-1's replicas), in this
+    implementation's own arithmetic, so state function + applier equal its full step bitwise.
+    An implementation without state functions (Triton) has no appliers either and is not used by
+    owners: they fall back to the eager reference, and so do their appliers."""
 
     name: str
     quantized_step_: Callable
@@ -139,7 +141,8 @@ class StepImpl:
     column_sumsq: Callable
     quantized_state_: Optional[Callable] = None
     factored_state_: Optional[Callable] = None
-    kernel_order: bool = False
+    apply_compressed_: Optional[Callable] = None
+    apply_factored_: Optional[Callable] = None
     grad_in_param_dtype: bool = True  # the kernels read g in the parameter's dtype; the reference any dtype
 
     def grad_for(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -149,10 +152,12 @@ class StepImpl:
 
 @functools.lru_cache(maxsize=None)
 def _eager() -> StepImpl:
+    from ..core import apply as ap
     from ..core import step as s
 
     return StepImpl("eager", s.quantized_step_eager_, s.quantized_step_factored_eager_, s.column_sumsq,
-                    s.quantized_state_eager_, s.factored_state_eager_, grad_in_param_dtype=False)
+                    s.quantized_state_eager_, s.factored_state_eager_, ap.apply_compressed, ap.apply_factored,
+                    grad_in_param_dtype=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,7 +165,7 @@ def _native_cpu() -> StepImpl:
     from . import cpu
 
     return StepImpl("cpu", cpu.quantized_step_, cpu.quantized_step_factored_, cpu.column_sumsq,
-                    cpu.quantized_state_, cpu.factored_state_, kernel_order=True)
+                    cpu.quantized_state_, cpu.factored_state_, cpu.apply_compressed_, cpu.apply_factored_)
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,8 +216,8 @@ def select(t: torch.Tensor, fused: Optional[bool] = None, need_state: bool = Fal
     """The implementation that steps tensor ``t``: with ``fused`` not False, the native CPU kernel
     for CPU float32/bfloat16 tensors or the Triton kernels for CUDA ones when they are usable; the
     eager reference otherwise (any device and dtype). ``need_state``: only an implementation with
-    state-only functions (what ZeRO-1's owners and appliers need: the native CPU kernel or the
-    reference)."""
+    state-only functions and appliers (what ZeRO-1's owners and replicas need: the native CPU kernel
+    or the reference)."""
     if fused is not False:
         if native_cpu_usable(t):
             return _native_cpu()

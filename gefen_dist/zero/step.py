@@ -7,7 +7,7 @@ from typing import List
 import torch
 
 from ..engine.comm import take_bytes
-from ..core.apply import apply_compressed, apply_factored, update_v_col
+from ..core.apply import update_v_col
 from ..core.step import adamw_step_, decay_only_, hyperparameters, row_block_args
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import global_shape
@@ -23,11 +23,11 @@ def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
 class ZeroStepMixin:
     """ZeroGefen's step (module docstring of :mod:`gefen_dist.zero.optimizer`): wire modes, the owners' state
     updates through the implementation of :func:`gefen_dist.kernels.dispatch.select` (with state-only
-    functions), one all-gather of the compressed updates, the appliers of :mod:`gefen_dist.core.apply`."""
+    functions), one all-gather of the compressed updates, the same implementation's appliers."""
 
     def _impl(self, t: torch.Tensor) -> _dispatch.StepImpl:
-        """Owners and appliers use one implementation with state-only functions (the native CPU
-        kernel or the eager reference; see :func:`gefen_dist.kernels.dispatch.select`)."""
+        """Owners and appliers use one implementation with state-only functions and appliers (the
+        native CPU kernel or the eager reference; see :func:`gefen_dist.kernels.dispatch.select`)."""
         return _dispatch.select(t, self.fused, need_state=True)
 
 
@@ -73,8 +73,8 @@ class ZeroStepMixin:
                 mode = MODE_LOCAL
                 decay_only_(p, hp["lr"], hp["weight_decay"])  # on every rank
             elif "v_col" in st:
-                # Compressed (idx, M, sqrt(v_row)); the appliers replay the eager step's or, with the
-                # native kernel, the kernel's arithmetic (apply_factored(kernel_order=...)).
+                # Compressed (idx, M, sqrt(v_row)); the selected implementation's applier does the
+                # parameter update of its own full step (StepImpl.apply_factored_).
                 mode = (MODE_FACTORED if factored_wire_compressed(
                     st["scale_block"], st["v_col"].shape[-1], p.element_size()) else MODE_DENSE)
             else:
@@ -100,8 +100,8 @@ class ZeroStepMixin:
 
 
     def _apply_all(self, items, chunks, col_f) -> None:
-        """Every rank applies every rank's range of every tensor, identically (the appliers of
-        :mod:`gefen_dist.core.apply`, or the owner's dense values)."""
+        """Every rank applies every rank's range of every tensor, identically (the appliers of the
+        owners' implementation, :meth:`_impl`, or the owner's dense values)."""
         works = {}
         for r in range(self._world):
             off = 0
@@ -112,21 +112,21 @@ class ZeroStepMixin:
                     continue
                 if id(p) not in works:
                     works[id(p)] = p if p.is_contiguous() else p.detach().contiguous()
-                flat, ko = works[id(p)].view(-1), self._impl(p).kernel_order
+                flat, impl = works[id(p)].view(-1), self._impl(p)
                 if mode == MODE_COMPRESSED:
                     P = st["period"]
                     idx, off = take_bytes(chunks[r], off, n, torch.uint8)
                     M, off = take_bytes(chunks[r], off, n // P, torch.float32)
                     sigma, off = take_bytes(chunks[r], off, n // P, torch.float32)
-                    apply_compressed(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
-                                     st["codebook"], P, hp, kernel_order=ko)
+                    impl.apply_compressed_(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
+                                           st["codebook"], P, hp)
                 elif mode == MODE_FACTORED:
                     B, slab = st["scale_block"], st["v_col"].shape[-1]
                     idx, off = take_bytes(chunks[r], off, n, torch.uint8)
                     M, off = take_bytes(chunks[r], off, n // B, torch.float32)
                     rf, off = take_bytes(chunks[r], off, n // slab, torch.float32)
-                    apply_factored(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device), col_f[id(p)],
-                                   st["codebook"], B, slab, hp, kernel_order=ko, **_row_blocks_kw(p, st, s))
+                    impl.apply_factored_(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device),
+                                         col_f[id(p)], st["codebook"], B, slab, hp, **_row_blocks_kw(p, st, s))
                 else:
                     vals, off = take_bytes(chunks[r], off, n, p.dtype)
                     flat[s:e].copy_(vals.to(p.device))

@@ -13,6 +13,11 @@
  * per-column factors from the caller). Each scale block (factored: each row) is processed by
  * exactly one thread, so results do not depend on the thread count.
  *
+ * Apply only (gefen_apply_compressed, gefen_apply_factored): the parameter update alone from a
+ * step's results (new idx, scales, sigma or sqrt(v_row)), for ZeRO-1's replicas. Its arithmetic
+ * is written once (update_scalar, sigma_scalar, bounded_update, update_param and their vector
+ * forms), shared with the fused step's last sweep, so both give the same bits.
+ *
  * Relaxed against torch's operation sequence (documented in cpu.py; idx/scale unaffected):
  * m / A via the reciprocal plus one exact Markstein correction (qdiv), the update as
  * C[idx] times the product of the block's scalars, and per-element sigma with one division.
@@ -55,7 +60,7 @@
 #endif
 #endif
 
-#define GEFEN_STEP_ABI 9
+#define GEFEN_STEP_ABI 10
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -163,6 +168,52 @@ ALWAYS_INLINE float qdiv(float m, float A, float y)
     float q = m * y;
     float r = fmaf(-q, A, m);
     return fmaf(r, y, q);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the parameter update (the apply phase), written once: the fused step's last sweep     */
+/* (sweep2; simd_block through the vector forms below) and the apply-only entry points   */
+/* (gefen_apply_compressed, gefen_apply_factored) all call these                         */
+/* ------------------------------------------------------------------------------------ */
+
+/* The block's scalar of the update: (A sigma) lr when sigma is per block (PM 0: P == B), A lr
+ * when it is per element (PM 1: P == 1, PM 2: factored). */
+ALWAYS_INLINE float update_scalar(float A, float sigma, const gefen_step_args *a, const int PM)
+{
+    return PM == 0 ? (A * sigma) * a->lr : A * a->lr;
+}
+
+/* The second argument of sigma_el for per-element sigma: 1 / sqrt(bc2) (PM 1), or the row's
+ * sqrt(v_row) / sqrt(bc2) handed over as `sigma` (PM 2). */
+ALWAYS_INLINE float sigma_scalar(float sigma, const gefen_step_args *a, const int PM)
+{
+    return PM == 1 ? 1.0f / a->sqrt_bc2 : sigma;
+}
+
+/* The update of one element from its (new) codeword cq: cq us (PM 0), else cq (sigma_el(c, sl) us)
+ * with c = sqrt(v) (PM 1) or the column factor (PM 2); then the bound (D13): u clamped to
+ * [-ulim, ulim] (ulim = bound lr), a NaN stays NaN. */
+ALWAYS_INLINE float bounded_update(float cq, float us, float c, float sl, float ulim,
+                                   const gefen_step_args *a, const int PM)
+{
+    float u = PM == 0 ? cq * us : cq * (sigma_el(c, sl, a) * us);
+    return u > ulim ? ulim : (u < -ulim ? -ulim : u);
+}
+
+/* Parameter element e <- p decay - u (decoupled weight decay when WD), in float32, rounded once
+ * to the parameter's dtype. */
+ALWAYS_INLINE void update_param(void *restrict param, int64_t e, float u, float decay, const int DT,
+                                const int WD)
+{
+    if (DT == 0) {
+        float pi = ((float *)param)[e];
+        if (WD) pi = pi * decay;
+        ((float *)param)[e] = pi - u;
+    } else {
+        float pi = bf16_to_f32(((uint16_t *)param)[e]);
+        if (WD) pi = pi * decay;
+        ((uint16_t *)param)[e] = f32_to_bf16(pi - u);
+    }
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -589,6 +640,33 @@ static inline __m256i vbf16(__m512 x)
     return _mm512_cvtepi32_epi16(r);
 }
 
+/* as bounded_update (ulv = ulim, nulv = -ulim); vmaxps/vminps return their second operand for a
+ * NaN: u stays NaN */
+ALWAYS_INLINE __m512 vbounded_update(__m512 cq, __m512 us, __m512 c, __m512 sl, __m512 ulv, __m512 nulv,
+                                     const gefen_step_args *a, const int PM)
+{
+    __m512 u = PM == 0 ? _mm512_mul_ps(cq, us) : _mm512_mul_ps(cq, _mm512_mul_ps(vsigma_el(c, sl, a), us));
+    return _mm512_min_ps(ulv, _mm512_max_ps(nulv, u));
+}
+
+/* as update_param, for the lanes of k of elements e .. e + 15 */
+ALWAYS_INLINE void vupdate_param(void *param, int64_t e, __mmask16 k, __m512 u, __m512 decay, int wd,
+                                 const int DT)
+{
+    if (DT == 0) {
+        float *p = (float *)param + e;
+        __m512 pv = _mm512_maskz_loadu_ps(k, p);
+        if (wd) pv = _mm512_mul_ps(pv, decay);
+        _mm512_mask_storeu_ps(p, k, _mm512_sub_ps(pv, u));
+    } else {
+        uint16_t *p = (uint16_t *)param + e;
+        __m256i hb = _mm256_maskz_loadu_epi16(k, p);
+        __m512 pv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
+        if (wd) pv = _mm512_mul_ps(pv, decay);
+        _mm256_mask_storeu_epi16(p, k, vbf16(_mm512_sub_ps(pv, u)));
+    }
+}
+
 /* m for 64 elements starting at i0 (lanes beyond B are garbage and must be masked). */
 ALWAYS_INLINE void vm64(const gefen_step_args *a, const void *grad, const uint8_t *ix, int64_t o,
                         int64_t i0, int64_t B, __mmask64 k64, const cb_planes *pl, float M,
@@ -646,8 +724,8 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
     const __m512 h = _mm512_set1_ps(a->lut_h), nbm1 = _mm512_set1_ps((float)(a->lut_n - 1));
     const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
     const __m512 decay = _mm512_set1_ps(a->decay);
-    const __m512 us = _mm512_set1_ps(PM == 0 ? (A * sigma) * a->lr : A * a->lr);
-    const __m512 sl = _mm512_set1_ps(PM == 1 ? 1.0f / a->sqrt_bc2 : sigma);
+    const __m512 us = _mm512_set1_ps(update_scalar(A, sigma, a, PM));
+    const __m512 sl = _mm512_set1_ps(sigma_scalar(sigma, a, PM));
     const __m512 ulv = _mm512_set1_ps(a->ulim), nulv = _mm512_set1_ps(-a->ulim);
 
     /* sweep 2 */
@@ -709,29 +787,13 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
         for (int r = 0; r < 4; ++r) {
             const __mmask16 k = lane_mask(rem - 16 * r);
             if (!k) continue;
-            __m512 u;
-            if (PM == 0) {
-                u = _mm512_mul_ps(cq[r], us);
-            } else {
-                __m512 c = _mm512_maskz_loadu_ps(k, vv + i0 + 16 * r);
+            __m512 c = zero;
+            if (PM != 0) {
+                c = _mm512_maskz_loadu_ps(k, vv + i0 + 16 * r);
                 if (PM == 1) c = _mm512_sqrt_ps(c);
-                u = _mm512_mul_ps(cq[r], _mm512_mul_ps(vsigma_el(c, sl, a), us));
             }
-            /* the bound (D13); vmaxps/vminps return their second operand for a NaN: u stays NaN */
-            u = _mm512_min_ps(ulv, _mm512_max_ps(nulv, u));
-            const int64_t e = o + i0 + 16 * r;
-            if (DT == 0) {
-                float *p = (float *)param + e;
-                __m512 pv = _mm512_maskz_loadu_ps(k, p);
-                if (a->has_wd) pv = _mm512_mul_ps(pv, decay);
-                _mm512_mask_storeu_ps(p, k, _mm512_sub_ps(pv, u));
-            } else {
-                uint16_t *p = (uint16_t *)param + e;
-                __m256i hb = _mm256_maskz_loadu_epi16(k, p);
-                __m512 pv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
-                if (a->has_wd) pv = _mm512_mul_ps(pv, decay);
-                _mm256_mask_storeu_epi16(p, k, vbf16(_mm512_sub_ps(pv, u)));
-            }
+            vupdate_param(param, o + i0 + 16 * r, k, vbounded_update(cq[r], us, c, sl, ulv, nulv, a, PM),
+                          decay, a->has_wd, DT);
         }
         _mm512_mask_storeu_epi8(ix + i0, k64, jn);
     }
@@ -753,13 +815,10 @@ ALWAYS_INLINE void sweep2(const gefen_step_args *restrict a, void *restrict para
     const int small = a->lerp_small;
     const float h = a->lut_h, nbm1 = (float)(a->lut_n - 1);
     const float decay = a->decay;
-    float *restrict pf = (float *)param + o;
-    uint16_t *restrict ph = (uint16_t *)param + o;
     const float Ad = pos ? A : 1.0f; /* divide unconditionally (no trapping division under a branch) */
     const int qd = A >= 0x1p-125f && A <= 0x1p125f; /* quotient via the reciprocal */
     const float Y = qd ? 1.0f / A : 0.0f;
-    const float us = PM == 0 ? (A * sigma) * a->lr : A * a->lr;
-    const float sl = PM == 1 ? 1.0f / a->sqrt_bc2 : sigma;
+    const float us = update_scalar(A, sigma, a, PM), sl = sigma_scalar(sigma, a, PM);
     const float ulim = a->ulim;
 #pragma omp simd
     for (int64_t i = 0; i < B; ++i) {
@@ -775,23 +834,8 @@ ALWAYS_INLINE void sweep2(const gefen_step_args *restrict a, void *restrict para
         float cq;
         int j = LM ? nearest_fast(z, cb, lut, h, nbm1, &cq) : nearest_scan(z, cb, lut, h, nbm1, &cq);
         ix[i] = (uint8_t)j;
-        float u;
-        if (PM == 0) {
-            u = cq * us;
-        } else {
-            float c = PM == 1 ? sqrtf(vv[i]) : vv[i];
-            u = cq * (sigma_el(c, sl, a) * us);
-        }
-        u = u > ulim ? ulim : (u < -ulim ? -ulim : u); /* the bound (D13); NaN stays NaN */
-        if (DT == 0) {
-            float pi = pf[i];
-            if (WD) pi = pi * decay;
-            pf[i] = pi - u;
-        } else {
-            float pi = bf16_to_f32(ph[i]);
-            if (WD) pi = pi * decay;
-            ph[i] = f32_to_bf16(pi - u);
-        }
+        const float c = PM == 0 ? 0.0f : (PM == 1 ? sqrtf(vv[i]) : vv[i]);
+        update_param(param, o + i, bounded_update(cq, us, c, sl, ulim, a, PM), decay, DT, WD);
     }
 }
 
@@ -1072,6 +1116,147 @@ int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const v
     free(lut8);
 #endif
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* apply only: the fused step's parameter update from its results (ZeRO-1's replicas)    */
+/* ------------------------------------------------------------------------------------ */
+
+#ifdef GEFEN_VBMI
+/* as apply_block's loop, 64 elements at a time with the codewords looked up in registers */
+ALWAYS_INLINE void vapply_block(const gefen_step_args *restrict a, void *restrict param,
+                                const uint8_t *restrict ix, const float *restrict cfb, int64_t o,
+                                float us, float sl, const cb_planes *pl, const int DT, const int PM)
+{
+    const int64_t B = a->block;
+    const __m512 usv = _mm512_set1_ps(us), slv = _mm512_set1_ps(sl), decay = _mm512_set1_ps(a->decay);
+    const __m512 ulv = _mm512_set1_ps(a->ulim), nulv = _mm512_set1_ps(-a->ulim);
+    for (int64_t i0 = 0; i0 < B; i0 += 64) {
+        const int64_t rem = B - i0;
+        const __mmask64 k64 = rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1);
+        __m512 cq[4];
+        cb_lookup64(transpose_bytes(_mm512_maskz_loadu_epi8(k64, ix + i0)), pl->p[0], cq);
+        for (int r = 0; r < 4; ++r) {
+            const __mmask16 k = lane_mask(rem - 16 * r);
+            if (!k) break;
+            const __m512 c = PM == 2 ? _mm512_maskz_loadu_ps(k, cfb + i0 + 16 * r) : _mm512_setzero_ps();
+            vupdate_param(param, o + i0 + 16 * r, k, vbounded_update(cq[r], usv, c, slv, ulv, nulv, a, PM),
+                          decay, a->has_wd, DT);
+        }
+    }
+}
+#endif
+
+/* The update of the scale block at element o (a->block elements, new indices ix) with its new
+ * scale A and sigma (PM 0), or (PM 2, factored) the row's sqrt(v_row) / sqrt(bc2) as sigma and
+ * the block's column factors cfb: exactly the parameter update of do_block's last sweep. */
+ALWAYS_INLINE void apply_block(const gefen_step_args *restrict a, void *restrict param,
+                               const uint8_t *restrict ix, const float *restrict cb,
+                               const float *restrict cfb, int64_t o, float A, float sigma,
+                               const void *planes, const int DT, const int PM, const int WD)
+{
+    const int64_t B = a->block;
+    const float us = update_scalar(A, sigma, a, PM), sl = sigma_scalar(sigma, a, PM);
+    const float ulim = a->ulim, decay = a->decay;
+#ifdef GEFEN_VBMI
+    if (planes) {
+        vapply_block(a, param, ix, cfb, o, us, sl, (const cb_planes *)planes, DT, PM);
+        return;
+    }
+#else
+    (void)planes;
+#endif
+#pragma omp simd
+    for (int64_t i = 0; i < B; ++i) {
+        const float c = PM == 2 ? cfb[i] : 0.0f;
+        update_param(param, o + i, bounded_update(cb[ix[i]], us, c, sl, ulim, a, PM), decay, DT, WD);
+    }
+}
+
+/* All blocks of an apply-only call (one specialisation per dtype, mode and weight decay, the
+ * OpenMP region outlined per specialisation as DEFINE_RUN's). PM 0: s = sigma per block; PM 2:
+ * rows of a->period elements, s = sqrt(v_row) per row, cf / row0 / rb as for the factored step. */
+#define DEFINE_APPLY(DT, PM, WD)                                                            \
+    static void apply_##DT##PM##WD(const gefen_step_args *a, void *param, const uint8_t *idx, \
+                                   const float *M, const float *s, const float *cf,          \
+                                   const float *cb, int64_t row0, int64_t rb,                \
+                                   const void *planes)                                       \
+    {                                                                                       \
+        const int64_t B = a->block, S = a->period, nb = a->n / B, per = S / B;              \
+        int64_t chunk;                                                                      \
+        const int nt = threads_for(a, nb, &chunk);                                          \
+        const float isb = 1.0f / a->sqrt_bc2;                                               \
+        (void)nt;                                                                           \
+        _Pragma("omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, chunk)")    \
+        for (int64_t b = 0; b < nb; ++b) {                                                  \
+            const int64_t o = b * B;                                                        \
+            if (PM == 0) {                                                                  \
+                apply_block(a, param, idx + o, cb, NULL, o, M[b], s[b], planes, DT, 0, WD); \
+            } else {                                                                        \
+                const int64_t r = b / per;                                                  \
+                const float *cfb = cf + ((row0 + r) / rb) * S + o % S;                      \
+                apply_block(a, param, idx + o, cb, cfb, o, M[b], s[r] * isb, planes, DT, 2, WD); \
+            }                                                                               \
+        }                                                                                   \
+    }
+DEFINE_APPLY(0, 0, 0)
+DEFINE_APPLY(0, 0, 1)
+DEFINE_APPLY(0, 2, 0)
+DEFINE_APPLY(0, 2, 1)
+DEFINE_APPLY(1, 0, 0)
+DEFINE_APPLY(1, 0, 1)
+DEFINE_APPLY(1, 2, 0)
+DEFINE_APPLY(1, 2, 1)
+
+typedef void (*apply_fn)(const gefen_step_args *, void *, const uint8_t *, const float *, const float *,
+                         const float *, const float *, int64_t, int64_t, const void *);
+static const apply_fn APPLIES[8] = {apply_000, apply_001, apply_020, apply_021,
+                                    apply_100, apply_101, apply_120, apply_121};
+
+static int apply_call(const gefen_step_args *a, int factored, void *param, const uint8_t *idx,
+                      const float *M, const float *s, const float *cf, const float *cb, int64_t row0,
+                      int64_t rb)
+{
+    const void *planes = NULL;
+#ifdef GEFEN_VBMI
+    cb_planes pl;
+    if (a->simd) {
+        make_planes(cb, &pl);
+        planes = &pl;
+    }
+#endif
+    APPLIES[(a->dtype << 2) | (factored << 1) | (a->has_wd != 0)](a, param, idx, M, s, cf, cb, row0, rb, planes);
+    return 0;
+}
+
+/* The parameter update of gefen_quantized_step (P == B: a->period == a->block) from its results:
+ * the new idx, scale M[n / B] and sigma[n / B] (sigma_of of the new v), bitwise the fused step's
+ * parameter. Reads a->n, period, block, dtype, nthreads, simd, has_wd, lr, decay, ulim; cb has 257
+ * entries (cb[256] = +inf). Returns 0, or a negative code for invalid arguments. */
+int gefen_apply_compressed(const gefen_step_args *a, void *param, const uint8_t *idx, const float *M,
+                           const float *sigma, const float *cb)
+{
+    if (a->n == 0) return 0;
+    if (a->block <= 0 || a->period <= 0) return -1;
+    if (a->period != a->block) return -2;
+    if (a->n % a->block != 0) return -3;
+    if (a->dtype != 0 && a->dtype != 1) return -4;
+    return apply_call(a, 0, param, idx, M, sigma, NULL, cb, 0, 1);
+}
+
+/* The parameter update of gefen_quantized_step_factored from its results: the new idx and scale
+ * M[n / B], rsq[n / slab] = sqrt(v_row) of the new v_row (correctly rounded, as sqrtf) and cf, row0,
+ * rb as there; bitwise the fused step's parameter. Also reads a->sqrt_bc2, eps, inv_bc1. */
+int gefen_apply_factored(const gefen_step_args *a, void *param, const uint8_t *idx, const float *M,
+                         const float *rsq, const float *cf, const float *cb, int64_t row0, int64_t rb)
+{
+    if (a->n == 0) return 0;
+    if (row0 < 0 || rb < 1) return -6;
+    if (a->block <= 0 || a->period <= 0) return -1;
+    if (a->period % a->block != 0) return -2;
+    if (a->n % a->period != 0) return -3;
+    if (a->dtype != 0 && a->dtype != 1) return -4;
+    return apply_call(a, 1, param, idx, M, rsq, cf, cb, row0, rb);
 }
 
 /* ------------------------------------------------------------------------------------ */
