@@ -59,7 +59,7 @@ def build(second_moment: str, seed: int = 0):
             torch.randn(rows, s.numel // rows, generator=gen) * 1e-3 * scale).reshape(-1)
     fs = FlatSegments(segs, LocalComm(), 4096, "benchmark buffer")
     st = fs.new_state(flat, torch.zeros(256), factored=second_moment == "factored")
-    counts = fs.learn(st, grad, codebook_needed=True, elementwise=second_moment == "elementwise")
+    counts = fs.learn(st, grad, codebook_needed=True, second_moment=second_moment)
     st["codebook"] = counts_to_codebook(counts).codebook.float()
     return fs, flat, grad, st
 
@@ -86,6 +86,7 @@ def main() -> int:
     adam = torch.optim.AdamW(params, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
                              weight_decay=HP["weight_decay"], fused=True)
     kw = {k: HP[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay")}
+    kw["second_moment"] = args.second_moment
 
     def fused():
         st["step"] += 1

@@ -48,6 +48,7 @@ import torch
 
 from .core.periods import row_slab
 from .engine.layout import global_shape, is_exact, local_tensor
+from .engine.state import MODE_SHARED, mode_of_saved
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ def _allocate(model: torch.nn.Module, optimizer, periods: Dict[str, int]) -> Non
         per = int(periods[fqn])
         by_param[p] = per
         st = optimizer.state.get(p)
-        if st and (st.get("period") != per or "idx" not in st):
+        if st and st.get("period") != per:  # exact state has no period: dropped as well
             del optimizer.state[p]
     optimizer.init_state(by_param)
 
@@ -459,7 +460,7 @@ def _periods_from_full(model, optimizer, osd: Dict[str, Any]) -> Dict[str, int]:
         shape = global_shape(p)
         if fqn is None or is_exact(shape, thr) or fqn not in state:
             continue
-        leaf = "v" if "v" in state[fqn] else "scale"  # see saved_periods
+        leaf = "v" if mode_of_saved(state[fqn]) == MODE_SHARED else "scale"  # see saved_periods
         if leaf not in state[fqn]:
             continue
         cols = int(state[fqn][leaf].shape[-1])

@@ -108,11 +108,21 @@ def _find_optim_sd(obj: Any, depth: int = 0) -> Optional[Dict[str, Any]]:
     return None
 
 
+def _quantized_saved(entry) -> Optional[str]:
+    """The second moment of a saved entry that is quantized Gefen state, else None (a file carries
+    no state spec: :func:`gefen_dist.engine.state.mode_of_saved` reads its keys)."""
+    from .engine.state import MODE_EXACT, mode_of_saved
+
+    mode = mode_of_saved(entry)
+    return None if mode in (None, MODE_EXACT) else mode
+
+
 def _is_gefen_sd(sd: Dict[str, Any]) -> bool:
     groups = sd.get("param_groups") or []
     if any(isinstance(g, dict) and "second_moment" in g for g in groups):
         return True
-    return any(isinstance(st, dict) and ("idx" in st or "codebook" in st) for st in sd.get("state", {}).values())
+    return any(isinstance(st, dict) and (_quantized_saved(st) or "codebook" in st)
+               for st in sd.get("state", {}).values())
 
 
 def _not_gefen(path: str, sd: Optional[Dict[str, Any]], what: str) -> CheckpointError:
@@ -154,6 +164,8 @@ def _names_of(sd: Dict[str, Any]) -> Dict[Any, str]:
 def _inspect_state_dict(path: str, sd: Dict[str, Any]) -> Dict[str, Any]:
     import torch
 
+    from .engine.state import MODE_EXACT, mode_of_saved
+
     names = _names_of(sd)
     order = [pid for g in sd.get("param_groups", []) for pid in g.get("params", [])]
     order += [k for k in sd["state"] if k not in set(order)]
@@ -162,7 +174,8 @@ def _inspect_state_dict(path: str, sd: Dict[str, Any]) -> Dict[str, Any]:
         st = sd["state"].get(pid)
         if not st:
             continue
-        if "idx" in st:
+        mode = mode_of_saved(st)
+        if mode not in (None, MODE_EXACT):
             nb = sum(_nbytes(st[k]) for k in ("idx", "scale", "v", "v_row", "v_col") if isinstance(st.get(k), torch.Tensor))
             c = st.get("codebook")
             if isinstance(c, torch.Tensor) and (cb is None or (float(cb[0]) != -1.0 and float(c[0]) == -1.0)):
@@ -174,8 +187,8 @@ def _inspect_state_dict(path: str, sd: Dict[str, Any]) -> Dict[str, Any]:
                                 period=int(st.get("period", 0)), scale_block=int(st.get("scale_block", 0)),
                                 learned=bool(int(st.get("learned", 1))), step=int(st.get("step", 0)),
                                 idx_dtype=str(st["idx"].dtype).replace("torch.", ""),
-                                second_moment="factored" if "v_row" in st else "shared", bytes=nb))
-        elif "exp_avg" in st:
+                                second_moment=mode, bytes=nb))
+        elif mode == MODE_EXACT:
             shape = tuple(st["exp_avg"].shape)
             tensors.append(dict(name=names.get(pid, str(pid)), shape=shape, numel=int(math.prod(shape)), kind="exact",
                                 period=0, scale_block=0, learned=True, step=int(st.get("step", 0)),
@@ -311,6 +324,7 @@ def _inspect_dcp(path: str) -> Dict[str, Any]:
         raise CheckpointError(f"{path!r}: cannot read the torch.distributed.checkpoint metadata (.metadata): "
                               f"{type(e).__name__}: {e}") from None
     from .core.periods import row_slab
+    from .engine.state import MODE_EXACT, MODE_SHARED, mode_of_saved
 
     found: Dict[str, Dict[str, Any]] = {}
     order: List[str] = []
@@ -325,7 +339,7 @@ def _inspect_dcp(path: str) -> Dict[str, Any]:
             found[fqn] = {}
             order.append(fqn)
         found[fqn][m.group("leaf")] = meta
-    if not any("idx" in d or "codebook" in d for d in found.values()):
+    if not any(_quantized_saved(d) or "codebook" in d for d in found.values()):
         hint = " (Adam/AdamW state: exp_avg/exp_avg_sq)" if any("exp_avg" in d for d in found.values()) else ""
         raise CheckpointError(f"{path!r} is a torch.distributed.checkpoint directory without Gefen optimizer state"
                               f"{hint}: no '<prefix>state.<fqn>.idx' or '.codebook' keys")
@@ -340,23 +354,21 @@ def _inspect_dcp(path: str) -> Dict[str, Any]:
         d = found[fqn]
         if "codebook" in d and cb_meta is None:
             cb_meta = d["codebook"]
-        if "idx" in d:
+        mode = mode_of_saved(d)  # the keys of the entry's leaves (the metadata carries no spec)
+        if mode not in (None, MODE_EXACT):
             shape = tuple(d["idx"].size)
             slab = row_slab(shape)
             rec = dict(name=fqn, shape=shape, numel=int(math.prod(shape)), kind="quantized",
                        idx_dtype=str(d["idx"].properties.dtype).replace("torch.", ""),
                        bytes=sum(nb(d[k]) for k in ("idx", "scale", "v", "v_row", "v_col") if k in d))
             rec["scale_block"] = slab // int(d["scale"].size[-1]) if "scale" in d and d["scale"].size[-1] else 0
-            if "v" in d and d["v"].size[-1]:
-                rec["period"] = slab // int(d["v"].size[-1])
-            elif "v_col" in d and "scale" in d and d["scale"].size[-1]:  # factored: scale block == period
-                rec["period"] = slab // int(d["scale"].size[-1])
-                rec["second_moment"] = "shared"
-            else:
-                rec["period"] = rec["scale_block"]
-                rec["second_moment"] = "factored"
+            v = d.get("v") if mode == MODE_SHARED else None
+            # shared: period = slab / v's columns; factored: the saved shapes say only the scale block
+            # (the period itself is an int in the checkpoint, not read here)
+            rec["period"] = slab // int(v.size[-1]) if v is not None and v.size[-1] else rec["scale_block"]
+            rec["second_moment"] = mode
             tensors.append(rec)
-        elif "exp_avg" in d:
+        elif mode == MODE_EXACT:
             shape = tuple(d["exp_avg"].size)
             tensors.append(dict(name=fqn, shape=shape, numel=int(math.prod(shape)), kind="exact", period=0,
                                 scale_block=0, bytes=sum(nb(d[k]) for k in ("exp_avg", "exp_avg_sq") if k in d)))

@@ -94,3 +94,61 @@ def test_only_the_deepspeed_integration_imports_deepspeed():
 @pytest.mark.parametrize("research", ["research", "benchmarks", "tests"])
 def test_product_never_imports_research_or_benchmarks(research):
     assert _offenders(_files(), [research]) == {}
+
+
+# ------------------------------------------------------------------ the mode is stored, not guessed
+# A tensor's mode (exact / shared / factored / elementwise) is its StateSpec's: live code asks the
+# optimizer (``Gefen._mode``, ``engine.state.mode_of``) or is handed the param group's
+# ``second_moment``; only ``engine.state.mode_of_saved``, for files and foreign state dicts that
+# carry no spec, decides a mode from which keys an entry holds.
+MODE_KEYS = {"v_col", "v_row", "idx", "v"}
+# exact state's key: no membership test for it in the live layers either (cli and the DeepSpeed
+# universal reader use it only to recognise foreign Adam files)
+LIVE_KEYS = {"exp_avg", "exp_avg_sq"}
+LIVE_LAYERS = ("engine", "optim", "zero")
+
+
+def _key_membership_tests(path: Path, keys):
+    """``(line, source)`` of every ``"<key>" in x`` / ``"<key>" not in x`` with ``<key>`` one of
+    ``keys`` (a string literal on the left of ``in``: testing whether a dict holds that key).
+    Building dicts, ``for k in (...)`` loops and ``x in ("idx", ...)`` are not such tests."""
+    src = path.read_text()
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if not isinstance(node, ast.Compare):
+            continue
+        left = node.left
+        for op, right in zip(node.ops, node.comparators):
+            if (isinstance(op, (ast.In, ast.NotIn)) and isinstance(left, ast.Constant)
+                    and isinstance(left.value, str) and left.value in keys):
+                out.append((node.lineno, ast.get_source_segment(src, node)))
+            left = right
+    return out
+
+
+def test_key_membership_checker_sees_what_it_should(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('a = "v_col" in st\nb = st and "idx" not in st\nc = 1 < 2 and "x" in "v"\n'
+                 'd = {"v": 1, "idx": 2}\ne = [k for k in ("idx", "v") if k in st]\nf = "v_col" in st["x"]\n'
+                 'g = key in ("v", "idx")\n')
+    assert sorted(ln for ln, _ in _key_membership_tests(f, MODE_KEYS)) == [1, 2, 6]
+
+
+def test_only_mode_of_saved_reads_the_mode_from_state_keys():
+    state_py = PKG / "engine" / "state.py"
+    found = {str(f.relative_to(PKG.parent)): hits for f in _files() if f != state_py
+             for hits in [_key_membership_tests(f, MODE_KEYS)] if hits}
+    assert found == {}, ("decide a tensor's mode with its StateSpec (Gefen._mode / engine.state.mode_of), or for a "
+                         f"saved entry with engine.state.mode_of_saved, not from the keys it holds: {found}")
+    # and the one that does is mode_of_saved
+    tree = ast.parse(state_py.read_text())
+    fns = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and any(
+        isinstance(c, ast.Compare) and isinstance(c.left, ast.Constant) and c.left.value in MODE_KEYS
+        for c in ast.walk(n))}
+    assert fns == {"mode_of_saved"}, fns
+
+
+def test_live_layers_do_not_guess_exact_state_from_keys():
+    found = {str(f.relative_to(PKG.parent)): hits for layer in LIVE_LAYERS for f in _files(layer)
+             if f != PKG / "engine" / "state.py" for hits in [_key_membership_tests(f, LIVE_KEYS)] if hits}
+    assert found == {}, found

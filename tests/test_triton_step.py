@@ -477,7 +477,8 @@ def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
     non-finite gradient goes to the per-tensor path, which raises naming the tensor."""
     import copy
 
-    from gefen_dist import Gefen, cuda_path
+    from gefen_dist import Gefen
+    from gefen_dist.engine import cuda_batch as cuda_path
     from gefen_dist.kernels import dispatch
 
     monkeypatch.setattr(cuda_path, "_DEVICE_TYPES", ("cuda", "cpu"))
@@ -555,10 +556,10 @@ def test_flat_segments_with_triton_kernels(second_moment, device):
         for step in range(1, 4):
             grad = (torch.randn(off, generator=g0) * 1e-2).to(device)
             if step == 1:
-                st["codebook"] = counts_to_codebook(fs.learn(st, grad, codebook_needed=True)).codebook.float().to(device)
+                st["codebook"] = counts_to_codebook(fs.learn(st, grad, codebook_needed=True, second_moment=second_moment)).codebook.float().to(device)
             st["step"] = step
             kw = dict(impl=dispatch._triton()) if kernels else {}
-            fs.step(flat, grad, st, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, **kw)
+            fs.step(flat, grad, st, second_moment=second_moment, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, **kw)
         runs.append((flat, st))
     (fa, sa), (fb, sb) = runs
     if device == "cpu":

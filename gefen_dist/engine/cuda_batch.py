@@ -34,6 +34,7 @@ import torch
 
 from ..core.step import hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
+from .state import MODE_EXACT, MODE_FACTORED
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +65,13 @@ class CudaBatch:
             st = opt.state[p]
             gi = groups.setdefault(id(group), dict(group=group, items=[], item_entries=[], exact=[], vcols=[],
                                                    fact_pos=[]))
-            if "exp_avg" in st:
+            mode = opt._mode(p)
+            if mode == MODE_EXACT:
                 gi["exact"].append(e)
                 continue
             pc = piece_of(p, comm.rank, comm.world_size > 1)
             param = pc.local
-            if "v_col" in st:
+            if mode == MODE_FACTORED:
                 v_col = st["v_col"]
                 S = v_col.shape[-1]
                 G = max(1, v_col.numel() // S)
@@ -134,9 +136,10 @@ class CudaBatch:
             loc = local_tensor(p)
             if loc.device != dev or loc.dtype not in (torch.float32, torch.bfloat16) or not loc.is_contiguous():
                 return None
-            if "exp_avg" in st:
+            mode = opt._mode(p)
+            if mode == MODE_EXACT:
                 continue
-            if "v_col" not in st:
+            if mode != MODE_FACTORED:
                 P, B = int(st["period"]), int(st["scale_block"])
                 if not (P == 1 or P == B):
                     return None

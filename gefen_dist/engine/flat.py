@@ -58,6 +58,7 @@ from ..core.quant import NUM_BINS
 from . import learning
 from ..kernels import dispatch as _dispatch
 from .layout import Piece, is_exact
+from .state import MODE_ELEMENTWISE, MODE_FACTORED
 from .flat_layout import LayoutError, Segment, _slots, _split, verify_segments  # noqa: F401  (re-exported)
 from .flat_step import SegmentStepMixin
 
@@ -210,8 +211,10 @@ class FlatSegments(SegmentStepMixin):
             raise LayoutError(f"{self.where}: saved idx has {st['idx'].numel()} elements of {st['idx'].dtype}, "
                               f"expected {flat.numel()} uint8")
 
-    def _reslot(self, st: Dict[str, Any], new_periods: List[int]) -> None:
-        if "v_col" in st:  # factored: v_row / v_col do not depend on the period, only scale does
+    def _reslot(self, st: Dict[str, Any], new_periods: List[int], factored: bool) -> None:
+        """Move ``st`` to ``new_periods``; ``factored``: the buffer's second moment is factored (the
+        ``factored`` its state was made with, :meth:`new_state`)."""
+        if factored:  # v_row / v_col do not depend on the period, only scale does
             rb = st.get("row_blocks", 1)
             old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rb)
             new, ns, _, _ = _slots(self.segments, new_periods, self.small_threshold, True, rb)
@@ -235,14 +238,15 @@ class FlatSegments(SegmentStepMixin):
     def needs_learning(self, st: Dict[str, Any]) -> bool:
         return not all(st["global_learned"])
 
-    def learn(self, st: Dict[str, Any], grad: torch.Tensor, codebook_needed: bool,
-              elementwise: bool = False) -> Optional[torch.Tensor]:
+    def learn(self, st: Dict[str, Any], grad: torch.Tensor, codebook_needed: bool, *,
+              second_moment: str) -> Optional[torch.Tensor]:
         """Learn periods of tensors whose global gradient is nonzero for the first time, and (if
         ``codebook_needed``) return the histogram counts of those tensors (all-reduced), else None.
-        ``elementwise`` (the flat buffer's param group has ``second_moment="elementwise"``): every
-        period is 1, nothing is detected; the same collectives are entered (the group, hence the
-        flag, is the same on every rank).
+        ``second_moment``: the flat buffer's param group's (the state was made for it). With
+        ``"elementwise"`` every period is 1, nothing is detected; the same collectives are entered
+        (the group, hence the mode, is the same on every rank).
         """
+        elementwise = second_moment == MODE_ELEMENTWISE
         gkeys = st["global_keys"]
         local = {s.key: i for i, s in enumerate(self.segments)}
         g = grad.detach().reshape(-1)
@@ -275,7 +279,7 @@ class FlatSegments(SegmentStepMixin):
         for i, s in enumerate(self.segments):
             if s.key in new_period:
                 periods[i] = new_period[s.key]
-        self._reslot(st, periods)
+        self._reslot(st, periods, second_moment == MODE_FACTORED)
         for i, s in enumerate(self.segments):
             if s.key in new_period:
                 st["learned"][i] = 1

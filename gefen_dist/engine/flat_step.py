@@ -13,6 +13,7 @@ from ..core.step import (adamw_step_, apply_, bias_corrections, block_column_sum
                         first_moment, inv_rms_, quantize)
 from ..kernels import dispatch as _dispatch
 from .flat_layout import LayoutError, _slots, _split
+from .state import MODE_FACTORED
 
 
 class SegmentStepMixin:
@@ -22,9 +23,11 @@ class SegmentStepMixin:
     functions (D7)."""
 
     # ------------------------------------------------------------------ the step
-    def step(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], *, lr: float, beta1: float,
-             beta2: float, eps: float, weight_decay: float, impl=None, bound: Optional[float] = None) -> None:
-        """One Gefen step of every segment (``st['step']`` already incremented). ``bound``: the clamp
+    def step(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], *, second_moment: str, lr: float,
+             beta1: float, beta2: float, eps: float, weight_decay: float, impl=None,
+             bound: Optional[float] = None) -> None:
+        """One Gefen step of every segment (``st['step']`` already incremented). ``second_moment``: the
+        buffer's param group's (the mode of its quantized segments; the state was made for it). ``bound``: the clamp
         of the normalised update (:func:`gefen_dist.core.step.update_bound`; None: unbounded). ``impl``: the
         implementation that steps whole blocks / whole rows (a
         :class:`gefen_dist.kernels.dispatch.StepImpl`: the native CPU or the Triton kernels; None: the
@@ -32,7 +35,7 @@ class SegmentStepMixin:
         impl = impl or _dispatch.select(flat, fused=False)
         bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
         hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound)
-        if "v_col" in st:
+        if second_moment == MODE_FACTORED:
             return self._step_factored(flat, grad, st, hp, impl.quantized_step_factored_, impl.column_sumsq)
         layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold)
         cb = st["codebook"]

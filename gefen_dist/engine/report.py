@@ -7,6 +7,7 @@ from typing import Any, Dict, Iterable, Tuple
 import torch
 
 from .layout import KIND_EXACT, KIND_QUANTIZED, global_shape, local_tensor
+from .state import MODE_EXACT, tensor_keys
 
 __all__ = ["Report", "build_report", "state_bytes", "nbytes"]
 
@@ -55,22 +56,23 @@ def state_bytes(state: Dict[Any, Dict[str, Any]]) -> int:
     return total
 
 
-def build_report(items: Iterable[Tuple[str, torch.Tensor, Dict[str, Any]]]) -> Report:
-    """One record per (name, parameter, its state): name, shape, numel, local_numel, dtype, kind
-    (``pending`` before any state), period, scale_block, state_bytes and, quantized, learned."""
+def build_report(items: Iterable[Tuple[str, torch.Tensor, Dict[str, Any], str]]) -> Report:
+    """One record per (name, parameter, its state, its mode): name, shape, numel, local_numel,
+    dtype, kind (``pending`` before any state), period, scale_block, state_bytes and, quantized,
+    learned. The mode is the optimizer's (its state spec's), not read off the state's keys."""
     rep = Report()
-    for name, p, st in items:
+    for name, p, st, mode in items:
         shape = global_shape(p)
         rec = dict(name=name, shape=tuple(shape), numel=int(math.prod(shape)),
                    local_numel=local_tensor(p).numel(), dtype=str(p.dtype).replace("torch.", ""))
         if not st:
             rec.update(kind="pending", period=0, scale_block=0, state_bytes=0)
-        elif "idx" in st:
-            held = sum(nbytes(st[k]) for k in ("idx", "scale", "v", "v_row", "v_col") if k in st)
+        elif mode != MODE_EXACT:
+            held = sum(nbytes(st[k]) for k in tensor_keys(mode))
             rec.update(kind=KIND_QUANTIZED, period=st["period"], scale_block=st["scale_block"],
                        state_bytes=held, learned=bool(st["learned"]))
         else:
-            held = sum(nbytes(st[k]) for k in ("exp_avg", "exp_avg_sq"))
+            held = sum(nbytes(st[k]) for k in tensor_keys(mode))
             rec.update(kind=KIND_EXACT, period=0, scale_block=0, state_bytes=held)
         rep.append(rec)
     return rep

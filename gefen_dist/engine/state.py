@@ -19,7 +19,7 @@ factored       ``idx``, ``scale``, ``v_row`` [rows, 1], ``v_col`` [G, slab] or  
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,8 +28,54 @@ from .layout import Geometry, is_exact
 
 MODE_EXACT, MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE = "exact", "shared", "factored", "elementwise"
 SECOND_MOMENTS = (MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE)
+DEFAULT_SECOND_MOMENT = MODE_FACTORED  # Gefen's, ZeroGefen's and the DeepSpeed Gefen's constructor default
 
-__all__ = ["StateSpec", "SECOND_MOMENTS", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED", "MODE_ELEMENTWISE"]
+__all__ = ["StateSpec", "SECOND_MOMENTS", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
+           "MODE_ELEMENTWISE", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys"]
+
+
+def second_moment_of(group: Mapping[str, Any]) -> str:
+    """The ``second_moment`` of a live param group (:data:`DEFAULT_SECOND_MOMENT` where the group
+    has none, as the optimizers' constructors default)."""
+    return group.get("second_moment", DEFAULT_SECOND_MOMENT)
+
+
+def mode_of(shape: Sequence[int], group: Mapping[str, Any], small_threshold: int) -> str:
+    """The mode of a live tensor of global ``shape`` in param ``group`` of an optimizer with
+    ``small_threshold``: :data:`MODE_EXACT` for small / 1-D tensors, else the group's
+    ``second_moment`` (the ``mode`` of :meth:`StateSpec.of`, which does not depend on the period).
+    What live optimizer code asks instead of looking at the keys of a state dict."""
+    if is_exact(tuple(int(s) for s in shape), small_threshold):
+        return MODE_EXACT
+    return second_moment_of(group)
+
+
+def mode_of_saved(entry: Mapping[str, Any]) -> Optional[str]:
+    """The mode of a *saved* per-tensor state entry, read from the keys it holds: a checkpoint
+    file's, a foreign state dict's, the leaves of a DCP directory's metadata or a DeepSpeed flat
+    buffer's state as loaded from disk (any mapping supporting ``in``).
+
+    This is the only place in gefen_dist that decides a mode from keys, because a file on disk
+    carries no :class:`StateSpec`: nothing in it says which param group's ``second_moment`` or
+    which ``small_threshold`` made the entry, so its keys are all there is. Live optimizer code
+    asks :func:`mode_of` / :class:`StateSpec` instead.
+
+    Returns :data:`MODE_FACTORED` (``idx`` with ``v_row``/``v_col``), :data:`MODE_SHARED`
+    (``idx`` with ``v``; ``elementwise`` state is shared state with period 1, the same keys, and
+    cannot be told apart from it here), :data:`MODE_EXACT` (``exp_avg``) or None for an entry that
+    holds none of Gefen's layouts (empty, or another optimizer's)."""
+    if "idx" in entry:
+        return MODE_FACTORED if ("v_col" in entry or "v_row" in entry) else MODE_SHARED
+    if "exp_avg" in entry:
+        return MODE_EXACT
+    return None
+
+
+def tensor_keys(mode: str) -> Tuple[str, ...]:
+    """The state tensors of a tensor in ``mode`` (besides ``step``, the ints and the codebook)."""
+    if mode == MODE_EXACT:
+        return ("exp_avg", "exp_avg_sq")
+    return ("idx", "scale", "v_row", "v_col") if mode == MODE_FACTORED else ("idx", "scale", "v")
 
 
 @dataclass(frozen=True)
@@ -63,9 +109,7 @@ class StateSpec:
 
     @property
     def tensor_keys(self) -> Tuple[str, ...]:
-        if self.exact:
-            return ("exp_avg", "exp_avg_sq")
-        return ("idx", "scale", "v_row", "v_col") if self.mode == MODE_FACTORED else ("idx", "scale", "v")
+        return tensor_keys(self.mode)
 
     @property
     def keys(self) -> Tuple[str, ...]:

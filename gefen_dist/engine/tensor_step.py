@@ -10,17 +10,20 @@ from .column_stats import column_means, piece_column_sums
 from ..core.step import adamw_foreach_, adamw_step_, bias_corrections, decay_only_, hyperparameters, row_block_args
 from ..core.step import scalar_value as _scalar
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
+from .state import MODE_EXACT, MODE_FACTORED
 
 
 class GefenStepMixin:
     """Gefen's per-tensor step (the path when no CUDA batch steps the model): column statistics of
     the factored second moment over pieces, exact tensors batched with foreach on CUDA, each
-    quantized tensor through the implementation of :func:`gefen_dist.kernels.dispatch.select`."""
+    quantized tensor through the implementation of :func:`gefen_dist.kernels.dispatch.select`.
+    A tensor's mode is the optimizer's ``_mode(p)`` (its state spec's), never read off the keys of
+    its state."""
 
     def _foreach_exact(self, p: torch.Tensor) -> bool:
         """Exact (AdamW) tensors on CUDA are stepped together with foreach operations."""
         st = self.state.get(p)
-        return (self.fused is not False and st is not None and "exp_avg" in st
+        return (self.fused is not False and bool(st) and self._mode(p) == MODE_EXACT
                 and local_tensor(p).device.type == "cuda")
 
 
@@ -47,7 +50,7 @@ class GefenStepMixin:
         out = []
         for _, p in entries:
             st = self.state.get(p)
-            if st and "v_col" in st and st["learned"]:
+            if st and self._mode(p) == MODE_FACTORED and st["learned"]:
                 out.append(p)
         return out
 
@@ -98,7 +101,8 @@ class GefenStepMixin:
         hp = hyperparameters(group, st["step"], self.bound_updates)
         lr = hp["lr"]
         param, grad = local_tensor(p), local_tensor(p.grad)
-        if "exp_avg" in st:
+        mode = self._mode(p)
+        if mode == MODE_EXACT:
             adamw_step_(param, grad, local_tensor(st["exp_avg"]), local_tensor(st["exp_avg_sq"]), **hp)
             return
         if param.numel() == 0:
@@ -111,7 +115,7 @@ class GefenStepMixin:
         impl = self._impl(work)
         g = impl.grad_for(grad.contiguous(), work)
         cb = st["codebook"].to(work.device)
-        if "v_col" in st:
+        if mode == MODE_FACTORED:
             rkw = {}
             if st["v_col"].dim() > 1:  # row blocks (D12): this piece's first global row, rows per block
                 rkw = row_block_args(st["v_col"], global_shape(p)[0],

@@ -39,6 +39,7 @@ from ..optim.validation import refuse_compile
 from ..engine.comm import LocalComm, ProcessGroupComm
 from ..core.step import scalar_value, update_bound
 from ..engine.flat import FlatSegments, LayoutError, Segment, verify_segments
+from ..engine.state import MODE_FACTORED, MODE_SHARED, mode_of_saved, second_moment_of
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +175,11 @@ class Gefen(_opt_mod.Gefen):
     def _step_flat(self, group: dict, flat: torch.Tensor) -> None:
         fs = self._ds_flats[id(flat)]
         st = self.state.get(flat)
-        factored = group["second_moment"] == "factored"
-        if st and "idx" not in st:
+        second_moment = second_moment_of(group)  # the buffer's mode (the constructor's default where unset)
+        factored = second_moment == MODE_FACTORED
+        # state that exists was loaded (or put there by DeepSpeed): checked as a saved entry
+        saved = mode_of_saved(st) if st else None
+        if st and saved not in (MODE_SHARED, MODE_FACTORED):
             raise LayoutError(
                 f"{fs.where}: the optimizer state holds {sorted(st)[:4]} (Adam-shaped state put there by "
                 "DeepSpeed's own universal-checkpoint loader?), not Gefen's. Load universal checkpoints into Gefen "
@@ -185,17 +189,16 @@ class Gefen(_opt_mod.Gefen):
         if not st:
             st = self.state[flat] = fs.new_state(flat, self._codebook_for(flat.device), factored=factored,
                                                  row_blocks=group.get("row_blocks", "auto"))
-        elif ("v_col" in st) != factored:
+        elif (saved == MODE_FACTORED) != factored:
             raise ValueError(
-                f"{fs.where}: the optimizer state holds a {'factored' if 'v_col' in st else 'shared'} second "
-                f"moment but the param group asks for second_moment={group['second_moment']!r}; "
+                f"{fs.where}: the optimizer state holds a {saved} second "
+                f"moment but the param group asks for second_moment={second_moment!r}; "
                 "resume with the setting the checkpoint was saved with")
         grad = flat.grad
         if grad.dtype != torch.float32:
             grad = grad.float()
         if fs.needs_learning(st):
-            counts = fs.learn(st, grad, codebook_needed=self.codebook is None,
-                              elementwise=group.get("second_moment") == "elementwise")
+            counts = fs.learn(st, grad, codebook_needed=self.codebook is None, second_moment=second_moment)
             if counts is not None:
                 fit = learning.learn_codebook(counts)
                 self.codebook = fit.codebook.to(device=flat.device)
@@ -207,7 +210,7 @@ class Gefen(_opt_mod.Gefen):
                             fit.info["values"], fit.info["active_bins"])
         st["step"] += 1
         beta1, beta2 = group["betas"]
-        fs.step(flat, grad, st, lr=scalar_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+        fs.step(flat, grad, st, second_moment=second_moment, lr=scalar_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], impl=self._impl(flat),
                 bound=update_bound(beta1, beta2, st["step"]) if self.bound_updates else None)
 

@@ -50,6 +50,7 @@ from ..core.step import column_ratios
 from ..engine import learning
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import is_exact
+from ..engine.state import MODE_FACTORED, mode_of_saved, second_moment_of
 from ..engine.flat import Segment, _slots
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def _rank_states(f: str, obj) -> Tuple[Dict[str, Any], Any, list, int]:
 def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict[str, "_Tensor"],
                    order: List[str]) -> None:
     """Copy one flat partition's segments (fp32 values and Gefen state) into the global tensors."""
-    factored = "v_col" in st
+    factored = mode_of_saved(st) == MODE_FACTORED  # a file's state: no spec, its keys say
     segs = [Segment.from_dict(d) for d in st["segments"]]
     slots, _, _, _ = _slots(segs, st["periods"], None, factored, st.get("row_blocks", 1))
     for sp, learned in zip(slots, st["learned"]):
@@ -249,7 +250,7 @@ def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
             param_groups = base.get("param_groups")
         for k, flat in zip(sorted(states), flats):
             st = states[k]
-            modes.add("factored" if "v_col" in st else "shared")
+            modes.add(mode_of_saved(st))  # factored or shared (a flat buffer's state always has idx)
             steps.add(int(st["step"]))
             c = st.get("codebook")
             if isinstance(c, torch.Tensor) and c.numel() and float(c[0]) == -1.0:
@@ -513,7 +514,7 @@ def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]]) -> Dic
 def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[str, Any]:
     """The Gefen state of one flat buffer of the new layout, filled from the universal files."""
     small = opt.small_threshold
-    factored = group["second_moment"] == "factored"
+    factored = second_moment_of(group) == MODE_FACTORED
     st = fs.new_state(flat, opt._codebook_for(flat.device), factored=factored, row_blocks=group.get("row_blocks", "auto"))
     periods, learned = [], []
     for s in fs.segments:
@@ -524,7 +525,7 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[s
             li = info[s.name]
             periods.append(li.period if li.learned else _periods.row_slab(s.shape))
             learned.append(int(li.learned))
-    fs._reslot(st, periods)
+    fs._reslot(st, periods, factored)
     st["learned"] = learned
     for j, key in enumerate(st["global_keys"]):
         li = info[key_name[key]]
@@ -564,7 +565,8 @@ def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, fac
     if factored:
         r0, r1 = a // S, (e - 1) // S + 1
         G = sp.vcol_n // S  # row blocks (D12)
-        if rec is not None and "v_row" in rec and rec["v_col"].numel() == sp.vcol_n:
+        # the metadata of a factored checkpoint holds each quantized tensor's v_row / v_col
+        if rec is not None and meta.get("second_moment") == MODE_FACTORED and rec["v_col"].numel() == sp.vcol_n:
             vr, vc = rec["v_row"].float(), rec["v_col"].float().reshape(-1)
         else:  # from the element-wise second moment: row and per-block column means (float64)
             v = _read_param(zero, s.name, "exp_avg_sq").double().view(-1, S)

@@ -24,7 +24,7 @@ from ..kernels import dispatch as _dispatch
 from ..engine.layout import Piece, check_supported, global_shape, is_exact, like_param, local_tensor, piece_of
 from ..engine.nonfinite import NonfiniteChecks
 from ..engine.report import Report, build_report, state_bytes
-from ..engine.state import SECOND_MOMENTS, StateSpec
+from ..engine.state import MODE_ELEMENTWISE, SECOND_MOMENTS, StateSpec, mode_of
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +188,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
                     f"(shape {tuple(p.shape)}); pass only float/bf16/fp16 parameters"
                 )
         super().add_param_group(param_group)
+        self._modes = None  # the table of modes (_mode) is rebuilt for the new set of groups
         g = self.param_groups[-1]
         try:
             pn = g.get("param_names")
@@ -213,7 +214,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
     def report(self) -> Report:
         """One record per parameter: name, shape, numel, kind, period, scale_block, state_bytes."""
         names = self._names()
-        return build_report([(names[id(p)], p, self.state.get(p, {})) for g in self.param_groups
+        return build_report([(names[id(p)], p, self.state.get(p, {}), self._mode(p)) for g in self.param_groups
                              for p in g["params"] if p.requires_grad])
 
     # ------------------------------------------------------------------ state creation
@@ -223,6 +224,17 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
                 if q is p:
                     return g
         raise KeyError("parameter not in any param group")
+
+    def _mode(self, p: torch.Tensor) -> str:
+        """The mode of ``p``'s state (:func:`gefen_dist.engine.state.mode_of`: exact for small /
+        1-D tensors, else its group's ``second_moment``; the ``mode`` of :meth:`_spec`, which does
+        not depend on the period). Live code asks this, never the keys of the state dict. One table
+        per set of param groups (rebuilt after ``add_param_group`` and ``load_state_dict``)."""
+        modes = self.__dict__.get("_modes")
+        if modes is None:
+            modes = self._modes = {id(q): mode_of(global_shape(q), g, self.small_threshold)
+                                   for g in self.param_groups for q in g["params"]}
+        return modes[id(p)]
 
     def _spec(self, p: torch.Tensor, period: Optional[int] = None) -> StateSpec:
         """The state spec of ``p`` (its group's mode; ``period`` None: the placeholder period)."""
@@ -317,7 +329,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
 
     def _learn_periods(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> List[int]:
         return learning.learn_periods(self._comm, [pc for _, pc in live],
-                                      [self._group_of(p)["second_moment"] == "elementwise" for p, _ in live])
+                                      [self._mode(p) == MODE_ELEMENTWISE for p, _ in live])
 
     def _global_histogram(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> torch.Tensor:
         return learning.global_histogram(self._comm, [(pc, self.state[p]["scale_block"]) for p, pc in live])

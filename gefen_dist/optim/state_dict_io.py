@@ -250,6 +250,7 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
             st["codebook"] = opt._codebook_for(local_tensor(st["idx"]).device)
     Optimizer.__setstate__(opt, {"state": new_state, "param_groups": groups})
     opt._cuda_plan = None
+    opt._modes = None
     opt._agreement_checked = False
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
@@ -259,7 +260,9 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
 _HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
           "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
           "_optimizer_load_state_dict_post_hooks")
-_TRANSIENT = ("_cuda_plan",)  # caches that hold views of the state: rebuilt at the next step
+# caches rebuilt when next needed: views of the state (_cuda_plan), the mode table keyed by
+# parameter ids (_modes; a copy has other parameters)
+_TRANSIENT = ("_cuda_plan", "_modes")
 
 
 def getstate(opt) -> Dict[str, Any]:

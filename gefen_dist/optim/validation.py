@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..engine.layout import global_shape, is_exact, local_tensor, piece_of
+from ..engine.state import tensor_keys
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +144,7 @@ def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
         st = state.get(p)
         if st:
             # the state's tensors have the parameter's (global) shape, DTensor or not: one compare
-            ref = st.get("idx")
-            if ref is None:
-                ref = st.get("exp_avg")
+            ref = st.get(tensor_keys(opt._mode(p))[0])  # idx, or exp_avg for an exact tensor
             if ref is not None and ref.shape != p.shape:
                 names = names or opt._names()
                 raise _shape_changed(type(opt).__name__, names[id(p)], p.shape, ref.shape)

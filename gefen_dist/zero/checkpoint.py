@@ -15,6 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..engine.layout import Geometry, global_shape
+from ..engine.state import MODE_EXACT
 from ..optim.gefen import saved_param_map
 
 _Q_KEYS = ("idx", "scale", "v")
@@ -49,13 +50,14 @@ class ZeroCheckpointMixin:
             st = self.state[p]
             f = full[id(p)]
             shape = global_shape(p)
-            if "exp_avg" in st:
+            mode = self._mode(p)
+            if mode == MODE_EXACT:
                 out[index[id(p)]] = {"step": st["step"], "exp_avg": f["exp_avg"].view(shape),
                                      "exp_avg_sq": f["exp_avg_sq"].view(shape)}
                 continue
             geo = Geometry.quantized(shape, st["period"])
             shp = geo.state_shapes(shape[0])
-            if "v_col" in st:
+            if self._is_factored(p):
                 out[index[id(p)]] = {
                     "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
                     "learned": st["learned"], "idx": f["idx"].view(shp["idx"]), "scale": f["scale"].view(shp["scale"]),
@@ -96,7 +98,7 @@ class ZeroCheckpointMixin:
         id_map = saved_param_map(self, state_dict)
         saved_state = state_dict["state"]
         Optimizer.load_state_dict(self, {**state_dict, "state": {}})
-        self._fact_ids = None  # the loaded groups' second_moment
+        self._modes = None  # from the loaded groups' second_moment (each entry is validated against it below)
         names = self._names()
         full = {}
         cb = None
@@ -112,19 +114,20 @@ class ZeroCheckpointMixin:
         self.state.clear()
         for p, st in full.items():
             self.state[p] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
-            if "idx" in st:
+            if self._mode(p) != MODE_EXACT:
                 self.state[p]["learned"] = int(st["learned"])
         self._partition = None
         self._partition = self._make_partition()
         for p, st in full.items():
             loc = self.state[p]
-            keys = (_F_KEYS if "v_col" in st else _Q_KEYS) if "idx" in st else _E_KEYS
+            mode = self._mode(p)  # the entry was validated against p's spec (_validate_loaded)
+            keys = _E_KEYS if mode == MODE_EXACT else _F_KEYS if self._is_factored(p) else _Q_KEYS
             for k in keys:
                 loc[k] = st[k]
-            if "v_col" in st:  # replicated: every rank keeps the whole column factor
+            if self._is_factored(p):  # replicated: every rank keeps the whole column factor
                 vc = st["v_col"].detach().to(device=p.device, dtype=torch.float32)
                 # [slab], or [G, slab] with row blocks (D12): the saved shape is kept
                 loc["v_col"] = (vc if vc.dim() == 2 else vc.reshape(-1)).clone()
             self._set_from_full(p, {k: st[k] for k in keys})
-            if "idx" in st:
+            if mode != MODE_EXACT:
                 loc["codebook"] = self._codebook_for(p.device)

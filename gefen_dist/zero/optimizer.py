@@ -70,6 +70,7 @@ import torch
 from ..engine.comm import exchange_bytes, take_bytes
 from ..core import periods as _periods
 from ..engine.layout import Geometry, Piece, global_shape, is_dtensor, is_exact
+from ..engine import state as _state
 from ..optim.gefen import Gefen, Report
 from ..optim.validation import prestep_zero
 from .checkpoint import ZeroCheckpointMixin
@@ -109,7 +110,6 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, process_group: Optional[Any] = None,
                  **gefen_kwargs):
         self._partition: Optional[Partition] = None
-        self._fact_ids: Optional[Set[int]] = None
         self._consolidated: Optional[Dict[int, dict]] = None
         self.last_wire: Dict[str, Any] = {}
         super().__init__(params, lr, betas, eps, weight_decay, process_group=process_group, **gefen_kwargs)
@@ -117,7 +117,6 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        self._fact_ids = None
         for p in g["params"]:
             if is_dtensor(p):
                 raise TypeError("ZeroGefen takes plain replicated parameters (DDP); for DTensor/FSDP2 "
@@ -158,11 +157,8 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         return unit_cost(False, slab, slab)
 
     def _is_factored(self, p: torch.Tensor) -> bool:
-        """Whether ``p``'s group has ``second_moment="factored"`` (cached per param-group set)."""
-        if self._fact_ids is None:
-            self._fact_ids = {id(q) for g in self.param_groups if g.get("second_moment") == "factored"
-                              for q in g["params"]}
-        return id(p) in self._fact_ids
+        """Whether ``p``'s state has the factored second moment (its mode, :meth:`Gefen._mode`)."""
+        return self._mode(p) == _state.MODE_FACTORED
 
     def _make_partition(self, pending: Optional[dict] = None) -> Partition:
         params = self._trainable()
@@ -262,12 +258,14 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         st["codebook"] = self._codebook_for(dev)
         self.state[p] = st
 
-    @staticmethod
-    def _divisors(st: dict) -> Dict[str, int]:
-        """The sliced state tensors and elements per entry (``v_col`` is replicated, never sliced)."""
-        if "v_col" in st:
+    def _divisors(self, p: torch.Tensor) -> Dict[str, int]:
+        """The sliced state tensors of ``p`` and elements per entry (``v_col`` is replicated, never
+        sliced)."""
+        st = self.state[p]
+        mode = self._mode(p)
+        if mode == _state.MODE_FACTORED:
             return {"idx": 1, "scale": int(st["scale_block"]), "v_row": int(st["v_col"].shape[-1])}
-        if "idx" in st:
+        if mode != _state.MODE_EXACT:
             return {"idx": 1, "scale": int(st["scale_block"]), "v": int(st["period"])}
         return {"exp_avg": 1, "exp_avg_sq": 1}
 
@@ -275,7 +273,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         """Replace ``p``'s state tensors by this rank's slices of the global (flat) ones."""
         st = self.state[p]
         s, e = self._mine(p)
-        for k, d in self._divisors(st).items():
+        for k, d in self._divisors(p).items():
             st[k] = full[k].reshape(-1)[s // d:e // d].to(device=p.device).clone()
 
     def _gather_state(self, params: Sequence[torch.Tensor], part: Partition, to: Optional[int]) -> Dict[int, Dict[str, torch.Tensor]]:
@@ -285,7 +283,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         keys = []  # (p, key, divisor, dtype)
         for p in params:
             st = self.state[p]
-            for k, d in self._divisors(st).items():
+            for k, d in self._divisors(p).items():
                 keys.append((p, k, d, st[k].dtype))
         sizes = [0] * W
         for p, k, d, dt in keys:
@@ -300,7 +298,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         for p in params:
             n = int(math.prod(global_shape(p)))
             out[id(p)] = {k: torch.empty(n // d, dtype=self.state[p][k].dtype, device=p.device)
-                          for k, d in self._divisors(self.state[p]).items()}
+                          for k, d in self._divisors(p).items()}
         for r in range(W):
             off = 0
             for p, k, d, dt in keys:

@@ -11,6 +11,7 @@ from ..core.apply import update_v_col
 from ..core.step import adamw_step_, decay_only_, hyperparameters, row_block_args
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import global_shape
+from ..engine.state import MODE_EXACT
 from .partition import MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, factored_wire_compressed, step_wire_bytes
 
 _STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")  # what a state-only update needs of the hyperparameters
@@ -23,7 +24,9 @@ def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
 class ZeroStepMixin:
     """ZeroGefen's step (module docstring of :mod:`gefen_dist.zero.optimizer`): wire modes, the owners' state
     updates through the implementation of :func:`gefen_dist.kernels.dispatch.select` (with state-only
-    functions), one all-gather of the compressed updates, the same implementation's appliers."""
+    functions), one all-gather of the compressed updates, the same implementation's appliers.
+    A tensor's state mode is the optimizer's (``_mode``, ``_is_factored``), not read off its keys; the
+    wire modes (``MODE_*`` of :mod:`gefen_dist.zero.partition`) are another thing."""
 
     def _impl(self, t: torch.Tensor) -> _dispatch.StepImpl:
         """Owners and appliers use one implementation with state-only functions and appliers (the
@@ -50,7 +53,7 @@ class ZeroStepMixin:
         # every rank: the replicated column factor (v_col <- EMA, then sqrt(v_col / mean(v_col))),
         # after the owners' dense steps, which update a copy of the old v_col themselves
         col_f = {id(p): update_v_col(st, col[p], hp) for p, st, hp, mode in items
-                 if "v_col" in st and mode != MODE_LOCAL}
+                 if self._is_factored(p) and mode != MODE_LOCAL}
         dev = items[0][0].device if items else torch.device("cpu")
         self._apply_all(items, self._exchange(parts, sizes, None, dev), col_f)
         width = max(sizes) if sizes else 0
@@ -67,12 +70,12 @@ class ZeroStepMixin:
             st = self.state[p]
             st["step"] += 1
             hp = self._hparams(group, st)
-            if "exp_avg" in st:
+            if self._mode(p) == MODE_EXACT:
                 mode = MODE_DENSE
             elif not st["learned"]:
                 mode = MODE_LOCAL
                 decay_only_(p, hp["lr"], hp["weight_decay"])  # on every rank
-            elif "v_col" in st:
+            elif self._is_factored(p):
                 # Compressed (idx, M, sqrt(v_row)); the selected implementation's applier does the
                 # parameter update of its own full step (StepImpl.apply_factored_).
                 mode = (MODE_FACTORED if factored_wire_compressed(
@@ -152,12 +155,12 @@ class ZeroStepMixin:
         factored tensor's compressed form is not smaller)."""
         work = p.detach().reshape(-1)[s:e].clone()
         g = p.grad.reshape(-1)[s:e].contiguous()
-        if "exp_avg" in st:
+        if self._mode(p) == MODE_EXACT:
             adamw_step_(work, g, st["exp_avg"], st["exp_avg_sq"], **hp)
             return work
         impl = self._impl(work)
         gk = impl.grad_for(g, work)
-        if "v_col" in st:
+        if self._is_factored(p):
             # Gefen's factored step on this rank's rows; it updates a copy of the (old) v_col,
             # every rank updates its own v_col afterwards (update_v_col).
             impl.quantized_step_factored_(work, gk, st["idx"], st["scale"], st["v_row"], st["v_col"].clone(),
