@@ -195,7 +195,7 @@ class Gefen(_opt_mod.Gefen):
             grad = grad.float()
         if fs.needs_learning(st):
             counts = fs.learn(st, grad, codebook_needed=self.codebook is None,
-                              elementwise=group.get("second_moment") == "elementwise")
+                              second_moment=group["second_moment"])
             if counts is not None:
                 fit = learning.learn_codebook(counts)
                 self.codebook = fit.codebook.to(device=flat.device)

@@ -70,6 +70,7 @@ import torch
 from ..engine.comm import exchange_bytes, take_bytes
 from ..core import periods as _periods
 from ..engine.layout import Geometry, Piece, global_shape, is_dtensor, is_exact
+from ..engine.state import fixed_period
 from ..optim.gefen import Gefen, Report
 from ..optim.validation import prestep_zero
 from .checkpoint import ZeroCheckpointMixin
@@ -243,7 +244,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
                              "exp_avg": torch.zeros(n, dtype=torch.float32, device=dev),
                              "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=dev)}
             return
-        geo = Geometry.quantized(shape, int(period) if period else _periods.row_slab(shape))
+        geo = Geometry.quantized(shape, int(period) if period else self._placeholder_period(p))
         st = {
             "step": step,
             "period": geo.period,
@@ -261,6 +262,11 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
             st["v"] = torch.zeros(n // geo.period, dtype=torch.float32, device=dev)
         st["codebook"] = self._codebook_for(dev)
         self.state[p] = st
+
+    def _placeholder_period(self, p: torch.Tensor) -> int:
+        """The period of ``p``'s state before it learns one (the mode's fixed period, else the row)."""
+        shape = global_shape(p)
+        return fixed_period(shape, self._group_of(p)["second_moment"]) or _periods.row_slab(shape)
 
     @staticmethod
     def _divisors(st: dict) -> Dict[str, int]:
@@ -368,7 +374,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
                     continue
                 per = periods.get(p, periods.get(names[id(p)]))
                 if per is None:
-                    pending[p] = {"learned": 0, "period": _periods.row_slab(shape)}
+                    pending[p] = {"learned": 0, "period": self._placeholder_period(p)}
                 else:
                     geo = Geometry.quantized(shape, int(per))
                     pending[p] = {"learned": 1, "period": geo.period, "scale_block": geo.scale_block}
