@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .core.periods import PERIOD_CAP, divisors, factored_row_blocks, row_slab
+from .core.periods import factored_row_blocks, shape_period
 from .engine.layout import KIND_EXACT, KIND_QUANTIZED, Geometry, is_exact
 
 __all__ = [
@@ -68,12 +68,9 @@ class TensorSpec:
 
 
 def estimated_period(shape: Sequence[int]) -> int:
-    """The period assumed from a shape: the row length ``prod(shape[1:])``, capped as the paper
-    does (a period above 1024 becomes its smallest divisor above 1024)."""
-    row = row_slab(shape)
-    if row <= PERIOD_CAP:
-        return row
-    return next(d for d in divisors(row) if d > PERIOD_CAP)
+    """The period assumed from a shape (:func:`gefen_dist.core.periods.shape_period`: the row
+    length, capped as the paper does); exactly the factored default's period (D14)."""
+    return shape_period(shape)
 
 
 def tensor_state(shape: Sequence[int], small_threshold: int = 4096,

@@ -50,6 +50,7 @@ def test_dcp_save_ws2(dcp_dir):
         assert os.path.exists(os.path.join(d, name)), name
 
 
+PLAIN = "plain get_state_dict/dcp.load/set_state_dict ws=2 -> fsdp2 ws={}"
 EXPECT = {
     1: ["fsdp2 ws=2 -> fsdp2 ws=1", "fsdp2 ws=2 -> ddp ws=1"],
     3: ["fsdp2 ws=2 -> fsdp2 ws=3", "ddp ws=2 -> fsdp2 ws=3", "full state dict (rank 0, broadcast) -> fsdp2 ws=3",
@@ -64,7 +65,7 @@ def test_dcp_load_resharded(dcp_dir, ws):
     d, _ = dcp_dir
     out = run_torchrun("dcp_reshard.py", ws, "load", d, timeout=TIMEOUT).stdout
     oks = _ok_lines(out)
-    for what in EXPECT[ws]:
+    for what in EXPECT[ws] + [PLAIN.format(ws)]:
         assert any(ln.startswith(f"OK {what}") for ln in oks), f"missing 'OK {what}':\n{out[-4000:]}"
     for ln in oks:
         m = re.search(r"max rel ([0-9.e+-]+)", ln)

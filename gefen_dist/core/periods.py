@@ -265,6 +265,17 @@ def resolve_period(p_paper: int, slab: int) -> int:
     return math.gcd(int(p_paper), int(slab))
 
 
+def shape_period(shape: Sequence[int]) -> int:
+    """The period of a tensor from its shape alone: the row length ``prod(shape[1:])``, capped as
+    the paper caps a detected period (a period above 1024 becomes its smallest divisor above
+    1024). The factored second moment's period (it sets only the absmax-scale block there, D14),
+    and the estimate of ``gefen-dist plan``."""
+    row = row_slab(shape)
+    if row <= PERIOD_CAP:
+        return row
+    return next(d for d in divisors(row) if d > PERIOD_CAP)
+
+
 def scale_block_for(period: int, slab: int) -> int:
     """Absmax-scale block: the period itself, or for period 1 the largest divisor of the row
     that is at most 256 (row-aligned, D1)."""

@@ -30,7 +30,8 @@ tooling must not need to import gefen_dist)::
     exact_m   fp32  [n exact]      AdamW first moment of small / 1-D tensors (D2)
     exact_v   fp32  [n exact]      AdamW second moment of small / 1-D tensors
     codebook  fp32  [256]          the job's codebook (zeros until learned)
-    periods   list[int]            period per segment (0: exact; row length: not yet learned)
+    periods   list[int]            period per segment (0: exact; before learning the placeholder: the
+                                   shape's period when factored, else the row length)
     segments  list[dict]           the layout (key, name, shape, param_offset, flat_offset, numel)
     global_keys / global_learned   every tensor of this buffer on any rank, and whether its
                                    period is learned (identical on all ranks: they decide
@@ -58,7 +59,7 @@ from ..core.quant import NUM_BINS
 from . import learning
 from ..kernels import dispatch as _dispatch
 from .layout import Piece, is_exact
-from .state import MODE_ELEMENTWISE, MODE_FACTORED
+from .state import MODE_FACTORED, fixed_period
 from .flat_layout import LayoutError, Segment, _slots, _split, verify_segments  # noqa: F401  (re-exported)
 from .flat_step import SegmentStepMixin
 
@@ -167,7 +168,9 @@ class FlatSegments(SegmentStepMixin):
     # ------------------------------------------------------------------ state
     def new_state(self, flat: torch.Tensor, codebook: torch.Tensor, factored: bool = False,
                   row_blocks="auto") -> Dict[str, Any]:
-        periods = [0 if is_exact(s.shape, self.small_threshold) else _periods.row_slab(s.shape)
+        # placeholders: the period the mode fixes (factored), else the row until one is detected
+        periods = [0 if is_exact(s.shape, self.small_threshold) else
+                   (_periods.shape_period(s.shape) if factored else _periods.row_slab(s.shape))
                    for s in self.segments]
         slots, ns, nv, ne = _slots(self.segments, periods, self.small_threshold, factored, row_blocks)
         dev = flat.device
@@ -242,11 +245,10 @@ class FlatSegments(SegmentStepMixin):
               second_moment: str) -> Optional[torch.Tensor]:
         """Learn periods of tensors whose global gradient is nonzero for the first time, and (if
         ``codebook_needed``) return the histogram counts of those tensors (all-reduced), else None.
-        ``second_moment``: the flat buffer's param group's (the state was made for it). With
-        ``"elementwise"`` every period is 1, nothing is detected; the same collectives are entered
-        (the group, hence the mode, is the same on every rank).
+        ``second_moment``: the flat buffer's param group's (the state was made for it; the same on
+        every rank); it fixes the periods it fixes (:func:`gefen_dist.engine.state.fixed_period`),
+        the rest are detected.
         """
-        elementwise = second_moment == MODE_ELEMENTWISE
         gkeys = st["global_keys"]
         local = {s.key: i for i, s in enumerate(self.segments)}
         g = grad.detach().reshape(-1)
@@ -272,7 +274,7 @@ class FlatSegments(SegmentStepMixin):
         # 2) periods from decomposed statistics (one all-gather of partials)
         held = {key: self.segments[local[key]] for key in live if key in local}
         new_period = learning.learn_periods_by_key(
-            self.comm, {key: (cat[key]["shape"], elementwise) for key in live},
+            self.comm, {key: (cat[key]["shape"], fixed_period(cat[key]["shape"], second_moment)) for key in live},
             {key: Piece(local=None, grad=g[s.flat_offset:s.flat_offset + s.numel], start=s.param_offset,
                         shape=tuple(cat[key]["shape"])) for key, s in held.items()})
         periods = list(st["periods"])

@@ -33,34 +33,39 @@ def live_pieces(comm, pieces: Sequence[Piece]) -> List[bool]:
     return [bool(a > 0) or math.isnan(float(a)) for a in amax.tolist()]
 
 
-def learn_periods(comm, pieces: Sequence[Piece], elementwise: Sequence[bool]) -> List[int]:
+def learn_periods(comm, pieces: Sequence[Piece], fixed: Sequence[Optional[int]]) -> List[int]:
     """The period of each piece's tensor (D1, D6): the paper's rule on the global gradient, from
     partial statistics that each rank computes for what it holds and one all-gather combines.
-    Every rank passes the same tensors in the same order (a piece of each). ``elementwise[i]``:
-    the tensor keeps a per-element second moment (period 1, nothing to detect; the flag is the
-    same on every rank, so the gathered payloads still line up)."""
-    found = learn_periods_by_key(comm, {i: (pc.shape, elem) for i, (pc, elem) in enumerate(zip(pieces, elementwise))},
+    Every rank passes the same tensors in the same order (a piece of each). ``fixed[i]``: the
+    period the tensor's mode fixes (:func:`gefen_dist.engine.state.fixed_period`), None to
+    detect it; the list is the same on every rank, so the gathered payloads still line up."""
+    found = learn_periods_by_key(comm, {i: (pc.shape, f) for i, (pc, f) in enumerate(zip(pieces, fixed))},
                                  {i: pc for i, pc in enumerate(pieces)})
     return [found[i] for i in range(len(pieces))]
 
 
-def learn_periods_by_key(comm, tensors: Dict[Any, Tuple[Sequence[int], bool]], pieces: Dict[Any, Piece]
+def learn_periods_by_key(comm, tensors: Dict[Any, Tuple[Sequence[int], Optional[int]]], pieces: Dict[Any, Piece]
                          ) -> Dict[Any, int]:
     """:func:`learn_periods` for tensors that not every rank holds (DeepSpeed's flat buffers):
-    ``tensors`` maps a rank-independent key to (global shape, elementwise) and is the same on every
-    rank; ``pieces`` holds this rank's piece of some of them. One all-gather of the partials."""
+    ``tensors`` maps a rank-independent key to (global shape, fixed period or None) and is the
+    same on every rank; ``pieces`` holds this rank's piece of some of them. One all-gather of the
+    partials of the tensors to detect (none when every period is fixed)."""
     payload, cands = {}, {}
-    for key, (shape, elem) in tensors.items():
+    for key, (shape, fixed) in tensors.items():
         n = int(math.prod(shape))
-        cands[key] = [] if elem else _periods.candidate_periods(n)
+        cands[key] = [] if fixed is not None else _periods.candidate_periods(n)
         pc = pieces.get(key)
         if pc is None or len(cands[key]) < 3:
             continue
         g = pc.grad.reshape(-1) if pc.grad is not None else torch.zeros(0)
         payload[key] = _dispatch.grad_period_partials(g, pc.start, n, cands[key]).to_payload()
-    gathered = comm.all_gather_object(payload)
+    detect = any(f is None for _, f in tensors.values())
+    gathered = comm.all_gather_object(payload) if detect else []
     out = {}
-    for key, (shape, _) in tensors.items():
+    for key, (shape, fixed) in tensors.items():
+        if fixed is not None:
+            out[key] = int(fixed)
+            continue
         n = int(math.prod(shape))
         if len(cands[key]) < 3:
             p_paper = 1

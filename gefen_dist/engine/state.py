@@ -31,7 +31,7 @@ SECOND_MOMENTS = (MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE)
 DEFAULT_SECOND_MOMENT = MODE_FACTORED  # Gefen's, ZeroGefen's and the DeepSpeed Gefen's constructor default
 
 __all__ = ["StateSpec", "SECOND_MOMENTS", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
-           "MODE_ELEMENTWISE", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys"]
+           "MODE_ELEMENTWISE", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period"]
 
 
 def second_moment_of(group: Mapping[str, Any]) -> str:
@@ -78,6 +78,20 @@ def tensor_keys(mode: str) -> Tuple[str, ...]:
     return ("idx", "scale", "v_row", "v_col") if mode == MODE_FACTORED else ("idx", "scale", "v")
 
 
+def fixed_period(shape: Sequence[int], second_moment: str) -> Optional[int]:
+    """The period of a quantized tensor when its mode fixes it, None when it is detected from the
+    first nonzero gradient (``"shared"``, the paper's scheme). ``"elementwise"``: 1. ``"factored"``:
+    the period from the shape (:func:`gefen_dist.core.periods.shape_period`, D14): there the period
+    sets only the absmax-scale block, and fixing it makes every state shape a function of the
+    parameter's global shape, so a fresh optimizer's state has the shapes of a trained one's (the
+    generic ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict`` resume works)."""
+    if second_moment == MODE_ELEMENTWISE:
+        return 1
+    if second_moment == MODE_FACTORED:
+        return _periods.shape_period(shape)
+    return None
+
+
 @dataclass(frozen=True)
 class StateSpec:
     """The state of one global tensor: ``mode`` (one of exact/shared/factored/elementwise), its
@@ -92,14 +106,16 @@ class StateSpec:
     def of(cls, shape: Sequence[int], *, second_moment: str, small_threshold: int,
            period: Optional[int] = None, row_blocks="auto") -> "StateSpec":
         """The spec of a tensor of global ``shape`` in a group with ``second_moment`` and
-        ``row_blocks``; ``period`` None is the placeholder (the row as period) of a tensor that
-        has not learned its period yet."""
+        ``row_blocks``; ``period`` None is the placeholder of a tensor that has not learned its
+        period yet (:func:`fixed_period`, else the row)."""
         shape = tuple(int(s) for s in shape)
         if is_exact(shape, small_threshold):
             return cls(MODE_EXACT, Geometry.exact(shape))
         if second_moment not in SECOND_MOMENTS:
             raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENTS})")
-        per = _periods.row_slab(shape) if period is None else int(period)
+        if period is None:  # placeholder: the fixed period, or the row until one is detected
+            period = fixed_period(shape, second_moment) or _periods.row_slab(shape)
+        per = int(period)
         G = _periods.factored_row_blocks(shape, row_blocks) if second_moment == MODE_FACTORED else 1
         return cls(second_moment, Geometry.quantized(shape, per), G)
 

@@ -24,7 +24,7 @@ from ..kernels import dispatch as _dispatch
 from ..engine.layout import Piece, check_supported, global_shape, is_exact, like_param, local_tensor, piece_of
 from ..engine.nonfinite import NonfiniteChecks
 from ..engine.report import Report, build_report, state_bytes
-from ..engine.state import MODE_ELEMENTWISE, SECOND_MOMENTS, StateSpec, mode_of
+from ..engine.state import SECOND_MOMENTS, StateSpec, fixed_period, mode_of, second_moment_of
 
 logger = logging.getLogger(__name__)
 
@@ -259,8 +259,8 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
         ``periods`` maps parameters (or their names) to the period to use; those tensors are
         marked learned, as after loading a checkpoint (so the state's shapes match a saved one and
         ``torch.distributed.checkpoint`` can load into it in place). Quantized tensors without an
-        entry get a placeholder (the row as period) that is re-learned at their first nonzero
-        gradient. Existing state is kept. No collectives.
+        entry get a placeholder (the period their mode fixes, D14, else the row) that is re-learned
+        at their first nonzero gradient. Existing state is kept. No collectives.
         """
         names = self._names()
         periods = periods or {}
@@ -329,7 +329,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
 
     def _learn_periods(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> List[int]:
         return learning.learn_periods(self._comm, [pc for _, pc in live],
-                                      [self._mode(p) == MODE_ELEMENTWISE for p, _ in live])
+                                      [fixed_period(pc.shape, second_moment_of(self._group_of(p))) for p, pc in live])
 
     def _global_histogram(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> torch.Tensor:
         return learning.global_histogram(self._comm, [(pc, self.state[p]["scale_block"]) for p, pc in live])

@@ -239,7 +239,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
                              "exp_avg": torch.zeros(n, dtype=torch.float32, device=dev),
                              "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=dev)}
             return
-        geo = Geometry.quantized(shape, int(period) if period else _periods.row_slab(shape))
+        geo = Geometry.quantized(shape, int(period) if period else self._placeholder_period(p))
         st = {
             "step": step,
             "period": geo.period,
@@ -257,6 +257,11 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
             st["v"] = torch.zeros(n // geo.period, dtype=torch.float32, device=dev)
         st["codebook"] = self._codebook_for(dev)
         self.state[p] = st
+
+    def _placeholder_period(self, p: torch.Tensor) -> int:
+        """The period of ``p``'s state before it learns one (the mode's fixed period, else the row)."""
+        shape = global_shape(p)
+        return _state.fixed_period(shape, _state.second_moment_of(self._group_of(p))) or _periods.row_slab(shape)
 
     def _divisors(self, p: torch.Tensor) -> Dict[str, int]:
         """The sliced state tensors of ``p`` and elements per entry (``v_col`` is replicated, never
@@ -366,7 +371,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
                     continue
                 per = periods.get(p, periods.get(names[id(p)]))
                 if per is None:
-                    pending[p] = {"learned": 0, "period": _periods.row_slab(shape)}
+                    pending[p] = {"learned": 0, "period": self._placeholder_period(p)}
                 else:
                     geo = Geometry.quantized(shape, int(per))
                     pending[p] = {"learned": 1, "period": geo.period, "scale_block": geo.scale_block}

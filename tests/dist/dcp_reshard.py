@@ -13,7 +13,9 @@ FSDP2 checkpoint written with raw DCP before any step (DCP's zero-grad init step
   * N=1: the FSDP2 checkpoint into DDP;
   * N=3: the DDP checkpoint into FSDP2, the full state dict via broadcast_from_rank0, and the
     pre-step checkpoint (a real step afterwards must learn a 256-value codebook);
-  * N=4: the FSDP2 checkpoint into HSDP (2x2), and clip_grad_norm_ under HSDP.
+  * N=4: the FSDP2 checkpoint into HSDP (2x2), and clip_grad_norm_ under HSDP;
+  * all N: the FSDP2 checkpoint through the plain get_state_dict -> dcp.load -> set_state_dict
+    flow (no gefen_dist.checkpoint helper) into FSDP2.
 Each load checks every state tensor (full_tensor) equals the saved one bit for bit with its
 dtype, ints (step, period, scale_block, learned) equal, one shared codebook equal to the saved
 one, then takes step 4 and compares with an uninterrupted single-process Gefen run on the global
@@ -262,6 +264,25 @@ def load_fsdp(out, mesh, rank, ws, saved, what, src="fsdp"):
     resume_and_compare(m, opt, rank, ws, what, saved, os.path.join(out, f"{src}_grads.pt"))
 
 
+def load_plain(out, mesh, rank, ws, saved, grads_file):
+    """The generic flow of torchtitan / Accelerate / Lightning, nothing from gefen_dist.checkpoint:
+    a fresh optimizer's get_state_dict (DCP's zero-grad init step allocates placeholders), dcp.load
+    in place, set_state_dict. Works because the factored state's shapes depend on the global shape
+    only (D14): ``tiny`` (3 x 2048) detected period 1024 before D14, and this load then failed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    m = fsdp_model(mesh, seed=123)
+    opt = build_optimizer(m, lr=LR, weight_decay=WD)
+    msd, osd = get_state_dict(m, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=os.path.join(out, "fsdp"))
+    set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert opt.state[m.tiny]["period"] == 2048, opt.state[m.tiny]["period"]
+    resume_and_compare(m, opt, rank, ws, f"plain get_state_dict/dcp.load/set_state_dict ws=2 -> fsdp2 ws={ws}",
+                       saved, grads_file)
+
+
 def mode_load(out, rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -270,6 +291,7 @@ def mode_load(out, rank, ws):
     fsdp_grads = os.path.join(out, "fsdp_grads.pt")
 
     load_fsdp(out, mesh, rank, ws, fsdp_saved, f"fsdp2 ws=2 -> fsdp2 ws={ws}")
+    load_plain(out, mesh, rank, ws, fsdp_saved, fsdp_grads)
 
     if ws == 1:
         dm = ddp_model(seed=123)
