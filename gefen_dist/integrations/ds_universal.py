@@ -50,7 +50,7 @@ from ..core.step import column_ratios
 from ..engine import learning
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import is_exact
-from ..engine.state import MODE_FACTORED, mode_of_saved, second_moment_of
+from ..engine.state import MODE_FACTORED, fixed_period, mode_of_saved, second_moment_of
 from ..engine.flat import Segment, _slots
 
 logger = logging.getLogger(__name__)
@@ -488,13 +488,16 @@ def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]]) -> Dic
         else:
             generic.append((name, shape))
     counts = torch.zeros(NUM_BINS, dtype=torch.int64)
+    modes = {second_moment_of(g) for g in opt.param_groups}
+    mode = modes.pop() if len(modes) == 1 else None  # the period a mode fixes (D14), when one mode holds
     for name, shape in generic:  # warm start (AdamW)
         v = _read_param(zero, name, "exp_avg_sq")
         m = _read_param(zero, name, "exp_avg")
+        fixed = fixed_period(shape, mode) if mode else None
         if not bool((v != 0).any()) and not bool((m != 0).any()):
-            info[name] = _Learned(_periods.row_slab(shape), False)
+            info[name] = _Learned(fixed or _periods.row_slab(shape), False)
             continue
-        per = _periods.resolve_period(_dispatch.paper_period(v.clamp(min=0).sqrt()), _periods.row_slab(shape))
+        per = fixed or _periods.resolve_period(_dispatch.paper_period(v.clamp(min=0).sqrt()), _periods.row_slab(shape))
         info[name] = _Learned(per, True)
         _dispatch.block_histogram(m, _periods.scale_block_for(per, _periods.row_slab(shape)), out=counts)
     if meta is not None and meta.get("codebook") is not None:
