@@ -34,7 +34,7 @@ import torch
 
 from ..core.step import hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
-from .state import MODE_EXACT, MODE_FACTORED
+from .state import MODE_EXACT, MODE_FACTORED, step_of
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class CudaBatch:
             st = opt.state.get(p)
             if not st or st.get("learned", 1) == 0:
                 return None
-            if steps.setdefault(id(group), st["step"]) != st["step"]:
+            if steps.setdefault(id(group), step_of(st)) != step_of(st):
                 return None  # one step count (bias correction) per group
             if dev is None:
                 dev = p.device
@@ -228,7 +228,7 @@ class CudaBatch:
                 torch._foreach_mul_(gi["vcols"], beta2)
                 torch._foreach_add_(gi["vcols"], parts, alpha=1.0 - beta2)
             if gi["multi"] is not None:
-                step = opt.state[self.entries[gi["item_entries"][0]][1]]["step"]
+                step = step_of(opt.state[self.entries[gi["item_entries"][0]][1]])
                 hp = hyperparameters(group, step, opt.bound_updates)
                 cb = local_tensor(self.codebook_state["codebook"])
                 gi["multi"].run([grads[e] for e in gi["item_entries"]], cb, **hp)

@@ -59,7 +59,7 @@ from ..core.quant import NUM_BINS
 from . import learning
 from ..kernels import dispatch as _dispatch
 from .layout import Piece, is_exact
-from .state import MODE_FACTORED, fixed_period
+from .state import MODE_FACTORED, fixed_period, new_step
 from .flat_layout import LayoutError, Segment, _slots, _split, verify_segments  # noqa: F401  (re-exported)
 from .flat_step import SegmentStepMixin
 
@@ -176,7 +176,7 @@ class FlatSegments(SegmentStepMixin):
         dev = flat.device
         qkeys = self.quantized_keys()
         st = {
-            "step": 0,
+            "step": new_step(0),
             "idx": torch.zeros(flat.numel(), dtype=torch.uint8, device=dev),
             "scale": torch.zeros(ns, dtype=torch.float32, device=dev),
         }

@@ -33,7 +33,7 @@ class SegmentStepMixin:
         :class:`gefen_dist.kernels.dispatch.StepImpl`: the native CPU or the Triton kernels; None: the
         eager reference); cut blocks and rows are finished with the reference's phase functions."""
         impl = impl or _dispatch.select(flat, fused=False)
-        bc1, bc2 = bias_corrections(st["step"], beta1, beta2)
+        bc1, bc2 = bias_corrections(int(st["step"]), beta1, beta2)
         hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound)
         if second_moment == MODE_FACTORED:
             return self._step_factored(flat, grad, st, hp, impl.quantized_step_factored_, impl.column_sumsq)

@@ -41,12 +41,13 @@ class Report(list):
 
 def state_bytes(state: Dict[Any, Dict[str, Any]]) -> int:
     """Exact bytes held in the state tensors of ``state`` (storage shared between entries, such as
-    the one codebook, counted once)."""
+    the one codebook, counted once). The per-tensor ``step`` counters (a 4-byte tensor each, as
+    AdamW keeps them) are bookkeeping, not counted here, in the report or by ``gefen-dist plan``."""
     seen = set()
     total = 0
     for st in state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and k != "step":
                 v = local_tensor(v)
                 key = (v.untyped_storage().data_ptr(), v.device)
                 if key in seen:

@@ -31,7 +31,19 @@ SECOND_MOMENTS = (MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE)
 DEFAULT_SECOND_MOMENT = MODE_FACTORED  # Gefen's, ZeroGefen's and the DeepSpeed Gefen's constructor default
 
 __all__ = ["StateSpec", "SECOND_MOMENTS", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
-           "MODE_ELEMENTWISE", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period"]
+           "MODE_ELEMENTWISE", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of"]
+
+
+def new_step(value=0) -> torch.Tensor:
+    """A tensor's ``step`` as ``torch.optim.AdamW`` keeps it (not capturable): a 0-dim float32 CPU
+    tensor, so code written for AdamW (``state["step"].item()``, DCP, torch's optimizer tests)
+    reads it the same way. ``value``: an int or a one-element tensor."""
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def step_of(st: Mapping[str, Any]) -> int:
+    """The step count of a state entry as an int (the bias corrections and the bound need one)."""
+    return int(st["step"])
 
 
 def second_moment_of(group: Mapping[str, Any]) -> str:
@@ -159,7 +171,7 @@ class StateSpec:
                  codebook: Optional[torch.Tensor], wrap: Callable[[torch.Tensor, tuple], torch.Tensor]) -> dict:
         """Zero state for a piece of ``local_shape`` on ``device``; ``wrap(local, global_shape)`` turns
         a sharded local tensor into what the optimizer stores (a DTensor for FSDP2 parameters)."""
-        st = {"step": step}
+        st = {"step": new_step(step)}
         if not self.exact:
             st.update(period=self.geometry.period, scale_block=self.geometry.scale_block, learned=int(learned))
         for key, (ls, gs, dtype, sharded) in self.tensors(local_shape).items():

@@ -10,7 +10,7 @@ from .column_stats import column_means, piece_column_sums
 from ..core.step import adamw_foreach_, adamw_step_, bias_corrections, decay_only_, hyperparameters, row_block_args
 from ..core.step import scalar_value as _scalar
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
-from .state import MODE_EXACT, MODE_FACTORED
+from .state import MODE_EXACT, MODE_FACTORED, step_of
 
 
 class GefenStepMixin:
@@ -33,7 +33,7 @@ class GefenStepMixin:
         for group, p in batched:
             st = self.state[p]
             st["step"] += 1
-            key = (id(group), st["step"], local_tensor(p).device)
+            key = (id(group), step_of(st), local_tensor(p).device)
             buckets.setdefault(key, (group, []))[1].append(p)
         for (_, step, _), (group, ps) in buckets.items():
             beta1, beta2 = group["betas"]
@@ -98,7 +98,7 @@ class GefenStepMixin:
     def _update(self, group: dict, p: torch.Tensor, col_mean_sq: Optional[torch.Tensor] = None) -> None:
         st = self.state[p]
         st["step"] += 1
-        hp = hyperparameters(group, st["step"], self.bound_updates)
+        hp = hyperparameters(group, step_of(st), self.bound_updates)
         lr = hp["lr"]
         param, grad = local_tensor(p), local_tensor(p.grad)
         mode = self._mode(p)

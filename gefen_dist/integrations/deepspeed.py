@@ -212,7 +212,7 @@ class Gefen(_opt_mod.Gefen):
         beta1, beta2 = group["betas"]
         fs.step(flat, grad, st, second_moment=second_moment, lr=scalar_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], impl=self._impl(flat),
-                bound=update_bound(beta1, beta2, st["step"]) if self.bound_updates else None)
+                bound=update_bound(beta1, beta2, int(st["step"])) if self.bound_updates else None)
 
     # ------------------------------------------------------------------ introspection
     def periods(self) -> Dict[str, int]:

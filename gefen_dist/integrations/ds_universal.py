@@ -50,7 +50,7 @@ from ..core.step import column_ratios
 from ..engine import learning
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import is_exact
-from ..engine.state import MODE_FACTORED, fixed_period, mode_of_saved, second_moment_of
+from ..engine.state import MODE_FACTORED, fixed_period, mode_of_saved, new_step, second_moment_of
 from ..engine.flat import Segment, _slots
 
 logger = logging.getLogger(__name__)
@@ -467,7 +467,7 @@ def _load_state(opt, entries, params, zero: str, meta: Optional[Dict[str, Any]],
     opt.state.clear()
     for flat, fs, group in entries:
         st = _flat_state(opt, flat, fs, group, info, key_name, zero, meta)
-        st["step"] = step
+        st["step"] = new_step(step)
         opt.state[flat] = st
     _set_hparams(opt, optim_sd, meta is not None)
 

@@ -37,7 +37,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..engine.layout import global_shape, local_tensor
-from ..engine.state import StateSpec
+from ..engine.state import StateSpec, new_step
 
 logger = logging.getLogger(__name__)
 
@@ -232,13 +232,15 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
         for key, val in saved.items():
             if isinstance(val, torch.Tensor):
                 if key == "step":
-                    val = int(val.item())
+                    val = new_step(val.item())  # as AdamW keeps it: 0-dim float32 on the CPU
                 elif key in _INT_KEYS and val.numel() == 1:
                     val = int(val.item())
                 elif key in ("exp_avg", "exp_avg_sq") and val.dtype != torch.float32:
                     val = val.to(device=local_tensor(p).device, dtype=torch.float32)  # D5: fp32 exact state
                 else:
                     val = val.to(device=local_tensor(p).device)  # keeps the dtype: no copy on the same device
+            elif key == "step":
+                val = new_step(val)  # a number (older checkpoints): the tensor AdamW keeps
             st[key] = val
         if "codebook" in st and cb is None and float(st["codebook"][0]) == -1.0:
             cb = st["codebook"]
@@ -249,7 +251,7 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
         if isinstance(p, torch.Tensor) and "codebook" in st:
             st["codebook"] = opt._codebook_for(local_tensor(st["idx"]).device)
     Optimizer.__setstate__(opt, {"state": new_state, "param_groups": groups})
-    opt._cuda_plan = None
+    opt._cuda_batch = None
     opt._modes = None
     opt._agreement_checked = False
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
@@ -260,9 +262,9 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
 _HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
           "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
           "_optimizer_load_state_dict_post_hooks")
-# caches rebuilt when next needed: views of the state (_cuda_plan), the mode table keyed by
+# caches rebuilt when next needed: views of the state (_cuda_batch), the mode table keyed by
 # parameter ids (_modes; a copy has other parameters)
-_TRANSIENT = ("_cuda_plan", "_modes")
+_TRANSIENT = ("_cuda_batch", "_modes")
 
 
 def getstate(opt) -> Dict[str, Any]:

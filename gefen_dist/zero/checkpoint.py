@@ -15,7 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..engine.layout import Geometry, global_shape
-from ..engine.state import MODE_EXACT
+from ..engine.state import MODE_EXACT, new_step
 from ..optim.gefen import saved_param_map
 
 _Q_KEYS = ("idx", "scale", "v")
@@ -113,7 +113,9 @@ class ZeroCheckpointMixin:
         self._consolidated = None
         self.state.clear()
         for p, st in full.items():
-            self.state[p] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+            # the ints as saved, and step as the tensor AdamW keeps (saved as an int or a tensor)
+            self.state[p] = {k: new_step(v) if k == "step" else v for k, v in st.items()
+                             if k == "step" or not isinstance(v, torch.Tensor)}
             if self._mode(p) != MODE_EXACT:
                 self.state[p]["learned"] = int(st["learned"])
         self._partition = None

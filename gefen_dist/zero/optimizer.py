@@ -235,13 +235,13 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         dev = p.device
         shape = global_shape(p)
         if is_exact(shape, self.small_threshold):
-            self.state[p] = {"step": step,
+            self.state[p] = {"step": _state.new_step(step),
                              "exp_avg": torch.zeros(n, dtype=torch.float32, device=dev),
                              "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=dev)}
             return
         geo = Geometry.quantized(shape, int(period) if period else self._placeholder_period(p))
         st = {
-            "step": step,
+            "step": _state.new_step(step),
             "period": geo.period,
             "scale_block": geo.scale_block,
             "learned": int(learned),

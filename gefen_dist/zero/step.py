@@ -11,7 +11,7 @@ from ..core.apply import update_v_col
 from ..core.step import adamw_step_, decay_only_, hyperparameters, row_block_args
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import global_shape
-from ..engine.state import MODE_EXACT
+from ..engine.state import MODE_EXACT, step_of
 from .partition import MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, factored_wire_compressed, step_wire_bytes
 
 _STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")  # what a state-only update needs of the hyperparameters
@@ -35,7 +35,7 @@ class ZeroStepMixin:
 
 
     def _hparams(self, group: dict, st: dict) -> dict:
-        return hyperparameters(group, st["step"], self.bound_updates)
+        return hyperparameters(group, step_of(st), self.bound_updates)
 
 
     def _zero_update(self, entries, partials=None) -> None:
