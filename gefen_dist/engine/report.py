@@ -32,6 +32,8 @@ class Report(list):
                 f"{r['scale_block']:>6} {r['state_bytes']:>12,} {r['state_bytes'] / n:>8.3f}"
             )
         lines.append(f"total: {tot_n:,} parameters, {tot_b:,} state bytes ({tot_b / max(1, tot_n):.4f} B/param)")
+        if getattr(self, "backend", None):
+            lines.append(f"stepped by gefen_dist, backend: {self.backend}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -57,7 +59,8 @@ def state_bytes(state: Dict[Any, Dict[str, Any]]) -> int:
 
 def build_report(items: Iterable[Tuple[str, torch.Tensor, Dict[str, Any]]]) -> Report:
     """One record per (name, parameter, its state): name, shape, numel, local_numel, dtype, kind
-    (``pending`` before any state), period, scale_block, state_bytes and, quantized, learned."""
+    (``pending`` before any state), mode (exact/shared/factored/elementwise, once there is state),
+    period, scale_block, state_bytes and, quantized, learned."""
     rep = Report()
     for name, p, st in items:
         shape = global_shape(p)
@@ -67,10 +70,11 @@ def build_report(items: Iterable[Tuple[str, torch.Tensor, Dict[str, Any]]]) -> R
             rec.update(kind="pending", period=0, scale_block=0, state_bytes=0)
         elif "idx" in st:
             held = sum(nbytes(st[k]) for k in ("idx", "scale", "v", "v_row", "v_col") if k in st)
-            rec.update(kind=KIND_QUANTIZED, period=st["period"], scale_block=st["scale_block"],
+            mode = "factored" if "v_col" in st else ("elementwise" if st["period"] == 1 else "shared")
+            rec.update(kind=KIND_QUANTIZED, mode=mode, period=st["period"], scale_block=st["scale_block"],
                        state_bytes=held, learned=bool(st["learned"]))
         else:
             held = sum(nbytes(st[k]) for k in ("exp_avg", "exp_avg_sq"))
-            rec.update(kind=KIND_EXACT, period=0, scale_block=0, state_bytes=held)
+            rec.update(kind=KIND_EXACT, mode="exact", period=0, scale_block=0, state_bytes=held)
         rep.append(rec)
     return rep

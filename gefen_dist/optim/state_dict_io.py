@@ -259,7 +259,7 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
 _HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
           "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
           "_optimizer_load_state_dict_post_hooks")
-_TRANSIENT = ("_cuda_plan",)  # caches that hold views of the state: rebuilt at the next step
+_TRANSIENT = ("_cuda_plan", "_own_ids")  # caches (views of the state; ids of the parameters): rebuilt at the next step
 
 
 def getstate(opt) -> Dict[str, Any]:

@@ -391,7 +391,11 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         self._consolidated = None
         self._prepare(entries)
         self._zero_update(entries, partials)
+        self._announce()
         return loss
+
+    def _backend(self) -> str:
+        return f"ZeroGefen (ZeRO-1: state partitioned over {self._comm.world_size} ranks)"
 
     # ------------------------------------------------------------------ introspection
     def owned_range(self, p: torch.Tensor) -> Tuple[int, int]:
