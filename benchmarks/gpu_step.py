@@ -295,7 +295,7 @@ class _no_plan:
     """Within the block, Gefen steps tensor by tensor (CudaBatch.get returns None)."""
 
     def __enter__(self):
-        from gefen_dist import cuda_path
+        from gefen_dist.engine import cuda_batch as cuda_path
 
         self._mod, self._orig = cuda_path, cuda_path.CudaBatch.__dict__["get"]
         cuda_path.CudaBatch.get = classmethod(lambda cls, opt, entries: None)

@@ -83,7 +83,7 @@ def test_cuda_batch_matches_per_tensor_path(monkeypatch, dtype):
     parameters equal up to the column sums' summation order (fp32 and bf16, whose exact tensors
     take the foreach dtype copies)."""
     pytest.importorskip("triton")
-    from gefen_dist import cuda_path
+    from gefen_dist.engine import cuda_batch as cuda_path
 
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 768), nn.GELU(),

@@ -80,7 +80,7 @@ def main():
     fully_shard(m, mesh=mesh)
     opt = Gefen(m.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment)
     if args.cuda_batch:
-        from gefen_dist import cuda_path
+        from gefen_dist.engine import cuda_batch as cuda_path
 
         cuda_path._DEVICE_TYPES = ("cuda", "cpu")
         for o in (opt, ref_opt):
