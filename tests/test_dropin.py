@@ -181,6 +181,21 @@ def test_swapped_parameters_without_deepspeed_are_accepted(monkeypatch):
     assert len(opt.state) == 4
 
 
+def test_copies_rebuild_their_own_parameter_set(monkeypatch):
+    """deepcopy/pickle drop the ids of the original's parameters; add_param_group and step still work."""
+    import copy
+    import pickle
+
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    m = _Net()
+    opt = Gefen(m.a.parameters(), lr=1e-3)
+    for o, mm in (copy.deepcopy((opt, m)), pickle.loads(pickle.dumps((opt, m)))):
+        o.add_param_group({"params": list(mm.b.parameters())})
+        mm(torch.randn(4, 96)).square().mean().backward()
+        o.step()
+        assert len(o.state) == 4
+
+
 # ----------------------------------------------------------------------------- what steps
 def test_first_step_logs_what_steps_once(caplog, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

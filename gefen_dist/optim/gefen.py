@@ -186,7 +186,9 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         except Exception:
             self.param_groups.pop()  # leave the optimizer as it was
             raise
-        self.__dict__.setdefault("_own_ids", set()).update(id(p) for p in g["params"])
+        own = self.__dict__.setdefault("_own_ids", set())
+        if own is not None:  # None after a copy: rebuilt from the param groups at the next step
+            own.update(id(p) for p in g["params"])
 
     # ------------------------------------------------------------------ state creation
     def _group_of(self, p: torch.Tensor) -> dict:
