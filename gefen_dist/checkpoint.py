@@ -238,14 +238,15 @@ def _saved_mode(leaves) -> str:
     return "factored" if "v_row" in leaves or "v_col" in leaves else "shared"
 
 
-def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], sdm) -> Optional[str]:
-    """Why the saved state ``saved`` (``{leaf: key}``) of ``fqn`` cannot load into ``spec``, or None."""
+def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], size_of) -> Optional[str]:
+    """Why the saved state ``saved`` (``{leaf: key}``, ``size_of(key)`` its shape) of ``fqn`` cannot
+    load into ``spec``, or None."""
     mode = spec.mode if spec.mode != "elementwise" else "shared"
     was = _saved_mode(saved)
     shape, numel = global_shape(p), int(torch.Size(global_shape(p)).numel())
     key = next((saved[k] for k in ("v", "v_row", "v_col", "exp_avg", "idx") if k in saved), next(iter(saved.values())))
     if was == mode == "exact":
-        got = tuple(int(s) for s in sdm[key].size)
+        got = size_of(key)
         return None if got == shape else (f"checkpoint entry {key!r} has shape {got}, parameter "
                                           f"{fqn!r} has shape {shape}: the model changed since the checkpoint was saved")
     if "exact" in (was, mode):
@@ -259,7 +260,7 @@ def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], sdm) 
                 f"of this optimizer has second_moment={spec.mode!r}. Build Gefen (or that param group) with "
                 f"second_moment={was!r}, the setting the checkpoint was saved with")
     if mode == "factored" and "v_col" in saved:
-        got = tuple(int(s) for s in sdm[saved["v_col"]].size)
+        got = size_of(saved["v_col"])
         blocks = got[0] if len(got) == 2 else 1
         if blocks != spec.row_blocks:
             return (f"checkpoint entry {saved['v_col']!r} (shape {got}) keeps {blocks} column profile(s) for parameter "
@@ -297,7 +298,8 @@ def check_compatible(model: torch.nn.Module, optimizer: torch.optim.Optimizer, c
                     f"checkpoint {checkpoint_id!r} holds no optimizer state for parameter {fqn!r} (no "
                     f"'{key_prefix}.state.{fqn}.*' entry): the model or its parameter names changed since it was "
                     "saved. Load it into the model it was saved from")
-            why = _mismatch(fqn, gi, p, optimizer._spec(p), thr, index[fqn], sdm)
+            why = _mismatch(fqn, gi, p, optimizer._spec(p), thr, index[fqn],
+                            lambda k: tuple(int(s) for s in sdm[k].size))
             if why:
                 raise CheckpointMismatchError(why + f" (checkpoint {checkpoint_id!r}). Nothing was loaded.")
 
@@ -590,6 +592,29 @@ def _periods_from_full(model, optimizer, osd: Dict[str, Any]) -> Dict[str, int]:
     return out
 
 
+def _check_full(model, optimizer, osd: Dict[str, Any]) -> Optional[str]:
+    """:func:`check_compatible` for a consolidated optimizer state dict: the message, or None."""
+    if not _is_gefen(optimizer) or not osd:
+        return None
+    state, fqns, thr = osd.get("state", {}), param_fqns(model), _small_threshold(optimizer)
+    for gi, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            fqn = fqns.get(id(p))
+            if not p.requires_grad or fqn is None:
+                continue
+            st = state.get(fqn)
+            if not isinstance(st, dict):
+                return (f"the full state dict holds no optimizer state for parameter {fqn!r} (no state[{fqn!r}]): the "
+                        "model or its parameter names changed since it was saved. Load it into the model it was "
+                        "saved from. Nothing was loaded.")
+            saved = {leaf: f"{OPTIM_KEY}.state.{fqn}.{leaf}" for leaf in _LEAVES if leaf in st}
+            why = saved and _mismatch(fqn, gi, p, optimizer._spec(p), thr, saved,
+                                      lambda k: tuple(int(s) for s in st[k.rsplit(".", 1)[1]].shape))
+            if why:
+                return why + " (full state dict). Nothing was loaded."
+    return None
+
+
 def _copy_structure(obj):
     """Copy nested dicts/lists, sharing the leaves (tensors are not copied)."""
     if isinstance(obj, dict):
@@ -605,7 +630,9 @@ def load_full_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
     With ``broadcast_from_rank0`` (default) only rank 0 needs ``state_dict`` (others may pass
     ``{}``/``None``); it is broadcast and resharded to this run's layout. Otherwise every rank
-    passes the full dict.
+    passes the full dict. A dict saved with other Gefen options (``second_moment``,
+    ``small_threshold``, ``row_blocks``) raises :class:`CheckpointMismatchError` on every rank, as
+    :func:`check_compatible` does, before anything changes.
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
@@ -614,13 +641,16 @@ def load_full_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
     state_dict = state_dict or {}
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    periods = None
+    periods = why = None
     if rank == 0 or not broadcast_from_rank0:
-        periods = _periods_from_full(model, optimizer, state_dict.get(OPTIM_KEY, {}))
+        why = _check_full(model, optimizer, state_dict.get(OPTIM_KEY, {}))
+        periods = None if why else _periods_from_full(model, optimizer, state_dict.get(OPTIM_KEY, {}))
     if distributed and broadcast_from_rank0:
-        box = [periods]
+        box = [(periods, why)]
         dist.broadcast_object_list(box, src=0)
-        periods = box[0]
+        periods, why = box[0]
+    if why:  # on every rank: rank 0's check travels with the periods
+        raise CheckpointMismatchError(why)
     names = _param_names(optimizer)
     _allocate(model, optimizer, periods or {})
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0 and distributed)

@@ -1,8 +1,8 @@
 """A true drop-in: the failures a user of Gefen in place of AdamW must see clearly.
 
-* A DCP checkpoint saved with other Gefen options (``second_moment``, ``small_threshold``,
-  ``row_blocks``) or for another model: ``gefen_dist.checkpoint.load``/``prepare_for_load``/
-  ``check_compatible`` raise :class:`CheckpointMismatchError` (a ``ValueError``) naming the key,
+* A DCP checkpoint (or a consolidated ``full_state_dict``) saved with other Gefen options
+  (``second_moment``, ``small_threshold``, ``row_blocks``) or for another model:
+  ``gefen_dist.checkpoint.load``/``prepare_for_load``/``check_compatible``/``load_full_state_dict`` raise :class:`CheckpointMismatchError` (a ``ValueError``) naming the key,
   the option and the fix, before anything changes (plain ``dcp.load`` raises DCP's
   ``CheckpointException``, a ``BaseException``).
 * A non-finite gradient on one rank of plain replicas: every rank raises the same error / skips
@@ -61,7 +61,7 @@ def _fresh(**kw):
     return m, Gefen(m.named_parameters(), lr=1e-3, **kw)
 
 
-@pytest.mark.parametrize("saved,loading,key,words", [
+MISMATCHES = [
     (dict(second_moment="shared"), dict(second_moment="factored"), "optim.state.a.weight.v",
      ["a shared second moment", "second_moment='factored'", "second_moment='shared'"]),
     (dict(second_moment="factored"), dict(second_moment="shared"), "optim.state.a.weight.v_row",
@@ -72,7 +72,11 @@ def _fresh(**kw):
      ["exact AdamW state", "small_threshold=4096", "small_threshold > 6144"]),
     (dict(), dict(row_blocks=1), "optim.state.b.weight.v_col",
      ["2 column profile(s)", "row_blocks=2"]),
-], ids=["shared->factored", "factored->shared", "threshold-up", "threshold-down", "row_blocks"])
+]
+MISMATCH_IDS = ["shared->factored", "factored->shared", "threshold-up", "threshold-down", "row_blocks"]
+
+
+@pytest.mark.parametrize("saved,loading,key,words", MISMATCHES, ids=MISMATCH_IDS)
 def test_dcp_option_mismatch_is_a_clear_error(tmp_path, saved, loading, key, words):
     path = _trained(tmp_path, **saved)
     for how in ("load", "prepare_for_load", "check_compatible"):
@@ -88,6 +92,24 @@ def test_dcp_option_mismatch_is_a_clear_error(tmp_path, saved, loading, key, wor
         assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before)), f"{how} changed the model"
     m, opt = _fresh(**saved)
     gckpt.load(m, opt, path)  # the options it was saved with load
+    assert opt.state
+
+
+@pytest.mark.parametrize("saved,loading,key,words", MISMATCHES, ids=MISMATCH_IDS)
+def test_full_state_dict_option_mismatch_is_a_clear_error(tmp_path, saved, loading, key, words):
+    path = _trained(tmp_path, **saved)
+    m, opt = _fresh(**saved)
+    gckpt.load(m, opt, path)
+    full = gckpt.full_state_dict(m, opt)
+    m, opt = _fresh(**loading)
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(gckpt.CheckpointMismatchError) as ei:
+        gckpt.load_full_state_dict(m, opt, full)
+    msg = str(ei.value)
+    assert repr(key) in msg and all(w in msg for w in words) and "(full state dict). Nothing was loaded." in msg, msg
+    assert not opt.state and all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+    m, opt = _fresh(**saved)
+    gckpt.load_full_state_dict(m, opt, full)  # the options it was saved with load
     assert opt.state
 
 
