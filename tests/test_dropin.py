@@ -156,7 +156,7 @@ def test_missing_parameter_state_is_named(tmp_path):
 def test_nonfinite_on_one_replica_is_decided_on_every_rank():
     out = run_torchrun("replica_faults.py", 2, timeout=150).stdout
     for what in ("raise at the first step (before learning)", "raise after learning", "ZeroGefen raise", "skip",
-                 "announce replicas", "announce ZeroGefen", "announce FSDP2"):
+                 "checkpoint mismatch", "announce replicas", "announce ZeroGefen", "announce FSDP2"):
         assert f"OK {what}:" in out, f"missing 'OK {what}':\n{out[-4000:]}"
     assert "ALL OK replica_faults ws=2" in out
 

@@ -13,6 +13,8 @@ all-reduce). Checks, each within the process group's 30 s timeout:
 * ``nonfinite="skip"``: both ranks skip the same step, and after 6 steps the replicas are
   bitwise identical;
 * the same raise under ``ZeroGefen``;
+* a DCP checkpoint and a full state dict saved with ``second_moment="shared"`` loaded into the
+  factored default: every rank raises ``CheckpointMismatchError``;
 * the INFO line logged once at the first completed step names the backend: replicas, FSDP2,
   ZeroGefen.
 
@@ -120,6 +122,51 @@ def case_skip():
     log("OK skip: both ranks skipped step 2 (skipped_steps=1) and stayed bitwise identical over 6 steps")
 
 
+def case_checkpoint_mismatch():
+    """A DCP checkpoint and a full state dict saved with second_moment="shared", loaded into the
+    default factored Gefen: every rank raises CheckpointMismatchError (no DCP CheckpointException,
+    no rank left waiting), and the matching options load."""
+    import shutil
+    import tempfile
+
+    from gefen_dist import checkpoint as gckpt
+
+    box = [tempfile.mkdtemp(prefix="gefen_rf_") if RANK == 0 else None]
+    dist.broadcast_object_list(box)
+    path = os.path.join(box[0], "ck")
+    model = net()
+    opt = Gefen(model.named_parameters(), lr=1e-2, second_moment="shared")
+    for s in range(2):
+        grads(model, s)
+        opt.step()
+    gckpt.save(model, opt, path)
+    full = gckpt.full_state_dict(model, opt)
+    for how in ("load", "load_full_state_dict"):
+        m2 = net()
+        o2 = Gefen(m2.named_parameters(), lr=1e-2)
+        try:
+            if how == "load":
+                gckpt.load(m2, o2, path)
+            else:
+                gckpt.load_full_state_dict(m2, o2, full if RANK == 0 else None)
+        except gckpt.CheckpointMismatchError as e:
+            msg = str(e)
+        else:
+            raise AssertionError(f"{how}: rank {RANK} loaded a checkpoint saved with second_moment='shared'")
+        assert "'optim.state.2.weight.v'" in msg or "'optim.state.0.weight.v'" in msg, msg
+        assert "second_moment='shared'" in msg and not o2.state, msg
+        same_on_all(msg, f"{how}: the error")
+    m2 = net()
+    o2 = Gefen(m2.named_parameters(), lr=1e-2, second_moment="shared")
+    gckpt.load(m2, o2, path)
+    same_on_all(digest(m2, o2), "matching load")
+    assert digest(m2, o2) == digest(model, opt)
+    dist.barrier()
+    if RANK == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
+    log(f"OK checkpoint mismatch: load and load_full_state_dict raise on every rank: {msg[:100]}...")
+
+
 class Capture(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
@@ -172,6 +219,7 @@ def main():
     case_raise(Gefen, 3, "raise after learning")
     case_raise(ZeroGefen, 2, "ZeroGefen raise")
     case_skip()
+    case_checkpoint_mismatch()
     case_announce()
     dist.barrier()
     log(f"ALL OK replica_faults ws={WS}")
