@@ -58,6 +58,8 @@ EXTRA_KEY = "extra"
 
 __all__ = [
     "prepare_for_load",
+    "check_compatible",
+    "CheckpointMismatchError",
     "saved_periods",
     "save",
     "load",
@@ -206,6 +208,103 @@ def saved_periods(model: torch.nn.Module, optimizer: torch.optim.Optimizer, chec
     return out
 
 
+class CheckpointMismatchError(ValueError):
+    """A DCP checkpoint's optimizer state does not fit this optimizer (saved with another
+    ``second_moment``, ``small_threshold`` or ``row_blocks``, or for another model); the message
+    names the checkpoint key, the option and the fix. Raised before anything is loaded."""
+
+
+_LEAVES = ("idx", "scale", "v", "v_row", "v_col", "exp_avg", "exp_avg_sq")
+
+
+def _state_index(keys: Iterable[str], prefix: Optional[str]) -> Dict[str, Dict[str, str]]:
+    """``{fqn: {leaf: key}}`` of the optimizer state tensors in checkpoint ``keys`` (under
+    ``<prefix>.state.``, else under a bare ``state.``)."""
+    keys = list(keys)
+    for pre in ([f"{prefix}.state."] if prefix else []) + ["state."]:
+        out: Dict[str, Dict[str, str]] = {}
+        for k in keys:
+            if k.startswith(pre) and "." in k[len(pre):]:
+                fqn, leaf = k[len(pre):].rsplit(".", 1)
+                if leaf in _LEAVES:
+                    out.setdefault(fqn, {})[leaf] = k
+        if out:
+            return out
+    return {}
+
+
+def _saved_mode(leaves) -> str:
+    """The mode a checkpoint's leaves were saved in (engine.state.mode_of_saved: a file has no spec;
+    elementwise state is saved as shared state with period 1)."""
+    return mode_of_saved(leaves) or "shared"
+
+
+def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], size_of) -> Optional[str]:
+    """Why the saved state ``saved`` (``{leaf: key}``, ``size_of(key)`` its shape) of ``fqn`` cannot
+    load into ``spec``, or None."""
+    mode = spec.mode if spec.mode != "elementwise" else "shared"
+    was = _saved_mode(saved)
+    shape, numel = global_shape(p), int(torch.Size(global_shape(p)).numel())
+    key = next((saved[k] for k in ("v", "v_row", "v_col", "exp_avg", "idx") if k in saved), next(iter(saved.values())))
+    if was == mode == "exact":
+        got = size_of(key)
+        return None if got == shape else (f"checkpoint entry {key!r} has shape {got}, parameter "
+                                          f"{fqn!r} has shape {shape}: the model changed since the checkpoint was saved")
+    if "exact" in (was, mode):
+        held = "exact AdamW state" if was == "exact" else "quantized Gefen state"
+        want = (f"small_threshold > {numel}" if was == "exact" else f"small_threshold <= {numel}")
+        return (f"checkpoint entry {key!r} holds {held} for parameter {fqn!r} ({numel} elements, shape {shape}), "
+                f"which this optimizer keeps {'quantized' if was == 'exact' else 'exact'} (small_threshold={thr}). "
+                f"Build Gefen with the small_threshold the checkpoint was saved with ({want})")
+    if was != mode:
+        return (f"checkpoint entry {key!r} holds a {was} second moment for parameter {fqn!r}, but param group {gi} "
+                f"of this optimizer has second_moment={spec.mode!r}. Build Gefen (or that param group) with "
+                f"second_moment={was!r}, the setting the checkpoint was saved with")
+    if mode == "factored" and saved.get("v_col") is not None:
+        got = size_of(saved["v_col"])
+        blocks = got[0] if len(got) == 2 else 1
+        if blocks != spec.row_blocks:
+            return (f"checkpoint entry {saved['v_col']!r} (shape {got}) keeps {blocks} column profile(s) for parameter "
+                    f"{fqn!r}, this optimizer {spec.row_blocks} (row_blocks). Build Gefen (or its param group {gi}) "
+                    f"with row_blocks={blocks}, or the row_blocks the checkpoint was saved with")
+    return None
+
+
+def check_compatible(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id: Any,
+                     *, key_prefix: Optional[str] = OPTIM_KEY) -> None:
+    """Raise :class:`CheckpointMismatchError` (a ``ValueError``) when the Gefen state in DCP
+    checkpoint ``checkpoint_id`` cannot load into ``optimizer``: a tensor saved with another
+    ``second_moment``, ``small_threshold`` or ``row_blocks``, or missing from the checkpoint. The
+    message names the checkpoint key, the option and the fix. Reads only the metadata; no
+    collectives; changes nothing. :func:`prepare_for_load` and :func:`load` call it; call it (or
+    :func:`prepare_for_load`) before a hand-written ``dcp.load``, which otherwise reports such a
+    mismatch as DCP's ``CheckpointException`` (a ``BaseException``: ``except Exception`` misses it)."""
+    if not _is_gefen(optimizer):
+        raise TypeError(f"check_compatible expects a gefen_dist.Gefen optimizer, got {type(optimizer).__name__}")
+    sdm = _reader(checkpoint_id).read_metadata().state_dict_metadata
+    index = _state_index(sdm.keys(), key_prefix)
+    fqns, thr = param_fqns(model), _small_threshold(optimizer)
+    if not index:
+        raise CheckpointMismatchError(
+            f"checkpoint {checkpoint_id!r} holds no optimizer state under {key_prefix!r} (keys "
+            f"'{key_prefix}.state.<fqn>.<leaf>'; it has {sorted(sdm)[:4]} ...). Pass key_prefix= with the key the "
+            "optimizer state dict was saved under, or load a checkpoint that has optimizer state")
+    for gi, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            fqn = fqns.get(id(p))
+            if not p.requires_grad or fqn is None:
+                continue
+            if fqn not in index:
+                raise CheckpointMismatchError(
+                    f"checkpoint {checkpoint_id!r} holds no optimizer state for parameter {fqn!r} (no "
+                    f"'{key_prefix}.state.{fqn}.*' entry): the model or its parameter names changed since it was "
+                    "saved. Load it into the model it was saved from")
+            why = _mismatch(fqn, gi, p, optimizer._spec(p), thr, index[fqn],
+                            lambda k: tuple(int(s) for s in sdm[k].size))
+            if why:
+                raise CheckpointMismatchError(why + f" (checkpoint {checkpoint_id!r}). Nothing was loaded.")
+
+
 def _allocate(model: torch.nn.Module, optimizer, periods: Dict[str, int]) -> None:
     """Drop state whose period differs from ``periods`` and allocate the rest (no collectives)."""
     if not _is_gefen(optimizer):
@@ -236,6 +335,7 @@ def prepare_for_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     """
     if not _is_gefen(optimizer):
         raise TypeError(f"prepare_for_load expects a gefen_dist.Gefen optimizer, got {type(optimizer).__name__}")
+    check_compatible(model, optimizer, checkpoint_id, key_prefix=key_prefix)
     periods = saved_periods(model, optimizer, checkpoint_id, key_prefix=key_prefix)
     _allocate(model, optimizer, periods)
     return periods
@@ -383,7 +483,7 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
     if extra is not None:
         sd[EXTRA_KEY] = extra
     kept = _drop_unsaved_group_keys(osd, checkpoint_id)
-    with _single_process_quiet():
+    with _single_process_quiet(), _dcp_errors(checkpoint_id):
         dcp.load(sd, checkpoint_id=checkpoint_id, process_group=process_group)
     for g, missing in zip(osd.get("param_groups", []), kept):
         g.update(missing)
@@ -393,6 +493,27 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
     if extra is not None:
         return sd[EXTRA_KEY]
     return _read_extra(checkpoint_id, process_group)
+
+
+@contextlib.contextmanager
+def _dcp_errors(checkpoint_id):
+    """DCP's ``CheckpointException`` (a ``BaseException``, raised on every rank) as a
+    :class:`CheckpointMismatchError` naming what each rank reported."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        seen: List[str] = []
+        for exc, _ in e.failures.values():
+            msg = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            if msg not in seen:
+                seen.append(msg)
+        raise CheckpointMismatchError(
+            f"torch.distributed.checkpoint.load of {checkpoint_id!r} failed on rank(s) {sorted(e.failures)}: "
+            f"{'; '.join(seen[:3])}. The checkpoint does not fit this model and optimizer (parameter names or "
+            "shapes, or Gefen options: gefen_dist.checkpoint.check_compatible names the option). Load it with the "
+            "model and optimizer options it was saved with") from e
 
 
 def _drop_unsaved_group_keys(osd: Dict[str, Any], checkpoint_id) -> List[Dict[str, Any]]:
@@ -472,6 +593,29 @@ def _periods_from_full(model, optimizer, osd: Dict[str, Any]) -> Dict[str, int]:
     return out
 
 
+def _check_full(model, optimizer, osd: Dict[str, Any]) -> Optional[str]:
+    """:func:`check_compatible` for a consolidated optimizer state dict: the message, or None."""
+    if not _is_gefen(optimizer) or not osd:
+        return None
+    state, fqns, thr = osd.get("state", {}), param_fqns(model), _small_threshold(optimizer)
+    for gi, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            fqn = fqns.get(id(p))
+            if not p.requires_grad or fqn is None:
+                continue
+            st = state.get(fqn)
+            if not isinstance(st, dict):
+                return (f"the full state dict holds no optimizer state for parameter {fqn!r} (no state[{fqn!r}]): the "
+                        "model or its parameter names changed since it was saved. Load it into the model it was "
+                        "saved from. Nothing was loaded.")
+            saved = {leaf: f"{OPTIM_KEY}.state.{fqn}.{leaf}" for leaf in _LEAVES if leaf in st}
+            why = saved and _mismatch(fqn, gi, p, optimizer._spec(p), thr, saved,
+                                      lambda k: tuple(int(s) for s in st[k.rsplit(".", 1)[1]].shape))
+            if why:
+                return why + " (full state dict). Nothing was loaded."
+    return None
+
+
 def _copy_structure(obj):
     """Copy nested dicts/lists, sharing the leaves (tensors are not copied)."""
     if isinstance(obj, dict):
@@ -487,7 +631,9 @@ def load_full_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
     With ``broadcast_from_rank0`` (default) only rank 0 needs ``state_dict`` (others may pass
     ``{}``/``None``); it is broadcast and resharded to this run's layout. Otherwise every rank
-    passes the full dict.
+    passes the full dict. A dict saved with other Gefen options (``second_moment``,
+    ``small_threshold``, ``row_blocks``) raises :class:`CheckpointMismatchError` on every rank, as
+    :func:`check_compatible` does, before anything changes.
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
@@ -496,13 +642,16 @@ def load_full_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
     state_dict = state_dict or {}
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    periods = None
+    periods = why = None
     if rank == 0 or not broadcast_from_rank0:
-        periods = _periods_from_full(model, optimizer, state_dict.get(OPTIM_KEY, {}))
+        why = _check_full(model, optimizer, state_dict.get(OPTIM_KEY, {}))
+        periods = None if why else _periods_from_full(model, optimizer, state_dict.get(OPTIM_KEY, {}))
     if distributed and broadcast_from_rank0:
-        box = [periods]
+        box = [(periods, why)]
         dist.broadcast_object_list(box, src=0)
-        periods = box[0]
+        periods, why = box[0]
+    if why:  # on every rank: rank 0's check travels with the periods
+        raise CheckpointMismatchError(why)
     names = _param_names(optimizer)
     _allocate(model, optimizer, periods or {})
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0 and distributed)

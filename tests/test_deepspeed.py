@@ -4,7 +4,8 @@ The worker (tests/dist/ds_check.py) checks, against single-process Gefen on the 
 batch: identical codebook and periods, parameters within 1e-6 relative after 10 steps (ZeRO-1,
 ZeRO-2 with gradient accumulation + round_robin_gradients + the JSON WarmupLR, ZeRO-2 with
 clipping, ZeRO-2 CPU offload, ZeRO-3 with zero.Init and several sub-groups, the client-optimizer
-path through ``gefen_dist.integrations.deepspeed.initialize``); the factored second moment
+path through ``gefen_dist.integrations.deepspeed.initialize``; the base ``gefen_dist.Gefen`` as a client optimizer
+refused at its first step under ZeRO-1/2/3); the factored second moment
 (``second_moment="factored"``) under ZeRO-1, ZeRO-2, ZeRO-2 CPU offload and ZeRO-3 against
 ``Gefen(second_moment="factored", fused=False)``, with cut rows' ``v_row`` identical on both ranks;
 the per-element second moment (``second_moment="elementwise"``: period 1 everywhere) under ZeRO-2;
@@ -32,7 +33,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("z1,z2,z2clip,z2off,z2client,z3,z2f,z3f,ck2,ck3,ck3f,bf16,bf16opt,refuse,fp16,"
-         "z1f,z2offf,bf16optf,z2e,ucsave:ucz2,ucsave:ucz3f,adamsave")
+         "z1f,z2offf,bf16optf,z2e,plainclient,ucsave:ucz2,ucsave:ucz3f,adamsave")
 CASES_WS1 = "ucload:ucz2,ucload:ucz3f,wserr,adamwarm:shared,adamwarm:factored"
 CASES_WS3 = "ucload:ucz2,ucload:ucz3f,wserr,adamwarm:factored"
 

@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .layout import is_dtensor, local_tensor
+from .layout import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,13 @@ class NonfiniteChecks:
         when some rank raised it, the exact per-entry flags ``local_flags()``. Entered by every rank
         with the same collectives whichever path (per-tensor or :mod:`gefen_dist.engine.cuda_batch`) it
         takes. True when the step must be skipped; raises for ``nonfinite="raise"``."""
-        # Replicated (plain) gradients are identical on every rank after DDP's all-reduce, so the
-        # local decision is already global; sharded (DTensor) gradients need one tiny all-reduce.
-        if self._comm.world_size > 1 and any(is_dtensor(p) for _, p in entries):
+        # Whenever the optimizer's group spans ranks, the decision is one tiny MAX all-reduce: sharded
+        # (DTensor) pieces differ by construction, and plain replicas are identical only when the
+        # gradients were all-reduced exactly (DDP). A rank whose own gradient is non-finite (a user's
+        # all-reduce that skipped a tensor, a rank-local loss term) must not raise alone (the others
+        # would hang in the next collective) nor skip alone (the replicas would silently diverge):
+        # every rank raises the same error or skips the same step.
+        if self._comm.world_size > 1:
             # Fixed-size summary first (added with the DDP cross-rank mismatch test): ranks that
             # step different numbers of tensors get a clear error here instead of a gloo abort or
             # an NCCL hang in the variable-size all-reduce; the per-tensor flags travel only when
@@ -92,15 +96,17 @@ class NonfiniteChecks:
             return False
         names = self._names()
         bad = [names[id(p)] for (_, p), f in zip(entries, flags.tolist()) if f]
+        ranks = f" on at least one of the {self._comm.world_size} ranks" if self._comm.world_size > 1 else ""
         if self.nonfinite == "raise":
             raise RuntimeError(
                 f"Gefen: non-finite gradient (NaN or inf) in {len(bad)} tensor(s): {bad[:8]}"
-                f"{' ...' if len(bad) > 8 else ''}. Nothing was updated. Lower the learning rate, clip "
+                f"{' ...' if len(bad) > 8 else ''}{ranks}{' (every rank raises this error)' if ranks else ''}. "
+                "Nothing was updated. Lower the learning rate, clip "
                 "gradients, use a loss scaler for fp16, or pass nonfinite='skip' to skip such steps."
             )
         self.skipped_steps += 1
-        logger.warning("Gefen: skipped step with non-finite gradients in %s (%d skipped so far)",
-                       bad[:4], self.skipped_steps)
+        logger.warning("Gefen: skipped step with non-finite gradients in %s%s (%d skipped so far)",
+                       bad[:4], ranks + (" (every rank skips it)" if ranks else ""), self.skipped_steps)
         return True
 
     def _raise_column_overflow(self, col_mean_sq: Dict[torch.Tensor, torch.Tensor]) -> None:

@@ -33,6 +33,8 @@ class Report(list):
                 f"{r['scale_block']:>6} {r['state_bytes']:>12,} {r['state_bytes'] / n:>8.3f}"
             )
         lines.append(f"total: {tot_n:,} parameters, {tot_b:,} state bytes ({tot_b / max(1, tot_n):.4f} B/param)")
+        if getattr(self, "backend", None):
+            lines.append(f"stepped by gefen_dist, backend: {self.backend}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -59,8 +61,9 @@ def state_bytes(state: Dict[Any, Dict[str, Any]]) -> int:
 
 def build_report(items: Iterable[Tuple[str, torch.Tensor, Dict[str, Any], str]]) -> Report:
     """One record per (name, parameter, its state, its mode): name, shape, numel, local_numel,
-    dtype, kind (``pending`` before any state), period, scale_block, state_bytes and, quantized,
-    learned. The mode is the optimizer's (its state spec's), not read off the state's keys."""
+    dtype, kind (``pending`` before any state), mode (exact/shared/factored/elementwise, once there
+    is state), period, scale_block, state_bytes and, quantized, learned. The mode is the
+    optimizer's (its state spec's), not read off the state's keys."""
     rep = Report()
     for name, p, st, mode in items:
         shape = global_shape(p)
@@ -70,10 +73,10 @@ def build_report(items: Iterable[Tuple[str, torch.Tensor, Dict[str, Any], str]])
             rec.update(kind="pending", period=0, scale_block=0, state_bytes=0)
         elif mode != MODE_EXACT:
             held = sum(nbytes(st[k]) for k in tensor_keys(mode))
-            rec.update(kind=KIND_QUANTIZED, period=st["period"], scale_block=st["scale_block"],
+            rec.update(kind=KIND_QUANTIZED, mode=mode, period=st["period"], scale_block=st["scale_block"],
                        state_bytes=held, learned=bool(st["learned"]))
         else:
             held = sum(nbytes(st[k]) for k in tensor_keys(mode))
-            rec.update(kind=KIND_EXACT, period=0, scale_block=0, state_bytes=held)
+            rec.update(kind=KIND_EXACT, mode=MODE_EXACT, period=0, scale_block=0, state_bytes=held)
         rep.append(rec)
     return rep

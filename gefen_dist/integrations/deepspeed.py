@@ -40,6 +40,7 @@ from ..engine.comm import LocalComm, ProcessGroupComm
 from ..core.step import scalar_value, update_bound
 from ..engine.flat import FlatSegments, LayoutError, Segment, verify_segments
 from ..engine.state import MODE_FACTORED, MODE_SHARED, mode_of_saved, second_moment_of
+from ..engine.report import Report
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,19 @@ class Gefen(_opt_mod.Gefen):
                         f"Gefen was handed a tensor of shape {tuple(p.shape)} that is neither one of its parameters "
                         "nor a DeepSpeed flat partition with a known layout; refusing to treat it as one tensor")
             self._step_flat(g, p)
+        self._announce()
         return loss
+
+    def _announce(self) -> None:
+        # ZeRO-1/2 step one param group per call (the others swapped out): wait for every partition
+        if sum(id(k) in self._ds_flats for k in self.state) >= len(self._ds_flats):
+            super()._announce()
+
+    def _backend(self) -> str:
+        if not self._ds_flats:
+            return super()._backend()
+        w = type(self._ds_wrapper).__name__ if self._ds_wrapper is not None else "ZeRO (parameter mappings)"
+        return f"DeepSpeed {w} ({len(self._ds_flats)} flat partitions, per-tensor state)"
 
     def _step_flat(self, group: dict, flat: torch.Tensor) -> None:
         fs = self._ds_flats[id(flat)]
@@ -229,17 +242,21 @@ class Gefen(_opt_mod.Gefen):
     def report(self):
         if not self._ds_flats:
             return super().report()
-        rep = _opt_mod.Report()
+        rep = Report()
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for k, st in self.state.items():
             fs = self._ds_flats.get(id(k))
-            if fs is None:
+            if fs is None or id(k) not in group_of:
                 continue
+            second_moment = second_moment_of(group_of[id(k)])
             nb = sum(st[x].numel() * st[x].element_size()
                      for x in ("idx", "scale", "v", "v_row", "v_col", "exact_m", "exact_v") if x in st)
             for seg, per in zip(fs.segments, st["periods"]):
+                mode = "exact" if per == 0 else second_moment
                 rep.append(dict(name=seg.name, shape=seg.shape, numel=math.prod(seg.shape), local_numel=seg.numel,
-                                dtype="float32", kind="exact" if per == 0 else "quantized", period=per,
+                                dtype="float32", kind="exact" if per == 0 else "quantized", mode=mode, period=per,
                                 scale_block=0, state_bytes=int(nb * seg.numel / max(1, k.numel()))))
+        rep.backend = self._backend()
         return rep
 
     # ------------------------------------------------------------------ checkpoints

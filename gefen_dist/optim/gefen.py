@@ -17,18 +17,21 @@ from torch.optim import Optimizer
 from ..engine import learning
 from . import state_dict_io as _sdio
 from . import validation as _validation
+from .introspect import Introspection
 from ..engine.comm import LocalComm, comm_for
 from ..engine.cuda_batch import CudaBatch
 from ..engine.tensor_step import GefenStepMixin
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import Piece, check_supported, global_shape, is_exact, like_param, local_tensor, piece_of
 from ..engine.nonfinite import NonfiniteChecks
-from ..engine.report import Report, build_report, state_bytes
+from ..engine.report import Report
 from ..engine.state import SECOND_MOMENTS, StateSpec, fixed_period, mode_of, second_moment_of
 
 logger = logging.getLogger(__name__)
 
 NONFINITE = ("raise", "skip", "ignore")
+
+__all__ = ["Gefen", "Report", "saved_param_map", "NONFINITE"]
 
 
 def _validate_row_blocks(rb, where: str = "") -> None:
@@ -57,7 +60,7 @@ def saved_param_map(opt: Optimizer, state_dict: Dict[str, Any]) -> Dict[Any, tor
     return id_map
 
 
-class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
+class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
     r"""AdamW with ~1 byte per parameter of state (Gefen, Benedek, Koren, Fried 2026).
 
     Large tensors keep the first moment as uint8 indices into one learned 256-entry codebook times
@@ -197,25 +200,9 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
         except Exception:
             self.param_groups.pop()  # leave the optimizer as it was
             raise
-
-    def _names(self) -> Dict[int, str]:
-        names: Dict[int, str] = {}
-        for gi, g in enumerate(self.param_groups):
-            pn = g.get("param_names")
-            for pi, p in enumerate(g["params"]):
-                names[id(p)] = pn[pi] if pn is not None else f"group{gi}.param{pi}"
-        return names
-
-    # ------------------------------------------------------------------ introspection
-    def state_bytes(self) -> int:
-        """Exact bytes held in optimizer state tensors (the shared codebook counted once)."""
-        return state_bytes(self.state)
-
-    def report(self) -> Report:
-        """One record per parameter: name, shape, numel, kind, period, scale_block, state_bytes."""
-        names = self._names()
-        return build_report([(names[id(p)], p, self.state.get(p, {}), self._mode(p)) for g in self.param_groups
-                             for p in g["params"] if p.requires_grad])
+        own = self.__dict__.setdefault("_own_ids", set())
+        if own is not None:  # None after a copy: rebuilt from the param groups at the next step
+            own.update(id(p) for p in g["params"])
 
     # ------------------------------------------------------------------ state creation
     def _group_of(self, p: torch.Tensor) -> dict:
@@ -379,6 +366,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
                     raise RuntimeError(f"Gefen does not support complex parameters or gradients "
                                        f"(parameter {names[id(p)]!r}); view them as real with torch.view_as_real")
                 out.append((g, p))
+        self._check_own(out)
         return out
 
     def _impl(self, t: torch.Tensor) -> _dispatch.StepImpl:
@@ -394,8 +382,10 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
                 loss = closure()
         entries = self._entries()
         _validation.prestep(self, entries)  # compile, meta, changed shapes, zero-size, nonfinite learning
-        batch = CudaBatch.get(self, entries)
+        batch, skipped = CudaBatch.get(self, entries), self.skipped_steps
         if batch is not None and batch.step(self):
+            if self.skipped_steps == skipped:
+                self._announce()
             return loss
         partials = self._column_partials(entries)
         if self.nonfinite != "ignore" and self._nonfinite(entries, partials):
@@ -409,6 +399,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Optimizer):
             else:
                 self._update(group, p, col.get(p))
         self._update_exact_batched(batched)
+        self._announce()
         return loss
 
     # ------------------------------------------------------------------ checkpoints

@@ -396,6 +396,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         self._consolidated = None
         self._prepare(entries)
         self._zero_update(entries, partials)
+        self._announce()
         return loss
 
     def _partitioned_shape(self, p: torch.Tensor) -> Optional[Tuple[int, ...]]:
@@ -404,6 +405,9 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         if part is None or id(p) not in part.index or not self.state.get(p):
             return None
         return part.shapes[part.index[id(p)]]
+
+    def _backend(self) -> str:
+        return f"ZeroGefen (ZeRO-1: state partitioned over {self._comm.world_size} ranks)"
 
     # ------------------------------------------------------------------ introspection
     def owned_range(self, p: torch.Tensor) -> Tuple[int, int]:

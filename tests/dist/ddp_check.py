@@ -52,7 +52,7 @@ def digest(model, opt):
             h.update(k.encode())
             if isinstance(v, torch.Tensor):
                 h.update(str(v.dtype).encode())
-                h.update(full(v).contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(full(v).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             else:
                 h.update(repr(v).encode())
     return h.hexdigest()

@@ -361,6 +361,52 @@ def case_refuse(case):
     log(f"OK {case}: elastic_checkpoint, NVMe offload, ZeRO-3 partial offload refused")
 
 
+def case_plain_client(case):
+    """The base gefen_dist.Gefen as a client optimizer of the stock engine (what Accelerate + DeepSpeed
+    does with `prepare(model, gefen_dist.Gefen(...))`): ZeRO puts flat partitions in its param groups,
+    and the first step must refuse them (naming the DeepSpeed-aware subclass) instead of training
+    them as plain AdamW."""
+    from gefen_dist.engine.flat_layout import LayoutError
+
+    for name, stage in (("gefen_zero1.json", 1), ("gefen_zero2.json", 2), ("gefen_zero3.json", 3)):
+        cfg = load_cfg(name, zero_allow_untested_optimizer=True)
+        cfg.pop("optimizer", None)
+        torch.manual_seed(0)
+        m = Net()
+        opt = PlainGefen(groups(m), lr=1e-3, weight_decay=0.1)
+        engine, *_ = deepspeed.initialize(model=m, optimizer=opt, config=cfg)
+        assert engine.basic_optimizer is opt
+        try:
+            train(engine, 1, 1)
+        except LayoutError as e:
+            msg = str(e)
+        else:
+            raise AssertionError(f"ZeRO-{stage}: gefen_dist.Gefen stepped DeepSpeed's flat partitions")
+        assert "flat ZeRO partitions" in msg and "gefen_dist.integrations.deepspeed.Gefen" in msg, msg
+        assert not opt.state, f"ZeRO-{stage}: the refusal left state behind"
+        dist.barrier()
+    # the subclass steps, and its one INFO line says so (rank 0 of the group)
+    import logging
+
+    seen = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: seen.append(r.getMessage()) if "is stepping" in r.getMessage() else None
+    lg = logging.getLogger("gefen_dist.optim.gefen")
+    lg.addHandler(handler)
+    lg.setLevel(logging.INFO)
+    cfg = load_cfg("gefen_zero2.json", zero_allow_untested_optimizer=True)
+    cfg.pop("optimizer", None)
+    torch.manual_seed(0)
+    m = Net()
+    engine, *_ = gds.initialize(model=m, optimizer=gds.Gefen(groups(m), lr=1e-3), config=cfg)
+    train(engine, 2, 1)
+    lg.removeHandler(handler)
+    if dist.get_rank() == 0:
+        assert len(seen) == 1 and "backend: DeepSpeed DeepSpeedZeroOptimizer (2 flat partitions" in seen[0], seen
+        assert "stepping 4 tensors" in seen[0], seen  # rank 0: pieces of a, b weights and a, b biases
+    log(f"OK {case}: ZeRO-1/2/3 refuse the base class at the first step: {msg[:120]}...; the subclass logs: {seen[:1]}")
+
+
 # ---------------------------------------------------------------------------- universal checkpoints
 G = 12  # global batch of the universal cases: divisible by world sizes 1, 2 and 3
 UC = {  # case -> (config, stage, zero.Init, overrides)
@@ -691,6 +737,8 @@ def main():
             case_bf16("bf16 zero1 (BF16_Optimizer)", "gefen_zero1.json", 1, data_types={"grad_accum_dtype": "fp32"})
         elif c == "refuse":
             case_refuse("refusals")
+        elif c == "plainclient":
+            case_plain_client("gefen_dist.Gefen as a client optimizer")
         elif c == "z1f":  # factored second moment under ZeRO-1, CPU offload, the BF16_Optimizer
             case_exact("zero1 factored", "gefen_zero1.json", 1, gradient_clipping=0.0, **FACTORED)
         elif c == "z2offf":
