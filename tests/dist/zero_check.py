@@ -12,10 +12,11 @@ DDP smoke run, and models where a rank owns nothing. Phase 3: 3-rank comparison,
 an empty rank at 3.
 
 Every run also has a ``second_moment="factored"`` param group (variant "a": the bf16 matrix, the
-late-learned one and a period-64 one; phase 3's comparison uses variant "b": the period-1 matrix,
-the head and the embedding, with weight decay 0), so the factored path is checked by the same
+late-learned one and a period-64 one; phase 3's comparison uses variant "b": the attention output
+matrix, the head and the embedding, with weight decay 0), so the factored path is checked by the same
 launches: bitwise equality, replicas, state bytes (``v_col`` replicated), checkpoints, empty ranks.
-Variant "a" also has a ``second_moment="elementwise"`` group (the token embedding: v per element).
+Each variant also has a ``second_moment="elementwise"`` group (v per element, period 1: the token
+embedding in "a", the MLP output matrix in "b").
 """
 import argparse
 import hashlib
@@ -33,6 +34,7 @@ from _models import TinyLM, lm_loss, markov_batches  # noqa: E402
 from gefen_dist import Gefen, ZeroGefen  # noqa: E402
 from gefen_dist.engine.comm import LocalComm  # noqa: E402
 from gefen_dist.zero.optimizer import unit_cost  # noqa: E402
+from gefen_dist.core.periods import shape_period  # noqa: E402
 
 STEPS = 10
 CKPT_STEP = 5
@@ -69,7 +71,8 @@ def net(seed=0):
 
 FACTORED = {"a": ("hb", "late", "lm.blocks.0.linear1.weight"),
             "b": ("lm.blocks.0.self_attn.out_proj.weight", "lm.head.weight", "lm.tok.weight")}
-ELEMENTWISE = {"a": ("lm.tok.weight",), "b": ()}  # second_moment="elementwise" (v per element)
+# second_moment="elementwise" (v per element: the quantized period-1 tensors of each variant)
+ELEMENTWISE = {"a": ("lm.tok.weight",), "b": ("lm.blocks.0.linear2.weight",)}
 
 
 def groups(m, variant="a"):
@@ -186,8 +189,9 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
     fact = {n: zo.state[p] for n, p in zm.named_parameters() if "v_col" in zo.state.get(p, {})}
     assert sorted(fact) == sorted(FACTORED[variant]), sorted(fact)
     assert all(st["learned"] for st in fact.values())
-    if variant == "b":
-        assert min(st["period"] for st in fact.values()) == 1  # a period-1 factored tensor
+    for n, p in zm.named_parameters():  # D14: a factored tensor's period comes from its shape
+        if n in fact:
+            assert fact[n]["period"] == shape_period(p.shape), (n, fact[n]["period"], tuple(p.shape))
     for n, p in zm.named_parameters():
         if n in ELEMENTWISE[variant]:
             assert zo.state[p]["period"] == 1 and "v" in zo.state[p], f"elementwise {n}: period {zo.state[p]['period']}"
