@@ -23,18 +23,18 @@ lazily at the first ``step()``. See ``docs/deepspeed.md``.
 """
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ..engine import learning
 from ..optim import gefen as _opt_mod
+from ..optim.introspect import referrers_with_optimizer as _referrers_with_optimizer
 from ..optim.validation import refuse_compile
 from ..engine.comm import LocalComm, ProcessGroupComm
 from ..core.step import scalar_value, update_bound
@@ -292,20 +292,6 @@ class Gefen(_opt_mod.Gefen):
 
 
 # ---------------------------------------------------------------------------- layout extraction
-def _referrers_with_optimizer(opt, attrs: Sequence[str]) -> List[Any]:
-    """Objects whose ``.optimizer`` is ``opt`` and that have one of ``attrs`` (the ZeRO wrapper that
-    owns a client optimizer, or the engine that owns a wrapper)."""
-    out = []
-    for r in gc.get_referrers(opt):
-        cands = [r]
-        if isinstance(r, dict):
-            cands = [rr for rr in gc.get_referrers(r) if getattr(rr, "__dict__", None) is r]
-        for c in cands:
-            if getattr(c, "optimizer", None) is opt and any(hasattr(c, a) for a in attrs):
-                out.append(c)
-    return out
-
-
 def extract_layout(wrapper, key_of, names: Dict[int, str]):
     """``[(flat, segments, sources, process_group, where)]`` for a ZeRO-1/2, bf16 or ZeRO-3 wrapper.
 

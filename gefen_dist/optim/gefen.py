@@ -147,26 +147,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         super().__init__(params, defaults)
         _validation.warn_meta(self)
         if fused is True:
-            self._require_fused_kernels()
-
-    def _require_fused_kernels(self) -> None:
-        """``fused=True``: the kernel of each device the parameters are on must be usable (the
-        native CPU kernel for CPU parameters, Triton for CUDA ones), else a clear error now."""
-        devices = {local_tensor(p).device.type for g in self.param_groups for p in g["params"]}
-        if "cpu" in devices:
-            from ..kernels import cpu as _cpu
-
-            if not _cpu.available():
-                raise RuntimeError(
-                    "Gefen(fused=True): the native CPU kernel could not be built (no C compiler?). "
-                    "Install gcc/clang or set CC, or pass fused=None to fall back to the eager path.")
-        cuda = [local_tensor(p) for g in self.param_groups for p in g["params"]
-                if local_tensor(p).is_cuda and p.dtype in (torch.float32, torch.bfloat16)]
-        if cuda and not _dispatch.triton_usable(cuda[0]):
-            raise RuntimeError(
-                "Gefen(fused=True): CUDA parameters, but the Triton kernels are not usable (is triton "
-                "installed and working? python -c 'import triton'). Install triton matching your torch, or "
-                "pass fused=None to fall back to the eager path.")
+            _validation.require_fused_kernels(self)
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

@@ -122,15 +122,23 @@ class Introspection:
         own.update(id(p) for p in new)  # another swap (Accelerate's FSDP2 prepare): accepted
 
 
-def _deepspeed_owner(opt):
-    """The DeepSpeed ZeRO wrapper whose ``.optimizer`` is ``opt``, or None."""
+def referrers_with_optimizer(opt, attrs) -> List[Any]:
+    """Objects whose ``.optimizer`` is ``opt`` and that have one of ``attrs`` (the ZeRO wrapper that
+    owns a client optimizer, or the engine that owns a wrapper), found without importing DeepSpeed."""
     import gc
 
+    out = []
     for r in gc.get_referrers(opt):
         cands = [r]
         if isinstance(r, dict):
             cands = [rr for rr in gc.get_referrers(r) if getattr(rr, "__dict__", None) is r]
         for c in cands:
-            if getattr(c, "optimizer", None) is opt and any(hasattr(c, a) for a in DS_WRAPPER_ATTRS):
-                return c
-    return None
+            if getattr(c, "optimizer", None) is opt and any(hasattr(c, a) for a in attrs):
+                out.append(c)
+    return out
+
+
+def _deepspeed_owner(opt):
+    """The DeepSpeed ZeRO wrapper whose ``.optimizer`` is ``opt``, or None."""
+    owners = referrers_with_optimizer(opt, DS_WRAPPER_ATTRS)
+    return owners[0] if owners else None

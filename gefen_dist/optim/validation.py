@@ -25,7 +25,7 @@ from ..engine.state import tensor_keys
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["validate_hparams", "validate_group_keys", "prestep", "prestep_zero", "refuse_compile", "GROUP_REJECTED"]
+__all__ = ["validate_hparams", "validate_group_keys", "prestep", "prestep_zero", "refuse_compile", "require_fused_kernels", "GROUP_REJECTED"]
 
 # Constructor options that apply to the whole optimizer; a param group that sets them is refused.
 GROUP_REJECTED = ("fused", "small_threshold", "nonfinite", "bound_updates", "process_group")
@@ -130,6 +130,28 @@ def _under_torch_compile() -> bool:
         return _ef.get_eval_frame_callback() is not None
     except (ImportError, AttributeError):  # pragma: no cover - other torch builds
         return False
+
+
+def require_fused_kernels(opt) -> None:
+    """``fused=True``: the kernel of each device the parameters are on must be usable (the native
+    CPU kernel for CPU parameters, Triton for CUDA float32/bfloat16 ones), else a clear error at
+    construction."""
+    from ..kernels import dispatch as _dispatch
+
+    params = [local_tensor(p) for g in opt.param_groups for p in g["params"]]
+    if any(t.device.type == "cpu" for t in params):
+        from ..kernels import cpu as _cpu
+
+        if not _cpu.available():
+            raise RuntimeError(
+                "Gefen(fused=True): the native CPU kernel could not be built (no C compiler?). "
+                "Install gcc/clang or set CC, or pass fused=None to fall back to the eager path.")
+    cuda = [t for t in params if t.is_cuda and t.dtype in (torch.float32, torch.bfloat16)]
+    if cuda and not _dispatch.triton_usable(cuda[0]):
+        raise RuntimeError(
+            "Gefen(fused=True): CUDA parameters, but the Triton kernels are not usable (is triton "
+            "installed and working? python -c 'import triton'). Install triton matching your torch, or "
+            "pass fused=None to fall back to the eager path.")
 
 
 def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:

@@ -66,3 +66,17 @@ def state_dtypes_ok(state_values) -> int:
             check(st["idx"].dtype == torch.uint8, f"idx dtype {st['idx'].dtype}")
             n += 1
     return n
+
+
+def check_same_on_ranks(params, opt) -> None:
+    """Every rank ends with the same full parameters (``{name: tensor}``) and the same codebook."""
+    import torch.distributed as dist
+
+    for n, p in params.items():
+        q = p.clone()
+        dist.broadcast(q, 0)
+        check(torch.equal(p, q), f"{n} differs between ranks")
+    cb = opt.codebook.clone()
+    dist.broadcast(cb, 0)
+    check(torch.equal(cb, opt.codebook), "codebook differs between ranks")
+

@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _teardown import leave  # noqa: E402
-from hf_common import Tokens, check, rank0_print, state_dtypes_ok, tiny_gpt2  # noqa: E402
+from hf_common import Tokens, check, check_same_on_ranks, rank0_print, state_dtypes_ok, tiny_gpt2  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -88,13 +88,7 @@ def main():
     check(all(st["step"] == STEPS for st in opt.state.values()), [st["step"] for st in opt.state.values()])
     check(opt.codebook is not None and opt.codebook.numel() == 256, "codebook not learned")
     check(res.global_step == STEPS and len(la) == STEPS and la[-1] < la[0], (res.global_step, la))
-    for n, p in pa.items():
-        q = p.clone()
-        dist.broadcast(q, 0)
-        check(torch.equal(p, q), f"{n} differs between ranks")
-    cb = opt.codebook.clone()
-    dist.broadcast(cb, 0)
-    check(torch.equal(cb, opt.codebook), "codebook differs between ranks")
+    check_same_on_ranks(pa, opt)
     rank0_print(f"OK trainer+ddp: {type(opt).__module__}.{type(opt).__name__} from optimizer_cls_and_kwargs, "
                 f"groups wd {wds}, stepped {STEPS}x, {nq} quantized states, loss {la[0]:.3f} -> {la[-1]:.3f}")
 

@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _teardown import leave  # noqa: E402
-from hf_common import Tokens, check, rank0_print, state_dtypes_ok, tiny_gpt2  # noqa: E402
+from hf_common import Tokens, check, check_same_on_ranks, rank0_print, state_dtypes_ok, tiny_gpt2  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -117,15 +117,9 @@ def main():
     seen = set(names[0]) | set(names[1])
     check("transformer.h.0.attn.c_attn.weight" in seen and not any(n.startswith("param") for n in seen),
           sorted(seen)[:8])
-    # ZeRO-2: every rank ends with the same full parameters
-    for n, p in pa.items():
-        q = p.clone()
-        dist.broadcast(q, 0)
-        check(torch.equal(p, q), f"{n} differs between ranks")
-    # state per parameter group, learned in the global tensor: the same codebook on both ranks
-    cb = opt.codebook.clone()
-    dist.broadcast(cb, 0)
-    check(torch.equal(cb, opt.codebook), "codebook differs between ranks")
+    # ZeRO-2: every rank ends with the same full parameters; state learned in the global tensor:
+    # the same codebook on both ranks
+    check_same_on_ranks(pa, opt)
     rank0_print(f"OK trainer+deepspeed zero2: lazy layout ({len(opt._ds_flats)} flat partitions, {len(per)} segments "
                 f"on this rank), loss {la[0]:.3f} -> {la[-1]:.3f}, idx uint8")
 

@@ -1086,6 +1086,17 @@ int gefen_quantized_step(const gefen_step_args *a, void *param, const void *grad
     return 0;
 }
 
+/* The argument checks of the factored entry points: 0 when fine, else the error code. */
+static int factored_args_error(const gefen_step_args *a, int64_t row0, int64_t rb)
+{
+    if (row0 < 0 || rb < 1) return -6;
+    if (a->block <= 0 || a->period <= 0) return -1;
+    if (a->period % a->block != 0) return -2;
+    if (a->n % a->period != 0) return -3;
+    if (a->dtype != 0 && a->dtype != 1) return -4;
+    return 0;
+}
+
 /* Factored second moment: a->period = slab (row length), a->block = scale block (divides
  * slab); v_row[n / slab] is updated here, cf = sqrt(v_col / mean(v_col)) per block of rb global
  * rows ([blocks][slab]) is read; the first local row is global row row0 (rb > row0 + rows: one
@@ -1095,11 +1106,8 @@ int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const v
                                   const float *cb, const int32_t *lut, int64_t row0, int64_t rb)
 {
     if (a->n == 0) return 0;
-    if (row0 < 0 || rb < 1) return -6;
-    if (a->block <= 0 || a->period <= 0) return -1;
-    if (a->period % a->block != 0) return -2;
-    if (a->n % a->period != 0) return -3;
-    if (a->dtype != 0 && a->dtype != 1) return -4;
+    const int err = factored_args_error(a, row0, rb);
+    if (err) return err;
     if (a->lut_n < 2) return -5;
     const int k = (a->dtype << 2) | ((a->lut_mode != 0) << 1) | (a->fused_lerp != 0);
     const void *planes = NULL;
@@ -1251,11 +1259,8 @@ int gefen_apply_factored(const gefen_step_args *a, void *param, const uint8_t *i
                          const float *rsq, const float *cf, const float *cb, int64_t row0, int64_t rb)
 {
     if (a->n == 0) return 0;
-    if (row0 < 0 || rb < 1) return -6;
-    if (a->block <= 0 || a->period <= 0) return -1;
-    if (a->period % a->block != 0) return -2;
-    if (a->n % a->period != 0) return -3;
-    if (a->dtype != 0 && a->dtype != 1) return -4;
+    const int err = factored_args_error(a, row0, rb);
+    if (err) return err;
     return apply_call(a, 1, param, idx, M, rsq, cf, cb, row0, rb);
 }
 
