@@ -105,7 +105,7 @@ def test_trainer_with_the_plain_class(tmp_path):
     opt = getattr(a.optimizer, "optimizer", a.optimizer)
     assert type(opt) is Gefen and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert tuple(opt.param_groups[0]["betas"]) == (0.9, 0.95)
-    assert {st["step"] for st in opt.state.values()} == {2} and opt.codebook is not None
+    assert {int(st["step"]) for st in opt.state.values()} == {2} and opt.codebook is not None
     b = trainer(tmp_path / "b")
     b.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
     opt_b = getattr(b.optimizer, "optimizer", b.optimizer)

@@ -109,7 +109,7 @@ def _check_ckpt(path, iters):
     q = [s for s in st.values() if "idx" in s]
     assert len(q) == 10 and len(st) == 15, (len(q), len(st))  # the 10 matrices quantized, 5 norm weights exact
     assert all(s["idx"].dtype == torch.uint8 and s["learned"] == 1 for s in q)
-    assert {s["step"] for s in st.values()} == {iters}
+    assert {int(s["step"]) for s in st.values()} == {iters}
     nbytes = sum(v.numel() * v.element_size() for s in st.values() for v in s.values() if torch.is_tensor(v))
     mod = _model_module()
     model = mod.GPT(mod.GPTConfig(**ck["model_args"]))

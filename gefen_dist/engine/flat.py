@@ -78,6 +78,7 @@ class FlatSegments(SegmentStepMixin):
         self.comm = comm
         self.small_threshold = small_threshold
         self.where = where
+        self.second_moment: Optional[str] = None  # the mode of the group that last stepped it (set by its owner)
         keys = [s.key for s in self.segments]
         if len(set(keys)) != len(keys):
             raise LayoutError(f"{where}: a tensor appears twice in one flat buffer ({keys})")

@@ -189,6 +189,7 @@ class Gefen(_opt_mod.Gefen):
         fs = self._ds_flats[id(flat)]
         st = self.state.get(flat)
         second_moment = second_moment_of(group)  # the buffer's mode (the constructor's default where unset)
+        fs.second_moment = second_moment  # for report(): ZeRO-3 empties the param groups between steps
         factored = second_moment == MODE_FACTORED
         # state that exists was loaded (or put there by DeepSpeed): checked as a saved entry
         saved = mode_of_saved(st) if st else None
@@ -243,12 +244,13 @@ class Gefen(_opt_mod.Gefen):
         if not self._ds_flats:
             return super().report()
         rep = Report()
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for k, st in self.state.items():
             fs = self._ds_flats.get(id(k))
-            if fs is None or id(k) not in group_of:
+            if fs is None:
                 continue
-            second_moment = second_moment_of(group_of[id(k)])
+            # the mode of the group that last stepped this buffer (ZeRO-3 empties the groups between
+            # steps); a buffer loaded but not stepped yet: read off its state, as a saved entry
+            second_moment = fs.second_moment or mode_of_saved(st)
             nb = sum(st[x].numel() * st[x].element_size()
                      for x in ("idx", "scale", "v", "v_row", "v_col", "exact_m", "exact_v") if x in st)
             for seg, per in zip(fs.segments, st["periods"]):

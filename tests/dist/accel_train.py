@@ -148,7 +148,7 @@ def main():
     check(gopt.codebook is not None and gopt.codebook.numel() == 256, "codebook not learned")
     nq = state_dtypes_ok(gopt.state.values())
     check(nq >= 1, "no quantized state")
-    check(all(st["step"] == STEPS for st in gopt.state.values()), sorted({st["step"] for st in gopt.state.values()}))
+    check(all(st["step"] == STEPS for st in gopt.state.values()), sorted({int(st["step"]) for st in gopt.state.values()}))
     if kind == DistributedType.DEEPSPEED:
         check(bool(gopt._ds_flats), "the ZeRO layout was not discovered")
         per = gopt.periods()

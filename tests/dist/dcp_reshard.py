@@ -186,7 +186,7 @@ def check_loaded(m, opt, saved, what):
                     assert got.dtype == v.dtype, f"{what}: {fqn}.{k} dtype {got.dtype} != saved {v.dtype}"
                     assert got.shape == v.shape, f"{what}: {fqn}.{k} shape {tuple(got.shape)} != {tuple(v.shape)}"
                     assert torch.equal(got, v), f"{what}: {fqn}.{k} differs from the saved state"
-                    if k not in ("codebook", "v_col") and hasattr(p, "placements"):  # plain, replicated
+                    if k not in ("codebook", "v_col", "step") and hasattr(p, "placements"):  # plain, replicated
                         assert st[k].placements == p.placements, (what, fqn, k, st[k].placements)
                 else:
                     assert st[k] == v, f"{what}: {fqn}.{k} = {st[k]!r}, saved {v!r}"

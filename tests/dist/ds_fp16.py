@@ -196,7 +196,7 @@ def case(second_moment):
         else:
             assert engine.skipped_steps == skipped0, (name, i, "a normal step was skipped", scale0)
             assert calls[0] == calls0 + len(opt.param_groups), (name, i, calls[0], calls0)
-            steps = {st["step"] for st in opt.state.values()}
+            steps = {int(st["step"]) for st in opt.state.values()}
             assert steps == {REAL.index(step[1]) + 1}, (name, i, steps)
             if max(before["lr"]) > 0:  # (WarmupLR starts at lr 0)
                 moved += 1

@@ -80,3 +80,51 @@ def check_same_on_ranks(params, opt) -> None:
     dist.broadcast(cb, 0)
     check(torch.equal(cb, opt.codebook), "codebook differs between ranks")
 
+
+def check_resumed_equal(pa, pb, sa, sb) -> None:
+    """A resumed run ends bitwise equal to the uninterrupted one: parameters ``{name: tensor}`` and
+    the optimizer's per-tensor state entries (lists of dicts), tensors with their dtypes."""
+    for n in pa:
+        check(torch.equal(pa[n], pb[n]), f"{n}: resumed run differs from the uninterrupted one "
+                                         f"(max |diff| {(pa[n] - pb[n]).abs().max().item():.3g})")
+    check(len(sa) == len(sb), (len(sa), len(sb)))
+    for a, b in zip(sa, sb):
+        check(a.keys() == b.keys(), (sorted(a), sorted(b)))
+        for k in a:
+            if torch.is_tensor(a[k]):
+                check(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"state {k} differs after resume")
+            else:
+                check(a[k] == b[k], f"state {k}: {a[k]} vs {b[k]}")
+
+
+def inspect_on_rank0(ck: str, fmt: str):
+    """``gefen-dist inspect`` of checkpoint ``ck`` on rank 0 (None elsewhere), after a barrier:
+    its format names ``fmt``, its codebook is learned, its state is Gefen's compact one (< 2.5
+    B/param). Returns (report, B/param) on rank 0."""
+    import torch.distributed as dist
+
+    from gefen_dist.cli import inspect_checkpoint
+
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return None, None
+    r = inspect_checkpoint(ck)
+    check(fmt in r["format"], r["format"])
+    check(r["codebook"]["learned"], "checkpoint codebook not learned")
+    bpp = r["state_bytes"] / max(1, sum(t["numel"] for t in r["tensors"]))
+    check(bpp < 2.5, f"checkpointed state is {bpp:.3f} B/param, not Gefen's compact state")
+    return r, bpp
+
+
+def finish_resume(ck: str, save: int, la, lb, pa, pb, sa, sb) -> None:
+    """The end of a resume check: the resumed run's losses after step ``save`` equal the
+    uninterrupted run's, it ends bitwise equal (:func:`check_resumed_equal`); prints the OK lines."""
+    import torch.distributed as dist
+
+    check(len(lb) == len(la) and lb[save:] == la[save:], f"resumed losses {lb} vs uninterrupted {la}")
+    check_resumed_equal(pa, pb, sa, sb)
+    rank0_print(f"OK resume from {os.path.basename(ck)}: parameters and Gefen state bitwise equal to the "
+                f"uninterrupted run, losses {lb[save:]}")
+    dist.barrier()
+    rank0_print("ALL OK")
+
