@@ -1,6 +1,6 @@
 """Gefen through the Hugging Face stack on 2 CPU ranks (gloo), with a tiny randomly initialised GPT-2.
 
-Four real launches, each checking several things (the workers print ``OK ...`` lines and
+Real launches, each checking several things (the workers print ``OK ...`` lines and
 ``ALL OK``; any failed check raises there):
 
 * ``torchrun`` x2, ``transformers.Trainer`` with a DeepSpeed JSON that names Gefen (ZeRO-2): DeepSpeed
@@ -14,7 +14,9 @@ Four real launches, each checking several things (the workers print ``OK ...`` l
 * ``accelerate launch`` with the FSDP2 plugin and with the DeepSpeed ZeRO-2 plugin
   (``integrations/accelerate/cpu_*.yaml``): Gefen from ``gefen_dist.integrations.hf`` steps, the
   loss goes down, compact (uint8, DTensor / ZeRO-partition) state, and ``save_state``/``load_state``
-  restores and replays bitwise (``tests/dist/accel_train.py``).
+  restores and replays bitwise (``tests/dist/accel_train.py``);
+* FSDP2 ``save_state`` at 2 ranks, ``load_state`` at 1 rank and back at 2 (three launches,
+  ``tests/dist/accel_resume.py``).
 
 Every launch runs in its own process group and is killed as a whole on timeout
 (``tests/dist/_launch.py``).
@@ -79,6 +81,23 @@ def test_accelerate_fsdp2_2ranks(tmp_path, monkeypatch):
     ok = _check(res, 2)
     assert ok[0].startswith("OK fsdp2: gefen_dist.optim.gefen.Gefen"), ok
     assert (tmp_path / "state_fsdp2").is_dir()
+
+
+@pytest.mark.dist
+def test_accelerate_fsdp2_save_2ranks_load_1rank(tmp_path, monkeypatch):
+    """``save_state`` at 2 ranks, ``load_state`` at 1 rank (FSDP2 on a 1-rank mesh, through
+    ``load_fsdp_optimizer``/DCP), then back to 2 ranks, default factored mode, rows of 64, 192 and
+    2560 elements (c_fc: period 1280, shorter than its row): state bitwise equal to the saved one
+    after each load, the resumed steps bitwise equal to the uninterrupted 2-rank run
+    (tests/dist/accel_resume.py)."""
+    _hf_env(monkeypatch)
+    cfg = os.path.join(ACC, "cpu_fsdp2.yaml")
+    ok = _check(_accelerate_launch(cfg, "accel_resume.py", "save", tmp_path), 1)
+    assert "((64, 2560), 1280)" in ok[0], ok
+    ok = _check(_accelerate_launch(cfg, "accel_resume.py", "load", tmp_path, flags=("--num_processes", "1")), 2)
+    assert "ws=2 -> load_state ws=1 (load_fsdp_optimizer, DCP)" in ok[0] and "bitwise equal" in ok[1], ok
+    ok = _check(_accelerate_launch(cfg, "accel_resume.py", "load2", tmp_path), 1)
+    assert "ws=1 -> load_state ws=2" in ok[0] and "bitwise equal to the uninterrupted" in ok[0], ok
 
 
 @pytest.mark.dist

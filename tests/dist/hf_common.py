@@ -30,13 +30,14 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def tiny_gpt2(seed: int = 0):
-    """A 2-layer, 64-wide GPT-2 (about 110k parameters), dropout off, same weights on every rank."""
+def tiny_gpt2(seed: int = 0, **overrides):
+    """A 2-layer, 64-wide GPT-2 (about 110k parameters), dropout off, same weights on every rank;
+    ``overrides`` are further ``GPT2Config`` fields (e.g. ``n_inner``)."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=CTX,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **overrides)
     return transformers.GPT2LMHeadModel(cfg)
 
 
