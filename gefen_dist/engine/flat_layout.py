@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core import periods as _periods
-from .layout import is_exact
+from .layout import Geometry, is_exact
+from .state import MODE_FACTORED, MODE_SHARED, StateSpec
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,14 @@ def _slots(segments: Sequence[Segment], periods: Sequence[int], small_threshold:
             out.append(_SegSlots(seg, True, exact_off=eo))
             eo += seg.numel
             continue
-        slab = _periods.row_slab(seg.shape)
-        B = _periods.scale_block_for(per, slab)
-        a, e = seg.param_offset, seg.param_offset + seg.numel
-        vu = slab if factored else per
-        sn = ((e - 1) // B - a // B + 1) if seg.numel else 0
-        vn = ((e - 1) // vu - a // vu + 1) if seg.numel else 0
-        cn = slab * _periods.factored_row_blocks(seg.shape, row_blocks) if (factored and seg.numel) else 0
-        out.append(_SegSlots(seg, False, per, B, so, sn, vo, vn, vcol_off=co, vcol_n=cn))
+        # the segment's state as the one state spec lays out a flat range of its tensor
+        spec = StateSpec(MODE_FACTORED if factored else MODE_SHARED, Geometry.quantized(seg.shape, int(per)),
+                         _periods.factored_row_blocks(seg.shape, row_blocks) if factored else 1)
+        t = spec.range_tensors(seg.param_offset, seg.param_offset + seg.numel)
+        sn = math.prod(t["scale"][0])
+        vn = math.prod(t["v_row" if factored else "v"][0])
+        cn = math.prod(t["v_col"][0]) if (factored and seg.numel) else 0
+        out.append(_SegSlots(seg, False, per, spec.geometry.scale_block, so, sn, vo, vn, vcol_off=co, vcol_n=cn))
         so += sn
         vo += vn
         co += cn

@@ -167,6 +167,40 @@ class StateSpec:
             out["v"] = (loc["v"], glo["v"], torch.float32, True)
         return out
 
+    def range_tensors(self, start: int, end: int) -> Dict[str, Tuple[tuple, torch.dtype, bool]]:
+        """``key -> (shape, dtype, sharded)`` of the state of the flat range ``[start, end)`` of the
+        tensor (row-major global element indices; ZeroGefen's partitions, a segment of a DeepSpeed
+        flat buffer): per-element tensors of its ``end - start`` elements, one entry per scale
+        block / v-block / row (factored ``v_row``) that the range touches (a range cut inside a
+        block keeps a whole entry for it), ``v_col`` whole (replicated, ``sharded`` False)."""
+        n = end - start
+
+        def touched(unit: int) -> int:
+            return ((end - 1) // unit - start // unit + 1) if n > 0 else 0
+
+        if self.exact:
+            return {"exp_avg": ((n,), torch.float32, True), "exp_avg_sq": ((n,), torch.float32, True)}
+        geo = self.geometry
+        out = {"idx": ((n,), torch.uint8, True), "scale": ((touched(geo.scale_block),), torch.float32, True)}
+        if self.mode == MODE_FACTORED:
+            out["v_row"] = ((touched(geo.slab),), torch.float32, True)
+            out["v_col"] = (((self.row_blocks,) if self.row_blocks > 1 else ()) + (geo.slab,), torch.float32, False)
+        else:
+            out["v"] = ((touched(geo.period),), torch.float32, True)
+        return out
+
+    def allocate_range(self, start: int, end: int, device: torch.device, *, learned: bool, step,
+                       codebook: Optional[torch.Tensor]) -> dict:
+        """Zero state for the flat range ``[start, end)`` (:meth:`range_tensors`), as :meth:`allocate`."""
+        st = {"step": new_step(step)}
+        if not self.exact:
+            st.update(period=self.geometry.period, scale_block=self.geometry.scale_block, learned=int(learned))
+        for key, (shape, dtype, _) in self.range_tensors(start, end).items():
+            st[key] = torch.zeros(shape, dtype=dtype, device=device)
+        if not self.exact:
+            st["codebook"] = codebook
+        return st
+
     def allocate(self, local_shape: Sequence[int], device: torch.device, *, learned: bool, step: int,
                  codebook: Optional[torch.Tensor], wrap: Callable[[torch.Tensor, tuple], torch.Tensor]) -> dict:
         """Zero state for a piece of ``local_shape`` on ``device``; ``wrap(local, global_shape)`` turns

@@ -231,37 +231,13 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     def _zalloc(self, p: torch.Tensor, period: Optional[int], *, learned: bool, step: int = 0) -> None:
         """Zero state for this rank's range of ``p`` (flat slices of the single-process state)."""
         s, e = self._mine(p)
-        n = e - s
-        dev = p.device
-        shape = global_shape(p)
-        if is_exact(shape, self.small_threshold):
-            self.state[p] = {"step": _state.new_step(step),
-                             "exp_avg": torch.zeros(n, dtype=torch.float32, device=dev),
-                             "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=dev)}
-            return
-        geo = Geometry.quantized(shape, int(period) if period else self._placeholder_period(p))
-        st = {
-            "step": _state.new_step(step),
-            "period": geo.period,
-            "scale_block": geo.scale_block,
-            "learned": int(learned),
-            "idx": torch.zeros(n, dtype=torch.uint8, device=dev),
-            "scale": torch.zeros(n // geo.scale_block, dtype=torch.float32, device=dev),
-        }
-        if self._is_factored(p):
-            st["v_row"] = torch.zeros(n // geo.slab, dtype=torch.float32, device=dev)
-            G = _periods.factored_row_blocks(shape, self._group_of(p).get("row_blocks", "auto"))
-            # replicated; [G, slab] with G row blocks (D12)
-            st["v_col"] = torch.zeros(*((G,) if G > 1 else ()), geo.slab, dtype=torch.float32, device=dev)
-        else:
-            st["v"] = torch.zeros(n // geo.period, dtype=torch.float32, device=dev)
-        st["codebook"] = self._codebook_for(dev)
-        self.state[p] = st
+        spec = self._spec(p, int(period) if period else None)  # the one state spec (engine.state)
+        self.state[p] = spec.allocate_range(s, e, p.device, learned=learned, step=step,
+                                            codebook=self._codebook_for(p.device))
 
     def _placeholder_period(self, p: torch.Tensor) -> int:
         """The period of ``p``'s state before it learns one (the mode's fixed period, else the row)."""
-        shape = global_shape(p)
-        return _state.fixed_period(shape, _state.second_moment_of(self._group_of(p))) or _periods.row_slab(shape)
+        return self._spec(p).geometry.period
 
     def _divisors(self, p: torch.Tensor) -> Dict[str, int]:
         """The sliced state tensors of ``p`` and elements per entry (``v_col`` is replicated, never
