@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _gpt2 import GPT2_PARAMS, gpt2_shapes  # noqa: E402
 from gefen_dist.engine.comm import LocalComm  # noqa: E402
+from gefen_dist.core.step import hyperparameters  # noqa: E402
 from gefen_dist.kernels import dispatch  # noqa: E402
 from gefen_dist.engine.flat import FlatSegments, Segment, counts_to_codebook  # noqa: E402
 
@@ -85,16 +86,17 @@ def main() -> int:
         p.grad = grad[s.flat_offset:s.flat_offset + s.numel].clone().view(s.shape)
     adam = torch.optim.AdamW(params, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
                              weight_decay=HP["weight_decay"], fused=True)
-    kw = {k: HP[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay")}
-    kw["second_moment"] = args.second_moment
+    group = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
 
     def fused():
         st["step"] += 1
-        fs.step(flat, grad, st, impl=dispatch.select(flat), **kw)
+        fs.step(flat, grad, st, impl=dispatch.select(flat), second_moment=args.second_moment,
+                hp=hyperparameters(group, int(st["step"]), bounded=False))
 
     def eager():
         st2["step"] += 1
-        fs2.step(flat2, grad2, st2, **kw)
+        fs2.step(flat2, grad2, st2, second_moment=args.second_moment,
+                 hp=hyperparameters(group, int(st2["step"]), bounded=False))
 
     methods = {"flat_fused": fused, "flat_eager": eager, "torch_adamw_fused": adam.step}
     for fn in methods.values():  # warm-up (first calls build tables, allocate AdamW state)

@@ -32,7 +32,7 @@ if _CHILD:
 pytest.importorskip("triton", reason="triton is not installed")
 
 from gefen_dist.core.quant import nearest_codeword  # noqa: E402
-from gefen_dist.core.step import bias_corrections, quantized_step_eager_  # noqa: E402
+from gefen_dist.core.step import bias_corrections, hyperparameters, quantized_step_eager_  # noqa: E402
 from gefen_dist.kernels import triton_step  # noqa: E402
 
 interp = pytest.mark.skipif(not _CHILD, reason="runs in the TRITON_INTERPRET=1 subprocess "
@@ -559,7 +559,8 @@ def test_flat_segments_with_triton_kernels(second_moment, device):
                 st["codebook"] = counts_to_codebook(fs.learn(st, grad, codebook_needed=True, second_moment=second_moment)).codebook.float().to(device)
             st["step"] = step
             kw = dict(impl=dispatch._triton()) if kernels else {}
-            fs.step(flat, grad, st, second_moment=second_moment, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, **kw)
+            hp = hyperparameters(dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), step, bounded=False)
+            fs.step(flat, grad, st, second_moment=second_moment, hp=hp, **kw)
         runs.append((flat, st))
     (fa, sa), (fb, sb) = runs
     if device == "cpu":

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
 from ..core import periods as _periods
-from ..core.step import (adamw_step_, apply_, bias_corrections, block_column_sumsq, column_factors, decay_only_, ema_,
+from ..core.step import (adamw_step_, apply_, block_column_sumsq, column_factors, decay_only_, ema_,
                         first_moment, inv_rms_, quantize)
 from ..kernels import dispatch as _dispatch
 from .flat_layout import LayoutError, _slots, _split
@@ -23,18 +23,17 @@ class SegmentStepMixin:
     functions (D7)."""
 
     # ------------------------------------------------------------------ the step
-    def step(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], *, second_moment: str, lr: float,
-             beta1: float, beta2: float, eps: float, weight_decay: float, impl=None,
-             bound: Optional[float] = None) -> None:
+    def step(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], *, second_moment: str,
+             hp: Dict[str, Any], impl=None) -> None:
         """One Gefen step of every segment (``st['step']`` already incremented). ``second_moment``: the
-        buffer's param group's (the mode of its quantized segments; the state was made for it). ``bound``: the clamp
-        of the normalised update (:func:`gefen_dist.core.step.update_bound`; None: unbounded). ``impl``: the
-        implementation that steps whole blocks / whole rows (a
-        :class:`gefen_dist.kernels.dispatch.StepImpl`: the native CPU or the Triton kernels; None: the
-        eager reference); cut blocks and rows are finished with the reference's phase functions."""
+        buffer's param group's (the mode of its quantized segments; the state was made for it). ``hp``:
+        the step's scalars, :func:`gefen_dist.core.step.hyperparameters` of the group at ``st['step']``
+        (its ``bound`` None: unbounded). ``impl``: the implementation that steps whole blocks / whole
+        rows (a :class:`gefen_dist.kernels.dispatch.StepImpl`: the native CPU or the Triton kernels;
+        None: the eager reference); cut blocks and rows are finished with the reference's phase functions."""
         impl = impl or _dispatch.select(flat, fused=False)
-        bc1, bc2 = bias_corrections(int(st["step"]), beta1, beta2)
-        hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound)
+        lr, beta1, beta2, eps, weight_decay, bc1, bc2, bound = (
+            hp[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2", "bound"))
         if second_moment == MODE_FACTORED:
             return self._step_factored(flat, grad, st, hp, impl.quantized_step_factored_, impl.column_sumsq)
         layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold)

@@ -37,7 +37,7 @@ from ..optim import gefen as _opt_mod
 from ..optim.introspect import referrers_with_optimizer as _referrers_with_optimizer
 from ..optim.validation import refuse_compile
 from ..engine.comm import LocalComm, ProcessGroupComm
-from ..core.step import scalar_value, update_bound
+from ..core.step import hyperparameters
 from ..engine.flat import FlatSegments, LayoutError, Segment, verify_segments
 from ..engine.state import MODE_FACTORED, MODE_SHARED, mode_of_saved, second_moment_of
 from ..engine.report import Report
@@ -223,10 +223,8 @@ class Gefen(_opt_mod.Gefen):
                 logger.info("Gefen (DeepSpeed) learned its codebook from %d values in %d active bins",
                             fit.info["values"], fit.info["active_bins"])
         st["step"] += 1
-        beta1, beta2 = group["betas"]
-        fs.step(flat, grad, st, second_moment=second_moment, lr=scalar_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], impl=self._impl(flat),
-                bound=update_bound(beta1, beta2, int(st["step"])) if self.bound_updates else None)
+        fs.step(flat, grad, st, second_moment=second_moment, impl=self._impl(flat),
+                hp=hyperparameters(group, int(st["step"]), self.bound_updates))
 
     # ------------------------------------------------------------------ introspection
     def periods(self) -> Dict[str, int]:
