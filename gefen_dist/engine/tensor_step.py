@@ -7,8 +7,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .column_stats import column_means, piece_column_sums
-from ..core.step import adamw_foreach_, adamw_step_, bias_corrections, decay_only_, hyperparameters, row_block_args
-from ..core.step import scalar_value as _scalar
+from ..core.step import adamw_foreach_, adamw_step_, decay_only_, hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .state import MODE_EXACT, MODE_FACTORED, step_of
 
@@ -36,13 +35,11 @@ class GefenStepMixin:
             key = (id(group), step_of(st), local_tensor(p).device)
             buckets.setdefault(key, (group, []))[1].append(p)
         for (_, step, _), (group, ps) in buckets.items():
-            beta1, beta2 = group["betas"]
-            bc1, bc2 = bias_corrections(step, beta1, beta2)
+            hp = hyperparameters(group, step, bounded=False)  # exact tensors are AdamW's: no clamp
+            hp.pop("bound")
             adamw_foreach_([local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
                            [local_tensor(self.state[p]["exp_avg"]) for p in ps],
-                           [local_tensor(self.state[p]["exp_avg_sq"]) for p in ps],
-                           lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], bc1=bc1, bc2=bc2)
+                           [local_tensor(self.state[p]["exp_avg_sq"]) for p in ps], **hp)
 
 
     def _factored(self, entries) -> List[torch.Tensor]:
