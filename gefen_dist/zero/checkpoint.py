@@ -4,7 +4,7 @@
 dequantized fp32 copy of m or v) onto one rank, whose :meth:`~ZeroCheckpointMixin.state_dict` then
 has exactly single-process Gefen's layout, independent of the world size;
 :meth:`~ZeroCheckpointMixin.load_state_dict` at any world size keeps this rank's slice. The mixin
-uses ZeroGefen's part and collectives (``_plan``, ``_gather_state``, ``_make_partition``,
+uses ZeroGefen's partition and collectives (``_partition``, ``_gather_state``, ``_make_partition``,
 ``_set_from_full``, ``_world``, ``_rank``).
 """
 from __future__ import annotations
