@@ -140,7 +140,7 @@ def test_dcp_directory_atomic_and_damage(tmp_path, monkeypatch):
 
     # a second save that dies after the shards are written, before the commit
     m2, o2 = _gefen_model(2)
-    monkeypatch.setattr(gckpt, "_write_manifest", lambda d: (_ for _ in ()).throw(OSError("killed (simulated)")))
+    monkeypatch.setattr(gckpt.files, "_write_manifest", lambda d: (_ for _ in ()).throw(OSError("killed (simulated)")))
     with pytest.raises(RuntimeError, match="previous checkpoint.*unchanged"):
         gckpt.save(m2, o2, str(ck), files={"meta.pt": {"step": 2}})
     monkeypatch.undo()
