@@ -127,7 +127,8 @@ class CudaBatch:
             st = opt.state.get(p)
             if not st or st.get("learned", 1) == 0:
                 return None
-            if steps.setdefault(id(group), step_of(st)) != step_of(st):
+            step = step_of(st)
+            if steps.setdefault(id(group), step) != step:
                 return None  # one step count (bias correction) per group
             if dev is None:
                 dev = p.device

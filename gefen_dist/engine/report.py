@@ -71,12 +71,12 @@ def build_report(items: Iterable[Tuple[str, torch.Tensor, Dict[str, Any], str]])
                    local_numel=local_tensor(p).numel(), dtype=str(p.dtype).replace("torch.", ""))
         if not st:
             rec.update(kind="pending", period=0, scale_block=0, state_bytes=0)
-        elif mode != MODE_EXACT:
-            held = sum(nbytes(st[k]) for k in tensor_keys(mode))
-            rec.update(kind=KIND_QUANTIZED, mode=mode, period=st["period"], scale_block=st["scale_block"],
-                       state_bytes=held, learned=bool(st["learned"]))
         else:
             held = sum(nbytes(st[k]) for k in tensor_keys(mode))
-            rec.update(kind=KIND_EXACT, mode=MODE_EXACT, period=0, scale_block=0, state_bytes=held)
+            if mode != MODE_EXACT:
+                rec.update(kind=KIND_QUANTIZED, mode=mode, period=st["period"], scale_block=st["scale_block"],
+                           state_bytes=held, learned=bool(st["learned"]))
+            else:
+                rec.update(kind=KIND_EXACT, mode=MODE_EXACT, period=0, scale_block=0, state_bytes=held)
         rep.append(rec)
     return rep
