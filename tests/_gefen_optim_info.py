@@ -33,7 +33,6 @@ except ImportError:  # pragma: no cover - the test extra installs it
     sys.modules["expecttest"] = _stub
 
 from torch.nn import Parameter  # noqa: E402
-from torch.testing._internal.common_methods_invocations import DecorateInfo  # noqa: E402
 from torch.testing._internal.common_optimizers import (  # noqa: E402
     ErrorOptimizerInput,
     OptimizerInfo,
@@ -54,20 +53,25 @@ __all__ = ["GEFEN_OPTIM_INFO", "optim_inputs_func_gefen", "optim_error_inputs_fu
 
 
 def optim_inputs_func_gefen(device, dtype=None):
+    # Every configuration states its weight_decay: Gefen's default is AdamW's 0.01, which moves a
+    # parameter whose gradient is zero. Upstream's test_step_is_noop_for_zero_grads skips the
+    # configurations that state a nonzero weight_decay and special-cases a class *named* AdamW for
+    # the default, so the default is written out ("default" is still every default value).
     q = {"small_threshold": 0}  # quantize every >= 2-D tensor, however small
     return [
-        OptimizerInput(params=None, kwargs={}, desc="default"),
+        OptimizerInput(params=None, kwargs={"weight_decay": 0.01}, desc="default"),
         OptimizerInput(params=None, kwargs={"lr": 0.01, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0},
                        desc="non-default lr, betas, eps; no weight decay"),
         OptimizerInput(params=None, kwargs={"lr": torch.tensor(0.001), "weight_decay": 0.1},
                        desc="Tensor lr, nonzero weight_decay"),
-        OptimizerInput(params=None, kwargs={**q}, desc="quantized factored"),
+        OptimizerInput(params=None, kwargs={**q, "weight_decay": 0.01}, desc="quantized factored"),
+        OptimizerInput(params=None, kwargs={**q, "weight_decay": 0.0}, desc="quantized factored, no weight decay"),
         OptimizerInput(params=None, kwargs={**q, "second_moment": "shared", "weight_decay": 0.1},
                        desc="quantized shared"),
-        OptimizerInput(params=None, kwargs={**q, "second_moment": "elementwise", "lr": 0.01},
+        OptimizerInput(params=None, kwargs={**q, "second_moment": "elementwise", "lr": 0.01, "weight_decay": 0.0},
                        desc="quantized elementwise"),
-        OptimizerInput(params=None, kwargs={**q, "lr": torch.tensor(0.001), "row_blocks": 1, "nonfinite": "skip"},
-                       desc="quantized, Tensor lr, one row block, nonfinite skip"),
+        OptimizerInput(params=None, kwargs={**q, "lr": torch.tensor(0.001), "row_blocks": 1, "weight_decay": 0.01},
+                       desc="quantized, Tensor lr, one row block"),
     ]
 
 
@@ -95,35 +99,16 @@ def optim_error_inputs_func_gefen(device, dtype):
         err(dict(small_threshold=-1), "small_threshold >= 0", "Invalid small_threshold: -1"),
         err(dict(nonfinite="warn"), "unknown nonfinite", "Invalid nonfinite: 'warn'"),
         err(dict(fused="yes"), "fused not a bool", "Invalid fused: 'yes'"),
-        err({}, "fused in a param group", r"'fused'.*param group 0.*constructor", ValueError,
-            params=[{"params": [sample], "fused": False}]),
-        err({}, "small_threshold in a param group", r"'small_threshold'.*param group 0.*constructor", ValueError,
-            params=[{"params": [sample], "small_threshold": 0}]),
+        err({}, "fused in a param group not a bool", r"Invalid fused in param group 0: 'yes'", ValueError,
+            params=[{"params": [sample], "fused": "yes"}]),
+        err({}, "small_threshold in a param group negative", r"Invalid small_threshold in param group 0: -1",
+            ValueError, params=[{"params": [sample], "small_threshold": -1}]),
+        err({}, "nonfinite in a param group", r"'nonfinite'.*param group 0.*constructor", ValueError,
+            params=[{"params": [sample], "nonfinite": "skip"}]),
         err({}, "integer parameter", "floating-point", TypeError,
             params=[torch.zeros(4, dtype=torch.int64)]),
     ]
 
-
-_COMPLEX = DecorateInfo(unittest.skip("Gefen does not support complex parameters (use torch.view_as_real); "
-                                      "it raises a RuntimeError that says so"),
-                        "TestOptimRenewed", "test_complex")
-_COMPLEX_2D = DecorateInfo(unittest.skip("Gefen does not support complex parameters"),
-                           "TestOptimRenewed", "test_complex_2d")
-
-# Gefen's `fused` is optimizer-wide: a param group that sets it is refused (docs/api.md). These two
-# upstream tests put the global flags into every param group dict, so every config fails at
-# construction; tests/test_conformance.py runs the same checks with `fused` given to the constructor.
-_FUSED_IN_GROUPS = tuple(
-    DecorateInfo(unittest.skip("Gefen's fused is optimizer-wide and refused in a param group; covered by "
-                               "tests/test_conformance.py with fused in the constructor"),
-                 "TestOptimRenewed", name)
-    for name in ("test_param_groups_lr", "test_param_groups_weight_decay"))
-# Upstream lowers lr only for optimizers *named* AdamW, because AdamW's default weight_decay=0.01
-# decays parameters with zero gradients; Gefen has the same default, and at lr=1e-3 the decay
-# (1e-5 relative) exceeds the test's tolerance. tests/test_conformance.py has the Gefen version.
-_ZERO_GRADS = DecorateInfo(unittest.skip("upstream special-cases AdamW's default weight decay by class name; "
-                                         "covered by tests/test_conformance.py"),
-                           "TestOptimRenewed", "test_step_is_noop_for_zero_grads")
 
 GEFEN_OPTIM_INFO = OptimizerInfo(
     Gefen,
@@ -134,7 +119,7 @@ GEFEN_OPTIM_INFO = OptimizerInfo(
     supported_impls=("fused",),
     not_og_supported_flags=("fused",),
     supports_fused_on=("cpu",),
-    supports_complex=False,
+    supports_complex=True,  # stepped as torch.view_as_real, as AdamW does
     supports_sparse=False,
-    skips=(_COMPLEX, _COMPLEX_2D, *_FUSED_IN_GROUPS, _ZERO_GRADS),
+    # no skips: the only upstream tests that do not run on CPU are torch's own device guards
 )

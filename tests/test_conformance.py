@@ -81,11 +81,11 @@ class TestGefenConformance(TestCase):
 
     @optims(DB, dtypes=[torch.float32])
     def test_param_groups_lr_and_weight_decay(self, device, dtype, optim_info):
-        # upstream's test_param_groups_lr / _weight_decay, with `fused` given to the constructor
-        # (Gefen's fused is optimizer-wide; a param group that sets it is refused)
+        # upstream's test_param_groups_lr / _weight_decay: every option of the configuration in the
+        # param groups (fused and small_threshold are per-group options, as AdamW's fused is)
         for optim_input in _all_inputs(device, dtype, optim_info):
             kw = dict(optim_input.kwargs)
-            outer = {k: kw.pop(k) for k in ("fused", "small_threshold", "nonfinite") if k in kw}
+            outer = {k: kw.pop(k) for k in ("nonfinite",) if k in kw}
             weight = Parameter(torch.randn((10, 5), device=device, dtype=dtype))
             bias = Parameter(torch.randn((10), device=device, dtype=dtype))
             irrelevant = Parameter(torch.randn(2, device=device, dtype=dtype))
@@ -104,6 +104,37 @@ class TestGefenConformance(TestCase):
                 optimizer.step()
             self.assertLess(loss.item(), initial, msg=optim_input.desc)
             self.assertEqual(irrelevant, irrelevant_clone)
+            if kw.get("small_threshold") == 0:  # the group's threshold took the quantized path
+                self.assertEqual(optimizer.state[weight]["idx"].dtype, torch.uint8)
+            want = "eager" if kw.get("fused") is False else None
+            if want:
+                self.assertEqual(optimizer._impl(weight, weight).name, want)
+
+    @optims(DB, dtypes=[torch.complex64])
+    def test_complex(self, device, dtype, optim_info):
+        # upstream's test_complex: a complex parameter steps exactly as its torch.view_as_real
+        # would, mixed with a real one, for every configuration (fused True/False included)
+        for optim_input in _all_inputs(device, dtype, optim_info):
+            cplx = [torch.randn(10, 5, dtype=dtype, requires_grad=True),
+                    torch.randn(10, dtype=dtype, requires_grad=True),
+                    torch.randn(10, 5, dtype=torch.float32, requires_grad=True)]
+            real = [(torch.view_as_real(p) if p.is_complex() else p).detach().clone().requires_grad_() for p in cplx]
+            co = optim_info.optim_cls(cplx, **optim_input.kwargs)
+            ro = optim_info.optim_cls(real, **optim_input.kwargs)
+            for _ in range(3):
+                for c, r in zip(cplx, real):
+                    r.grad = torch.randn_like(r)
+                    c.grad = torch.view_as_complex(r.grad.clone()) if c.is_complex() else r.grad.clone()
+                ro.step()
+                co.step()
+                for c, r in zip(cplx, real):
+                    self.assertEqual(torch.view_as_real(c) if c.is_complex() else c, r, atol=0, rtol=0,
+                                     msg=optim_input.desc)
+            if optim_input.kwargs.get("small_threshold") == 0:
+                self.assertEqual(co.state[cplx[0]]["idx"].shape, (10, 5, 2))
+            sd = co.state_dict()  # the real-view state round-trips into a fresh optimizer
+            co2 = optim_info.optim_cls(cplx, **optim_input.kwargs)
+            co2.load_state_dict(sd)
 
     @optims(DB, dtypes=[torch.float32])
     def test_step_is_noop_when_params_have_no_grad(self, device, dtype, optim_info):
@@ -332,7 +363,7 @@ def test_bad_hyperparameters_rejected_at_construction_and_add_param_group(kwargs
     assert len(opt.param_groups) == 1
 
 
-@pytest.mark.parametrize("key,value", [("fused", False), ("small_threshold", 0), ("nonfinite", "skip")])
+@pytest.mark.parametrize("key,value", [("nonfinite", "skip"), ("bound_updates", False)])
 def test_optimizer_wide_options_refused_in_param_groups(key, value):
     w = Parameter(torch.zeros(64, 80))
     with pytest.raises(ValueError, match=rf"Invalid option '{key}' in param group 0: .*Gefen\(params, {key}=\.\.\.\)"):
@@ -340,6 +371,43 @@ def test_optimizer_wide_options_refused_in_param_groups(key, value):
     opt = Gefen([w])
     with pytest.raises(ValueError, match=rf"'{key}' in param group 1"):
         opt.add_param_group({"params": [Parameter(torch.zeros(3))], key: value})
+    assert len(opt.param_groups) == 1
+
+
+def test_fused_and_small_threshold_per_param_group():
+    # as AdamW honours a per-group `fused`: each group's own value, else the constructor's
+    torch.manual_seed(0)
+    a, b, c = (Parameter(torch.randn(64, 80)) for _ in range(3))
+    opt = Gefen([{"params": [a], "fused": False}, {"params": [b], "small_threshold": 10**6}, {"params": [c]}])
+    for p in (a, b, c):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt._impl(a, a).name == "eager" and opt._impl(c, c).name != "eager"
+    assert "idx" in opt.state[a] and "exp_avg" in opt.state[b] and "idx" in opt.state[c]
+    # a fresh optimizer with the same groups loads the state; the group values of the running code stay
+    opt2 = Gefen([{"params": [a], "fused": False}, {"params": [b], "small_threshold": 10**6}, {"params": [c]}])
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.param_groups[0]["fused"] is False and opt2.param_groups[1]["small_threshold"] == 10**6
+    # a group whose threshold would change that tensor's layout is refused, naming it, and nothing changes
+    opt3 = Gefen([{"params": [a], "fused": False}, {"params": [b]}, {"params": [c]}])
+    with pytest.raises(ValueError, match="lacks"):
+        opt3.load_state_dict(opt.state_dict())
+    assert not opt3.state
+    for bad, match in (({"fused": "yes"}, "Invalid fused in param group 0: 'yes'"),
+                       ({"small_threshold": -1}, "Invalid small_threshold in param group 0: -1")):
+        with pytest.raises(ValueError, match=match):
+            Gefen([{"params": [a], **bad}])
+
+
+def test_sharded_optimizers_refuse_per_group_fused_and_threshold_and_complex():
+    from gefen_dist import ZeroGefen
+
+    w = Parameter(torch.zeros(64, 80))
+    for key, value in (("fused", False), ("small_threshold", 0)):
+        with pytest.raises(ValueError, match=rf"Invalid option '{key}' in param group 0"):
+            ZeroGefen([{"params": [w], key: value}])
+    with pytest.raises(TypeError, match="ZeroGefen does not support complex parameters"):
+        ZeroGefen([Parameter(torch.zeros(64, 80, dtype=torch.complex64))])
 
 
 # ------------------------------------------------------------------------ deepcopy / pickle

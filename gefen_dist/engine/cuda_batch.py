@@ -154,7 +154,8 @@ class CudaBatch:
     @classmethod
     def get(cls, opt, entries) -> Optional["CudaBatch"]:
         """The cached batch when ``entries`` and their state are unchanged, else a new one (or None)."""
-        if opt.fused is False or not entries or entries[0][1].device.type not in _DEVICE_TYPES:
+        if (opt.fused is False or not entries or entries[0][1].device.type not in _DEVICE_TYPES
+                or any(g.get("fused") is False for g in opt.param_groups)):
             return None
         key = _key(opt, entries)
         batch = getattr(opt, "_cuda_batch", None)

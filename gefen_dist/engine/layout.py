@@ -75,9 +75,12 @@ def is_exact(shape: Sequence[int], small_threshold: int) -> bool:
 
 
 def global_shape(p: torch.Tensor) -> Tuple[int, ...]:
-    """The global shape of a parameter (DeepSpeed ZeRO-3 partitions report ``ds_shape``)."""
+    """The global shape of a parameter, as the optimizer sees it (DeepSpeed ZeRO-3 partitions report
+    ``ds_shape``). A complex parameter is stepped as its real view (``torch.view_as_real``, as
+    ``torch.optim.AdamW`` does), so its shape gains a trailing 2."""
     ds_shape = getattr(p, "ds_shape", None)
-    return tuple(int(s) for s in (ds_shape if ds_shape is not None else p.shape))
+    shape = tuple(int(s) for s in (ds_shape if ds_shape is not None else p.shape))
+    return shape + (2,) if p.is_complex() else shape
 
 
 @dataclass
@@ -105,10 +108,12 @@ def is_dtensor(t: torch.Tensor) -> bool:
 
 
 def local_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The rank-local data of a DTensor (or the tensor itself)."""
+    """The rank-local data of a DTensor (or the tensor itself); a complex tensor as its real view
+    (``torch.view_as_real``: the same storage, a trailing dimension of 2)."""
     if t is None:
         return None
-    return t._local_tensor if is_dtensor(t) else t
+    t = t._local_tensor if is_dtensor(t) else t
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def check_supported(p: torch.Tensor, name: str) -> None:
@@ -121,6 +126,9 @@ def check_supported(p: torch.Tensor, name: str) -> None:
         )
     if not is_dtensor(p):
         return
+    if p.is_complex():
+        raise TypeError(f"parameter {name!r} is a complex DTensor: gefen_dist steps complex parameters as their "
+                        "real view on plain tensors only; shard torch.view_as_real(param) instead")
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
     for pl in p.placements:
@@ -147,7 +155,7 @@ def piece_of(p: torch.Tensor, rank: int = 0, replicated: bool = False) -> Piece:
     offset of their chunk; along replicate mesh dims only coordinate 0 contributes.
     """
     if not is_dtensor(p):
-        return Piece(local=p, grad=p.grad, start=0, shape=global_shape(p),
+        return Piece(local=local_tensor(p), grad=local_tensor(p.grad), start=0, shape=global_shape(p),
                      contributes=(not replicated) or rank == 0)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import Replicate

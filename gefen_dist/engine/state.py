@@ -52,12 +52,18 @@ def second_moment_of(group: Mapping[str, Any]) -> str:
     return group.get("second_moment", DEFAULT_SECOND_MOMENT)
 
 
+def threshold_of(group: Mapping[str, Any], small_threshold: int) -> int:
+    """The ``small_threshold`` of param ``group``: its own when it sets one, else the optimizer's."""
+    return group.get("small_threshold", small_threshold)
+
+
 def mode_of(shape: Sequence[int], group: Mapping[str, Any], small_threshold: int) -> str:
     """The mode of a live tensor of global ``shape`` in param ``group`` of an optimizer with
     ``small_threshold``: :data:`MODE_EXACT` for small / 1-D tensors, else the group's
     ``second_moment`` (the ``mode`` of :meth:`StateSpec.of`, which does not depend on the period).
-    What live optimizer code asks instead of looking at the keys of a state dict."""
-    if is_exact(tuple(int(s) for s in shape), small_threshold):
+    What live optimizer code asks instead of looking at the keys of a state dict. A group's own
+    ``small_threshold`` (:class:`gefen_dist.Gefen` allows one per group) overrides the optimizer's."""
+    if is_exact(tuple(int(s) for s in shape), threshold_of(group, small_threshold)):
         return MODE_EXACT
     return second_moment_of(group)
 

@@ -22,7 +22,7 @@ class GefenStepMixin:
     def _foreach_exact(self, p: torch.Tensor) -> bool:
         """Exact (AdamW) tensors on CUDA are stepped together with foreach operations."""
         st = self.state.get(p)
-        return (self.fused is not False and bool(st) and self._mode(p) == MODE_EXACT
+        return (self._fused(p) is not False and bool(st) and self._mode(p) == MODE_EXACT
                 and local_tensor(p).device.type == "cuda")
 
 
@@ -62,7 +62,7 @@ class GefenStepMixin:
         out = {}
         for p in fact:
             pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
-            sumsq = self._impl(pc.grad).column_sumsq if pc.grad is not None else None
+            sumsq = self._impl(pc.grad, p).column_sumsq if pc.grad is not None else None
             out[p] = piece_column_sums(pc, self.state[p]["v_col"], global_shape(p)[0], sumsq,
                                        skip=sharded and not pc.contributes)
         return out
@@ -109,7 +109,7 @@ class GefenStepMixin:
             return
         contiguous = param.is_contiguous()
         work = param if contiguous else param.contiguous()
-        impl = self._impl(work)
+        impl = self._impl(work, p)
         g = impl.grad_for(grad.contiguous(), work)
         cb = st["codebook"].to(work.device)
         if mode == MODE_FACTORED:

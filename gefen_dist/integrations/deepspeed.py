@@ -35,7 +35,7 @@ import torch
 from ..engine import learning
 from ..optim import gefen as _opt_mod
 from ..optim.introspect import referrers_with_optimizer as _referrers_with_optimizer
-from ..optim.validation import refuse_compile
+from ..optim.validation import GROUP_REJECTED_SHARDED, refuse_compile
 from ..engine.comm import LocalComm, ProcessGroupComm
 from ..core.step import hyperparameters
 from ..engine.flat import FlatSegments, LayoutError, Segment, verify_segments
@@ -65,6 +65,9 @@ class Gefen(_opt_mod.Gefen):
     optimizer) the state of each flat partition is kept per original tensor; see the module
     docstring. Construct it with the model's parameters (DeepSpeed does this for the JSON path).
     """
+
+    _group_rejected = GROUP_REJECTED_SHARDED  # flat buffers cut across groups: one implementation
+    _complex_ok = False
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)

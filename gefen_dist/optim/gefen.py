@@ -22,26 +22,16 @@ from ..engine.comm import LocalComm, comm_for
 from ..engine.cuda_batch import CudaBatch
 from ..engine.tensor_step import GefenStepMixin
 from ..kernels import dispatch as _dispatch
-from ..engine.layout import Piece, check_supported, global_shape, is_exact, like_param, local_tensor, piece_of
+from ..engine.layout import Piece, check_supported, global_shape, like_param, local_tensor, piece_of
 from ..engine.nonfinite import NonfiniteChecks
 from ..engine.report import Report
-from ..engine.state import SECOND_MOMENTS, StateSpec, fixed_period, mode_of, second_moment_of
+from ..engine.state import MODE_EXACT, SECOND_MOMENTS, StateSpec, fixed_period, mode_of, second_moment_of, threshold_of
 
 logger = logging.getLogger(__name__)
 
 NONFINITE = ("raise", "skip", "ignore")
 
 __all__ = ["Gefen", "Report", "saved_param_map", "NONFINITE"]
-
-
-def _validate_row_blocks(rb, where: str = "") -> None:
-    if not (rb is None or rb == "auto" or (isinstance(rb, int) and not isinstance(rb, bool) and rb >= 1)):
-        raise ValueError(f"Invalid row_blocks{where}: {rb!r} (expected 'auto', None or an int >= 1; 1 is one "
-                         "column profile per tensor, as Adafactor)")
-
-
-def _validate_hparams(lr, betas, eps, weight_decay, where: str = "") -> None:
-    _validation.validate_hparams(lr, betas, eps, weight_decay, where)
 
 
 def saved_param_map(opt: Optimizer, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
@@ -96,14 +86,18 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
             paper's unbounded update.
         fused: ``None`` (default) uses the fused native kernel when it is available for the
             parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
-            Optimizer-wide: ``fused``, ``small_threshold``, ``nonfinite`` and ``process_group`` apply
-            to every param group, and a param group that sets one of them is rejected with a
-            ``ValueError`` (unlike AdamW's per-group ``fused``); per-group options are ``lr``,
-            ``betas``, ``eps``, ``weight_decay``, ``second_moment`` and ``row_blocks``.
+            Per-group options are ``lr``, ``betas``, ``eps``, ``weight_decay``, ``second_moment``,
+            ``row_blocks`` and (as AdamW's ``fused``) ``fused`` and ``small_threshold``; ``nonfinite``,
+            ``bound_updates`` and ``process_group`` are optimizer-wide, and a param group that sets one
+            is rejected with a ``ValueError``. Complex parameters are stepped as their real view.
         process_group: the group over which periods and the codebook are agreed (default: WORLD
             when ``torch.distributed`` is initialised, otherwise single process). Plain tensors on
             several ranks are treated as replicas (DDP).
     """
+
+    # param-group keys refused (optimizer-wide options); complex parameters stepped as real views
+    _group_rejected = _validation.GROUP_REJECTED
+    _complex_ok = True
 
     def __init__(
         self,
@@ -121,7 +115,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         fused: Optional[bool] = None,
         process_group: Optional[Any] = None,
     ):
-        _validate_hparams(lr, betas, eps, weight_decay)
+        _validation.validate_hparams(lr, betas, eps, weight_decay)
         if second_moment not in SECOND_MOMENTS:
             raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENTS})")
         if isinstance(small_threshold, bool) or not isinstance(small_threshold, int) or small_threshold < 0:
@@ -130,7 +124,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
             raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {NONFINITE})")
         if fused not in (None, True, False):
             raise ValueError(f"Invalid fused: {fused!r} (expected None, True or False)")
-        _validate_row_blocks(row_blocks)
+        _validation.validate_row_blocks(row_blocks)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment,
                         row_blocks=row_blocks)
         self.small_threshold = small_threshold
@@ -153,24 +147,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.add_param_group``, validated first: a bad value raises (naming
         it and the fix) and the optimizer is left as it was."""
-        where = f" in param group {len(self.param_groups)}"
-        if isinstance(param_group, dict):
-            _validation.validate_group_keys(param_group, len(self.param_groups))
-            merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
-            _validate_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], where)
-            if merged["second_moment"] not in SECOND_MOMENTS:
-                raise ValueError(f"Invalid second_moment{where}: {merged['second_moment']!r} (expected one of "
-                                 f"{SECOND_MOMENTS})")
-            _validate_row_blocks(merged.get("row_blocks", "auto"), where)
-        for p in (param_group["params"] if isinstance(param_group.get("params"), (list, tuple))
-                  else [param_group.get("params")]):
-            if isinstance(p, tuple):  # (name, param) when a group holds named params
-                p = p[1]
-            if isinstance(p, torch.Tensor) and not (p.is_floating_point()):
-                raise TypeError(
-                    f"Gefen can only optimize floating-point parameters, got dtype {p.dtype}{where} "
-                    f"(shape {tuple(p.shape)}); pass only float/bf16/fp16 parameters"
-                )
+        _validation.validate_param_group(self, param_group)
         super().add_param_group(param_group)
         self._modes = None  # the table of modes (_mode) is rebuilt for the new set of groups
         g = self.param_groups[-1]
@@ -178,6 +155,8 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
             pn = g.get("param_names")
             for i, p in enumerate(g["params"]):
                 check_supported(p, pn[i] if pn is not None else f"group{len(self.param_groups) - 1}.param{i}")
+            if g.get("fused") is True:
+                _validation.require_fused_kernels(self, [g])
         except Exception:
             self.param_groups.pop()  # leave the optimizer as it was
             raise
@@ -208,7 +187,8 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         """The state spec of ``p`` (its group's mode; ``period`` None: the placeholder period)."""
         g = self._group_of(p)
         try:
-            return StateSpec.of(global_shape(p), second_moment=g["second_moment"], small_threshold=self.small_threshold,
+            return StateSpec.of(global_shape(p), second_moment=g["second_moment"],
+                                small_threshold=threshold_of(g, self.small_threshold),
                                 period=period, row_blocks=g.get("row_blocks", "auto"))
         except ValueError as e:
             raise ValueError(f"Gefen: parameter {self._names().get(id(p), '?')!r}: {e}") from None
@@ -237,9 +217,9 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
                 if not p.requires_grad or self.state.get(p):
                     continue
                 pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
-                per = None if is_exact(pc.shape, self.small_threshold) else periods.get(p, periods.get(names[id(p)]))
-                self._alloc(p, pc, None if per is None else int(per),
-                            learned=per is not None or is_exact(pc.shape, self.small_threshold))
+                exact = self._mode(p) == MODE_EXACT
+                per = None if exact else periods.get(p, periods.get(names[id(p)]))
+                self._alloc(p, pc, None if per is None else int(per), learned=per is not None or exact)
 
     def _codebook_for(self, device: torch.device) -> torch.Tensor:
         if self.codebook is None:
@@ -268,9 +248,9 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
                 todo.append((p, piece))
         if not todo:
             return
-        quant = [(p, pc) for p, pc in todo if not is_exact(pc.shape, self.small_threshold)]
+        quant = [(p, pc) for p, pc in todo if self._mode(p) != MODE_EXACT]
         for p, pc in todo:
-            if is_exact(pc.shape, self.small_threshold) and not self.state.get(p):
+            if self._mode(p) == MODE_EXACT and not self.state.get(p):
                 self._alloc(p, pc, learned=True)
         # Fixed-size cross-rank check before the variable-size collectives below (added with the
         # checkpoint/DDP tests): ranks about to learn different tensors (an extra parameter on one
@@ -342,17 +322,19 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
                     names = names or self._names()
                     raise RuntimeError(f"Gefen does not support sparse gradients (parameter {names[id(p)]!r}); "
                                        "use torch.optim.SparseAdam for sparse embeddings")
-                if p.grad.is_complex() or p.is_complex():
-                    names = names or self._names()
-                    raise RuntimeError(f"Gefen does not support complex parameters or gradients "
-                                       f"(parameter {names[id(p)]!r}); view them as real with torch.view_as_real")
                 out.append((g, p))
         self._check_own(out)
         return out
 
-    def _impl(self, t: torch.Tensor) -> _dispatch.StepImpl:
-        """The implementation that steps tensor ``t`` (:func:`gefen_dist.kernels.dispatch.select`)."""
-        return _dispatch.select(t, self.fused)
+    def _fused(self, p: torch.Tensor) -> Optional[bool]:
+        """``fused`` for parameter ``p``: its param group's, else the constructor's."""
+        g = self._group_of(p)
+        return g["fused"] if "fused" in g else self.fused
+
+    def _impl(self, t: torch.Tensor, p: Optional[torch.Tensor] = None) -> _dispatch.StepImpl:
+        """The implementation that steps tensor ``t`` (:func:`gefen_dist.kernels.dispatch.select`)
+        with the ``fused`` of parameter ``p``'s group (``p`` None: the constructor's)."""
+        return _dispatch.select(t, self.fused if p is None else self._fused(p))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):

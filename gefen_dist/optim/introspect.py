@@ -86,7 +86,7 @@ class Introspection:
 
     def _kernel_name(self) -> str:
         ps = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        return ", ".join(sorted({self._impl(local_tensor(p)).name for p in ps})) if ps else "none"
+        return ", ".join(sorted({self._impl(local_tensor(p), p).name for p in ps})) if ps else "none"
 
     def _announce(self) -> None:
         """Log :func:`describe_step` once, after the first completed step (INFO, rank 0)."""

@@ -37,7 +37,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..engine.layout import global_shape, local_tensor
-from ..engine.state import StateSpec, new_step
+from ..engine.state import StateSpec, new_step, threshold_of
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ NEWER_GROUP_KEYS = ("second_moment", "row_blocks")
 
 
 def _spec(opt, p: torch.Tensor, group: dict, period=None) -> StateSpec:
-    return StateSpec.of(global_shape(p), second_moment=group["second_moment"], small_threshold=opt.small_threshold,
+    return StateSpec.of(global_shape(p), second_moment=group["second_moment"],
+                        small_threshold=threshold_of(group, opt.small_threshold),
                         period=period, row_blocks=group.get("row_blocks", "auto"))
 
 
@@ -105,16 +106,16 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
                          f"{_FIX}")
     _check_entry_types(st, keys, name)
     ref = st["exp_avg"] if exact else st["idx"]
-    if tuple(ref.shape) != tuple(p.shape):
+    if tuple(ref.shape) != global_shape(p):
         raise ValueError(
             f"checkpoint state for parameter {name!r} has shape {tuple(ref.shape)} but the parameter "
-            f"has shape {tuple(p.shape)}; the model changed since the checkpoint was saved"
+            f"has shape {global_shape(p)}; the model changed since the checkpoint was saved"
         )
     if exact:
         for k in ("exp_avg", "exp_avg_sq"):
-            if tuple(st[k].shape) != tuple(p.shape):
+            if tuple(st[k].shape) != global_shape(p):
                 raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape {tuple(st[k].shape)}, "
-                                 f"expected {tuple(p.shape)}; the model changed since the checkpoint was saved")
+                                 f"expected {global_shape(p)}; the model changed since the checkpoint was saved")
             if not st[k].is_floating_point():
                 raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has dtype {st[k].dtype}, "
                                  "expected a floating dtype (torch.float32)")
@@ -123,12 +124,12 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
     if period < 1 or int(math.prod(shape[1:])) % period:
         raise ValueError(f"checkpoint state 'period' of parameter {name!r} is {period}, which does not divide "
                          f"its rows of {int(math.prod(shape[1:]))} elements; {_FIX}")
-    want = {k: ls for k, (ls, _, _, _) in _spec(opt, p, group, period).tensors(tuple(p.shape)).items()}
+    want = {k: ls for k, (ls, _, _, _) in _spec(opt, p, group, period).tensors(global_shape(p)).items()}
     factored = kind == "factored"
     if factored:
         slab = want["v_col"][-1]
         vc = tuple(st["v_col"].shape)
-        if vc in ((slab,), (1, slab)) or (len(vc) == 2 and vc[1] == slab and vc[0] >= 1 and tuple(p.shape)[0] % vc[0] == 0):
+        if vc in ((slab,), (1, slab)) or (len(vc) == 2 and vc[1] == slab and vc[0] >= 1 and global_shape(p)[0] % vc[0] == 0):
             want["v_col"] = vc  # row blocks (D12): the state's own block count is kept
     for k in ("scale", "v_row", "v_col") if factored else ("scale", "v"):
         if tuple(st[k].shape) != want[k]:
@@ -176,7 +177,7 @@ def _groups(opt, saved_groups) -> list:
             )
         where = f" in loaded param group {i}"
         validate_hparams(ng["lr"], ng["betas"], ng["eps"], ng["weight_decay"], where)
-        rejected = {k: ng[k] for k in ("small_threshold", "nonfinite", "process_group") if k in ng}
+        rejected = {k: ng[k] for k in ("nonfinite", "process_group") if k in ng}
         if rejected:
             validate_group_keys(rejected, i)
         unsupported = [k for k in ("maximize", "amsgrad", "differentiable", "capturable") if ng.get(k)]
@@ -184,9 +185,13 @@ def _groups(opt, saved_groups) -> list:
             raise ValueError(f"loaded state dict's param group {i} sets {unsupported} (a torch.optim.AdamW/Adam "
                              "checkpoint?), which Gefen does not implement; load a Gefen checkpoint, or start the "
                              "optimizer fresh")
-        if "fused" in ng:
-            # torch.optim.AdamW stores its own `fused` in every group; Gefen's is optimizer-wide
-            ng.pop("fused")
+        # `fused` picks an implementation of the running code, not state: the current group's value
+        # stays (torch.optim.AdamW stores its own `fused` in every group, often None)
+        # the same for a group's small_threshold: the entries are checked against this group's layouts
+        for k in ("fused", "small_threshold"):
+            ng.pop(k, None)
+            if k in g:
+                ng[k] = g[k]
         ng["betas"] = tuple(ng["betas"])
         ng["params"] = g["params"]
         if "param_names" in g and "param_names" not in ng:

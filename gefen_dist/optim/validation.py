@@ -3,8 +3,11 @@
 * :func:`validate_hparams`: ``lr``, ``betas``, ``eps``, ``weight_decay`` at construction and in
   every ``add_param_group`` (a string, a wrong-sized tensor or a negative value raises a
   ``TypeError``/``ValueError`` naming the value and the fix, instead of failing later at ``step()``).
-* :func:`validate_group_keys`: options that are optimizer-wide (``fused``, ``small_threshold``,
-  ``nonfinite``, ``process_group``) are rejected in a param group (they would be ignored).
+* :func:`validate_group_keys`: options that are optimizer-wide (``nonfinite``, ``bound_updates``,
+  ``process_group``; for ZeroGefen and the DeepSpeed flat buffers also ``fused`` and
+  ``small_threshold``) are rejected in a param group (they would be ignored). ``fused`` and
+  ``small_threshold`` in a :class:`~gefen_dist.Gefen` param group apply to that group, as AdamW's
+  per-group ``fused`` does.
 * :func:`prestep`: called at the start of every ``step()`` (after the closure): refuses
   ``torch.compile`` of the step, parameters still on the meta device, and parameters whose shape
   changed since their state was created; gives zero-size parameters (no elements) an exact, empty
@@ -20,15 +23,19 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..engine.layout import global_shape, is_exact, local_tensor, piece_of
-from ..engine.state import tensor_keys
+from ..engine.layout import global_shape, local_tensor, piece_of
+from ..engine.state import MODE_EXACT, tensor_keys
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["validate_hparams", "validate_group_keys", "prestep", "prestep_zero", "refuse_compile", "require_fused_kernels", "GROUP_REJECTED"]
+__all__ = ["validate_hparams", "validate_group_keys", "validate_param_group", "validate_row_blocks", "prestep", "prestep_zero", "refuse_compile", "require_fused_kernels",
+           "GROUP_REJECTED", "GROUP_REJECTED_SHARDED"]
 
 # Constructor options that apply to the whole optimizer; a param group that sets them is refused.
-GROUP_REJECTED = ("fused", "small_threshold", "nonfinite", "bound_updates", "process_group")
+GROUP_REJECTED = ("nonfinite", "bound_updates", "process_group")
+# ZeroGefen and the DeepSpeed integration cut partitions across groups, stepped with one
+# implementation and one exactness threshold
+GROUP_REJECTED_SHARDED = ("fused", "small_threshold") + GROUP_REJECTED
 
 
 def _is_number(x) -> bool:
@@ -88,17 +95,62 @@ def validate_hparams(lr, betas, eps, weight_decay, where: str = "") -> None:
         raise ValueError(f"Invalid weight_decay value{where}: {weight_decay!r} (must be a finite number >= 0)")
 
 
-def validate_group_keys(param_group: Dict[str, Any], index: int) -> None:
-    """Refuse optimizer-wide options in a param group: Gefen applies them to every group, so a
-    per-group value would be silently ignored."""
-    bad = [k for k in GROUP_REJECTED if k in param_group]
+def validate_group_keys(param_group: Dict[str, Any], index: int, rejected: Tuple[str, ...] = GROUP_REJECTED) -> None:
+    """Refuse optimizer-wide options (``rejected``) in a param group: Gefen applies them to every
+    group, so a per-group value would be silently ignored. A per-group ``fused`` (where allowed)
+    must be None, True or False."""
+    if "fused" in param_group and "fused" not in rejected and param_group["fused"] not in (None, True, False):
+        raise ValueError(f"Invalid fused in param group {index}: {param_group['fused']!r} (expected None, True or "
+                         "False)")
+    bad = [k for k in rejected if k in param_group]
     if bad:
         k = bad[0]
         raise ValueError(
             f"Invalid option {k!r} in param group {index}: {param_group[k]!r}. Gefen applies {k!r} to all "
             f"param groups; pass it to the constructor instead (Gefen(params, {k}=...)) and remove it from the "
-            "group. Per-group options are lr, betas, eps, weight_decay, second_moment and row_blocks."
+            "group. Per-group options are lr, betas, eps, weight_decay, second_moment, row_blocks"
+            + (" and fused, small_threshold." if "fused" not in rejected else ".")
         )
+
+
+def validate_row_blocks(rb, where: str = "") -> None:
+    if not (rb is None or rb == "auto" or (isinstance(rb, int) and not isinstance(rb, bool) and rb >= 1)):
+        raise ValueError(f"Invalid row_blocks{where}: {rb!r} (expected 'auto', None or an int >= 1; 1 is one "
+                         "column profile per tensor, as Adafactor)")
+
+
+def validate_param_group(opt, param_group) -> None:
+    """The checks of ``opt.add_param_group(param_group)`` before anything changes: optimizer-wide
+    keys (``opt._group_rejected``), hyperparameters, ``second_moment``, ``row_blocks``,
+    ``small_threshold`` and parameter dtypes; each error names the value and the fix."""
+    from ..engine.state import SECOND_MOMENTS
+
+    where = f" in param group {len(opt.param_groups)}"
+    if isinstance(param_group, dict):
+        validate_group_keys(param_group, len(opt.param_groups), opt._group_rejected)
+        merged = {**opt.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        validate_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], where)
+        if merged["second_moment"] not in SECOND_MOMENTS:
+            raise ValueError(f"Invalid second_moment{where}: {merged['second_moment']!r} (expected one of "
+                             f"{SECOND_MOMENTS})")
+        validate_row_blocks(merged.get("row_blocks", "auto"), where)
+        st = merged.get("small_threshold", 0)
+        if isinstance(st, bool) or not isinstance(st, int) or st < 0:
+            raise ValueError(f"Invalid small_threshold{where}: {st!r} (must be an int >= 0)")
+    params = param_group.get("params") if isinstance(param_group, dict) else param_group
+    for p in (params if isinstance(params, (list, tuple)) else [params]):
+        if isinstance(p, tuple):  # (name, param) when a group holds named params
+            p = p[1]
+        if not isinstance(p, torch.Tensor):
+            continue
+        if p.is_complex() and not opt._complex_ok:
+            raise TypeError(f"{type(opt).__name__} does not support complex parameters (dtype {p.dtype}{where}, "
+                            f"shape {tuple(p.shape)}): its partitions are flat real buffers. Use gefen_dist.Gefen, "
+                            "which steps a complex parameter as its real view, or register "
+                            "torch.view_as_real(param) as the parameter")
+        if not (p.is_floating_point() or p.is_complex()):
+            raise TypeError(f"Gefen can only optimize floating-point (or complex) parameters, got dtype {p.dtype}"
+                            f"{where} (shape {tuple(p.shape)}); pass only float/bf16/fp16 parameters")
 
 
 # ---------------------------------------------------------------------------------- pre-step
@@ -132,13 +184,13 @@ def _under_torch_compile() -> bool:
         return False
 
 
-def require_fused_kernels(opt) -> None:
-    """``fused=True``: the kernel of each device the parameters are on must be usable (the native
-    CPU kernel for CPU parameters, Triton for CUDA float32/bfloat16 ones), else a clear error at
-    construction."""
+def require_fused_kernels(opt, groups=None) -> None:
+    """``fused=True`` (for the optimizer, or for the param groups ``groups``): the kernel of each
+    device their parameters are on must be usable (the native CPU kernel for CPU parameters, Triton
+    for CUDA float32/bfloat16 ones), else a clear error at construction."""
     from ..kernels import dispatch as _dispatch
 
-    params = [local_tensor(p) for g in opt.param_groups for p in g["params"]]
+    params = [local_tensor(p) for g in (opt.param_groups if groups is None else groups) for p in g["params"]]
     if any(t.device.type == "cpu" for t in params):
         from ..kernels import cpu as _cpu
 
@@ -167,9 +219,9 @@ def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
         if st:
             # the state's tensors have the parameter's (global) shape, DTensor or not: one compare
             ref = st.get(tensor_keys(opt._mode(p))[0])  # idx, or exp_avg for an exact tensor
-            if ref is not None and ref.shape != p.shape:
+            if ref is not None and tuple(ref.shape) != global_shape(p):
                 names = names or opt._names()
-                raise _shape_changed(type(opt).__name__, names[id(p)], p.shape, ref.shape)
+                raise _shape_changed(type(opt).__name__, names[id(p)], global_shape(p), ref.shape)
             if not st.get("learned", 1):
                 learn.append(p)
             continue
@@ -180,7 +232,7 @@ def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
         if int(math.prod(shape)) == 0:
             # nothing to learn or store: an exact (AdamW) state of zero elements
             opt._alloc(p, piece_of(p, opt._comm.rank, opt._comm.world_size > 1), learned=True)
-        elif not is_exact(shape, opt.small_threshold):
+        elif opt._mode(p) != MODE_EXACT:
             learn.append(p)
     if learn and opt.nonfinite == "ignore":
         _learn_from_finite(opt, entries, learn)

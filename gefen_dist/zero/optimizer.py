@@ -72,7 +72,7 @@ from ..core import periods as _periods
 from ..engine.layout import Geometry, Piece, global_shape, is_dtensor, is_exact
 from ..engine import state as _state
 from ..optim.gefen import Gefen, Report
-from ..optim.validation import prestep_zero
+from ..optim.validation import GROUP_REJECTED_SHARDED, prestep_zero
 from .checkpoint import ZeroCheckpointMixin
 from .step import ZeroStepMixin
 from .partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, Partition, _pad,  # noqa: F401
@@ -105,6 +105,10 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     rank ``r``. The result has single-process Gefen's layout; load it with ``load_state_dict`` at
     any world size (or into plain :class:`Gefen`).
     """
+
+    _group_rejected = GROUP_REJECTED_SHARDED  # one implementation steps the partition of all groups
+    _complex_ok = False
+
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, process_group: Optional[Any] = None,
