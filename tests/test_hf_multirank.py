@@ -111,6 +111,21 @@ def test_accelerate_deepspeed_zero2_2ranks(tmp_path, monkeypatch):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("config,stage", [("deepspeed_zero1.yaml", 1), ("deepspeed_zero3.yaml", 3)])
+def test_accelerate_shipped_deepspeed_configs_2ranks(tmp_path, monkeypatch, config, stage):
+    """The shipped ZeRO-1 and ZeRO-3 configs themselves (two launch flags replace their 8 processes
+    and bf16): Gefen steps the flat partitions (ZeRO-3: DeepSpeedZeroOptimizer_Stage3, parameters
+    partitioned), and save_state/load_state restores and replays bitwise."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
+    _hf_env(monkeypatch)
+    res = _accelerate_launch(os.path.join(ACC, config), "accel_train.py", tmp_path,
+                             flags=("--num_processes", "2", "--mixed_precision", "no"))
+    ok = _check(res, 2)
+    assert ok[0].startswith(f"OK deepspeed zero{stage}: gefen_dist.integrations.deepspeed.Gefen stepped 8x"), ok
+    assert "replayed steps 5-8 bitwise" in ok[1], ok
+
+
+@pytest.mark.dist
 def test_trainer_ddp_shipped_config_2ranks(tmp_path, monkeypatch):
     """The shipped ddp.yaml itself (two launch flags replace its 8 processes and bf16), the Trainer with
     ``optimizer_cls_and_kwargs=(gefen_dist.Gefen, {...})``: DDP, save, resume bitwise."""

@@ -1,4 +1,4 @@
-"""Gefen in a plain Accelerate training loop, 2 CPU processes, FSDP2 or DeepSpeed ZeRO-2 plugin.
+"""Gefen in a plain Accelerate training loop, 2 CPU processes, FSDP2 or DeepSpeed ZeRO-1/2/3 plugin.
 
 Run (the plugin comes from the config; both configs are CPU variants of the shipped ones)::
 
@@ -7,6 +7,8 @@ Run (the plugin comes from the config; both configs are CPU variants of the ship
         tests/dist/accel_train.py OUTDIR
     DS_ACCELERATOR=cpu accelerate launch --config_file integrations/accelerate/deepspeed_zero1.yaml \
         --num_processes 2 --mixed_precision no tests/dist/accel_train.py OUTDIR     # ZeRO-1 (by hand)
+    DS_ACCELERATOR=cpu accelerate launch --config_file integrations/accelerate/deepspeed_zero3.yaml \
+        --num_processes 2 --mixed_precision no tests/dist/accel_train.py OUTDIR     # ZeRO-3
 
 The optimizer comes from ``gefen_dist.integrations.hf`` (``GefenFactory`` with the kwargs of
 ``gefen_optimizer_cls_and_kwargs``: plain ``Gefen`` under FSDP2, the ZeRO-aware subclass under
@@ -65,12 +67,35 @@ def inner_optimizer(opt):
     return o
 
 
+def full_params(model):
+    """Every parameter whole: DTensors gathered; ZeRO-3's partitioned parameters gathered by
+    ``deepspeed.zero.GatheredParameters`` (a collective every rank enters)."""
+    out = {}
+    for n, p in model.named_parameters():
+        if hasattr(p, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p]):
+                out[n] = p.detach().clone()
+        else:
+            out[n] = full(p.detach()).clone()
+    return out
+
+
+def ordered_state_keys(gopt):
+    """The tensors Gefen keeps state for, in a fixed order: the param groups' (FSDP2), DeepSpeed's
+    flat partitions in discovery order (ZeRO-3 swaps its param groups' contents between steps)."""
+    if getattr(gopt, "_ds_flats", None):
+        return [gopt._ds_tensors[fid] for fid in gopt._ds_flats]
+    return [p for g in gopt.param_groups for p in g["params"] if p in gopt.state]
+
+
 def snapshot(model, gopt):
-    params = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
-    # in param-group order (load_state may refill gopt.state in another order)
+    params = full_params(model)
+    # in a fixed order (load_state may refill gopt.state in another order)
     state = [{k: (local(v).clone() if torch.is_tensor(v) else v) for k, v in gopt.state[p].items()}
-             for g in gopt.param_groups for p in g["params"] if p in gopt.state]
-    check(len(state) == len(gopt.state), "state keyed by tensors that are not in the param groups")
+             for p in ordered_state_keys(gopt)]
+    check(len(state) == len(gopt.state), "state keyed by tensors that are neither parameters nor partitions")
     return params, state
 
 
@@ -110,9 +135,10 @@ def main():
         from gefen_dist.integrations import deepspeed as gds
 
         check(type(gopt) is gds.Gefen, f"under DeepSpeed the factory built {type(gopt)}")
-        stage = acc.state.deepspeed_plugin.zero_stage  # 2 from cpu_deepspeed_zero2.yaml; 1 from deepspeed_zero1.yaml
-        check(stage in (1, 2), f"ZeRO stage {stage}: this worker checks stages 1 and 2 (ZeRO-3 partitions parameters)")
-        check(type(acc.deepspeed_engine_wrapped.engine.optimizer).__name__ == "DeepSpeedZeroOptimizer",
+        stage = acc.state.deepspeed_plugin.zero_stage  # from the config: 1, 2 or 3
+        check(stage in (1, 2, 3), f"ZeRO stage {stage}")
+        want = "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"
+        check(type(acc.deepspeed_engine_wrapped.engine.optimizer).__name__ == want,
               type(acc.deepspeed_engine_wrapped.engine.optimizer).__name__)
         what = f"deepspeed zero{stage}"
     else:
