@@ -17,5 +17,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
   # DeepSpeed (a test dependency) must not try to compile its CUDA ops on a CPU machine
   DS_BUILD_OPS=0 python -m pip install -q -e ".[test,bench]"
+  # torchtitan's CheckpointManager is a real client of the plain DCP flow (tests/test_torchtitan.py).
+  # Its own dependencies (datasets, wandb, tensorboard, torchdata, ...) are not needed for that:
+  # the package and the few modules its checkpoint/optimizer components import, without deps.
+  python -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
+      docstring-parser==0.18.0 typeguard==4.6.1
   echo "$want" > "$stamp"
 fi
