@@ -101,6 +101,20 @@ def test_accelerate_fsdp2_save_2ranks_load_1rank(tmp_path, monkeypatch):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("sdt", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_trainer_fsdp2_save_2ranks_resume_1rank(tmp_path, monkeypatch, sdt):
+    """The Trainer with FSDP2 and ``optimizer_cls_and_kwargs=(Gefen, {...})``, its own save at 2 ranks
+    and ``resume_from_checkpoint`` at 1 (tests/dist/hf_trainer_fsdp2.py), with the c_fc rows of
+    2560 elements at period 1280: after the resume every parameter and Gefen state tensor equals
+    the saved full one bitwise, and the resumed Trainer steps."""
+    _hf_env(monkeypatch)
+    ok = _check(run_torchrun("hf_trainer_fsdp2.py", 2, "save", sdt, tmp_path, timeout=TIMEOUT), 1)
+    assert "Gefen on DTensor shards" in ok[0], ok
+    ok = _check(run_torchrun("hf_trainer_fsdp2.py", 1, "load", sdt, tmp_path, timeout=TIMEOUT), 2)
+    assert "ws=2 -> resume ws=1" in ok[0] and "period 1280" in ok[0] and "stepped to 4" in ok[1], ok
+
+
+@pytest.mark.dist
 def test_accelerate_deepspeed_zero2_2ranks(tmp_path, monkeypatch):
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install deepspeed)")
     _hf_env(monkeypatch)
