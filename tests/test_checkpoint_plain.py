@@ -75,15 +75,22 @@ def test_factored_default_resumes_through_the_plain_flow_bitwise(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
 
 
-def test_shared_needs_prepare_for_load(tmp_path):
+def test_shared_needs_prepare_for_load(tmp_path, caplog):
     """The paper's scheme keeps ``v`` per detected period: the plain flow cannot size it, and DCP says
-    so (a CheckpointException naming the size mismatch); prepare_for_load sizes it from the metadata."""
+    so (a CheckpointException naming the size mismatch), after Gefen's warning naming the fix;
+    prepare_for_load sizes it from the metadata."""
     m, opt = _save("shared", str(tmp_path))
     periods = [opt.state[p]["period"] for p in m.parameters()]
     assert any(per != shape_period(p.shape) for per, p in zip(periods, m.parameters())), periods
-    with pytest.raises(BaseException, match="Size mismatch|CheckpointException"):
-        _plain_resume("shared", str(tmp_path))
-    m2, opt2 = _plain_resume("shared", str(tmp_path), prepare=True)
+    with caplog.at_level("WARNING", logger="gefen_dist.optim.gefen"):
+        with pytest.raises(BaseException, match="Size mismatch|CheckpointException"):
+            _plain_resume("shared", str(tmp_path))
+    warned = [r.getMessage() for r in caplog.records if "have not learned their periods" in r.getMessage()]
+    assert len(warned) == 1 and "gefen_dist.checkpoint.prepare_for_load(model, optimizer" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gefen_dist.optim.gefen"):
+        m2, opt2 = _plain_resume("shared", str(tmp_path), prepare=True)
+    assert not [r for r in caplog.records if "have not learned their periods" in r.getMessage()]
     _train(m, opt, 2, 7)
     _train(m2, opt2, 2, 7)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))

@@ -366,6 +366,12 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         return loss
 
     # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """As ``torch.optim.Optimizer.state_dict`` (warns when a shared-mode placeholder state is
+        about to meet the generic DCP flow, :meth:`_warn_unsized_shared`)."""
+        self._warn_unsized_shared()
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load state as ``torch.optim.Optimizer`` does (pre hooks first, post hooks after Gefen's
         own load), but atomically (everything is validated before anything changes; errors name

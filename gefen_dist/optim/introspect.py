@@ -50,6 +50,27 @@ def describe_step(opt, rep: List[Dict[str, Any]]) -> str:
 class Introspection:
     """Uses the optimizer's ``param_groups``, ``state``, ``_comm`` and ``fused``."""
 
+    def _warn_unsized_shared(self) -> None:
+        """Log once (WARNING) when ``state_dict()`` is taken while some ``second_moment="shared"``
+        tensors hold placeholder state (periods not learned yet): that is the fresh optimizer of
+        the generic DCP resume flow (``get_state_dict`` -> ``dcp.load``), which then fails inside
+        DCP with a size mismatch on ``v``, because the shared mode sizes ``v`` by the periods its
+        first gradient showed. The fix is named before DCP's error."""
+        if self.__dict__.get("_warned_unsized"):
+            return
+        n = sum(1 for g in self.param_groups if g.get("second_moment") == "shared" for p in g["params"]
+                if self.state.get(p) and "v" in self.state[p] and not self.state[p].get("learned", 1))
+        if n:
+            self._warned_unsized = True
+            logger.warning(
+                "Gefen.state_dict(): %d second_moment='shared' tensor(s) have not learned their periods yet, so "
+                "their `v` has a placeholder size. Loading a checkpoint into this optimizer with the generic DCP "
+                "flow (get_state_dict -> dcp.load -> set_state_dict) fails with a size mismatch on `v`: call "
+                "gefen_dist.checkpoint.prepare_for_load(model, optimizer, checkpoint_dir) first (or use "
+                "gefen_dist.checkpoint.load, or the default second_moment='factored', whose state shapes depend "
+                "on the parameter shapes only)", n)
+
+
     def _names(self) -> Dict[int, str]:
         names: Dict[int, str] = {}
         for gi, g in enumerate(self.param_groups):
