@@ -249,6 +249,9 @@ class GefenVariant(Gefen):
         self._refresh_counts: Optional[torch.Tensor] = None
         self.refreshes = 0
         kw.setdefault("fused", False)
+        # the variants replace the update with their own (unclamped) math: compare against the
+        # parent without the D13 clamp
+        kw.setdefault("bound_updates", False)
         kw.setdefault("row_blocks", 1)  # the parent's factored layout with one column profile (as before D12)
         super().__init__(params, *args, **kw)
         self._pindex = {}
