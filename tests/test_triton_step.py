@@ -334,7 +334,7 @@ def test_optimizer_cuda_path_through_interpreter(monkeypatch, second_moment):
     ob = Gefen(b.parameters(), **hp)
     from gefen_dist.kernels import dispatch
 
-    monkeypatch.setattr(ob, "_impl", lambda t: dispatch._triton())
+    monkeypatch.setattr(ob, "_impl", lambda t, p=None: dispatch._triton())
     monkeypatch.setattr(ob, "_foreach_exact", lambda p: "exp_avg" in ob.state.get(p, {}))
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):
@@ -421,6 +421,41 @@ def test_multi_step_bitwise_equals_one_launch_per_tensor():
 
 
 @interp
+def test_multi_step_aligned_and_unaligned_members_agree():
+    """The ALIGNED promise (16-byte pointers, S and B multiples of 16) is per launch bucket: a member
+    whose parameter starts 4 bytes into its storage goes to an unaligned launch, a gradient that
+    moves off alignment switches its launch to the unaligned kernel for that run; the hints change
+    no bit of the result."""
+    cb = random_codebook()
+    gen = torch.Generator().manual_seed(5)
+    rows, S, B, n = 8, 64, 64, 8 * 64
+    base = [torch.randn(n, generator=gen), torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+            torch.rand(n // B, generator=gen) * 1e-2, torch.rand(rows, generator=gen) * 1e-4,
+            torch.rand(1, S, generator=gen) * 1e-4]
+
+    def member(offset):
+        out = []
+        for t in base:
+            buf = torch.empty(t.numel() + offset, dtype=t.dtype)[offset:].view(t.shape)
+            out.append(buf.copy_(t))
+        return out
+
+    a, u = member(0), member(1)  # u: every tensor 1 element (4 or 1 bytes) off its storage's alignment
+    assert a[0].data_ptr() % 16 == 0 and u[0].data_ptr() % 16 != 0
+    items = [triton_step.StepItem(m[0], m[1], m[2], m[3], m[4], S, B, 2, 0, rows + 1) for m in (a, u)]
+    ms = triton_step.MultiStep(items, torch.device("cpu"))
+    assert sorted(L["aligned"] for L in ms._launches) == [False, True]
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for step in (1, 2, 3):
+        g = _grad(n, torch.float32, gen)
+        g_off = torch.empty(n + 1)[1:].copy_(g) if step == 2 else g  # off alignment at step 2 only
+        bc1, bc2 = bias_corrections(step, 0.9, 0.95)
+        ms.run([g_off, g.clone()], cb, bc1=bc1, bc2=bc2, **hp)
+        for x, y in zip(a, u):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), step
+
+
+@interp
 def test_multi_step_forced_config():
     """MultiStep's ``config`` (benchmarks/gpu_step.py --tune) forces one (ROWS, BLOCK_SIZE, num_warps)
     on every tensor: one launch per (mode, dtype), the same update up to the summation order of the
@@ -488,7 +523,7 @@ def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
     oa = Gefen(a.named_parameters(), **hp)
     ob = Gefen(b.named_parameters(), **hp)
     for o in (oa, ob):
-        monkeypatch.setattr(o, "_impl", lambda t: dispatch._triton())
+        monkeypatch.setattr(o, "_impl", lambda t, p=None: dispatch._triton())
     monkeypatch.setattr(oa, "_foreach_exact", lambda p: "exp_avg" in oa.state.get(p, {}))
     monkeypatch.setattr(cuda_path.CudaBatch, "get", classmethod(
         lambda cls, opt, entries, _get=cuda_path.CudaBatch.get.__func__: None if opt is oa else _get(cls, opt, entries)))

@@ -321,11 +321,16 @@ def _gefen_multi_kernel(
     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
     MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
     FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
-    IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ALIGNED: tl.constexpr = False,
 ):
     """Many tensors in one launch: program ``pid`` steps rows ``prog[pid, 1] ..`` of tensor
     ``prog[pid, 0]``, whose pointers and sizes are row ``t`` of ``meta`` (see :class:`MultiStep`)
-    and whose gradient's address is ``gptr[t]``."""
+    and whose gradient's address is ``gptr[t]``.
+
+    ``ALIGNED``: the host checked that every member's parameter, gradient, index and column-profile
+    pointers are 16-byte aligned and its row length ``S`` and scale block ``B`` multiples of 16 (:class:`MultiStep`);
+    the promise lets the compiler prove what it cannot see through the metadata table and issue
+    128-bit loads (the hints change the code, not one result bit)."""
     pid = tl.program_id(0)
     t = tl.load(prog_ptr + 2 * pid)
     r_first = tl.load(prog_ptr + 2 * pid + 1).to(tl.int32)
@@ -343,6 +348,13 @@ def _gefen_multi_kernel(
     nrows = tl.load(mb + 5).to(tl.int32)
     S = tl.load(mb + 6).to(tl.int32)
     B = tl.load(mb + 7).to(tl.int32)
+    if ALIGNED:
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        idx_ptr = tl.multiple_of(idx_ptr, 16)
+        vc_ptr = tl.multiple_of(vc_ptr, 16)
+        S = tl.multiple_of(S, 16)
+        B = tl.multiple_of(B, 16)
     _step_rows_jit(
         p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
         r_first, nrows, S, B, S // B, B.to(tl.float32), S.to(tl.float32), scan_steps,
@@ -747,6 +759,26 @@ class _GradTable:
         return self._table
 
 
+# ptxas's own choice for the multi kernel spilled a few registers to local memory in its prologue in
+# some tile configurations (e.g. 96 registers and 4 spill stores for 4x512, shared mode); the
+# register ceiling stated explicitly gives 115-168 registers and no spill in every shipped
+# configuration (benchmarks/triton_sm90.py, sm_90, triton 3.9; tests/test_triton_sm90.py).
+_MULTI_MAXNREG = 255
+
+
+def multi_launch_options() -> Dict[str, int]:
+    """The compiler options of every multi-kernel launch besides ``num_warps``."""
+    return {"maxnreg": _MULTI_MAXNREG}
+
+
+def _aligned(it) -> bool:
+    """Whether item ``it`` of a :class:`MultiStep` meets the multi kernel's ``ALIGNED`` promise for its
+    own tensors (16-byte aligned pointers, row length and scale block multiples of 16); the
+    gradient is checked at each run."""
+    ptrs = [it.param.data_ptr(), it.idx.data_ptr(), (it.v_col if it.v_col is not None else it.v).data_ptr()]
+    return it.S % 16 == 0 and it.B % 16 == 0 and all(p % 16 == 0 for p in ptrs)
+
+
 class MultiStep:
     """The Gefen update of many tensors with one kernel launch per (mode, dtype, chunk config):
     the same per-row work as :func:`quantized_step_` / :func:`quantized_step_factored_`, so each
@@ -772,9 +804,10 @@ class MultiStep:
             if it.S % it.B or n % it.S or (it.mode != 2 and it.S != it.B):
                 raise ValueError(f"bad item {i}: S={it.S}, B={it.B}, mode={it.mode}, numel={n}")
             rows, bs, warps = tuple(config) if config is not None else _config(it.B, n // it.S)
-            buckets.setdefault((it.mode, it.param.dtype == torch.bfloat16, rows, bs, warps), []).append(i)
+            buckets.setdefault((it.mode, it.param.dtype == torch.bfloat16, rows, bs, warps, _aligned(it)),
+                               []).append(i)
         self._launches = []
-        for (mode, bf16, rows, bs, warps), members in buckets.items():
+        for (mode, bf16, rows, bs, warps, aligned), members in buckets.items():
             meta, prog = [], []
             for t, i in enumerate(members):
                 it = self.items[i]
@@ -786,7 +819,7 @@ class MultiStep:
                              nrows, it.S, it.B, it.row0, rb])
                 prog += [[t, r] for r in range(0, nrows, rows)]
             self._launches.append(dict(
-                mode=mode, bf16=bf16, rows=rows, bs=bs, warps=warps, members=members,
+                mode=mode, bf16=bf16, rows=rows, bs=bs, warps=warps, members=members, aligned=aligned,
                 meta=_pinned_to(meta, self.device), prog=_pinned_to(prog, self.device), nprog=len(prog),
                 grads=_GradTable(self.device)))
 
@@ -806,10 +839,12 @@ class MultiStep:
         with ctx:
             for L in self._launches:
                 gs = [grads[i] for i in L["members"]]
+                # the promise of ALIGNED covers the gradients too, which may move between steps
+                aligned = L["aligned"] and all(g.data_ptr() % 16 == 0 for g in gs)
                 kern[(L["nprog"],)](
                     L["meta"], L["grads"](gs), L["prog"], tab.cb, tab.lut, tab.scan_steps, *scalars,
-                    MODE=L["mode"], IS_BF16=L["bf16"], ROWS=L["rows"], BLOCK_SIZE=L["bs"], num_warps=L["warps"],
-                    enable_fp_fusion=False, **consts,
+                    MODE=L["mode"], IS_BF16=L["bf16"], ROWS=L["rows"], BLOCK_SIZE=L["bs"], ALIGNED=aligned,
+                    num_warps=L["warps"], enable_fp_fusion=False, **multi_launch_options(), **consts,
                 )
         for it in self.items:
             for t in (it.param, it.idx, it.scale, it.v):

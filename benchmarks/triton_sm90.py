@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Compile gefen_dist's multi-tensor Triton update kernel for sm_90 (H100/H200) without a GPU, and
+report what the machine code looks like: registers per thread, local-memory spills, and how many
+of its global loads are 128-bit.
+
+    python benchmarks/triton_sm90.py            # every shipped configuration, a table
+    python benchmarks/triton_sm90.py --json out.json
+
+Triton ships ``ptxas``, ``cuobjdump`` and ``nvdisasm``, so ``triton.compile`` with a
+``GPUTarget("cuda", 90, 32)`` produces the real cubin on a CPU-only machine. Registers come from
+``cuobjdump -res-usage`` (``REG``), spills are the ``STL`` (store-to-local) instructions of the
+SASS, 128-bit loads are ``LDG.E.128``. The configurations are the ones :class:`MultiStep` launches:
+mode 0 (``v`` per scale block), 1 (``elementwise``), 2 (factored); float32 and bfloat16
+parameters; the full 2048-element tiles of ``_config`` (ROWS x BLOCK_SIZE = 16x128 ... 1x2048, 4
+warps), the constexprs a CUDA device gets for betas (0.9, 0.999) with weight decay; each with and
+without the ``ALIGNED`` promise (taken when every member's pointers are 16-byte aligned and its row
+and scale block are multiples of 16).
+
+This says nothing about time: that needs the device (``benchmarks/gpu_step.py``). It is the
+static half of the issue's check, and ``tests/test_triton_sm90.py`` asserts it in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TILES = ((16, 128), (8, 256), (4, 512), (2, 1024), (1, 2048))
+MODES = {0: "shared", 1: "elementwise", 2: "factored"}
+
+
+def tools_dir() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def available() -> str:
+    """'' when the offline compile can run here, else why not."""
+    try:
+        import triton  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except Exception as e:  # pragma: no cover - triton is in the test extra on Linux x86_64
+        return f"triton is not importable ({e})"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1 is set (the interpreter has no compiler backend)"
+    for tool in ("cuobjdump", "nvdisasm"):
+        if not os.access(os.path.join(tools_dir(), tool), os.X_OK):
+            return f"triton's {tool} is missing from {tools_dir()}"
+    return ""
+
+
+def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, warps: int = 4,
+                  lut_fast: bool = True, maxnreg=None) -> Dict[str, object]:
+    """Compile one configuration of the multi-tensor kernel for sm_90, with the launch options
+    :class:`MultiStep` uses (``maxnreg``: default, the library's); its resource figures."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from gefen_dist.kernels import triton_step as ts
+
+    kern = ts._kernel("multi")
+    names = list(inspect.signature(ts._gefen_multi_kernel).parameters)
+    ptr = {"meta_ptr": "*i64", "gptr_ptr": "*i64", "prog_ptr": "*i64", "cb_ptr": "*fp32", "lut_ptr": "*i32"}
+    consts = dict(MODE=mode, LERP_SMALL=True, FUSED_LERP=True, FUSED_AXPY=True, HAS_WD=True, LUT_FAST=lut_fast,
+                  IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=block, ALIGNED=aligned)
+    sig = {n: ptr.get(n, "i32" if n == "scan_steps" else "fp32") for n in names}
+    sig.update({c: "constexpr" for c in consts})
+    # the launcher gives 16-byte aligned tensor arguments this attribute, as here
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptr}
+    src = triton.compiler.ASTSource(fn=kern, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
+                                    attrs=attrs)
+    opts = dict(num_warps=warps, enable_fp_fusion=False, **ts.multi_launch_options())
+    if maxnreg is not None:
+        opts["maxnreg"] = maxnreg
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(ck.asm["cubin"])
+        res = subprocess.run([os.path.join(tools_dir(), "cuobjdump"), "-res-usage", path], capture_output=True,
+                             text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools_dir(), "nvdisasm"), path], capture_output=True, text=True,
+                              check=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    return dict(mode=MODES[mode], dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps,
+                aligned=aligned, maxnreg=opts.get("maxnreg"), lut_fast=lut_fast, registers=int(regs.group(1)) if regs else None,
+                spill_stores=len(re.findall(r"\bSTL", sass)), loads=len(re.findall(r"\bLDG", sass)),
+                loads_128=len(re.findall(r"\bLDG\.E\.128", sass)))
+
+
+def shipped(aligned=(False, True)) -> List[Dict[str, object]]:
+    return [compile_multi(m, bf, r, b, al) for m in MODES for bf in (False, True) for r, b in TILES for al in aligned]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the rows to this file")
+    a = ap.parse_args(argv)
+    why = available()
+    if why:
+        print(f"cannot compile offline: {why}", file=sys.stderr)
+        return 2
+    rows = shipped()
+    hdr = f"{'mode':>11} {'dtype':>8} {'tile':>8} {'aligned':>7} | {'regs':>4} {'spills':>6} {'LDG':>4} {'LDG.128':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['mode']:>11} {r['dtype']:>8} {str(r['rows']) + 'x' + str(r['block']):>8} {str(r['aligned']):>7} | "
+              f"{r['registers']:>4} {r['spill_stores']:>6} {r['loads']:>4} {r['loads_128']:>7}")
+    if a.json:
+        import triton
+
+        with open(a.json, "w") as f:
+            json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The multi-tensor Triton update kernel compiled for sm_90 (H100/H200) on this CPU-only machine
+(benchmarks/triton_sm90.py: triton's own ptxas, cuobjdump and nvdisasm): the machine code of every
+shipped full-tile configuration with the ``ALIGNED`` promise (what the GPT-2 tensor set gets: 16-byte
+aligned allocations, rows and scale blocks multiples of 16) has 128-bit global loads, no register
+spills (one known exception, below) and at most 168 registers in the default factored mode.
+
+Before the promise (the kernel read its pointers from a metadata table, so alignment could not be
+proven) the same configurations compiled to 255 registers with up to 69 spill stores and no 128-bit
+load at all; the unaligned fallback still does, and is compiled here once to check that it builds.
+Timing needs the device (benchmarks/gpu_step.py).
+"""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import triton_sm90 as sm90  # noqa: E402
+
+_WHY = sm90.available()
+pytestmark = pytest.mark.skipif(bool(_WHY), reason=f"offline sm_90 compile unavailable: {_WHY}")
+
+# elementwise (per-element v, 5 B/param: not the default) in the largest-row tile: 255 registers and
+# a few spill stores remain; every other configuration has none
+_SPILL_EXCEPTION = {("elementwise", "float32", 16, 128)}
+
+
+@pytest.mark.parametrize("mode", sorted(sm90.MODES))
+def test_aligned_configurations_vectorise_without_spills(mode):
+    rows = [sm90.compile_multi(mode, bf16, r, b, aligned=True) for bf16 in (False, True) for r, b in sm90.TILES]
+    for r in rows:
+        key = (r["mode"], r["dtype"], r["rows"], r["block"])
+        assert r["loads_128"] >= 8, r  # p, g and idx (and the column profile) in 16-byte loads
+        assert r["registers"] <= 255, r
+        if key not in _SPILL_EXCEPTION:
+            assert r["spill_stores"] == 0, r
+        if r["mode"] == "factored":
+            assert r["registers"] <= 168, r
+        assert r["maxnreg"] == 255, r  # the launch option MultiStep passes (no prologue spills)
+
+
+def test_unaligned_fallback_builds():
+    r = sm90.compile_multi(2, False, 16, 128, aligned=False)
+    assert r["registers"] is not None and r["loads"] > 0, r
