@@ -377,6 +377,21 @@ def test_column_sums_match_block_column_sumsq():
     torch.testing.assert_close(out, ref, rtol=1e-13, atol=0)
 
 
+def test_column_sums_launch_only_tiles_with_columns_on_a_1d_grid():
+    """The column-sum launches take a table of (chunk, column tile) with only the tiles that hold
+    columns, on a 1-D grid: a row of 20M elements (stacked MoE experts; a second grid dimension
+    stops at 65,535 tiles = 16.78M elements) is 78,125 tiles, and a short row next to a long one
+    launches its own few tiles, not the long row's count."""
+    specs = [(1, 20_000_000, 0, 1, 1, torch.float32), (64, 768, 0, 1, 1, torch.float32)]
+    cs = triton_step.ColumnSums(specs, torch.device("cpu"))
+    tab, ttab, n = cs._chunk_tabs[False]
+    long_tiles = -(-20_000_000 // triton_step._CS_BLOCK_C)
+    short_chunks = sum(1 for row in tab.tolist() if row[0] == 1)
+    assert n == long_tiles + short_chunks * 3 == ttab.shape[0]  # 768 columns: 3 tiles per chunk
+    assert ttab[:, 1].max().item() == long_tiles - 1
+    assert cs.programs == n + long_tiles + 3  # and the reduction's tiles: one entry per tensor
+
+
 @interp
 def test_multi_step_bitwise_equals_one_launch_per_tensor():
     """MultiStep (one launch per mode/dtype/config) gives each tensor exactly the bits of its own

@@ -364,13 +364,16 @@ def _gefen_multi_kernel(
     )
 
 
-def _colsum_kernel(gptr_ptr, chunk_ptr, part_ptr, IS_BF16: tl.constexpr, RB: tl.constexpr,
+def _colsum_kernel(gptr_ptr, chunk_ptr, tile_ptr, part_ptr, IS_BF16: tl.constexpr, RB: tl.constexpr,
                    BLOCK_C: tl.constexpr):
     """Column sums of float32 squares, accumulated in float64, over one chunk of rows of one
-    tensor and one tile of ``BLOCK_C`` columns: chunk ``c`` = (tensor, first row, end row, S,
-    offset of its ``S`` partial sums)."""
-    c = tl.program_id(0)
-    tile = tl.program_id(1)
+    tensor and one tile of ``BLOCK_C`` columns. Program ``pid`` takes entry ``pid`` of the tile
+    table, (chunk ``c``, column tile): only tiles that hold columns are launched, on a 1-D grid
+    (a second grid dimension would cap rows at 65,535 tiles, 16.78M elements). Chunk ``c`` =
+    (tensor, first row, end row, S, offset of its ``S`` partial sums)."""
+    pid = tl.program_id(0)
+    c = tl.load(tile_ptr + 2 * pid)
+    tile = tl.load(tile_ptr + 2 * pid + 1)
     cb = chunk_ptr + c * 5
     t = tl.load(cb + 0)
     r0 = tl.load(cb + 1).to(tl.int32)
@@ -393,11 +396,13 @@ def _colsum_kernel(gptr_ptr, chunk_ptr, part_ptr, IS_BF16: tl.constexpr, RB: tl.
     tl.store(part_ptr + off + cols, tl.sum(acc, axis=0), mask=cmask)
 
 
-def _colsum_reduce_kernel(part_ptr, red_ptr, out_ptr, CH: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Sum the partial column sums of one (tensor, row block): entry ``e`` = (offset of its
-    first chunk's sums, chunks, S, output offset); chunks are added in their order."""
-    e = tl.program_id(0)
-    tile = tl.program_id(1)
+def _colsum_reduce_kernel(part_ptr, red_ptr, tile_ptr, out_ptr, CH: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Sum the partial column sums of one (tensor, row block) over one tile of columns (program
+    ``pid``: entry ``pid`` of the tile table, (entry ``e``, column tile), 1-D grid): entry ``e`` =
+    (offset of its first chunk's sums, chunks, S, output offset); chunks are added in their order."""
+    pid = tl.program_id(0)
+    e = tl.load(tile_ptr + 2 * pid)
+    tile = tl.load(tile_ptr + 2 * pid + 1)
     rb = red_ptr + e * 4
     first = tl.load(rb + 0)
     nch = tl.load(rb + 1).to(tl.int32)
@@ -888,27 +893,40 @@ class ColumnSums:
             out += G * S
         self.total = out
         self._part_elems = max(1, part)
-        self._ntiles = -(-max([s[1] for s in self.specs] or [1]) // _CS_BLOCK_C)
-        self._chunk_tabs = {bf16: (_pinned_to(c, self.device), len(c)) for bf16, c in chunks.items()}
+
+        def tiles(table, s_at):  # (entry, column tile) for every tile holding columns of the entry's S
+            return [[j, t] for j, row in enumerate(table) for t in range(-(-int(row[s_at]) // _CS_BLOCK_C))]
+
+        self._chunk_tabs = {}
+        for bf16, c in chunks.items():  # chunk rows: (tensor, first row, end row, S, offset)
+            ct = tiles(c, 3)
+            self._chunk_tabs[bf16] = (_pinned_to(c, self.device), _pinned_to(ct, self.device), len(ct))
         self._members = {bf16: {c[0] for c in cs} for bf16, cs in chunks.items()}
         # the chunk table names gradients by their index in specs: one address table per dtype
         self._grads = {bf16: _GradTable(self.device) for bf16 in chunks}
         self._red = _pinned_to(red, self.device)
         self._nred = len(red)
+        red_tiles = tiles(red, 2)  # reduction rows: (first chunk's offset, chunks, S, output offset)
+        self._red_tiles, self._nred_tiles = _pinned_to(red_tiles, self.device), len(red_tiles)
+
+    @property
+    def programs(self) -> int:
+        """Programs launched per :meth:`run` (every one has columns to sum)."""
+        return sum(n for _, _, n in self._chunk_tabs.values()) + self._nred_tiles
 
     def run(self, grads) -> torch.Tensor:
-        out = torch.zeros(self.total, dtype=torch.float64, device=self.device)
         if not self._nred:
-            return out
-        part = torch.zeros(self._part_elems, dtype=torch.float64, device=self.device)
+            return torch.zeros(self.total, dtype=torch.float64, device=self.device)
+        # every element of both is written below (each chunk's S partial sums, each entry's S sums)
+        out = torch.empty(self.total, dtype=torch.float64, device=self.device)
+        part = torch.empty(self._part_elems, dtype=torch.float64, device=self.device)
         ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext()
         with ctx:
-            for bf16, (tab, n) in self._chunk_tabs.items():
+            for bf16, (tab, ttab, n) in self._chunk_tabs.items():
                 # addresses indexed by position in specs (gradients of the other dtype: 0, unused)
                 mem = self._members[bf16]
                 gt = self._grads[bf16]([g if i in mem else None for i, g in enumerate(grads)])
-                _kernel("colsum")[(n, self._ntiles)](gt, tab, part, IS_BF16=bf16, RB=_CS_RB,
-                                                      BLOCK_C=_CS_BLOCK_C, num_warps=4)
-            _kernel("reduce")[(self._nred, self._ntiles)](part, self._red, out, CH=_CS_CH, BLOCK_C=_CS_BLOCK_C,
-                                                          num_warps=4)
+                _kernel("colsum")[(n,)](gt, tab, ttab, part, IS_BF16=bf16, RB=_CS_RB, BLOCK_C=_CS_BLOCK_C, num_warps=4)
+            _kernel("reduce")[(self._nred_tiles,)](part, self._red, self._red_tiles, out, CH=_CS_CH,
+                                                   BLOCK_C=_CS_BLOCK_C, num_warps=4)
         return out
