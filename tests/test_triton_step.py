@@ -575,6 +575,59 @@ def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
     assert all(torch.equal(u, w) for u, w in zip(before, b.parameters()))
 
 
+@interp
+def test_cuda_batch_mixed_step_counts_and_logged_fallbacks(monkeypatch, caplog):
+    """A tensor that missed steps (no gradient at step 2: an expert without tokens) keeps the batch:
+    its own launches with its own bias corrections, bitwise equal to the per-tensor path. A
+    non-contiguous parameter sends the model to the per-tensor path with one WARNING naming it."""
+    import copy
+
+    from gefen_dist import Gefen
+    from gefen_dist.engine import cuda_batch as cuda_path
+    from gefen_dist.kernels import dispatch
+
+    monkeypatch.setattr(cuda_path, "_DEVICE_TYPES", ("cuda", "cpu"))
+    base = _three_kinds_model()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    oa, ob = Gefen(a.named_parameters(), lr=1e-3), Gefen(b.named_parameters(), lr=1e-3)
+    for o in (oa, ob):
+        monkeypatch.setattr(o, "_impl", lambda t, p=None: dispatch._triton())
+    monkeypatch.setattr(oa, "_foreach_exact", lambda p: "exp_avg" in oa.state.get(p, {}))
+    monkeypatch.setattr(cuda_path.CudaBatch, "get", classmethod(
+        lambda cls, opt, entries, _get=cuda_path.CudaBatch.get.__func__: None if opt is oa else _get(cls, opt, entries)))
+    gen = torch.Generator().manual_seed(4)
+    plans = []
+    for step in range(6):
+        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        oa.zero_grad()
+        ((a(x) - y) ** 2).mean().backward()
+        if step == 2:
+            a[2].weight.grad = None  # the factored 192x96 weight misses this step
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.grad = None if p.grad is None else p.grad.clone()
+        oa.step()
+        ob.step()
+        plans.append(getattr(ob, "_cuda_batch", None))
+    assert plans[4] is not None and plans[5] is plans[4]  # built with two step counts, reused
+    assert int(ob.state[b[2].weight]["step"]) == 5 and int(ob.state[b[0].weight]["step"]) == 6
+    assert len(plans[5].groups) == 2
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        for k, v in oa.state[p].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, ob.state[q][k]), (name, k)
+        assert torch.equal(p, q), name
+    # a non-contiguous parameter: per-tensor path, one warning that names it and says what to do
+    w = torch.nn.Parameter(torch.randn(96, 64).t())  # (64, 96), stride (1, 64)
+    oc = Gefen([w], lr=1e-3)
+    with caplog.at_level("WARNING", logger="gefen_dist.engine.cuda_batch"):
+        for _ in range(3):
+            w.grad = torch.randn(64, 96)
+            oc.step()
+    warned = [r.getMessage() for r in caplog.records if "multi-tensor CUDA step is not used" in r.getMessage()]
+    assert len(warned) == 1 and "'group0.param0'" in warned[0] and "not contiguous" in warned[0], warned
+    assert getattr(oc, "_cuda_batch", None) is None
+
+
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=interp),
     pytest.param("cuda", marks=pytest.mark.skipif(

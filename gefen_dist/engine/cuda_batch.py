@@ -17,8 +17,10 @@ same tensors with the same arithmetic in
 
 A batch is built for a fixed set of CUDA tensors (plain, or FSDP2/HSDP DTensors sharded by whole
 rows) whose state exists and is learned, and reused while the parameters, their storage and their
-state dicts stay the same; anything else (the first step, CPU tensors, non-contiguous tensors,
-gradients of another dtype) runs the per-tensor path. Sharded tensors take the per-tensor path's
+state dicts stay the same; tensors whose step counts differ (one that missed steps) get their own
+launches. Anything else (the first step, CPU tensors, non-contiguous tensors, parameters that are
+neither float32 nor bfloat16, gradients of another dtype) runs the per-tensor path, and where that
+is not the expected path a WARNING names the tensor and the fix, once per reason. Sharded tensors take the per-tensor path's
 collectives in the same order (a fixed-size summary of the non-finite check, the per-tensor flags
 only when some rank raised one, one SUM of the column statistics; replicas that must not count
 twice contribute zeros), so ranks on either path stay in step. Results equal the per-tensor Triton
@@ -28,7 +30,7 @@ the float32 column statistics agree except in rare last-bit cases (the tests see
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -49,6 +51,19 @@ def _key(opt, entries) -> tuple:
     return tuple((id(p), local_tensor(p).data_ptr(), id(state.get(p))) for _, p in entries)
 
 
+def _fallback(opt, why: str) -> None:
+    """Log, once per optimizer and reason, why the multi-tensor step is not taken (nothing for the
+    expected cases: ``why`` empty)."""
+    if not why:
+        return
+    seen = opt.__dict__.setdefault("_cuda_fallbacks", set())
+    if why in seen:
+        return
+    seen.add(why)
+    logger.warning("Gefen: the multi-tensor CUDA step is not used: %s. Every tensor is stepped on its own "
+                   "instead (same results, several times slower on a GPU); logged once per reason.", why)
+
+
 class CudaBatch:
     """Tables and launch groups for one optimizer's set of tensors (see the module docstring)."""
 
@@ -59,12 +74,15 @@ class CudaBatch:
         self.entries = entries
         comm = opt._comm
         self.sharded = comm.world_size > 1 and any(is_dtensor(p) for _, p in entries)
-        groups: Dict[int, dict] = {}
+        # one launch group per (param group, step count): the bias corrections are per step count, and
+        # every tensor of a batch advances by one per step, so the partition stays valid (a tensor
+        # that missed steps, e.g. an expert without tokens, does not send the model per tensor)
+        groups: Dict[tuple, dict] = {}
         fact_specs, self.fact = [], []  # (entry index, v_col, global rows per block, contributes)
         for e, (group, p) in enumerate(entries):
             st = opt.state[p]
-            gi = groups.setdefault(id(group), dict(group=group, items=[], item_entries=[], exact=[], vcols=[],
-                                                   fact_pos=[]))
+            gi = groups.setdefault((id(group), step_of(st)), dict(group=group, items=[], item_entries=[], exact=[],
+                                                                  vcols=[], fact_pos=[]))
             mode = opt._mode(p)
             if mode == MODE_EXACT:
                 gi["exact"].append(e)
@@ -117,39 +135,51 @@ class CudaBatch:
 
     # ------------------------------------------------------------------ building
     @staticmethod
-    def eligible(opt, entries) -> Optional[torch.device]:
-        """The device of a batch for ``entries`` (non-empty, ``opt.fused`` not False), or None when the
-        per-tensor path must run."""
+    def eligible(opt, entries) -> Tuple[Optional[torch.device], str]:
+        """``(device, "")`` of a batch for ``entries`` (non-empty, ``opt.fused`` not False), or
+        ``(None, reason)`` when the per-tensor path must run; ``reason`` is empty where that is the
+        expected path (state still to learn, not a CUDA device), else it names the tensor and the fix."""
         dev = None
         cb = None
-        steps: Dict[int, int] = {}
+        names = None
+
+        def name(p):
+            nonlocal names
+            names = names or opt._names()
+            return names.get(id(p), "?")
+
         for group, p in entries:
             st = opt.state.get(p)
             if not st or st.get("learned", 1) == 0:
-                return None
-            step = step_of(st)
-            if steps.setdefault(id(group), step) != step:
-                return None  # one step count (bias correction) per group
+                return None, ""
             if dev is None:
                 dev = p.device
                 if dev.type not in _DEVICE_TYPES:
-                    return None
+                    return None, ""
             loc = local_tensor(p)
-            if loc.device != dev or loc.dtype not in (torch.float32, torch.bfloat16) or not loc.is_contiguous():
-                return None
+            if loc.device != dev:
+                return None, f"parameter {name(p)!r} is on {loc.device}, others on {dev} (one batch per device)"
+            if loc.dtype not in (torch.float32, torch.bfloat16):
+                return None, (f"parameter {name(p)!r} has dtype {loc.dtype}; the batch steps float32 and bfloat16 "
+                              "parameters (keep fp16 weights in an fp32 master copy, or use bf16)")
+            if not loc.is_contiguous():
+                return None, (f"parameter {name(p)!r} (shape {tuple(loc.shape)}, stride {tuple(loc.stride())}) is not "
+                              "contiguous; make it contiguous (e.g. param.data = param.data.contiguous()) before "
+                              "building the optimizer")
             mode = opt._mode(p)
             if mode == MODE_EXACT:
                 continue
             if mode != MODE_FACTORED:
                 P, B = int(st["period"]), int(st["scale_block"])
                 if not (P == 1 or P == B):
-                    return None
+                    return None, (f"parameter {name(p)!r} has period {P} and scale block {B} (shared mode): the "
+                                  "batch steps shared tensors whose period is 1 or the scale block")
             c = st["codebook"]
             if cb is None:
                 cb = c
             elif c is not cb and not torch.equal(c, cb):
-                return None
-        return dev
+                return None, f"parameter {name(p)!r} holds another codebook than the rest (a partial load?)"
+        return dev, ""
 
     @classmethod
     def get(cls, opt, entries) -> Optional["CudaBatch"]:
@@ -162,8 +192,9 @@ class CudaBatch:
         if batch is not None and batch.key == key:
             return batch
         opt._cuda_batch = None
-        dev = cls.eligible(opt, entries)
+        dev, why = cls.eligible(opt, entries)
         if dev is None:
+            _fallback(opt, why)
             return None
         try:
             from ..kernels import triton_step as _tri
@@ -185,6 +216,10 @@ class CudaBatch:
         for _, p in self.entries:
             g = local_tensor(p.grad)
             if g is None or g.dtype != local_tensor(p).dtype or not g.is_contiguous() or g.device != self.device:
+                _fallback(opt, f"the gradient of {opt._names().get(id(p), '?')!r} is "
+                               + ("missing" if g is None else f"{g.dtype}, {'' if g.is_contiguous() else 'non-'}"
+                                  f"contiguous, on {g.device}") + f", its parameter {local_tensor(p).dtype} on "
+                               f"{self.device} (the batch needs contiguous gradients of the parameter's dtype)")
                 return False
             grads.append(g)
         buf = cms = None
