@@ -607,6 +607,21 @@ def table_md(out: dict, command: str) -> str:
 
 
 
+def _git_commit() -> str:
+    """The commit of the measured code ("+dirty" with uncommitted changes), or "unknown"."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -711,6 +726,8 @@ def main() -> None:
         simd_path=cpu.simd_compiled(),
         command=command,
         seconds=time.perf_counter() - t_start,
+        date=time.strftime("%Y-%m-%d"),
+        git_commit=_git_commit(),
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
