@@ -98,13 +98,15 @@ def rows() -> list:
 
     sp = _load("step_speed_peers.json")
     m = sp["results"]["fp32"]["methods"]
-    ds = m.get("deepspeed_cpu_adam", {}).get("ratio_to_torch_adamw_fused")
+    dsm = m.get("deepspeed_cpu_adam", {})
+    ds = dsm.get("ratio_to_torch_adamw_fused")
+    ds_where = "" if dsm.get("params") == m["Gefen_e2e_fused"].get("params") else " (transformer block 0)"
     e2e = m["Gefen_e2e_fused"]
     out.append(("CPU step, GPT-2 small fp32, 1 thread",
                 f"**slower** than fused AdamW: `Gefen.step()` {e2e['ratio_to_torch_adamw_fused']:.2f}x "
                 f"its time (at {e2e['state_bytes_per_param']:.4f} B/param), kernel "
                 f"{m['gefen_fused']['ratio_to_torch_adamw_fused']:.2f}x"
-                + (f"; DeepSpeed's CPU Adam {ds:.2f}x (transformer block 0)" if ds else ""),
+                + (f"; DeepSpeed's CPU Adam {ds:.2f}x{ds_where}" if ds else ""),
                 sp["meta"]["cpu"], sp["meta"]["torch"], sp["meta"].get("date", NR),
                 "python benchmarks/step_speed.py --threads 1 ..."))
 
