@@ -514,7 +514,7 @@ class GefenVariant(Gefen):
             gen = None
             if self.q4_rounding == "stochastic":
                 pid = self._pindex.setdefault(id(p), len(self._pindex))
-                gen = torch.Generator().manual_seed((self.seed * 1_000_003 + pid * 7919 + t * 31 + 17) % (2**63))
+                gen = torch.Generator().manual_seed((self.seed * 1_000_003 + pid * 7919 + int(t) * 31 + 17) % (2**63))
             ratio = torch.where(fact > 0, v_new / torch.where(fact > 0, fact, torch.ones_like(fact)),
                                 torch.full_like(fact, 1.0))
             vc = q4_encode(ratio, gen, z0, dz, 2 ** vb).view(-1)
@@ -612,7 +612,7 @@ class GefenVariant(Gefen):
                 block_histogram(m, B, out=self._refresh_counts)
             if self.rounding == "stochastic":
                 pid = self._pindex.setdefault(id(p), len(self._pindex))
-                gen = torch.Generator().manual_seed((self.seed * 1_000_003 + pid * 7919 + t) % (2**63))
+                gen = torch.Generator().manual_seed((self.seed * 1_000_003 + pid * 7919 + int(t)) % (2**63))
                 new = stochastic_codeword(z, cb, gen)
             else:
                 new = nearest_codeword(z, cb)
