@@ -32,7 +32,9 @@ steps, then the median of ``--iters``):
   over all tensors / the matrices only; ``torch_adamw_foreach``: ``foreach=True``.
 
 Also: a correctness check of the kernel against the eager path on three tensors (idx mismatch
-fraction, parameter difference), the effective memory bandwidth of the Triton step, and
+fraction, parameter difference; any index mismatch makes the script exit 1 after writing the
+JSON), an in-process copy-bandwidth probe (1 GiB ``copy_``) and the effective memory bandwidth of
+the Triton step and of fused AdamW as a percentage of it (modelled bytes / time), and
 (unless ``--no-sweep``) the time per shape for every chunk size (the kernel's ``BLOCK_SIZE``),
 to tune :func:`gefen_dist.kernels.triton_step._config`.
 
@@ -262,7 +264,25 @@ def run_dtype(key: str, dtype: torch.dtype, cb, dev, triton_step, args) -> dict:
     for k, r in ratios.items():
         print(f"  ratio {k:55s} {r:6.3f}")
     print(f"  Triton matrices effective bandwidth: {res['triton_matrices_effective_gbps']:.0f} GB/s")
+    if getattr(args, "probe_gbps", None):
+        res["triton_matrices_pct_of_copy_probe"] = 100 * res["triton_matrices_effective_gbps"] / args.probe_gbps
+        # AdamW moves p, g, m, v read and p, m, v written: 7 element-sized streams
+        res["adamw_matrices_effective_gbps"] = n_mat * 7 * eb / (base_m * 1e-3) / 1e9
+        res["adamw_matrices_pct_of_copy_probe"] = 100 * res["adamw_matrices_effective_gbps"] / args.probe_gbps
+        print(f"  % of the copy probe ({args.probe_gbps:.0f} GB/s): Triton matrices "
+              f"{res['triton_matrices_pct_of_copy_probe']:.0f}%, fused AdamW matrices "
+              f"{res['adamw_matrices_pct_of_copy_probe']:.0f}% (modelled bytes / time)")
     return dict(ms=res, ratios=ratios)
+
+
+def copy_probe_gbps(dev, warmup: int, iters: int, nbytes: int = 1 << 30) -> dict:
+    """In-process copy bandwidth: ``dst.copy_(src)`` of ``nbytes`` (read + write counted), CUDA
+    events, median of ``iters`` after ``warmup``; the ceiling the kernels' GB/s are compared with."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).uniform_()
+    dst = torch.empty_like(src)
+    r = cuda_time(lambda: dst.copy_(src), warmup, iters)
+    gbps = 2 * nbytes / (r["median_ms"] * 1e-3) / 1e9
+    return dict(bytes=nbytes, median_ms=r["median_ms"], gbps=gbps)
 
 
 def count_host_syncs(fn) -> int:
@@ -545,6 +565,12 @@ def main() -> int:
               f"param max |diff|/max|p| {r['param_max_diff_over_max_abs']:.2e}, "
               f"differing {r['param_neq_frac']:.2e}")
 
+    info["copy_probe"] = copy_probe_gbps(dev, args.warmup, args.iters)
+    torch.cuda.empty_cache()  # the probe's 2 GiB
+    args.probe_gbps = info["copy_probe"]["gbps"]
+    print(f"copy probe: {args.probe_gbps:.0f} GB/s (1 GiB dst.copy_(src), read + write)")
+    mismatched = [r for r in info["agreement"] if r["idx_mismatch_frac"] > 0]
+
     out = Path(args.out)
 
     def save() -> None:  # after every section: a later failure or time-out keeps what was measured
@@ -581,6 +607,10 @@ def main() -> int:
 
     save()
     print(f"\nwrote {out}")
+    if mismatched:
+        print(f"FAIL: the Triton kernel's indices differ from the eager path's on {len(mismatched)} of "
+              f"{len(info['agreement'])} checked tensors: {[r['shape'] for r in mismatched]}", file=sys.stderr)
+        return 1
     return 0
 
 
