@@ -23,6 +23,7 @@ from typing import Any, Dict, List
 from ..engine.flat_layout import LayoutError
 from ..engine.layout import is_dtensor, local_tensor
 from ..engine.report import Report, build_report, state_bytes
+from ..engine.state import MODE_SHARED
 
 logger = logging.getLogger("gefen_dist.optim.gefen")
 
@@ -58,8 +59,8 @@ class Introspection:
         first gradient showed. The fix is named before DCP's error."""
         if self.__dict__.get("_warned_unsized"):
             return
-        n = sum(1 for g in self.param_groups if g.get("second_moment") == "shared" for p in g["params"]
-                if self.state.get(p) and "v" in self.state[p] and not self.state[p].get("learned", 1))
+        n = sum(1 for g in self.param_groups for p in g["params"]
+                if self.state.get(p) and self._mode(p) == MODE_SHARED and not self.state[p].get("learned", 1))
         if n:
             self._warned_unsized = True
             logger.warning(
