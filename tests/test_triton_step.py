@@ -517,14 +517,9 @@ def _three_kinds_model():
                          nn.GELU(), nn.Linear(200, 8))
 
 
-@interp
-@pytest.mark.parametrize("second_moment", ["factored", "shared", "elementwise"])
-def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
-    """The multi-tensor CUDA step (gefen_dist.engine.cuda_batch), run on CPU tensors through the
-    interpreter, against the per-tensor Triton path on the same gradients: bitwise equal (on CPU the
-    foreach operations are the per-tensor ones and the float64 column sums round to the same
-    float32). The plan is built at the second step, reused, and rebuilt after load_state_dict; a
-    non-finite gradient goes to the per-tensor path, which raises naming the tensor."""
+def _per_tensor_and_batch(monkeypatch, **hp):
+    """Two copies of the three-kinds model on CPU, each with Gefen(**hp) on the Triton kernels
+    (interpreter): ``oa`` always per tensor, ``ob`` through the multi-tensor CUDA batch."""
     import copy
 
     from gefen_dist import Gefen
@@ -534,14 +529,24 @@ def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
     monkeypatch.setattr(cuda_path, "_DEVICE_TYPES", ("cuda", "cpu"))
     base = _three_kinds_model()
     a, b = copy.deepcopy(base), copy.deepcopy(base)
-    hp = dict(lr=1e-3, weight_decay=0.1, second_moment=second_moment)
-    oa = Gefen(a.named_parameters(), **hp)
-    ob = Gefen(b.named_parameters(), **hp)
+    oa, ob = Gefen(a.named_parameters(), **hp), Gefen(b.named_parameters(), **hp)
     for o in (oa, ob):
         monkeypatch.setattr(o, "_impl", lambda t, p=None: dispatch._triton())
     monkeypatch.setattr(oa, "_foreach_exact", lambda p: "exp_avg" in oa.state.get(p, {}))
     monkeypatch.setattr(cuda_path.CudaBatch, "get", classmethod(
         lambda cls, opt, entries, _get=cuda_path.CudaBatch.get.__func__: None if opt is oa else _get(cls, opt, entries)))
+    return a, b, oa, ob
+
+
+@interp
+@pytest.mark.parametrize("second_moment", ["factored", "shared", "elementwise"])
+def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
+    """The multi-tensor CUDA step (gefen_dist.engine.cuda_batch), run on CPU tensors through the
+    interpreter, against the per-tensor Triton path on the same gradients: bitwise equal (on CPU the
+    foreach operations are the per-tensor ones and the float64 column sums round to the same
+    float32). The plan is built at the second step, reused, and rebuilt after load_state_dict; a
+    non-finite gradient goes to the per-tensor path, which raises naming the tensor."""
+    a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=1e-3, weight_decay=0.1, second_moment=second_moment)
     gen = torch.Generator().manual_seed(1)
     plans = []
     for step in range(5):
@@ -580,21 +585,9 @@ def test_cuda_batch_mixed_step_counts_and_logged_fallbacks(monkeypatch, caplog):
     """A tensor that missed steps (no gradient at step 2: an expert without tokens) keeps the batch:
     its own launches with its own bias corrections, bitwise equal to the per-tensor path. A
     non-contiguous parameter sends the model to the per-tensor path with one WARNING naming it."""
-    import copy
-
     from gefen_dist import Gefen
-    from gefen_dist.engine import cuda_batch as cuda_path
-    from gefen_dist.kernels import dispatch
 
-    monkeypatch.setattr(cuda_path, "_DEVICE_TYPES", ("cuda", "cpu"))
-    base = _three_kinds_model()
-    a, b = copy.deepcopy(base), copy.deepcopy(base)
-    oa, ob = Gefen(a.named_parameters(), lr=1e-3), Gefen(b.named_parameters(), lr=1e-3)
-    for o in (oa, ob):
-        monkeypatch.setattr(o, "_impl", lambda t, p=None: dispatch._triton())
-    monkeypatch.setattr(oa, "_foreach_exact", lambda p: "exp_avg" in oa.state.get(p, {}))
-    monkeypatch.setattr(cuda_path.CudaBatch, "get", classmethod(
-        lambda cls, opt, entries, _get=cuda_path.CudaBatch.get.__func__: None if opt is oa else _get(cls, opt, entries)))
+    a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=1e-3)
     gen = torch.Generator().manual_seed(4)
     plans = []
     for step in range(6):
