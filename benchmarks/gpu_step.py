@@ -409,7 +409,7 @@ def tune(dev, args) -> dict:
                         weight_decay=HP["weight_decay"])
             opt.step()  # builds the plan with _config's choice
             if cfg is not None:  # the same plan with every launch forced to cfg
-                for gi in opt._cuda_plan.groups:
+                for gi in opt._cuda_batch.groups:
                     if gi["items"]:
                         gi["multi"] = triton_step.MultiStep(gi["items"], dev, config=cfg)
             r = cuda_time(opt.step, 2, max(5, args.iters // 2))

@@ -9,7 +9,9 @@ of its global loads are 128-bit.
 Triton ships ``ptxas``, ``cuobjdump`` and ``nvdisasm``, so ``triton.compile`` with a
 ``GPUTarget("cuda", 90, 32)`` produces the real cubin on a CPU-only machine. Registers come from
 ``cuobjdump -res-usage`` (``REG``), spills are the ``STL`` (store-to-local) instructions of the
-SASS, 128-bit loads are ``LDG.E.128``. The configurations are the ones :class:`MultiStep` launches:
+SASS, 128-bit loads are ``LDG.E.128``; the static instruction and ``MUFU`` (special-function unit)
+counts of the listing are a proxy for the issue cost per element. The configurations are the ones
+:class:`MultiStep` launches:
 mode 0 (``v`` per scale block), 1 (``elementwise``), 2 (factored); float32 and bfloat16
 parameters; the full 2048-element tiles of ``_config`` (ROWS x BLOCK_SIZE = 16x128 ... 1x2048, 4
 warps), the constexprs a CUDA device gets for betas (0.9, 0.999) with weight decay; each with and
@@ -94,7 +96,15 @@ def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, w
     return dict(mode=MODES[mode], dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps,
                 aligned=aligned, maxnreg=opts.get("maxnreg"), lut_fast=lut_fast, registers=int(regs.group(1)) if regs else None,
                 spill_stores=len(re.findall(r"\bSTL", sass)), loads=len(re.findall(r"\bLDG", sass)),
-                loads_128=len(re.findall(r"\bLDG\.E\.128", sass)))
+                loads_128=len(re.findall(r"\bLDG\.E\.128", sass)), **sass_counts(sass))
+
+
+def sass_counts(sass: str) -> Dict[str, int]:
+    """Static counts in the SASS listing: every instruction, and the special-function unit's
+    (``MUFU``: reciprocal and square-root approximations, the core of the correctly rounded
+    ``div_rn``/``sqrt_rn`` sequences). Static, not executed: a loop body counts once."""
+    ins = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    return dict(instructions=len(ins), mufu=sum(1 for i in ins if i.startswith("MUFU")))
 
 
 def shipped(aligned=(False, True)) -> List[Dict[str, object]]:
@@ -110,12 +120,14 @@ def main(argv=None) -> int:
         print(f"cannot compile offline: {why}", file=sys.stderr)
         return 2
     rows = shipped()
-    hdr = f"{'mode':>11} {'dtype':>8} {'tile':>8} {'aligned':>7} | {'regs':>4} {'spills':>6} {'LDG':>4} {'LDG.128':>7}"
+    hdr = (f"{'mode':>11} {'dtype':>8} {'tile':>8} {'aligned':>7} | {'regs':>4} {'spills':>6} {'LDG':>4} {'LDG.128':>7}"
+           f" {'SASS':>5} {'MUFU':>4}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         print(f"{r['mode']:>11} {r['dtype']:>8} {str(r['rows']) + 'x' + str(r['block']):>8} {str(r['aligned']):>7} | "
-              f"{r['registers']:>4} {r['spill_stores']:>6} {r['loads']:>4} {r['loads_128']:>7}")
+              f"{r['registers']:>4} {r['spill_stores']:>6} {r['loads']:>4} {r['loads_128']:>7} {r['instructions']:>5} "
+              f"{r['mufu']:>4}")
     if a.json:
         import triton
 

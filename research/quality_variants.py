@@ -292,6 +292,10 @@ RESEARCH_VARIANTS = {
     "g_adamw_lr0.75": ("(g) AdamW, lr x0.75 (the control for g_default_lr0.75)", _adamw),
     "g_default_lr1.5": ("(g) gefen_dist Gefen, defaults (row blocks, D12), lr x1.5",
                         _gefen(second_moment="factored", row_blocks="auto")),
+    # (v) D13 vs D14 on the shipped default: the bound off, the shape period (D14) kept
+    "v_default_unbounded": ("(v) gefen_dist Gefen, defaults but bound_updates=False (D14's shape period, no "
+                            "D13 clamp): separates the bound from the period rule",
+                            _gefen(second_moment="factored", row_blocks="auto", bound_updates=False)),
 }
 LR_SCALE = {"g_shared_lr1.5": 1.5, "g_shared_lr0.7": 0.7, "g_factored_lr1.5": 1.5, "g_adamw_lr1.5": 1.5,
             "g_default_lr1.5": 1.5, "g_default_lr0.75": 0.75, "g_adamw_lr0.75": 0.75}

@@ -293,6 +293,38 @@ FACTORED_CASES = {
 
 
 @interp
+def test_column_factors_match_core():
+    """ColumnFactors (one launch for many tensors' ``sqrt(v_col / mean(v_col))``, per row block)
+    against core.step.column_factors: within one float32 ulp (the mean is summed in another order),
+    exactly 0 for a profile whose mean is 0 or NaN (as the core); the views keep their storage across
+    runs (the update kernels hold their pointers)."""
+    from gefen_dist.core.step import column_factors
+
+    gen = torch.Generator().manual_seed(7)
+    v_cols = [torch.rand(96, generator=gen) * 1e-4, torch.rand(3, 1031, generator=gen) * 1e-3,
+              torch.zeros(2, 64), torch.rand(2048 + 5, generator=gen)]
+    v_cols[2][1] = torch.rand(64, generator=gen)  # block 0 all zero, block 1 not
+    nan = torch.rand(40, generator=gen)
+    nan[3] = float("nan")
+    v_cols.append(nan)
+    cfs = triton_step.ColumnFactors(v_cols, torch.device("cpu"))
+    ptrs = [v.data_ptr() for v in cfs.views]
+    for rnd in range(2):
+        out = cfs.run()
+        assert [v.data_ptr() for v in out] == ptrs
+        for v, got in zip(v_cols, out):
+            ref = column_factors(v)
+            assert got.shape == v.shape
+            torch.testing.assert_close(got, ref, rtol=2e-7, atol=0, equal_nan=True)
+        assert torch.equal(out[2][0], torch.zeros(64)) and bool((out[2][1] > 0).all())
+        assert torch.equal(out[4], torch.zeros(40))  # a NaN mean is not positive: 0, as the core's
+        for v in v_cols:
+            v.mul_(0.5)  # the next run reads the tensors as they are then
+    with pytest.raises(ValueError, match="contiguous float32"):
+        triton_step.ColumnFactors([torch.zeros(4, 8).t()], torch.device("cpu"))
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", sorted(FACTORED_CASES))
 def test_factored_matches_eager(case, dtype):

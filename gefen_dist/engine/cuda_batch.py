@@ -10,8 +10,10 @@ same tensors with the same arithmetic in
 * ``torch._foreach_norm`` over the other gradients and a single host synchronisation for the
   non-finite and overflow checks (a step that fails them is handed back to the per-tensor path,
   which raises or skips with the tensor's name, exactly as before);
-* two foreach operations for the ``v_col`` EMAs, one launch per (param group, mode, dtype, chunk
-  configuration) for the quantized tensors
+* two foreach operations for the ``v_col`` EMAs, one launch for every factored tensor's column
+  factors ``sqrt(v_col / mean(v_col))``
+  (:class:`~gefen_dist.kernels.triton_step.ColumnFactors`), one launch per (param group, mode,
+  dtype, chunk configuration) for the quantized tensors
   (:class:`~gefen_dist.kernels.triton_step.MultiStep`), and
   :func:`~gefen_dist.core.step.adamw_foreach_` for the exact ones.
 
@@ -79,6 +81,9 @@ class CudaBatch:
         # that missed steps, e.g. an expert without tokens, does not send the model per tensor)
         groups: Dict[tuple, dict] = {}
         fact_specs, self.fact = [], []  # (entry index, v_col, global rows per block, contributes)
+        # the column factors sqrt(v_col / mean(v_col)) of every factored tensor, one launch per step
+        vcols = [opt.state[p]["v_col"] for _, p in entries if opt._mode(p) == MODE_FACTORED]
+        self.colfactors = _tri.ColumnFactors(vcols, device) if vcols else None
         for e, (group, p) in enumerate(entries):
             st = opt.state[p]
             gi = groups.setdefault((id(group), step_of(st)), dict(group=group, items=[], item_entries=[], exact=[],
@@ -96,8 +101,9 @@ class CudaBatch:
                 rows = global_shape(p)[0]
                 rkw = row_block_args(v_col, rows, pc.start)
                 item = _tri.StepItem(param.view(-1), local_tensor(st["idx"]).view(-1),
-                                     local_tensor(st["scale"]).view(-1), local_tensor(st["v_row"]).view(-1), v_col,
-                                     S, int(st["scale_block"]), 2, rkw.get("row0", 0), rkw.get("row_block", 1))
+                                     local_tensor(st["scale"]).view(-1), local_tensor(st["v_row"]).view(-1),
+                                     self.colfactors.views[len(self.fact)], S, int(st["scale_block"]), 2,
+                                     rkw.get("row0", 0), rkw.get("row_block", 1))
                 gi["fact_pos"].append(len(self.fact))
                 gi["vcols"].append(v_col)
                 # replicas that must not add to global sums a second time (HSDP) contribute zeros
@@ -255,8 +261,7 @@ class CudaBatch:
             for e in gi["item_entries"]:
                 opt.state[self.entries[e][1]]["step"] += 1
         for gi in self.groups:
-            group = gi["group"]
-            beta2 = group["betas"][1]
+            beta2 = gi["group"]["betas"][1]
             if gi["vcols"]:
                 parts = []
                 for k in gi["fact_pos"]:
@@ -264,6 +269,10 @@ class CudaBatch:
                     parts.append(cms[o:o + n].view(shape))
                 torch._foreach_mul_(gi["vcols"], beta2)
                 torch._foreach_add_(gi["vcols"], parts, alpha=1.0 - beta2)
+        if self.colfactors is not None:
+            self.colfactors.run()  # the update kernels read the factors of the new v_col
+        for gi in self.groups:
+            group = gi["group"]
             if gi["multi"] is not None:
                 step = step_of(opt.state[self.entries[gi["item_entries"][0]][1]])
                 hp = hyperparameters(group, step, opt.bound_updates)

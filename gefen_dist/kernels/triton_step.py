@@ -148,9 +148,10 @@ def _step_rows(
     """Rows ``r_first .. r_first + ROWS`` of one tensor (the body of both kernels).
 
     MODE 0: v per scale block (P == B, S == B, NBLK == 1); 1: v per element (P == 1, S == B);
-    2: factored, rows of S == NBLK * B elements, v_row per row, and ``vc_ptr`` the (already
-    updated) v_col, ``[G, S]``; each row takes the column factors ``sqrt(v_col / mean(v_col))``
-    of its block of rows (global row ``row0 + r``, blocks of ``row_block`` rows)."""
+    2: factored, rows of S == NBLK * B elements, v_row per row, and ``vc_ptr`` the column factors
+    ``sqrt(v_col / mean(v_col))`` of this step, ``[G, S]`` (:func:`column_factors`, from the
+    updated v_col); each row takes those of its block of rows (global row ``row0 + r``, blocks of
+    ``row_block`` rows)."""
     rows = r_first + tl.arange(0, ROWS)
     rmask = rows < nrows
     rbase = rows.to(tl.int64) * S
@@ -173,16 +174,8 @@ def _step_rows(
             vr = vt + r * alpha2
         tl.store(v_ptr + rows, vr, mask=rmask)
         xr = tl.sqrt_rn(vr)[:, None]
-        # this row's block of rows (D12): its column profile and the profile's mean
+        # this row's block of rows (D12): its column factors, computed once per step and tensor
         cfbase = ((rows + row0) // row_block).to(tl.int64) * S
-        cs = tl.zeros([ROWS, BLOCK_SIZE], dtype=tl.float32)
-        for c0 in range(0, S, BLOCK_SIZE):
-            cols = c0 + cols0
-            mask = rmask[:, None] & (cols < S)[None, :]
-            cs += tl.load(vc_ptr + cfbase[:, None] + cols[None, :], mask=mask, other=0.0)
-        vmean = tl.div_rn(tl.sum(cs, axis=1), S_f)
-        vpos = (vmean > 0.0)[:, None]
-        vmean_d = tl.where(vmean > 0.0, vmean, 1.0)[:, None]
 
     for kb in range(0, NBLK):
         bbase = rbase + kb * B
@@ -272,10 +265,9 @@ def _step_rows(
                 se = tl.div_rn(tl.sqrt_rn(ve), sqrt_bc2) + eps
                 sg = tl.div_rn(1.0, se) * inv_bc1
             elif MODE == 2:
-                # col_f = sqrt(v_col / mean) (0 for a zero profile), then
-                # (sqrt(v_row) * col_f) / sqrt(bc2) + eps, as the eager path's torch operations
-                vcl = tl.load(vc_ptr + cfbase[:, None] + (kb * B + cols)[None, :], mask=mask, other=0.0)
-                cf = tl.where(vpos, tl.sqrt_rn(tl.div_rn(vcl, vmean_d)), 0.0)
+                # (sqrt(v_row) * col_f) / sqrt(bc2) + eps, as the eager path's torch operations, with
+                # col_f = sqrt(v_col / mean(v_col)) read from vc_ptr (:func:`column_factors`)
+                cf = tl.load(vc_ptr + cfbase[:, None] + (kb * B + cols)[None, :], mask=mask, other=0.0)
                 se = tl.div_rn(xr * cf, sqrt_bc2) + eps
                 sg = tl.div_rn(1.0, se) * inv_bc1
             else:
@@ -418,6 +410,31 @@ def _colsum_reduce_kernel(part_ptr, red_ptr, tile_ptr, out_ptr, CH: tl.constexpr
     tl.store(out_ptr + out + cols, tl.sum(acc, axis=0), mask=cmask)
 
 
+def _colfactor_kernel(tab_ptr, CHUNK: tl.constexpr):
+    """The column factors ``sqrt(v_col / mean(v_col))`` (0 where the mean is not positive
+    or NaN, as :func:`gefen_dist.core.step.column_factors`) of one row block's column profile:
+    program ``pid`` takes row ``pid`` of the table, (address of the profile's ``S`` float32
+    values, address of its ``S`` factors, ``S``). Once per step and tensor, so the update kernel reads one factor per element instead of summing the
+    profile per row and dividing and taking a square root per element."""
+    pid = tl.program_id(0)
+    vc_ptr = tl.load(tab_ptr + 3 * pid).to(tl.pointer_type(tl.float32))
+    cf_ptr = tl.load(tab_ptr + 3 * pid + 1).to(tl.pointer_type(tl.float32))
+    S = tl.load(tab_ptr + 3 * pid + 2).to(tl.int32)
+    cols0 = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for c0 in range(0, S, CHUNK):
+        cols = c0 + cols0
+        acc += tl.load(vc_ptr + cols, mask=cols < S, other=0.0)
+    mean = tl.div_rn(tl.sum(acc, axis=0), S.to(tl.float32))
+    pos = mean > 0.0
+    md = tl.where(pos, mean, 1.0)
+    for c0 in range(0, S, CHUNK):
+        cols = c0 + cols0
+        m = cols < S
+        v = tl.load(vc_ptr + cols, mask=m, other=0.0)
+        tl.store(cf_ptr + cols, tl.where(pos, tl.sqrt_rn(tl.div_rn(v, md)), 0.0), mask=m)
+
+
 _META = tl.constexpr(10) if _HAVE_TRITON else 10  # int64 fields per tensor in MultiStep's table
 _kernels: Dict[Tuple[bool, str], object] = {}
 _kernels_lock = threading.Lock()
@@ -427,7 +444,7 @@ _step_rows_jit = _load_f32_jit = _ema_m_jit = None
 
 
 def _kernel(name: str = "step"):
-    """The jit-wrapped kernel ``name`` (step, multi, colsum, reduce) for the current mode
+    """The jit-wrapped kernel ``name`` (step, multi, colsum, reduce, colfactor) for the current mode
     (compiled, or interpreted under TRITON_INTERPRET=1); the helpers are wrapped first and bound
     to their module-level names, by which the kernels call them."""
     interp = _interpret()
@@ -440,7 +457,7 @@ def _kernel(name: str = "step"):
         k = _kernels.get((interp, name))
         if k is None:
             fn = {"step": _gefen_step_kernel, "multi": _gefen_multi_kernel, "colsum": _colsum_kernel,
-                  "reduce": _colsum_reduce_kernel}[name]
+                  "reduce": _colsum_reduce_kernel, "colfactor": _colfactor_kernel}[name]
             k = _kernels[(interp, name)] = triton.jit(fn)
     return k
 
@@ -619,9 +636,9 @@ def quantized_step_factored_(
 ) -> None:
     """Gefen update with a factored second moment, in place (Triton kernel; same contract as
     :func:`gefen_dist.core.step.quantized_step_factored_eager_`). The ``v_col`` EMA is two torch
-    operations on the device; the column factors ``sqrt(v_col / mean(v_col))`` (the mean summed
-    in the kernel's order), each row's ``v_row`` and its scale blocks are computed in the kernel,
-    with no host synchronisation."""
+    operations on the device, the column factors ``sqrt(v_col / mean(v_col))`` one launch
+    (:class:`ColumnFactors`, the mean summed in its order), each row's ``v_row`` and its scale
+    blocks the update kernel's, with no host synchronisation."""
     n = param.numel()
     S, B = v_col.shape[-1], int(scale_block)
     if B < 1 or S < 1 or S % B:
@@ -641,7 +658,8 @@ def quantized_step_factored_(
     if n == 0:
         return
     rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
-    _run(param, grad, idx, scale, v_row, v_col, codebook, S=S, B=B, mode=2, row0=int(row0), row_block=rb,
+    cf = ColumnFactors([v_col], device).run()[0]
+    _run(param, grad, idx, scale, v_row, cf, codebook, S=S, B=B, mode=2, row0=int(row0), row_block=rb,
          lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
          block_size=block_size, bound=bound)
 
@@ -725,8 +743,9 @@ def _run(param, grad, idx, scale, v, v_col, codebook, *, S, B, mode, row0, row_b
 class StepItem:
     """One contiguous tensor (or local piece) for :class:`MultiStep`: ``v`` is the per-block or
     per-element v (``mode`` 0 / 1) or ``v_row`` (``mode`` 2, factored, with ``v_col`` ``[G, S]``
-    already updated for this step, rows of this piece starting at global row ``row0``, blocks of
-    ``row_block`` rows)."""
+    holding this step's column factors ``sqrt(v_col / mean(v_col))``, :class:`ColumnFactors`'
+    view, rewritten in place each step; rows of this piece starting at global row ``row0``,
+    blocks of ``row_block`` rows)."""
 
     param: torch.Tensor
     idx: torch.Tensor
@@ -930,3 +949,39 @@ class ColumnSums:
             _kernel("reduce")[(self._nred_tiles,)](part, self._red, self._red_tiles, out, CH=_CS_CH,
                                                    BLOCK_C=_CS_BLOCK_C, num_warps=4)
         return out
+
+
+_CF_CHUNK = 1024  # profile values per iteration of the column-factor kernel
+
+
+class ColumnFactors:
+    """The column factors ``sqrt(v_col / mean(v_col))`` of many factored tensors in one launch:
+    ``v_cols[i]`` (``[S]`` or ``[G, S]``, float32, contiguous) gets ``views[i]``, a tensor of its
+    shape in one flat buffer that every :meth:`run` rewrites (so update kernels built on it keep
+    their pointers). One program per row block's profile."""
+
+    def __init__(self, v_cols, device: torch.device):
+        self.device = torch.device(device)
+        self.v_cols = list(v_cols)
+        for i, v in enumerate(self.v_cols):
+            if v.dtype != torch.float32 or not v.is_contiguous() or v.device != self.device:
+                raise ValueError(f"v_col {i}: need a contiguous float32 tensor on {self.device}, got "
+                                 f"{v.dtype} on {v.device}{'' if v.is_contiguous() else ', non-contiguous'}")
+        self.out = torch.empty(sum(v.numel() for v in self.v_cols), dtype=torch.float32, device=self.device)
+        self.views, tab, o = [], [], 0
+        for v in self.v_cols:
+            S = v.shape[-1]
+            self.views.append(self.out[o:o + v.numel()].view(v.shape))
+            for b in range(v.numel() // S if S else 0):
+                tab.append([v.data_ptr() + 4 * b * S, self.out.data_ptr() + 4 * (o + b * S), S])
+            o += v.numel()
+        self._n = len(tab)
+        self._tab = _pinned_to(tab, self.device) if tab else None
+
+    def run(self):
+        """The factors of the ``v_cols`` as they are now (``views``)."""
+        if self._n:
+            ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext()
+            with ctx:
+                _kernel("colfactor")[(self._n,)](self._tab, CHUNK=_CF_CHUNK, num_warps=4)
+        return self.views
