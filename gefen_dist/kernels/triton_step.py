@@ -37,7 +37,9 @@ native library is available. Division and sqrt are the correctly rounded ``div_r
 
 With that, ``idx`` and ``scale`` agree bitwise with the eager path (``m`` and its
 quantisation never depend on ``v``). ``mean(g^2)`` is summed in a different order than
-torch's reduction, so ``v`` can differ in the last bit and ``sigma`` by about one float32 ulp:
+torch's reduction, so ``v`` can differ in the last bit, and a per-element step size is computed
+as the C kernel computes it (``inv_bc1 / (sqrt(v) * (1 / sqrt(bc2)) + eps)``, one division per
+element, where the eager path divides twice), so ``sigma`` differs by a float32 ulp or two:
 float32 parameters agree to ~1e-7 relative, bfloat16 parameters differ by one bf16 ulp in a
 tiny fraction of elements (where the float32 result lies next to a rounding boundary).
 
@@ -154,6 +156,7 @@ def _step_rows(
     ``row_block`` rows)."""
     rows = r_first + tl.arange(0, ROWS)
     rmask = rows < nrows
+    isb = tl.div_rn(1.0, sqrt_bc2)  # 1 / sqrt(bc2): per-element step sizes multiply by it, as the C kernel
     rbase = rows.to(tl.int64) * S
     cols0 = tl.arange(0, BLOCK_SIZE)
 
@@ -173,7 +176,7 @@ def _step_rows(
         else:
             vr = vt + r * alpha2
         tl.store(v_ptr + rows, vr, mask=rmask)
-        xr = tl.sqrt_rn(vr)[:, None]
+        xr = (tl.sqrt_rn(vr) * isb)[:, None]  # sqrt(v_row) / sqrt(bc2), once per row
         # this row's block of rows (D12): its column factors, computed once per step and tensor
         cfbase = ((rows + row0) // row_block).to(tl.int64) * S
 
@@ -262,14 +265,13 @@ def _step_rows(
                 else:
                     ve = vt + r2 * alpha2
                 tl.store(v_ptr + offs, ve, mask=mask)
-                se = tl.div_rn(tl.sqrt_rn(ve), sqrt_bc2) + eps
-                sg = tl.div_rn(1.0, se) * inv_bc1
+                # inv_bc1 / (sqrt(v) * (1 / sqrt(bc2)) + eps): one division per element, as the C kernel
+                sg = tl.div_rn(inv_bc1, tl.sqrt_rn(ve) * isb + eps)
             elif MODE == 2:
-                # (sqrt(v_row) * col_f) / sqrt(bc2) + eps, as the eager path's torch operations, with
-                # col_f = sqrt(v_col / mean(v_col)) read from vc_ptr (:func:`column_factors`)
+                # inv_bc1 / ((sqrt(v_row) / sqrt(bc2)) * col_f + eps), as the C kernel, with
+                # col_f = sqrt(v_col / mean(v_col)) read from vc_ptr (:class:`ColumnFactors`)
                 cf = tl.load(vc_ptr + cfbase[:, None] + (kb * B + cols)[None, :], mask=mask, other=0.0)
-                se = tl.div_rn(xr * cf, sqrt_bc2) + eps
-                sg = tl.div_rn(1.0, se) * inv_bc1
+                sg = tl.div_rn(inv_bc1, xr * cf + eps)
             else:
                 sg = sigma_row
             u = (cq * Ab) * sg
