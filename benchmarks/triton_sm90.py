@@ -67,10 +67,10 @@ def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, w
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from gefen_dist.kernels import triton_step as ts
+    from gefen_dist.kernels import triton_kernels as tk, triton_multi as tm
 
-    kern = ts._kernel("multi")
-    names = list(inspect.signature(ts._gefen_multi_kernel).parameters)
+    kern = tk._kernel("multi")
+    names = list(inspect.signature(tk._gefen_multi_kernel).parameters)
     ptr = {"meta_ptr": "*i64", "gptr_ptr": "*i64", "prog_ptr": "*i64", "cb_ptr": "*fp32", "lut_ptr": "*i32"}
     consts = dict(MODE=mode, LERP_SMALL=True, FUSED_LERP=True, FUSED_AXPY=True, HAS_WD=True, LUT_FAST=lut_fast,
                   IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=block, ALIGNED=aligned)
@@ -80,7 +80,7 @@ def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, w
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptr}
     src = triton.compiler.ASTSource(fn=kern, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
                                     attrs=attrs)
-    opts = dict(num_warps=warps, enable_fp_fusion=False, **ts.multi_launch_options())
+    opts = dict(num_warps=warps, enable_fp_fusion=False, **tm.multi_launch_options())
     if maxnreg is not None:
         opts["maxnreg"] = maxnreg
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)

@@ -33,7 +33,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from gefen_dist.core.quant import nearest_codeword  # noqa: E402
 from gefen_dist.core.step import bias_corrections, hyperparameters, quantized_step_eager_  # noqa: E402
-from gefen_dist.kernels import triton_step  # noqa: E402
+from gefen_dist.kernels import triton_multi, triton_step  # noqa: E402
 
 interp = pytest.mark.skipif(not _CHILD, reason="runs in the TRITON_INTERPRET=1 subprocess "
                                                "(test_interpreter_suite)")
@@ -417,7 +417,7 @@ def test_column_sums_launch_only_tiles_with_columns_on_a_1d_grid():
     specs = [(1, 20_000_000, 0, 1, 1, torch.float32), (64, 768, 0, 1, 1, torch.float32)]
     cs = triton_step.ColumnSums(specs, torch.device("cpu"))
     tab, ttab, n = cs._chunk_tabs[False]
-    long_tiles = -(-20_000_000 // triton_step._CS_BLOCK_C)
+    long_tiles = -(-20_000_000 // triton_multi._CS_BLOCK_C)
     short_chunks = sum(1 for row in tab.tolist() if row[0] == 1)
     assert n == long_tiles + short_chunks * 3 == ttab.shape[0]  # 768 columns: 3 tiles per chunk
     assert ttab[:, 1].max().item() == long_tiles - 1
