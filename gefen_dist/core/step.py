@@ -340,10 +340,11 @@ def block_column_sumsq(grad: torch.Tensor, slab: int, row0: int, row_block: int,
 
 def column_ratios(v_col: torch.Tensor) -> torch.Tensor:
     """``v_col / mean(v_col)`` (``[slab]``), or per block of rows for a ``[G, slab]`` ``v_col``
-    (D12: each block's profile normalised by its own mean); zeros where the mean is 0."""
+    (D12: each block's profile normalised by its own mean); zeros where the mean is not positive
+    (0, or NaN). Tensor operations only: no host synchronisation on a GPU."""
     if v_col.dim() == 1:
-        mean_c = float(v_col.mean())
-        return v_col / mean_c if mean_c > 0 else torch.zeros_like(v_col)
+        mean_c = v_col.mean()
+        return torch.where(mean_c > 0, v_col / mean_c, torch.zeros((), dtype=v_col.dtype, device=v_col.device))
     return torch.stack([column_ratios(v_col[b]) for b in range(v_col.shape[0])])
 
 

@@ -124,8 +124,8 @@ def _step_rows(
 
     MODE 0: v per scale block (P == B, S == B, NBLK == 1); 1: v per element (P == 1, S == B);
     2: factored, rows of S == NBLK * B elements, v_row per row, and ``vc_ptr`` the column factors
-    ``sqrt(v_col / mean(v_col))`` of this step, ``[G, S]`` (:func:`column_factors`, from the
-    updated v_col); each row takes those of its block of rows (global row ``row0 + r``, blocks of
+    ``sqrt(v_col / mean(v_col))`` of this step, ``[G, S]``
+    (:class:`~gefen_dist.kernels.triton_multi.ColumnFactors`, from the updated v_col); each row takes those of its block of rows (global row ``row0 + r``, blocks of
     ``row_block`` rows)."""
     rows = r_first + tl.arange(0, ROWS)
     rmask = rows < nrows
