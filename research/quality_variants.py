@@ -296,6 +296,11 @@ RESEARCH_VARIANTS = {
     "v_default_unbounded": ("(v) gefen_dist Gefen, defaults but bound_updates=False (D14's shape period, no "
                             "D13 clamp): separates the bound from the period rule",
                             _gefen(second_moment="factored", row_blocks="auto", bound_updates=False)),
+    # (v) a bound twice AdamW's: the largest factor that keeps issue 26's three workloads within 5% of
+    # AdamW (bag of features 0.87x AdamW's loss at 2x, 1.19x at 4x; dead first batch, plain MLP ~1.00x)
+    "v_default_bound2": ("(v) gefen_dist Gefen, defaults but bound_updates=2.0 (every normalised update clamped "
+                         "to 2 K_t instead of K_t)", _gefen(second_moment="factored", row_blocks="auto",
+                                                            bound_updates=2.0)),
 }
 LR_SCALE = {"g_shared_lr1.5": 1.5, "g_shared_lr0.7": 0.7, "g_factored_lr1.5": 1.5, "g_adamw_lr1.5": 1.5,
             "g_default_lr1.5": 1.5, "g_default_lr0.75": 0.75, "g_adamw_lr0.75": 0.75}

@@ -204,3 +204,34 @@ def test_training_within_5_percent_of_adamw(workload):
     ref = run("adamw", fused)
     got = run("gefen", fused)
     assert math.isfinite(got) and got <= 1.05 * ref, f"{workload}: Gefen {got:.4f} vs AdamW {ref:.4f}"
+
+
+@pytest.mark.parametrize("fused", FUSED)
+@pytest.mark.parametrize("mode", ["factored", "shared", "elementwise"])
+def test_bound_factor_clamps_at_c_times_adamws_bound(mode, fused):
+    """``bound_updates=c`` (a factor >= 1) clamps at ``c * K_t``: on a (1, 4096) value head one Gaussian
+    step moves some weight by more than K_1 = 1 lr (unbounded: tens of lr) and none by more than 2 lr,
+    and at every later step of a sparse/spiky sequence by at most 2 K_t lr."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    shape = (1, 4096) if mode != "elementwise" else (64, 64)
+    p = nn.Parameter(torch.randn(shape) * 0.02)
+    opt = Gefen([p], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, second_moment=mode, fused=fused,
+                bound_updates=2.0)
+    moved = []
+    for kind in ("gauss", "sparse", "spike", "onehot", "gauss"):
+        p.grad = _grad(kind, shape, gen)
+        before = p.detach().double().clone()
+        opt.step()
+        K = update_bound(0.9, 0.95, opt.state[p]["step"])
+        dp = float((p.detach().double() - before).abs().max()) / 1e-3
+        assert dp <= 2.0 * K * (1 + 1e-5) + 1e-3, (kind, dp, K)
+        moved.append(dp / K)
+    assert max(moved) > 1.05, moved  # the looser clamp is not AdamW's: some step exceeds K_t
+
+
+@pytest.mark.parametrize("bad", [0.5, 0.0, -1.0, float("inf"), float("nan"), "yes", None, [2.0]])
+def test_bound_updates_rejects_values_that_are_not_a_factor(bad):
+    p = nn.Parameter(torch.zeros(64, 64))
+    with pytest.raises(ValueError, match="bound_updates"):
+        Gefen([p], bound_updates=bad)

@@ -20,6 +20,7 @@ rounded once to its dtype.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -39,15 +40,31 @@ def bias_corrections(step: int, beta1: float, beta2: float) -> tuple[float, floa
     return 1.0 - beta1 ** step, 1.0 - beta2 ** step
 
 
-def hyperparameters(group: dict, step: int, bounded: bool = True) -> dict:
+def bound_factor(bounded) -> Optional[float]:
+    """The factor on AdamW's bound of a ``bound_updates`` setting: ``True`` 1.0, ``False`` None
+    (unbounded), a real number >= 1 itself; anything else raises, naming the value."""
+    if bounded is True:
+        return 1.0
+    if bounded is False:
+        return None
+    if isinstance(bounded, (int, float)) and not isinstance(bounded, bool) and math.isfinite(bounded) \
+            and bounded >= 1.0:
+        return float(bounded)
+    raise ValueError(f"Invalid bound_updates: {bounded!r} (expected True, False or a finite factor >= 1 on "
+                     "AdamW's bound)")
+
+
+def hyperparameters(group: dict, step: int, bounded=True) -> dict:
     """The scalars of one update of a tensor at ``step`` (>= 1) in param group ``group``: lr (a tensor
     lr as a float), beta1, beta2, eps, weight_decay, the bias corrections bc1, bc2 and the update
-    bound (:func:`update_bound`, or None when ``bounded`` is False: the paper's unbounded update)."""
+    bound (``bounded`` as :func:`bound_factor` reads it: :func:`update_bound` times the factor, or None
+    when ``bounded`` is False: the paper's unbounded update)."""
     beta1, beta2 = group["betas"]
     bc1, bc2 = bias_corrections(step, beta1, beta2)
+    f = bound_factor(bounded)
     return dict(lr=scalar_value(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], bc1=bc1, bc2=bc2,
-                bound=update_bound(beta1, beta2, step) if bounded else None)
+                bound=None if f is None else f * update_bound(beta1, beta2, step))
 
 
 def update_bound(beta1: float, beta2: float, step: int) -> float:

@@ -21,6 +21,7 @@ from .introspect import Introspection
 from ..engine.comm import LocalComm, comm_for
 from ..engine.cuda_batch import CudaBatch
 from ..engine.tensor_step import GefenStepMixin
+from ..core.step import bound_factor
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import Piece, check_supported, global_shape, like_param, local_tensor, piece_of
 from ..engine.nonfinite import NonfiniteChecks
@@ -82,8 +83,9 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         bound_updates: ``True`` (default) clamps every quantized element's normalised update to
             AdamW's own bound ``K_t`` (:func:`gefen_dist.core.step.update_bound`; 1 at the first step,
             7.27 for betas (0.9, 0.999) as t grows), so no gradient sequence moves a weight by more
-            than ``K_t * lr`` beyond its decay, as for AdamW (docs/algorithm.md, D13); ``False`` is the
-            paper's unbounded update.
+            than ``K_t * lr`` beyond its decay, as for AdamW (docs/algorithm.md, D13); a number
+            ``c >= 1`` clamps to ``c * K_t`` instead (a looser bound, still one for every gradient
+            sequence); ``False`` is the paper's unbounded update.
         fused: ``None`` (default) uses the fused native kernel when it is available for the
             parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
             Per-group options are ``lr``, ``betas``, ``eps``, ``weight_decay``, ``second_moment``,
@@ -111,7 +113,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         second_moment: str = "factored",
         row_blocks: Any = "auto",
         nonfinite: str = "raise",
-        bound_updates: bool = True,
+        bound_updates=True,
         fused: Optional[bool] = None,
         process_group: Optional[Any] = None,
     ):
@@ -128,8 +130,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment,
                         row_blocks=row_blocks)
         self.small_threshold = small_threshold
-        if not isinstance(bound_updates, bool):
-            raise ValueError(f"Invalid bound_updates: {bound_updates!r} (expected True or False)")
+        bound_factor(bound_updates)  # True, False or a factor >= 1 on AdamW's bound; else a ValueError
         self.bound_updates = bound_updates
         self.nonfinite = nonfinite
         self.skipped_steps = 0
