@@ -58,6 +58,9 @@
 #if defined(__AVX512BITALG__)
 #define GEFEN_TWO_LEVEL 1 /* nearest-codeword table in registers (needs 16-bit popcount) */
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(GEFEN_NO_SIMD)
+#define GEFEN_AVX2 1 /* 8-lane intrinsics path with gathers (CPUs without AVX-512 VBMI) */
+#include <immintrin.h>
 #endif
 
 #define GEFEN_STEP_ABI 10
@@ -91,11 +94,13 @@ typedef struct {
 int gefen_step_abi(void) { return GEFEN_STEP_ABI; }
 int gefen_step_args_size(void) { return (int)sizeof(gefen_step_args); }
 
-/* 1 when the AVX-512 VBMI path is compiled in. */
+/* The intrinsics path compiled in: 1 AVX-512 VBMI, 2 AVX2 + FMA, 0 none (portable loops only). */
 int gefen_step_simd(void)
 {
-#ifdef GEFEN_VBMI
+#if defined(GEFEN_VBMI)
     return 1;
+#elif defined(GEFEN_AVX2)
+    return 2;
 #else
     return 0;
 #endif
@@ -293,15 +298,17 @@ DEFINE_ROWSUM(8)
 DEFINE_ROWSUM(16)
 DEFINE_ROWSUM(32)
 
-#ifdef GEFEN_VBMI
+#if defined(GEFEN_VBMI) || defined(GEFEN_AVX2)
 /* The same cascade with the L lanes of an item in one vector register (L = 8: ymm, 16: zmm);
  * bitwise equal to rowsum_L (tested through the simd switch). Level 0 lives in registers. */
+#ifdef GEFEN_VBMI
 ALWAYS_INLINE __m512 vld16(const void *g, int64_t i, const int dt)
 {
     if (dt == 0) return _mm512_loadu_ps((const float *)g + i);
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+#endif
 ALWAYS_INLINE __m256 vld8(const void *g, int64_t i, const int dt)
 {
     if (dt == 0) return _mm256_loadu_ps((const float *)g + i);
@@ -361,7 +368,9 @@ ALWAYS_INLINE __m256 vld8(const void *g, int64_t i, const int dt)
         PFX##_storeu_ps(out, a0);                                                           \
     }
 DEFINE_VROWSUM(8, __m256, _mm256, vld8)
+#ifdef GEFEN_VBMI
 DEFINE_VROWSUM(16, __m512, _mm512, vld16)
+#endif
 #endif
 
 /* sum of g^2 over [o, o + P) in torch's order for vector width W (0: double accumulation). */
@@ -382,9 +391,12 @@ static float sumsq(const void *restrict g, int64_t o, int64_t P, int W, const in
         return lanes[0];
     }
     const int64_t nv = P / W;
-#ifdef GEFEN_VBMI
+#if defined(GEFEN_VBMI)
     if (simd && W == 8) vrowsum_8(g, o, nv, dt, lanes);
     else if (simd && W == 16) vrowsum_16(g, o, nv, dt, lanes);
+    else
+#elif defined(GEFEN_AVX2)
+    if (simd && W == 8) vrowsum_8(g, o, nv, dt, lanes);
     else
 #else
     (void)simd;
@@ -800,6 +812,383 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
 }
 #endif /* GEFEN_VBMI */
 
+#ifdef GEFEN_AVX2
+/* ------------------------------------------------------------------------------------ */
+/* AVX2 + FMA path (x86-64 CPUs without AVX-512 VBMI, e.g. AMD Zen 2/3, Intel before Ice Lake): */
+/* the portable loops' float operations on 8 lanes in the same order, with the codebook and  */
+/* the nearest-codeword table read by gathers. Bitwise identical to the portable path (tested */
+/* through the simd switch); lanes past the last multiple of 8 run the portable scalar code.  */
+/* ------------------------------------------------------------------------------------ */
+
+/* One bucket of the two-candidate table: its lower candidate k, the two codewords c0 = cb[k] and
+ * c1 = cb[k + 1], and the pair's flip point thr = pair_threshold(c0, c1): for every non-NaN z,
+ * z >= thr exactly when nearest_fast picks c1 (see pair_threshold). */
+typedef struct {
+    float c0, c1;
+    int32_t k;
+    float thr;
+} avx2_entry;
+
+/* The two-candidate rule of nearest_fast for the pair (c0, c1), c0 <= c1: pick c1 when
+ * z > c1 or |z - c1| < |z - c0| (float32 differences). */
+static int picks_upper(float z, float c0, float c1)
+{
+    return (z > c1) | (fabsf(z - c1) < fabsf(z - c0));
+}
+
+/* float <-> a signed integer key in the order of the floats (both zeros map to 0). */
+static int64_t float_key(float x)
+{
+    union { float f; uint32_t u; } c;
+    c.f = x;
+    return (c.u & 0x80000000u) ? -(int64_t)(c.u & 0x7FFFFFFFu) : (int64_t)c.u;
+}
+static float key_float(int64_t k)
+{
+    union { float f; uint32_t u; } c;
+    c.u = k < 0 ? (uint32_t)(-k) | 0x80000000u : (uint32_t)k;
+    return c.f;
+}
+
+/* The smallest float z with picks_upper(z, c0, c1), +inf when there is none (c1 = +inf: cb[256]).
+ * picks_upper is monotone in z: below c0 both differences are negative and |z - c1| >= |z - c0|
+ * (rounding is monotone), so it is false; on [c0, c1] |z - c1| does not grow and |z - c0| does not
+ * shrink as z grows, so it switches from false to true at most once; above c1 it is true. A
+ * bisection over the floats of [c0, c1] finds the switch exactly. */
+static float pair_threshold(float c0, float c1)
+{
+    if (!(c1 < INFINITY)) return INFINITY;
+    if (picks_upper(c0, c0, c1)) return c0;
+    int64_t lo = float_key(c0), hi = float_key(c1) + 1; /* false at lo; the float above c1: true */
+    while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (picks_upper(key_float(mid), c0, c1)) hi = mid;
+        else lo = mid;
+    }
+    return key_float(hi);
+}
+
+typedef struct {
+    const avx2_entry *ent; /* simd 1: per bucket its candidates (16-byte loads, no gathers), or NULL */
+    const uint8_t *lut8;   /* simd 3: byte copy of the table (+3 bytes of padding) to gather from;
+                              both NULL (simd 2): gather from the int32 table */
+    int gather_cb;         /* 1: cb[idx] by a gather (simd 2, 3), 0: by scalar loads (simd 1) */
+} avx2_tabs;
+
+ALWAYS_INLINE __m256 v8lerp(__m256 m, __m256 g, __m256 c, int small, const int fused)
+{
+    __m256 d = _mm256_sub_ps(g, m);
+    __m256 base = small ? m : g;
+    return fused ? _mm256_fmadd_ps(c, d, base) : _mm256_add_ps(base, _mm256_mul_ps(c, d));
+}
+
+ALWAYS_INLINE __m256 v8vupd(__m256 v, __m256 r, __m256 beta2, __m256 alpha2, int fused)
+{
+    __m256 t = _mm256_mul_ps(v, beta2);
+    return fused ? _mm256_fmadd_ps(r, alpha2, t) : _mm256_add_ps(t, _mm256_mul_ps(alpha2, r));
+}
+
+/* as qdiv */
+ALWAYS_INLINE __m256 v8qdiv(__m256 m, __m256 A, __m256 y)
+{
+    __m256 q = _mm256_mul_ps(m, y);
+    __m256 r = _mm256_fnmadd_ps(q, A, m);
+    return _mm256_fmadd_ps(r, y, q);
+}
+
+/* f32 -> bf16 bits (8 lanes to 8 halfwords), round to nearest even, NaN -> 0x7FC0 (as f32_to_bf16) */
+ALWAYS_INLINE __m128i v8bf16(__m256 x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    /* every lane is < 2^16, so the unsigned-saturating pack is exact; it packs within 128-bit
+     * halves, so take quadwords 0 and 2 */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+/* as bounded_update, 8 lanes (vmaxps/vminps return their second operand for a NaN: u stays NaN) */
+ALWAYS_INLINE __m256 v8bounded_update(__m256 cq, __m256 us, __m256 c, __m256 sl, __m256 ulv, __m256 nulv,
+                                      __m256 epsv, __m256 ibc1, const int PM)
+{
+    __m256 u;
+    if (PM == 0) {
+        u = _mm256_mul_ps(cq, us);
+    } else {
+        __m256 d = _mm256_add_ps(_mm256_mul_ps(c, sl), epsv); /* sigma_el */
+        u = _mm256_mul_ps(cq, _mm256_mul_ps(_mm256_div_ps(ibc1, d), us));
+    }
+    return _mm256_min_ps(ulv, _mm256_max_ps(nulv, u));
+}
+
+/* as update_param, elements e .. e + 7 */
+ALWAYS_INLINE void v8update_param(void *param, int64_t e, __m256 u, __m256 decay, int wd, const int DT)
+{
+    if (DT == 0) {
+        float *p = (float *)param + e;
+        __m256 pv = _mm256_loadu_ps(p);
+        if (wd) pv = _mm256_mul_ps(pv, decay);
+        _mm256_storeu_ps(p, _mm256_sub_ps(pv, u));
+    } else {
+        uint16_t *p = (uint16_t *)param + e;
+        __m256 pv = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+        if (wd) pv = _mm256_mul_ps(pv, decay);
+        _mm_storeu_si128((__m128i *)p, v8bf16(_mm256_sub_ps(pv, u)));
+    }
+}
+
+/* cb[idx[0..7]]: a gather, or eight scalar loads (faster where gathers are slow, e.g. AMD Zen 3) */
+ALWAYS_INLINE __m256 v8cb(const float *cb, const uint8_t *ix, int gather)
+{
+    if (gather) return _mm256_i32gather_ps(cb, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ix)), 4);
+    return _mm256_setr_ps(cb[ix[0]], cb[ix[1]], cb[ix[2]], cb[ix[3]], cb[ix[4]], cb[ix[5]], cb[ix[6]], cb[ix[7]]);
+}
+
+/* The two candidates and the lower index of eight buckets kb: eight 16-byte entry loads and a
+ * 4 x 4 transpose per 128-bit half (c0 = cb[k], c1 = cb[k + 1], k: the gathers' values). */
+ALWAYS_INLINE void v8entries(const avx2_entry *T, __m256i kb, __m256 *c0, __m256 *c1, __m256i *k)
+{
+    /* the bucket numbers to general registers as four 64-bit pairs (no store-to-load forwarding) */
+    const __m128i lo = _mm256_castsi256_si128(kb), hi = _mm256_extracti128_si256(kb, 1);
+    const uint64_t q0 = (uint64_t)_mm_cvtsi128_si64(lo), q1 = (uint64_t)_mm_extract_epi64(lo, 1);
+    const uint64_t q2 = (uint64_t)_mm_cvtsi128_si64(hi), q3 = (uint64_t)_mm_extract_epi64(hi, 1);
+#define GEFEN_ROW(u, w) _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(&T[u].c0)), _mm_loadu_ps(&T[w].c0), 1)
+    const __m256 r0 = GEFEN_ROW((uint32_t)q0, (uint32_t)q2), r1 = GEFEN_ROW(q0 >> 32, q2 >> 32);
+    const __m256 r2 = GEFEN_ROW((uint32_t)q1, (uint32_t)q3), r3 = GEFEN_ROW(q1 >> 32, q3 >> 32);
+#undef GEFEN_ROW
+    const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)), t2 = _mm256_castps_pd(_mm256_unpacklo_ps(r2, r3));
+    const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));
+    *c0 = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2));
+    *c1 = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
+    *k = _mm256_castpd_si256(_mm256_unpacklo_pd(t1, t3));
+}
+
+/* eight int32 in [0, 255] -> eight bytes at out */
+ALWAYS_INLINE void v8store_bytes(uint8_t *out, __m256i j)
+{
+    const __m256i sel = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i b = _mm256_shuffle_epi8(j, sel);
+    _mm_storel_epi64((__m128i *)out, _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
+ALWAYS_INLINE float hmax8(__m256 x)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+/* Sweep 1 on 8 lanes (buffered m): m = lerp(cb[ix] M, g, 1 - beta1) into buf, v for P == 1;
+ * returns the absmax of the lanes it covered and ORs a NaN flag into *isn. */
+ALWAYS_INLINE float avx2_sweep1(const gefen_step_args *restrict a, const void *restrict grad,
+                                const uint8_t *restrict ix, float *restrict vv, const float *restrict cb,
+                                int64_t o, int64_t B8, float M, float *restrict buf, int *isn,
+                                const int DT, const int PM, const int FL, const int GCB)
+{
+    const __m256 Mv = _mm256_set1_ps(M), lcv = _mm256_set1_ps(a->lerp_c);
+    const __m256 b2v = _mm256_set1_ps(a->beta2), a2v = _mm256_set1_ps(a->alpha2);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const int small = a->lerp_small, fa = a->fused_axpy;
+    __m256 amv = _mm256_setzero_ps(), nanv = _mm256_setzero_ps();
+    for (int64_t i = 0; i < B8; i += 8) {
+        const __m256 gv = vld8(grad, o + i, DT);
+        if (PM == 1)
+            _mm256_storeu_ps(vv + i, v8vupd(_mm256_loadu_ps(vv + i), _mm256_mul_ps(gv, gv), b2v, a2v, fa));
+        const __m256 m = v8lerp(_mm256_mul_ps(v8cb(cb, ix + i, GCB), Mv), gv, lcv, small, FL);
+        _mm256_storeu_ps(buf + i, m);
+        amv = _mm256_max_ps(_mm256_and_ps(m, absmask), amv);
+        nanv = _mm256_or_ps(nanv, _mm256_cmp_ps(m, m, _CMP_UNORD_Q));
+    }
+    *isn |= _mm256_movemask_ps(nanv) != 0;
+    return hmax8(amv);
+}
+
+/* Sweep 2 on 8 lanes (A > 0 finite with a reciprocal in range: z = qdiv(m, A, 1 / A); every m is
+ * finite here, so z is too), in passes over the buffered block so that each pass's dependency
+ * chain is short enough for the out-of-order window to overlap many iterations: (a) z = m / A in
+ * place of m and its bucket into kb; (b) the candidates (ENT: the bucket's entry, else gathers),
+ * the nearest codeword (ENT: z >= the pair's flip point, else nearest_fast's comparisons), the
+ * bounded parameter update, the new index into kb; (c) the indices packed to bytes. */
+ALWAYS_INLINE void avx2_sweep2(const gefen_step_args *restrict a, void *restrict param,
+                               uint8_t *restrict ix, const float *restrict vv, const float *restrict cb,
+                               const int32_t *restrict lut, const avx2_tabs *tb, int64_t o, int64_t B8,
+                               float *restrict buf, int32_t *restrict kb, float A, float us, float sl,
+                               const int DT, const int PM, const int ENT, const int WD)
+{
+    {
+        const __m256 Adv = _mm256_set1_ps(A), Yv = _mm256_set1_ps(1.0f / A), hv = _mm256_set1_ps(a->lut_h);
+        const __m256 nbv = _mm256_set1_ps((float)(a->lut_n - 1)), zero = _mm256_setzero_ps();
+        for (int64_t i = 0; i < B8; i += 8) {
+            const __m256 z = v8qdiv(_mm256_loadu_ps(buf + i), Adv, Yv);
+            __m256 t = _mm256_add_ps(_mm256_mul_ps(z, hv), hv);
+            t = _mm256_min_ps(_mm256_max_ps(t, zero), nbv); /* NaN -> 0 */
+            _mm256_storeu_ps(buf + i, z);
+            _mm256_storeu_si256((__m256i *)(kb + i), _mm256_cvttps_epi32(t));
+        }
+    }
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 usv = _mm256_set1_ps(us), slv = _mm256_set1_ps(sl), dv = _mm256_set1_ps(a->decay);
+    const __m256 ulv = _mm256_set1_ps(a->ulim), nulv = _mm256_set1_ps(-a->ulim);
+    const __m256 epsv = _mm256_set1_ps(a->eps), ibc1 = _mm256_set1_ps(a->inv_bc1);
+    const __m256i lowbyte = _mm256_set1_epi32(0xFF);
+    const avx2_entry *restrict T = tb->ent;
+    const uint8_t *restrict lut8 = tb->lut8;
+    for (int64_t i = 0; i < B8; i += 8) {
+        const __m256 z = _mm256_loadu_ps(buf + i);
+        __m256i jl;
+        __m256 c0, c1, thr = zero;
+        if (ENT) {
+            const int32_t *k = kb + i;
+#define GEFEN_ROW(u, w) _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(&T[k[u]].c0)), _mm_loadu_ps(&T[k[w]].c0), 1)
+            const __m256 r0 = GEFEN_ROW(0, 4), r1 = GEFEN_ROW(1, 5), r2 = GEFEN_ROW(2, 6), r3 = GEFEN_ROW(3, 7);
+#undef GEFEN_ROW
+            const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)), t2 = _mm256_castps_pd(_mm256_unpacklo_ps(r2, r3));
+            const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));
+            c0 = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2));
+            c1 = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
+            jl = _mm256_castpd_si256(_mm256_unpacklo_pd(t1, t3));
+            thr = _mm256_castpd_ps(_mm256_unpackhi_pd(t1, t3));
+        } else {
+            const __m256i kv = _mm256_loadu_si256((const __m256i *)(kb + i));
+            jl = lut8 ? _mm256_and_si256(_mm256_i32gather_epi32((const int *)lut8, kv, 1), lowbyte)
+                      : _mm256_i32gather_epi32((const int *)lut, kv, 4);
+            c0 = _mm256_i32gather_ps(cb, jl, 4);
+            c1 = _mm256_i32gather_ps(cb + 1, jl, 4);
+        }
+        __m256 sel;
+        if (ENT) {
+            sel = _mm256_cmp_ps(z, thr, _CMP_GE_OQ);
+        } else {
+            const __m256 d1 = _mm256_and_ps(_mm256_sub_ps(z, c1), absmask);
+            const __m256 d0 = _mm256_and_ps(_mm256_sub_ps(z, c0), absmask);
+            sel = _mm256_or_ps(_mm256_cmp_ps(z, c1, _CMP_GT_OQ), _mm256_cmp_ps(d1, d0, _CMP_LT_OQ));
+        }
+        const __m256 cq = _mm256_blendv_ps(c0, c1, sel);
+        _mm256_storeu_si256((__m256i *)(kb + i), _mm256_sub_epi32(jl, _mm256_castps_si256(sel))); /* + 1 where sel */
+        __m256 c = zero;
+        if (PM != 0) {
+            c = _mm256_loadu_ps(vv + i);
+            if (PM == 1) c = _mm256_sqrt_ps(c);
+        }
+        v8update_param(param, o + i, v8bounded_update(cq, usv, c, slv, ulv, nulv, epsv, ibc1, PM), dv, WD, DT);
+    }
+    int64_t i = 0;
+    for (; i + 32 <= B8; i += 32) { /* (c) */
+        const __m256i w0 = _mm256_packus_epi32(_mm256_loadu_si256((const __m256i *)(kb + i)),
+                                               _mm256_loadu_si256((const __m256i *)(kb + i + 8)));
+        const __m256i w1 = _mm256_packus_epi32(_mm256_loadu_si256((const __m256i *)(kb + i + 16)),
+                                               _mm256_loadu_si256((const __m256i *)(kb + i + 24)));
+        /* both packs work within 128-bit halves: dwords 0, 4, 1, 5, 2, 6, 3, 7 restore the order */
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w0, w1),
+                                                          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(ix + i), bytes);
+    }
+    for (; i < B8; i += 8) v8store_bytes(ix + i, _mm256_loadu_si256((const __m256i *)(kb + i)));
+}
+
+/* One scale block of B elements at o: do_block's two sweeps (two-candidate table only), 8 lanes
+ * at a time where m is buffered and z = m / A takes the reciprocal form; the rest (a block tail
+ * past the last multiple of 8, A = 0 or NaN, A outside [2^-125, 2^125], blocks too long to buffer)
+ * runs the portable scalar code, whose float operations are the same. */
+ALWAYS_INLINE void avx2_block(const gefen_step_args *restrict a, void *restrict param,
+                              const void *restrict grad, uint8_t *restrict ix, float *restrict scale,
+                              float *restrict vv, const float *restrict cb, const int32_t *restrict lut,
+                              int64_t b, int64_t o, float sigma, float *restrict buf, const avx2_tabs *tb,
+                              const int DT, const int PM, const int FL)
+{
+    const int64_t B = a->block;
+    const int64_t B8 = buf ? B & ~(int64_t)7 : 0; /* lanes on the vector path */
+    const float M = scale[b];
+    const float lc = a->lerp_c, beta2 = a->beta2, alpha2 = a->alpha2;
+    const int small = a->lerp_small, fa = a->fused_axpy;
+    const int ent = tb->ent != NULL;
+    int32_t *restrict kb = buf ? (int32_t *)(buf + B) : NULL; /* sweep 2's buckets (GEFEN_BUF_PER_EL) */
+
+    /* sweep 1: m, its absmax (NaN-propagating like torch.amax), v for P == 1 */
+    int isn = 0;
+    float amax = 0.0f;
+    if (B8) amax = ent ? avx2_sweep1(a, grad, ix, vv, cb, o, B8, M, buf, &isn, DT, PM, FL, 0)
+                       : avx2_sweep1(a, grad, ix, vv, cb, o, B8, M, buf, &isn, DT, PM, FL, 1);
+    for (int64_t i = B8; i < B; ++i) {
+        float gi = load_g(grad, o + i, DT);
+        if (PM == 1) vv[i] = vupd(vv[i], gi * gi, beta2, alpha2, fa);
+        float m = lerp_t(cb[ix[i]] * M, gi, lc, small, FL);
+        if (buf) buf[i] = m;
+        float am = fabsf(m);
+        amax = am > amax ? am : amax;
+        isn |= m != m;
+    }
+    const float A = isn ? NAN : amax;
+    scale[b] = A;
+
+    /* sweep 2: quantize m / A, update the parameter */
+    const int pos = A > 0.0f;
+    const int qd = A >= 0x1p-125f && A <= 0x1p125f; /* quotient via the reciprocal */
+    const float us = update_scalar(A, sigma, a, PM), sl = sigma_scalar(sigma, a, PM);
+    const int wd = a->has_wd;
+    int64_t done = 0;
+    if (B8 && pos && qd) {
+        if (ent) {
+            if (wd) avx2_sweep2(a, param, ix, vv, cb, lut, tb, o, B8, buf, kb, A, us, sl, DT, PM, 1, 1);
+            else avx2_sweep2(a, param, ix, vv, cb, lut, tb, o, B8, buf, kb, A, us, sl, DT, PM, 1, 0);
+        } else {
+            if (wd) avx2_sweep2(a, param, ix, vv, cb, lut, tb, o, B8, buf, kb, A, us, sl, DT, PM, 0, 1);
+            else avx2_sweep2(a, param, ix, vv, cb, lut, tb, o, B8, buf, kb, A, us, sl, DT, PM, 0, 0);
+        }
+        done = B8;
+    }
+    const float Ad = pos ? A : 1.0f, Y = qd ? 1.0f / A : 0.0f;
+    const float h = a->lut_h, nbm1 = (float)(a->lut_n - 1), ulim = a->ulim, decay = a->decay;
+    for (int64_t i = done; i < B; ++i) {
+        float m = buf ? buf[i] : lerp_t(cb[ix[i]] * M, load_g(grad, o + i, DT), lc, small, FL);
+        float z = qd ? qdiv(m, Ad, Y) : m / Ad;
+        z = pos ? z : 0.0f;
+        float cq;
+        ix[i] = (uint8_t)nearest_fast(z, cb, lut, h, nbm1, &cq);
+        const float c = PM == 0 ? 0.0f : (PM == 1 ? sqrtf(vv[i]) : vv[i]);
+        float u = bounded_update(cq, us, c, sl, ulim, a, PM);
+        if (wd) update_param(param, o + i, u, decay, DT, 1);
+        else update_param(param, o + i, u, decay, DT, 0);
+    }
+}
+
+/* as apply_block's loop: the parameter update from the new indices, 8 lanes at a time */
+ALWAYS_INLINE void avx2_apply_block(const gefen_step_args *restrict a, void *restrict param,
+                                    const uint8_t *restrict ix, const float *restrict cb,
+                                    const float *restrict cfb, int64_t o, float us, float sl,
+                                    const int DT, const int PM)
+{
+    const int64_t B = a->block, B8 = B & ~(int64_t)7;
+    const __m256 usv = _mm256_set1_ps(us), slv = _mm256_set1_ps(sl), dv = _mm256_set1_ps(a->decay);
+    const __m256 ulv = _mm256_set1_ps(a->ulim), nulv = _mm256_set1_ps(-a->ulim);
+    const __m256 epsv = _mm256_set1_ps(a->eps), ibc1 = _mm256_set1_ps(a->inv_bc1);
+    for (int64_t i = 0; i < B8; i += 8) {
+        const __m256 c = PM == 2 ? _mm256_loadu_ps(cfb + i) : _mm256_setzero_ps();
+        v8update_param(param, o + i, v8bounded_update(v8cb(cb, ix + i, 0), usv, c, slv, ulv, nulv, epsv, ibc1, PM),
+                       dv, a->has_wd, DT);
+    }
+    for (int64_t i = B8; i < B; ++i) {
+        const float c = PM == 2 ? cfb[i] : 0.0f;
+        float u = bounded_update(cb[ix[i]], us, c, sl, a->ulim, a, PM);
+        if (a->has_wd) update_param(param, o + i, u, a->decay, DT, 1);
+        else update_param(param, o + i, u, a->decay, DT, 0);
+    }
+}
+#endif /* GEFEN_AVX2 */
+
+/* Bytes of per-thread buffer per element of a block: m (float), and for the AVX2 path the
+ * buckets of sweep 2 (int32) beside it. */
+#ifdef GEFEN_AVX2
+#define GEFEN_BUF_PER_EL (2 * sizeof(float))
+#else
+#define GEFEN_BUF_PER_EL sizeof(float)
+#endif
+
 /* ------------------------------------------------------------------------------------ */
 /* one scale block                                                                       */
 /* sweep 2 of a block: quantize m / A, update the parameter. */
@@ -871,10 +1260,16 @@ ALWAYS_INLINE void do_block(const gefen_step_args *restrict a, void *restrict pa
         sigma = srs;
     }
 
-#ifdef GEFEN_VBMI
+#if defined(GEFEN_VBMI)
     if (LM && planes) {
         simd_block(a, param, grad, ix, scale, PM == 1 ? v + o : v, lut, b, o, sigma, buf,
                    (const cb_planes *)planes, DT, PM, FL);
+        return;
+    }
+#elif defined(GEFEN_AVX2)
+    if (LM && planes) {
+        avx2_block(a, param, grad, ix, scale, PM == 1 ? v + o : v, cb, lut, b, o, sigma, buf,
+                   (const avx2_tabs *)planes, DT, PM, FL);
         return;
     }
 #else
@@ -948,7 +1343,7 @@ static int threads_for(const gefen_step_args *a, int64_t nb, int64_t *chunk)
         _Pragma("omp parallel num_threads(nt) if (nt > 1)")                                 \
         {                                                                                   \
             /* per-thread buffer of one block's m; NULL: recompute m instead */             \
-            float *buf = use_buf ? (float *)malloc((size_t)B * sizeof(float)) : NULL;       \
+            float *buf = use_buf ? (float *)malloc((size_t)B * GEFEN_BUF_PER_EL) : NULL;    \
             _Pragma("omp for schedule(dynamic, chunk)")                                     \
             for (int64_t b = 0; b < nb; ++b)                                                \
                 do_block(a, param, grad, idx, scale, v, cb, lut, b, buf, planes, NULL, 0.0f, DT, PM, LM, FL); \
@@ -980,7 +1375,7 @@ static int threads_for(const gefen_step_args *a, int64_t nb, int64_t *chunk)
         (void)nt;                                                                           \
         _Pragma("omp parallel num_threads(nt) if (nt > 1)")                                 \
         {                                                                                   \
-            float *buf = use_buf ? (float *)malloc((size_t)B * sizeof(float)) : NULL;       \
+            float *buf = use_buf ? (float *)malloc((size_t)B * GEFEN_BUF_PER_EL) : NULL;    \
             _Pragma("omp for schedule(dynamic, chunk)")                                     \
             for (int64_t r = 0; r < rows; ++r) {                                            \
                 float s = sumsq(grad, r * S, S, a->sum_lanes, DT, a->simd);                 \
@@ -1044,6 +1439,41 @@ static uint8_t *prepare_tables(const gefen_step_args *a, const float *cb, const 
 }
 #endif
 
+#ifdef GEFEN_AVX2
+/* The tables of an AVX2 call (lut_mode 1): by a->simd, 1 or 3 a byte copy of the table to gather
+ * from, 2 none (gather from the int32 table). Returns the byte copy to free (or NULL). Equal results. */
+static void *prepare_tables2(const gefen_step_args *a, const float *cb, const int32_t *lut, avx2_tabs *tb)
+{
+    tb->ent = NULL;
+    tb->lut8 = NULL;
+    tb->gather_cb = a->simd != 1;
+    if (a->simd == 1) {
+        avx2_entry *e = (avx2_entry *)malloc((size_t)a->lut_n * sizeof(avx2_entry));
+        if (e != NULL) {
+            float thr[256];
+            for (int k = 0; k < 256; ++k) thr[k] = pair_threshold(cb[k], cb[k + 1]);
+            for (int32_t i = 0; i < a->lut_n; ++i) {
+                const int32_t k = lut[i];
+                e[i].c0 = cb[k];
+                e[i].c1 = cb[k + 1];
+                e[i].k = k;
+                e[i].thr = thr[k];
+            }
+            tb->ent = e;
+            return e;
+        }
+        tb->gather_cb = 1; /* no memory for the entries: the gathers give the same results */
+    }
+    uint8_t *lut8 = NULL;
+    if (a->simd == 3 && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
+        for (int32_t i = 0; i < a->lut_n; ++i) lut8[i] = (uint8_t)lut[i];
+        memset(lut8 + a->lut_n, 0, 4);
+        tb->lut8 = lut8;
+    }
+    return lut8;
+}
+#endif
+
 /* 1 when the default SIMD path (simd = 1) uses the two-level table in registers for this table. */
 int gefen_two_level_table(const int32_t *lut, int32_t nb)
 {
@@ -1071,16 +1501,23 @@ int gefen_quantized_step(const gefen_step_args *a, void *param, const void *grad
     const int k = (a->dtype << 3) | ((a->period == 1) << 2) | ((a->lut_mode != 0) << 1) |
                   (a->fused_lerp != 0);
     const void *planes = NULL;
-#ifdef GEFEN_VBMI
+#if defined(GEFEN_VBMI)
     cb_planes pl;
     uint8_t *lut8 = NULL;
     if (a->simd && a->lut_mode) {
         lut8 = prepare_tables(a, cb, lut, &pl);
         planes = &pl;
     }
+#elif defined(GEFEN_AVX2)
+    avx2_tabs tb;
+    void *lut8 = NULL;
+    if (a->simd && a->lut_mode) {
+        lut8 = prepare_tables2(a, cb, lut, &tb);
+        planes = &tb;
+    }
 #endif
     RUNS[k](a, param, grad, idx, scale, v, cb, lut, planes);
-#ifdef GEFEN_VBMI
+#if defined(GEFEN_VBMI) || defined(GEFEN_AVX2)
     free(lut8);
 #endif
     return 0;
@@ -1111,16 +1548,23 @@ int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const v
     if (a->lut_n < 2) return -5;
     const int k = (a->dtype << 2) | ((a->lut_mode != 0) << 1) | (a->fused_lerp != 0);
     const void *planes = NULL;
-#ifdef GEFEN_VBMI
+#if defined(GEFEN_VBMI)
     cb_planes pl;
     uint8_t *lut8 = NULL;
     if (a->simd && a->lut_mode) {
         lut8 = prepare_tables(a, cb, lut, &pl);
         planes = &pl;
     }
+#elif defined(GEFEN_AVX2)
+    avx2_tabs tb;
+    void *lut8 = NULL;
+    if (a->simd && a->lut_mode) {
+        lut8 = prepare_tables2(a, cb, lut, &tb);
+        planes = &tb;
+    }
 #endif
     RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes, row0, rb);
-#ifdef GEFEN_VBMI
+#if defined(GEFEN_VBMI) || defined(GEFEN_AVX2)
     free(lut8);
 #endif
     return 0;
@@ -1166,9 +1610,14 @@ ALWAYS_INLINE void apply_block(const gefen_step_args *restrict a, void *restrict
     const int64_t B = a->block;
     const float us = update_scalar(A, sigma, a, PM), sl = sigma_scalar(sigma, a, PM);
     const float ulim = a->ulim, decay = a->decay;
-#ifdef GEFEN_VBMI
+#if defined(GEFEN_VBMI)
     if (planes) {
         vapply_block(a, param, ix, cfb, o, us, sl, (const cb_planes *)planes, DT, PM);
+        return;
+    }
+#elif defined(GEFEN_AVX2)
+    if (planes) {
+        avx2_apply_block(a, param, ix, cb, cfb, o, us, sl, DT, PM);
         return;
     }
 #else
@@ -1226,12 +1675,15 @@ static int apply_call(const gefen_step_args *a, int factored, void *param, const
                       int64_t rb)
 {
     const void *planes = NULL;
-#ifdef GEFEN_VBMI
+#if defined(GEFEN_VBMI)
     cb_planes pl;
     if (a->simd) {
         make_planes(cb, &pl);
         planes = &pl;
     }
+#elif defined(GEFEN_AVX2)
+    avx2_tabs tb = {NULL, NULL, 0}; /* the apply only reads the codebook */
+    if (a->simd) planes = &tb;
 #endif
     APPLIES[(a->dtype << 2) | (factored << 1) | (a->has_wd != 0)](a, param, idx, M, s, cf, cb, row0, rb, planes);
     return 0;
