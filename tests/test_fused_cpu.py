@@ -337,7 +337,7 @@ def test_recompute_path_equals_buffered(monkeypatch):
         _bitwise(buffered, recomputed)
 
 
-@pytest.mark.skipif(not cpu.simd_compiled(), reason="AVX-512 VBMI path not compiled for this CPU")
+@pytest.mark.skipif(not cpu.simd_compiled(), reason="no intrinsics path (AVX-512 VBMI or AVX2) for this CPU")
 @pytest.mark.parametrize("shape,P,B,dtype", [((8, 768), 768, 768, torch.float32),
                                              ((4, 1031), 1031, 1031, torch.bfloat16),
                                              ((16, 256), 1, 256, torch.float32),
@@ -347,10 +347,11 @@ def test_recompute_path_equals_buffered(monkeypatch):
                                              ((5, 5), 1, 1, torch.float32)])
 @pytest.mark.parametrize("variant", ["plain", "recompute", "nonfinite", "no_decay_large_w"])
 def test_simd_path_equals_portable(monkeypatch, shape, P, B, dtype, variant):
-    """The AVX-512 VBMI path (register codebook lookups) is bitwise the portable C path,
-    including block tails (B not a multiple of 64), NaN/inf gradients and both lerp forms; with the
-    two-level nearest-codeword table in registers (simd=1, the default), gathers from the int32 table
-    (simd=2) and from its byte copy (simd=3)."""
+    """The intrinsics path is bitwise the portable C path, including block tails (B not a multiple
+    of 64 or 8), NaN/inf gradients and both lerp forms, with each of its table forms: on AVX-512
+    VBMI the two-level nearest-codeword table in registers (simd=1, the default), gathers from the
+    int32 table (simd=2) and from its byte copy (simd=3); on AVX2 per-bucket entries with the
+    pair's flip point (simd=1), gathers from the int32 table (2) and from its byte copy (3)."""
     cb = dp_codebook()
     n = math.prod(shape)
     hp = dict(HP, weight_decay=0.0, beta1=0.3) if variant == "no_decay_large_w" else HP
@@ -381,7 +382,7 @@ def _has_cpu_flag(flag: str) -> bool:
         return False
 
 
-@pytest.mark.skipif(not cpu.simd_compiled(), reason="AVX-512 VBMI path not compiled for this CPU")
+@pytest.mark.skipif(not cpu.simd_compiled(), reason="no intrinsics path (AVX-512 VBMI or AVX2) for this CPU")
 def test_two_level_table_every_bucket():
     """The register two-level table gives the same codeword as the gathered table in every one of
     the 4096 buckets, at both ends of each (z = each bucket's lower bound and the float below it)."""
@@ -403,6 +404,62 @@ def test_two_level_table_every_bucket():
         outs.append((p, idx, sc, v))
     assert len(set(outs[0][1].tolist())) > 200  # the codewords are really spanned
     _bitwise(*outs)
+
+
+def _flip_points(cb: torch.Tensor) -> np.ndarray:
+    """For each adjacent codeword pair, the smallest float32 z the two-candidate rule sends to the
+    upper one (nearest_fast: z > c1 or |z - c1| < |z - c0|, float32 arithmetic), by bisection over
+    the float32 bit patterns of [c0, c1]: the AVX2 entries' thresholds, computed independently."""
+    c = cb.numpy().astype(np.float32)
+
+    def upper(z, c0, c1):
+        z = np.float32(z)
+        return bool(z > c1 or abs(np.float32(z - c1)) < abs(np.float32(z - c0)))
+
+    def key(x):  # float32 order as a signed integer
+        u = int(np.array(x, dtype=np.float32).view(np.uint32))
+        return -(u & 0x7FFFFFFF) if u >> 31 else u
+
+    def unkey(k):
+        u = (-k) | 0x80000000 if k < 0 else k
+        return np.array(u, dtype=np.uint32).view(np.float32)[()]
+
+    out = []
+    for k in range(c.size - 1):
+        c0, c1 = c[k], c[k + 1]
+        lo, hi = key(c0), key(c1) + 1
+        assert not upper(c0, c0, c1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if upper(unkey(mid), c0, c1) else (mid, hi)
+        out.append(unkey(hi))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.skipif(not cpu.simd_compiled(), reason="no intrinsics path (AVX-512 VBMI or AVX2) for this CPU")
+@pytest.mark.parametrize("cbname", ["dp", "random"])
+def test_nearest_at_every_flip_point(cbname):
+    """z exactly at each codeword pair's flip point and one float below it (beta1 = 0 makes m = g and
+    the block's absmax 1 makes z = m): every simd table form picks the reference's codeword (the AVX2
+    entries decide by z >= a precomputed flip point instead of comparing distances)."""
+    cb = CODEBOOKS[cbname]()
+    thr = _flip_points(cb)
+    thr = thr[np.isfinite(thr) & (np.abs(thr) < 1)]
+    z = np.concatenate([thr, np.nextafter(thr, np.float32(-2)), np.float32([1.0, -1.0, 0.0])])
+    n = z.size + (-z.size) % 8 + 8  # vector lanes only, and a short scalar tail
+    g = torch.zeros(n)
+    g[: z.size] = torch.from_numpy(z)
+    hp = dict(HP, beta1=0.0)
+    bc1, bc2 = bias_corrections(1, hp["beta1"], hp["beta2"])
+    outs = []
+    for simd in (1, 2, 3, 0):
+        p, idx, sc, v = _state(n, n, n, torch.float32, 3)
+        cpu.quantized_step_(p, g, idx, sc, v, cb, **hp, bc1=bc1, bc2=bc2, period=n, scale_block=n, simd=simd)
+        outs.append((p, idx, sc, v))
+    assert float(outs[0][2][0]) == 1.0
+    assert torch.equal(outs[0][1][: z.size], nearest_codeword(torch.from_numpy(z), cb).to(torch.uint8))
+    for other in outs[1:]:
+        _bitwise(outs[0], other)
 
 
 # --------------------------------------------------------------------------------------
@@ -488,14 +545,32 @@ def test_factored_thread_count_independent():
     _bitwise(*outs)
 
 
-@pytest.mark.skipif(not cpu.simd_compiled(), reason="AVX-512 VBMI path not compiled for this CPU")
-@pytest.mark.parametrize("shape,B,dtype", [((8, 768), 256, torch.float32), ((4, 1031), 1031, torch.bfloat16),
-                                           ((6, 100), 50, torch.float32)])
-def test_factored_simd_equals_portable(shape, B, dtype):
+# (rows, slab), scale block, dtype: blocks shorter than the row; rows that are one block (the AVX2
+# path then takes the row sum in its first sweep), with 8-lane items that fill no group of four
+# (slab 12), a leftover item and a scalar remainder (slab 44), and enough groups of four for the
+# row sum's upper cascade levels (slab 20000: 625 groups, level 2 after 256)
+SIMD_FCASES = [((8, 768), 256, torch.float32), ((4, 1031), 1031, torch.bfloat16), ((6, 100), 50, torch.float32),
+               ((5, 768), 768, torch.float32), ((7, 12), 12, torch.float32), ((3, 44), 44, torch.bfloat16),
+               ((3, 20000), 20000, torch.float32), ((2, 20000), 20000, torch.bfloat16)]
+
+
+@pytest.mark.skipif(not cpu.simd_compiled(), reason="no intrinsics path (AVX-512 VBMI or AVX2) for this CPU")
+@pytest.mark.parametrize("shape,B,dtype", SIMD_FCASES)
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_factored_simd_equals_portable(shape, B, dtype, nonfinite):
+    """The intrinsics path's factored step (every simd table form) is bitwise the portable C loops,
+    NaN/inf gradients included (a NaN row and an inf row at step 2)."""
+    rows, slab = shape
+
+    def hook(step, grad):
+        if nonfinite and step == 2:
+            grad[slab // 3] = float("nan")
+            grad[slab + 1] = float("inf")
+
     outs = []
     for simd in (1, 2, 3, 0):
         step = functools.partial(cpu.quantized_step_factored_, simd=simd)
-        outs.append(_run_factored(*shape, B, dtype, 3, [step], seed=5)[0])
+        outs.append(_run_factored(*shape, B, dtype, 3, [step], seed=5, grad_hook=hook)[0])
     for other in outs[1:]:
         _bitwise(outs[0], other)
 

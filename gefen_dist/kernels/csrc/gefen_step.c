@@ -315,57 +315,79 @@ ALWAYS_INLINE __m256 vld8(const void *g, int64_t i, const int dt)
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)g + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-#define VACC4(PFX, LD, L, e)                                                                \
-    do {                                                                                    \
-        a0 = PFX##_add_ps(a0, PFX##_mul_ps(LD(g, (e), dt), LD(g, (e), dt)));                \
-        a1 = PFX##_add_ps(a1, PFX##_mul_ps(LD(g, (e) + L, dt), LD(g, (e) + L, dt)));        \
-        a2 = PFX##_add_ps(a2, PFX##_mul_ps(LD(g, (e) + 2 * L, dt), LD(g, (e) + 2 * L, dt)));\
-        a3 = PFX##_add_ps(a3, PFX##_mul_ps(LD(g, (e) + 3 * L, dt), LD(g, (e) + 3 * L, dt)));\
-    } while (0)
+/* The cascade as an accumulator fed in order: groups of 4 items (item k of a group into
+ * accumulator k; after every 2^lp groups level 0 moves up, and the levels above fold as
+ * rowsum_L's), then merge (the levels into the accumulators), then the leftover items into
+ * accumulator 0, then end (the four accumulators summed in order into out[L]). vrowsum_L feeds it
+ * from memory; the AVX2 factored step feeds it from its first sweep, so the row is read once. */
+#define DEFINE_VCASC(L, VT, PFX)                                                            \
+    typedef struct {                                                                        \
+        VT a[4], hi[3][4];                                                                  \
+        int64_t i, lp, mask;                                                                \
+    } vcasc_##L;                                                                            \
+    ALWAYS_INLINE void vcasc_##L##_init(vcasc_##L *c, int64_t nitems)                       \
+    {                                                                                       \
+        for (int k = 0; k < 4; ++k) {                                                       \
+            c->a[k] = PFX##_setzero_ps();                                                   \
+            for (int lev = 0; lev < 3; ++lev) c->hi[lev][k] = PFX##_setzero_ps();           \
+        }                                                                                   \
+        int64_t lp = ceil_log2(nitems / 4) / 4;                                             \
+        c->lp = lp < 4 ? 4 : lp;                                                            \
+        c->mask = ((int64_t)1 << c->lp) - 1;                                                \
+        c->i = 0;                                                                           \
+    }                                                                                       \
+    ALWAYS_INLINE void vcasc_##L##_group(vcasc_##L *c, VT x0, VT x1, VT x2, VT x3)          \
+    {                                                                                       \
+        c->a[0] = PFX##_add_ps(c->a[0], PFX##_mul_ps(x0, x0));                              \
+        c->a[1] = PFX##_add_ps(c->a[1], PFX##_mul_ps(x1, x1));                              \
+        c->a[2] = PFX##_add_ps(c->a[2], PFX##_mul_ps(x2, x2));                              \
+        c->a[3] = PFX##_add_ps(c->a[3], PFX##_mul_ps(x3, x3));                              \
+        const int64_t i = ++c->i, lp = c->lp, mask = c->mask;                               \
+        if ((i & mask) != 0) return; /* a full chunk of 2^lp groups ends here */            \
+        for (int k = 0; k < 4; ++k) {                                                       \
+            c->hi[0][k] = PFX##_add_ps(c->hi[0][k], c->a[k]);                               \
+            c->a[k] = PFX##_setzero_ps();                                                   \
+        }                                                                                   \
+        if ((i & (mask << lp)) != 0) return;                                                \
+        for (int lev = 2; lev < 4; ++lev) {                                                 \
+            for (int k = 0; k < 4; ++k) {                                                   \
+                c->hi[lev - 1][k] = PFX##_add_ps(c->hi[lev - 1][k], c->hi[lev - 2][k]);     \
+                c->hi[lev - 2][k] = PFX##_setzero_ps();                                     \
+            }                                                                               \
+            if ((i & (mask << (lev * lp))) != 0) break;                                     \
+        }                                                                                   \
+    }                                                                                       \
+    ALWAYS_INLINE void vcasc_##L##_merge(vcasc_##L *c)                                      \
+    {                                                                                       \
+        for (int lev = 0; lev < 3; ++lev)                                                   \
+            for (int k = 0; k < 4; ++k) c->a[k] = PFX##_add_ps(c->a[k], c->hi[lev][k]);     \
+    }                                                                                       \
+    ALWAYS_INLINE void vcasc_##L##_item(vcasc_##L *c, VT x)                                 \
+    {                                                                                       \
+        c->a[0] = PFX##_add_ps(c->a[0], PFX##_mul_ps(x, x));                                \
+    }                                                                                       \
+    ALWAYS_INLINE void vcasc_##L##_end(vcasc_##L *c, float *out)                            \
+    {                                                                                       \
+        VT t = PFX##_add_ps(c->a[0], c->a[1]);                                              \
+        t = PFX##_add_ps(t, c->a[2]);                                                       \
+        PFX##_storeu_ps(out, PFX##_add_ps(t, c->a[3]));                                     \
+    }
 #define DEFINE_VROWSUM(L, VT, PFX, LD)                                                      \
+    DEFINE_VCASC(L, VT, PFX)                                                                \
     static void vrowsum_##L(const void *restrict g, int64_t o, int64_t nitems, const int dt, \
                             float *restrict out)                                            \
     {                                                                                       \
-        VT a0 = PFX##_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                              \
-        VT hi[3][4];                                                                        \
-        for (int lev = 0; lev < 3; ++lev)                                                   \
-            for (int k = 0; k < 4; ++k) hi[lev][k] = PFX##_setzero_ps();                    \
+        vcasc_##L c;                                                                        \
+        vcasc_##L##_init(&c, nitems);                                                       \
         const int64_t nilp = nitems / 4;                                                    \
-        int64_t lp = ceil_log2(nilp) / 4;                                                   \
-        if (lp < 4) lp = 4;                                                                 \
-        const int64_t step = (int64_t)1 << lp, mask = step - 1;                             \
-        int64_t i = 0;                                                                      \
-        for (; i + step <= nilp;) {                                                         \
-            for (int64_t j = 0; j < step; ++j, ++i) VACC4(PFX, LD, L, o + i * 4 * L);       \
-            hi[0][0] = PFX##_add_ps(hi[0][0], a0);                                          \
-            hi[0][1] = PFX##_add_ps(hi[0][1], a1);                                          \
-            hi[0][2] = PFX##_add_ps(hi[0][2], a2);                                          \
-            hi[0][3] = PFX##_add_ps(hi[0][3], a3);                                          \
-            a0 = a1 = a2 = a3 = PFX##_setzero_ps();                                         \
-            if ((i & (mask << lp)) != 0) continue;                                          \
-            for (int lev = 2; lev < 4; ++lev) {                                             \
-                for (int k = 0; k < 4; ++k) {                                               \
-                    hi[lev - 1][k] = PFX##_add_ps(hi[lev - 1][k], hi[lev - 2][k]);          \
-                    hi[lev - 2][k] = PFX##_setzero_ps();                                    \
-                }                                                                           \
-                if ((i & (mask << (lev * lp))) != 0) break;                                 \
-            }                                                                               \
+        for (int64_t i = 0; i < nilp; ++i) {                                                \
+            const int64_t e = o + i * 4 * L;                                                \
+            vcasc_##L##_group(&c, LD(g, e, dt), LD(g, e + L, dt), LD(g, e + 2 * L, dt),     \
+                              LD(g, e + 3 * L, dt));                                        \
         }                                                                                   \
-        for (; i < nilp; ++i) VACC4(PFX, LD, L, o + i * 4 * L);                             \
-        for (int lev = 0; lev < 3; ++lev) {                                                 \
-            a0 = PFX##_add_ps(a0, hi[lev][0]);                                              \
-            a1 = PFX##_add_ps(a1, hi[lev][1]);                                              \
-            a2 = PFX##_add_ps(a2, hi[lev][2]);                                              \
-            a3 = PFX##_add_ps(a3, hi[lev][3]);                                              \
-        }                                                                                   \
-        for (int64_t t = nilp * 4; t < nitems; ++t) {                                       \
-            VT x = LD(g, o + t * L, dt);                                                    \
-            a0 = PFX##_add_ps(a0, PFX##_mul_ps(x, x));                                      \
-        }                                                                                   \
-        a0 = PFX##_add_ps(a0, a1);                                                          \
-        a0 = PFX##_add_ps(a0, a2);                                                          \
-        a0 = PFX##_add_ps(a0, a3);                                                          \
-        PFX##_storeu_ps(out, a0);                                                           \
+        vcasc_##L##_merge(&c);                                                              \
+        for (int64_t t = nilp * 4; t < nitems; ++t) vcasc_##L##_item(&c, LD(g, o + t * L, dt)); \
+        vcasc_##L##_end(&c, out);                                                           \
     }
 DEFINE_VROWSUM(8, __m256, _mm256, vld8)
 #ifdef GEFEN_VBMI
@@ -1091,49 +1113,47 @@ ALWAYS_INLINE void avx2_sweep2(const gefen_step_args *restrict a, void *restrict
     for (; i < B8; i += 8) v8store_bytes(ix + i, _mm256_loadu_si256((const __m256i *)(kb + i)));
 }
 
-/* One scale block of B elements at o: do_block's two sweeps (two-candidate table only), 8 lanes
- * at a time where m is buffered and z = m / A takes the reciprocal form; the rest (a block tail
- * past the last multiple of 8, A = 0 or NaN, A outside [2^-125, 2^125], blocks too long to buffer)
- * runs the portable scalar code, whose float operations are the same. */
-ALWAYS_INLINE void avx2_block(const gefen_step_args *restrict a, void *restrict param,
-                              const void *restrict grad, uint8_t *restrict ix, float *restrict scale,
-                              float *restrict vv, const float *restrict cb, const int32_t *restrict lut,
-                              int64_t b, int64_t o, float sigma, float *restrict buf, const avx2_tabs *tb,
-                              const int DT, const int PM, const int FL)
+/* Sweep 1's scalar part (lanes from `from` to B, after the vector lanes): as do_block's. Adds g^2
+ * of each lane to *sq in order when sq is given (the row sum's scalar remainder). */
+ALWAYS_INLINE float avx2_sweep1_tail(const gefen_step_args *restrict a, const void *restrict grad,
+                                     const uint8_t *restrict ix, float *restrict vv, const float *restrict cb,
+                                     int64_t o, int64_t from, int64_t B, float M, float *restrict buf,
+                                     float amax, int *isn, float *sq, const int DT, const int PM, const int FL)
 {
-    const int64_t B = a->block;
-    const int64_t B8 = buf ? B & ~(int64_t)7 : 0; /* lanes on the vector path */
-    const float M = scale[b];
-    const float lc = a->lerp_c, beta2 = a->beta2, alpha2 = a->alpha2;
-    const int small = a->lerp_small, fa = a->fused_axpy;
-    const int ent = tb->ent != NULL;
-    int32_t *restrict kb = buf ? (int32_t *)(buf + B) : NULL; /* sweep 2's buckets (GEFEN_BUF_PER_EL) */
-
-    /* sweep 1: m, its absmax (NaN-propagating like torch.amax), v for P == 1 */
-    int isn = 0;
-    float amax = 0.0f;
-    if (B8) amax = ent ? avx2_sweep1(a, grad, ix, vv, cb, o, B8, M, buf, &isn, DT, PM, FL, 0)
-                       : avx2_sweep1(a, grad, ix, vv, cb, o, B8, M, buf, &isn, DT, PM, FL, 1);
-    for (int64_t i = B8; i < B; ++i) {
+    for (int64_t i = from; i < B; ++i) {
         float gi = load_g(grad, o + i, DT);
-        if (PM == 1) vv[i] = vupd(vv[i], gi * gi, beta2, alpha2, fa);
-        float m = lerp_t(cb[ix[i]] * M, gi, lc, small, FL);
+        if (sq) *sq += gi * gi;
+        if (PM == 1) vv[i] = vupd(vv[i], gi * gi, a->beta2, a->alpha2, a->fused_axpy);
+        float m = lerp_t(cb[ix[i]] * M, gi, a->lerp_c, a->lerp_small, FL);
         if (buf) buf[i] = m;
         float am = fabsf(m);
         amax = am > amax ? am : amax;
-        isn |= m != m;
+        *isn |= m != m;
     }
-    const float A = isn ? NAN : amax;
-    scale[b] = A;
+    return amax;
+}
 
-    /* sweep 2: quantize m / A, update the parameter */
+/* Sweep 2 of a block whose new scale A (NaN when some m is NaN) is known, with the block's sigma
+ * (see do_block): 8 lanes at a time where m is buffered and z = m / A takes the reciprocal form;
+ * the rest (a block tail past the last multiple of 8 (B8), A = 0 or NaN, A outside
+ * [2^-125, 2^125], blocks too long to buffer) runs the portable scalar code, whose float
+ * operations are the same. */
+ALWAYS_INLINE void avx2_sweep2_block(const gefen_step_args *restrict a, void *restrict param,
+                                     const void *restrict grad, uint8_t *restrict ix,
+                                     const float *restrict vv, const float *restrict cb,
+                                     const int32_t *restrict lut, int64_t o, int64_t B8, float M, float A,
+                                     float sigma, float *restrict buf, const avx2_tabs *tb,
+                                     const int DT, const int PM, const int FL)
+{
+    const int64_t B = a->block;
+    int32_t *restrict kb = buf ? (int32_t *)(buf + B) : NULL; /* sweep 2's buckets (GEFEN_BUF_PER_EL) */
     const int pos = A > 0.0f;
     const int qd = A >= 0x1p-125f && A <= 0x1p125f; /* quotient via the reciprocal */
     const float us = update_scalar(A, sigma, a, PM), sl = sigma_scalar(sigma, a, PM);
     const int wd = a->has_wd;
     int64_t done = 0;
     if (B8 && pos && qd) {
-        if (ent) {
+        if (tb->ent) {
             if (wd) avx2_sweep2(a, param, ix, vv, cb, lut, tb, o, B8, buf, kb, A, us, sl, DT, PM, 1, 1);
             else avx2_sweep2(a, param, ix, vv, cb, lut, tb, o, B8, buf, kb, A, us, sl, DT, PM, 1, 0);
         } else {
@@ -1145,7 +1165,7 @@ ALWAYS_INLINE void avx2_block(const gefen_step_args *restrict a, void *restrict 
     const float Ad = pos ? A : 1.0f, Y = qd ? 1.0f / A : 0.0f;
     const float h = a->lut_h, nbm1 = (float)(a->lut_n - 1), ulim = a->ulim, decay = a->decay;
     for (int64_t i = done; i < B; ++i) {
-        float m = buf ? buf[i] : lerp_t(cb[ix[i]] * M, load_g(grad, o + i, DT), lc, small, FL);
+        float m = buf ? buf[i] : lerp_t(cb[ix[i]] * M, load_g(grad, o + i, DT), a->lerp_c, a->lerp_small, FL);
         float z = qd ? qdiv(m, Ad, Y) : m / Ad;
         z = pos ? z : 0.0f;
         float cq;
@@ -1155,6 +1175,85 @@ ALWAYS_INLINE void avx2_block(const gefen_step_args *restrict a, void *restrict 
         if (wd) update_param(param, o + i, u, decay, DT, 1);
         else update_param(param, o + i, u, decay, DT, 0);
     }
+}
+
+/* One scale block of B elements at o: do_block's two sweeps (two-candidate table only). */
+ALWAYS_INLINE void avx2_block(const gefen_step_args *restrict a, void *restrict param,
+                              const void *restrict grad, uint8_t *restrict ix, float *restrict scale,
+                              float *restrict vv, const float *restrict cb, const int32_t *restrict lut,
+                              int64_t b, int64_t o, float sigma, float *restrict buf, const avx2_tabs *tb,
+                              const int DT, const int PM, const int FL)
+{
+    const int64_t B = a->block;
+    const int64_t B8 = buf ? B & ~(int64_t)7 : 0; /* lanes on the vector path */
+    const float M = scale[b];
+    /* sweep 1: m, its absmax (NaN-propagating like torch.amax), v for P == 1 */
+    int isn = 0;
+    float amax = 0.0f;
+    if (B8) amax = tb->ent ? avx2_sweep1(a, grad, ix, vv, cb, o, B8, M, buf, &isn, DT, PM, FL, 0)
+                           : avx2_sweep1(a, grad, ix, vv, cb, o, B8, M, buf, &isn, DT, PM, FL, 1);
+    amax = avx2_sweep1_tail(a, grad, ix, vv, cb, o, B8, B, M, buf, amax, &isn, NULL, DT, PM, FL);
+    const float A = isn ? NAN : amax;
+    scale[b] = A;
+    avx2_sweep2_block(a, param, grad, ix, vv, cb, lut, o, B8, M, A, sigma, buf, tb, DT, PM, FL);
+}
+
+/* The factored step of row r when its one scale block is the whole row (a->block == a->period)
+ * and torch sums 8 lanes: the row sum of g^2 (sumsq's cascade, for v_row) is taken in sweep 1
+ * from the gradient vectors it loads anyway, so the row is read once; then v_row, sigma and
+ * sweep 2 as runf's. Bitwise the separate row sum and do_block. GCB: cb[idx] by gathers. */
+ALWAYS_INLINE void avx2_factored_row(const gefen_step_args *restrict a, void *restrict param,
+                                     const void *restrict grad, uint8_t *restrict ix, float *restrict scale,
+                                     float *restrict vrow, const float *restrict cfr, const float *restrict cb,
+                                     const int32_t *restrict lut, int64_t r, float isb, float *restrict buf,
+                                     const avx2_tabs *tb, const int DT, const int FL, const int GCB)
+{
+    const int64_t S = a->period, o = r * S;
+    const int64_t nitems = S / 8, nilp = nitems / 4, B8 = nitems * 8;
+    uint8_t *restrict ixr = ix + o;
+    const float M = scale[r];
+    const __m256 Mv = _mm256_set1_ps(M), lcv = _mm256_set1_ps(a->lerp_c);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const int small = a->lerp_small;
+    __m256 amv = _mm256_setzero_ps(), nanv = _mm256_setzero_ps();
+    vcasc_8 c;
+    vcasc_8_init(&c, nitems);
+#define GEFEN_S1(i, gv)                                                                         \
+    do {                                                                                        \
+        const __m256 m_ = v8lerp(_mm256_mul_ps(v8cb(cb, ixr + (i), GCB), Mv), gv, lcv, small, FL); \
+        _mm256_storeu_ps(buf + (i), m_);                                                        \
+        amv = _mm256_max_ps(_mm256_and_ps(m_, absmask), amv);                                   \
+        nanv = _mm256_or_ps(nanv, _mm256_cmp_ps(m_, m_, _CMP_UNORD_Q));                         \
+    } while (0)
+    for (int64_t q = 0; q < nilp; ++q) {
+        const int64_t i = q * 32;
+        const __m256 g0 = vld8(grad, o + i, DT), g1 = vld8(grad, o + i + 8, DT);
+        const __m256 g2 = vld8(grad, o + i + 16, DT), g3 = vld8(grad, o + i + 24, DT);
+        GEFEN_S1(i, g0);
+        GEFEN_S1(i + 8, g1);
+        GEFEN_S1(i + 16, g2);
+        GEFEN_S1(i + 24, g3);
+        vcasc_8_group(&c, g0, g1, g2, g3);
+    }
+    vcasc_8_merge(&c);
+    for (int64_t t = nilp * 4; t < nitems; ++t) {
+        const __m256 gv = vld8(grad, o + t * 8, DT);
+        GEFEN_S1(t * 8, gv);
+        vcasc_8_item(&c, gv);
+    }
+#undef GEFEN_S1
+    float lanes[8];
+    vcasc_8_end(&c, lanes);
+    int isn = _mm256_movemask_ps(nanv) != 0;
+    float fin = 0.0f; /* sumsq: the scalar remainder in order, then the lanes */
+    const float amax = avx2_sweep1_tail(a, grad, ixr, NULL, cb, o, B8, S, M, buf, hmax8(amv), &isn, &fin,
+                                        DT, 2, FL);
+    for (int l = 0; l < 8; ++l) fin += lanes[l];
+    const float vr = vupd(vrow[r], fin / (float)S, a->beta2, a->alpha2, a->fused_axpy);
+    vrow[r] = vr;
+    const float A = isn ? NAN : amax;
+    scale[r] = A;
+    avx2_sweep2_block(a, param, grad, ixr, cfr, cb, lut, o, B8, M, A, sqrtf(vr) * isb, buf, tb, DT, 2, FL);
 }
 
 /* as apply_block's loop: the parameter update from the new indices, 8 lanes at a time */
@@ -1351,6 +1450,28 @@ static int threads_for(const gefen_step_args *a, int64_t nb, int64_t *chunk)
         }                                                                                   \
     }
 
+/* Steps factored row r with avx2_factored_row (its row sum taken in sweep 1) and returns 1 when
+ * the AVX2 path can: the two-candidate table (LM), a buffered block that is the whole row, torch's
+ * 8-lane sum order; else returns 0 (the caller sums the row, then runs do_block). */
+ALWAYS_INLINE int fused_row(const gefen_step_args *restrict a, void *restrict param, const void *restrict grad,
+                            uint8_t *restrict idx, float *restrict scale, float *restrict vrow,
+                            const float *restrict cfr, const float *restrict cb, const int32_t *restrict lut,
+                            const void *planes, float *restrict buf, int64_t per, int64_t r, float isb,
+                            const int DT, const int LM, const int FL)
+{
+#ifdef GEFEN_AVX2
+    if (!(LM && planes && buf && per == 1 && a->sum_lanes == 8 && a->period >= 8)) return 0;
+    const avx2_tabs *tb = (const avx2_tabs *)planes;
+    if (tb->gather_cb) avx2_factored_row(a, param, grad, idx, scale, vrow, cfr, cb, lut, r, isb, buf, tb, DT, FL, 1);
+    else avx2_factored_row(a, param, grad, idx, scale, vrow, cfr, cb, lut, r, isb, buf, tb, DT, FL, 0);
+    return 1;
+#else
+    (void)a, (void)param, (void)grad, (void)idx, (void)scale, (void)vrow, (void)cfr, (void)cb, (void)lut;
+    (void)planes, (void)buf, (void)per, (void)r, (void)isb, (void)DT, (void)LM, (void)FL;
+    return 0;
+#endif
+}
+
 /* Factored second moment: rows of `period` (slab) elements, each row by one thread: its
  * v_row from the row's mean of g^2 (same cascade sum), then its scale blocks with the
  * per-column factors of its block of rows (cf: [blocks][slab], col_f = sqrt(v_col / mean(v_col))
@@ -1378,6 +1499,9 @@ static int threads_for(const gefen_step_args *a, int64_t nb, int64_t *chunk)
             float *buf = use_buf ? (float *)malloc((size_t)B * GEFEN_BUF_PER_EL) : NULL;    \
             _Pragma("omp for schedule(dynamic, chunk)")                                     \
             for (int64_t r = 0; r < rows; ++r) {                                            \
+                if (fused_row(a, param, grad, idx, scale, vrow, cf + ((row0 + r) / rb) * S, cb, \
+                              lut, planes, buf, per, r, isb, DT, LM, FL))                   \
+                    continue;                                                               \
                 float s = sumsq(grad, r * S, S, a->sum_lanes, DT, a->simd);                 \
                 float vr = vupd(vrow[r], s / (float)S, a->beta2, a->alpha2, a->fused_axpy); \
                 vrow[r] = vr;                                                               \
