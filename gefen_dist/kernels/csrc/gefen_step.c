@@ -315,6 +315,31 @@ ALWAYS_INLINE __m256 vld8(const void *g, int64_t i, const int dt)
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)g + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+
+/* The scalar helpers lerp_t, vupd and qdiv on a vector of L lanes (the same float operations):
+ * vlerp_L, vvupd_L, vqdiv_L for the AVX2 (L = 8) and AVX-512 (L = 16) paths. */
+#define DEFINE_VEC_OPS(L, VT, PFX)                                                          \
+    ALWAYS_INLINE VT vlerp_##L(VT m, VT g, VT c, int small, const int fused)                \
+    {                                                                                       \
+        VT d = PFX##_sub_ps(g, m);                                                          \
+        VT base = small ? m : g;                                                            \
+        return fused ? PFX##_fmadd_ps(c, d, base) : PFX##_add_ps(base, PFX##_mul_ps(c, d)); \
+    }                                                                                       \
+    ALWAYS_INLINE VT vvupd_##L(VT v, VT r, VT beta2, VT alpha2, int fused)                  \
+    {                                                                                       \
+        VT t = PFX##_mul_ps(v, beta2);                                                      \
+        return fused ? PFX##_fmadd_ps(r, alpha2, t) : PFX##_add_ps(t, PFX##_mul_ps(alpha2, r)); \
+    }                                                                                       \
+    ALWAYS_INLINE VT vqdiv_##L(VT m, VT A, VT y)                                            \
+    {                                                                                       \
+        VT q = PFX##_mul_ps(m, y);                                                          \
+        VT r = PFX##_fnmadd_ps(q, A, m);                                                    \
+        return PFX##_fmadd_ps(r, y, q);                                                     \
+    }
+DEFINE_VEC_OPS(8, __m256, _mm256)
+#ifdef GEFEN_VBMI
+DEFINE_VEC_OPS(16, __m512, _mm512)
+#endif
 /* The cascade as an accumulator fed in order: groups of 4 items (item k of a group into
  * accumulator k; after every 2^lp groups level 0 moves up, and the levels above fold as
  * rowsum_L's), then merge (the levels into the accumulators), then the leftover items into
@@ -636,32 +661,11 @@ ALWAYS_INLINE __m512 vload_g(const void *g, int64_t i, __mmask16 k, const int dt
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-ALWAYS_INLINE __m512 vlerp(__m512 m, __m512 g, __m512 c, int small, const int fused)
-{
-    __m512 d = _mm512_sub_ps(g, m);
-    __m512 base = small ? m : g;
-    return fused ? _mm512_fmadd_ps(c, d, base) : _mm512_add_ps(base, _mm512_mul_ps(c, d));
-}
-
-ALWAYS_INLINE __m512 vvupd(__m512 v, __m512 r, __m512 beta2, __m512 alpha2, int fused)
-{
-    __m512 t = _mm512_mul_ps(v, beta2);
-    return fused ? _mm512_fmadd_ps(r, alpha2, t) : _mm512_add_ps(t, _mm512_mul_ps(alpha2, r));
-}
-
 /* as sigma_el */
 ALWAYS_INLINE __m512 vsigma_el(__m512 c, __m512 s, const gefen_step_args *a)
 {
     __m512 d = _mm512_add_ps(_mm512_mul_ps(c, s), _mm512_set1_ps(a->eps));
     return _mm512_div_ps(_mm512_set1_ps(a->inv_bc1), d);
-}
-
-/* as qdiv */
-ALWAYS_INLINE __m512 vqdiv(__m512 m, __m512 A, __m512 y)
-{
-    __m512 q = _mm512_mul_ps(m, y);
-    __m512 r = _mm512_fnmadd_ps(q, A, m);
-    return _mm512_fmadd_ps(r, y, q);
 }
 
 /* f32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (as f32_to_bf16). */
@@ -713,7 +717,7 @@ ALWAYS_INLINE void vm64(const gefen_step_args *a, const void *grad, const uint8_
     for (int r = 0; r < 4; ++r) {
         __mmask16 k = lane_mask(B - i0 - 16 * r);
         gv[r] = vload_g(grad, o + i0 + 16 * r, k, DT);
-        m[r] = vlerp(_mm512_mul_ps(cv[r], Mv), gv[r], c, a->lerp_small, FL);
+        m[r] = vlerp_16(_mm512_mul_ps(cv[r], Mv), gv[r], c, a->lerp_small, FL);
     }
 }
 
@@ -743,7 +747,7 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
             if (PM == 1) {
                 __m512 v0 = _mm512_maskz_loadu_ps(k, vv + i0 + 16 * r);
                 _mm512_mask_storeu_ps(vv + i0 + 16 * r, k,
-                                      vvupd(v0, _mm512_mul_ps(gv[r], gv[r]), beta2, alpha2, fa));
+                                      vvupd_16(v0, _mm512_mul_ps(gv[r], gv[r]), beta2, alpha2, fa));
             }
             if (buf) _mm512_mask_storeu_ps(buf + i0 + 16 * r, k, m[r]);
             amax = _mm512_mask_max_ps(amax, k, _mm512_and_ps(m[r], absmask), amax);
@@ -776,7 +780,7 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
         }
         __m512i kb[4];
         for (int r = 0; r < 4; ++r) {
-            __m512 zz = pos ? (qd ? vqdiv(m[r], Ad, Yv) : _mm512_div_ps(m[r], Ad)) : zero;
+            __m512 zz = pos ? (qd ? vqdiv_16(m[r], Ad, Yv) : _mm512_div_ps(m[r], Ad)) : zero;
             __m512 t = _mm512_add_ps(_mm512_mul_ps(zz, h), h);
             t = _mm512_max_ps(t, zero); /* NaN -> 0 */
             t = _mm512_min_ps(t, nbm1);
@@ -897,27 +901,6 @@ typedef struct {
     int gather_cb;         /* 1: cb[idx] by a gather (simd 2, 3), 0: by scalar loads (simd 1) */
 } avx2_tabs;
 
-ALWAYS_INLINE __m256 v8lerp(__m256 m, __m256 g, __m256 c, int small, const int fused)
-{
-    __m256 d = _mm256_sub_ps(g, m);
-    __m256 base = small ? m : g;
-    return fused ? _mm256_fmadd_ps(c, d, base) : _mm256_add_ps(base, _mm256_mul_ps(c, d));
-}
-
-ALWAYS_INLINE __m256 v8vupd(__m256 v, __m256 r, __m256 beta2, __m256 alpha2, int fused)
-{
-    __m256 t = _mm256_mul_ps(v, beta2);
-    return fused ? _mm256_fmadd_ps(r, alpha2, t) : _mm256_add_ps(t, _mm256_mul_ps(alpha2, r));
-}
-
-/* as qdiv */
-ALWAYS_INLINE __m256 v8qdiv(__m256 m, __m256 A, __m256 y)
-{
-    __m256 q = _mm256_mul_ps(m, y);
-    __m256 r = _mm256_fnmadd_ps(q, A, m);
-    return _mm256_fmadd_ps(r, y, q);
-}
-
 /* f32 -> bf16 bits (8 lanes to 8 halfwords), round to nearest even, NaN -> 0x7FC0 (as f32_to_bf16) */
 ALWAYS_INLINE __m128i v8bf16(__m256 x)
 {
@@ -1019,8 +1002,8 @@ ALWAYS_INLINE float avx2_sweep1(const gefen_step_args *restrict a, const void *r
     for (int64_t i = 0; i < B8; i += 8) {
         const __m256 gv = vld8(grad, o + i, DT);
         if (PM == 1)
-            _mm256_storeu_ps(vv + i, v8vupd(_mm256_loadu_ps(vv + i), _mm256_mul_ps(gv, gv), b2v, a2v, fa));
-        const __m256 m = v8lerp(_mm256_mul_ps(v8cb(cb, ix + i, GCB), Mv), gv, lcv, small, FL);
+            _mm256_storeu_ps(vv + i, vvupd_8(_mm256_loadu_ps(vv + i), _mm256_mul_ps(gv, gv), b2v, a2v, fa));
+        const __m256 m = vlerp_8(_mm256_mul_ps(v8cb(cb, ix + i, GCB), Mv), gv, lcv, small, FL);
         _mm256_storeu_ps(buf + i, m);
         amv = _mm256_max_ps(_mm256_and_ps(m, absmask), amv);
         nanv = _mm256_or_ps(nanv, _mm256_cmp_ps(m, m, _CMP_UNORD_Q));
@@ -1045,7 +1028,7 @@ ALWAYS_INLINE void avx2_sweep2(const gefen_step_args *restrict a, void *restrict
         const __m256 Adv = _mm256_set1_ps(A), Yv = _mm256_set1_ps(1.0f / A), hv = _mm256_set1_ps(a->lut_h);
         const __m256 nbv = _mm256_set1_ps((float)(a->lut_n - 1)), zero = _mm256_setzero_ps();
         for (int64_t i = 0; i < B8; i += 8) {
-            const __m256 z = v8qdiv(_mm256_loadu_ps(buf + i), Adv, Yv);
+            const __m256 z = vqdiv_8(_mm256_loadu_ps(buf + i), Adv, Yv);
             __m256 t = _mm256_add_ps(_mm256_mul_ps(z, hv), hv);
             t = _mm256_min_ps(_mm256_max_ps(t, zero), nbv); /* NaN -> 0 */
             _mm256_storeu_ps(buf + i, z);
@@ -1220,7 +1203,7 @@ ALWAYS_INLINE void avx2_factored_row(const gefen_step_args *restrict a, void *re
     vcasc_8_init(&c, nitems);
 #define GEFEN_S1(i, gv)                                                                         \
     do {                                                                                        \
-        const __m256 m_ = v8lerp(_mm256_mul_ps(v8cb(cb, ixr + (i), GCB), Mv), gv, lcv, small, FL); \
+        const __m256 m_ = vlerp_8(_mm256_mul_ps(v8cb(cb, ixr + (i), GCB), Mv), gv, lcv, small, FL); \
         _mm256_storeu_ps(buf + (i), m_);                                                        \
         amv = _mm256_max_ps(_mm256_and_ps(m_, absmask), amv);                                   \
         nanv = _mm256_or_ps(nanv, _mm256_cmp_ps(m_, m_, _CMP_UNORD_Q));                         \
