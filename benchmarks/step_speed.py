@@ -723,7 +723,7 @@ def main() -> None:
                             "v + the 1-D tensors' fp32 m and v + codebook"),
         load_average_start=load_start,
         load_average_end=os.getloadavg() if hasattr(os, "getloadavg") else None,
-        simd_path=cpu.simd_compiled(),
+        simd_path=cpu.simd_isa(),
         command=command,
         seconds=time.perf_counter() - t_start,
         date=time.strftime("%Y-%m-%d"),

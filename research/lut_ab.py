@@ -29,7 +29,7 @@ from step_speed import Bench, demo_codebook  # noqa: E402
 
 def main() -> None:
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-    if not C.simd_compiled():
+    if C.simd_isa() != "avx512vbmi":
         sys.exit("the AVX-512 VBMI path is not compiled for this CPU: nothing to compare")
     if not C.two_level_table(demo_codebook()):
         print("note: the two-level table is not used here (no AVX-512 BITALG?): two_level == byte")

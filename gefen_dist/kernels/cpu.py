@@ -64,13 +64,23 @@ parameters are written as 0x7FC0 (torch's vectorised copy writes 0xFFFF; both ar
 
 Vectorisation
 -------------
-The portable C loops are written for the auto-vectoriser (``#pragma omp simd``). When the
-library is built for a CPU with AVX-512 VBMI (``-march=native``), an intrinsics path is
-used instead: the 256-entry codebook lookups (``C[idx]`` when dequantising, the two
-candidate codewords when quantising) are done in registers with byte permutes of the
-codebook's four byte planes rather than with gathers (GCC emulates byte-indexed gathers with
-scalar loads, which made the dequantisation the most expensive part of the step). Both
-paths execute the same float operations in the same order and are tested to be bitwise
+The portable C loops are written for the auto-vectoriser (``#pragma omp simd``). The library is
+built with ``-march=native``, and two intrinsics paths replace them where the CPU allows:
+
+* AVX-512 VBMI (Intel Ice Lake and later, AMD Zen 4 and later): the 256-entry codebook lookups
+  (``C[idx]`` when dequantising, the two candidate codewords when quantising) are done in
+  registers with byte permutes of the codebook's four byte planes rather than with gathers
+  (GCC emulates byte-indexed gathers with scalar loads, which made the dequantisation the most
+  expensive part of the step);
+* AVX2 + FMA (every other x86-64 CPU of the last decade: AMD Zen 2/3, Intel Haswell to Cascade
+  Lake): 8 lanes; ``C[idx]`` by scalar loads, and the nearest codeword from one 16-byte entry per
+  table bucket holding its two candidate codewords, the lower index and the pair's exact flip
+  point (the smallest ``z`` the two-candidate rule sends to the upper codeword, found by
+  bisection over the floats once per call), so a quantisation is one comparison; the second
+  sweep runs in short passes over the buffered block so the out-of-order core overlaps many
+  iterations, and the factored row sum of ``g^2`` is taken from the first sweep's loads.
+
+All paths execute the same float operations in the same order and are tested to be bitwise
 equal (the step functions' ``simd=`` argument chooses between them).
 
 Nearest codeword
@@ -113,7 +123,7 @@ from gefen_dist.core.step import column_factors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "simd_compiled", "quantized_step_", "quantized_step_factored_", "apply_compressed_",
+__all__ = ["available", "simd_compiled", "simd_isa", "quantized_step_", "quantized_step_factored_", "apply_compressed_",
            "apply_factored_", "numerics", "nearest_lut", "nearest_sweep", "CodebookTable", "codebook_table"]
 
 _ABI = 10
@@ -125,10 +135,11 @@ _SCAN_LUT_BITS = 16
 _BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together
 _BUF_MAX_ELEMS = 1 << 20     # per thread
 _TABLE_CACHE_SIZE = 32
-# ``simd=`` of the step functions (the AVX-512 VBMI path when compiled in): 1 (default) the fastest
-# form of the nearest-codeword table (a two-level form in registers when the table allows it, else
-# gathers from a byte copy), 2 gathers from the int32 table, 3 from its byte copy, 0 the portable
-# loops. All are bitwise equal (tests compare them); research/lut_ab.py times them.
+# ``simd=`` of the step functions (the intrinsics path compiled in, :func:`simd_isa`): 1 (default) the
+# fastest form of the nearest-codeword table (AVX-512 VBMI: a two-level form in registers when the
+# table allows it, else gathers from a byte copy; AVX2: per-bucket entries with the flip point),
+# 2 gathers from the int32 table, 3 from its byte copy, 0 the portable loops. All are bitwise equal
+# (tests compare them); research/lut_ab.py times them.
 SIMD_MODES = (0, 1, 2, 3)
 
 
@@ -222,9 +233,16 @@ def available() -> bool:
 
 
 def simd_compiled() -> bool:
-    """Whether the library has the AVX-512 VBMI path (built for a CPU that has it)."""
+    """Whether the library has an intrinsics path (AVX-512 VBMI or AVX2; built for a CPU that has it)."""
+    return simd_isa() is not None
+
+
+def simd_isa() -> Optional[str]:
+    """The intrinsics path the library was built with: ``"avx512vbmi"``, ``"avx2"``, or None (the
+    portable C loops only, or no native library)."""
     lib = _lib()
-    return bool(lib is not None and lib.gefen_step_simd())
+    code = lib.gefen_step_simd() if lib is not None else 0
+    return {1: "avx512vbmi", 2: "avx2"}.get(int(code))
 
 
 # --------------------------------------------------------------------------------------
