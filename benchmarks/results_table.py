@@ -96,19 +96,20 @@ def rows() -> list:
                 f"at {g['state_bytes_per_param']:.3f} B/param: before row blocks)",
                 soak["machine"], soak["torch"], soak["date"], "python benchmarks/soak.py"))
 
-    sp = _load("step_speed_peers.json")
-    m = sp["results"]["fp32"]["methods"]
-    dsm = m.get("deepspeed_cpu_adam", {})
-    ds = dsm.get("ratio_to_torch_adamw_fused")
-    ds_where = "" if dsm.get("params") == m["Gefen_e2e_fused"].get("params") else " (transformer block 0)"
-    e2e = m["Gefen_e2e_fused"]
-    out.append(("CPU step, GPT-2 small fp32, 1 thread",
-                f"**slower** than fused AdamW: `Gefen.step()` {e2e['ratio_to_torch_adamw_fused']:.2f}x "
-                f"its time (at {e2e['state_bytes_per_param']:.4f} B/param), kernel "
-                f"{m['gefen_fused']['ratio_to_torch_adamw_fused']:.2f}x"
-                + (f"; DeepSpeed's CPU Adam {ds:.2f}x{ds_where}" if ds else ""),
-                sp["meta"]["cpu"], sp["meta"]["torch"], sp["meta"].get("date", NR),
-                "python benchmarks/step_speed.py --threads 1 ..."))
+    for fname, isa in (("step_speed_peers_avx2.json", "AVX2 path"), ("step_speed_peers.json", "AVX-512 VBMI path")):
+        sp = _load(fname)
+        m = sp["results"]["fp32"]["methods"]
+        dsm = m.get("deepspeed_cpu_adam", {})
+        ds = dsm.get("ratio_to_torch_adamw_fused")
+        ds_where = "" if dsm.get("params") == m["Gefen_e2e_fused"].get("params") else " (transformer block 0)"
+        e2e = m["Gefen_e2e_fused"]
+        out.append((f"CPU step, GPT-2 small fp32, 1 thread, C kernel's {isa}",
+                    f"**slower** than fused AdamW: `Gefen.step()` {e2e['ratio_to_torch_adamw_fused']:.2f}x "
+                    f"its time (at {e2e['state_bytes_per_param']:.4f} B/param), kernel "
+                    f"{m['gefen_fused']['ratio_to_torch_adamw_fused']:.2f}x"
+                    + (f"; DeepSpeed's CPU Adam {ds:.2f}x{ds_where}" if ds else ""),
+                    f"{sp['meta']['cpu']} ({sp['meta'].get('capability', NR)})", sp["meta"]["torch"],
+                    sp["meta"].get("date", NR), f"python benchmarks/step_speed.py --threads 1 --out docs/results/{fname} ..."))
 
     fl = _load("flat_step.json")["ms"]
     fm = _load("flat_step.json")
