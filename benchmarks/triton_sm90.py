@@ -71,7 +71,9 @@ def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, w
 
     kern = tk._kernel("multi")
     names = list(inspect.signature(tk._gefen_multi_kernel).parameters)
-    ptr = {"meta_ptr": "*i64", "gptr_ptr": "*i64", "prog_ptr": "*i64", "cb_ptr": "*fp32", "lut_ptr": "*i32"}
+    # tab_ptr: the per-bucket float32 entries in the two-candidate mode of modes 1 and 2, else the int32 table
+    ptr = {"meta_ptr": "*i64", "gptr_ptr": "*i64", "prog_ptr": "*i64", "cb_ptr": "*fp32",
+           "tab_ptr": "*fp32" if lut_fast and mode != 0 else "*i32"}  # TritonTables.kernel_table
     consts = dict(MODE=mode, LERP_SMALL=True, FUSED_LERP=True, FUSED_AXPY=True, HAS_WD=True, LUT_FAST=lut_fast,
                   IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=block, ALIGNED=aligned)
     sig = {n: ptr.get(n, "i32" if n == "scan_steps" else "fp32") for n in names}

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,6 +152,30 @@ CASES = {
     "P1031": (1031 * 5, 1031, 1031),
     "P1536": (1536 * 4, 1536, 1536),
 }
+
+
+@interp
+@pytest.mark.parametrize("P", [1, None], ids=["elementwise-entries", "shared-distances"])
+def test_nearest_at_every_flip_point(P):
+    """z exactly at each codeword pair's flip point (core.quant.flip_points) and one float below it
+    (beta1 = 0: m = g; the block's absmax 1: z = m): the kernel's indices are the reference's, with
+    the per-bucket entries (mode 1: z >= flip point) and with the distance comparison (mode 0)."""
+    from gefen_dist.core.quant import flip_points
+
+    cb = random_codebook()
+    thr = flip_points(cb).numpy()
+    thr = thr[np.isfinite(thr) & (np.abs(thr) < 1)]
+    z = np.concatenate([thr, np.nextafter(thr, np.float32(-2)), np.float32([1.0, -1.0, 0.0])]).astype(np.float32)
+    n = z.size + (-z.size) % 64
+    g = torch.zeros(n)
+    g[: z.size] = torch.from_numpy(z)
+    P = n if P is None else P
+    kw = dict(lr=1e-3, beta1=0.0, beta2=0.999, eps=1e-8, weight_decay=0.0, bc1=1.0, bc2=1e-3,
+              period=P, scale_block=n)
+    p, idx, sc, v = (torch.zeros(n), torch.zeros(n, dtype=torch.uint8), torch.zeros(1), torch.zeros(n // P))
+    triton_step.quantized_step_(p, g, idx, sc, v, cb, **kw)
+    assert float(sc[0]) == 1.0
+    assert torch.equal(idx[: z.size], nearest_codeword(torch.from_numpy(z), cb))
 
 
 @interp
@@ -295,7 +320,9 @@ FACTORED_CASES = {
 @interp
 def test_column_factors_match_core():
     """ColumnFactors (one launch for many tensors' ``sqrt(v_col / mean(v_col))``, per row block)
-    against core.step.column_factors: within one float32 ulp (the mean is summed in another order),
+    against core.step.column_factors: within a few float32 ulps (the mean is summed in another order,
+    which torch's vectorisation also changes with the CPU: up to ~log2(n) ulps of the mean, halved by
+    the square root, plus the rounding of the division and the root: 6e-7 relative for these n),
     exactly 0 for a profile whose mean is 0 or NaN (as the core); the views keep their storage across
     runs (the update kernels hold their pointers)."""
     from gefen_dist.core.step import column_factors
@@ -315,7 +342,7 @@ def test_column_factors_match_core():
         for v, got in zip(v_cols, out):
             ref = column_factors(v)
             assert got.shape == v.shape
-            torch.testing.assert_close(got, ref, rtol=2e-7, atol=0, equal_nan=True)
+            torch.testing.assert_close(got, ref, rtol=6e-7, atol=0, equal_nan=True)
         assert torch.equal(out[2][0], torch.zeros(64)) and bool((out[2][1] > 0).all())
         assert torch.equal(out[4], torch.zeros(40))  # a NaN mean is not positive: 0, as the core's
         for v in v_cols:
@@ -532,8 +559,13 @@ def test_multi_step_forced_config():
     n_auto, auto = run(None)
     n_forced, forced = run((2, 64, 4))
     assert n_auto == 5 and n_forced == 4  # forced: the two shared fp32 tensors share one launch
-    for a, b in zip(auto, forced):
-        torch.testing.assert_close(a[0].float(), b[0].float(), rtol=0, atol=1e-4)
+    for a, b, sp in zip(auto, forced, specs):
+        # a different summation order of the row statistics moves sigma by an ulp or so, and the
+        # parameter by a few float32 ulps of itself (these unbounded factored steps move some weights
+        # by hundreds); a bfloat16 parameter can flip its single rounding by one bfloat16 ulp (2^-8
+        # relative) where the float32 result lies next to a rounding boundary
+        rtol = 2.0 ** -8 if sp[4] == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(a[0].float(), b[0].float(), rtol=rtol, atol=1e-4)
         assert float((a[1] != b[1]).float().mean()) < 0.01  # isolated codeword flips at most
     with pytest.raises(ValueError, match="config"):
         triton_step.MultiStep([], torch.device("cpu"), config=(2, 64))

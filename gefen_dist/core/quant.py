@@ -50,3 +50,48 @@ def nearest_codeword(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
 def dequantize(idx: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor, block: int) -> torch.Tensor:
     """``C[idx] * scale`` in float32, shaped ``[numel/block, block]``."""
     return codebook[idx.reshape(-1, block).long()] * scale.reshape(-1, 1)
+
+
+def flip_points(codebook: torch.Tensor) -> torch.Tensor:
+    """For each pair of adjacent codewords ``(C[k], C[k+1])`` (``C[256] = +inf`` past the end), the
+    smallest float32 ``z`` that the two-candidate rule sends to the upper one (``z > C[k+1]`` or
+    ``|z - C[k+1]| < |z - C[k]|``, float32 differences; :func:`nearest_codeword`'s tie rule): float32
+    ``[len(codebook)]``, ``+inf`` for the last pair. The rule is monotone in ``z`` (below ``C[k]`` both
+    differences are negative and ``|z - C[k+1]| >= |z - C[k]|``, rounding being monotone; between the
+    two codewords one difference shrinks as the other grows; above ``C[k+1]`` it holds), so a bisection
+    over the float32 bit patterns finds the switch exactly, and for every non-NaN ``z`` whose candidates
+    are ``k`` and ``k + 1`` the nearest index is ``k + (z >= flip_points[k])``: what the kernels use instead
+    of comparing two distances (the AVX2 C kernel computes the same points in C)."""
+    import numpy as np
+
+    c = codebook.detach().to("cpu", torch.float32).numpy().astype(np.float32)
+    c0, c1 = c, np.append(c[1:], np.float32(np.inf)).astype(np.float32)
+
+    def upper(z):
+        with np.errstate(invalid="ignore"):
+            return (z > c1) | (np.abs((z - c1).astype(np.float32)) < np.abs((z - c0).astype(np.float32)))
+
+    def key(x):  # float32 -> a signed integer in the floats' order (both zeros -> 0)
+        u = x.astype(np.float32).view(np.uint32).astype(np.int64)
+        return np.where(u >> 31 == 1, -(u & 0x7FFFFFFF), u)
+
+    def unkey(k):
+        u = np.where(k < 0, (-k) | 0x80000000, k).astype(np.uint32)
+        return u.view(np.float32)
+
+    out = np.full(c.shape, np.inf, dtype=np.float32)
+    live = np.isfinite(c1)
+    at_c0 = live & upper(c0)
+    out[at_c0] = c0[at_c0]
+    live &= ~at_c0
+    lo, hi = key(c0), key(np.where(live, c1, c0)) + 1  # the rule is false at lo, true at hi (the float above c1)
+    while True:
+        go = live & (hi - lo > 1)
+        if not go.any():
+            break
+        mid = lo + (hi - lo) // 2
+        up = upper(unkey(mid))
+        hi = np.where(go & up, mid, hi)
+        lo = np.where(go & ~up, mid, lo)
+    out[live] = unkey(hi)[live]
+    return torch.from_numpy(out)

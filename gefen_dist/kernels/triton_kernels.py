@@ -49,8 +49,12 @@ Nearest codeword
 The lookup table of :func:`gefen_dist.kernels.cpu.codebook_table` (its ``nb`` index entries;
 built once per codebook, copied to the device with the 257-entry codebook, ``C[256] = +inf``,
 and cached per codebook tensor and version): bucket ``k = (int) clamp(z * H + H, 0, NB - 1)``; in the
-two-candidate mode the nearest codeword is ``lut[k]`` or ``lut[k] + 1`` (one comparison with
-the reference's tie rule); otherwise ``lut[k]`` is a lower bound of ``#{C < z}`` and a bounded
+two-candidate mode the nearest codeword is ``lut[k]`` or ``lut[k] + 1``: with per-element step sizes
+(modes 1 and 2) the kernel reads the bucket's 16-byte entry ``(C[lut[k]], C[lut[k] + 1], flip point,
+lut[k])`` (``tab_ptr``, float32 ``[nb, 4]``; :func:`gefen_dist.core.quant.flip_points`) with one
+128-bit load and takes the upper codeword when ``z >= flip point``, in mode 0 it reads ``lut[k]`` and
+the two codewords and compares the two distances (both exactly the reference's rule and tie);
+otherwise ``tab_ptr`` is the int32 table, ``lut[k]`` a lower bound of ``#{C < z}``, and a bounded
 forward scan (at most ``max_k lut[k+1] - lut[k]`` steps) finishes ``searchsorted``. Both are
 identical to ``searchsorted(left)`` + lower index on ties for every float32 ``z``; NaN -> 255.
 """
@@ -113,7 +117,7 @@ def _ema_m(g, idx_ptr, offs, mask, cb_ptr, Mb, lerp_c, LERP_SMALL: tl.constexpr,
 
 
 def _step_rows(
-    p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
+    p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, tab_ptr,
     r_first, nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
     MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
@@ -207,15 +211,26 @@ def _step_rows(
             t = tl.where(t > 0.0, t, 0.0)  # NaN -> 0
             t = tl.where(t < lut_nbm1, t, lut_nbm1)
             k = t.to(tl.int32)
-            if LUT_FAST:
-                jl = tl.load(lut_ptr + k)
+            if LUT_FAST and MODE != 0:
+                # the bucket's entry (c0, c1, flip point, lower index's bits): one 16-byte load, no
+                # dependent lookups; z >= flip point is the two-candidate rule (core.quant.flip_points)
+                e = tl.load(tab_ptr + (k * 4)[:, :, None] + tl.arange(0, 4)[None, None, :])
+                # split takes the last axis: [.., a, b] = e[.., 2a + b], so b = 0 is (c0, thr), b = 1 (c1, j)
+                even, odd = tl.split(tl.reshape(e, (ROWS, BLOCK_SIZE, 2, 2)))
+                c0v, thr = tl.split(even)
+                c1v, jf = tl.split(odd)
+                sel = z >= thr
+                j = jf.to(tl.int32, bitcast=True) + sel.to(tl.int32)
+                cq = tl.where(sel, c1v, c0v)
+            elif LUT_FAST:  # mode 0: tab_ptr is the int32 table (TritonTables.kernel_table)
+                jl = tl.load(tab_ptr + k)
                 c0v = tl.load(cb_ptr + jl)
                 c1v = tl.load(cb_ptr + jl + 1)
                 sel = (z > c1v) | (tl.abs(z - c1v) < tl.abs(z - c0v))
                 j = jl + sel.to(tl.int32)
                 cq = tl.where(sel, c1v, c0v)
             else:
-                j = tl.load(lut_ptr + k)
+                j = tl.load(tab_ptr + k)
                 for _ in range(scan_steps):
                     j += (tl.load(cb_ptr + j) < z).to(tl.int32)
                 lo = tl.maximum(j - 1, 0)
@@ -267,7 +282,7 @@ def _step_rows(
 
 
 def _gefen_step_kernel(
-    p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
+    p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, tab_ptr,
     nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
     MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
@@ -276,7 +291,7 @@ def _gefen_step_kernel(
 ):
     """One tensor; program ``pid`` steps rows ``pid * ROWS ..``."""
     _step_rows_jit(
-        p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
+        p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, tab_ptr,
         tl.program_id(0) * ROWS, nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
         lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
         MODE, LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, LUT_FAST, IS_BF16, ROWS, BLOCK_SIZE,
@@ -284,7 +299,7 @@ def _gefen_step_kernel(
 
 
 def _gefen_multi_kernel(
-    meta_ptr, gptr_ptr, prog_ptr, cb_ptr, lut_ptr, scan_steps,
+    meta_ptr, gptr_ptr, prog_ptr, cb_ptr, tab_ptr, scan_steps,
     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
     MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
     FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
@@ -323,7 +338,7 @@ def _gefen_multi_kernel(
         S = tl.multiple_of(S, 16)
         B = tl.multiple_of(B, 16)
     _step_rows_jit(
-        p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, lut_ptr,
+        p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, tab_ptr,
         r_first, nrows, S, B, S // B, B.to(tl.float32), S.to(tl.float32), scan_steps,
         tl.load(mb + 8).to(tl.int32), tl.load(mb + 9).to(tl.int32),
         lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,

@@ -119,7 +119,7 @@ class MultiStep:
                 # the promise of ALIGNED covers the gradients too, which may move between steps
                 aligned = L["aligned"] and all(g.data_ptr() % 16 == 0 for g in gs)
                 kern[(L["nprog"],)](
-                    L["meta"], L["grads"](gs), L["prog"], tab.cb, tab.lut, tab.scan_steps, *scalars,
+                    L["meta"], L["grads"](gs), L["prog"], tab.cb, tab.kernel_table(L["mode"]), tab.scan_steps, *scalars,
                     MODE=L["mode"], IS_BF16=L["bf16"], ROWS=L["rows"], BLOCK_SIZE=L["bs"], ALIGNED=aligned,
                     num_warps=L["warps"], enable_fp_fusion=False, **multi_launch_options(), **consts,
                 )

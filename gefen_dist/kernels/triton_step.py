@@ -168,7 +168,7 @@ def _run(param, grad, idx, scale, v, v_col, codebook, *, S, B, mode, row0, row_b
     ctx = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
     with ctx:
         kern[grid](
-            pk, gk, idx, scale, v, v_col, tab.cb, tab.lut,
+            pk, gk, idx, scale, v, v_col, tab.cb, tab.kernel_table(mode),
             nrows, S, B, S // B, float(B), float(S), tab.scan_steps, row0, row_block, *scalars,
             MODE=mode, IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=bs, num_warps=warps, enable_fp_fusion=False, **consts,
         )

@@ -34,6 +34,16 @@ class _DeviceTable:
     h: float
     nb: int
     scan_steps: int
+    ent: Optional[torch.Tensor] = None  # fast: float32 [nb, 4] per bucket (C[j], C[j+1], flip point, j's bits)
+
+    def kernel_table(self, mode: int) -> torch.Tensor:
+        """What the update kernel of ``mode`` reads as ``tab_ptr``: in the two-candidate mode the
+        per-bucket entries for the per-element step sizes (modes 1 and 2: elementwise, factored), the
+        int32 table for mode 0 (one step size per block: there the entries raised the registers of an
+        sm_90 compile from 128-153 to 145-222, costing a CTA per SM, against 0-16 fewer and 4-7% fewer
+        instructions in modes 1 and 2; benchmarks/triton_sm90.py); the int32 lower bounds of the scan
+        otherwise."""
+        return self.ent if self.fast and mode != 0 else self.lut
 
 
 _tables: "OrderedDict[Tuple[int, str], Tuple[weakref.ref, int, _DeviceTable]]" = OrderedDict()
@@ -59,7 +69,16 @@ def _build_device_table(codebook: torch.Tensor, device: torch.device) -> _Device
         # lut[k+1] = #{C < lower bound of bucket k+1} >= #{C < z} for every z in bucket k
         ext = np.concatenate([lut.numpy().astype(np.int64), [256]])
         steps = int(np.diff(ext).max())
-    t = _DeviceTable(tab.cb.to(device), lut.to(device), tab.mode == 1, float(tab.h), nb, steps)
+    ent = None
+    if tab.mode == 1:
+        from gefen_dist.core.quant import flip_points
+
+        j = lut.long()
+        cbf = tab.cb.to(torch.float32)
+        thr = flip_points(cbf[:256])  # flip point of the pair (C[j], C[j+1]); +inf for j = 255
+        ent = torch.stack([cbf[j], cbf[j + 1], thr[j], lut.view(torch.float32)], dim=1).contiguous()
+        ent = ent.to(device)
+    t = _DeviceTable(tab.cb.to(device), lut.to(device), tab.mode == 1, float(tab.h), nb, steps, ent)
     with _tables_lock:
         _by_content[key] = t
         while len(_by_content) > _TABLE_CACHE_SIZE:
