@@ -65,35 +65,55 @@ def rows() -> list:
                 f"**{mem['gefen_bytes_per_param']:.4f} B/param** (default) vs AdamW {mem['adamw_bytes_per_param']:.4f} "
                 f"({mem['ratio_adamw_over_gefen']:.2f}x less)", "any (counted bytes)", NR, NR, "python benchmarks/memory.py"))
 
-    q_torch = _load("quality_r14.json")["torch"]
-    recs, days = _runs("quality_runs_r14.jsonl", "quality_runs_r15.jsonl")
-    res = seed_gaps(load_finals([RESULTS / "quality_runs_r14.jsonl", RESULTS / "quality_runs_r15.jsonl"]), "u_square_blocks")
-    tw = res["trains_well"]
-    behind = sum(r["gap_pct"] > 0 for r in res["seeds"] if r["base_trains_well"])
-    hosts = sorted({r["host"] for r in recs if r.get("host") and not r["host"].startswith("copied")})
-    out.append((f"val loss vs AdamW, `small` LM ({_params(recs, 'small')} params, 800 steps)",
-                f"**{_pct(tw['mean'])}** mean over {tw['n']} seeds (95% interval {_pct(tw['ci95'][0])} to "
-                f"{_pct(tw['ci95'][1])}), behind on {behind}, worst {_pct(tw['max'])}",
-                "; ".join(hosts) or NR, q_torch, _span(days), "python benchmarks/seed_gaps.py"))
+    # the default (bound_updates=2.0, research variant v_default_bound2, the library's defaults) paired
+    # by seed with AdamW, from the runs files benchmarks/peers_table.py reads
+    from peers_table import RUNS
 
-    recs, _ = _runs("quality_runs.jsonl")
-    for preset, steps, seeds in (("base", 800, (0, 1)), ("tiny", 800, (0, 1, 2))):
-        f = load_finals([RESULTS / "quality_runs.jsonl"], preset, steps)
-        gaps = [100 * (f[("gefen_default", s)]["val"] / f[("adamw", s)]["val"] - 1) for s in seeds]
-        mine = [r for r in recs if r["workload"] == "lm" and r["variant"] in ("adamw", "gefen_default")
-                and r["config"].get("preset") == preset and r["config"].get("steps") == steps and r["seed"] in seeds]
-        result = ", ".join(_pct(g) for g in gaps) + f" (seeds {', '.join(map(str, seeds))}"
-        result += f"; mean {_pct(statistics.fmean(gaps))})" if len(gaps) > 2 else "; AdamW stalls on seed 2)"
-        out.append((f"val loss vs AdamW, `{preset}` LM ({_params(recs, preset)} params, {steps} steps)", result, NR,
-                    _load(f"quality_{preset}.json")["torch"], _span(_day(r["time"]) for r in mine),
-                    f"python benchmarks/quality.py --lm-preset {preset} ..."))
+    for preset in ("small", "base"):
+        files = [f for f in RUNS[preset]["files"] if f.exists()]
+        fin = load_finals(files, preset=preset)
+        try:
+            res = seed_gaps(fin, "v_default_bound2")
+        except ValueError:
+            continue
+        mine = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+        mine = [r for r in mine if r["workload"] == "lm" and r["variant"] == "v_default_bound2"
+                and r["config"].get("preset") == preset and r["config"].get("steps") == 800]
+        tw = res["trains_well"]
+        behind = sum(r["gap_pct"] > 0 for r in res["seeds"] if r["base_trains_well"])
+        stalled = [r for r in res["seeds"] if not r["base_trains_well"]]
+        if tw["n"] >= 3:
+            result = (f"**{_pct(tw['mean'])}** mean over {tw['n']} seeds (95% interval {_pct(tw['ci95'][0])} to "
+                      f"{_pct(tw['ci95'][1])}), behind on {behind}, worst {_pct(tw['max'])}")
+        else:
+            result = ", ".join(f"{_pct(r['gap_pct'])} (seed {r['seed']})" for r in res["seeds"] if r["base_trains_well"])
+        if stalled:
+            result += "; AdamW stalls on seed " + ", ".join(f"{r['seed']} ({_pct(r['gap_pct'])})" for r in stalled)
+        hosts = sorted({r.get("host") for r in mine if r.get("host")})
+        out.append((f"val loss vs AdamW, `{preset}` LM ({res['seeds'] and _params(mine, preset)} params, 800 steps), "
+                    "the default", result, "; ".join(hosts) or NR, NR, _span(_day(r["time"]) for r in mine),
+                    "python benchmarks/peers_table.py"))
+
+    tiny = ROOT / "research" / "results" / "bound2_tiny" / "runs.jsonl"
+    if tiny.exists():
+        fin = load_finals([RESULTS / "quality_runs.jsonl", tiny], preset="tiny", steps=3000)
+        try:
+            res = seed_gaps(fin, "v_default_bound2")
+            gaps = [r["gap_pct"] for r in res["seeds"]]
+            mine = [json.loads(line) for line in tiny.read_text().splitlines() if line.strip()]
+            out.append(("val loss vs AdamW, `tiny` LM (120,576 params, 3,000 steps), the default",
+                        ", ".join(_pct(g) for g in gaps) + f" (seeds {', '.join(str(r['seed']) for r in res['seeds'])}; "
+                        f"mean {_pct(statistics.fmean(gaps))})", "; ".join(sorted({r.get('host') for r in mine})) or NR,
+                        NR, _span(_day(r["time"]) for r in mine), "python benchmarks/peers_table.py"))
+        except ValueError:
+            pass
 
     soak = _load("soak.json")
     g, a = soak["runs"]["gefen"], soak["runs"]["adamw"]
     out.append((f"soak: `tiny` LM, {g['steps']:,} steps",
                 f"{g['nonfinite_losses']} non-finite losses, constant state, RSS {g['rss_growth_end_bytes'] / 2**20:+.1f} MiB; "
                 f"final val loss {_pct(100 * (g['final_val_loss'] / a['final_val_loss'] - 1))} vs AdamW (1 seed, "
-                f"at {g['state_bytes_per_param']:.3f} B/param: before row blocks)",
+                f"{g['state_bytes_per_param']:.3f} B/param; the library's default of that date)",
                 soak["machine"], soak["torch"], soak["date"], "python benchmarks/soak.py"))
 
     for fname, isa in (("step_speed_peers_avx2.json", "AVX2 path"), ("step_speed_peers.json", "AVX-512 VBMI path")):
