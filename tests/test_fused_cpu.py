@@ -436,6 +436,44 @@ def _flip_points(cb: torch.Tensor) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
+def crowded_codebook() -> torch.Tensor:
+    """Three codewords 3e-5 apart: a two-candidate table needs 65,536 buckets (the AVX2 path then
+    gathers from the table instead of building per-bucket entries)."""
+    inner = random_codebook(1)[1:-1].clone()
+    x = float(inner[99])
+    inner[100], inner[101] = x + 3e-5, x + 6e-5
+    return torch.cat([torch.tensor([-1.0]), torch.sort(inner)[0], torch.tensor([1.0])])
+
+
+@pytest.mark.skipif(not cpu.simd_compiled(), reason="no intrinsics path (AVX-512 VBMI or AVX2) for this CPU")
+def test_simd_equals_portable_with_a_large_table():
+    """A codebook whose two-candidate table is large (65,536 buckets): every simd form is bitwise the
+    portable loops, factored and shared, with z values near the crowded codewords."""
+    cb = crowded_codebook()
+    tab = cpu.codebook_table(cb)
+    assert tab.mode == 1 and tab.nb == 65536
+    rows, slab = 6, 768
+    g = torch.Generator().manual_seed(9)
+    outs = []
+    for simd in (1, 2, 3, 0):
+        p, idx, sc, v = _state(rows * slab, slab, slab, torch.float32, 3)
+        st = _fstate(rows, slab, slab, torch.float32, 4)
+        gen = torch.Generator().manual_seed(9)
+        for step in range(1, 4):
+            grad = torch.randn(rows * slab, generator=gen) * 1e-3
+            grad[::7] = float(cb[101]) * 1e-3  # m near the crowded codewords once scaled
+            bc1, bc2 = bias_corrections(step, HP["beta1"], HP["beta2"])
+            cpu.quantized_step_(p, grad, idx, sc, v, cb, **HP, bc1=bc1, bc2=bc2, period=slab, scale_block=slab,
+                                simd=simd)
+            from gefen_dist.core.step import column_sumsq
+            cms = (column_sumsq(grad, slab) / rows).float()
+            cpu.quantized_step_factored_(st[0], grad, st[1], st[2], st[3], st[4], cb, cms, **HP, bc1=bc1, bc2=bc2,
+                                         scale_block=slab, simd=simd)
+        outs.append((p, idx, sc, v, *st))
+    for other in outs[1:]:
+        _bitwise(outs[0], other)
+
+
 @pytest.mark.skipif(not cpu.simd_compiled(), reason="no intrinsics path (AVX-512 VBMI or AVX2) for this CPU")
 @pytest.mark.parametrize("cbname", ["dp", "random"])
 def test_nearest_at_every_flip_point(cbname):

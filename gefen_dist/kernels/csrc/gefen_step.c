@@ -1549,12 +1549,15 @@ static uint8_t *prepare_tables(const gefen_step_args *a, const float *cb, const 
 #ifdef GEFEN_AVX2
 /* The tables of an AVX2 call (lut_mode 1): by a->simd, 1 or 3 a byte copy of the table to gather
  * from, 2 none (gather from the int32 table). Returns the byte copy to free (or NULL). Equal results. */
+#define GEFEN_AVX2_ENT_MAX 16384 /* buckets: 256 KiB of entries */
 static void *prepare_tables2(const gefen_step_args *a, const float *cb, const int32_t *lut, avx2_tabs *tb)
 {
     tb->ent = NULL;
     tb->lut8 = NULL;
     tb->gather_cb = a->simd != 1;
-    if (a->simd == 1) {
+    /* the entries are rebuilt per call: beyond GEFEN_AVX2_ENT_MAX buckets (a codebook whose codewords
+     * crowd a fine table) building them would cost more than the gathers they save */
+    if (a->simd == 1 && a->lut_n <= GEFEN_AVX2_ENT_MAX) {
         avx2_entry *e = (avx2_entry *)malloc((size_t)a->lut_n * sizeof(avx2_entry));
         if (e != NULL) {
             float thr[256];
@@ -1572,7 +1575,7 @@ static void *prepare_tables2(const gefen_step_args *a, const float *cb, const in
         tb->gather_cb = 1; /* no memory for the entries: the gathers give the same results */
     }
     uint8_t *lut8 = NULL;
-    if (a->simd == 3 && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
+    if ((a->simd == 1 || a->simd == 3) && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
         for (int32_t i = 0; i < a->lut_n; ++i) lut8[i] = (uint8_t)lut[i];
         memset(lut8 + a->lut_n, 0, 4);
         tb->lut8 = lut8;
