@@ -95,3 +95,17 @@ def flip_points(codebook: torch.Tensor) -> torch.Tensor:
         lo = np.where(go & ~up, mid, lo)
     out[live] = unkey(hi)[live]
     return torch.from_numpy(out)
+
+
+def bucket_entries(cb: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """The nearest-codeword table of the kernels' two-candidate mode as one 16-byte entry per bucket:
+    float32 ``[nb, 4]``, row ``b`` = ``(C[j], C[j + 1], flip point of the pair, j)`` with ``j = lut[b]``
+    (the int32 ``j`` stored as its bits), ``cb`` the 257-entry codebook (``cb[256] = +inf``). A kernel
+    that reads the row takes ``j + (z >= flip point)`` and the matching codeword: exactly the two-candidate
+    rule (:func:`flip_points`), with no dependent lookup. One builder for the C kernel's AVX2 path and
+    the Triton update kernel."""
+    cbf = cb.detach().to("cpu", torch.float32).reshape(-1)
+    j = lut.detach().to("cpu", torch.int32).reshape(-1)
+    thr = flip_points(cbf[:-1])
+    jl = j.long()
+    return torch.stack([cbf[jl], cbf[jl + 1], thr[jl], j.view(torch.float32)], dim=1).contiguous()

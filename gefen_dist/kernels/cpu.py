@@ -118,7 +118,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from gefen_dist.core.quant import NUM_CODEWORDS, nearest_codeword
+from gefen_dist.core.quant import NUM_CODEWORDS, bucket_entries, nearest_codeword
 from gefen_dist.core.step import column_factors
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["available", "simd_compiled", "simd_isa", "quantized_step_", "quantized_step_factored_", "apply_compressed_",
            "apply_factored_", "numerics", "nearest_lut", "nearest_sweep", "CodebookTable", "codebook_table"]
 
-_ABI = 10
+_ABI = 11
 _LIB_NAME = "gefen_step"
 _SOURCES = ["gefen_step.c"]
 _MIN_LUT_BITS = 12
@@ -135,6 +135,7 @@ _SCAN_LUT_BITS = 16
 _BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together
 _BUF_MAX_ELEMS = 1 << 20     # per thread
 _TABLE_CACHE_SIZE = 32
+_ENT_MAX_BUCKETS = 16384  # per-bucket entries (16 B each) of tables up to this size; larger ones gather
 # ``simd=`` of the step functions (the intrinsics path compiled in, :func:`simd_isa`): 1 (default) the
 # fastest form of the nearest-codeword table (AVX-512 VBMI: a two-level form in registers when the
 # table allows it, else gathers from a byte copy; AVX2: per-bucket entries with the flip point),
@@ -169,6 +170,7 @@ class _Args(ctypes.Structure):
         ("decay", ctypes.c_float),
         ("lut_h", ctypes.c_float),
         ("ulim", ctypes.c_float),
+        ("ent", ctypes.c_void_p),
     ]
 
 
@@ -332,6 +334,9 @@ class CodebookTable:
     mode: int          # 1: two candidates; 0: lower bound + scan
     h: float           # nb / 2
     nb: int
+    # mode 1 and nb <= _ENT_MAX_BUCKETS: core.quant.bucket_entries, float32 [nb, 4] (the AVX2 path's
+    # per-bucket candidates and flip point; built once per codebook), else None
+    ent: Optional[torch.Tensor] = None
 
 
 _tables: "OrderedDict[bytes, CodebookTable]" = OrderedDict()
@@ -396,7 +401,9 @@ def _build_table(cbf: torch.Tensor) -> CodebookTable:
         n_lo = nearest_codeword(torch.from_numpy(lower), cbf).to(torch.int32)
         n_hi = nearest_codeword(torch.from_numpy(upper), cbf).to(torch.int32)
         if int((n_hi - n_lo).max()) <= 1:
-            return CodebookTable(cb, n_lo.contiguous(), 1, float(nb // 2), nb)
+            lut = n_lo.contiguous()
+            ent = bucket_entries(cb, lut) if nb <= _ENT_MAX_BUCKETS else None
+            return CodebookTable(cb, lut, 1, float(nb // 2), nb, ent)
     nb = 1 << _SCAN_LUT_BITS
     lower = torch.from_numpy(_bucket_lower_bounds(nb))
     lut = torch.searchsorted(cbf, lower, right=False).to(torch.int32)
@@ -540,12 +547,14 @@ def _make_args(param, n, P, B, tab, *, lr, beta1, beta2, eps, weight_decay, bc1,
     small = abs(w) < 0.5
     wf = np.float32(w)
     a = _Args()
-    a.buf_max = min(_BUF_MAX_ELEMS, _BUF_BYTES_TOTAL // (4 * max(1, torch.get_num_threads())))
+    # per element a block buffer holds m (float32) and, on the AVX2 path, sweep 2's bucket (int32)
+    a.buf_max = min(_BUF_MAX_ELEMS, _BUF_BYTES_TOTAL // (8 * max(1, torch.get_num_threads())))
     a.sum_lanes = num.sum_lanes
     a.fused_lerp = int(num.fused_lerp_small if small else num.fused_lerp_large)
     a.fused_axpy = int(num.fused_axpy)
     a.lerp_small = int(small)
     a.lut_mode, a.lut_n, a.lut_h = tab.mode, tab.nb, tab.h
+    a.ent = tab.ent.data_ptr() if tab.ent is not None else None  # kept alive by the cached table
     # scalars as torch converts them (Python double -> float32 opmath)
     a.lerp_c = float(wf) if small else float(wf - np.float32(1.0))
     a.beta2 = beta2

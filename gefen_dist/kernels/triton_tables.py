@@ -71,13 +71,9 @@ def _build_device_table(codebook: torch.Tensor, device: torch.device) -> _Device
         steps = int(np.diff(ext).max())
     ent = None
     if tab.mode == 1:
-        from gefen_dist.core.quant import flip_points
+        from gefen_dist.core.quant import bucket_entries
 
-        j = lut.long()
-        cbf = tab.cb.to(torch.float32)
-        thr = flip_points(cbf[:256])  # flip point of the pair (C[j], C[j+1]); +inf for j = 255
-        ent = torch.stack([cbf[j], cbf[j + 1], thr[j], lut.view(torch.float32)], dim=1).contiguous()
-        ent = ent.to(device)
+        ent = (tab.ent if tab.ent is not None else bucket_entries(tab.cb, lut)).to(device)
     t = _DeviceTable(tab.cb.to(device), lut.to(device), tab.mode == 1, float(tab.h), nb, steps, ent)
     with _tables_lock:
         _by_content[key] = t

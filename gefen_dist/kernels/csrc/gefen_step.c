@@ -63,7 +63,7 @@
 #include <immintrin.h>
 #endif
 
-#define GEFEN_STEP_ABI 10
+#define GEFEN_STEP_ABI 11
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -89,6 +89,9 @@ typedef struct {
                             2 gather from the int32 table, 3 from its byte copy */
     float lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h;
     float ulim;          /* the update bound times lr (D13): |u| <= ulim per element; +inf: unbounded */
+    const void *ent;     /* lut_mode 1: the per-bucket entries of core.quant.bucket_entries (float32
+                            [lut_n, 4]: C[j], C[j + 1], flip point, j's bits), or NULL; read by the
+                            AVX2 path (simd 1) */
 } gefen_step_args;
 
 int gefen_step_abi(void) { return GEFEN_STEP_ABI; }
@@ -846,56 +849,17 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
 /* through the simd switch); lanes past the last multiple of 8 run the portable scalar code.  */
 /* ------------------------------------------------------------------------------------ */
 
-/* One bucket of the two-candidate table: its lower candidate k, the two codewords c0 = cb[k] and
- * c1 = cb[k + 1], and the pair's flip point thr = pair_threshold(c0, c1): for every non-NaN z,
- * z >= thr exactly when nearest_fast picks c1 (see pair_threshold). */
+/* One bucket of the two-candidate table (core.quant.bucket_entries, built once per codebook in
+ * Python): the two candidate codewords c0 = cb[k], c1 = cb[k + 1], the pair's flip point thr (the
+ * smallest z the two-candidate rule of nearest_fast sends to c1, so that for every non-NaN z,
+ * z >= thr exactly when nearest_fast picks c1) and the lower index k. */
 typedef struct {
-    float c0, c1;
+    float c0, c1, thr;
     int32_t k;
-    float thr;
 } avx2_entry;
 
-/* The two-candidate rule of nearest_fast for the pair (c0, c1), c0 <= c1: pick c1 when
- * z > c1 or |z - c1| < |z - c0| (float32 differences). */
-static int picks_upper(float z, float c0, float c1)
-{
-    return (z > c1) | (fabsf(z - c1) < fabsf(z - c0));
-}
-
-/* float <-> a signed integer key in the order of the floats (both zeros map to 0). */
-static int64_t float_key(float x)
-{
-    union { float f; uint32_t u; } c;
-    c.f = x;
-    return (c.u & 0x80000000u) ? -(int64_t)(c.u & 0x7FFFFFFFu) : (int64_t)c.u;
-}
-static float key_float(int64_t k)
-{
-    union { float f; uint32_t u; } c;
-    c.u = k < 0 ? (uint32_t)(-k) | 0x80000000u : (uint32_t)k;
-    return c.f;
-}
-
-/* The smallest float z with picks_upper(z, c0, c1), +inf when there is none (c1 = +inf: cb[256]).
- * picks_upper is monotone in z: below c0 both differences are negative and |z - c1| >= |z - c0|
- * (rounding is monotone), so it is false; on [c0, c1] |z - c1| does not grow and |z - c0| does not
- * shrink as z grows, so it switches from false to true at most once; above c1 it is true. A
- * bisection over the floats of [c0, c1] finds the switch exactly. */
-static float pair_threshold(float c0, float c1)
-{
-    if (!(c1 < INFINITY)) return INFINITY;
-    if (picks_upper(c0, c0, c1)) return c0;
-    int64_t lo = float_key(c0), hi = float_key(c1) + 1; /* false at lo; the float above c1: true */
-    while (hi - lo > 1) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (picks_upper(key_float(mid), c0, c1)) hi = mid;
-        else lo = mid;
-    }
-    return key_float(hi);
-}
-
 typedef struct {
-    const avx2_entry *ent; /* simd 1: per bucket its candidates (16-byte loads, no gathers), or NULL */
+    const avx2_entry *ent; /* simd 1: per bucket its candidates (a->ent; 16-byte loads, no gathers), or NULL */
     const uint8_t *lut8;   /* simd 3: byte copy of the table (+3 bytes of padding) to gather from;
                               both NULL (simd 2): gather from the int32 table */
     int gather_cb;         /* 1: cb[idx] by a gather (simd 2, 3), 0: by scalar loads (simd 1) */
@@ -951,24 +915,6 @@ ALWAYS_INLINE __m256 v8cb(const float *cb, const uint8_t *ix, int gather)
     return _mm256_setr_ps(cb[ix[0]], cb[ix[1]], cb[ix[2]], cb[ix[3]], cb[ix[4]], cb[ix[5]], cb[ix[6]], cb[ix[7]]);
 }
 
-/* The two candidates and the lower index of eight buckets kb: eight 16-byte entry loads and a
- * 4 x 4 transpose per 128-bit half (c0 = cb[k], c1 = cb[k + 1], k: the gathers' values). */
-ALWAYS_INLINE void v8entries(const avx2_entry *T, __m256i kb, __m256 *c0, __m256 *c1, __m256i *k)
-{
-    /* the bucket numbers to general registers as four 64-bit pairs (no store-to-load forwarding) */
-    const __m128i lo = _mm256_castsi256_si128(kb), hi = _mm256_extracti128_si256(kb, 1);
-    const uint64_t q0 = (uint64_t)_mm_cvtsi128_si64(lo), q1 = (uint64_t)_mm_extract_epi64(lo, 1);
-    const uint64_t q2 = (uint64_t)_mm_cvtsi128_si64(hi), q3 = (uint64_t)_mm_extract_epi64(hi, 1);
-#define GEFEN_ROW(u, w) _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(&T[u].c0)), _mm_loadu_ps(&T[w].c0), 1)
-    const __m256 r0 = GEFEN_ROW((uint32_t)q0, (uint32_t)q2), r1 = GEFEN_ROW(q0 >> 32, q2 >> 32);
-    const __m256 r2 = GEFEN_ROW((uint32_t)q1, (uint32_t)q3), r3 = GEFEN_ROW(q1 >> 32, q3 >> 32);
-#undef GEFEN_ROW
-    const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)), t2 = _mm256_castps_pd(_mm256_unpacklo_ps(r2, r3));
-    const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));
-    *c0 = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2));
-    *c1 = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
-    *k = _mm256_castpd_si256(_mm256_unpacklo_pd(t1, t3));
-}
 
 /* eight int32 in [0, 255] -> eight bytes at out */
 ALWAYS_INLINE void v8store_bytes(uint8_t *out, __m256i j)
@@ -1056,8 +1002,8 @@ ALWAYS_INLINE void avx2_sweep2(const gefen_step_args *restrict a, void *restrict
             const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));
             c0 = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2));
             c1 = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
-            jl = _mm256_castpd_si256(_mm256_unpacklo_pd(t1, t3));
-            thr = _mm256_castpd_ps(_mm256_unpackhi_pd(t1, t3));
+            thr = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3));
+            jl = _mm256_castpd_si256(_mm256_unpackhi_pd(t1, t3));
         } else {
             const __m256i kv = _mm256_loadu_si256((const __m256i *)(kb + i));
             jl = lut8 ? _mm256_and_si256(_mm256_i32gather_epi32((const int *)lut8, kv, 1), lowbyte)
@@ -1549,31 +1495,16 @@ static uint8_t *prepare_tables(const gefen_step_args *a, const float *cb, const 
 #ifdef GEFEN_AVX2
 /* The tables of an AVX2 call (lut_mode 1): by a->simd, 1 or 3 a byte copy of the table to gather
  * from, 2 none (gather from the int32 table). Returns the byte copy to free (or NULL). Equal results. */
-#define GEFEN_AVX2_ENT_MAX 16384 /* buckets: 256 KiB of entries */
-static void *prepare_tables2(const gefen_step_args *a, const float *cb, const int32_t *lut, avx2_tabs *tb)
+/* The tables of an AVX2 call (lut_mode 1), by a->simd: 1 the per-bucket entries a->ent when the caller
+ * built them (cpu.py does for tables of at most 16,384 buckets), else gathers from a byte copy of the
+ * table; 3 the byte copy; 2 none (gather from the int32 table). Returns what to free (or NULL). All
+ * give the same results. */
+static void *prepare_tables2(const gefen_step_args *a, const int32_t *lut, avx2_tabs *tb)
 {
-    tb->ent = NULL;
+    tb->ent = a->simd == 1 ? (const avx2_entry *)a->ent : NULL;
     tb->lut8 = NULL;
     tb->gather_cb = a->simd != 1;
-    /* the entries are rebuilt per call: beyond GEFEN_AVX2_ENT_MAX buckets (a codebook whose codewords
-     * crowd a fine table) building them would cost more than the gathers they save */
-    if (a->simd == 1 && a->lut_n <= GEFEN_AVX2_ENT_MAX) {
-        avx2_entry *e = (avx2_entry *)malloc((size_t)a->lut_n * sizeof(avx2_entry));
-        if (e != NULL) {
-            float thr[256];
-            for (int k = 0; k < 256; ++k) thr[k] = pair_threshold(cb[k], cb[k + 1]);
-            for (int32_t i = 0; i < a->lut_n; ++i) {
-                const int32_t k = lut[i];
-                e[i].c0 = cb[k];
-                e[i].c1 = cb[k + 1];
-                e[i].k = k;
-                e[i].thr = thr[k];
-            }
-            tb->ent = e;
-            return e;
-        }
-        tb->gather_cb = 1; /* no memory for the entries: the gathers give the same results */
-    }
+    if (tb->ent) return NULL;
     uint8_t *lut8 = NULL;
     if ((a->simd == 1 || a->simd == 3) && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
         for (int32_t i = 0; i < a->lut_n; ++i) lut8[i] = (uint8_t)lut[i];
@@ -1622,7 +1553,7 @@ int gefen_quantized_step(const gefen_step_args *a, void *param, const void *grad
     avx2_tabs tb;
     void *lut8 = NULL;
     if (a->simd && a->lut_mode) {
-        lut8 = prepare_tables2(a, cb, lut, &tb);
+        lut8 = prepare_tables2(a, lut, &tb);
         planes = &tb;
     }
 #endif
@@ -1669,7 +1600,7 @@ int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const v
     avx2_tabs tb;
     void *lut8 = NULL;
     if (a->simd && a->lut_mode) {
-        lut8 = prepare_tables2(a, cb, lut, &tb);
+        lut8 = prepare_tables2(a, lut, &tb);
         planes = &tb;
     }
 #endif
