@@ -76,7 +76,8 @@ built with ``-march=native``, and two intrinsics paths replace them where the CP
   Lake): 8 lanes; ``C[idx]`` by scalar loads, and the nearest codeword from one 16-byte entry per
   table bucket holding its two candidate codewords, the lower index and the pair's exact flip
   point (the smallest ``z`` the two-candidate rule sends to the upper codeword, found by
-  bisection over the floats once per call), so a quantisation is one comparison; the second
+  bisection over the floats, once per codebook: :func:`gefen_dist.core.quant.bucket_entries`), so a
+  quantisation is one comparison; the second
   sweep runs in short passes over the buffered block so the out-of-order core overlaps many
   iterations, and the factored row sum of ``g^2`` is taken from the first sweep's loads.
 
