@@ -81,13 +81,13 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
             must divide every such tensor's rows); ``1`` is Adafactor's single profile. Costs
             ``blocks x C`` fp32 per tensor (+0.0015 B/param on GPT-2 small).
         bound_updates: a factor ``c >= 1`` (default ``2.0``) clamps every quantized element's
-            normalised update to ``c`` times AdamW's own bound ``K_t``
-            (:func:`gefen_dist.core.step.update_bound`; 1 at the first step, 7.27 for betas
+            normalised update to ``c (1 + beta1^(t-1))`` times AdamW's own bound ``K_t``
+            (:func:`gefen_dist.core.step.clamp_bound`; ``K_t`` is 1 at the first step, 7.27 for betas
             (0.9, 0.999) and 1.165 for (0.9, 0.95) as t grows), so no gradient sequence moves a
-            weight by more than ``c * K_t * lr`` beyond its decay (docs/algorithm.md, D13). ``True``
-            is ``c = 1``: AdamW's own bound, which costs loss on the measured language model (the
-            default's factor 2 is measured better there and on digits). ``False`` is the paper's
-            unbounded update.
+            weight by more than that times ``lr`` beyond its decay: ``2c`` times AdamW's worst case in
+            the first steps, ``c`` times it later (docs/algorithm.md, D13). ``True`` is ``c = 1``,
+            which costs loss on the measured language model (the default's factor 2 is measured
+            better there and on digits). ``False`` is the paper's unbounded update.
         fused: ``None`` (default) uses the fused native kernel when it is available for the
             parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
             Per-group options are ``lr``, ``betas``, ``eps``, ``weight_decay``, ``second_moment``,
