@@ -162,7 +162,9 @@ VARIANTS = {
     "gefen_factored": ("gefen_dist Gefen, second_moment='factored', one column profile per tensor (row_blocks=1: the "
                        "default before D12)", _gefen(second_moment="factored")),
     "gefen_default": ("gefen_dist Gefen, defaults: second_moment='factored', row_blocks='auto' (D12: k column "
-                      "profiles for a tensor of k x C rows)", _gefen(second_moment="factored", row_blocks="auto")),
+                      "profiles for a tensor of k x C rows), the update clamped at the library's default bound (D13; "
+                      "from 2026-12-03 c (1 + beta1^(t-1)) K_t with c = 2)",
+                      _gefen(second_moment="factored", row_blocks="auto")),
     "reference": ("reference gefen 1.2.3, fused=False", _reference),
     "i_emb_elementwise": ("gefen_dist Gefen, default (factored) with second_moment='elementwise' for the "
                           "embeddings' param group (wte = LM head, wpe): the option that trades memory for quality",
