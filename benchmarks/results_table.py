@@ -65,19 +65,18 @@ def rows() -> list:
                 f"**{mem['gefen_bytes_per_param']:.4f} B/param** (default) vs AdamW {mem['adamw_bytes_per_param']:.4f} "
                 f"({mem['ratio_adamw_over_gefen']:.2f}x less)", "any (counted bytes)", NR, NR, "python benchmarks/memory.py"))
 
-    # the default (bound_updates=2.0, research variant v_default_bound2, the library's defaults) paired
-    # by seed with AdamW, from the runs files benchmarks/peers_table.py reads
-    from peers_table import RUNS
+    # the default (benchmarks/quality.py's gefen_default: the library's defaults) paired by seed with
+    # AdamW, from the runs files benchmarks/peers_table.py reads
+    from peers_table import files_of, finals
 
     for preset in ("small", "base"):
-        files = [f for f in RUNS[preset]["files"] if f.exists()]
-        fin = load_finals(files, preset=preset)
         try:
-            res = seed_gaps(fin, "v_default_bound2")
+            res = seed_gaps(finals(preset, "gefen_default", "default"), "gefen_default")
         except ValueError:
             continue
-        mine = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
-        mine = [r for r in mine if r["workload"] == "lm" and r["variant"] == "v_default_bound2"
+        mine = [json.loads(line) for f in files_of(preset, "default") for line in f.read_text().splitlines()
+                if line.strip()]
+        mine = [r for r in mine if r["workload"] == "lm" and r["variant"] == "gefen_default"
                 and r["config"].get("preset") == preset and r["config"].get("steps") == 800]
         tw = res["trains_well"]
         behind = sum(r["gap_pct"] > 0 for r in res["seeds"] if r["base_trains_well"])
@@ -90,21 +89,23 @@ def rows() -> list:
         if stalled:
             result += "; AdamW stalls on seed " + ", ".join(f"{r['seed']} ({_pct(r['gap_pct'])})" for r in stalled)
         hosts = sorted({r.get("host") for r in mine if r.get("host")})
-        out.append((f"val loss vs AdamW, `{preset}` LM ({res['seeds'] and _params(mine, preset)} params, 800 steps), "
-                    "the default", result, "; ".join(hosts) or NR, NR, _span(_day(r["time"]) for r in mine),
+        out.append((f"val loss vs AdamW, `{preset}` LM ({_params(mine, preset)} params, 800 steps), the default",
+                    result, "; ".join(hosts) or NR, NR, _span(_day(r["time"]) for r in mine),
                     "python benchmarks/peers_table.py"))
 
-    tiny = ROOT / "research" / "results" / "bound2_tiny" / "runs.jsonl"
+    tiny = ROOT / "research" / "results" / "default_tiny" / "runs.jsonl"
     if tiny.exists():
-        fin = load_finals([RESULTS / "quality_runs.jsonl", tiny], preset="tiny", steps=3000)
+        fin = {k: v for k, v in load_finals([RESULTS / "quality_runs.jsonl"], preset="tiny", steps=3000).items()
+               if k[0] == "adamw"}
+        fin.update(load_finals([tiny], preset="tiny", steps=3000))
         try:
-            res = seed_gaps(fin, "v_default_bound2")
+            res = seed_gaps(fin, "gefen_default")
             gaps = [r["gap_pct"] for r in res["seeds"]]
             mine = [json.loads(line) for line in tiny.read_text().splitlines() if line.strip()]
             out.append(("val loss vs AdamW, `tiny` LM (120,576 params, 3,000 steps), the default",
                         ", ".join(_pct(g) for g in gaps) + f" (seeds {', '.join(str(r['seed']) for r in res['seeds'])}; "
                         f"mean {_pct(statistics.fmean(gaps))})", "; ".join(sorted({r.get('host') for r in mine})) or NR,
-                        NR, _span(_day(r["time"]) for r in mine), "python benchmarks/peers_table.py"))
+                        NR, _span(_day(r["time"]) for r in mine), "python benchmarks/quality.py --lm-preset tiny ..."))
         except ValueError:
             pass
 
