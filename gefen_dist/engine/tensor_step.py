@@ -20,10 +20,12 @@ class GefenStepMixin:
     its state."""
 
     def _foreach_exact(self, p: torch.Tensor) -> bool:
-        """Exact (AdamW) tensors on CUDA are stepped together with foreach operations."""
+        """Exact (AdamW) tensors are stepped together with foreach operations (bitwise the per-tensor
+        :func:`adamw_step_`, tests/test_optimizer.py), unless ``fused=False`` asks for the plain eager
+        path: one call per (group, step, device) instead of one per tensor, the step's Python overhead
+        on a model of many small tensors."""
         st = self.state.get(p)
-        return (self._fused(p) is not False and bool(st) and self._mode(p) == MODE_EXACT
-                and local_tensor(p).device.type == "cuda")
+        return self._fused(p) is not False and bool(st) and self._mode(p) == MODE_EXACT
 
 
     def _update_exact_batched(self, batched) -> None:
