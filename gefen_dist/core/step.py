@@ -383,10 +383,8 @@ def column_ratios(v_col: torch.Tensor) -> torch.Tensor:
     """``v_col / mean(v_col)`` (``[slab]``), or per block of rows for a ``[G, slab]`` ``v_col``
     (D12: each block's profile normalised by its own mean); zeros where the mean is not positive
     (0, or NaN). Tensor operations only: no host synchronisation on a GPU."""
-    if v_col.dim() == 1:
-        mean_c = v_col.mean()
-        return torch.where(mean_c > 0, v_col / mean_c, torch.zeros((), dtype=v_col.dtype, device=v_col.device))
-    return torch.stack([column_ratios(v_col[b]) for b in range(v_col.shape[0])])
+    mean_c = v_col.mean(dim=-1, keepdim=True)  # per row block: the same values as each row's own mean
+    return torch.where(mean_c > 0, v_col / mean_c, torch.zeros((), dtype=v_col.dtype, device=v_col.device))
 
 
 def column_factors(v_col: torch.Tensor) -> torch.Tensor:
