@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         res[n] = run(n, args.seed, args.steps, train)
         l = res[n]["losses"]
-        print(f"{n:22s} loss at steps 10, 20, 30: {l[10]:.3f} {l[20]:.3f} {l[min(30, len(l) - 1)]:.3f} "
+        print(f"{n:22s} loss at steps 10, 20, 30: {l[9]:.3f} {l[19]:.3f} {l[min(29, len(l) - 1)]:.3f} "
               f"({time.time() - t0:.0f} s)", flush=True)
     Path(args.out).write_text(json.dumps(dict(seed=args.seed, steps=args.steps, runs=res, date=time.strftime("%Y-%m-%d"),
                                               torch=torch.__version__), indent=1) + "\n")
