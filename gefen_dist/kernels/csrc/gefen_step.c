@@ -1469,6 +1469,20 @@ static const run_fn RUNS[16] = {
     run_1000, run_1001, run_1010, run_1011, run_1100, run_1101, run_1110, run_1111,
 };
 
+#if defined(GEFEN_VBMI) || defined(GEFEN_AVX2)
+/* A byte copy of the bucket table to gather from (4 zero bytes of tail for 32-bit gathers) when
+ * a->simd is 1 or 3; NULL otherwise or when the allocation fails (the int32 table is used then). */
+static uint8_t *byte_table(const gefen_step_args *a, const int32_t *lut)
+{
+    uint8_t *lut8 = NULL;
+    if ((a->simd == 1 || a->simd == 3) && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
+        for (int32_t i = 0; i < a->lut_n; ++i) lut8[i] = (uint8_t)lut[i];
+        memset(lut8 + a->lut_n, 0, 4);
+    }
+    return lut8;
+}
+#endif
+
 #ifdef GEFEN_VBMI
 /* The register tables of a call (lut_mode 1): codebook planes, then by a->simd: 1 the two-level
  * table when the table has that form (else the byte copy), 3 the byte copy, 2 neither (gather
@@ -1482,19 +1496,13 @@ static uint8_t *prepare_tables(const gefen_step_args *a, const float *cb, const 
         return NULL;
     }
 #endif
-    uint8_t *lut8 = NULL;
-    if ((a->simd == 1 || a->simd == 3) && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
-        for (int32_t i = 0; i < a->lut_n; ++i) lut8[i] = (uint8_t)lut[i];
-        memset(lut8 + a->lut_n, 0, 4);
-        pl->lut8 = lut8;
-    }
+    uint8_t *lut8 = byte_table(a, lut);
+    pl->lut8 = lut8;
     return lut8;
 }
 #endif
 
 #ifdef GEFEN_AVX2
-/* The tables of an AVX2 call (lut_mode 1): by a->simd, 1 or 3 a byte copy of the table to gather
- * from, 2 none (gather from the int32 table). Returns the byte copy to free (or NULL). Equal results. */
 /* The tables of an AVX2 call (lut_mode 1), by a->simd: 1 the per-bucket entries a->ent when the caller
  * built them (cpu.py does for tables of at most 16,384 buckets), else gathers from a byte copy of the
  * table; 3 the byte copy; 2 none (gather from the int32 table). Returns what to free (or NULL). All
@@ -1505,12 +1513,8 @@ static void *prepare_tables2(const gefen_step_args *a, const int32_t *lut, avx2_
     tb->lut8 = NULL;
     tb->gather_cb = a->simd != 1;
     if (tb->ent) return NULL;
-    uint8_t *lut8 = NULL;
-    if ((a->simd == 1 || a->simd == 3) && (lut8 = (uint8_t *)malloc((size_t)a->lut_n + 4)) != NULL) {
-        for (int32_t i = 0; i < a->lut_n; ++i) lut8[i] = (uint8_t)lut[i];
-        memset(lut8 + a->lut_n, 0, 4);
-        tb->lut8 = lut8;
-    }
+    uint8_t *lut8 = byte_table(a, lut);
+    tb->lut8 = lut8;
     return lut8;
 }
 #endif
