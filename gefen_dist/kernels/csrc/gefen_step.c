@@ -1532,6 +1532,37 @@ int gefen_two_level_table(const int32_t *lut, int32_t nb)
 #endif
 }
 
+/* The tables of one call of the SIMD paths (NULL planes for the portable loops), and what to free
+ * after it (NULL or the byte copy of the bucket table). */
+typedef struct {
+#if defined(GEFEN_VBMI)
+    cb_planes pl;
+#elif defined(GEFEN_AVX2)
+    avx2_tabs tb;
+#endif
+    void *to_free;
+} call_tables;
+
+static const void *call_tables_init(call_tables *t, const gefen_step_args *a, const float *cb, const int32_t *lut)
+{
+    t->to_free = NULL;
+#if defined(GEFEN_VBMI)
+    if (a->simd && a->lut_mode) {
+        t->to_free = prepare_tables(a, cb, lut, &t->pl);
+        return &t->pl;
+    }
+#elif defined(GEFEN_AVX2)
+    (void)cb;
+    if (a->simd && a->lut_mode) {
+        t->to_free = prepare_tables2(a, lut, &t->tb);
+        return &t->tb;
+    }
+#else
+    (void)a; (void)cb; (void)lut;
+#endif
+    return NULL;
+}
+
 /* Returns 0 on success, a negative code for invalid arguments. */
 int gefen_quantized_step(const gefen_step_args *a, void *param, const void *grad,
                          uint8_t *idx, float *scale, float *v, const float *cb,
@@ -1545,26 +1576,10 @@ int gefen_quantized_step(const gefen_step_args *a, void *param, const void *grad
     if (a->lut_n < 2) return -5;
     const int k = (a->dtype << 3) | ((a->period == 1) << 2) | ((a->lut_mode != 0) << 1) |
                   (a->fused_lerp != 0);
-    const void *planes = NULL;
-#if defined(GEFEN_VBMI)
-    cb_planes pl;
-    uint8_t *lut8 = NULL;
-    if (a->simd && a->lut_mode) {
-        lut8 = prepare_tables(a, cb, lut, &pl);
-        planes = &pl;
-    }
-#elif defined(GEFEN_AVX2)
-    avx2_tabs tb;
-    void *lut8 = NULL;
-    if (a->simd && a->lut_mode) {
-        lut8 = prepare_tables2(a, lut, &tb);
-        planes = &tb;
-    }
-#endif
+    call_tables ct;
+    const void *planes = call_tables_init(&ct, a, cb, lut);
     RUNS[k](a, param, grad, idx, scale, v, cb, lut, planes);
-#if defined(GEFEN_VBMI) || defined(GEFEN_AVX2)
-    free(lut8);
-#endif
+    free(ct.to_free);
     return 0;
 }
 
@@ -1592,26 +1607,10 @@ int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const v
     if (err) return err;
     if (a->lut_n < 2) return -5;
     const int k = (a->dtype << 2) | ((a->lut_mode != 0) << 1) | (a->fused_lerp != 0);
-    const void *planes = NULL;
-#if defined(GEFEN_VBMI)
-    cb_planes pl;
-    uint8_t *lut8 = NULL;
-    if (a->simd && a->lut_mode) {
-        lut8 = prepare_tables(a, cb, lut, &pl);
-        planes = &pl;
-    }
-#elif defined(GEFEN_AVX2)
-    avx2_tabs tb;
-    void *lut8 = NULL;
-    if (a->simd && a->lut_mode) {
-        lut8 = prepare_tables2(a, lut, &tb);
-        planes = &tb;
-    }
-#endif
+    call_tables ct;
+    const void *planes = call_tables_init(&ct, a, cb, lut);
     RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes, row0, rb);
-#if defined(GEFEN_VBMI) || defined(GEFEN_AVX2)
-    free(lut8);
-#endif
+    free(ct.to_free);
     return 0;
 }
 
