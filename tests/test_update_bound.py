@@ -75,7 +75,7 @@ def test_update_bound_is_adamws_tight_bound(betas):
 
 
 # ------------------------------------------------------------------ adversarial gradients
-SHAPES = [(1, 512), (512, 1), (1, 4, 128), (24, 40), (3, 5, 64), (96, 16), (2, 257)]
+SHAPES = [(1, 512), (512, 1), (512, 2), (1, 4, 128), (24, 40), (3, 5, 64), (96, 16), (2, 257)]
 KINDS = ["gauss", "cauchy", "sparse", "onehot", "zero", "rowscale", "colscale", "tiny", "spike", "constant"]
 
 

@@ -102,6 +102,11 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
                 "tensor exact)" if adamw else
                 f"it was saved from a different model, optimizer, small_threshold or second_moment (this tensor is "
                 f"{'exact' if exact else 'quantized, second_moment=' + repr(group['second_moment'])} here)")
+        if exact and "idx" in st and len(shape) >= 2 and math.prod(shape) == shape[0]:
+            what = ("it holds quantized state, but its rows of one element keep exact AdamW state in this version "
+                    "of gefen_dist (quantized, each element kept its own fp32 scale and second moment: 9 B/param "
+                    "against AdamW's 8; docs/algorithm.md, D2), so the checkpoint's first and second moments of "
+                    "this tensor cannot be used here")
         raise ValueError(f"checkpoint state for parameter {name!r} (shape {shape}) lacks {missing}: {what}; "
                          f"{_FIX}")
     _check_entry_types(st, keys, name)
