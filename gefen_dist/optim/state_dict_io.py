@@ -37,7 +37,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..engine.layout import global_shape, local_tensor
-from ..engine.state import StateSpec, new_step, threshold_of
+from ..engine.state import MODE_EXACT, StateSpec, mode_of_saved, new_step, threshold_of
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
                 "tensor exact)" if adamw else
                 f"it was saved from a different model, optimizer, small_threshold or second_moment (this tensor is "
                 f"{'exact' if exact else 'quantized, second_moment=' + repr(group['second_moment'])} here)")
-        if exact and "idx" in st and len(shape) >= 2 and math.prod(shape) == shape[0]:
+        if exact and mode_of_saved(st) not in (None, MODE_EXACT) and len(shape) >= 2 and math.prod(shape) == shape[0]:
             what = ("it holds quantized state, but its rows of one element keep exact AdamW state in this version "
                     "of gefen_dist (quantized, each element kept its own fp32 scale and second moment: 9 B/param "
                     "against AdamW's 8; docs/algorithm.md, D2), so the checkpoint's first and second moments of "
