@@ -79,7 +79,8 @@ def cell(finals: dict, variant: str) -> str:
         ci = tw.get("ci95")
         head = f"**{tw['mean']:+.2f}%** mean of {tw['n']}" + (f" [{ci[0]:+.2f}%, {ci[1]:+.2f}%]" if ci else "")
         return f"{head}; seeds {', '.join(str(r['seed']) for r in res['seeds'])}: {per}"
-    return f"seeds {', '.join(str(r['seed']) for r in res['seeds'])}: {per}"
+    n = len(res["seeds"])
+    return f"seed{'s' if n > 1 else ''} {', '.join(str(r['seed']) for r in res['seeds'])}: {per}"
 
 
 def table() -> str:

@@ -119,3 +119,20 @@ def test_readme_results_table_is_the_scripts():
     a, b = f"<!-- BEGIN generated: {results_table.MARKER} -->\n", f"<!-- END generated: {results_table.MARKER} -->"
     assert a in text and b in text
     assert text[text.index(a) + len(a):text.index(b)] == results_table.table_md()
+
+
+def test_quality_peers_table_is_the_scripts():
+    """docs/quality.md's table of the default and the peers is exactly what
+    benchmarks/peers_table.py prints from the stored runs (rerun it with --write after new runs)."""
+    import sys
+
+    bench = os.path.join(ROOT, "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import peers_table
+
+    with open(os.path.join(ROOT, "docs", "quality.md")) as f:
+        text = f.read()
+    a, b = f"<!-- BEGIN generated: {peers_table.MARKER} -->\n", f"<!-- END generated: {peers_table.MARKER} -->"
+    assert a in text and b in text
+    assert text[text.index(a) + len(a):text.index(b)] == peers_table.table()
