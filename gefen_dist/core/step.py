@@ -83,11 +83,12 @@ def clamp_bound(factor: float, beta1: float, beta2: float, step: int) -> float:
     (``2 c K_1 = 2c`` at ``t = 1``), the relaxation decaying with the first moment's memory to ``c K_t``.
 
     Why the relaxation: in the first steps the factored second moment comes from a handful of
-    gradients, and a clamp at ``c K_t`` binds on many elements there (5-7% of every matrix of the
-    `base` LM at ``t = 1`` for ``c = 2``); measured on that model (seed 0), clamping the first ten
-    steps alone at ``2 K_t`` derailed training (training loss 3.23 at step 30 against 2.85 unclamped
-    and 2.89 for AdamW; clamping only after step 10: 2.85), while the relaxed clamp trains (2.86);
-    issue 26's three workloads stay within 5% of AdamW (docs/algorithm.md, D13)."""
+    gradients, and a clamp at ``c K_t`` binds on many elements there (6.9% of the quantized elements
+    of the `base` LM at ``t = 1`` for ``c = 2``); measured on that model (seed 0,
+    research/results/bound_early_steps.json), clamping the first ten steps alone at ``2 K_t`` derailed
+    training (training loss 3.20 at step 30 against 2.86 unclamped and 2.90 for AdamW; clamping only
+    after step 10: 2.86), while the relaxed clamp trains (2.83); issue 26's three workloads stay
+    within 5% of AdamW (docs/algorithm.md, D13)."""
     return factor * (1.0 + beta1 ** (int(step) - 1)) * update_bound(beta1, beta2, step)
 
 

@@ -73,7 +73,13 @@ def is_exact(shape: Sequence[int], small_threshold: int) -> bool:
     AdamW state. Blocks never span rows (D1), so a one-element row would hold its own fp32 scale and
     second moment besides its index: 9 B/param in every mode, more than AdamW's 8."""
     n = int(math.prod(shape))
-    return len(shape) < 2 or n == 0 or n < small_threshold or n == int(shape[0])
+    return len(shape) < 2 or n == 0 or n < small_threshold or one_element_rows(shape)
+
+
+def one_element_rows(shape: Sequence[int]) -> bool:
+    """A tensor of ``ndim >= 2`` whose dim-0 rows hold one element each (``(N, 1)``, ``(N, 1, 1)``):
+    exact whatever its size (:func:`is_exact`)."""
+    return len(shape) >= 2 and int(math.prod(shape[1:])) == 1
 
 
 def global_shape(p: torch.Tensor) -> Tuple[int, ...]:

@@ -36,7 +36,7 @@ from typing import Any, Dict
 import torch
 from torch.optim import Optimizer
 
-from ..engine.layout import global_shape, local_tensor
+from ..engine.layout import global_shape, local_tensor, one_element_rows
 from ..engine.state import MODE_EXACT, StateSpec, mode_of_saved, new_step, threshold_of
 
 logger = logging.getLogger(__name__)
@@ -95,18 +95,19 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
     keys = spec.keys
     missing = [k for k in keys if k not in st]
     if missing:
-        adamw = not exact and {"exp_avg", "exp_avg_sq"} <= set(st)
-        what = ("it holds torch.optim.AdamW-style exact moments (exp_avg, exp_avg_sq), but Gefen keeps this "
-                "tensor quantized (8-bit first moment, shared/factored second moment) and cannot import them: "
-                "AdamW checkpoints load only into tensors Gefen keeps exact (small_threshold=10**12 makes every "
-                "tensor exact)" if adamw else
-                f"it was saved from a different model, optimizer, small_threshold or second_moment (this tensor is "
-                f"{'exact' if exact else 'quantized, second_moment=' + repr(group['second_moment'])} here)")
-        if exact and mode_of_saved(st) not in (None, MODE_EXACT) and len(shape) >= 2 and math.prod(shape) == shape[0]:
+        if not exact and {"exp_avg", "exp_avg_sq"} <= set(st):
+            what = ("it holds torch.optim.AdamW-style exact moments (exp_avg, exp_avg_sq), but Gefen keeps this "
+                    "tensor quantized (8-bit first moment, shared/factored second moment) and cannot import them: "
+                    "AdamW checkpoints load only into tensors Gefen keeps exact (small_threshold=10**12 makes every "
+                    "tensor exact)")
+        elif exact and one_element_rows(shape) and mode_of_saved(st) not in (None, MODE_EXACT):
             what = ("it holds quantized state, but its rows of one element keep exact AdamW state in this version "
                     "of gefen_dist (quantized, each element kept its own fp32 scale and second moment: 9 B/param "
                     "against AdamW's 8; docs/algorithm.md, D2), so the checkpoint's first and second moments of "
                     "this tensor cannot be used here")
+        else:
+            what = (f"it was saved from a different model, optimizer, small_threshold or second_moment (this tensor "
+                    f"is {'exact' if exact else 'quantized, second_moment=' + repr(group['second_moment'])} here)")
         raise ValueError(f"checkpoint state for parameter {name!r} (shape {shape}) lacks {missing}: {what}; "
                          f"{_FIX}")
     _check_entry_types(st, keys, name)

@@ -915,7 +915,6 @@ ALWAYS_INLINE __m256 v8cb(const float *cb, const uint8_t *ix, int gather)
     return _mm256_setr_ps(cb[ix[0]], cb[ix[1]], cb[ix[2]], cb[ix[3]], cb[ix[4]], cb[ix[5]], cb[ix[6]], cb[ix[7]]);
 }
 
-
 /* eight int32 in [0, 255] -> eight bytes at out */
 ALWAYS_INLINE void v8store_bytes(uint8_t *out, __m256i j)
 {
