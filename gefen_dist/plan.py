@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .core.periods import factored_row_blocks, shape_period
 from .engine.layout import KIND_EXACT, KIND_QUANTIZED, Geometry, is_exact
+from .engine.state import MODE_FACTORED, quantized_mode
 
 __all__ = [
     "TensorSpec", "ModelEstimate", "STRATEGIES", "PRECISIONS", "GPT2_SMALL_GEFEN_BYTES_PER_PARAM",
@@ -77,7 +78,8 @@ def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
                  second_moment: str = "factored") -> Dict[str, Any]:
     """Kind, period, scale block and exact state bytes of one tensor (Gefen) and AdamW's bytes.
     ``second_moment``: ``"factored"`` (default: fp32 per row and per column), ``"shared"``
-    (fp32 per period of each row) or ``"elementwise"`` (fp32 per element)."""
+    (fp32 per period of each row) or ``"elementwise"`` (fp32 per element); a factored tensor of
+    few rows keeps the shared second moment (D15)."""
     shape = tuple(int(s) for s in shape)
     n = int(math.prod(shape))
     adamw = ADAMW_BYTES_PER_PARAM * n
@@ -86,7 +88,7 @@ def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
     geo = Geometry.quantized(shape, 1 if second_moment == "elementwise" else estimated_period(shape))
     rows = shape[0]
     s = geo.state_shapes(rows)
-    if second_moment == "factored":
+    if quantized_mode(shape, second_moment) == MODE_FACTORED:
         # v_col: one profile per row block (D12, row_blocks="auto")
         nbytes = n + 4 * math.prod(s["scale"]) + 4 * rows + 4 * geo.slab * factored_row_blocks(shape)
     else:

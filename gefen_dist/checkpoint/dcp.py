@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 
 from ..core.periods import row_slab
-from ..engine.layout import global_shape, is_exact, local_tensor
+from ..engine.layout import FEW_ROWS, few_rows, global_shape, is_exact, local_tensor
 from ..engine.state import MODE_SHARED, mode_of_saved
 
 from . import files as _files
@@ -226,6 +226,11 @@ def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], size_
         return (f"checkpoint entry {key!r} holds {held} for parameter {fqn!r} ({numel} elements, shape {shape}), "
                 f"which this optimizer keeps {'quantized' if was == 'exact' else 'exact'} (small_threshold={thr}). "
                 f"Build Gefen with the small_threshold the checkpoint was saved with ({want})")
+    if was == "factored" and mode == "shared" and few_rows(shape):
+        return (f"checkpoint entry {key!r} holds a factored second moment for parameter {fqn!r} (shape {shape}), "
+                f"which has fewer than {FEW_ROWS} rows: this version keeps a shared v for such tensors (D15, "
+                "docs/algorithm.md), so the plain DCP flow cannot load it. Load the checkpoint once through "
+                "Gefen.load_state_dict (a full state dict: it continues the entry as shared state) and save it again")
     if was != mode:
         return (f"checkpoint entry {key!r} holds a {was} second moment for parameter {fqn!r}, but param group {gi} "
                 f"of this optimizer has second_moment={spec.mode!r}. Build Gefen (or that param group) with "

@@ -56,10 +56,11 @@ import torch
 
 from ..core import periods as _periods
 from ..core.quant import NUM_BINS
+from ..core.step import factored_block_v
 from . import learning
 from ..kernels import dispatch as _dispatch
-from .layout import Piece, is_exact
-from .state import MODE_FACTORED, fixed_period, new_step
+from .layout import FEW_ROWS, Piece, is_exact
+from .state import MODE_FACTORED, fixed_period, mode_of_saved, new_step
 from .flat_layout import LayoutError, Segment, _slots, _split, verify_segments  # noqa: F401  (re-exported)
 from .flat_step import SegmentStepMixin
 
@@ -185,6 +186,7 @@ class FlatSegments(SegmentStepMixin):
             st["v_row"] = torch.zeros(nv, dtype=torch.float32, device=dev)
             st["v_col"] = torch.zeros(sum(sp.vcol_n for sp in slots), dtype=torch.float32, device=dev)
             st["row_blocks"] = row_blocks
+            st["few_rows"] = FEW_ROWS  # D15: tensors of fewer rows keep a shared v (in v_row)
         else:
             st["v"] = torch.zeros(nv, dtype=torch.float32, device=dev)
         st.update({
@@ -217,26 +219,61 @@ class FlatSegments(SegmentStepMixin):
 
     def _reslot(self, st: Dict[str, Any], new_periods: List[int], factored: bool) -> None:
         """Move ``st`` to ``new_periods``; ``factored``: the buffer's second moment is factored (the
-        ``factored`` its state was made with, :meth:`new_state`)."""
-        if factored:  # v_row / v_col do not depend on the period, only scale does
-            rb = st.get("row_blocks", 1)
-            old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rb)
-            new, ns, _, _ = _slots(self.segments, new_periods, self.small_threshold, True, rb)
-            scale = torch.zeros(ns, dtype=torch.float32, device=st["scale"].device)
-            for o, n, learned in zip(old, new, st["learned"]):
-                if not o.exact and learned and o.period == n.period:
-                    scale[n.scale_off:n.scale_off + n.scale_n] = st["scale"][o.scale_off:o.scale_off + o.scale_n]
-            st["scale"], st["periods"] = scale, list(new_periods)
-            return
-        old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold)
-        new, ns, nv, _ = _slots(self.segments, new_periods, self.small_threshold)
+        ``factored`` its state was made with, :meth:`new_state`). A learned segment keeps its scales
+        and shared ``v`` where its period is unchanged; a factored segment's ``v_row`` does not depend
+        on the period and is always kept (``v_col`` neither, and is not moved)."""
+        rb = st.get("row_blocks", 1) if factored else 1
+        vkey = "v_row" if factored else "v"
+        old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, factored, rb)
+        new, ns, nv, _ = _slots(self.segments, new_periods, self.small_threshold, factored, rb)
         scale = torch.zeros(ns, dtype=torch.float32, device=st["scale"].device)
-        v = torch.zeros(nv, dtype=torch.float32, device=st["v"].device)
+        v = torch.zeros(nv, dtype=torch.float32, device=st[vkey].device)
         for o, n, learned in zip(old, new, st["learned"]):
-            if not o.exact and learned and o.period == n.period:
+            if o.exact:
+                continue
+            keep = learned and o.period == n.period
+            if keep:
                 scale[n.scale_off:n.scale_off + n.scale_n] = st["scale"][o.scale_off:o.scale_off + o.scale_n]
-                v[n.v_off:n.v_off + n.v_n] = st["v"][o.v_off:o.v_off + o.v_n]
-        st["scale"], st["v"], st["periods"] = scale, v, list(new_periods)
+            if keep or o.factored:
+                v[n.v_off:n.v_off + n.v_n] = st[vkey][o.v_off:o.v_off + o.v_n]
+        st["scale"], st[vkey], st["periods"] = scale, v, list(new_periods)
+
+    def upgrade_few_rows(self, st: Dict[str, Any]) -> bool:
+        """Continue a factored state saved before D15 (no ``st["few_rows"]``), in which tensors of few
+        rows had a ``v_row`` / ``v_col``: their ``v`` per v-block becomes the factored estimate's mean
+        over the block (:func:`gefen_dist.core.step.factored_block_v`), the other segments keep
+        theirs. Local: the same on every rank holding a row. Returns True when ``st`` changed."""
+        if mode_of_saved(st) != MODE_FACTORED or st.get("few_rows") is not None:
+            return False
+        rb = st.get("row_blocks", 1)
+        old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rb, few_rows_shared=False)
+        new, _, nv, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rb)
+        dev = st["v_row"].device
+        v_row = torch.zeros(nv, dtype=torch.float32, device=dev)
+        v_col = torch.zeros(sum(n.vcol_n for n in new), dtype=torch.float32, device=dev)
+        moved = []
+        for o, n, learned in zip(old, new, st["learned"]):
+            if o.exact:
+                continue
+            if n.factored:
+                v_row[n.v_off:n.v_off + n.v_n] = st["v_row"][o.v_off:o.v_off + o.v_n]
+                v_col[n.vcol_off:n.vcol_off + n.vcol_n] = st["v_col"][o.vcol_off:o.vcol_off + o.vcol_n]
+                continue
+            s = o.seg
+            if not (learned and s.numel):
+                continue
+            S, P, R = _periods.row_slab(s.shape), o.period, int(s.shape[0])
+            a, e = s.param_offset, s.param_offset + s.numel
+            vc = st["v_col"][o.vcol_off:o.vcol_off + o.vcol_n]
+            per_row = factored_block_v(st["v_row"][o.v_off:o.v_off + o.v_n], vc.view(-1, S), P, a // S, R)
+            k0 = a // P - (a // S) * (S // P)  # first touched v-block, counted from the first touched row
+            v_row[n.v_off:n.v_off + n.v_n] = per_row.reshape(-1)[k0:k0 + n.v_n].to(dev)
+            moved.append(s.name)
+        st["v_row"], st["v_col"], st["few_rows"] = v_row, v_col, FEW_ROWS
+        if moved:
+            logger.info("%s: factored state saved before D15 continued with a shared v for the tensors of fewer than "
+                        "%d rows (%s)", self.where, FEW_ROWS, ", ".join(moved[:4]) + ("..." if len(moved) > 4 else ""))
+        return True
 
     # ------------------------------------------------------------------ learning (D4, D6, D3)
     def needs_learning(self, st: Dict[str, Any]) -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from ..core import periods as _periods
 from .layout import Geometry, is_exact
-from .state import MODE_FACTORED, MODE_SHARED, StateSpec
+from .state import MODE_FACTORED, MODE_SHARED, StateSpec, quantized_mode
 
 
 @dataclass(frozen=True)
@@ -84,15 +84,18 @@ class _SegSlots:
     exact_off: int = 0
     vcol_off: int = 0  # factored: this segment's full v_col ([slab]) in st["v_col"]
     vcol_n: int = 0
+    factored: bool = False  # its second moment is v_row x v_col (else one v per v-block, D15)
 
 
 def _slots(segments: Sequence[Segment], periods: Sequence[int], small_threshold: Optional[int],
-          factored: bool = False, row_blocks=1) -> Tuple[List[_SegSlots], int, int, int]:
+          factored: bool = False, row_blocks=1, few_rows_shared: bool = True) -> Tuple[List[_SegSlots], int, int, int]:
     """Offsets of every segment's state. Shared second moment: ``v`` per touched v-block (period).
     Factored (``factored=True``): ``v`` is ``v_row``, one entry per touched row (independent of the
     period), and ``vcol_off``/``vcol_n`` place a full ``v_col`` per non-empty quantized segment:
     ``G x slab`` floats with ``G = factored_row_blocks(shape, row_blocks)`` row blocks (D12; the
-    state records its rule as ``st["row_blocks"]``, 1 for states saved before D12).
+    state records its rule as ``st["row_blocks"]``, 1 for states saved before D12). A tensor of few
+    rows keeps the shared second moment in a factored buffer too (D15, ``factored`` False on its
+    slots): its ``v`` per touched v-block lives in ``st["v_row"]`` and it has no ``v_col``.
     ``small_threshold=None`` reads a *saved* state without knowing the optimizer's threshold: a
     segment is exact iff its period is 0 (quantized segments always have a period >= 1)."""
     out, so, vo, eo, co = [], 0, 0, 0, 0
@@ -102,13 +105,15 @@ def _slots(segments: Sequence[Segment], periods: Sequence[int], small_threshold:
             eo += seg.numel
             continue
         # the segment's state as the one state spec lays out a flat range of its tensor
-        spec = StateSpec(MODE_FACTORED if factored else MODE_SHARED, Geometry.quantized(seg.shape, int(per)),
-                         _periods.factored_row_blocks(seg.shape, row_blocks) if factored else 1)
+        fac = factored and (not few_rows_shared or quantized_mode(seg.shape, MODE_FACTORED) == MODE_FACTORED)
+        spec = StateSpec(MODE_FACTORED if fac else MODE_SHARED, Geometry.quantized(seg.shape, int(per)),
+                         _periods.factored_row_blocks(seg.shape, row_blocks) if fac else 1)
         t = spec.range_tensors(seg.param_offset, seg.param_offset + seg.numel)
         sn = math.prod(t["scale"][0])
-        vn = math.prod(t["v_row" if factored else "v"][0])
-        cn = math.prod(t["v_col"][0]) if (factored and seg.numel) else 0
-        out.append(_SegSlots(seg, False, per, spec.geometry.scale_block, so, sn, vo, vn, vcol_off=co, vcol_n=cn))
+        vn = math.prod(t["v_row" if fac else "v"][0])
+        cn = math.prod(t["v_col"][0]) if (fac and seg.numel) else 0
+        out.append(_SegSlots(seg, False, per, spec.geometry.scale_block, so, sn, vo, vn, vcol_off=co, vcol_n=cn,
+                             factored=fac))
         so += sn
         vo += vn
         co += cn

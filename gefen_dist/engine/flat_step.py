@@ -13,7 +13,7 @@ from ..core.step import (adamw_step_, apply_, block_column_sumsq, column_factors
                         first_moment, inv_rms_, quantize)
 from ..kernels import dispatch as _dispatch
 from .flat_layout import LayoutError, _slots, _split
-from .state import MODE_FACTORED
+from .state import MODE_FACTORED, quantized_mode
 
 
 class SegmentStepMixin:
@@ -32,17 +32,31 @@ class SegmentStepMixin:
         rows (a :class:`gefen_dist.kernels.dispatch.StepImpl`: the native CPU or the Triton kernels;
         None: the eager reference); cut blocks and rows are finished with the reference's phase functions."""
         impl = impl or _dispatch.select(flat, fused=False)
+        factored = second_moment == MODE_FACTORED
+        rbr = st.get("row_blocks", 1) if factored else 1
+        layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, factored, rbr)
+        fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
+        learned = list(_learned_segments(layout, st, fv, gv, hp))  # steps exact segments, decays unlearned ones
+        if factored:
+            self._step_factored(st, hp, [w for w in learned if w[0].factored], rbr, flat.device,
+                                impl.quantized_step_factored_, impl.column_sumsq)
+        # the shared second moment: every segment of a shared / elementwise buffer, the few-row
+        # tensors of a factored one (D15, their v in st["v_row"])
+        self._step_shared(st, hp, [w for w in learned if not w[0].factored], impl,
+                          st["v_row"] if factored else st["v"], second_moment)
+
+    def _step_shared(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl, v_all: torch.Tensor,
+                     second_moment: str) -> None:
+        """The shared second moment's step of the learned segments ``items`` (``(slot, segment, param
+        view, grad view)``): whole blocks through ``impl``, then the blocks cut by partition edges
+        with the statistics of one all-gather (entered by every rank: the catalog is global)."""
         lr, beta1, beta2, eps, weight_decay, bc1, bc2, bound = (
             hp[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2", "bound"))
-        if second_moment == MODE_FACTORED:
-            return self._step_factored(flat, grad, st, hp, impl.quantized_step_factored_, impl.column_sumsq)
-        layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold)
         cb = st["codebook"]
-        fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
-        idx_all, scale_all, v_all = st["idx"], st["scale"], st["v"]
+        idx_all, scale_all = st["idx"], st["scale"]
         # Phase 1: whole blocks through the kernels; partial blocks' partial statistics.
         pend = []  # (key, block, p, g, idx, scale slot view, v view, m)
-        for sp, s, p, g in _learned_segments(layout, st, fv, gv, hp):
+        for sp, s, p, g in items:
             P, B = sp.period, sp.block
             a, e = s.param_offset, s.param_offset + s.numel
             ix = idx_all[s.flat_offset:s.flat_offset + s.numel]
@@ -62,7 +76,9 @@ class SegmentStepMixin:
                 pend.append((s.key, b, P, p[r0:r1], gp, ix[r0:r1], sc[slot:slot + 1], vs, m,
                              float((gp.double() ** 2).sum()) if P > 1 else 0.0, float(m.abs().max())))
         # Exchange partial statistics of cut blocks (identical catalog on every rank).
-        cuts = self.cut_blocks(self._global_blocks(st))
+        cat = self.global_catalog()
+        cuts = self.cut_blocks({k: B for k, B in self._global_blocks(st).items()
+                                if quantized_mode(cat[k]["shape"], second_moment) != MODE_FACTORED})
         if not cuts:
             if pend:
                 raise LayoutError(f"{self.where}: internal error: partial blocks but no cut catalog")
@@ -90,7 +106,7 @@ class SegmentStepMixin:
 
 
     # ------------------------------------------------------------------ factored second moment
-    def _step_factored(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], hp: Dict[str, float],
+    def _step_factored(self, st: Dict[str, Any], hp: Dict[str, float], items: list, rbr, dev: torch.device,
                        whole_rows, sumsq) -> None:
         """One step with the factored (row x column) second moment (Adafactor's estimator).
 
@@ -104,14 +120,11 @@ class SegmentStepMixin:
         cut-block partial max |m|]`` (the slots are combined in rank order, so a cut row's ``v_row``
         and a cut block's scale are identical on the ranks that share them).
         """
-        rbr = st.get("row_blocks", 1)
-        layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rbr)
         ctx = self._factored_catalog(st, rbr)
-        dev = flat.device  # the column sums stay on the buffer's device (no per-tensor copy on CUDA)
+        # the column sums stay on the buffer's device ``dev`` (no per-tensor copy on CUDA)
         cols = torch.zeros(ctx.nc, dtype=torch.float64, device=dev)
         slots = torch.zeros(ctx.nr + ctx.nb, dtype=torch.float64)
-        work = self._factored_local(layout, st, ctx, hp, sumsq, flat.detach().reshape(-1), grad.detach().reshape(-1),
-                                    cols, slots)
+        work = self._factored_local(items, st, ctx, hp, sumsq, cols, slots)
         if not work and ctx.nc == 0:
             return
         cols, rsum, bmax = self._reconcile_factored(cols, slots, ctx, dev)
@@ -123,25 +136,26 @@ class SegmentStepMixin:
         offsets, row blocks, cut rows and cut scale blocks."""
         cat = self.global_catalog()
         ctx = _FactoredCatalog(cat=cat)
-        for k in (k for k, lrn in zip(st["global_keys"], st["global_learned"]) if lrn):
+        for k in (k for k, lrn in zip(st["global_keys"], st["global_learned"])
+                  if lrn and quantized_mode(cat[k]["shape"], MODE_FACTORED) == MODE_FACTORED):
             ctx.slab_of[k] = _periods.row_slab(cat[k]["shape"])
             ctx.nblk_of[k] = _periods.factored_row_blocks(cat[k]["shape"], rbr)  # row blocks (D12)
             ctx.col_off[k] = ctx.nc
             ctx.nc += ctx.slab_of[k] * ctx.nblk_of[k]
         cut_rows = self.cut_blocks(dict(ctx.slab_of))
-        cut_blks = self.cut_blocks(self._global_blocks(st))
+        cut_blks = self.cut_blocks({k: B for k, B in self._global_blocks(st).items() if k in ctx.slab_of})
         ctx.row_pos = {c: j for j, c in enumerate(cut_rows)}
         ctx.blk_pos = {c: j for j, c in enumerate(cut_blks)}
         ctx.nr, ctx.nb = len(cut_rows), len(cut_blks)
         return ctx
 
 
-    def _factored_local(self, layout, st, ctx: "_FactoredCatalog", hp, sumsq, fv, gv, cols, slots) -> list:
-        """Phase 1: exact tensors, the decay of unlearned ones, and this rank's statistics of the
-        learned ones (column sums into ``cols``; cut rows' partial sums of ``g^2`` and cut blocks'
-        partial max |m| into ``slots``). Returns the learned segments' work items for phase 2."""
+    def _factored_local(self, items, st, ctx: "_FactoredCatalog", hp, sumsq, cols, slots) -> list:
+        """Phase 1: this rank's statistics of the learned factored segments ``items`` (column sums into
+        ``cols``; cut rows' partial sums of ``g^2`` and cut blocks' partial max |m| into ``slots``).
+        Returns their work items for phase 2."""
         work = []
-        for sp, s, p, g in _learned_segments(layout, st, fv, gv, hp):
+        for sp, s, p, g in items:
             S, B, G = ctx.slab_of[s.key], sp.block, ctx.nblk_of[s.key]
             a, e = s.param_offset, s.param_offset + s.numel
             ix = st["idx"][s.flat_offset:s.flat_offset + s.numel]

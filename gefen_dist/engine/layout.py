@@ -82,6 +82,18 @@ def one_element_rows(shape: Sequence[int]) -> bool:
     return len(shape) >= 2 and int(math.prod(shape[1:])) == 1
 
 
+FEW_ROWS = 64  # below this many dim-0 rows a factored column profile costs more than 4/64 B/param
+
+
+def few_rows(shape: Sequence[int]) -> bool:
+    """A tensor of ``ndim >= 2`` with fewer than :data:`FEW_ROWS` dim-0 rows (``(1, N)``, a ViT
+    position embedding ``(1, 197, 768)``, a two-class head ``(2, d)``). The factored second moment's
+    column profile ``v_col`` holds one fp32 per column, ``4 / rows`` B/param (5.0 B/param in all for
+    ``(1, N)``); such a tensor keeps the shared second moment instead, one ``v`` per block of its
+    shape period (:func:`gefen_dist.engine.state.quantized_mode`, D15)."""
+    return len(shape) >= 2 and int(shape[0]) < FEW_ROWS
+
+
 def global_shape(p: torch.Tensor) -> Tuple[int, ...]:
     """The global shape of a parameter, as the optimizer sees it (DeepSpeed ZeRO-3 partitions report
     ``ds_shape``). A complex parameter is stepped as its real view (``torch.view_as_real``, as

@@ -15,6 +15,9 @@ elementwise    as shared with period 1 (``v`` per element)                      
 factored       ``idx``, ``scale``, ``v_row`` [rows, 1], ``v_col`` [G, slab] or       ~1 + 4/B
                [slab] (replicated: the same on every rank)
 =============  =================================================================  ==============
+
+A factored group's tensors of fewer than 64 rows are in the shared mode, with the period the
+factored mode fixes (:func:`quantized_mode`, D15): ``v_col`` would cost ``4 / rows`` B/param.
 """
 from __future__ import annotations
 
@@ -24,14 +27,15 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..core import periods as _periods
-from .layout import Geometry, is_exact
+from .layout import Geometry, few_rows, is_exact
 
 MODE_EXACT, MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE = "exact", "shared", "factored", "elementwise"
 SECOND_MOMENTS = (MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE)
 DEFAULT_SECOND_MOMENT = MODE_FACTORED  # Gefen's, ZeroGefen's and the DeepSpeed Gefen's constructor default
 
 __all__ = ["StateSpec", "SECOND_MOMENTS", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
-           "MODE_ELEMENTWISE", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of"]
+           "MODE_ELEMENTWISE", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of",
+           "quantized_mode"]
 
 
 def new_step(value=0) -> torch.Tensor:
@@ -65,7 +69,19 @@ def mode_of(shape: Sequence[int], group: Mapping[str, Any], small_threshold: int
     ``small_threshold`` (:class:`gefen_dist.Gefen` allows one per group) overrides the optimizer's."""
     if is_exact(tuple(int(s) for s in shape), threshold_of(group, small_threshold)):
         return MODE_EXACT
-    return second_moment_of(group)
+    return quantized_mode(shape, second_moment_of(group))
+
+
+def quantized_mode(shape: Sequence[int], second_moment: str) -> str:
+    """The mode of a quantized tensor of global ``shape`` in a group with ``second_moment`` (D15):
+    the group's, except that a factored group's tensors of few rows
+    (:func:`gefen_dist.engine.layout.few_rows`) keep the shared second moment, with the period the
+    factored mode fixes (:func:`fixed_period`, the shape period), so its ``v`` costs ``4 / P``
+    B/param instead of ``v_col``'s ``4 / rows``. A function of the global shape only: every backend
+    and world size agrees."""
+    if second_moment == MODE_FACTORED and few_rows(shape):
+        return MODE_SHARED
+    return second_moment
 
 
 def mode_of_saved(entry: Mapping[str, Any]) -> Optional[str]:
@@ -134,8 +150,9 @@ class StateSpec:
         if period is None:  # placeholder: the fixed period, or the row until one is detected
             period = fixed_period(shape, second_moment) or _periods.row_slab(shape)
         per = int(period)
-        G = _periods.factored_row_blocks(shape, row_blocks) if second_moment == MODE_FACTORED else 1
-        return cls(second_moment, Geometry.quantized(shape, per), G)
+        mode = quantized_mode(shape, second_moment)
+        G = _periods.factored_row_blocks(shape, row_blocks) if mode == MODE_FACTORED else 1
+        return cls(mode, Geometry.quantized(shape, per), G)
 
     @property
     def exact(self) -> bool:

@@ -211,6 +211,8 @@ class Gefen(_opt_mod.Gefen):
                 f"{fs.where}: the optimizer state holds a {saved} second "
                 f"moment but the param group asks for second_moment={second_moment!r}; "
                 "resume with the setting the checkpoint was saved with")
+        else:
+            fs.upgrade_few_rows(st)  # a factored state saved before D15
         grad = flat.grad
         if grad.dtype != torch.float32:
             grad = grad.float()

@@ -195,13 +195,14 @@ def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict
     """Copy one flat partition's segments (fp32 values and Gefen state) into the global tensors."""
     factored = mode_of_saved(st) == MODE_FACTORED  # a file's state: no spec, its keys say
     segs = [Segment.from_dict(d) for d in st["segments"]]
-    slots, _, _, _ = _slots(segs, st["periods"], None, factored, st.get("row_blocks", 1))
+    slots, _, _, _ = _slots(segs, st["periods"], None, factored, st.get("row_blocks", 1),
+                            few_rows_shared="few_rows" in st)  # D15: saved before it, every segment is factored
     for sp, learned in zip(slots, st["learned"]):
         s = sp.seg
         t = tensors.get(s.name)
         if t is None:
-            G = sp.vcol_n // _periods.row_slab(s.shape) if (factored and not sp.exact and sp.vcol_n) else 1
-            t = tensors[s.name] = _Tensor(s.name, s.shape, 0 if sp.exact else sp.period, factored, col_blocks=G)
+            G = sp.vcol_n // _periods.row_slab(s.shape) if (sp.factored and sp.vcol_n) else 1
+            t = tensors[s.name] = _Tensor(s.name, s.shape, 0 if sp.exact else sp.period, sp.factored, col_blocks=G)
             order.append(s.name)
         elif t.shape != s.shape or t.exact != sp.exact or (not sp.exact and t.period != sp.period):
             raise UniversalCheckpointError(f"{f!r}: ranks disagree on tensor {s.name!r} (shape/period)")
@@ -221,13 +222,13 @@ def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict
         t.idx[a:a + n] = st["idx"][fo:fo + n]
         B = sp.block
         t.scale[a // B:a // B + sp.scale_n] = st["scale"][sp.scale_off:sp.scale_off + sp.scale_n].float()
-        if factored:
+        if sp.factored:
             S = t.slab
             t.v_row[a // S:a // S + sp.v_n] = st["v_row"][sp.v_off:sp.v_off + sp.v_n].float()
             t.v_col.copy_(st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n].float())
-        else:
+        else:  # shared; in a factored buffer a few-row tensor's v lives in v_row (D15)
             P = sp.period
-            t.v[a // P:a // P + sp.v_n] = st["v"][sp.v_off:sp.v_off + sp.v_n].float()
+            t.v[a // P:a // P + sp.v_n] = st["v_row" if factored else "v"][sp.v_off:sp.v_off + sp.v_n].float()
 
 
 def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
@@ -565,11 +566,12 @@ def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, fac
     st["scale"][sp.scale_off:sp.scale_off + sp.scale_n] = A.to(dev)
     S = _periods.row_slab(s.shape)
     rec = li.meta
-    if factored:
+    if sp.factored:
         r0, r1 = a // S, (e - 1) // S + 1
         G = sp.vcol_n // S  # row blocks (D12)
         # the metadata of a factored checkpoint holds each quantized tensor's v_row / v_col
-        if rec is not None and meta.get("second_moment") == MODE_FACTORED and rec["v_col"].numel() == sp.vcol_n:
+        if (rec is not None and meta.get("second_moment") == MODE_FACTORED and rec.get("v_col") is not None
+                and rec["v_col"].numel() == sp.vcol_n):
             vr, vc = rec["v_row"].float(), rec["v_col"].float().reshape(-1)
         else:  # from the element-wise second moment: row and per-block column means (float64)
             v = _read_param(zero, s.name, "exp_avg_sq").double().view(-1, S)
@@ -581,7 +583,9 @@ def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, fac
         P = sp.period
         v = _read_param(zero, s.name, "exp_avg_sq").double()
         k0, k1 = a // P, (e - 1) // P + 1
-        st["v"][sp.v_off:sp.v_off + sp.v_n] = v[k0 * P:k1 * P].view(-1, P).mean(dim=1).float().to(dev)
+        # a few-row tensor of a factored buffer keeps its shared v in v_row (D15)
+        st["v_row" if factored else "v"][sp.v_off:sp.v_off + sp.v_n] = (
+            v[k0 * P:k1 * P].view(-1, P).mean(dim=1).float().to(dev))
 
 
 def _set_hparams(opt, optim_sd: Dict[str, Any], from_gefen: bool) -> None:

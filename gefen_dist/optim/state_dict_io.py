@@ -36,8 +36,10 @@ from typing import Any, Dict
 import torch
 from torch.optim import Optimizer
 
-from ..engine.layout import global_shape, local_tensor, one_element_rows
-from ..engine.state import MODE_EXACT, StateSpec, mode_of_saved, new_step, threshold_of
+from ..core.periods import row_slab
+from ..core.step import factored_block_v
+from ..engine.layout import FEW_ROWS, few_rows, global_shape, is_dtensor, like_param, local_tensor, one_element_rows, piece_of
+from ..engine.state import MODE_EXACT, MODE_FACTORED, StateSpec, mode_of_saved, new_step, threshold_of
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +156,36 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
                          f"dtype {cb.dtype}, expected 256 floats; {_FIX}")
 
 
+def continue_few_rows(opt, p: torch.Tensor, saved: Any, group: dict, name: str) -> Any:
+    """D15: a factored entry saved before tensors of few rows kept the shared second moment, for such
+    a tensor, continued as shared state: ``v`` per v-block is the factored estimate's mean over the
+    block (:func:`gefen_dist.core.step.factored_block_v`), the rest of the entry as saved. A new dict
+    (``saved`` is not changed); any other entry is returned as is (:func:`validate_entry` judges it)."""
+    if not isinstance(saved, dict) or mode_of_saved(saved) != MODE_FACTORED:
+        return saved
+    shape = global_shape(p)
+    spec = _spec(opt, p, group)
+    if spec.exact or spec.mode == MODE_FACTORED or not few_rows(shape):
+        return saved
+    if not all(k in saved for k in ("v_row", "v_col", "period")) or not all(
+            isinstance(saved[k], torch.Tensor) for k in ("v_row", "v_col")):
+        return saved
+    S, per = row_slab(shape), saved["period"]
+    per = int(per.item()) if isinstance(per, torch.Tensor) and per.numel() == 1 else per
+    if not isinstance(per, int) or per < 1 or S % per or saved["v_col"].shape[-1] != S:
+        return saved
+    sharded = is_dtensor(saved["v_row"])
+    vr = local_tensor(saved["v_row"])
+    row0 = piece_of(p).start // S if sharded else 0
+    v = factored_block_v(vr, local_tensor(saved["v_col"]).to(vr.device), per, row0, int(shape[0])).to(vr.device)
+    out = {k: val for k, val in saved.items() if k not in ("v_row", "v_col")}
+    out["v"] = like_param(v, p, (int(shape[0]), S // per)) if sharded else v
+    logger.info("Gefen.load_state_dict: %r (shape %s, %d rows) was saved with a factored second moment; tensors "
+                "of fewer than %d rows now keep a shared v (D15): continued with the factored estimate's mean per "
+                "block of %d", name, tuple(shape), int(shape[0]), FEW_ROWS, per)
+    return out
+
+
 def _groups(opt, saved_groups) -> list:
     """The param groups to install: the saved hyperparameters (deep-copied) with this optimizer's
     parameters; validated; newer keys filled in. Raises before anything changes."""
@@ -238,6 +270,7 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
             new_state[k] = saved  # state not assigned to a parameter is kept as is (as torch does)
             continue
         p = id_map[k]
+        saved = continue_few_rows(opt, p, saved, group_of[id(p)], names[id(p)])
         validate_entry(opt, p, saved, names[id(p)], group_of[id(p)])
         st = {}
         for key, val in saved.items():

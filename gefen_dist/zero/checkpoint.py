@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from ..engine.layout import Geometry, global_shape
 from ..engine.state import MODE_EXACT, new_step
 from ..optim.gefen import saved_param_map
+from ..optim.state_dict_io import continue_few_rows
 
 _Q_KEYS = ("idx", "scale", "v")
 _F_KEYS = ("idx", "scale", "v_row")  # sliced by rows; v_col is replicated (the same on every rank)
@@ -104,7 +105,8 @@ class ZeroCheckpointMixin:
         cb = None
         for k, saved in saved_state.items():
             p = id_map[k]
-            st = dict(saved)
+            # a factored entry of a few-row tensor saved before D15 continues as shared state
+            st = dict(continue_few_rows(self, p, saved, self._group_of(p), names[id(p)]))
             self._validate_loaded(p, st, names[id(p)])
             full[p] = st
             if "codebook" in st and float(st["codebook"][0]) == -1.0 and cb is None:

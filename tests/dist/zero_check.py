@@ -31,6 +31,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from _models import TinyLM, lm_loss, markov_batches  # noqa: E402
+from gefen_dist.engine.layout import few_rows  # noqa: E402
 from gefen_dist import Gefen, ZeroGefen  # noqa: E402
 from gefen_dist.engine.comm import LocalComm  # noqa: E402
 from gefen_dist.zero.optimizer import unit_cost  # noqa: E402
@@ -187,7 +188,13 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
     kinds = {(r["kind"], min(r["period"], 2)) for r in zrep}
     assert ("quantized", 1) in kinds and ("quantized", 2) in kinds and ("exact", 0) in kinds, kinds
     fact = {n: zo.state[p] for n, p in zm.named_parameters() if "v_col" in zo.state.get(p, {})}
-    assert sorted(fact) == sorted(FACTORED[variant]), sorted(fact)
+    shapes = {n: tuple(p.shape) for n, p in zm.named_parameters()}
+    few = [n for n in FACTORED[variant] if few_rows(shapes[n])]  # D15: a shared v with the shape period
+    assert sorted(fact) == sorted(set(FACTORED[variant]) - set(few)), sorted(fact)
+    assert few == (["hb", "late"] if variant == "a" else []), few
+    for n, p in zm.named_parameters():
+        if n in few:
+            assert "v" in zo.state[p] and zo.state[p]["period"] == shape_period(p.shape), (n, list(zo.state[p]))
     assert all(st["learned"] for st in fact.values())
     for n, p in zm.named_parameters():  # D14: a factored tensor's period comes from its shape
         if n in fact:
@@ -295,8 +302,8 @@ def empty_rank_cases():
     sizes = [None] * ws
     dist.all_gather_object(sizes, zo.owned_range(q))
     assert all(e > s for s, e in sizes), sizes  # after learning everyone owns a share
-    # (c) the same single-row matrix, factored: its unit stays the row, so one rank owns it and
-    # the others own nothing, yet every rank keeps (and updates) the replicated v_col.
+    # (c) the same single-row matrix in a factored group: few rows, so a shared v with the shape
+    # period (D15), fixed before the first gradient: every rank owns a block-aligned share at once.
     q2 = nn.Parameter(q.detach().clone())
     qr2 = nn.Parameter(q.detach().clone())
     zo = ZeroGefen([q2], lr=1e-2, weight_decay=0.1, second_moment="factored", fused=False)
@@ -307,17 +314,17 @@ def empty_rank_cases():
             o.zero_grad()
             ((p * 50 - tgt) ** 2).mean().backward()
             o.step()
-    assert torch.equal(q2, qr2), "single-row factored model differs"
-    assert torch.equal(zo.state[q2]["v_col"], ro.state[qr2]["v_col"])
+    assert torch.equal(q2, qr2), "single-row model of a factored group differs"
+    assert "v_col" not in ro.state[qr2] and ro.state[qr2]["period"] == shape_period(q2.shape)
     fown = [None] * ws
     dist.all_gather_object(fown, zo.owned_range(q2))
-    assert sorted(e - s for s, e in fown) == [0] * (ws - 1) + [8192], fown
+    assert all(e > s for s, e in fown) and sum(e - s for s, e in fown) == 8192, fown
     zo.consolidate_state_dict(to=ws - 1)
     if rank == ws - 1:
         sd, rsd = zo.state_dict()["state"][0], ro.state_dict()["state"][0]
-        assert all(torch.equal(sd[k], rsd[k]) for k in ("idx", "scale", "v_row", "v_col")), "factored 1-row state"
+        assert "v_col" not in sd and all(torch.equal(sd[k], rsd[k]) for k in ("idx", "scale", "v")), "1-row state"
     log(f"  ws={ws}: empty-rank models ok (1-element owned by {owned}, 1-row matrix now {sizes}, "
-        f"1-row factored matrix {fown})")
+        f"1-row matrix of a factored group {fown})")
 
 
 def ddp_smoke():
