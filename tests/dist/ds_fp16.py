@@ -57,7 +57,7 @@ INIT_POW = 15      # initial loss scale 2^15; three halvings bring this run to 2
 WINDOW = 1000
 # Steps of the run with overflows. ("real", k): a normal step on batch k; ("scale", _): loss * 1e30 on
 # every rank; ("inf", r, name) / ("nan", r, name): one element of name's gradient set to inf / NaN on rank r.
-PLAN = [("scale",), ("real", 0), ("real", 1), ("real", 2), ("inf", 1, "a.weight"), ("real", 3),
+PLAN = [("scale",), ("real", 0), ("real", 1), ("real", 2), ("inf", 1, "d.weight"), ("real", 3),
         ("nan", 0, "c.bias"), ("real", 4), ("real", 5)]
 REAL = [s[1] for s in PLAN if s[0] == "real"]
 
