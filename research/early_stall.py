@@ -1,0 +1,229 @@
+"""How often each optimizer stays on the `base` LM's early plateau: AdamW against the Gefen default.
+
+    python research/early_stall.py --seeds 6-13 [--steps 150] [--jobs 2]     # ~9 min per run, 1 thread
+
+On the quality benchmark's `base` byte-level GPT (4.84M parameters; `benchmarks/quality.py`'s
+recipe: batch 32 x 128, lr 2e-3, 50 warm-up steps then a cosine over 800 steps to 10%, betas
+(0.9, 0.95), weight decay 0.1 on >= 2-D tensors) the 800-step runs split in two: most reach a
+validation loss of ~1.47-1.53, some stay on a plateau the others leave in the first ~75 steps and
+end at ~1.75-1.80 (`docs/quality.md`). The split is visible in the training loss long before the
+end. This script trains ``--steps`` steps of the same 800-step schedule (the learning rate of every
+step is the full run's) with AdamW and with the library default, from the same initialisation on
+the same batches, and records the training losses. A run "stays on the plateau" when its mean
+training loss over steps 101-150 is above ``--threshold`` (2.48 by default: midway between the
+highest window mean of a stored run that left the plateau, 2.394, and the lowest of one that stayed, 2.570).
+
+The threshold is checked against every stored 800-step `base` run of the two optimizers
+(`--check`, also printed before each study): each run's window mean against its final validation
+loss. Results are appended to ``research/results/early_stall/runs.jsonl`` (one line per run);
+``--report`` prints the stall counts per optimizer, the 95% (Wilson) interval of each rate and the
+paired table by seed, from that file plus the stored 800-step runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT / "benchmarks", ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+OUT = ROOT / "research" / "results" / "early_stall" / "runs.jsonl"
+FULL = {  # the stored 800-step base runs of the two optimizers (seed -> record), newest file last
+    "adamw": [ROOT / "docs/results/quality_runs.jsonl", ROOT / "research/results/default_base/runs_adamw.jsonl"],
+    "gefen_default": [ROOT / "research/results/default_base/runs.jsonl"],  # docs/results' are an earlier default
+}
+WINDOW = (100, 150)  # steps 101..150 (0-based indices 100..149 of train_loss)
+FULL_STALL_VAL = 1.65  # an 800-step base run ending above this stayed on the plateau (stored runs: <= 1.53 or >= 1.74)
+VARIANTS = ("adamw", "gefen_default")
+
+
+def window_mean(train_loss):
+    a, b = WINDOW
+    xs = train_loss[a:b]
+    return sum(xs) / len(xs) if len(xs) == b - a else float("nan")
+
+
+def full_runs() -> dict:
+    """(variant, seed) -> the stored 800-step base record of the current default and AdamW."""
+    out = {}
+    for v, files in FULL.items():
+        for f in files:
+            if not f.exists():
+                continue
+            for line in f.open():
+                r = json.loads(line)
+                c = r.get("config", {})
+                if r.get("variant") == v and c.get("preset") == "base" and c.get("steps") == 800 \
+                        and r.get("workload") == "lm":
+                    out[(v, r["seed"])] = r
+    return out
+
+
+def check(threshold: float) -> bool:
+    """Does the window mean separate the stored 800-step runs that ended on the plateau?"""
+    ok = True
+    for (v, s), r in sorted(full_runs().items()):
+        wm = window_mean(r["result"]["train_loss"])
+        final = r["result"]["val_loss"]
+        agree = (wm > threshold) == (final > FULL_STALL_VAL)
+        ok &= agree
+        print(f"  stored 800-step run {v:14s} seed {s}: window mean {wm:.3f}, final val {final:.4f}"
+              f"{'' if agree else '   <-- the threshold misclassifies this run'}")
+    print(f"threshold {threshold}: {'separates' if ok else 'does NOT separate'} the stored runs "
+          f"(plateau = final val > {FULL_STALL_VAL})")
+    return ok
+
+
+def train(variant: str, seed: int, steps: int) -> dict:
+    import torch
+
+    import quality
+    from launch.corpus import Batches, load_corpus
+    from launch.gpt import GPT, get_config
+
+    cfg = quality.lm_config(argparse.Namespace(quick=False, lm_preset="base", lm_batch=None, lm_context=None,
+                                               lm_steps=None))
+    train_data, _, info = load_corpus()
+    mcfg = get_config(cfg["preset"], context=cfg["context"])
+    torch.manual_seed(seed)
+    model = GPT(mcfg)
+    batches = Batches(train_data, cfg["batch"], cfg["context"], seed=seed)
+    lr0 = cfg["lr"]
+    opt = quality.make_optimizer(variant, model, cfg["weight_decay"], lr0, cfg["betas"], seed,
+                                 dim=mcfg.d_model, n_heads=mcfg.n_head)
+    losses = []
+    t0 = time.perf_counter()
+    for t in range(steps):
+        quality.set_lr(opt, lr0 * quality.lr_mult(t, cfg["steps"], cfg["warmup"], cfg["min_lr_frac"]))
+        x, y = batches(t)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)[1]
+        loss.backward()
+        quality._step(opt)
+        losses.append(round(loss.item(), 5))
+        if not math.isfinite(losses[-1]):
+            break
+    return dict(variant=variant, seed=seed, steps=steps, schedule_steps=cfg["steps"],
+                config={k: cfg[k] for k in ("preset", "batch", "context", "steps", "warmup", "lr", "betas",
+                                           "weight_decay", "min_lr_frac")},
+                train_loss=losses, window_mean=window_mean(losses), seconds=round(time.perf_counter() - t0, 1),
+                corpus_sha256=info["sha256"][:16], torch=torch.__version__)
+
+
+def wilson(k: int, n: int, z: float = 1.96):
+    if n == 0:
+        return float("nan"), float("nan")
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def report(threshold: float) -> str:
+    """Stall per (variant, seed): from the 800-step runs where stored, else from this study's runs."""
+    stall, src = {}, {}
+    for (v, s), r in full_runs().items():
+        stall[(v, s)] = r["result"]["val_loss"] > FULL_STALL_VAL
+        src[(v, s)] = "800"
+    if OUT.exists():
+        for line in OUT.open():
+            r = json.loads(line)
+            key = (r["variant"], r["seed"])
+            if key not in stall:
+                stall[key] = r["window_mean"] > threshold
+                src[key] = str(r["steps"])
+    seeds = sorted({s for _, s in stall})
+    lines = ["| seed | AdamW | Gefen default |", "|---|---|---|"]
+    for s in seeds:
+        cell = []
+        for v in VARIANTS:
+            cell.append("—" if (v, s) not in stall else
+                        ("**plateau**" if stall[(v, s)] else "leaves it") + f" ({src[(v, s)]} steps)")
+        lines.append(f"| {s} | " + " | ".join(cell) + " |")
+    both = [s for s in seeds if all((v, s) in stall for v in VARIANTS)]
+    lines.append("")
+    for v in VARIANTS:
+        k = sum(stall[(v, s)] for s in both)
+        lo, hi = wilson(k, len(both))
+        lines.append(f"* {v}: stays on the plateau on {k} of {len(both)} seeds "
+                     f"({100 * k / max(1, len(both)):.0f}%, 95% Wilson interval {100 * lo:.0f}%-{100 * hi:.0f}%)")
+    only = {v: [s for s in both if stall[(v, s)] and not stall[(VARIANTS[1 - i], s)]] for i, v in enumerate(VARIANTS)}
+    lines.append(f"* seeds where only AdamW stays: {only['adamw']}; only the Gefen default: {only['gefen_default']}; "
+                 f"both: {[s for s in both if all(stall[(v, s)] for v in VARIANTS)]}")
+    return "\n".join(lines)
+
+
+def parse_seeds(text: str):
+    out = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out.extend(range(int(a), int(b) + 1) if b else [int(a)])
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", default="6-13")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=WINDOW[1])
+    ap.add_argument("--threshold", type=float, default=2.48)
+    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, one thread each")
+    ap.add_argument("--check", action="store_true", help="only check the threshold on the stored 800-step runs")
+    ap.add_argument("--report", action="store_true", help="only print the table from the stored runs")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: "variant:seed" in a child
+    a = ap.parse_args(argv)
+    if a.steps < WINDOW[1]:
+        ap.error(f"--steps {a.steps}: the plateau test reads steps {WINDOW[0] + 1}-{WINDOW[1]}; use --steps >= {WINDOW[1]}")
+    if a.one:
+        import torch
+        torch.set_num_threads(1)
+        v, s = a.one.split(":")
+        print(json.dumps(train(v, int(s), a.steps)))
+        return 0
+    if a.check:
+        return 0 if check(a.threshold) else 1
+    if a.report:
+        print(report(a.threshold))
+        return 0
+    if not check(a.threshold):
+        return 1
+    todo = [(v, s) for s in parse_seeds(a.seeds) for v in a.variants.split(",")]
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    running = []
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    while todo or running:
+        while todo and len(running) < a.jobs:
+            v, s = todo.pop(0)
+            p = subprocess.Popen([sys.executable, __file__, "--one", f"{v}:{s}", "--steps", str(a.steps)],
+                                 stdout=subprocess.PIPE, text=True, env=env)
+            running.append((v, s, p))
+        time.sleep(2)
+        for item in list(running):
+            v, s, p = item
+            if p.poll() is None:
+                continue
+            running.remove(item)
+            out = p.stdout.read().strip().splitlines()
+            if p.returncode != 0 or not out:
+                print(f"{v} seed {s}: failed (exit {p.returncode})", file=sys.stderr)
+                continue
+            rec = json.loads(out[-1])
+            with OUT.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"{v:14s} seed {s}: window mean {rec['window_mean']:.3f} "
+                  f"({'plateau' if rec['window_mean'] > a.threshold else 'leaves it'}), {rec['seconds']:.0f} s", flush=True)
+    print(report(a.threshold))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
