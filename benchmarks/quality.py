@@ -265,7 +265,9 @@ def lr_mult(t: int, steps: int, warmup: int, min_frac: float) -> float:
     return min_frac + (1.0 - min_frac) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
 
 
-def run_lm(variant: str, seed: int, cfg: dict) -> dict:
+def run_lm(variant: str, seed: int, cfg: dict, stop_at: int | None = None) -> dict:
+    """Train ``cfg``'s LM; ``stop_at`` ends it after that many steps of the same schedule (the
+    learning rate of every step is the full run's; ``val_loss`` is then NaN)."""
     from launch.corpus import Batches, load_corpus, val_batches
     from launch.gpt import GPT, get_config
 
@@ -289,7 +291,7 @@ def run_lm(variant: str, seed: int, cfg: dict) -> dict:
 
     train_loss, val_curve = [], []
     t0 = time.perf_counter()
-    for t in range(cfg["steps"]):
+    for t in range(cfg["steps"] if stop_at is None else min(stop_at, cfg["steps"])):
         set_lr(opt, lr0 * lr_mult(t, cfg["steps"], cfg["warmup"], cfg["min_lr_frac"]))
         x, y = batches(t)
         opt.zero_grad(set_to_none=True)

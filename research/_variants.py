@@ -187,6 +187,18 @@ def ema_kappa(b1: float, b2: float, t: int) -> float:
     return (1.0 - b2) / ((1.0 - b1) ** 2 * horizon)
 
 
+def _placeholder_idx(local: torch.Tensor) -> torch.Tensor:
+    """The ``idx`` of a variant whose first moment lives elsewhere (``m32``, ``code``): a uint8
+    tensor of the parameter's shape, because the library's step checks a quantized tensor's shape
+    on its ``idx`` (a changed parameter shape is refused). Never read; not counted in
+    :meth:`GefenVariant.state_bytes`."""
+    return torch.zeros(tuple(local.shape), dtype=torch.uint8, device=local.device)
+
+
+def _uses_idx(st) -> bool:
+    return "idx" in st and "m32" not in st and "code" not in st
+
+
 class GefenVariant(Gefen):
     def __init__(self, params, *args, first_moment: str = "quant", second_moment_mode: Optional[str] = None,
                  period_rule: str = "paper", rounding: str = "nearest", codebook_refresh: int = 0,
@@ -322,7 +334,7 @@ class GefenVariant(Gefen):
         dev = piece.local.device
         if self.first_moment == "fp32":
             st["m32"] = torch.zeros(tuple(piece.local.shape), dtype=torch.float32, device=dev)
-            st["idx"] = torch.zeros(0, dtype=torch.uint8, device=dev)  # unused: not counted
+            st["idx"] = _placeholder_idx(piece.local)  # unused: not counted (state_bytes)
             st["scale"] = torch.zeros(0, dtype=torch.float32, device=dev)
         mode = self.v_override.get(id(p), self.v_mode)
         n = piece.local.numel()
@@ -334,7 +346,7 @@ class GefenVariant(Gefen):
         assert 2 <= mb <= 7 and 1 <= vb <= 4 and 0 <= z0 < 2 ** vb, cfg
         if self.m_override.get(id(p), self.first_moment) == "quant4":
             # one byte per element: the low-bit m index in the low m_bits, the v code above it
-            st["idx"] = torch.zeros(0, dtype=torch.uint8, device=dev)  # replaced by `code`
+            st["idx"] = _placeholder_idx(piece.local)  # replaced by `code`: not counted (state_bytes)
             st["code"] = torch.zeros(n, dtype=torch.uint8, device=dev)
             if mode == "factored_q4":
                 assert mb + vb <= 8, cfg
@@ -363,6 +375,12 @@ class GefenVariant(Gefen):
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
+    def state_bytes(self) -> int:
+        """The library's count less the unread ``idx`` placeholders (:func:`_placeholder_idx`)."""
+        unused = sum(local_tensor(st["idx"]).numel() for st in self.state.values()
+                     if "idx" in st and not _uses_idx(st))
+        return super().state_bytes() - unused
+
     def step(self, closure=None):
         loss = super().step(closure)
         if self._refresh_counts is not None:
@@ -378,7 +396,7 @@ class GefenVariant(Gefen):
         old = self.codebook
         new = solve_codebook(counts.numpy()).codebook.to(device=old.device, dtype=torch.float32)
         for st in self.state.values():
-            if "idx" in st and st["idx"].numel():
+            if _uses_idx(st):
                 ix = local_tensor(st["idx"])
                 ix.copy_(nearest_codeword(old[ix.long()], new).view_as(ix))
         self.codebook = new

@@ -83,39 +83,20 @@ def check(threshold: float) -> bool:
 
 
 def train(variant: str, seed: int, steps: int) -> dict:
+    """The first ``steps`` steps of `benchmarks/quality.py`'s 800-step `base` run (its ``run_lm``)."""
     import torch
 
     import quality
-    from launch.corpus import Batches, load_corpus
-    from launch.gpt import GPT, get_config
 
     cfg = quality.lm_config(argparse.Namespace(quick=False, lm_preset="base", lm_batch=None, lm_context=None,
                                                lm_steps=None))
-    train_data, _, info = load_corpus()
-    mcfg = get_config(cfg["preset"], context=cfg["context"])
-    torch.manual_seed(seed)
-    model = GPT(mcfg)
-    batches = Batches(train_data, cfg["batch"], cfg["context"], seed=seed)
-    lr0 = cfg["lr"]
-    opt = quality.make_optimizer(variant, model, cfg["weight_decay"], lr0, cfg["betas"], seed,
-                                 dim=mcfg.d_model, n_heads=mcfg.n_head)
-    losses = []
-    t0 = time.perf_counter()
-    for t in range(steps):
-        quality.set_lr(opt, lr0 * quality.lr_mult(t, cfg["steps"], cfg["warmup"], cfg["min_lr_frac"]))
-        x, y = batches(t)
-        opt.zero_grad(set_to_none=True)
-        loss = model(x, y)[1]
-        loss.backward()
-        quality._step(opt)
-        losses.append(round(loss.item(), 5))
-        if not math.isfinite(losses[-1]):
-            break
+    r = quality.run_lm(variant, seed, cfg, stop_at=steps)
+    losses = r["train_loss"]
     return dict(variant=variant, seed=seed, steps=steps, schedule_steps=cfg["steps"],
                 config={k: cfg[k] for k in ("preset", "batch", "context", "steps", "warmup", "lr", "betas",
                                            "weight_decay", "min_lr_frac")},
-                train_loss=losses, window_mean=window_mean(losses), seconds=round(time.perf_counter() - t0, 1),
-                corpus_sha256=info["sha256"][:16], torch=torch.__version__)
+                train_loss=losses, window_mean=window_mean(losses), seconds=round(r["seconds"], 1),
+                corpus_sha256=r["corpus_sha256"], torch=torch.__version__)
 
 
 def wilson(k: int, n: int, z: float = 1.96):

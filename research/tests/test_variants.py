@@ -204,8 +204,10 @@ def test_q4_v_correction_and_4bit_first_moment():
     draws = torch.stack([V.q4_levels(V.q4_encode(ratio, torch.Generator().manual_seed(s), zero, step), zero, step)
                          for s in range(4000)])
     assert torch.allclose(draws.mean(0), ratio, rtol=0.02)
-    for r in ratio:  # only the two neighbouring levels are ever drawn
-        assert set(draws[:, list(ratio).index(r)].unique().tolist()) <= set(lv[(lv - r).abs().argsort()[:2]].tolist())
+    for i, r in enumerate(ratio):  # only the two neighbouring levels are ever drawn (up to float rounding)
+        near2 = lv[(lv - r).abs().argsort()[:2]].float()
+        drawn = draws[:, i].unique().float()
+        assert bool(torch.isclose(drawn[:, None], near2[None, :], rtol=1e-6).any(1).all()), (drawn, near2)
     clip = V.q4_encode(torch.tensor([0.0, 1e-3, 100.0]), torch.Generator().manual_seed(1), zero, step)
     assert clip.tolist() == [0, 0, 15]
     near = V.q4_encode(torch.tensor([1.0, 2.0 ** (1 / 3) * 1.01]), None, zero, step)
@@ -240,7 +242,7 @@ def test_q4_v_correction_and_4bit_first_moment():
     st4 = opt4.state[lin4.weight]
     cb = st4["codebook_m"]
     assert cb.numel() == 16 and bool((cb[1:] > cb[:-1]).all()) and cb[0] == -1.0 and cb[-1] == 1.0
-    assert st4["idx"].numel() == 0 and st4["code"].numel() == lin4.weight.numel() and "vq" not in st4
+    assert not V._uses_idx(st4) and st4["code"].numel() == lin4.weight.numel() and "vq" not in st4
     per_elem = opt4.state_bytes() / lin4.weight.numel()
     default = V.GefenVariant(nn.Linear(256, 384, bias=False).parameters(), second_moment_mode="factored")
     lin_d = default.param_groups[0]["params"][0]
@@ -312,7 +314,7 @@ def test_combined_variant_wires_the_embeddings_and_the_rest_apart():
             n_code += 1
             assert id(p) in emb and st["q4_floor"] and st["q4_zero"] == 0
             assert st["code"].numel() == p.numel() and int((st["code"] >> 4).max()) > 0
-        elif st.get("idx") is not None and st["idx"].numel():
+        elif _variants()._uses_idx(st):
             assert id(p) not in emb
     assert n_code == 2
     ref.zero_grad()
@@ -452,8 +454,10 @@ def test_rowblock_clamp_is_factored_clamp_per_block():
     def run(mode, K=1, clamp=False):
         w = nn.Parameter(w0.clone())
         over = {id(w): "rowblock"} if mode == "rowblock" else None
-        opt = GefenVariant([w], lr=1e-3, betas=(0.9, 0.95), second_moment_mode="factored_clamp" if clamp else
-                           "factored", period_rule="row", v_override=over, v_groups=K, v_clamp=clamp and over is not None)
+        # weight_decay 0: the decay term lr * wd * w differs with each run's earlier steps, and dominates where m ~ 0
+        opt = GefenVariant([w], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, second_moment_mode="factored_clamp"
+                           if clamp else "factored", period_rule="row", v_override=over, v_groups=K,
+                           v_clamp=clamp and over is not None)
         for gr in grads:
             before = w.detach().clone()
             w.grad = gr.clone()
