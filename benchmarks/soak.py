@@ -4,6 +4,7 @@ and the process RSS, to show that nothing drifts, leaks or blows up over many st
 
     nice -n 10 python benchmarks/soak.py                      # 20,000 steps each; writes the docs
     python benchmarks/soak.py --steps 200 --out /tmp/soak     # short check, writes under /tmp/soak
+    nice -n 10 python benchmarks/soak.py --run gefen          # Gefen again; AdamW from its records
 
 Workload: the byte-level GPT of the training job (``launch.gpt``, ``--model tiny`` by default: 2 layers,
 d_model 64, context 64, 120,576 parameters) on the Python stdlib sources (``launch.corpus``), batch 16,
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of the per-optimizer progress records soak_<optimizer>.jsonl")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--report-only", action="store_true", help="aggregate existing records only")
+    p.add_argument("--run", default=None,
+                   help="run only these of --optimizers (comma-separated; default all); the others are reported "
+                        "from their existing records (e.g. --run gefen after a change that leaves AdamW's run as it was)")
     return p
 
 
@@ -130,7 +134,8 @@ def run_worker(args) -> None:
     f = open(rec_path, "w", buffering=1)
     f.write(json.dumps({"kind": "header", "optimizer": name, "params": model.num_params(),
                         "model_config": cfg.to_dict(), "corpus_sha256": info["sha256"],
-                        "pid": os.getpid()}) + "\n")
+                        "pid": os.getpid(), "date": time.strftime("%Y-%m-%d"),
+                        "torch": torch.__version__}) + "\n")
     window, n_window, nonfinite_losses, t_window = [], 0, 0, 0.0
     t_start = time.perf_counter()
     model.train()
@@ -191,6 +196,23 @@ def _read(path: Path) -> tuple[dict, list[dict], dict | None]:
     return header, recs, end
 
 
+def _restore_records(name: str, json_path: Path, rec_path: Path) -> None:
+    """Write ``rec_path`` from the records of ``name`` kept in an earlier report (``soak.json``'s
+    ``series``), with its run's date and torch, so that one optimizer can be re-run alone."""
+    if not json_path.exists():
+        return
+    res = json.loads(json_path.read_text())
+    run, recs = res.get("runs", {}).get(name), res.get("series", {}).get(name)
+    if not run or not recs:
+        return
+    rec_path.parent.mkdir(parents=True, exist_ok=True)
+    header = {"kind": "header", "optimizer": name, "params": run["params"], "restored_from": str(json_path),
+              "date": run.get("recorded") or res.get("date"), "torch": run.get("torch") or res.get("torch")}
+    lines = [header] + recs + [{"kind": "end", "steps": run["steps"], "wall_s": run["wall_s"]}]
+    rec_path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    print(f"[soak] {name}: records restored from {json_path} (run on {header['date']})", flush=True)
+
+
 def analyse(name: str, header: dict, recs: list[dict], end: dict | None, args) -> dict:
     if not recs:
         raise SystemExit(f"{name}: no records")
@@ -223,6 +245,8 @@ def analyse(name: str, header: dict, recs: list[dict], end: dict | None, args) -
     return {
         "optimizer": name,
         "params": header.get("params"),
+        "recorded": header.get("date"),  # the day the worker ran (records restored from a soak.json: that day)
+        "torch": header.get("torch"),
         "steps": recs[-1]["step"],
         "wall_s": end["wall_s"] if end else recs[-1]["elapsed_s"],
         "ms_per_step_median": ms[len(ms) // 2],
@@ -339,6 +363,7 @@ def render_section(res: dict) -> str:
     def row(label, fn):
         L.append(f"| {label} | " + " | ".join(fn(r) for r in res["runs"].values()) + " |")
 
+    row("run on (torch)", lambda r: f"{r.get('recorded') or 'n/a'} ({r.get('torch') or 'n/a'})")
     row("steps completed", lambda r: f"{r['steps']:,}")
     row("wall time", lambda r: f"{r['wall_s'] / 60:.1f} min ({r['ms_per_step_median']:.1f} ms/step median)")
     row("loss, first window -> last window", lambda r: f"{r['first_loss_window']:.4f} -> {r['final_loss_window']:.4f}")
@@ -401,9 +426,19 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     rec_dir = Path(args.records).resolve()
     names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    for n in names:  # records of an optimizer not run now: restored from the last report when absent
+        if (args.report_only or (args.run is not None and n not in args.run.split(","))) \
+                and not (rec_dir / f"soak_{n}.jsonl").exists():
+            _restore_records(n, out / "results" / "soak.json", rec_dir / f"soak_{n}.jsonl")
+    ran = [] if args.report_only else (names if args.run is None else [n.strip() for n in args.run.split(",") if n.strip()])
+    missing = [n for n in names if n not in ran and not (rec_dir / f"soak_{n}.jsonl").exists()]
+    if set(ran) - set(names) or missing:
+        raise SystemExit(f"--run {args.run!r} must name some of --optimizers {args.optimizers!r}, and the others need "
+                         f"records in {rec_dir}: missing {missing}" if missing else
+                         f"--run {args.run!r} names optimizers outside --optimizers {args.optimizers!r}")
     t0 = time.time()
-    if not args.report_only:
-        for name in names:
+    if ran:
+        for name in ran:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--records", str(rec_dir)]
             for k in ("steps", "every", "model", "batch_size", "lr", "warmup", "eval_every", "eval_batches",
                       "seed", "threads"):
@@ -429,7 +464,8 @@ def main(argv=None) -> int:
         "config": {k: v for k, v in vars(args).items() if k not in ("worker", "report_only")},
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other jobs)",
         "date": time.strftime("%Y-%m-%d"),
-        "wall_s": sum(r["wall_s"] for r in runs.values()) if args.report_only else time.time() - t0,
+        "wall_s": sum(r["wall_s"] for r in runs.values()) if args.report_only or set(names) != set(ran)
+        else time.time() - t0,
         "torch": __import__("torch").__version__,
         "runs": runs,
         "band": band(series["gefen"], series["adamw"]) if {"gefen", "adamw"} <= series.keys() else None,

@@ -198,3 +198,37 @@ def test_seed_gaps_pairs_by_seed_and_flags_stalled_baselines(tmp_path):
         sg.seed_gaps(sg.load_finals([a]), "nope")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         sg.load_finals([tmp_path / "missing.jsonl"])
+
+
+def test_soak_report_rebuilds_from_stored_records(tmp_path):
+    """benchmarks/soak.py --report-only, with no records on disk, restores each optimizer's records
+    from the stored report's series (with the day it ran) and re-derives the same analysis; --run
+    naming an optimizer outside --optimizers is refused before anything runs."""
+    import json
+    import shutil
+    import sys
+
+    pytest.importorskip("matplotlib")
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import soak
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    stored = json.loads((root / "docs" / "results" / "soak.json").read_text())
+    (tmp_path / "results").mkdir()
+    shutil.copy(root / "docs" / "results" / "soak.json", tmp_path / "results" / "soak.json")
+    rec = tmp_path / "rec"
+    args = ["--out", str(tmp_path), "--records", str(rec)] + [
+        f"--{k.replace('_', '-')}={stored['config'][k]}" for k in ("steps", "every", "eval_every", "rss_warmup")]
+    assert soak.main(args + ["--report-only"]) == 0
+    again = json.loads((tmp_path / "results" / "soak.json").read_text())
+    for name, run in stored["runs"].items():
+        assert json.loads((rec / f"soak_{name}.jsonl").read_text().splitlines()[0])["date"] == \
+            (run.get("recorded") or stored["date"])
+        for k in ("final_val_loss", "state_bytes_values", "rss_growth_max_bytes", "checks", "ok"):
+            assert again["runs"][name][k] == run[k], (name, k)
+    assert again["band"] == stored["band"]
+    assert "Quality: Gefen's final validation loss is" in (tmp_path / "reliability.md").read_text()
+    with pytest.raises(SystemExit, match="outside --optimizers"):
+        soak.main(args + ["--optimizers", "adamw", "--run", "gefen"])
