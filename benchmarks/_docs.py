@@ -1,6 +1,8 @@
 """Splicing generated markdown into the docs (shared by the benchmark scripts)."""
 from __future__ import annotations
 
+import platform
+import time
 from pathlib import Path
 
 
@@ -31,3 +33,19 @@ def publish(out: dict, out_path, md: str, md_path, default_md: Path, marker: str
     if Path(md_path).resolve() == Path(default_md).resolve():
         splice(Path(doc) if doc is not None else Path(default_md).resolve().parents[1] / "benchmarks.md", marker, md)
     print(f"wrote {out_path} and {md_path}")
+
+
+def run_meta() -> dict:
+    """Where and when a benchmark ran, for its stored JSON (the README's results table reads these):
+    ``torch`` (version), ``date`` (UTC, YYYY-MM-DD) and ``cpu`` (the processor's model name from
+    /proc/cpuinfo, else ``platform.processor()`` or the machine type)."""
+    import torch
+
+    cpu = ""
+    try:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "cpu": cpu or platform.processor() or platform.machine()}

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _docs import run_meta  # noqa: E402
 from _gpt2 import GPT2_PARAMS, gpt2_shapes  # noqa: E402,F401
 from gefen_dist.core import periods as P  # noqa: E402
 from gefen_dist.core.quant import NUM_BINS, block_histogram_eager  # noqa: E402
@@ -164,10 +164,9 @@ def main() -> None:
             ratios[f"hist_fallback_over_native_{m[:-2]}"] = (
                 summary["hist_fallback"][m] / summary["hist_native"][m])
     result = dict(
-        tensors=len(grads), values=GPT2_PARAMS, threads=torch.get_num_threads(), cpu=platform.processor()
-        or platform.machine(), loadavg=os.getloadavg(), rounds=args.rounds,
+        tensors=len(grads), values=GPT2_PARAMS, threads=torch.get_num_threads(), loadavg=os.getloadavg(), rounds=args.rounds,
         timings=summary, ratios=ratios, same_periods=same_periods, histograms_bitwise_equal=same_hist,
-        periods=sorted(set(per["native"])),
+        periods=sorted(set(per["native"])), **run_meta(),
     )
     print(json.dumps(dict(timings=summary, ratios=ratios, same_periods=same_periods,
                           histograms_bitwise_equal=same_hist), indent=1))

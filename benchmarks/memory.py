@@ -21,6 +21,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from _docs import run_meta  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 from launch.gpt import GPT, get_config  # noqa: E402
 
@@ -87,6 +88,7 @@ def main():
         "seconds_forward_backward": t_fb,
         "seconds_first_gefen_step": t_first,
         "codebook_info": gefen.codebook_info,
+        **run_meta(),
         "per_tensor": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items()} for r in rep],
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

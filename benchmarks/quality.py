@@ -821,7 +821,7 @@ def main(argv=None, doc: Optional[Path] = None, script: str = "benchmarks/qualit
                     t0 = time.time()
                     res = (run_lm if w == "lm" else run_digits)(v, seed, cfg)
                     rec = dict(workload=w, variant=v, seed=seed, config=cfg, result=res, time=time.time(),
-                               host=host_signature())
+                               host=host_signature(), torch=torch.__version__)
                     with open(RUNS, "a") as f:
                         f.write(json.dumps(rec, default=list) + "\n")
                     acc = f" acc {res['val_acc']:.4f}" if "val_acc" in res else ""

@@ -53,6 +53,14 @@ def _params(recs, preset: str) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
 
 
+def _torch(recs) -> str:
+    """The torch versions the records name (quality runs record ``torch`` from 2026-12-04 on)."""
+    vs = sorted({r["torch"] for r in recs if r.get("torch")})
+    if not vs:
+        return NR
+    return ", ".join(vs) + ("" if all(r.get("torch") for r in recs) else f" ({NR} for some runs)")
+
+
 def _pct(x: float) -> str:
     return f"{x:+.2f}%"
 
@@ -63,7 +71,8 @@ def rows() -> list:
     mem = _load("memory.json")
     out.append((f"optimizer state, GPT-2 small ({mem['params']:,} params)",
                 f"**{mem['gefen_bytes_per_param']:.4f} B/param** (default) vs AdamW {mem['adamw_bytes_per_param']:.4f} "
-                f"({mem['ratio_adamw_over_gefen']:.2f}x less)", "any (counted bytes)", NR, NR, "python benchmarks/memory.py"))
+                f"({mem['ratio_adamw_over_gefen']:.2f}x less)", "any (counted bytes)", mem.get("torch", NR),
+                mem.get("date", NR), "python benchmarks/memory.py"))
 
     # the default (benchmarks/quality.py's gefen_default: the library's defaults) paired by seed with
     # AdamW, from the runs files benchmarks/peers_table.py reads
@@ -90,7 +99,7 @@ def rows() -> list:
             result += "; AdamW stalls on seed " + ", ".join(f"{r['seed']} ({_pct(r['gap_pct'])})" for r in stalled)
         hosts = sorted({r.get("host") for r in mine if r.get("host")})
         out.append((f"val loss vs AdamW, `{preset}` LM ({_params(mine, preset)} params, 800 steps), the default",
-                    result, "; ".join(hosts) or NR, NR, _span(_day(r["time"]) for r in mine),
+                    result, "; ".join(hosts) or NR, _torch(mine), _span(_day(r["time"]) for r in mine),
                     "python benchmarks/peers_table.py"))
 
     tiny = ROOT / "research" / "results" / "default_tiny" / "runs.jsonl"
@@ -105,7 +114,7 @@ def rows() -> list:
             out.append(("val loss vs AdamW, `tiny` LM (120,576 params, 3,000 steps), the default",
                         ", ".join(_pct(g) for g in gaps) + f" (seeds {', '.join(str(r['seed']) for r in res['seeds'])}; "
                         f"mean {_pct(statistics.fmean(gaps))})", "; ".join(sorted({r.get('host') for r in mine})) or NR,
-                        NR, _span(_day(r["time"]) for r in mine), "python benchmarks/quality.py --lm-preset tiny ..."))
+                        _torch(mine), _span(_day(r["time"]) for r in mine), "python benchmarks/quality.py --lm-preset tiny ..."))
         except ValueError:
             pass
 
@@ -161,12 +170,12 @@ def rows() -> list:
     gs = fst["gefen_step"]
     out.append(("first step (periods + codebook), GPT-2 small",
                 f"{gs['first_step_s']:.2f} s vs an ordinary step's {gs['ordinary_step_s']:.2f} s",
-                fst["cpu"], NR, NR, "python benchmarks/first_step.py"))
+                fst["cpu"], fst.get("torch", NR), fst.get("date", NR), "python benchmarks/first_step.py"))
 
     zw = _load("zero_wire.json")
     out.append((f"ZeroGefen all-gather bytes, GPT-2 small, {zw['analytic_gpt2_small'][0]['world_size']} ranks",
                 f"{zw['analytic_gpt2_small'][0]['ratio_fp32_over_zero']:.2f}x fewer than an fp32 parameter all-gather",
-                "any (counted bytes)", zw["torch"], NR, "python benchmarks/zero_wire.py"))
+                "any (counted bytes)", zw["torch"], zw.get("date", NR), "python benchmarks/zero_wire.py"))
     return out
 
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from _docs import run_meta  # noqa: E402
 from gefen_dist.core.periods import PERIOD_CAP, divisors, resolve_period, row_slab, scale_block_for  # noqa: E402
 from gefen_dist.engine.layout import is_exact  # noqa: E402
 from gefen_dist.zero.optimizer import (MODE_COMPRESSED, MODE_DENSE, partition, step_wire_bytes,  # noqa: E402
@@ -266,7 +267,7 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "zero_wire.json"))
     args = ap.parse_args()
     shapes = gpt2_small_shapes()
-    out = {"command": "python benchmarks/zero_wire.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+    out = {"command": "python benchmarks/zero_wire.py " + " ".join(sys.argv[1:]), **run_meta(),
            "analytic_gpt2_small": []}
     print("GPT-2-small shapes (124M params), bytes gathered per step (= what every rank holds after the "
           "collective; each rank receives (W-1)/W of it)")

@@ -1040,3 +1040,17 @@ def test_apply_entry_points_fall_back_and_check(monkeypatch):
     ap.apply_factored(ref, idx, M, rsq, col_f, cb, 64, 64, hp)
     cpu.apply_factored_(out, idx, M, rsq, col_f, cb, 64, 64, hp)
     _bitwise((ref,), (out,))
+
+
+def test_cpu_column_factors_bitwise_core():
+    """The CPU wrapper's column factors (three operations where the mean is positive) are
+    core.step.column_factors bit for bit, including profiles whose mean is 0 or NaN."""
+    from gefen_dist.core.step import column_factors
+    from gefen_dist.kernels.cpu import _column_factors_cpu
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.rand(768, generator=g) ** 4, torch.zeros(64), torch.rand(3, 96, generator=g),
+             torch.tensor([float("nan"), 1.0, 2.0]), torch.tensor([0.0, 0.0, 1e-38]),
+             torch.tensor([float("inf"), 1.0])]
+    for v in cases:
+        assert torch.equal(_column_factors_cpu(v).nan_to_num(-7.0), column_factors(v).nan_to_num(-7.0)), v

@@ -297,6 +297,33 @@ def test_add_param_group_after_codebook_learned():
     assert extra.abs().sum() > 0
 
 
+def test_group_lookup_follows_changes_to_the_groups():
+    """``_group_of`` keeps a table by parameter id (a step looks each tensor up in O(1)); it must follow
+    add_param_group, a params list replaced in place (as DeepSpeed does with its flat partitions),
+    group-level options changed between steps, and refuse a foreign tensor."""
+    a, b, c = (nn.Parameter(torch.zeros(64, 64)) for _ in range(3))
+    opt = Gefen([{"params": [a]}, {"params": [b], "fused": False}], lr=1e-3)
+    g0, g1 = opt.param_groups
+    assert opt._group_of(a) is g0 and opt._group_of(b) is g1 and opt._fused(b) is False
+    g0["fused"] = False  # an option changed in place: read from the group at every call
+    assert opt._fused(a) is False
+    opt.add_param_group({"params": [c], "lr": 1e-2})
+    assert opt._group_of(c) is opt.param_groups[2]
+    g1["params"] = [c]  # the list replaced: b left the groups, c is in two
+    with pytest.raises(KeyError):
+        opt._group_of(b)
+    with pytest.raises(KeyError):
+        opt._group_of(nn.Parameter(torch.zeros(2)))
+    g1["params"] = [b]
+    for p in (a, b, c):
+        p.grad = torch.randn(64, 64)
+    opt.step()  # every tensor steps with its own group
+    assert all(opt.state[p]["step"] == 1 for p in (a, b, c))
+    opt2 = copy.deepcopy(opt)  # the table is rebuilt for the copy's parameters
+    pa = opt2.param_groups[0]["params"][0]
+    assert opt2._group_of(pa) is opt2.param_groups[0]
+
+
 def test_lr_scheduler_and_tensor_lr():
     m = mlp()
     opt = Gefen(m.parameters(), lr=torch.tensor(1e-3))

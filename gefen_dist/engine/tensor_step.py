@@ -19,13 +19,13 @@ class GefenStepMixin:
     A tensor's mode is the optimizer's ``_mode(p)`` (its state spec's), never read off the keys of
     its state."""
 
-    def _foreach_exact(self, p: torch.Tensor) -> bool:
+    def _foreach_exact(self, p: torch.Tensor, group: Optional[dict] = None) -> bool:
         """Exact (AdamW) tensors are stepped together with foreach operations (bitwise the per-tensor
         :func:`adamw_step_`, tests/test_optimizer.py), unless ``fused=False`` asks for the plain eager
         path: one call per (group, step, device) instead of one per tensor, the step's Python overhead
         on a model of many small tensors."""
         st = self.state.get(p)
-        return self._fused(p) is not False and bool(st) and self._mode(p) == MODE_EXACT
+        return bool(st) and self._mode(p) == MODE_EXACT and self._fused(p, group) is not False
 
 
     def _update_exact_batched(self, batched) -> None:
@@ -61,10 +61,11 @@ class GefenStepMixin:
         Replicas of a sharded tensor that do not contribute give zeros."""
         fact = self._factored(entries) if fact is None else fact
         sharded = self._comm.world_size > 1 and any(is_dtensor(p) for p in fact)
+        groups = {id(p): g for g, p in entries}
         out = {}
         for p in fact:
             pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
-            sumsq = self._impl(pc.grad, p).column_sumsq if pc.grad is not None else None
+            sumsq = self._impl(pc.grad, p, groups.get(id(p))).column_sumsq if pc.grad is not None else None
             out[p] = piece_column_sums(pc, self.state[p]["v_col"], global_shape(p)[0], sumsq,
                                        skip=sharded and not pc.contributes)
         return out
@@ -111,7 +112,7 @@ class GefenStepMixin:
             return
         contiguous = param.is_contiguous()
         work = param if contiguous else param.contiguous()
-        impl = self._impl(work, p)
+        impl = self._impl(work, p, group)
         g = impl.grad_for(grad.contiguous(), work)
         cb = st["codebook"].to(work.device)
         if mode == MODE_FACTORED:

@@ -111,6 +111,7 @@ import ctypes
 import functools
 import logging
 import math
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -177,12 +178,22 @@ class _Args(ctypes.Structure):
 
 _lock = threading.Lock()
 _configured: set = set()
+_ready: Optional[ctypes.CDLL] = None  # the configured library once loaded (the step's fast path)
 
 
 def _lib() -> Optional[ctypes.CDLL]:
-    from gefen_dist.kernels.native import load_library
+    """The native library, configured (None without it, or with ``GEFEN_DIST_NO_NATIVE=1``, which is
+    read at every call so that it switches the kernels off at any time)."""
+    global _ready
+    if os.environ.get("GEFEN_DIST_NO_NATIVE", "0") not in ("", "0"):
+        return None
+    from gefen_dist.kernels import native
 
-    lib = load_library(_LIB_NAME, _SOURCES)
+    # the fast path while the cache holds the configured library (one swapped into the cache, as
+    # research's timing builds do, is configured below)
+    if _ready is not None and native._cache.get(_LIB_NAME) is _ready:
+        return _ready
+    lib = native.load_library(_LIB_NAME, _SOURCES)
     if lib is None:
         return None
     with _lock:
@@ -216,6 +227,7 @@ def _lib() -> Optional[ctypes.CDLL]:
             lib.gefen_two_level_table.restype = ctypes.c_int
             lib.gefen_two_level_table.argtypes = [vp, i32]
             _configured.add(id(lib))
+        _ready = lib
     return lib
 
 
@@ -642,7 +654,7 @@ def quantized_step_factored_(
     v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
     if n == 0:
         return
-    col_f = column_factors(v_col).contiguous()
+    col_f = _column_factors_cpu(v_col)
     rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
     tab = codebook_table(codebook)
     a = _make_args(param, n, S, B, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -655,6 +667,18 @@ def quantized_step_factored_(
         raise RuntimeError(f"gefen_quantized_step_factored failed with code {rc}")
     for t in (param, idx, scale, v_row):
         torch.autograd.graph.increment_version(t)
+
+
+def _column_factors_cpu(v_col: torch.Tensor) -> torch.Tensor:
+    """:func:`gefen_dist.core.step.column_factors` of a CPU ``v_col``, bitwise, in three operations
+    where the mean is positive (the usual case; the ``where`` that zeroes the factors of a profile
+    whose mean is not positive then selects ``v_col / mean`` everywhere), the general function
+    otherwise. On CPU reading the mean costs no device synchronisation."""
+    if v_col.dim() == 1:
+        mean_c = v_col.mean(dim=-1, keepdim=True)
+        if float(mean_c) > 0:
+            return (v_col / mean_c).sqrt_()
+    return column_factors(v_col).contiguous()
 
 
 _SCRATCH_ELEMS = 1 << 20  # parameter scratch of a state-only call (chunks of whole blocks)

@@ -169,11 +169,16 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
 
     # ------------------------------------------------------------------ state creation
     def _group_of(self, p: torch.Tensor) -> dict:
-        for g in self.param_groups:
-            for q in g["params"]:
-                if q is p:
-                    return g
-        raise KeyError("parameter not in any param group")
+        """The param group holding ``p``, in O(1) (a scan of the groups made a step quadratic in the
+        number of tensors): a table by id, rebuilt when the groups or their ``params`` lists change."""
+        sig = tuple((id(g), id(g["params"]), len(g["params"])) for g in self.param_groups)
+        table = self.__dict__.get("_groups_by_id")
+        if table is None or table[0] != sig:
+            table = self._groups_by_id = (sig, {id(q): g for g in self.param_groups for q in g["params"]})
+        g = table[1].get(id(p))  # every parameter in the table is alive (its group holds it): ids are unique
+        if g is None:
+            raise KeyError("parameter not in any param group")
+        return g
 
     def _mode(self, p: torch.Tensor) -> str:
         """The mode of ``p``'s state (:func:`gefen_dist.engine.state.mode_of`: exact for small /
@@ -329,15 +334,16 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         self._check_own(out)
         return out
 
-    def _fused(self, p: torch.Tensor) -> Optional[bool]:
-        """``fused`` for parameter ``p``: its param group's, else the constructor's."""
-        g = self._group_of(p)
+    def _fused(self, p: torch.Tensor, group: Optional[dict] = None) -> Optional[bool]:
+        """``fused`` for parameter ``p``: its param group's (``group`` if given), else the constructor's."""
+        g = self._group_of(p) if group is None else group
         return g["fused"] if "fused" in g else self.fused
 
-    def _impl(self, t: torch.Tensor, p: Optional[torch.Tensor] = None) -> _dispatch.StepImpl:
-        """The implementation that steps tensor ``t`` (:func:`gefen_dist.kernels.dispatch.select`)
-        with the ``fused`` of parameter ``p``'s group (``p`` None: the constructor's)."""
-        return _dispatch.select(t, self.fused if p is None else self._fused(p))
+    def _impl(self, t: torch.Tensor, p: Optional[torch.Tensor] = None,
+              group: Optional[dict] = None) -> _dispatch.StepImpl:
+        """The implementation that steps tensor ``t`` (:func:`gefen_dist.kernels.dispatch.select`) with
+        the ``fused`` of parameter ``p``'s group (``group`` if given; ``p`` None: the constructor's)."""
+        return _dispatch.select(t, self.fused if p is None else self._fused(p, group))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
@@ -360,7 +366,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         col = self._column_stats(entries, partials)
         batched = []
         for group, p in entries:
-            if self._foreach_exact(p):
+            if self._foreach_exact(p, group):
                 batched.append((group, p))
             else:
                 self._update(group, p, col.get(p))

@@ -307,8 +307,9 @@ _HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer
           "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
           "_optimizer_load_state_dict_post_hooks")
 # caches rebuilt when next needed: views of the state (_cuda_batch), the mode table keyed by
-# parameter ids (_modes; a copy has other parameters), the ids of the parameters (_own_ids)
-_TRANSIENT = ("_cuda_batch", "_modes", "_own_ids")
+# parameter ids (_modes; a copy has other parameters), the ids of the parameters (_own_ids), the
+# groups by parameter id (_groups_by_id)
+_TRANSIENT = ("_cuda_batch", "_modes", "_own_ids", "_groups_by_id")
 
 
 def getstate(opt) -> Dict[str, Any]:

@@ -28,7 +28,8 @@ class ZeroStepMixin:
     A tensor's state mode is the optimizer's (``_mode``, ``_is_factored``), not read off its keys; the
     wire modes (``MODE_*`` of :mod:`gefen_dist.zero.partition`) are another thing."""
 
-    def _impl(self, t: torch.Tensor, p: Optional[torch.Tensor] = None) -> _dispatch.StepImpl:
+    def _impl(self, t: torch.Tensor, p: Optional[torch.Tensor] = None,
+              group: Optional[dict] = None) -> _dispatch.StepImpl:
         """Owners and appliers use one implementation with state-only functions and appliers (the
         native CPU kernel or the eager reference; see :func:`gefen_dist.kernels.dispatch.select`)."""
         return _dispatch.select(t, self.fused, need_state=True)
