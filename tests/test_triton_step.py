@@ -393,8 +393,8 @@ def test_optimizer_cuda_path_through_interpreter(monkeypatch, second_moment):
     ob = Gefen(b.parameters(), **hp)
     from gefen_dist.kernels import dispatch
 
-    monkeypatch.setattr(ob, "_impl", lambda t, p=None: dispatch._triton())
-    monkeypatch.setattr(ob, "_foreach_exact", lambda p: "exp_avg" in ob.state.get(p, {}))
+    monkeypatch.setattr(ob, "_impl", lambda t, p=None, group=None: dispatch._triton())
+    monkeypatch.setattr(ob, "_foreach_exact", lambda p, group=None: "exp_avg" in ob.state.get(p, {}))
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):
         x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
@@ -595,8 +595,8 @@ def _per_tensor_and_batch(monkeypatch, **hp):
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     oa, ob = Gefen(a.named_parameters(), **hp), Gefen(b.named_parameters(), **hp)
     for o in (oa, ob):
-        monkeypatch.setattr(o, "_impl", lambda t, p=None: dispatch._triton())
-    monkeypatch.setattr(oa, "_foreach_exact", lambda p: "exp_avg" in oa.state.get(p, {}))
+        monkeypatch.setattr(o, "_impl", lambda t, p=None, group=None: dispatch._triton())
+    monkeypatch.setattr(oa, "_foreach_exact", lambda p, group=None: "exp_avg" in oa.state.get(p, {}))
     monkeypatch.setattr(cuda_path.CudaBatch, "get", classmethod(
         lambda cls, opt, entries, _get=cuda_path.CudaBatch.get.__func__: None if opt is oa else _get(cls, opt, entries)))
     return a, b, oa, ob

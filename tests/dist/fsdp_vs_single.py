@@ -84,7 +84,7 @@ def main():
 
         cuda_path._DEVICE_TYPES = ("cuda", "cpu")
         for o in (opt, ref_opt):
-            o._impl = lambda t, p=None: __import__("gefen_dist.kernels.dispatch", fromlist=["_triton"])._triton()
+            o._impl = lambda t, p=None, group=None: __import__("gefen_dist.kernels.dispatch", fromlist=["_triton"])._triton()
     g = torch.Generator().manual_seed(5)
     n_shard_groups = ws if not args.hsdp else ws  # every rank gets its own slice of the global batch
     for step in range(args.steps):
