@@ -1049,7 +1049,9 @@ def test_cpu_column_factors_bitwise_core():
     from gefen_dist.kernels.cpu import _column_factors_cpu
 
     g = torch.Generator().manual_seed(0)
-    cases = [torch.rand(768, generator=g) ** 4, torch.zeros(64), torch.rand(3, 96, generator=g),
+    mixed = torch.rand(3, 96, generator=g)
+    mixed[1] = 0.0  # one row block's profile all zero: its factors are 0, the others' v / mean
+    cases = [torch.rand(768, generator=g) ** 4, torch.zeros(64), torch.rand(3, 96, generator=g), mixed,
              torch.tensor([float("nan"), 1.0, 2.0]), torch.tensor([0.0, 0.0, 1e-38]),
              torch.tensor([float("inf"), 1.0])]
     for v in cases:

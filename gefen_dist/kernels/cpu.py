@@ -122,6 +122,7 @@ import torch
 
 from gefen_dist.core.quant import NUM_CODEWORDS, bucket_entries, nearest_codeword
 from gefen_dist.core.step import column_factors
+from gefen_dist.kernels import native
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +188,6 @@ def _lib() -> Optional[ctypes.CDLL]:
     global _ready
     if os.environ.get("GEFEN_DIST_NO_NATIVE", "0") not in ("", "0"):
         return None
-    from gefen_dist.kernels import native
-
     # the fast path while the cache holds the configured library (one swapped into the cache, as
     # research's timing builds do, is configured below)
     if _ready is not None and native._cache.get(_LIB_NAME) is _ready:
@@ -670,14 +669,14 @@ def quantized_step_factored_(
 
 
 def _column_factors_cpu(v_col: torch.Tensor) -> torch.Tensor:
-    """:func:`gefen_dist.core.step.column_factors` of a CPU ``v_col``, bitwise, in three operations
-    where the mean is positive (the usual case; the ``where`` that zeroes the factors of a profile
-    whose mean is not positive then selects ``v_col / mean`` everywhere), the general function
-    otherwise. On CPU reading the mean costs no device synchronisation."""
-    if v_col.dim() == 1:
-        mean_c = v_col.mean(dim=-1, keepdim=True)
-        if float(mean_c) > 0:
-            return (v_col / mean_c).sqrt_()
+    """:func:`gefen_dist.core.step.column_factors` of a CPU ``v_col`` (``[slab]`` or ``[G, slab]``),
+    bitwise, in four operations where every row block's mean is positive (the usual case; the
+    ``where`` that zeroes the factors of a profile whose mean is not positive then selects
+    ``v_col / mean`` everywhere), the general function otherwise. On CPU reading the mean costs no
+    device synchronisation."""
+    mean_c = v_col.mean(dim=-1, keepdim=True)  # per row block (D12): [G, 1]
+    if float(mean_c.min()) > 0:  # (False for a NaN mean)
+        return (v_col / mean_c).sqrt_()
     return column_factors(v_col).contiguous()
 
 

@@ -207,9 +207,16 @@ def native_cpu_usable(t: torch.Tensor) -> bool:
     library built)."""
     if t.device.type != "cpu" or t.dtype not in _KERNEL_DTYPES:
         return False
+    return _cpu_module().available()
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_module():
+    """:mod:`gefen_dist.kernels.cpu`, imported once (an import statement in a per-tensor call costs
+    the import machinery's lookups every time)."""
     from . import cpu
 
-    return cpu.available()
+    return cpu
 
 
 def select(t: torch.Tensor, fused: Optional[bool] = None, need_state: bool = False) -> StepImpl:
