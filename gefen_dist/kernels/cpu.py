@@ -179,19 +179,18 @@ class _Args(ctypes.Structure):
 
 _lock = threading.Lock()
 _configured: set = set()
-_ready: Optional[ctypes.CDLL] = None  # the configured library once loaded (the step's fast path)
 
 
 def _lib() -> Optional[ctypes.CDLL]:
     """The native library, configured (None without it, or with ``GEFEN_DIST_NO_NATIVE=1``, which is
     read at every call so that it switches the kernels off at any time)."""
-    global _ready
     if os.environ.get("GEFEN_DIST_NO_NATIVE", "0") not in ("", "0"):
         return None
-    # the fast path while the cache holds the configured library (one swapped into the cache, as
-    # research's timing builds do, is configured below)
-    if _ready is not None and native._cache.get(_LIB_NAME) is _ready:
-        return _ready
+    # the fast path: the cached library once configured (one swapped into the cache, as research's
+    # timing builds do, is configured below)
+    lib = native._cache.get(_LIB_NAME)
+    if lib is not None and id(lib) in _configured:
+        return lib
     lib = native.load_library(_LIB_NAME, _SOURCES)
     if lib is None:
         return None
@@ -226,7 +225,6 @@ def _lib() -> Optional[ctypes.CDLL]:
             lib.gefen_two_level_table.restype = ctypes.c_int
             lib.gefen_two_level_table.argtypes = [vp, i32]
             _configured.add(id(lib))
-        _ready = lib
     return lib
 
 

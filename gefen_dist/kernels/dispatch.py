@@ -24,6 +24,7 @@ import torch
 from ..core import codebook as _codebook
 from ..core import periods as _periods
 from ..core.quant import NUM_BINS, block_histogram_eager
+from . import cpu as _cpu
 
 logger = logging.getLogger(__name__)
 
@@ -207,16 +208,7 @@ def native_cpu_usable(t: torch.Tensor) -> bool:
     library built)."""
     if t.device.type != "cpu" or t.dtype not in _KERNEL_DTYPES:
         return False
-    return _cpu_module().available()
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_module():
-    """:mod:`gefen_dist.kernels.cpu`, imported once (an import statement in a per-tensor call costs
-    the import machinery's lookups every time)."""
-    from . import cpu
-
-    return cpu
+    return _cpu.available()
 
 
 def select(t: torch.Tensor, fused: Optional[bool] = None, need_state: bool = False) -> StepImpl:
