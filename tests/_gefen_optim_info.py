@@ -72,6 +72,8 @@ def optim_inputs_func_gefen(device, dtype=None):
                        desc="quantized elementwise"),
         OptimizerInput(params=None, kwargs={**q, "lr": torch.tensor(0.001), "row_blocks": 1, "weight_decay": 0.01},
                        desc="quantized, Tensor lr, one row block"),
+        OptimizerInput(params=None, kwargs={**q, "narrow_rows": "span", "weight_decay": 0.01},
+                       desc="quantized, narrow rows in blocks of rows (D16)"),
     ]
 
 
@@ -97,6 +99,7 @@ def optim_error_inputs_func_gefen(device, dtype):
         err(dict(betas=(0.9,)), "one beta", r"Invalid betas: \(0.9,\).*pair"),
         err(dict(second_moment="rowwise"), "unknown second_moment", "Invalid second_moment: 'rowwise'"),
         err(dict(small_threshold=-1), "small_threshold >= 0", "Invalid small_threshold: -1"),
+        err(dict(narrow_rows="blocks"), "unknown narrow_rows", "Invalid narrow_rows: 'blocks'"),
         err(dict(nonfinite="warn"), "unknown nonfinite", "Invalid nonfinite: 'warn'"),
         err(dict(fused="yes"), "fused not a bool", "Invalid fused: 'yes'"),
         err({}, "fused in a param group not a bool", r"Invalid fused in param group 0: 'yes'", ValueError,

@@ -24,6 +24,9 @@ def _torchrun(nproc, *args):
     (4, ["--same-grads", "--hsdp", "--second-moment", "factored"]),
     (4, ["--hsdp"]),
     (2, ["--same-grads", "--second-moment", "elementwise"]),
+    # narrow_rows="span" (D16): blocks of 1024 / 342 / 32 rows cut by the shards, replicated block state
+    (3, ["--same-grads", "--second-moment", "factored", "--nonfinite", "--narrow-span"]),
+    (4, ["--same-grads", "--hsdp", "--second-moment", "factored", "--narrow-span"]),
     # the multi-tensor CUDA batch (gefen_dist.engine.cuda_batch) on DTensor shards, through the Triton
     # interpreter: pieces that cut row blocks, the replica mask (HSDP), the non-finite protocol
     (3, ["--same-grads", "--second-moment", "factored", "--nonfinite", "--cuda-batch", "--steps", "5"]),

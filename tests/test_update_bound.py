@@ -112,7 +112,7 @@ def _grad(kind, shape, gen):
 
 
 @settings(**SETTINGS)
-@given(shape=st.sampled_from(SHAPES), mode=st.sampled_from(["factored", "shared", "elementwise"]),
+@given(shape=st.sampled_from(SHAPES), mode=st.sampled_from(["factored", "shared", "elementwise", "span"]),
        fused=st.sampled_from(FUSED), betas=st.sampled_from([(0.9, 0.999), (0.9, 0.95), (0.5, 0.9), (0.95, 0.9)]),
        lr=st.sampled_from([1e-3, 3e-2]), kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=7),
        first_dense=st.sampled_from([1.0, 0.01, 0.0005]), seed=st.integers(0, 2 ** 16),
@@ -125,8 +125,11 @@ def test_every_step_within_the_bound(shape, mode, fused, betas, lr, kinds, first
     p = nn.Parameter(torch.randn(shape, generator=gen) * 0.02)
     kw = {} if bound is None else dict(bound_updates=bound)
     c = bound_factor(DEFAULT_BOUND_UPDATES if bound is None else bound)
-    opt = Gefen([p], lr=lr, betas=betas, eps=1e-8, weight_decay=0.0, small_threshold=256,
-                second_moment=mode, fused=fused, **kw)
+    if mode == "span":  # narrow rows in blocks of rows (D16): (512, 1), (512, 2), (96, 16), (24, 40)
+        kw.update(second_moment="factored", narrow_rows="span")
+    else:
+        kw.update(second_moment=mode)
+    opt = Gefen([p], lr=lr, betas=betas, eps=1e-8, weight_decay=0.0, small_threshold=256, fused=fused, **kw)
     for i, kind in enumerate(kinds):
         g = _grad(kind, shape, gen)
         if i == 0 and first_dense < 1.0:  # a mostly-zero first gradient

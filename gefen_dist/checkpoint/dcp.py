@@ -143,9 +143,14 @@ def saved_periods(model: torch.nn.Module, optimizer: torch.optim.Optimizer, chec
         if not p.requires_grad:
             continue
         shape = global_shape(p)
-        if is_exact(shape, thr):
+        span = _span_period(optimizer, p)
+        if is_exact(shape, thr) and not span:
             continue
         fqn = fqns.get(id(p))
+        if span and fqn is not None:  # D16: the period is the block of rows, fixed by the shape
+            if _find_key(sdm.keys(), fqn, "v_blk", key_prefix) is not None:
+                out[fqn] = span
+            continue
         if fqn is None:
             raise ValueError(f"an optimizer parameter of shape {shape} is not a parameter of the model passed "
                              "to prepare_for_load (pass the model the optimizer was built over)")
@@ -184,7 +189,7 @@ class CheckpointMismatchError(ValueError):
     names the checkpoint key, the option and the fix. Raised before anything is loaded."""
 
 
-_LEAVES = ("idx", "scale", "v", "v_row", "v_col", "exp_avg", "exp_avg_sq")
+_LEAVES = ("idx", "scale", "v", "v_row", "v_blk", "v_col", "exp_avg", "exp_avg_sq")
 
 
 def _state_index(keys: Iterable[str], prefix: Optional[str]) -> Dict[str, Dict[str, str]]:
@@ -231,6 +236,12 @@ def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], size_
                 f"which has fewer than {FEW_ROWS} rows: this version keeps a shared v for such tensors (D15, "
                 "docs/algorithm.md), so the plain DCP flow cannot load it. Load the checkpoint once through "
                 "Gefen.load_state_dict (a full state dict: it continues the entry as shared state) and save it again")
+    if was != mode and "span" in (was, mode):
+        saved_nr = "span" if was == "span" else "rows"
+        return (f"checkpoint entry {key!r} holds the state of parameter {fqn!r} (shape {shape}) per "
+                f"{'block of rows' if was == 'span' else 'row'} (narrow_rows={saved_nr!r}), but param group {gi} of "
+                f"this optimizer keeps it per {'row' if was == 'span' else 'block of rows'}. Build Gefen (or that param "
+                f"group) with narrow_rows={saved_nr!r}, the setting the checkpoint was saved with (D16)")
     if was != mode:
         return (f"checkpoint entry {key!r} holds a {was} second moment for parameter {fqn!r}, but param group {gi} "
                 f"of this optimizer has second_moment={spec.mode!r}. Build Gefen (or that param group) with "
@@ -546,6 +557,15 @@ def full_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return {MODEL_KEY: msd, OPTIM_KEY: osd}
 
 
+def _span_period(optimizer, p) -> int:
+    """The period (block of rows) of ``p`` when ``optimizer`` keeps its state per block of rows
+    (D16, ``narrow_rows="span"``), else 0."""
+    mode = getattr(optimizer, "_mode", None)
+    if mode is None or mode(p) != "span":
+        return 0
+    return int(optimizer._spec(p).geometry.period)
+
+
 def _periods_from_full(model, optimizer, osd: Dict[str, Any]) -> Dict[str, int]:
     thr = _small_threshold(optimizer)
     fqns = param_fqns(model)
@@ -554,6 +574,10 @@ def _periods_from_full(model, optimizer, osd: Dict[str, Any]) -> Dict[str, int]:
     for p in _optimizer_params(optimizer):
         fqn = fqns.get(id(p))
         shape = global_shape(p)
+        span = _span_period(optimizer, p)
+        if span and fqn in state and "v_blk" in state[fqn]:
+            out[fqn] = span
+            continue
         if fqn is None or is_exact(shape, thr) or fqn not in state:
             continue
         leaf = "v" if mode_of_saved(state[fqn]) == MODE_SHARED else "scale"  # see saved_periods

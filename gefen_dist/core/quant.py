@@ -26,10 +26,18 @@ def block_histogram_eager(values: torch.Tensor, block: int, out: torch.Tensor | 
     step = max(1, _HIST_CHUNK // block)
     for r0 in range(0, rows.shape[0], step):
         x = rows[r0:r0 + step].float()
-        a = x.abs().amax(dim=1, keepdim=True)
-        z = torch.where(a > 0, x / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(x))
-        bins = torch.floor((z + 1.0) * 2048.0).clamp_(0, NUM_BINS - 1).to(torch.int64)
-        out += torch.bincount(bins.reshape(-1), minlength=NUM_BINS).to(out.device)
+        scaled_histogram(x, x.abs().amax(dim=1, keepdim=True), out)
+    return out
+
+
+def scaled_histogram(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Add the histogram of float32 ``x`` normalised by ``a`` (its absmax scales, broadcast against
+    it; 0 for all-zero blocks) to ``out``: :func:`block_histogram_eager`'s binning, for blocks that
+    are not runs of consecutive elements of one piece (D16's blocks of rows, whose absmax is
+    reduced over the ranks that hold them)."""
+    z = torch.where(a > 0, x / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(x))
+    bins = torch.floor((z + 1.0) * 2048.0).clamp_(0, NUM_BINS - 1).to(torch.int64)
+    out += torch.bincount(bins.reshape(-1), minlength=NUM_BINS).to(out.device)
     return out
 
 

@@ -140,11 +140,13 @@ def first_moment(ib: torch.Tensor, sb: torch.Tensor, g: torch.Tensor, codebook: 
     return m.lerp_(g, 1.0 - beta1)
 
 
-def quantize(m: torch.Tensor, a: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+def quantize(m: torch.Tensor, a: torch.Tensor, codebook: torch.Tensor, nearest=nearest_codeword) -> torch.Tensor:
     """Nearest-codeword indices (uint8) of ``m / a`` (``a``: the absmax scales broadcast against
-    ``m``; 0 where the scale is 0)."""
+    ``m``; 0 where the scale is 0). ``nearest``: :func:`~gefen_dist.core.quant.nearest_codeword` or
+    an implementation with its results (the native table lookup,
+    :func:`gefen_dist.kernels.dispatch.nearest`)."""
     z = torch.where(a > 0, m / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(m))
-    return nearest_codeword(z, codebook)
+    return nearest(z, codebook)
 
 
 def requantize_(ib: torch.Tensor, sb: torch.Tensor, g_blocks: torch.Tensor, codebook: torch.Tensor,

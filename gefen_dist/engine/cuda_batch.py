@@ -38,7 +38,7 @@ import torch
 
 from ..core.step import hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
-from .state import MODE_EXACT, MODE_FACTORED, step_of
+from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,10 @@ class CudaBatch:
             mode = opt._mode(p)
             if mode == MODE_EXACT:
                 continue
+            if mode == MODE_SPAN:
+                return None, (f"parameter {name(p)!r} keeps its state per block of rows (narrow_rows='span', D16), "
+                              "which the batch does not step; use narrow_rows='rows' for its param group to keep the "
+                              "multi-tensor step")
             if mode != MODE_FACTORED:
                 P, B = int(st["period"]), int(st["scale_block"])
                 if not (P == 1 or P == B):

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core import periods as _periods
+from ..core import span as _span
 from ..core.quant import NUM_BINS
 from ..kernels import dispatch as _dispatch
 from .layout import Piece
@@ -76,14 +77,28 @@ def learn_periods_by_key(comm, tensors: Dict[Any, Tuple[Sequence[int], Optional[
     return out
 
 
-def global_histogram(comm, items: Sequence[Tuple[Piece, int]]) -> torch.Tensor:
+def global_histogram(comm, items: Sequence[Tuple]) -> torch.Tensor:
     """The histogram (``NUM_BINS`` int64) of every quantized piece's gradient normalised by its
-    scale blocks' absmax (``items``: (piece, scale block)), summed over ranks (replicas counted
-    once): what the codebook is learned from (D3)."""
+    scale blocks' absmax (``items``: (piece, scale block) or (piece, scale block, span)), summed
+    over ranks (replicas counted once): what the codebook is learned from (D3). A span piece's
+    blocks of rows (D16, ``span`` True) may be cut by the shards: their absmax is reduced first (one
+    MAX all-reduce, entered whenever any span piece is listed, as on every rank)."""
     counts = torch.zeros(NUM_BINS, dtype=torch.int64)
-    for pc, block in items:
+    spans = [(pc, _span.SpanPiece.of(pc.shape, pc.start, pc.local.numel())) for pc, _, *sp in items if sp and sp[0]]
+    amax = {}
+    if spans:
+        parts = [_span.span_grad_absmax(pc.grad if pc.grad is not None else torch.zeros(pc.local.shape), sp).cpu()
+                 for pc, sp in spans]
+        buf = torch.cat(parts)
+        comm.all_reduce_max_(buf)
+        amax = {id(pc): a for (pc, _), a in zip(spans, buf.split([p.numel() for p in parts]))}
+    for pc, block, *sp in items:
         if pc.contributes and pc.grad is not None and pc.grad.numel():
-            _dispatch.block_histogram(pc.grad, block, out=counts)
+            if id(pc) in amax:
+                _span.span_histogram(pc.grad, amax[id(pc)], _span.SpanPiece.of(pc.shape, pc.start, pc.local.numel()),
+                                     counts)
+            else:
+                _dispatch.block_histogram(pc.grad, block, out=counts)
     comm.all_reduce_sum_(counts)
     return counts
 

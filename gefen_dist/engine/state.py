@@ -14,6 +14,8 @@ shared         ``idx`` (uint8), ``scale`` [rows, slab/B], ``v`` [rows, slab/P]  
 elementwise    as shared with period 1 (``v`` per element)                         ~5
 factored       ``idx``, ``scale``, ``v_row`` [rows, 1], ``v_col`` [G, slab] or       ~1 + 4/B
                [slab] (replicated: the same on every rank)
+span           ``idx``; ``scale``, ``v_blk`` [nb], ``v_col`` [slab], replicated     ~1 + 8/1024
+               (``narrow_rows="span"``, rows of < 80 elements, blocks of rows, D16)
 =============  =================================================================  ==============
 
 A factored group's tensors of fewer than 64 rows are in the shared mode, with the period the
@@ -21,20 +23,24 @@ factored mode fixes (:func:`quantized_mode`, D15): ``v_col`` would cost ``4 / ro
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ..core import periods as _periods
-from .layout import Geometry, few_rows, is_exact
+from ..core import span as _span
+from .layout import KIND_QUANTIZED, Geometry, few_rows, is_exact
 
 MODE_EXACT, MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE = "exact", "shared", "factored", "elementwise"
+MODE_SPAN = "span"  # a state mode, not a second_moment setting: narrow_rows="span" of a factored group (D16)
 SECOND_MOMENTS = (MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE)
+NARROW_ROWS = ("rows", "span")
 DEFAULT_SECOND_MOMENT = MODE_FACTORED  # Gefen's, ZeroGefen's and the DeepSpeed Gefen's constructor default
 
 __all__ = ["StateSpec", "SECOND_MOMENTS", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
-           "MODE_ELEMENTWISE", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of",
+           "MODE_ELEMENTWISE", "MODE_SPAN", "NARROW_ROWS", "span_mode", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of",
            "quantized_mode"]
 
 
@@ -61,12 +67,25 @@ def threshold_of(group: Mapping[str, Any], small_threshold: int) -> int:
     return group.get("small_threshold", small_threshold)
 
 
+def span_mode(shape: Sequence[int], second_moment: str, narrow_rows: str, small_threshold: int) -> bool:
+    """Whether a tensor of global ``shape`` keeps its state per block of rows (D16): a group with
+    ``narrow_rows="span"`` and the factored second moment, rows narrower than
+    :data:`gefen_dist.core.span.SPAN_BELOW`, at least ``small_threshold`` elements. ``(N, 1)``
+    tensors too, which :func:`gefen_dist.engine.layout.is_exact` keeps exact otherwise."""
+    shape = tuple(int(s) for s in shape)
+    return (narrow_rows == "span" and second_moment == MODE_FACTORED and _span.span_eligible(shape)
+            and 0 < math.prod(shape) and math.prod(shape) >= small_threshold)
+
+
 def mode_of(shape: Sequence[int], group: Mapping[str, Any], small_threshold: int) -> str:
     """The mode of a live tensor of global ``shape`` in param ``group`` of an optimizer with
     ``small_threshold``: :data:`MODE_EXACT` for small / 1-D tensors, else the group's
     ``second_moment`` (the ``mode`` of :meth:`StateSpec.of`, which does not depend on the period).
     What live optimizer code asks instead of looking at the keys of a state dict. A group's own
     ``small_threshold`` (:class:`gefen_dist.Gefen` allows one per group) overrides the optimizer's."""
+    if span_mode(shape, second_moment_of(group), group.get("narrow_rows", "rows"),
+                 threshold_of(group, small_threshold)):
+        return MODE_SPAN
     if is_exact(tuple(int(s) for s in shape), threshold_of(group, small_threshold)):
         return MODE_EXACT
     return quantized_mode(shape, second_moment_of(group))
@@ -94,11 +113,13 @@ def mode_of_saved(entry: Mapping[str, Any]) -> Optional[str]:
     which ``small_threshold`` made the entry, so its keys are all there is. Live optimizer code
     asks :func:`mode_of` / :class:`StateSpec` instead.
 
-    Returns :data:`MODE_FACTORED` (``idx`` with ``v_row``/``v_col``), :data:`MODE_SHARED`
+    Returns :data:`MODE_SPAN` (``idx`` with ``v_blk``), :data:`MODE_FACTORED` (``idx`` with ``v_row``/``v_col``), :data:`MODE_SHARED`
     (``idx`` with ``v``; ``elementwise`` state is shared state with period 1, the same keys, and
     cannot be told apart from it here), :data:`MODE_EXACT` (``exp_avg``) or None for an entry that
     holds none of Gefen's layouts (empty, or another optimizer's)."""
     if "idx" in entry:
+        if "v_blk" in entry:
+            return MODE_SPAN
         return MODE_FACTORED if ("v_col" in entry or "v_row" in entry) else MODE_SHARED
     if "exp_avg" in entry:
         return MODE_EXACT
@@ -109,6 +130,8 @@ def tensor_keys(mode: str) -> Tuple[str, ...]:
     """The state tensors of a tensor in ``mode`` (besides ``step``, the ints and the codebook)."""
     if mode == MODE_EXACT:
         return ("exp_avg", "exp_avg_sq")
+    if mode == MODE_SPAN:
+        return ("idx", "scale", "v_blk", "v_col")
     return ("idx", "scale", "v_row", "v_col") if mode == MODE_FACTORED else ("idx", "scale", "v")
 
 
@@ -138,11 +161,15 @@ class StateSpec:
 
     @classmethod
     def of(cls, shape: Sequence[int], *, second_moment: str, small_threshold: int,
-           period: Optional[int] = None, row_blocks="auto") -> "StateSpec":
-        """The spec of a tensor of global ``shape`` in a group with ``second_moment`` and
-        ``row_blocks``; ``period`` None is the placeholder of a tensor that has not learned its
-        period yet (:func:`fixed_period`, else the row)."""
+           period: Optional[int] = None, row_blocks="auto", narrow_rows: str = "rows") -> "StateSpec":
+        """The spec of a tensor of global ``shape`` in a group with ``second_moment``, ``row_blocks``
+        and ``narrow_rows``; ``period`` None is the placeholder of a tensor that has not learned its
+        period yet (:func:`fixed_period`, else the row). A span tensor's (D16) period and scale block
+        are its block of ``k`` rows, ``k * slab`` elements (the last block may be shorter)."""
         shape = tuple(int(s) for s in shape)
+        if span_mode(shape, second_moment, narrow_rows, small_threshold):
+            L = _span.span_rows(shape) * _periods.row_slab(shape)
+            return cls(MODE_SPAN, Geometry(KIND_QUANTIZED, shape, L, L))
         if is_exact(shape, small_threshold):
             return cls(MODE_EXACT, Geometry.exact(shape))
         if second_moment not in SECOND_MOMENTS:
@@ -179,6 +206,10 @@ class StateSpec:
             ls = tuple(local_shape)
             return {"exp_avg": (ls, gshape, torch.float32, True), "exp_avg_sq": (ls, gshape, torch.float32, True)}
         rows = int(local_shape[0])
+        if self.mode == MODE_SPAN:  # replicated block state (D16)
+            nb, S = (_span.span_blocks(gshape),), (geo.slab,)
+            return {"idx": (tuple(local_shape), gshape, torch.uint8, True), "scale": (nb, nb, torch.float32, False),
+                    "v_blk": (nb, nb, torch.float32, False), "v_col": (S, S, torch.float32, False)}
         loc, glo = geo.state_shapes(rows), geo.state_shapes(gshape[0])
         out = {"idx": (loc["idx"], glo["idx"], torch.uint8, True),
                "scale": (loc["scale"], glo["scale"], torch.float32, True)}
@@ -203,6 +234,10 @@ class StateSpec:
 
         if self.exact:
             return {"exp_avg": ((n,), torch.float32, True), "exp_avg_sq": ((n,), torch.float32, True)}
+        if self.mode == MODE_SPAN:
+            raise ValueError(f"a tensor of shape {self.geometry.global_shape} with narrow_rows='span' (D16) has no "
+                             "flat-range layout: ZeroGefen and the DeepSpeed integration keep per-row state "
+                             "(narrow_rows='rows')")
         geo = self.geometry
         out = {"idx": ((n,), torch.uint8, True), "scale": ((touched(geo.scale_block),), torch.float32, True)}
         if self.mode == MODE_FACTORED:

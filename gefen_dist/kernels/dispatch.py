@@ -23,7 +23,7 @@ import torch
 
 from ..core import codebook as _codebook
 from ..core import periods as _periods
-from ..core.quant import NUM_BINS, block_histogram_eager
+from ..core.quant import NUM_BINS, block_histogram_eager, nearest_codeword
 from . import cpu as _cpu
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,17 @@ def grad_period_partials(grad: torch.Tensor, start: int, numel: int, periods: Se
 def paper_period(grad: torch.Tensor) -> int:
     """:func:`gefen_dist.core.periods.paper_period` with the statistics of :func:`grad_period_partials`."""
     return _periods.paper_period(grad, partials=grad_period_partials)
+
+
+def nearest(z: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """:func:`gefen_dist.core.quant.nearest_codeword` (uint8 indices of float32 ``z``), by the native
+    kernel's table lookup for CPU tensors when the library is available: the same indices
+    (``tests/test_fused_cpu.py``: adversarial values and every float32 of magnitude 2^-8 to 1;
+    all 2^32 patterns opt-in), about 10x faster than ``torch.searchsorted``."""
+    if z.device.type == "cpu" and z.dtype == torch.float32 and codebook.device.type == "cpu" \
+            and native_cpu_usable(z):
+        return _cpu.nearest_lut(z, codebook)
+    return nearest_codeword(z, codebook)
 
 
 def block_histogram(values: torch.Tensor, block: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:

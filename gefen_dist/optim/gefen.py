@@ -26,7 +26,7 @@ from ..kernels import dispatch as _dispatch
 from ..engine.layout import Piece, check_supported, global_shape, like_param, local_tensor, piece_of
 from ..engine.nonfinite import NonfiniteChecks
 from ..engine.report import Report
-from ..engine.state import MODE_EXACT, SECOND_MOMENTS, StateSpec, fixed_period, mode_of, second_moment_of, threshold_of
+from ..engine.state import MODE_EXACT, MODE_SPAN, SECOND_MOMENTS, StateSpec, fixed_period, mode_of, second_moment_of, threshold_of
 
 logger = logging.getLogger(__name__)
 
@@ -69,29 +69,23 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         second_moment: how quantized tensors keep the second moment (also per param group):
             ``"factored"`` (default): fp32 per row and per column (Adafactor's estimator; ~1.02
             B/param on GPT-2 small); ``"shared"``: the paper's, one fp32 value per period of each
-            row (~1.02 B/param); ``"elementwise"``: one fp32 value per element (period 1; ~5 B/param
-            for that group), the first moment still 8-bit: for the tensors a low-memory estimate
-            fits worst, when memory allows (on the byte-level GPT, the tied token embedding / LM
-            head; its measured effect there is mixed: docs/quality.md).
-        row_blocks: with the factored second moment (also per param group), how many contiguous
-            blocks of rows keep their own column profile (D12). ``"auto"`` (default): a tensor of
-            ``k x C`` rows of ``C`` elements (integer ``k >= 2``) gets ``k`` blocks, e.g. a fused
-            attention input projection ``[3d, d]`` one profile each for q, k and v (measured closer
-            to AdamW: docs/quality.md); every other tensor one. An int asks for that many blocks (it
-            must divide every such tensor's rows); ``1`` is Adafactor's single profile. Costs
-            ``blocks x C`` fp32 per tensor (+0.0015 B/param on GPT-2 small).
+            row; ``"elementwise"``: one fp32 value per element (~5 B/param), the first moment 8-bit.
+        row_blocks: factored tensors of ``k x C`` rows of ``C`` elements keep one column profile per
+            block of ``C`` rows (``"auto"``, default; D12); an int asks for that many blocks, ``1`` is
+            Adafactor's single profile. Also per param group.
+        narrow_rows: where a factored tensor whose rows hold fewer than 80 elements keeps its scales
+            and second moment (also per param group): ``"rows"`` (default; ``1 + 8 / S`` B/param,
+            ``(N, 1)`` exact) or ``"span"``, per block of rows (~1.01 B/param; D16: torch operations
+            only, not in ZeroGefen or the DeepSpeed integration).
         bound_updates: a factor ``c >= 1`` (default ``2.0``) clamps every quantized element's
             normalised update to ``c (1 + beta1^(t-1))`` times AdamW's own bound ``K_t``
-            (:func:`gefen_dist.core.step.clamp_bound`; ``K_t`` is 1 at the first step, 7.27 for betas
-            (0.9, 0.999) and 1.165 for (0.9, 0.95) as t grows), so no gradient sequence moves a
-            weight by more than that times ``lr`` beyond its decay: ``2c`` times AdamW's worst case in
-            the first steps, ``c`` times it later (docs/algorithm.md, D13). ``True`` is ``c = 1``,
-            which costs loss on the measured language model (the default's factor 2 is measured
-            better there and on digits). ``False`` is the paper's unbounded update.
+            (:func:`gefen_dist.core.step.clamp_bound`; D13): no gradient sequence moves a weight by
+            more than that times ``lr`` beyond its decay. ``True`` is ``c = 1``, ``False`` the
+            paper's unbounded update. docs/api.md describes every option with its measurements.
         fused: ``None`` (default) uses the fused native kernel when it is available for the
             parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
             Per-group options are ``lr``, ``betas``, ``eps``, ``weight_decay``, ``second_moment``,
-            ``row_blocks`` and (as AdamW's ``fused``) ``fused`` and ``small_threshold``; ``nonfinite``,
+            ``row_blocks``, ``narrow_rows`` and (as AdamW's ``fused``) ``fused`` and ``small_threshold``; ``nonfinite``,
             ``bound_updates`` and ``process_group`` are optimizer-wide, and a param group that sets one
             is rejected with a ``ValueError``. Complex parameters are stepped as their real view.
         process_group: the group over which periods and the codebook are agreed (default: WORLD
@@ -114,6 +108,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         small_threshold: int = 4096,
         second_moment: str = "factored",
         row_blocks: Any = "auto",
+        narrow_rows: str = "rows",
         nonfinite: str = "raise",
         bound_updates=DEFAULT_BOUND_UPDATES,
         fused: Optional[bool] = None,
@@ -129,8 +124,9 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         if fused not in (None, True, False):
             raise ValueError(f"Invalid fused: {fused!r} (expected None, True or False)")
         _validation.validate_row_blocks(row_blocks)
+        _validation.validate_narrow_rows(narrow_rows, sharded=self._group_rejected is _validation.GROUP_REJECTED_SHARDED)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment,
-                        row_blocks=row_blocks)
+                        row_blocks=row_blocks, narrow_rows=narrow_rows)
         self.small_threshold = small_threshold
         bound_factor(bound_updates)  # True, False or a factor >= 1 on AdamW's bound; else a ValueError
         self.bound_updates = bound_updates
@@ -197,7 +193,8 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         try:
             return StateSpec.of(global_shape(p), second_moment=g["second_moment"],
                                 small_threshold=threshold_of(g, self.small_threshold),
-                                period=period, row_blocks=g.get("row_blocks", "auto"))
+                                period=period, row_blocks=g.get("row_blocks", "auto"),
+                                narrow_rows=g.get("narrow_rows", "rows"))
         except ValueError as e:
             raise ValueError(f"Gefen: parameter {self._names().get(id(p), '?')!r}: {e}") from None
 
@@ -285,10 +282,12 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
 
     def _learn_periods(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> List[int]:
         return learning.learn_periods(self._comm, [pc for _, pc in live],
-                                      [fixed_period(pc.shape, second_moment_of(self._group_of(p))) for p, pc in live])
+                                      [self._spec(p).geometry.period if self._mode(p) == MODE_SPAN else
+                                       fixed_period(pc.shape, second_moment_of(self._group_of(p))) for p, pc in live])
 
     def _global_histogram(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> torch.Tensor:
-        return learning.global_histogram(self._comm, [(pc, self.state[p]["scale_block"]) for p, pc in live])
+        return learning.global_histogram(self._comm, [(pc, self.state[p]["scale_block"], self._mode(p) == MODE_SPAN)
+                                                      for p, pc in live])
 
     def _learn_codebook(self, live: Sequence[Tuple[torch.Tensor, Piece]], t_periods: float) -> None:
         t0 = time.perf_counter()
@@ -364,6 +363,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
             return loss
         self._prepare(entries)
         col = self._column_stats(entries, partials)
+        self._step_span(entries)  # narrow_rows="span" tensors (D16): every rank, one SUM and one MAX
         batched = []
         for group, p in entries:
             if self._foreach_exact(p, group):

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from ..core.periods import row_slab
 from ..core.step import factored_block_v
 from ..engine.layout import FEW_ROWS, few_rows, global_shape, is_dtensor, like_param, local_tensor, one_element_rows, piece_of
-from ..engine.state import MODE_EXACT, MODE_FACTORED, StateSpec, mode_of_saved, new_step, threshold_of
+from ..engine.state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, StateSpec, mode_of_saved, new_step, threshold_of
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ NEWER_GROUP_KEYS = ("second_moment", "row_blocks")
 def _spec(opt, p: torch.Tensor, group: dict, period=None) -> StateSpec:
     return StateSpec.of(global_shape(p), second_moment=group["second_moment"],
                         small_threshold=threshold_of(group, opt.small_threshold),
-                        period=period, row_blocks=group.get("row_blocks", "auto"))
+                        period=period, row_blocks=group.get("row_blocks", "auto"),
+                        narrow_rows=group.get("narrow_rows", "rows"))
 
 
 _FIX = ("load a checkpoint saved by Gefen for the same model with the same small_threshold and "
@@ -129,7 +130,10 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
                                  "expected a floating dtype (torch.float32)")
         return
     period = int(st["period"])
-    if period < 1 or int(math.prod(shape[1:])) % period:
+    if kind == MODE_SPAN and period != spec.geometry.period:
+        raise ValueError(f"checkpoint state 'period' of parameter {name!r} is {period}; with narrow_rows='span' "
+                         f"its blocks hold {spec.geometry.period} elements (D16); {_FIX}")
+    if kind != MODE_SPAN and (period < 1 or int(math.prod(shape[1:])) % period):
         raise ValueError(f"checkpoint state 'period' of parameter {name!r} is {period}, which does not divide "
                          f"its rows of {int(math.prod(shape[1:]))} elements; {_FIX}")
     want = {k: ls for k, (ls, _, _, _) in _spec(opt, p, group, period).tensors(global_shape(p)).items()}
@@ -139,7 +143,7 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
         vc = tuple(st["v_col"].shape)
         if vc in ((slab,), (1, slab)) or (len(vc) == 2 and vc[1] == slab and vc[0] >= 1 and global_shape(p)[0] % vc[0] == 0):
             want["v_col"] = vc  # row blocks (D12): the state's own block count is kept
-    for k in ("scale", "v_row", "v_col") if factored else ("scale", "v"):
+    for k in ("scale", "v_row", "v_col") if factored else ("scale", "v_blk", "v_col") if kind == MODE_SPAN else ("scale", "v"):
         if tuple(st[k].shape) != want[k]:
             raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape "
                              f"{tuple(st[k].shape)}, expected {want[k]} for period {st['period']}")
@@ -212,6 +216,13 @@ def _groups(opt, saved_groups) -> list:
                 f"this optimizer's group {i} uses second_moment={g['second_moment']!r}; the state layouts differ. "
                 f"Build Gefen with second_moment={ng['second_moment']!r} for that group to resume this "
                 "checkpoint, or start the optimizer fresh to switch modes"
+            )
+        saved_nr, nr = ng.get("narrow_rows", "rows"), g.get("narrow_rows", "rows")
+        if saved_nr != nr:
+            raise ValueError(
+                f"loaded state dict's param group {i} was saved with narrow_rows={saved_nr!r}, but this optimizer's "
+                f"group {i} uses narrow_rows={nr!r}; the state layouts of tensors with narrow rows differ (D16). "
+                f"Build Gefen with narrow_rows={saved_nr!r} for that group to resume this checkpoint"
             )
         where = f" in loaded param group {i}"
         validate_hparams(ng["lr"], ng["betas"], ng["eps"], ng["weight_decay"], where)

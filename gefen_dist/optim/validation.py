@@ -28,7 +28,7 @@ from ..engine.state import MODE_EXACT, tensor_keys
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["validate_hparams", "validate_group_keys", "validate_param_group", "validate_row_blocks", "prestep", "prestep_zero", "refuse_compile", "require_fused_kernels",
+__all__ = ["validate_hparams", "validate_group_keys", "validate_param_group", "validate_row_blocks", "validate_narrow_rows", "prestep", "prestep_zero", "refuse_compile", "require_fused_kernels",
            "GROUP_REJECTED", "GROUP_REJECTED_SHARDED"]
 
 # Constructor options that apply to the whole optimizer; a param group that sets them is refused.
@@ -108,7 +108,7 @@ def validate_group_keys(param_group: Dict[str, Any], index: int, rejected: Tuple
         raise ValueError(
             f"Invalid option {k!r} in param group {index}: {param_group[k]!r}. Gefen applies {k!r} to all "
             f"param groups; pass it to the constructor instead (Gefen(params, {k}=...)) and remove it from the "
-            "group. Per-group options are lr, betas, eps, weight_decay, second_moment, row_blocks"
+            "group. Per-group options are lr, betas, eps, weight_decay, second_moment, row_blocks, narrow_rows"
             + (" and fused, small_threshold." if "fused" not in rejected else ".")
         )
 
@@ -117,6 +117,19 @@ def validate_row_blocks(rb, where: str = "") -> None:
     if not (rb is None or rb == "auto" or (isinstance(rb, int) and not isinstance(rb, bool) and rb >= 1)):
         raise ValueError(f"Invalid row_blocks{where}: {rb!r} (expected 'auto', None or an int >= 1; 1 is one "
                          "column profile per tensor, as Adafactor)")
+
+
+def validate_narrow_rows(nr, where: str = "", sharded: bool = False) -> None:
+    """``narrow_rows`` is ``"rows"`` or ``"span"``; ``"span"`` (D16) only where the optimizer steps
+    whole tensors or FSDP2 shards (:class:`gefen_dist.Gefen`), not flat ranges (``sharded``)."""
+    from ..engine.state import NARROW_ROWS
+
+    if nr not in NARROW_ROWS:
+        raise ValueError(f"Invalid narrow_rows{where}: {nr!r} (expected one of {NARROW_ROWS})")
+    if sharded and nr == "span":
+        raise ValueError(f"narrow_rows='span'{where} is not supported here: ZeroGefen and the DeepSpeed integration "
+                         "partition flat ranges and keep per-row state. Remove narrow_rows from the param group "
+                         "(or use gefen_dist.Gefen: single process, DDP, FSDP2)")
 
 
 def validate_param_group(opt, param_group) -> None:
@@ -134,6 +147,8 @@ def validate_param_group(opt, param_group) -> None:
             raise ValueError(f"Invalid second_moment{where}: {merged['second_moment']!r} (expected one of "
                              f"{SECOND_MOMENTS})")
         validate_row_blocks(merged.get("row_blocks", "auto"), where)
+        validate_narrow_rows(merged.get("narrow_rows", "rows"), where,
+                             sharded=opt._group_rejected is GROUP_REJECTED_SHARDED)
         st = merged.get("small_threshold", 0)
         if isinstance(st, bool) or not isinstance(st, int) or st < 0:
             raise ValueError(f"Invalid small_threshold{where}: {st!r} (must be an int >= 0)")

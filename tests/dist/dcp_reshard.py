@@ -53,12 +53,30 @@ class Net(nn.Module):
         # 120 = 3 x 40 rows: three row blocks of the factored column profile (D12), cut by the
         # shards at 2 and 4 ranks
         self.qkv = nn.Parameter(torch.randn(120, 40) * 0.05)
+        # rows of 2 elements in its own param group with narrow_rows="span" (D16): 5 blocks of 512
+        # rows (the last 452), cut by the shards at 2, 3 and 4 ranks; replicated block state
+        self.narrow = nn.Parameter(torch.randn(2500, 2) * 0.05)
+        self.register_buffer("proj", torch.randn(128, 5000, generator=torch.Generator().manual_seed(3)) / 120)
 
     def forward(self, x):
         h = torch.relu(self.a(x))
         h = torch.relu(self.b(h)) + self.tiny.sum(0)[:512] * 0.1
         q = (x[:, :40] @ self.qkv.t()).view(x.shape[0], 3, 40)
-        return self.c(h) + self.small.sum(0).repeat(2) + 0.1 * (q[:, 0] * q[:, 1] + q[:, 2]).mean(-1, keepdim=True)
+        return self.c(h) + self.small.sum(0).repeat(2) + 0.1 * (q[:, 0] * q[:, 1] + q[:, 2]).mean(-1, keepdim=True) \
+            + (torch.tanh(x @ self.proj.to(x.dtype)) * self.narrow.reshape(1, -1)).sum(1, keepdim=True)
+
+
+def make_opt(m):
+    """gefen_dist.integrations.fsdp.build_optimizer's groups, with ``narrow`` in a third group that
+    keeps its state per block of rows (narrow_rows="span")."""
+    opt = build_optimizer(m, lr=LR, weight_decay=WD)
+    g0 = opt.param_groups[0]
+    i = next(j for j, n in enumerate(g0["param_names"]) if n.split(".")[-1] == "narrow")
+    p = g0["params"].pop(i)
+    name = g0["param_names"].pop(i)
+    opt.add_param_group({"params": [p], "param_names": [name], "weight_decay": WD, "narrow_rows": "span"})
+    assert opt._mode(p) == "span"
+    return opt
 
 
 def net(seed=0):
@@ -106,7 +124,7 @@ class Reference:
 
     def __init__(self):
         self.m = net()
-        self.opt = build_optimizer(self.m, lr=LR, weight_decay=WD)
+        self.opt = make_opt(self.m)
         self.opt._comm = LocalComm()
 
     def step(self, s, grads=None):
@@ -117,7 +135,7 @@ class Reference:
         if grads is not None:
             for (name, q), g in zip(self.m.named_parameters(), grads):
                 r = rel(g, q.grad)
-                assert r <= 1e-5, f"step {s}: distributed gradient of {name} differs from the global-batch one ({r:.2e})"
+                assert r <= 1e-5, f"step {s}: distributed gradient of {name} differs from the global-batch one ({r:.2e}) "
                 q.grad = g.clone()
         self.opt.step()
         return norm
@@ -186,7 +204,8 @@ def check_loaded(m, opt, saved, what):
                     assert got.dtype == v.dtype, f"{what}: {fqn}.{k} dtype {got.dtype} != saved {v.dtype}"
                     assert got.shape == v.shape, f"{what}: {fqn}.{k} shape {tuple(got.shape)} != {tuple(v.shape)}"
                     assert torch.equal(got, v), f"{what}: {fqn}.{k} differs from the saved state"
-                    if k not in ("codebook", "v_col", "step") and hasattr(p, "placements"):  # plain, replicated
+                    replicated = ("codebook", "v_col", "step") + (("scale", "v_blk") if "v_blk" in st else ())
+                    if k not in replicated and hasattr(p, "placements"):  # plain, replicated
                         assert st[k].placements == p.placements, (what, fqn, k, st[k].placements)
                 else:
                     assert st[k] == v, f"{what}: {fqn}.{k} = {st[k]!r}, saved {v!r}"
@@ -195,7 +214,7 @@ def check_loaded(m, opt, saved, what):
                 assert st["idx"].dtype == torch.uint8
                 assert st["codebook"] is cb, f"{what}: {fqn} does not reference the shared codebook"
                 assert st["learned"] == 1 and st["step"] == SAVE_STEPS, (what, fqn, st["learned"], st["step"])
-    assert n_q == 5, f"{what}: expected 5 quantized tensors, found {n_q}"
+    assert n_q == 6, f"{what}: expected 6 quantized tensors, found {n_q}"
     qkv = [p for g in opt.param_groups for p in g["params"] if fqns[id(p)].endswith("qkv")]
     if qkv and "v_col" in opt.state[qkv[0]]:  # its three row blocks (D12) survive the reshard
         assert tuple(opt.state[qkv[0]]["v_col"].shape) == (3, 40), (what, opt.state[qkv[0]]["v_col"].shape)
@@ -234,17 +253,17 @@ def mode_save(out, rank, ws):
 
     mesh = init_device_mesh("cpu", (ws,))
     m = fsdp_model(mesh)
-    train_and_save(m, build_optimizer(m, lr=LR, weight_decay=WD), out, "fsdp", rank, ws,
+    train_and_save(m, make_opt(m), out, "fsdp", rank, ws,
                    extra={"step": SAVE_STEPS, "tag": "fsdp"})
     dm = ddp_model()
-    train_and_save(dm, build_optimizer(dm, lr=LR, weight_decay=WD), out, "ddp", rank, ws)
+    train_and_save(dm, make_opt(dm), out, "ddp", rank, ws)
 
     # before the first step, with raw DCP: get_optimizer_state_dict runs DCP's zero-grad init step
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     pm = fsdp_model(mesh)
-    popt = build_optimizer(pm, lr=LR, weight_decay=WD)
+    popt = make_opt(pm)
     osd = get_optimizer_state_dict(pm, popt)
     st = osd["state"]["a.weight"]
     assert st["learned"] == 0 and float(st["codebook"][0]) != -1.0, "zero-grad init step learned a codebook"
@@ -255,7 +274,7 @@ def mode_save(out, rank, ws):
 
 def load_fsdp(out, mesh, rank, ws, saved, what, src="fsdp"):
     m = fsdp_model(mesh, seed=123)  # different init: the load must overwrite everything
-    opt = build_optimizer(m, lr=LR, weight_decay=WD)
+    opt = make_opt(m)
     extra = gckpt.load(m, opt, os.path.join(out, src))
     if src == "fsdp":
         assert extra == {"step": SAVE_STEPS, "tag": "fsdp"}, extra
@@ -273,7 +292,7 @@ def load_plain(out, mesh, rank, ws, saved, grads_file):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     m = fsdp_model(mesh, seed=123)
-    opt = build_optimizer(m, lr=LR, weight_decay=WD)
+    opt = make_opt(m)
     msd, osd = get_state_dict(m, opt)
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, checkpoint_id=os.path.join(out, "fsdp"))
@@ -295,7 +314,7 @@ def mode_load(out, rank, ws):
 
     if ws == 1:
         dm = ddp_model(seed=123)
-        dopt = build_optimizer(dm, lr=LR, weight_decay=WD)
+        dopt = make_opt(dm)
         gckpt.load(dm, dopt, os.path.join(out, "fsdp"))
         assert not hasattr(dopt.state[dm.module.a.weight]["idx"], "placements")
         resume_and_compare(dm, dopt, rank, ws, f"fsdp2 ws=2 -> ddp ws={ws}", fsdp_saved, fsdp_grads)
@@ -305,13 +324,13 @@ def mode_load(out, rank, ws):
         load_fsdp(out, mesh, rank, ws, ddp_saved, f"ddp ws=2 -> fsdp2 ws={ws}", src="ddp")
 
         m = fsdp_model(mesh, seed=123)
-        opt = build_optimizer(m, lr=LR, weight_decay=WD)
+        opt = make_opt(m)
         gckpt.load_full_state_dict(m, opt, fsdp_saved if rank == 0 else None)
         resume_and_compare(m, opt, rank, ws, f"full state dict (rank 0, broadcast) -> fsdp2 ws={ws}",
                            fsdp_saved, fsdp_grads)
 
         m = fsdp_model(mesh, seed=123)
-        opt = build_optimizer(m, lr=LR, weight_decay=WD)
+        opt = make_opt(m)
         gckpt.load(m, opt, os.path.join(out, "prestep"))
         for p, st in opt.state.items():
             if "idx" in st:
@@ -331,7 +350,7 @@ def mode_load(out, rank, ws):
 
         # shard_model with bf16 mixed precision: sharded params, grads and Gefen state stay fp32
         m = shard_model(net(), mesh=mesh, block_types=[nn.Linear], mp_policy="bf16")
-        opt = build_optimizer(m, lr=LR, weight_decay=WD)
+        opt = make_opt(m)
         for s in range(2):
             train_step(m, opt, s, rank, ws)
         for p in m.parameters():

@@ -28,7 +28,7 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]
-from dcp_reshard import (LR, TOL, WD, Reference, build_optimizer, full, local_batch, loss_fn,  # noqa: E402
+from dcp_reshard import (LR, TOL, WD, Reference, full, local_batch, loss_fn, make_opt,  # noqa: E402
                          net, rel, train_step)
 
 from gefen_dist import Gefen  # noqa: E402
@@ -62,7 +62,7 @@ def run_ddp(rank, ws):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(net())
-    opt = build_optimizer(model, lr=LR, weight_decay=WD)
+    opt = make_opt(model)
     ref = Reference()
     for s in range(STEPS):
         # different data per rank; clip_grad_norm_ checked against the single-process norm; the

@@ -20,7 +20,7 @@ from gefen_dist import Gefen  # noqa: E402
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, span=False):
         super().__init__()
         # 33 rows: uneven shards; `tiny` (3x2048 = 6144 >= 4096): an empty shard on rank 3 of 4;
         # b: 132 = 4 x 33 rows, four row blocks of the factored column profile (D12), whose edges
@@ -29,17 +29,31 @@ class Net(nn.Module):
         self.b = nn.Linear(33, 132)
         self.tiny = nn.Parameter(torch.randn(3, 2048) * 0.02)
         self.c = nn.Linear(132, 8, bias=False)
+        self.span = span
+        if span:  # narrow rows (D16): blocks of 1024 and 342 rows, cut by the shards at 2-4 ranks
+            self.e1 = nn.Parameter(torch.randn(4999, 1) * 0.1)
+            self.e3 = nn.Parameter(torch.randn(1501, 3) * 0.1)
+            gen = torch.Generator().manual_seed(7)
+            self.register_buffer("p1", torch.randn(96, 4999, generator=gen) / 70)
+            self.register_buffer("p3", torch.randn(96, 4503, generator=gen) / 70)
 
     def forward(self, x):
         h = torch.relu(self.a(x))
         h = torch.relu(self.b(h))
         h = h + (self.tiny.sum(0)[:132] * 0.1)
-        return self.c(h)
+        out = self.c(h)
+        if self.span:
+            out = out + (torch.tanh(x @ self.p1) * self.e1.view(1, -1)).sum(1, keepdim=True) \
+                + (torch.tanh(x @ self.p3) * self.e3.reshape(1, -1)).sum(1, keepdim=True)
+        return out
+
+
+SPAN = "--narrow-span" in sys.argv
 
 
 def model(seed=0):
     torch.manual_seed(seed)
-    return Net()
+    return Net(SPAN)
 
 
 def forward(m, x):
@@ -51,6 +65,8 @@ def main():
     ap.add_argument("--hsdp", action="store_true")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--second-moment", default="shared")
+    ap.add_argument("--narrow-span", action="store_true",
+                    help="add (4999, 1) and (1501, 3) parameters and step with narrow_rows='span' (D16)")
     ap.add_argument("--refusals", action="store_true", help="also check the clear refusals (Shard(1), FSDP1)")
     ap.add_argument("--nonfinite", action="store_true",
                     help="also check that a NaN/inf in one rank's shard makes every rank skip or raise")
@@ -72,13 +88,14 @@ def main():
     else:
         mesh = init_device_mesh("cpu", (ws,))
     ref = model()
-    ref_opt = Gefen(ref.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment)
+    kw = dict(narrow_rows="span") if SPAN else {}
+    ref_opt = Gefen(ref.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment, **kw)
     ref_opt._comm = __import__("gefen_dist.engine.comm", fromlist=["LocalComm"]).LocalComm()  # single-process oracle
     m = model()
     for mod in (m.a, m.b, m.c):
         fully_shard(mod, mesh=mesh)
     fully_shard(m, mesh=mesh)
-    opt = Gefen(m.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment)
+    opt = Gefen(m.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment, **kw)
     if args.cuda_batch:
         from gefen_dist.engine import cuda_batch as cuda_path
 
@@ -111,7 +128,7 @@ def main():
             assert (opt._cuda_batch.mask is not None) == (mesh.get_coordinate()[0] != 0), "replica mask"
         if rank == 0:
             print(f"OK cuda batch: sharded={opt._cuda_batch.sharded}", flush=True)
-    if args.second_moment == "factored":  # b's four row blocks (D12), on every rank as in the oracle
+    if args.second_moment == "factored" and not SPAN:  # b's four row blocks (D12), on every rank as in the oracle
         assert tuple(opt.state[m.b.weight]["v_col"].shape) == (4, 33), opt.state[m.b.weight]["v_col"].shape
     if args.same_grads:
         assert torch.equal(opt.codebook, ref_opt.codebook), "codebook differs from single process"
@@ -130,15 +147,21 @@ def main():
         worst = max(worst, rel)
         st, rst = opt.state[p], ref_opt.state[q]
         assert st.get("period") == rst.get("period"), (name, st.get("period"), rst.get("period"))
+        span = opt._mode(p) == "span"
+        assert span == (SPAN and name in ("b.weight", "e1", "e3")), (name, opt._mode(p))
         for k in ("idx", "scale", "v", "v_row", "exp_avg", "exp_avg_sq"):
-            if k in st:
+            if k in st and not (span and k == "scale"):
                 assert type(st[k]).__name__ == "DTensor", (name, k)
                 assert st[k].placements == p.placements and st[k].shape[0] == p.shape[0]
                 ful = st[k].full_tensor()
                 assert ful.shape == rst[k].shape, (name, k, ful.shape, rst[k].shape)
+        if span:
+            assert st["v_blk"].shape == rst["v_blk"].shape, (name, st["v_blk"].shape)
+            for k in ("scale", "v_blk", "v_col"):  # replicated (D16): the same full vector on every rank
+                assert type(st[k]).__name__ == "Tensor", (name, k, type(st[k]))
         if args.same_grads:
             assert torch.equal(full, q), (name, rel)
-            for k in ("idx", "scale", "v", "v_row", "v_col", "exp_avg", "exp_avg_sq"):
+            for k in ("idx", "scale", "v", "v_row", "v_blk", "v_col", "exp_avg", "exp_avg_sq"):
                 if k in st:
                     a = st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k]
                     assert torch.equal(a, rst[k]), (name, k)
@@ -147,7 +170,7 @@ def main():
             # (a single codeword flip moves an element by lr*sigma*gap: ~1e-4 of the max)
             assert rel <= 1e-3, (name, rel)
     if rank == 0:
-        print(f"OK fsdp{'/hsdp' if args.hsdp else ''} {args.second_moment} same_grads={args.same_grads} ws={ws}: max relative param diff {worst:.3e}", flush=True)
+        print(f"OK fsdp{'/hsdp' if args.hsdp else ''} {args.second_moment}{' span' if SPAN else ''} same_grads={args.same_grads} ws={ws}: max relative param diff {worst:.3e}", flush=True)
     if args.refusals:
         check_refusals(mesh, rank)
     if args.nonfinite:

@@ -1,0 +1,167 @@
+"""D16: state per block of whole rows for tensors whose rows are narrow (``narrow_rows="span"``).
+
+The factored second moment (D10) keeps, per row of ``S`` elements, an fp32 absmax scale and an fp32
+``v_row``: ``8 / S`` bytes per parameter, more than 0.1 when ``S < 80`` (an ``(N, 10)`` tensor: 1.8
+B/param; ``(N, 1)`` would be 9, which is why such tensors keep exact AdamW state, D2). With
+``narrow_rows="span"`` a tensor whose rows hold fewer than :data:`SPAN_BELOW` elements keeps both per
+block of ``k = ceil(SPAN_TARGET / S)`` consecutive rows (the last block may hold fewer) and its
+column profile per column, as the factored mode does:
+
+    v_col_j <- beta2 v_col_j + (1 - beta2) mean_i g_ij^2            (all N rows)
+    v_blk_b <- beta2 v_blk_b + (1 - beta2) mean_{(i, j) in b} g_ij^2
+    m_ij    <- lerp(C[idx_ij] M_b(i), g_ij, 1 - beta1)
+    M_b     <- max_{(i, j) in b} |m_ij|;   idx_ij <- nearest(m_ij / M_b(i))
+    sigma_ij = (1 / (sqrt(v_blk_b(i)) sqrt(v_col_j / mean v_col) / sqrt(bc2) + eps)) / bc1
+    p_ij    <- p_ij (1 - lr wd) - lr clamp(C[idx_ij] M_b(i) sigma_ij, +-bound)
+
+i.e. the factored estimator with a block of rows in place of a row (``v_blk`` is the block's mean of
+``g^2``; for ``S = 1`` the column profile is one value and the estimate is the block's mean). State:
+1 byte per element plus ``8 nb + 4 S`` bytes (``nb`` blocks), about ``1 + 8 / 1024`` B/param.
+
+``scale``, ``v_blk`` and ``v_col`` are small and replicated. A piece of whole rows (an FSDP2 shard
+cuts blocks anywhere) computes this rank's contributions to the block and column sums of ``g^2``
+and to the block maxima of ``|m|`` (:func:`span_statistics`); the caller reduces them over the ranks
+(SUM, MAX; replicas that must not count twice add zeros) and every rank applies the same state
+update (:func:`span_update_`), so the state is the same at every world size. Pure math: no
+``torch.distributed`` here, and every operation is a torch operation (any device).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .periods import row_slab
+from .quant import nearest_codeword, scaled_histogram
+from .step import apply_, column_factors, ema_, first_moment, inv_rms_, quantize
+
+__all__ = ["SPAN_BELOW", "SPAN_TARGET", "span_eligible", "span_rows", "span_blocks", "SpanPiece",
+           "span_statistics", "span_update_", "span_grad_absmax", "span_histogram"]
+
+SPAN_BELOW = 80  # rows narrower than this spend more than 0.1 B/param on per-row fp32 state
+SPAN_TARGET = 1024  # a block holds at least this many elements (the default's scale blocks reach ~1024)
+
+
+def span_eligible(shape: Sequence[int]) -> bool:
+    """A tensor of ``ndim >= 2`` whose dim-0 rows hold fewer than :data:`SPAN_BELOW` elements."""
+    return len(shape) >= 2 and row_slab(shape) < SPAN_BELOW
+
+
+def span_rows(shape: Sequence[int]) -> int:
+    """Rows per block: ``ceil(SPAN_TARGET / S)`` for rows of ``S`` elements."""
+    return max(1, -(-SPAN_TARGET // max(1, row_slab(shape))))
+
+
+def span_blocks(shape: Sequence[int]) -> int:
+    """Blocks of a tensor of global ``shape`` (the last one may hold fewer rows)."""
+    return -(-int(shape[0]) // span_rows(shape))
+
+
+@dataclass(frozen=True)
+class SpanPiece:
+    """The rows ``[row0, row0 + nrows)`` of a tensor of ``rows`` rows of ``slab`` elements, in
+    blocks of ``k`` rows."""
+
+    rows: int
+    slab: int
+    k: int
+    row0: int = 0
+    nrows: int = -1  # -1: every row (row0 must be 0)
+
+    @classmethod
+    def of(cls, shape: Sequence[int], start: int = 0, numel: int = -1) -> "SpanPiece":
+        """The piece of a tensor of global ``shape`` that starts at flat element ``start`` (a row
+        boundary) and holds ``numel`` elements (-1: the whole tensor)."""
+        S = row_slab(shape)
+        n = int(math.prod(shape)) - start if numel < 0 else numel
+        if start % S or n % S:
+            raise ValueError(f"a piece of a tensor of shape {tuple(shape)} must hold whole rows of {S} elements "
+                             f"(got elements [{start}, {start + n}))")
+        return cls(int(shape[0]), S, span_rows(shape), start // S, n // S)
+
+    @property
+    def nb(self) -> int:
+        return -(-self.rows // self.k)
+
+    def block_ids(self, device) -> torch.Tensor:
+        """The block of each row of the piece (int64, ``[nrows]``)."""
+        return torch.div(torch.arange(self.row0, self.row0 + self.nrows, device=device), self.k,
+                         rounding_mode="floor")
+
+    def counts(self, device) -> torch.Tensor:
+        """Elements per block (float64, ``[nb]``)."""
+        rows = torch.full((self.nb,), float(self.k), dtype=torch.float64, device=device)
+        rows[-1] = float(self.rows - (self.nb - 1) * self.k)
+        return rows * self.slab
+
+
+def span_statistics(grad: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor,
+                    sp: SpanPiece, beta1: float, bid: Optional[torch.Tensor] = None
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first phase of a step of piece ``sp``: the new first moment ``m`` (float32, ``[nrows,
+    slab]``; ``scale`` holds the previous step's ``M`` of every block) and this piece's
+    contributions: column sums of ``g^2`` (float64 ``[slab]``), block sums of ``g^2`` (float64
+    ``[nb]``) and block maxima of ``|m|`` (float32 ``[nb]``), zero for blocks it does not hold. The
+    float32 squares are added in float64, so the order in which pieces are combined does not show in
+    the float32 statistics (as the factored column sums, D10). ``bid``: ``sp.block_ids`` if the
+    caller has them."""
+    dev = codebook.device
+    g = grad.reshape(sp.nrows, sp.slab).float()
+    bid = sp.block_ids(dev) if bid is None else bid
+    m = first_moment(idx.reshape(sp.nrows, sp.slab), scale.index_select(0, bid).unsqueeze(1), g, codebook, beta1)
+    sq = g * g
+    col = sq.sum(dim=0, dtype=torch.float64)
+    one = sp.slab == 1  # rows of one element: the row reductions are the values themselves
+    rowsq = sq.view(-1).double() if one else sq.sum(dim=1, dtype=torch.float64)
+    blk = torch.zeros(sp.nb, dtype=torch.float64, device=dev).index_add_(0, bid, rowsq)
+    amax = torch.zeros(sp.nb, dtype=torch.float32, device=dev)
+    if sp.nrows:
+        amax.scatter_reduce_(0, bid, m.abs().view(-1) if one else m.abs().amax(dim=1), "amax")
+    return m, col, blk, amax
+
+
+def span_update_(param: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, v_blk: torch.Tensor,
+                 v_col: torch.Tensor, m: torch.Tensor, col_sum: torch.Tensor, blk_sum: torch.Tensor,
+                 amax: torch.Tensor, codebook: torch.Tensor, sp: SpanPiece, *, lr: float, beta2: float, eps: float,
+                 weight_decay: float, bc1: float, bc2: float, bound=None, beta1: float = 0.0,
+                 bid: Optional[torch.Tensor] = None, nearest=nearest_codeword) -> None:
+    """The second phase, from the statistics summed (``col_sum``, ``blk_sum``) and maximised
+    (``amax``) over every piece of the tensor: the replicated state of every block (``v_col``,
+    ``v_blk``, ``scale``), then this piece's indices and parameter (``param``, ``idx``: the piece,
+    in place). ``beta1`` is accepted so that one hyperparameter dict serves every phase; ``bid``
+    (``sp.block_ids``) and ``nearest`` (:func:`~gefen_dist.core.step.quantize`'s) may come from the
+    caller."""
+    ema_(v_col, (col_sum / sp.rows).to(torch.float32), beta2)
+    ema_(v_blk, (blk_sum / sp.counts(blk_sum.device)).to(torch.float32), beta2)
+    scale.copy_(amax)
+    if sp.nrows == 0:
+        return
+    bid = sp.block_ids(codebook.device) if bid is None else bid
+    a = scale.index_select(0, bid).unsqueeze(1)
+    new = quantize(m, a, codebook, nearest)
+    idx.view(sp.nrows, sp.slab).copy_(new)
+    rms = v_blk.sqrt().index_select(0, bid).unsqueeze(1) * column_factors(v_col).unsqueeze(0)
+    sigma = inv_rms_(rms, eps, bc1, math.sqrt(bc2))
+    q = codebook.index_select(0, new.view(-1).int()).view(sp.nrows, sp.slab)  # codebook[new], without int64 indices
+    apply_(param.view(sp.nrows, sp.slab), q * a, sigma, lr, weight_decay, bound)
+
+
+def span_grad_absmax(grad: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
+    """This piece's block maxima of ``|g|`` (float32 ``[nb]``, zero elsewhere): reduced (MAX) over the
+    pieces, the scales the codebook histogram normalises a first gradient by (D3)."""
+    g = grad.reshape(sp.nrows, sp.slab).float()
+    out = torch.zeros(sp.nb, dtype=torch.float32, device=g.device)
+    if sp.nrows:
+        out.scatter_reduce_(0, sp.block_ids(g.device), g.abs().amax(dim=1), "amax")
+    return out
+
+
+def span_histogram(grad: torch.Tensor, absmax: torch.Tensor, sp: SpanPiece, out: torch.Tensor) -> torch.Tensor:
+    """Add the histogram of this piece's gradient normalised by its blocks' absmax (``absmax``: the
+    reduced :func:`span_grad_absmax`) to ``out``."""
+    if sp.nrows:
+        g = grad.reshape(sp.nrows, sp.slab).float()
+        scaled_histogram(g, absmax.to(g.device).index_select(0, sp.block_ids(g.device)).unsqueeze(1), out)
+    return out
