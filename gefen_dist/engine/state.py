@@ -234,10 +234,10 @@ class StateSpec:
 
         if self.exact:
             return {"exp_avg": ((n,), torch.float32, True), "exp_avg_sq": ((n,), torch.float32, True)}
-        if self.mode == MODE_SPAN:
-            raise ValueError(f"a tensor of shape {self.geometry.global_shape} with narrow_rows='span' (D16) has no "
-                             "flat-range layout: ZeroGefen and the DeepSpeed integration keep per-row state "
-                             "(narrow_rows='rows')")
+        if self.mode == MODE_SPAN:  # idx of the range; the block state whole, replicated (D16)
+            nb, S = (_span.span_blocks(self.geometry.global_shape),), (self.geometry.slab,)
+            return {"idx": ((n,), torch.uint8, True), "scale": (nb, torch.float32, False),
+                    "v_blk": (nb, torch.float32, False), "v_col": (S, torch.float32, False)}
         geo = self.geometry
         out = {"idx": ((n,), torch.uint8, True), "scale": ((touched(geo.scale_block),), torch.float32, True)}
         if self.mode == MODE_FACTORED:

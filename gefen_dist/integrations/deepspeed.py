@@ -68,6 +68,7 @@ class Gefen(_opt_mod.Gefen):
 
     _group_rejected = GROUP_REJECTED_SHARDED  # flat buffers cut across groups: one implementation
     _complex_ok = False
+    _span_ok = False  # its flat buffers keep per-row state (narrow_rows="span" raises)
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)

@@ -76,7 +76,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         narrow_rows: where a factored tensor whose rows hold fewer than 80 elements keeps its scales
             and second moment (also per param group): ``"rows"`` (default; ``1 + 8 / S`` B/param,
             ``(N, 1)`` exact) or ``"span"``, per block of rows (~1.01 B/param; D16: torch operations
-            only, not in ZeroGefen or the DeepSpeed integration).
+            only, not in the DeepSpeed integration).
         bound_updates: a factor ``c >= 1`` (default ``2.0``) clamps every quantized element's
             normalised update to ``c (1 + beta1^(t-1))`` times AdamW's own bound ``K_t``
             (:func:`gefen_dist.core.step.clamp_bound`; D13): no gradient sequence moves a weight by
@@ -96,6 +96,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
     # param-group keys refused (optimizer-wide options); complex parameters stepped as real views
     _group_rejected = _validation.GROUP_REJECTED
     _complex_ok = True
+    _span_ok = True  # narrow_rows="span" (D16) is stepped here
 
     def __init__(
         self,
@@ -124,7 +125,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         if fused not in (None, True, False):
             raise ValueError(f"Invalid fused: {fused!r} (expected None, True or False)")
         _validation.validate_row_blocks(row_blocks)
-        _validation.validate_narrow_rows(narrow_rows, sharded=self._group_rejected is _validation.GROUP_REJECTED_SHARDED)
+        _validation.validate_narrow_rows(narrow_rows, span_ok=self._span_ok)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment,
                         row_blocks=row_blocks, narrow_rows=narrow_rows)
         self.small_threshold = small_threshold

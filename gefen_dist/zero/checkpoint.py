@@ -15,7 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..engine.layout import Geometry, global_shape
-from ..engine.state import MODE_EXACT, new_step
+from ..engine.state import MODE_EXACT, new_step, tensor_keys as _state_keys
 from ..optim.gefen import saved_param_map
 from ..optim.state_dict_io import continue_few_rows
 
@@ -47,6 +47,11 @@ class ZeroCheckpointMixin:
                 i += 1
         cb = self.codebook.detach().clone() if self.codebook is not None else None
         out: Dict[int, dict] = {}
+        for p in self._replicated_params():  # D16: every rank holds the whole state; this rank's copy
+            st = self.state[p]
+            out[index[id(p)]] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) and k != "codebook" else v)
+                                 for k, v in st.items()}
+            out[index[id(p)]]["codebook"] = cb if cb is not None else torch.zeros(256, dtype=torch.float32)
         for p in params:
             st = self.state[p]
             f = full[id(p)]
@@ -73,6 +78,10 @@ class ZeroCheckpointMixin:
                 "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
             }
         self._consolidated = out
+
+    def _replicated_params(self):
+        """The tensors with state that every rank keeps whole (D16, :meth:`_replicated`)."""
+        return [p for g in self.param_groups for p in g["params"] if self._replicated(p) and self.state.get(p)]
 
     def state_dict(self) -> Dict[str, Any]:
         """The consolidated, world-size-independent state dict (single-process Gefen's layout).
@@ -125,6 +134,11 @@ class ZeroCheckpointMixin:
         for p, st in full.items():
             loc = self.state[p]
             mode = self._mode(p)  # the entry was validated against p's spec (_validate_loaded)
+            if self._replicated(p):  # D16: the whole state on every rank
+                for k in _state_keys(mode):
+                    loc[k] = st[k].detach().to(p.device).clone()
+                loc["codebook"] = self._codebook_for(p.device)
+                continue
             keys = _E_KEYS if mode == MODE_EXACT else _F_KEYS if self._is_factored(p) else _Q_KEYS
             for k in keys:
                 loc[k] = st[k]

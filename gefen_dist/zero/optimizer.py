@@ -69,7 +69,7 @@ import torch
 
 from ..engine.comm import exchange_bytes, take_bytes
 from ..core import periods as _periods
-from ..engine.layout import Geometry, Piece, global_shape, is_dtensor, is_exact
+from ..engine.layout import Geometry, Piece, global_shape, is_dtensor, is_exact, piece_of
 from ..engine import state as _state
 from ..optim.gefen import Gefen, Report
 from ..optim.validation import GROUP_REJECTED_SHARDED, prestep_zero
@@ -141,8 +141,16 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
 
     # ------------------------------------------------------------------ the part
     def _trainable(self) -> List[torch.Tensor]:
+        """The partitioned tensors: every trainable one except those of narrow rows kept per block
+        of rows (D16), which every rank keeps and steps whole (:meth:`_replicated`)."""
         return [p for g in self.param_groups for p in g["params"]
-                if p.requires_grad or p.grad is not None or self.state.get(p)]
+                if (p.requires_grad or p.grad is not None or self.state.get(p)) and not self._replicated(p)]
+
+    def _replicated(self, p: torch.Tensor) -> bool:
+        """``narrow_rows="span"`` tensors (D16): not partitioned; every rank holds their whole state
+        (1 byte per element and the small block state) and steps them as a single process does, from
+        its full (DDP) gradient, so nothing travels for them."""
+        return self._mode(p) == _state.MODE_SPAN
 
     def _unit(self, p: torch.Tensor, pending: Optional[dict] = None) -> Tuple[int, int]:
         """(unit, cost) of ``p`` for the partition; a quantized tensor whose period is not known
@@ -234,8 +242,12 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     # ------------------------------------------------------------------ state slices
     def _zalloc(self, p: torch.Tensor, period: Optional[int], *, learned: bool, step: int = 0) -> None:
         """Zero state for this rank's range of ``p`` (flat slices of the single-process state)."""
-        s, e = self._mine(p)
         spec = self._spec(p, int(period) if period else None)  # the one state spec (engine.state)
+        if self._replicated(p):
+            self.state[p] = spec.allocate(tuple(p.shape), p.device, learned=learned, step=step,
+                                          codebook=self._codebook_for(p.device), wrap=lambda t, gs: t)
+            return
+        s, e = self._mine(p)
         self.state[p] = spec.allocate_range(s, e, p.device, learned=learned, step=step,
                                             codebook=self._codebook_for(p.device))
 
@@ -293,6 +305,8 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         return out
 
     def _piece(self, p: torch.Tensor) -> Piece:
+        if self._replicated(p):  # the whole tensor, as a DDP replica (only rank 0 adds to sums)
+            return piece_of(p, self._rank, True)
         s, e = self._mine(p)
         grad = p.grad.reshape(-1)[s:e] if p.grad is not None else None
         return Piece(local=p.detach().reshape(-1)[s:e], grad=grad, start=s, shape=global_shape(p), contributes=True)
@@ -303,7 +317,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         self._ensure_partition()
         for _, p in entries:
             if not self.state.get(p):
-                self._zalloc(p, None, learned=is_exact(global_shape(p), self.small_threshold))
+                self._zalloc(p, None, learned=self._mode(p) == _state.MODE_EXACT)
         quant = [p for _, p in entries if "learned" in self.state[p] and not self.state[p]["learned"]]
         if not quant:
             return
@@ -325,7 +339,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
             # tensors' state, the only state that can be nonzero before the first learning).
             pending = {}
             for p, per in zip(live, periods):
-                geo = Geometry.quantized(global_shape(p), per)
+                geo = self._spec(p, per).geometry
                 pending[p] = {"learned": 1, "period": geo.period, "scale_block": geo.scale_block}
             zero_ok = {id(p) for p in live}
             self._repartition(pending, zero_ok)
@@ -345,15 +359,14 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
             for p in g["params"]:
                 if not p.requires_grad or self.state.get(p):
                     continue
-                shape = global_shape(p)
-                if is_exact(shape, self.small_threshold):
+                if self._mode(p) == _state.MODE_EXACT:
                     pending[p] = None
                     continue
                 per = periods.get(p, periods.get(names[id(p)]))
                 if per is None:
                     pending[p] = {"learned": 0, "period": self._placeholder_period(p)}
                 else:
-                    geo = Geometry.quantized(shape, int(per))
+                    geo = self._spec(p, int(per)).geometry
                     pending[p] = {"learned": 1, "period": geo.period, "scale_block": geo.scale_block}
         if self._partition is None or self.codebook is None or self._partition.key != tuple(id(p) for p in self._trainable()):
             self._repartition({p: v for p, v in pending.items() if v}, {id(p) for p in pending})
@@ -392,6 +405,8 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     # ------------------------------------------------------------------ introspection
     def owned_range(self, p: torch.Tensor) -> Tuple[int, int]:
         """The flat range ``[start, end)`` of ``p`` whose state this rank keeps."""
+        if self._replicated(p) and self.state.get(p):
+            return (0, p.numel())
         if self._partition is None or id(p) not in self._partition.index:
             return (0, 0)
         return self._mine(p)

@@ -41,7 +41,10 @@ class ZeroStepMixin:
 
     def _zero_update(self, entries, partials=None) -> None:
         """One ZeRO-1 step: every rank updates the state it owns and packs the update in its
-        compressed form, one all-gather, every rank applies every range identically."""
+        compressed form, one all-gather, every rank applies every range identically. Tensors kept
+        per block of rows (D16) are stepped whole by every rank (Gefen's own step: no collective)."""
+        self._step_span([(g, p) for g, p in entries if self._replicated(p)])
+        entries = [(g, p) for g, p in entries if not self._replicated(p)]
         items = self._wire_items(entries)
         wire = [(mode, st["scale_block"], p.element_size(), self._partition.of(p), st["v_col"].shape[-1])
                 if mode == MODE_FACTORED else (mode, st.get("period", 1), p.element_size(), self._partition.of(p))

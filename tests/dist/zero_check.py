@@ -51,9 +51,12 @@ class Net(nn.Module):
         self.hb = nn.Parameter(torch.randn(16, 512).mul_(0.02).to(torch.bfloat16))
         self.late = nn.Parameter(torch.randn(24, 256) * 0.02)
         self.unused = nn.Parameter(torch.zeros(64))
+        # rows of 3 elements with narrow_rows="span" (D16): every rank keeps and steps it whole
+        self.narrow = nn.Parameter(torch.randn(1500, 3) * 0.05)
         g = torch.Generator().manual_seed(7)
         self.register_buffer("R", torch.randn(512, 8, generator=g), persistent=False)
         self.register_buffer("S", torch.randn(256, 4, generator=g), persistent=False)
+        self.register_buffer("N", torch.randn(4500, 4, generator=g), persistent=False)
 
     def forward(self, x, y, step):
         return self.loss(x, y, step)
@@ -62,6 +65,7 @@ class Net(nn.Module):
         out = lm_loss(self.lm, x, y)
         out = out + ((self.hb.float() @ self.R) ** 2).mean() * 0.1
         gate = 0.0 if step == 0 else 1.0
+        out = out + ((self.narrow.reshape(1, -1) @ self.N).tanh() ** 2).mean()
         return out + gate * ((self.late @ self.S).tanh() ** 2).mean()
 
 
@@ -80,8 +84,9 @@ def groups(m, variant="a"):
     named = list(m.named_parameters())
     fact, elem = FACTORED[variant], ELEMENTWISE[variant]
     out = [
-        {"params": [p for n, p in named if p.ndim >= 2 and n not in fact and n not in elem], "weight_decay": 0.1,
-         "second_moment": "shared"},
+        {"params": [p for n, p in named if p.ndim >= 2 and n not in fact and n not in elem and n != "narrow"],
+         "weight_decay": 0.1, "second_moment": "shared"},
+        {"params": [p for n, p in named if n == "narrow"], "second_moment": "factored", "narrow_rows": "span"},
         {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": 2e-3},
         {"params": [p for n, p in named if n in fact], "second_moment": "factored",
          "weight_decay": 0.1 if variant == "a" else 0.0},
@@ -187,7 +192,15 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
     assert [r["kind"] for r in rrep] == [r["kind"] for r in zrep]
     kinds = {(r["kind"], min(r["period"], 2)) for r in zrep}
     assert ("quantized", 1) in kinds and ("quantized", 2) in kinds and ("exact", 0) in kinds, kinds
-    fact = {n: zo.state[p] for n, p in zm.named_parameters() if "v_col" in zo.state.get(p, {})}
+    fact = {n: zo.state[p] for n, p in zm.named_parameters()
+            if "v_col" in zo.state.get(p, {}) and "v_blk" not in zo.state[p]}
+    # narrow_rows="span" (D16): kept whole by every rank, bitwise the oracle's state
+    span = {n: p for n, p in zm.named_parameters() if "v_blk" in zo.state.get(p, {})}
+    assert sorted(span) == ["narrow"], sorted(span)
+    for (n, p), (_, q) in zip(zm.named_parameters(), ref.named_parameters()):
+        if n in span:
+            for k in ("idx", "scale", "v_blk", "v_col"):
+                assert torch.equal(zo.state[p][k], ro.state[q][k]), f"span {n}: {k} differs from the oracle"
     shapes = {n: tuple(p.shape) for n, p in zm.named_parameters()}
     few = [n for n in FACTORED[variant] if few_rows(shapes[n])]  # D15: a shared v with the shape period
     assert sorted(fact) == sorted(set(FACTORED[variant]) - set(few)), sorted(fact)
@@ -208,7 +221,9 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
             assert torch.equal(zo.state[p]["v_col"], ro.state[q]["v_col"]), f"v_col of {n} differs"
     # state bytes: the ranks' local state adds up to the single-process state exactly, except the
     # codebook and the factored tensors' v_col, which every rank holds whole
-    cb = zo.codebook.numel() * 4 + sum(4 * st["v_col"].numel() for st in fact.values())
+    cb = zo.codebook.numel() * 4 + sum(4 * st["v_col"].numel() for st in fact.values()) + sum(
+        t.numel() * t.element_size() for p in span.values() for k, t in zo.state[p].items()
+        if k in ("idx", "scale", "v_blk", "v_col"))
     local = zo.state_bytes()
     locs = [None] * ws
     dist.all_gather_object(locs, local)
@@ -219,7 +234,7 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
     units = []
     for p in zm.parameters():
         st = zo.state.get(p)
-        if not st:
+        if not st or "v_blk" in st:
             continue
         if "idx" not in st:
             units.append(unit_cost(True, 1, 1)[1])
@@ -231,7 +246,8 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
     assert abs((local - cb) - (total - cb) / ws) <= unit + slack, (local, total, ws, unit)
     n_owned = [None] * ws
     dist.all_gather_object(n_owned, sum(r["local_numel"] for r in zrep))
-    assert sum(n_owned) == sum(r["numel"] for r in zrep), (n_owned,)
+    span_n = sum(p.numel() for p in span.values())  # owned whole by every rank
+    assert sum(n_owned) == sum(r["numel"] for r in zrep) + (ws - 1) * span_n, (n_owned,)
     str(zrep)
     wire = zo.last_wire
     elems = wire["elements"]
