@@ -54,10 +54,9 @@ def saved_param_map(opt: Optimizer, state_dict: Dict[str, Any]) -> Dict[Any, tor
 class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
     r"""AdamW with ~1 byte per parameter of state (Gefen, Benedek, Koren, Fried 2026).
 
-    Large tensors keep the first moment as uint8 indices into one learned 256-entry codebook times
-    a per-block absmax scale, and share the second moment over blocks of each row whose length
-    (the *period*) is found from the first nonzero gradient. Small and 1-D tensors keep exact
-    AdamW state. Semantics follow ``torch.optim.AdamW`` (decoupled weight decay, bias correction).
+    Large tensors keep the first moment as uint8 indices into one learned 256-entry codebook times a
+    per-block absmax scale, and a low-memory second moment; small and 1-D tensors exact AdamW state.
+    Semantics follow ``torch.optim.AdamW`` (decoupled weight decay, bias correction).
 
     Args:
         params: parameters, ``(name, parameter)`` pairs (``model.named_parameters()``) or param
@@ -93,10 +92,10 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
             several ranks are treated as replicas (DDP).
     """
 
-    # param-group keys refused (optimizer-wide options); complex parameters stepped as real views
+    # param-group keys refused (optimizer-wide options); complex parameters stepped as real views;
+    # narrow_rows="span" (D16) stepped here
     _group_rejected = _validation.GROUP_REJECTED
-    _complex_ok = True
-    _span_ok = True  # narrow_rows="span" (D16) is stepped here
+    _complex_ok = _span_ok = True
 
     def __init__(
         self,
