@@ -645,6 +645,42 @@ def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
 
 
 @interp
+def test_cuda_batch_steps_around_span_tensors(monkeypatch):
+    """narrow_rows="span" (D16): the first weight, (96, 32), keeps its state per block of rows and is
+    not in the batch; the batch still steps the other tensors (one plan, reused), the span tensor is
+    stepped beside it, and everything equals the per-tensor path bitwise. A NaN in the span tensor's
+    gradient raises before anything changes."""
+    a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=1e-3, weight_decay=0.1, narrow_rows="span",
+                                         small_threshold=2048)
+    gen = torch.Generator().manual_seed(2)
+    plans = []
+    for _ in range(4):
+        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        oa.zero_grad()
+        ((a(x) - y) ** 2).mean().backward()
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.grad = p.grad.clone()
+        oa.step()
+        ob.step()
+        plans.append(getattr(ob, "_cuda_batch", None))
+    assert ob._mode(b[0].weight) == "span" and plans[1] is not None and plans[3] is plans[1]
+    assert all(p is not b[0].weight for _, p in plans[1].entries)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        for k, v in oa.state[p].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, ob.state[q][k]), (name, k)
+        assert torch.equal(p, q), name
+    ob.zero_grad()
+    ((b(x) - y) ** 2).mean().backward()
+    b[0].weight.grad[5, 3] = float("nan")
+    before = [q.clone() for q in b.parameters()] + [ob.state[b[0].weight]["v_blk"].clone()]
+    with pytest.raises(RuntimeError, match=r"non-finite gradient.*'0.weight'"):
+        ob.step()
+    after = [q.clone() for q in b.parameters()] + [ob.state[b[0].weight]["v_blk"]]
+    assert all(torch.equal(u, w) for u, w in zip(before, after))
+
+
+@interp
 def test_cuda_batch_mixed_step_counts_and_logged_fallbacks(monkeypatch, caplog):
     """A tensor that missed steps (no gradient at step 2: an expert without tokens) keeps the batch:
     its own launches with its own bias corrections, bitwise equal to the per-tensor path. A

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .column_stats import column_means, piece_column_sums
+from .cuda_batch import CudaBatch
 from ..core.quant import nearest_codeword
 from ..core.span import SpanPiece, span_statistics, span_update_
 from ..kernels import dispatch as _dispatch
@@ -97,6 +98,28 @@ class GefenStepMixin:
             self._raise_column_overflow(out)
         return out
 
+
+    def _batched_step(self, entries) -> bool:
+        """The step by the multi-tensor CUDA batch (:class:`~gefen_dist.engine.cuda_batch.CudaBatch`)
+        when it takes ``entries``: True when the step is done (or skipped), False when the per-tensor
+        path must take it. Tensors kept per block of rows (D16) are not in the batch: their gradients
+        are checked first (a non-finite one skips or raises before anything changes), the batch steps
+        the others, then :meth:`_step_span` steps them."""
+        span = [(g, p) for g, p in entries if self._mode(p) == MODE_SPAN]
+        rest = [(g, p) for g, p in entries if self._mode(p) != MODE_SPAN] if span else entries
+        batch, skipped = CudaBatch.get(self, rest), self.skipped_steps
+        if batch is None:
+            return False
+        if span and self.nonfinite != "ignore" and self._nonfinite(span):
+            return True
+        if not batch.step(self):
+            return False
+        if self.skipped_steps == skipped:
+            if span:
+                self._prepare(span)
+                self._step_span(span)
+            self._announce()
+        return True
 
     def _step_span(self, entries) -> None:
         """One step of the tensors of ``entries`` that keep their state per block of rows (D16,

@@ -19,7 +19,6 @@ from . import state_dict_io as _sdio
 from . import validation as _validation
 from .introspect import Introspection
 from ..engine.comm import LocalComm, comm_for
-from ..engine.cuda_batch import CudaBatch
 from ..engine.tensor_step import GefenStepMixin
 from ..core.step import DEFAULT_BOUND_UPDATES, bound_factor
 from ..kernels import dispatch as _dispatch
@@ -353,10 +352,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
                 loss = closure()
         entries = self._entries()
         _validation.prestep(self, entries)  # compile, meta, changed shapes, zero-size, nonfinite learning
-        batch, skipped = CudaBatch.get(self, entries), self.skipped_steps
-        if batch is not None and batch.step(self):
-            if self.skipped_steps == skipped:
-                self._announce()
+        if self._batched_step(entries):  # the multi-tensor CUDA step took it (or skipped it)
             return loss
         partials = self._column_partials(entries)
         if self.nonfinite != "ignore" and self._nonfinite(entries, partials):
