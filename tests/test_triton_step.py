@@ -602,6 +602,49 @@ def _per_tensor_and_batch(monkeypatch, **hp):
     return a, b, oa, ob
 
 
+def _train_both(a, b, oa, ob, steps, seed, between=None):
+    """``steps`` steps of both copies on the same gradients (``a``'s, copied); ``between(step, when)``
+    runs after ``a``'s backward (``"grads"``: it may drop a gradient) and after the steps
+    (``"stepped"``). Returns ``ob``'s batch after each step and the last input batch."""
+    gen = torch.Generator().manual_seed(seed)
+    plans = []
+    for step in range(steps):
+        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        oa.zero_grad()
+        ((a(x) - y) ** 2).mean().backward()
+        if between is not None:
+            between(step, "grads")
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.grad = None if p.grad is None else p.grad.clone()
+        oa.step()
+        ob.step()
+        plans.append(getattr(ob, "_cuda_batch", None))
+        if between is not None:
+            between(step, "stepped")
+    return plans, (x, y)
+
+
+def _assert_same_state(a, b, oa, ob):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        for k, v in oa.state[p].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, ob.state[q][k]), (name, k)
+        assert torch.equal(p, q), name
+
+
+def _nan_raises_unchanged(b, ob, batch, where, name, extra=()):
+    """A NaN at ``where`` of ``b``'s gradient: ``ob.step()`` raises naming ``name`` and changes nothing
+    (parameters and the ``extra`` state tensors)."""
+    x, y = batch
+    ob.zero_grad()
+    ((b(x) - y) ** 2).mean().backward()
+    where.grad.view(-1)[7] = float("nan")
+    before = [q.clone() for q in b.parameters()] + [t.clone() for t in extra]
+    with pytest.raises(RuntimeError, match=rf"non-finite gradient.*'{name}'"):
+        ob.step()
+    assert all(torch.equal(u, w) for u, w in zip(before, list(b.parameters()) + list(extra)))
+
+
 @interp
 @pytest.mark.parametrize("second_moment", ["factored", "shared", "elementwise"])
 def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
@@ -611,37 +654,19 @@ def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
     float32). The plan is built at the second step, reused, and rebuilt after load_state_dict; a
     non-finite gradient goes to the per-tensor path, which raises naming the tensor."""
     a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=1e-3, weight_decay=0.1, second_moment=second_moment)
-    gen = torch.Generator().manual_seed(1)
-    plans = []
-    for step in range(5):
-        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
-        oa.zero_grad()
-        ((a(x) - y) ** 2).mean().backward()
-        for p, q in zip(a.parameters(), b.parameters()):
-            q.grad = p.grad.clone()
-        oa.step()
-        ob.step()
-        plans.append(getattr(ob, "_cuda_batch", None))
-        if step == 3:
+
+    def reload(step, when):
+        if step == 3 and when == "stepped":
             ob.load_state_dict(ob.state_dict())
+
+    plans, batch = _train_both(a, b, oa, ob, 5, 1, reload)
     assert plans[0] is None and plans[1] is not None and plans[2] is plans[1] and plans[3] is plans[1]
     assert plans[4] is not None and plans[4] is not plans[1]
     assert oa.codebook is not None and torch.equal(oa.codebook, ob.codebook)
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        sa, sb = oa.state[p], ob.state[q]
-        assert sa["step"] == sb["step"] == 5
-        for k in sa:
-            if isinstance(sa[k], torch.Tensor):
-                assert torch.equal(sa[k], sb[k]), (name, k)
-        assert torch.equal(p, q), name
+    assert all(oa.state[p]["step"] == ob.state[q]["step"] == 5 for p, q in zip(a.parameters(), b.parameters()))
+    _assert_same_state(a, b, oa, ob)
     # a NaN gradient: the plan hands the step back; the per-tensor path raises with the name
-    ob.zero_grad()
-    ((b(x) - y) ** 2).mean().backward()
-    b[2].weight.grad[3, 7] = float("nan")
-    before = [q.clone() for q in b.parameters()]
-    with pytest.raises(RuntimeError, match=r"non-finite gradient.*'2.weight'"):
-        ob.step()
-    assert all(torch.equal(u, w) for u, w in zip(before, b.parameters()))
+    _nan_raises_unchanged(b, ob, batch, b[2].weight, "2.weight")
 
 
 @interp
@@ -652,32 +677,12 @@ def test_cuda_batch_steps_around_span_tensors(monkeypatch):
     gradient raises before anything changes."""
     a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=1e-3, weight_decay=0.1, narrow_rows="span",
                                          small_threshold=2048)
-    gen = torch.Generator().manual_seed(2)
-    plans = []
-    for _ in range(4):
-        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
-        oa.zero_grad()
-        ((a(x) - y) ** 2).mean().backward()
-        for p, q in zip(a.parameters(), b.parameters()):
-            q.grad = p.grad.clone()
-        oa.step()
-        ob.step()
-        plans.append(getattr(ob, "_cuda_batch", None))
+    plans, batch = _train_both(a, b, oa, ob, 4, 2)
     assert ob._mode(b[0].weight) == "span" and plans[1] is not None and plans[3] is plans[1]
     assert all(p is not b[0].weight for _, p in plans[1].entries)
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        for k, v in oa.state[p].items():
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(v, ob.state[q][k]), (name, k)
-        assert torch.equal(p, q), name
-    ob.zero_grad()
-    ((b(x) - y) ** 2).mean().backward()
-    b[0].weight.grad[5, 3] = float("nan")
-    before = [q.clone() for q in b.parameters()] + [ob.state[b[0].weight]["v_blk"].clone()]
-    with pytest.raises(RuntimeError, match=r"non-finite gradient.*'0.weight'"):
-        ob.step()
-    after = [q.clone() for q in b.parameters()] + [ob.state[b[0].weight]["v_blk"]]
-    assert all(torch.equal(u, w) for u, w in zip(before, after))
+    _assert_same_state(a, b, oa, ob)
+    st = ob.state[b[0].weight]
+    _nan_raises_unchanged(b, ob, batch, b[0].weight, "0.weight", (st["v_blk"], st["scale"], st["idx"]))
 
 
 @interp
@@ -688,27 +693,16 @@ def test_cuda_batch_mixed_step_counts_and_logged_fallbacks(monkeypatch, caplog):
     from gefen_dist import Gefen
 
     a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=1e-3)
-    gen = torch.Generator().manual_seed(4)
-    plans = []
-    for step in range(6):
-        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
-        oa.zero_grad()
-        ((a(x) - y) ** 2).mean().backward()
-        if step == 2:
+
+    def skip_one(step, when):
+        if step == 2 and when == "grads":
             a[2].weight.grad = None  # the factored 192x96 weight misses this step
-        for p, q in zip(a.parameters(), b.parameters()):
-            q.grad = None if p.grad is None else p.grad.clone()
-        oa.step()
-        ob.step()
-        plans.append(getattr(ob, "_cuda_batch", None))
+
+    plans, _ = _train_both(a, b, oa, ob, 6, 4, skip_one)
     assert plans[4] is not None and plans[5] is plans[4]  # built with two step counts, reused
     assert int(ob.state[b[2].weight]["step"]) == 5 and int(ob.state[b[0].weight]["step"]) == 6
     assert len(plans[5].groups) == 2
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        for k, v in oa.state[p].items():
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(v, ob.state[q][k]), (name, k)
-        assert torch.equal(p, q), name
+    _assert_same_state(a, b, oa, ob)
     # a non-contiguous parameter: per-tensor path, one warning that names it and says what to do
     w = torch.nn.Parameter(torch.randn(96, 64).t())  # (64, 96), stride (1, 64)
     oc = Gefen([w], lr=1e-3)
