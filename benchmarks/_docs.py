@@ -35,6 +35,18 @@ def publish(out: dict, out_path, md: str, md_path, default_md: Path, marker: str
     print(f"wrote {out_path} and {md_path}")
 
 
+def emit(res: dict, out: str, md: str, write: bool, doc: Path, marker: str) -> None:
+    """A benchmark's ending: its JSON to ``out`` (when given), the markdown table printed and, with
+    ``write``, spliced into ``doc`` between its ``marker`` markers (a clear exit when they are missing)."""
+    import json
+
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1) + "\n")
+    print(md)
+    if write and not splice(doc, marker, md):
+        raise SystemExit(f"{doc} has no {marker} markers")
+
+
 def run_meta() -> dict:
     """Where and when a benchmark ran, for its stored JSON (the README's results table reads these):
     ``torch`` (version), ``date`` (UTC, YYYY-MM-DD) and ``cpu`` (the processor's model name from

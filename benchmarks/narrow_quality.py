@@ -36,7 +36,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from _docs import run_meta, splice  # noqa: E402
+from _docs import emit, run_meta  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 
 OPTS = ("adamw", "gefen_rows", "gefen_span")
@@ -191,12 +191,8 @@ def main(argv=None):
                     res["runs"][wl][str(seed)][name] = dict(loss=loss, bytes=b, seconds=time.perf_counter() - t0)
                     print(f"{wl} seed {seed} {name}: loss {loss:.5f}, {b:.3f} B/param", flush=True)
         res["summary"] = summary(res)
-        if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    md = table(res)
-    print(md)
-    if args.write and not splice(ROOT / "docs" / "algorithm.md", "narrow_quality", md):
-        raise SystemExit("docs/algorithm.md has no narrow_quality markers")
+    out = "" if args.from_json else args.out  # stored results are not rewritten
+    emit(res, out, table(res), args.write, ROOT / "docs" / "algorithm.md", "narrow_quality")
 
 
 if __name__ == "__main__":

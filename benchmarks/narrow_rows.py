@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from _docs import run_meta, splice  # noqa: E402
+from _docs import emit, run_meta  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 
 SHAPES = [(1_000_000, 1), (500_000, 2), (100_000, 10), (25_000, 40), (20_000, 79), (10_000, 128),
@@ -105,12 +105,8 @@ def main(argv=None):
             res["shapes"][name] = measure(shape, args.rounds)
             print(name, {k: round(v, 3) for k, v in res["shapes"][name]["bytes_per_param"].items()},
                   {k: round(v, 2) for k, v in res["shapes"][name]["ratio_to_adamw"].items()}, flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    md = table(res)
-    print(md)
-    if args.write and not splice(ROOT / "docs" / "benchmarks.md", "narrow_rows", md):
-        raise SystemExit("docs/benchmarks.md has no narrow_rows markers")
+    out = "" if args.from_json else args.out  # stored results are not rewritten
+    emit(res, out, table(res), args.write, ROOT / "docs" / "benchmarks.md", "narrow_rows")
 
 
 if __name__ == "__main__":
