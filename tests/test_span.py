@@ -333,3 +333,16 @@ def test_dead_first_batch_mlp_trains_like_adamw(density):
     _, span, model = dead_first_batch_mlp(make, density=density)
     assert seen["opt"]._mode(model[0].weight) == "span"
     assert span <= 1.05 * adamw, (adamw, span)
+
+
+def test_inspect_names_the_layout(tmp_path):
+    """``gefen-dist inspect`` of a checkpoint with span tensors: their bytes and the group's
+    ``narrow_rows``."""
+    from gefen_dist.cli import inspect_checkpoint, render_inspect
+
+    p = nn.Parameter(torch.randn(5000, 2))
+    opt = Gefen([p], narrow_rows="span")
+    _steps(p, opt, 2)
+    torch.save({"optimizer": opt.state_dict()}, tmp_path / "ck.pt")
+    text = render_inspect(inspect_checkpoint(str(tmp_path / "ck.pt")))
+    assert "narrow_rows=span" in text and "(5000, 2)" in text and "1.009" in text, text
