@@ -238,20 +238,21 @@ def test_plain_dcp_flow_resumes_bitwise(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
 
 
-def test_refused_by_the_deepspeed_integration_kept_whole_by_zerogefen():
-    """DeepSpeed's flat buffers keep per-row state: ``"span"`` raises there, naming the option.
-    ZeroGefen keeps span tensors whole on every rank (not partitioned; tests/dist/zero_check.py
-    checks 2 and 3 ranks bitwise against one process, with 2 -> 1 and 2 -> 3 resumes)."""
+def test_zerogefen_keeps_span_tensors_whole_and_universal_checkpoints_refuse_them():
+    """ZeroGefen keeps span tensors whole on every rank (not partitioned; tests/dist/zero_check.py
+    checks 2 and 3 ranks bitwise against one process, with 2 -> 1 and 2 -> 3 resumes; DeepSpeed
+    ZeRO-2/3: tests/dist/ds_check.py, z2span / z3span). DeepSpeed universal checkpoints of span
+    state are refused by name (not converted yet)."""
     from gefen_dist import ZeroGefen
-    from gefen_dist.integrations.deepspeed import Gefen as DSGefen
+    from gefen_dist.integrations import ds_universal
 
     p = nn.Parameter(torch.zeros(5000, 1))
-    with pytest.raises(ValueError, match="narrow_rows='span' is not supported by the DeepSpeed integration"):
-        DSGefen([p], narrow_rows="span")
-    with pytest.raises(ValueError, match="narrow_rows='span' in param group 0 is not supported by the DeepSpeed"):
-        DSGefen([{"params": [p], "narrow_rows": "span"}])
     with pytest.raises(ValueError, match="Invalid narrow_rows"):
         Gefen([p], narrow_rows="blocks")
+    obj = {"optimizer_state_dict": {"single_partition_of_fp32_groups": [torch.zeros(4)], "base_optimizer_state":
+                                    {"state": {0: {"segments": [], "span_keys": ["w"]}}}}}
+    with pytest.raises(ds_universal.UniversalCheckpointError, match="narrow_rows='span'"):
+        ds_universal._rank_states("f.pt", obj)
     q = nn.Parameter(torch.randn(5000, 1))
     zo = ZeroGefen([{"params": [q], "narrow_rows": "span"}], lr=1e-2)
     ref_q = nn.Parameter(q.detach().clone())

@@ -55,6 +55,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..core import periods as _periods
+from ..core import span as _span
 from ..core.quant import NUM_BINS
 from ..core.step import factored_block_v
 from . import learning
@@ -62,12 +63,13 @@ from ..kernels import dispatch as _dispatch
 from .layout import FEW_ROWS, Piece, is_exact
 from .state import MODE_FACTORED, fixed_period, mode_of_saved, new_step
 from .flat_layout import LayoutError, Segment, _slots, _split, verify_segments  # noqa: F401  (re-exported)
+from .flat_span import FlatSpanMixin
 from .flat_step import SegmentStepMixin
 
 logger = logging.getLogger(__name__)
 
 
-class FlatSegments(SegmentStepMixin):
+class FlatSegments(SegmentStepMixin, FlatSpanMixin):
     """The per-buffer machinery: global catalog (all ranks' pieces), plans, learning, stepping.
 
     ``comm`` is a :class:`gefen_dist.engine.comm.LocalComm`-like object for the buffer's own process group.
@@ -80,6 +82,7 @@ class FlatSegments(SegmentStepMixin):
         self.small_threshold = small_threshold
         self.where = where
         self.second_moment: Optional[str] = None  # the mode of the group that last stepped it (set by its owner)
+        self.narrow_rows = "rows"  # the buffer's param group's (set by its owner before new_state / learn / step)
         keys = [s.key for s in self.segments]
         if len(set(keys)) != len(keys):
             raise LayoutError(f"{where}: a tensor appears twice in one flat buffer ({keys})")
@@ -116,7 +119,8 @@ class FlatSegments(SegmentStepMixin):
 
     def quantized_keys(self) -> List[str]:
         cat = self.global_catalog()
-        return [k for k in sorted(cat) if not is_exact(cat[k]["shape"], self.small_threshold)]
+        return [k for k in sorted(cat) if not is_exact(cat[k]["shape"], self.small_threshold)
+                or self.is_span(cat[k]["shape"])]
 
     def cut_blocks(self, block_of: Dict[str, int]) -> List[Tuple[str, int]]:
         """(key, block) of every scale block shared by several pieces, identical on all ranks."""
@@ -147,8 +151,10 @@ class FlatSegments(SegmentStepMixin):
         (the cut catalog must be identical on every rank, including ranks that hold none of a
         tensor cut between two others)."""
         cat = self.global_catalog()
+        spans = set(st.get("span_keys", []))
         return {k: _periods.scale_block_for(per, _periods.row_slab(cat[k]["shape"]))
-                for k, per, lrn in zip(st["global_keys"], self._global_periods(st), st["global_learned"]) if lrn}
+                for k, per, lrn in zip(st["global_keys"], self._global_periods(st), st["global_learned"])
+                if lrn and k not in spans}
 
     def _exchange(self, sums: torch.Tensor, maxes: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """One all-gather of ``[sums | maxes]`` (float64); SUM and MAX combined in rank order."""
@@ -171,10 +177,12 @@ class FlatSegments(SegmentStepMixin):
     def new_state(self, flat: torch.Tensor, codebook: torch.Tensor, factored: bool = False,
                   row_blocks="auto") -> Dict[str, Any]:
         # placeholders: the period the mode fixes (factored), else the row until one is detected
-        periods = [0 if is_exact(s.shape, self.small_threshold) else
+        spanf = self._span_fn(factored)
+        periods = [_span.span_rows(s.shape) * _periods.row_slab(s.shape) if spanf and spanf(s.shape) else
+                   0 if is_exact(s.shape, self.small_threshold) else
                    (_periods.shape_period(s.shape) if factored else _periods.row_slab(s.shape))
                    for s in self.segments]
-        slots, ns, nv, ne = _slots(self.segments, periods, self.small_threshold, factored, row_blocks)
+        slots, ns, nv, ne = _slots(self.segments, periods, self.small_threshold, factored, row_blocks, span=spanf)
         dev = flat.device
         qkeys = self.quantized_keys()
         st = {
@@ -189,6 +197,13 @@ class FlatSegments(SegmentStepMixin):
             st["few_rows"] = FEW_ROWS  # D15: tensors of fewer rows keep a shared v (in v_row)
         else:
             st["v"] = torch.zeros(nv, dtype=torch.float32, device=dev)
+        cat = self.global_catalog()
+        st["narrow_rows"] = self.narrow_rows
+        st["span_keys"] = [k for k in qkeys if spanf and spanf(cat[k]["shape"])]
+        lay = self.span_layout(st)
+        nbt, nct = sum(v[1] for v in lay.values()), sum(v[3] for v in lay.values())
+        for key, n in (("span_scale", nbt), ("span_vblk", nbt), ("span_vcol", nct)):
+            st[key] = torch.zeros(n, dtype=torch.float32, device=dev)  # replicated, every span tensor (D16)
         st.update({
             "exact_m": torch.zeros(ne, dtype=torch.float32, device=dev),
             "exact_v": torch.zeros(ne, dtype=torch.float32, device=dev),
@@ -224,8 +239,9 @@ class FlatSegments(SegmentStepMixin):
         on the period and is always kept (``v_col`` neither, and is not moved)."""
         rb = st.get("row_blocks", 1) if factored else 1
         vkey = "v_row" if factored else "v"
-        old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, factored, rb)
-        new, ns, nv, _ = _slots(self.segments, new_periods, self.small_threshold, factored, rb)
+        spanf = self._span_fn(factored)
+        old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, factored, rb, span=spanf)
+        new, ns, nv, _ = _slots(self.segments, new_periods, self.small_threshold, factored, rb, span=spanf)
         scale = torch.zeros(ns, dtype=torch.float32, device=st["scale"].device)
         v = torch.zeros(nv, dtype=torch.float32, device=st[vkey].device)
         for o, n, learned in zip(old, new, st["learned"]):
@@ -246,14 +262,16 @@ class FlatSegments(SegmentStepMixin):
         if mode_of_saved(st) != MODE_FACTORED or st.get("few_rows") is not None:
             return False
         rb = st.get("row_blocks", 1)
-        old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rb, few_rows_shared=False)
-        new, _, nv, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rb)
+        spanf = self._span_fn(True)
+        old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rb, few_rows_shared=False,
+                              span=spanf)
+        new, _, nv, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rb, span=spanf)
         dev = st["v_row"].device
         v_row = torch.zeros(nv, dtype=torch.float32, device=dev)
         v_col = torch.zeros(sum(n.vcol_n for n in new), dtype=torch.float32, device=dev)
         moved = []
         for o, n, learned in zip(old, new, st["learned"]):
-            if o.exact:
+            if o.exact or o.span:
                 continue
             if n.factored:
                 v_row[n.v_off:n.v_off + n.v_n] = st["v_row"][o.v_off:o.v_off + o.v_n]
@@ -311,8 +329,10 @@ class FlatSegments(SegmentStepMixin):
         cat = self.global_catalog()
         # 2) periods from decomposed statistics (one all-gather of partials)
         held = {key: self.segments[local[key]] for key in live if key in local}
+        spans = set(st.get("span_keys", []))
         new_period = learning.learn_periods_by_key(
-            self.comm, {key: (cat[key]["shape"], fixed_period(cat[key]["shape"], second_moment)) for key in live},
+            self.comm, {key: (cat[key]["shape"], _span.span_rows(cat[key]["shape"]) * _periods.row_slab(cat[key]["shape"])
+                              if key in spans else fixed_period(cat[key]["shape"], second_moment)) for key in live},
             {key: Piece(local=None, grad=g[s.flat_offset:s.flat_offset + s.numel], start=s.param_offset,
                         shape=tuple(cat[key]["shape"])) for key, s in held.items()})
         periods = list(st["periods"])
@@ -330,12 +350,15 @@ class FlatSegments(SegmentStepMixin):
                 gper[j] = new_period[key]
         if not codebook_needed:
             return None
-        return self._histogram(g, live, {k: _periods.scale_block_for(new_period[k], _periods.row_slab(cat[k]["shape"]))
-                                         for k in live})
+        rest = [k for k in live if k not in spans]
+        return self._histogram(g, rest, {k: _periods.scale_block_for(new_period[k], _periods.row_slab(cat[k]["shape"]))
+                                         for k in rest}, [k for k in live if k in spans])
 
-    def _histogram(self, g: torch.Tensor, live: Sequence[str], block_of: Dict[str, int]) -> torch.Tensor:
+    def _histogram(self, g: torch.Tensor, live: Sequence[str], block_of: Dict[str, int],
+                   span_live: Sequence[str] = ()) -> torch.Tensor:
         """The codebook histogram of the tensors ``live`` (all-reduced), cut blocks normalised by
-        their global absmax (one all-gather of the cut blocks' partial absmax, one SUM)."""
+        their global absmax (one all-gather of the cut blocks' partial absmax, one SUM), and of the
+        span tensors ``span_live`` (D16: their blocks' absmax reduced first, one MAX)."""
         local = {s.key: i for i, s in enumerate(self.segments)}
         cuts = self.cut_blocks(block_of)
         cut_pos = {c: j for j, c in enumerate(cuts)}
@@ -363,6 +386,8 @@ class FlatSegments(SegmentStepMixin):
                 z = x / am if float(am) > 0 else torch.zeros_like(x)
                 bins = torch.floor((z + 1.0) * 2048.0).clamp_(0, NUM_BINS - 1).to(torch.int64)
                 counts += torch.bincount(bins, minlength=NUM_BINS)
+        if span_live:
+            self._span_histogram(g, span_live, counts)
         self.comm.all_reduce_sum_(counts)
         return counts
 

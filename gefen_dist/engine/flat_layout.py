@@ -85,10 +85,12 @@ class _SegSlots:
     vcol_off: int = 0  # factored: this segment's full v_col ([slab]) in st["v_col"]
     vcol_n: int = 0
     factored: bool = False  # its second moment is v_row x v_col (else one v per v-block, D15)
+    span: bool = False  # narrow rows kept per block of rows (D16): its state is the buffer's span_* arrays
 
 
 def _slots(segments: Sequence[Segment], periods: Sequence[int], small_threshold: Optional[int],
-          factored: bool = False, row_blocks=1, few_rows_shared: bool = True) -> Tuple[List[_SegSlots], int, int, int]:
+          factored: bool = False, row_blocks=1, few_rows_shared: bool = True,
+          span=None) -> Tuple[List[_SegSlots], int, int, int]:
     """Offsets of every segment's state. Shared second moment: ``v`` per touched v-block (period).
     Factored (``factored=True``): ``v`` is ``v_row``, one entry per touched row (independent of the
     period), and ``vcol_off``/``vcol_n`` place a full ``v_col`` per non-empty quantized segment:
@@ -97,9 +99,14 @@ def _slots(segments: Sequence[Segment], periods: Sequence[int], small_threshold:
     rows keeps the shared second moment in a factored buffer too (D15, ``factored`` False on its
     slots): its ``v`` per touched v-block lives in ``st["v_row"]`` and it has no ``v_col``.
     ``small_threshold=None`` reads a *saved* state without knowing the optimizer's threshold: a
-    segment is exact iff its period is 0 (quantized segments always have a period >= 1)."""
+    segment is exact iff its period is 0 (quantized segments always have a period >= 1).
+    ``span(shape)``: whether a tensor keeps its state per block of rows (D16, ``narrow_rows="span"``):
+    such a segment has no slot here (its state lives in the buffer's ``span_*`` arrays, whole)."""
     out, so, vo, eo, co = [], 0, 0, 0, 0
     for seg, per in zip(segments, periods):
+        if span is not None and span(seg.shape):
+            out.append(_SegSlots(seg, False, int(per), int(per), span=True))
+            continue
         if (int(per) == 0) if small_threshold is None else is_exact(seg.shape, small_threshold):
             out.append(_SegSlots(seg, True, exact_off=eo))
             eo += seg.numel

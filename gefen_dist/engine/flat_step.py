@@ -34,7 +34,8 @@ class SegmentStepMixin:
         impl = impl or _dispatch.select(flat, fused=False)
         factored = second_moment == MODE_FACTORED
         rbr = st.get("row_blocks", 1) if factored else 1
-        layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, factored, rbr)
+        layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, factored, rbr,
+                                 span=self._span_fn(factored))
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
         learned = list(_learned_segments(layout, st, fv, gv, hp))  # steps exact segments, decays unlearned ones
         if factored:
@@ -42,8 +43,10 @@ class SegmentStepMixin:
                                 impl.quantized_step_factored_, impl.column_sumsq)
         # the shared second moment: every segment of a shared / elementwise buffer, the few-row
         # tensors of a factored one (D15, their v in st["v_row"])
-        self._step_shared(st, hp, [w for w in learned if not w[0].factored], impl,
+        self._step_shared(st, hp, [w for w in learned if not w[0].factored and not w[0].span], impl,
                           st["v_row"] if factored else st["v"], second_moment)
+        if st.get("span_keys"):
+            self._step_span(st, hp, [w for w in learned if w[0].span])
 
     def _step_shared(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl, v_all: torch.Tensor,
                      second_moment: str) -> None:
@@ -136,8 +139,9 @@ class SegmentStepMixin:
         offsets, row blocks, cut rows and cut scale blocks."""
         cat = self.global_catalog()
         ctx = _FactoredCatalog(cat=cat)
+        spans = set(st.get("span_keys", []))
         for k in (k for k, lrn in zip(st["global_keys"], st["global_learned"])
-                  if lrn and quantized_mode(cat[k]["shape"], MODE_FACTORED) == MODE_FACTORED):
+                  if lrn and k not in spans and quantized_mode(cat[k]["shape"], MODE_FACTORED) == MODE_FACTORED):
             ctx.slab_of[k] = _periods.row_slab(cat[k]["shape"])
             ctx.nblk_of[k] = _periods.factored_row_blocks(cat[k]["shape"], rbr)  # row blocks (D12)
             ctx.col_off[k] = ctx.nc

@@ -68,7 +68,6 @@ class Gefen(_opt_mod.Gefen):
 
     _group_rejected = GROUP_REJECTED_SHARDED  # flat buffers cut across groups: one implementation
     _complex_ok = False
-    _span_ok = False  # its flat buffers keep per-row state (narrow_rows="span" raises)
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
@@ -194,6 +193,7 @@ class Gefen(_opt_mod.Gefen):
         st = self.state.get(flat)
         second_moment = second_moment_of(group)  # the buffer's mode (the constructor's default where unset)
         fs.second_moment = second_moment  # for report(): ZeRO-3 empties the param groups between steps
+        fs.narrow_rows = group.get("narrow_rows", "rows")  # D16: the buffer's group's
         factored = second_moment == MODE_FACTORED
         # state that exists was loaded (or put there by DeepSpeed): checked as a saved entry
         saved = mode_of_saved(st) if st else None
@@ -212,6 +212,11 @@ class Gefen(_opt_mod.Gefen):
                 f"{fs.where}: the optimizer state holds a {saved} second "
                 f"moment but the param group asks for second_moment={second_moment!r}; "
                 "resume with the setting the checkpoint was saved with")
+        elif st.get("narrow_rows", "rows") != fs.narrow_rows:
+            raise ValueError(
+                f"{fs.where}: the optimizer state was saved with narrow_rows={st.get('narrow_rows', 'rows')!r} but "
+                f"the param group asks for narrow_rows={fs.narrow_rows!r} (D16: per block of rows or per row, "
+                "different state); resume with the setting the checkpoint was saved with")
         else:
             fs.upgrade_few_rows(st)  # a factored state saved before D15
         grad = flat.grad
@@ -256,7 +261,8 @@ class Gefen(_opt_mod.Gefen):
             # steps); a buffer loaded but not stepped yet: read off its state, as a saved entry
             second_moment = fs.second_moment or mode_of_saved(st)
             nb = sum(st[x].numel() * st[x].element_size()
-                     for x in ("idx", "scale", "v", "v_row", "v_col", "exact_m", "exact_v") if x in st)
+                     for x in ("idx", "scale", "v", "v_row", "v_col", "exact_m", "exact_v", "span_scale", "span_vblk",
+                               "span_vcol") if x in st)
             for seg, per in zip(fs.segments, st["periods"]):
                 mode = "exact" if per == 0 else second_moment
                 rep.append(dict(name=seg.name, shape=seg.shape, numel=math.prod(seg.shape), local_numel=seg.numel,

@@ -67,6 +67,12 @@ _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "initial_lr")
 
 
+_SPAN_UNSUPPORTED = (
+    "universal checkpoints of narrow_rows='span' state (D16: tensors of narrow rows kept per block of rows) are "
+    "not supported yet; resume at the same world size (engine.load_checkpoint), or train with "
+    "narrow_rows='rows' to convert")
+
+
 class UniversalCheckpointError(ValueError):
     """A checkpoint cannot be converted or loaded (the message names the value and the fix)."""
 
@@ -187,6 +193,8 @@ def _rank_states(f: str, obj) -> Tuple[Dict[str, Any], Any, list, int]:
                                        f"{keys[:8]}): not saved by gefen_dist.integrations.deepspeed.Gefen")
     if len(states) != len(flats):
         raise UniversalCheckpointError(f"{f!r}: {len(states)} optimizer states but {len(flats)} fp32 partitions")
+    if any(s.get("span_keys") for s in states.values()):
+        raise UniversalCheckpointError(_SPAN_UNSUPPORTED)
     return osd, base, flats, stage
 
 
@@ -405,6 +413,8 @@ def load_into_engine(engine, folder: str, load_optimizer_states: bool = True) ->
     Gefen's state requantized from ``exp_avg``/``exp_avg_sq``, hyperparameters and DeepSpeed's global
     optimizer state. Every rank of the data-parallel group calls it (the layout catalog is collective)."""
     opt, wrapper = engine.basic_optimizer, engine.optimizer
+    if any(g.get("narrow_rows", "rows") == "span" for g in opt.param_groups):
+        raise UniversalCheckpointError(_SPAN_UNSUPPORTED)
     zero = os.path.join(folder, "zero")
     if not os.path.isdir(zero):
         raise UniversalCheckpointError(

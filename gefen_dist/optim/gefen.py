@@ -73,8 +73,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
             Adafactor's single profile. Also per param group.
         narrow_rows: where a factored tensor whose rows hold fewer than 80 elements keeps its scales
             and second moment (also per param group): ``"rows"`` (default; ``1 + 8 / S`` B/param,
-            ``(N, 1)`` exact) or ``"span"``, per block of rows (~1.01 B/param; D16: torch operations
-            only, not in the DeepSpeed integration).
+            ``(N, 1)`` exact) or ``"span"``, per block of rows (~1.01 B/param; D16: torch operations).
         bound_updates: a factor ``c >= 1`` (default ``2.0``) clamps every quantized element's
             normalised update to ``c (1 + beta1^(t-1))`` times AdamW's own bound ``K_t``
             (:func:`gefen_dist.core.step.clamp_bound`; D13): no gradient sequence moves a weight by
@@ -91,10 +90,9 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
             several ranks are treated as replicas (DDP).
     """
 
-    # param-group keys refused (optimizer-wide options); complex parameters stepped as real views;
-    # narrow_rows="span" (D16) stepped here
+    # param-group keys refused (optimizer-wide options); complex parameters stepped as real views
     _group_rejected = _validation.GROUP_REJECTED
-    _complex_ok = _span_ok = True
+    _complex_ok = True
 
     def __init__(
         self,
@@ -123,7 +121,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
         if fused not in (None, True, False):
             raise ValueError(f"Invalid fused: {fused!r} (expected None, True or False)")
         _validation.validate_row_blocks(row_blocks)
-        _validation.validate_narrow_rows(narrow_rows, span_ok=self._span_ok)
+        _validation.validate_narrow_rows(narrow_rows)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment,
                         row_blocks=row_blocks, narrow_rows=narrow_rows)
         self.small_threshold = small_threshold

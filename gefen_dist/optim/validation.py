@@ -119,17 +119,12 @@ def validate_row_blocks(rb, where: str = "") -> None:
                          "column profile per tensor, as Adafactor)")
 
 
-def validate_narrow_rows(nr, where: str = "", span_ok: bool = True) -> None:
-    """``narrow_rows`` is ``"rows"`` or ``"span"``; ``"span"`` (D16) only in an optimizer that
-    steps it (``span_ok``: :class:`gefen_dist.Gefen` and ``ZeroGefen``, not the DeepSpeed
-    integration's flat buffers)."""
+def validate_narrow_rows(nr, where: str = "") -> None:
+    """``narrow_rows`` is ``"rows"`` or ``"span"`` (D16)."""
     from ..engine.state import NARROW_ROWS
 
     if nr not in NARROW_ROWS:
         raise ValueError(f"Invalid narrow_rows{where}: {nr!r} (expected one of {NARROW_ROWS})")
-    if not span_ok and nr == "span":
-        raise ValueError(f"narrow_rows='span'{where} is not supported by the DeepSpeed integration: its flat "
-                         "buffers keep per-row state. Remove narrow_rows (or use gefen_dist.Gefen or ZeroGefen)")
 
 
 def validate_param_group(opt, param_group) -> None:
@@ -147,7 +142,7 @@ def validate_param_group(opt, param_group) -> None:
             raise ValueError(f"Invalid second_moment{where}: {merged['second_moment']!r} (expected one of "
                              f"{SECOND_MOMENTS})")
         validate_row_blocks(merged.get("row_blocks", "auto"), where)
-        validate_narrow_rows(merged.get("narrow_rows", "rows"), where, span_ok=opt._span_ok)
+        validate_narrow_rows(merged.get("narrow_rows", "rows"), where)
         st = merged.get("small_threshold", 0)
         if isinstance(st, bool) or not isinstance(st, int) or st < 0:
             raise ValueError(f"Invalid small_threshold{where}: {st!r} (must be an int >= 0)")

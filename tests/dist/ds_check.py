@@ -28,6 +28,8 @@ CFG_DIR = os.path.join(REPO, "integrations", "deepspeed")
 MB = 4  # micro batch per rank
 FACTORED = {"optimizer.params.second_moment": "factored"}
 ELEMENTWISE = {"optimizer.params.second_moment": "elementwise"}
+# D16: b's rows of 67 elements kept per block of 16 rows (its 134 rows: 9 blocks, the last of 6 rows)
+SPAN = dict(FACTORED, **{"optimizer.params.narrow_rows": "span"})
 COLS = torch.linspace(0.2, 3.0, 95)  # column scales: gives the weight gradients a period
 
 
@@ -109,10 +111,11 @@ def train(engine, steps, ga, start=0, dtype=torch.float32):
     return losses
 
 
-def reference(steps, ga, lrs, clip, per_micro=False, second_moment="shared"):
+def reference(steps, ga, lrs, clip, per_micro=False, second_moment="shared", narrow_rows="rows"):
     torch.manual_seed(0)
     m = Net()
     kw = dict(second_moment="factored", fused=False) if second_moment == "factored" else dict(second_moment=second_moment)
+    kw["narrow_rows"] = narrow_rows
     opt = PlainGefen(groups(m), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, **kw)
     opt._comm = LocalComm()  # single-process oracle
     ws = dist.get_world_size()
@@ -173,12 +176,13 @@ def make_engine(cfg, zinit=False, client=False):
     return deepspeed.initialize(model=m, model_parameters=groups(m), config=cfg)
 
 
-def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="shared"):
+def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="shared", narrow_rows="rows"):
     opt = engine.basic_optimizer if hasattr(engine, "basic_optimizer") else engine.optimizer
     assert isinstance(opt, gds.Gefen), type(opt)
     if second_moment == "elementwise":  # period 1 everywhere, no detection
         assert set(opt.periods().values()) - {0} == {1}, (case, opt.periods())  # 0: the exact small tensors
-    ref, ref_opt = reference(steps, ga, lrs, clip, per_micro=stage >= 2, second_moment=second_moment)
+    ref, ref_opt = reference(steps, ga, lrs, clip, per_micro=stage >= 2, second_moment=second_moment,
+                             narrow_rows=narrow_rows)
     assert opt.codebook is not None
     if not torch.equal(opt.codebook.cpu(), ref_opt.codebook):
         raise AssertionError(f"{case}: codebook differs, max {float((opt.codebook.cpu() - ref_opt.codebook).abs().max()):.2e}")
@@ -211,9 +215,31 @@ def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="
         assert ("v_col" in st) == (second_moment == "factored") and ("v" in st) != ("v_col" in st), (case, list(st))
     if second_moment == "factored":
         check_factored_state(case, opt, ref_opt)
+    if narrow_rows == "span":
+        check_span_state(case, opt, ref_opt)
     log(f"OK {case}: codebook and periods {sorted(set(opt.periods().values()))} identical, max rel param diff "
         f"{worst:.2e} ({flips} isolated codeword flips)")
     return worst
+
+
+def check_span_state(case, opt, ref_opt):
+    """D16: every buffer holds the whole block state of b.weight, equal (1e-6 relative) to the
+    single-process optimizer's, and identical on every rank."""
+    ref_st = next(ref_opt.state[p] for g in ref_opt.param_groups for p in g["params"] if tuple(p.shape) == (134, 67))
+    seen = []
+    for k, st in opt.state.items():
+        fs = opt._ds_flats[id(k)]
+        for key, (bo, nb, co, S, shape) in fs.span_layout(st).items():
+            assert shape == (134, 67), (case, shape)
+            for mine, ref in ((st["span_scale"][bo:bo + nb], ref_st["scale"]), (st["span_vblk"][bo:bo + nb], ref_st["v_blk"]),
+                              (st["span_vcol"][co:co + S], ref_st["v_col"])):
+                d = float((mine.cpu() - ref).abs().max() / ref.abs().max())
+                assert d <= 1e-6, (case, key, d)
+            seen.append(torch.cat([st["span_scale"][bo:bo + nb], st["span_vblk"][bo:bo + nb]]).cpu())
+    assert seen, (case, "no span tensor in the buffers")
+    allr = [None] * dist.get_world_size()
+    dist.all_gather_object(allr, [t.tolist() for t in seen])
+    assert all(r == allr[0] for r in allr), (case, "span state differs across ranks")
 
 
 def check_factored_state(case, opt, ref_opt):
@@ -229,9 +255,10 @@ def check_factored_state(case, opt, ref_opt):
     rows, n_cut, vdiff, cdiff, few = {}, 0, 0.0, 0.0, {}
     for k, st in opt.state.items():
         fs = opt._ds_flats[id(k)]
-        plan, *_ = _slots(fs.segments, st["periods"], fs.small_threshold, True, st.get("row_blocks", 1))
+        plan, *_ = _slots(fs.segments, st["periods"], fs.small_threshold, True, st.get("row_blocks", 1),
+                          span=fs._span_fn(True))
         for sp, lrn in zip(plan, st["learned"]):
-            if sp.exact or not sp.seg.numel or not lrn:
+            if sp.exact or sp.span or not sp.seg.numel or not lrn:
                 continue
             rst = ref_by_shape[sp.seg.shape]
             if not sp.factored:  # few rows (D15): a shared v per v-block, kept in v_row, none in v_col
@@ -286,8 +313,9 @@ def case_exact(case, cfg_name, stage, steps=int(os.environ.get("DS_STEPS", 10)),
             log("dbg", s, engine.global_steps, engine.skipped_steps, [g["lr"] for g in bo.param_groups],
                 [st["step"] for st in bo.state.values()], engine.lr_scheduler.get_last_lr())
     assert len(set(lrs)) > 1 or steps < 2 or "scheduler" not in cfg, f"{case}: lr schedule not applied {lrs}"
+    params = cfg.get("optimizer", {}).get("params", {})
     compare(case, engine, stage, steps, ga, lrs, cfg.get("gradient_clipping", 0.0),
-            second_moment=cfg.get("optimizer", {}).get("params", {}).get("second_moment", "shared"))
+            second_moment=params.get("second_moment", "shared"), narrow_rows=params.get("narrow_rows", "rows"))
     return engine
 
 
@@ -748,11 +776,18 @@ def main():
                        **{"zero_optimization.sub_group_size": 7000})
         elif c == "z2f":  # factored second moment (row/column cut by the partition edge)
             case_exact("zero2 factored", "gefen_zero2.json", 2, gradient_clipping=0.0, **FACTORED)
+        elif c == "z2span":  # narrow_rows="span" (D16): b's blocks of rows cut by the partition edge
+            case_exact("zero2 narrow_rows=span", "gefen_zero2.json", 2, gradient_clipping=0.0, **SPAN)
+        elif c == "z3span":
+            case_exact("zero3 narrow_rows=span+zero.Init+sub_group_size", "gefen_zero3.json", 3, zinit=True,
+                       **{"zero_optimization.sub_group_size": 7000}, **SPAN)
         elif c == "z2e":  # per-element second moment (period 1 in the shared layout)
             case_exact("zero2 elementwise", "gefen_zero2.json", 2, gradient_clipping=0.0, **ELEMENTWISE)
         elif c == "z3f":
             case_exact("zero3 factored+zero.Init+sub_group_size", "gefen_zero3.json", 3, zinit=True,
                        **{"zero_optimization.sub_group_size": 7000}, **FACTORED)
+        elif c == "ck2span":  # a DeepSpeed checkpoint of span state (D16) resumes bit-identically
+            case_ckpt("ckpt-zero2 narrow_rows=span", "gefen_zero2.json", 2, args.ckpt, **SPAN)
         elif c == "ck3f":
             case_ckpt("ckpt-zero3 factored", "gefen_zero3.json", 3, args.ckpt, **FACTORED)
         elif c == "ck2":
