@@ -35,16 +35,31 @@ def publish(out: dict, out_path, md: str, md_path, default_md: Path, marker: str
     print(f"wrote {out_path} and {md_path}")
 
 
-def emit(res: dict, out: str, md: str, write: bool, doc: Path, marker: str) -> None:
-    """A benchmark's ending: its JSON to ``out`` (when given), the markdown table printed and, with
-    ``write``, spliced into ``doc`` between its ``marker`` markers (a clear exit when they are missing)."""
+def output_args(ap, doc: str) -> None:
+    """The output options of a benchmark whose table lives in ``doc``: ``--out``, ``--from-json``,
+    ``--write``."""
+    ap.add_argument("--out", default="", help="write the results JSON there")
+    ap.add_argument("--from-json", default="", help="render stored results instead of measuring")
+    ap.add_argument("--write", action="store_true", help=f"splice the table into {doc}")
+
+
+def run_or_load(args, measure, table, doc: Path, marker: str) -> dict:
+    """The stored results (``--from-json``) or ``measure()``'s, whose JSON goes to ``--out``; the
+    markdown ``table(res)`` printed and, with ``--write``, spliced into ``doc`` between its ``marker``
+    markers (a clear exit when they are missing). Stored results are never rewritten."""
     import json
 
-    if out:
-        Path(out).write_text(json.dumps(res, indent=1) + "\n")
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+    else:
+        res = measure()
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    md = table(res)
     print(md)
-    if write and not splice(doc, marker, md):
+    if args.write and not splice(doc, marker, md):
         raise SystemExit(f"{doc} has no {marker} markers")
+    return res
 
 
 def run_meta() -> dict:

@@ -23,7 +23,6 @@ the table into docs/algorithm.md (``narrow_quality`` markers).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -36,7 +35,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from _docs import emit, run_meta  # noqa: E402
+from _docs import output_args, run_meta, run_or_load  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 
 OPTS = ("adamw", "gefen_rows", "gefen_span")
@@ -166,33 +165,31 @@ def table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run(args, argv) -> dict:
+    torch.set_num_threads(1)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    res = dict(command="python benchmarks/narrow_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               seeds=seeds, **run_meta(), runs={})
+    for wl in args.workloads.split(","):
+        res["runs"][wl] = {}
+        for seed in seeds:
+            res["runs"][wl][str(seed)] = {}
+            for name in OPTS:
+                t0 = time.perf_counter()
+                loss, b = WORKLOADS[wl](name, seed)
+                res["runs"][wl][str(seed)][name] = dict(loss=loss, bytes=b, seconds=time.perf_counter() - t0)
+                print(f"{wl} seed {seed} {name}: loss {loss:.5f}, {b:.3f} B/param", flush=True)
+    res["summary"] = summary(res)
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--out", default="")
-    ap.add_argument("--from-json", default="")
-    ap.add_argument("--write", action="store_true", help="splice the table into docs/algorithm.md")
+    output_args(ap, "docs/algorithm.md")
     args = ap.parse_args(argv)
-    if args.from_json:
-        res = json.loads(Path(args.from_json).read_text())
-    else:
-        torch.set_num_threads(1)
-        seeds = [int(s) for s in args.seeds.split(",")]
-        res = dict(command="python benchmarks/narrow_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                   seeds=seeds, **run_meta(), runs={})
-        for wl in args.workloads.split(","):
-            res["runs"][wl] = {}
-            for seed in seeds:
-                res["runs"][wl][str(seed)] = {}
-                for name in OPTS:
-                    t0 = time.perf_counter()
-                    loss, b = WORKLOADS[wl](name, seed)
-                    res["runs"][wl][str(seed)][name] = dict(loss=loss, bytes=b, seconds=time.perf_counter() - t0)
-                    print(f"{wl} seed {seed} {name}: loss {loss:.5f}, {b:.3f} B/param", flush=True)
-        res["summary"] = summary(res)
-    out = "" if args.from_json else args.out  # stored results are not rewritten
-    emit(res, out, table(res), args.write, ROOT / "docs" / "algorithm.md", "narrow_quality")
+    run_or_load(args, lambda: run(args, argv), table, ROOT / "docs" / "algorithm.md", "narrow_quality")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ AdamW). ``--write`` splices the table into docs/benchmarks.md (``narrow_rows`` m
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from _docs import emit, run_meta  # noqa: E402
+from _docs import output_args, run_meta, run_or_load  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 
 SHAPES = [(1_000_000, 1), (500_000, 2), (100_000, 10), (25_000, 40), (20_000, 79), (10_000, 128),
@@ -86,27 +85,25 @@ def table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run(args, argv) -> dict:
+    torch.set_num_threads(args.threads)
+    res = dict(command="python benchmarks/narrow_rows.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               threads=args.threads, rounds=args.rounds, **run_meta(), shapes={})
+    for shape in SHAPES:
+        name = "(" + ", ".join(f"{s:,}" for s in shape) + ")"
+        res["shapes"][name] = measure(shape, args.rounds)
+        print(name, {k: round(v, 3) for k, v in res["shapes"][name]["bytes_per_param"].items()},
+              {k: round(v, 2) for k, v in res["shapes"][name]["ratio_to_adamw"].items()}, flush=True)
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--out", default="")
-    ap.add_argument("--from-json", default="")
-    ap.add_argument("--write", action="store_true", help="splice the table into docs/benchmarks.md")
+    output_args(ap, "docs/benchmarks.md")
     args = ap.parse_args(argv)
-    if args.from_json:
-        res = json.loads(Path(args.from_json).read_text())
-    else:
-        torch.set_num_threads(args.threads)
-        res = dict(command="python benchmarks/narrow_rows.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                   threads=args.threads, rounds=args.rounds, **run_meta(), shapes={})
-        for shape in SHAPES:
-            name = "(" + ", ".join(f"{s:,}" for s in shape) + ")"
-            res["shapes"][name] = measure(shape, args.rounds)
-            print(name, {k: round(v, 3) for k, v in res["shapes"][name]["bytes_per_param"].items()},
-                  {k: round(v, 2) for k, v in res["shapes"][name]["ratio_to_adamw"].items()}, flush=True)
-    out = "" if args.from_json else args.out  # stored results are not rewritten
-    emit(res, out, table(res), args.write, ROOT / "docs" / "benchmarks.md", "narrow_rows")
+    run_or_load(args, lambda: run(args, argv), table, ROOT / "docs" / "benchmarks.md", "narrow_rows")
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ class FlatSpanMixin:
         return out
 
     def _span_histogram(self, g: torch.Tensor, keys: Sequence[str], counts: torch.Tensor) -> None:
-        """Add the span tensors ``keys``' pieces held here to ``counts``, normalised by their blocks'
-        global absmax (one MAX all-reduce over every key's blocks, entered by every rank)."""
+        """Add the span tensors ``keys``' pieces held here to ``counts``, normalised by the absmax of
+        their whole blocks (one MAX all-reduce over every key's blocks, entered by every rank)."""
         cat = self.global_catalog()
         local = {s.key: s for s in self.segments}
         nbs = [_span.span_blocks(cat[k]["shape"]) for k in keys]
@@ -68,7 +68,7 @@ class FlatSpanMixin:
         learned = {k for k, lrn in zip(st["global_keys"], st["global_learned"]) if lrn and k in lay}
         if not learned:
             return
-        held = {s.key: (p, g) for _, s, p, g in items}
+        held = {s.key: (s, p, g) for _, s, p, g in items}
         nbt = sum(v[1] for v in lay.values())
         nct = sum(v[3] for v in lay.values())
         sums = torch.zeros(nct + nbt, dtype=torch.float64)
@@ -77,11 +77,10 @@ class FlatSpanMixin:
         work = {}
         for key in learned:
             bo, nb, co, S, shape = lay[key]
-            seg = next((s for s in self.segments if s.key == key), None)
-            a, n = (seg.param_offset, seg.numel) if seg is not None and key in held else (0, 0)
+            seg, p, g = held.get(key, (None, None, None))
+            a, n = (seg.param_offset, seg.numel) if seg is not None else (0, 0)
             sp = _span.SpanPiece.of(shape, a, n)
             if n:
-                p, g = held[key]
                 ix = st["idx"][seg.flat_offset:seg.flat_offset + n]
                 m, col, blk, amax = _span.span_statistics(g, ix, st["span_scale"][bo:bo + nb], cb.to(g.device), sp,
                                                           hp["beta1"])

@@ -91,12 +91,11 @@ def global_histogram(comm, items: Sequence[Tuple]) -> torch.Tensor:
                  for pc, sp in spans]
         buf = torch.cat(parts)
         comm.all_reduce_max_(buf)
-        amax = {id(pc): a for (pc, _), a in zip(spans, buf.split([p.numel() for p in parts]))}
+        amax = {id(pc): (a, sp) for (pc, sp), a in zip(spans, buf.split([p.numel() for p in parts]))}
     for pc, block, *sp in items:
         if pc.contributes and pc.grad is not None and pc.grad.numel():
             if id(pc) in amax:
-                _span.span_histogram(pc.grad, amax[id(pc)], _span.SpanPiece.of(pc.shape, pc.start, pc.local.numel()),
-                                     counts)
+                _span.span_histogram(pc.grad, *amax[id(pc)], counts)
             else:
                 _dispatch.block_histogram(pc.grad, block, out=counts)
     comm.all_reduce_sum_(counts)
