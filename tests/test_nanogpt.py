@@ -37,7 +37,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "dist"))
-from _launch import _env, torchrun_cmd, wait_torchrun  # noqa: E402
+from _launch import TAIL, _env, torchrun_cmd, wait_torchrun  # noqa: E402
 
 NANO = os.path.join(HERE, "clients", "nanogpt")
 CONFIG = os.path.join(NANO, "config", "train_stdlib_char_gefen.py")
@@ -81,12 +81,52 @@ def _workdir(tmp_path):
     return tmp_path
 
 
+def _teardown_abort(res, overrides) -> bool:
+    """A 2-rank launch that finished its last iteration and then lost a rank to SIGABRT.
+
+    gloo can abort a rank at exit when its peer closes the TCP pair first (``gloo::IoException``
+    thrown on gloo's own thread: pytorch/pytorch#130345, horovod#2907); nanoGPT's ``train.py``
+    (vendored, not ours to change) calls ``destroy_process_group()`` and exits. Seen once in CI
+    (2026-12-04, rank 1 exit -6 after the run's last checkpoint); 18 loaded local repeats and 3
+    with the native kernels built under AddressSanitizer ran clean.
+    """
+    last = next((int(o.split("=")[1]) for o in overrides if o.startswith("--max_iters=")), 20)
+    return (res.returncode != 0 and re.search(rf"^iter {last}: loss", res.stdout, re.M) is not None
+            and "exitcode  : -6" in res.stdout)
+
+
+def test_teardown_abort_rule():
+    """The one relaunch is for an abort after the last iteration only, never for a failure during training."""
+    done = "iter 19: loss 2.98,\niter 20: loss 2.95, time 1ms\n  exitcode  : -6 (pid: 1)  (SIGABRT)\n"
+    assert _teardown_abort(subprocess.CompletedProcess([], 1, done, ""), ["--out_dir=out"])
+    assert not _teardown_abort(subprocess.CompletedProcess([], 1, done, ""), ["--max_iters=30"])
+    assert not _teardown_abort(subprocess.CompletedProcess([], 1, done.replace("-6", "1"), ""), [])
+    assert not _teardown_abort(subprocess.CompletedProcess([], 0, done, ""), [])
+
+
 def _train(cwd, *overrides, nproc=1):
     args = [TRAIN, CONFIG, *overrides]
     cmd = [sys.executable, *args] if nproc == 1 else torchrun_cmd(args[0], nproc, *args[1:])
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    out = wait_torchrun(proc, TIMEOUT, f"nanoGPT train.py x{nproc} {' '.join(overrides)}").stdout
+    what = f"nanoGPT train.py x{nproc} {' '.join(overrides)}"
+    backup = cwd / "out.before"
+    if nproc > 1:
+        shutil.rmtree(backup, ignore_errors=True)
+        if (cwd / "out").exists():
+            shutil.copytree(cwd / "out", backup)
+    for attempt in (1, 2):
+        proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        res = wait_torchrun(proc, TIMEOUT, what, check=False)
+        if attempt == 1 and nproc > 1 and _teardown_abort(res, overrides):
+            # once, from the same starting files: a second abort, or any other failure, fails the test
+            print(f"{what}: a rank aborted after the last iteration (gloo teardown); relaunching once")
+            shutil.rmtree(cwd / "out", ignore_errors=True)
+            if backup.exists():
+                shutil.copytree(backup, cwd / "out")
+            continue
+        break
+    assert res.returncode == 0, f"{what} failed (rc {res.returncode}); output tail:\n{res.stdout[-TAIL:]}"
+    out = res.stdout
     iters = [(int(i), float(v)) for i, v in ITER.findall(out)]
     evals = [(int(i), float(t), float(v)) for i, t, v in EVAL.findall(out)]
     return out, iters, evals
