@@ -100,6 +100,81 @@ def test_one_column_equals_the_shared_eager_path_with_blocks_of_rows():
         torch.testing.assert_close(p.detach().view(-1), ref, rtol=1e-6, atol=1e-9)
 
 
+def _native_or_skip():
+    from gefen_dist.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("the native CPU library is not built here")
+
+
+@pytest.mark.parametrize("shape,row0,nrows", [((5000, 1), 0, 5000), ((4999, 2), 0, 4999), ((3001, 10), 205, 1333),
+                                              ((1000, 79), 3, 500), ((700, 3, 3), 0, 700), ((999, 40), 26, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bound,wd", [(None, 0.0), (1.5, 0.1), (0.01, 0.0)])
+def test_native_phases_equal_the_reference(shape, row0, nrows, dtype, bound, wd):
+    """The native span phases (kernels/cpu_span.py) against core/span.py's on one piece (rows ``row0``
+    .. of a tensor, as an FSDP2 shard holds them; blocks cut at both ends): the first moment, the block
+    maxima, indices, scales, ``v`` and the parameter bitwise (float32 and bfloat16 parameters, with and
+    without the bound and weight decay, some blocks with a zero scale); the float64 sums of ``g^2``
+    to 1e-13 (added in another order)."""
+    _native_or_skip()
+    from gefen_dist.core import span as ref
+    from gefen_dist.kernels import cpu_span as nat
+
+    gen = torch.Generator().manual_seed(nrows + row0)
+    S = math.prod(shape[1:])
+    sp = SpanPiece.of(shape, row0 * S, nrows * S)
+    cb = torch.sort(torch.cat([torch.tensor([-1.0, 0.0, 1.0]), torch.rand(253, generator=gen) * 2 - 1]))[0]
+    g = (torch.randn(nrows, S, generator=gen) * torch.exp(torch.randn(nrows, 1, generator=gen))).to(dtype).view(-1)
+    idx = torch.randint(0, 256, (nrows * S,), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(sp.nb, generator=gen) * 1e-2
+    scale[::3] = 0.0
+    out = [impl.span_statistics(g, idx, scale, cb, sp, 0.9) for impl in (ref, nat)]
+    for name, a, b in zip(("m", "col", "blk", "amax"), *out):
+        if a.dtype == torch.float64:
+            torch.testing.assert_close(b, a, rtol=1e-13, atol=0, msg=name)
+        else:
+            assert torch.equal(a, b), name
+    m, col, blk, amax = out[0]
+    amax = amax.clone()
+    amax[1::4] = 0.0  # blocks whose new scale is zero: z = 0
+    p0 = (torch.randn(nrows * S, generator=gen) * 0.02).to(dtype)
+    vb0, vc0 = torch.rand(sp.nb, generator=gen) * 1e-6, torch.rand(S, generator=gen) * 1e-6
+    res = []
+    for impl in (ref, nat):
+        st = [p0.clone(), idx.clone(), scale.clone(), vb0.clone(), vc0.clone()]
+        impl.span_update_(*st, m, col, blk, amax, cb, sp, lr=1e-3, beta2=0.999, eps=1e-8, weight_decay=wd,
+                          bc1=0.19, bc2=0.002, bound=bound, beta1=0.9)
+        res.append(st)
+    for name, a, b in zip(("param", "idx", "scale", "v_blk", "v_col"), *res):
+        assert torch.equal(a, b), (name, int((a != b).sum()))
+
+
+def test_native_step_agrees_with_the_eager_step():
+    """``Gefen.step()`` on span tensors with the native phases (the default on CPU) and with
+    ``fused=False`` (the reference), 40 steps of sparse and heavy-tailed gradients: the same
+    indices and scales, parameters and statistics to float32 rounding."""
+    _native_or_skip()
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(s) * 0.1) for s in ((6000, 1), (2001, 7), (700, 3, 3))]
+    qs = [nn.Parameter(p.detach().clone()) for p in ps]
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, narrow_rows="span")
+    a, b = Gefen(ps, **kw), Gefen(qs, fused=False, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        for p, q in zip(ps, qs):
+            g = torch.randn(p.shape, generator=gen) * (torch.rand(p.shape, generator=gen) < 0.2)
+            p.grad, q.grad = g, g.clone()
+        a.step()
+        b.step()
+    for p, q in zip(ps, qs):
+        sa, sb = a.state[p], b.state[q]
+        assert torch.equal(sa["idx"], sb["idx"]) and torch.equal(sa["scale"], sb["scale"])
+        torch.testing.assert_close(sa["v_blk"], sb["v_blk"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(sa["v_col"], sb["v_col"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-9)
+
+
 def _loop_reference(p0, grads, codebook, *, lr, b1, b2, eps, wd, k):
     """D16 written out element by element in float64 from docs/algorithm.md (codebook rounding by
     nearest value, ties to the lower index), for a small tensor: returns the parameters."""

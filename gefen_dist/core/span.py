@@ -38,7 +38,7 @@ from .quant import nearest_codeword, scaled_histogram
 from .step import apply_, column_factors, ema_, first_moment, inv_rms_, quantize
 
 __all__ = ["SPAN_BELOW", "SPAN_TARGET", "span_eligible", "span_rows", "span_blocks", "SpanPiece",
-           "span_statistics", "span_update_", "span_grad_absmax", "span_histogram"]
+           "span_statistics", "span_state_", "span_update_", "span_grad_absmax", "span_histogram"]
 
 SPAN_BELOW = 80  # rows narrower than this spend more than 0.1 B/param on per-row fp32 state
 SPAN_TARGET = 1024  # a block holds at least this many elements (the default's scale blocks reach ~1024)
@@ -122,6 +122,16 @@ def span_statistics(grad: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, 
     return m, col, blk, amax
 
 
+def span_state_(scale: torch.Tensor, v_blk: torch.Tensor, v_col: torch.Tensor, col_sum: torch.Tensor,
+                blk_sum: torch.Tensor, amax: torch.Tensor, sp: SpanPiece, beta2: float) -> None:
+    """The replicated block state of :func:`span_update_` from the reduced statistics (in place):
+    ``v_col`` and ``v_blk`` advance with the column and block means of ``g^2``, ``scale`` becomes
+    the blocks' new ``M``. Every implementation of the second phase starts with this."""
+    ema_(v_col, (col_sum / sp.rows).to(torch.float32), beta2)
+    ema_(v_blk, (blk_sum / sp.counts(blk_sum.device)).to(torch.float32), beta2)
+    scale.copy_(amax)
+
+
 def span_update_(param: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, v_blk: torch.Tensor,
                  v_col: torch.Tensor, m: torch.Tensor, col_sum: torch.Tensor, blk_sum: torch.Tensor,
                  amax: torch.Tensor, codebook: torch.Tensor, sp: SpanPiece, *, lr: float, beta2: float, eps: float,
@@ -133,9 +143,7 @@ def span_update_(param: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, v_
     in place). ``beta1`` is accepted so that one hyperparameter dict serves every phase; ``bid``
     (``sp.block_ids``) and ``nearest`` (:func:`~gefen_dist.core.step.quantize`'s) may come from the
     caller."""
-    ema_(v_col, (col_sum / sp.rows).to(torch.float32), beta2)
-    ema_(v_blk, (blk_sum / sp.counts(blk_sum.device)).to(torch.float32), beta2)
-    scale.copy_(amax)
+    span_state_(scale, v_blk, v_col, col_sum, blk_sum, amax, sp, beta2)
     if sp.nrows == 0:
         return
     bid = sp.block_ids(codebook.device) if bid is None else bid

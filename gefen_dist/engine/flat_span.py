@@ -59,11 +59,15 @@ class FlatSpanMixin:
         for gs, sp, o, nb in held:
             _span.span_histogram(gs, amax[o:o + nb], sp, counts)
 
-    def _step_span(self, st: Dict[str, Any], hp: Dict[str, Any], items: list) -> None:
+    def _step_span(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl=None) -> None:
         """The tensors kept per block of rows (D16) of this buffer: every learned one, held here or
         not (the reductions are entered by every rank): each held piece's statistics, one SUM (column
         and block sums of ``g^2``) and one MAX (block maxima of ``|m|``) all-reduce over the whole
-        catalog, then every rank updates every such tensor's replicated state and its own pieces."""
+        catalog, then every rank updates every such tensor's replicated state and its own pieces.
+        ``impl``: the implementation of the two phases (a :class:`~gefen_dist.kernels.dispatch.StepImpl`;
+        None: the reference's)."""
+        stats = impl.span_statistics if impl is not None else _span.span_statistics
+        update = impl.span_update_ if impl is not None else _span.span_update_
         lay = self.span_layout(st)
         learned = {k for k, lrn in zip(st["global_keys"], st["global_learned"]) if lrn and k in lay}
         if not learned:
@@ -82,8 +86,7 @@ class FlatSpanMixin:
             sp = _span.SpanPiece.of(shape, a, n)
             if n:
                 ix = st["idx"][seg.flat_offset:seg.flat_offset + n]
-                m, col, blk, amax = _span.span_statistics(g, ix, st["span_scale"][bo:bo + nb], cb.to(g.device), sp,
-                                                          hp["beta1"])
+                m, col, blk, amax = stats(g, ix, st["span_scale"][bo:bo + nb], cb.to(g.device), sp, hp["beta1"])
                 sums[co:co + S] += col.cpu()
                 sums[nct + bo:nct + bo + nb] += blk.cpu()
                 maxs[bo:bo + nb] = amax.cpu()
@@ -101,6 +104,6 @@ class FlatSpanMixin:
                 p = torch.zeros(0, device=dev)
                 ix = torch.zeros(0, dtype=torch.uint8, device=dev)
                 m = torch.zeros(0, S, device=dev)
-            _span.span_update_(p, ix, st["span_scale"][bo:bo + nb], st["span_vblk"][bo:bo + nb],
-                               st["span_vcol"][co:co + S], m, sums[co:co + S].to(dev),
-                               sums[nct + bo:nct + bo + nb].to(dev), maxs[bo:bo + nb].to(dev), cb.to(dev), sp, **hp)
+            update(p, ix, st["span_scale"][bo:bo + nb], st["span_vblk"][bo:bo + nb], st["span_vcol"][co:co + S], m,
+                   sums[co:co + S].to(dev), sums[nct + bo:nct + bo + nb].to(dev), maxs[bo:bo + nb].to(dev), cb.to(dev),
+                   sp, **hp)

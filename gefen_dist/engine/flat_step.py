@@ -46,7 +46,7 @@ class SegmentStepMixin:
         self._step_shared(st, hp, [w for w in learned if not w[0].factored and not w[0].span], impl,
                           st["v_row"] if factored else st["v"], second_moment)
         if st.get("span_keys"):
-            self._step_span(st, hp, [w for w in learned if w[0].span])
+            self._step_span(st, hp, [w for w in learned if w[0].span], impl)
 
     def _step_shared(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl, v_all: torch.Tensor,
                      second_moment: str) -> None:

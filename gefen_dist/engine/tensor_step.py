@@ -9,7 +9,7 @@ import torch
 from .column_stats import column_means, piece_column_sums
 from .cuda_batch import CudaBatch
 from ..core.quant import nearest_codeword
-from ..core.span import SpanPiece, span_statistics, span_update_
+from ..core.span import SpanPiece
 from ..kernels import dispatch as _dispatch
 from ..core.step import adamw_foreach_, adamw_step_, decay_only_, hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
@@ -124,7 +124,7 @@ class GefenStepMixin:
     def _step_span(self, entries) -> None:
         """One step of the tensors of ``entries`` that keep their state per block of rows (D16,
         ``narrow_rows="span"``), on every rank: each piece's statistics
-        (:func:`gefen_dist.core.span.span_statistics`), one SUM (column and block sums of ``g^2``;
+        (:func:`gefen_dist.core.span.span_statistics`, natively on CPU), one SUM (column and block sums of ``g^2``;
         replicas that must not count twice add zeros) and one MAX (block maxima of ``|m|``)
         all-reduce when any of them is sharded, then the same state update everywhere
         (:func:`~gefen_dist.core.span.span_update_`). :meth:`_update` leaves these tensors alone."""
@@ -143,12 +143,13 @@ class GefenStepMixin:
             sp = SpanPiece.of(pc.shape, pc.start, param.numel())
             cb = st["codebook"].to(param.device)
             bid = sp.block_ids(param.device)
-            m, col, blk, amax = span_statistics(local_tensor(p.grad), local_tensor(st["idx"]), st["scale"], cb, sp,
-                                                hp["beta1"], bid)
+            impl = self._impl(param, p, group)
+            m, col, blk, amax = impl.span_statistics(local_tensor(p.grad), local_tensor(st["idx"]), st["scale"], cb,
+                                                     sp, hp["beta1"], bid)
             if sharded and not pc.contributes:
                 col.zero_()
                 blk.zero_()
-            work.append((p, st, hp, param, sp, cb, m, col, blk, amax, bid))
+            work.append((p, st, hp, param, sp, cb, m, col, blk, amax, bid, impl))
         if not work:
             return
         dev = work[0][6].device  # one buffer per reduction (tensors on several devices: on the first one's)
@@ -158,14 +159,15 @@ class GefenStepMixin:
             self._comm.all_reduce_sum_(sums)
             self._comm.all_reduce_max_(maxs)
         so = mo = 0
-        for p, st, hp, param, sp, cb, m, col, blk, amax, bid in work:
+        for p, st, hp, param, sp, cb, m, col, blk, amax, bid, impl in work:
             c, b = sums[so:so + sp.slab].to(m.device), sums[so + sp.slab:so + sp.slab + sp.nb].to(m.device)
             so += sp.slab + sp.nb
             a = maxs[mo:mo + sp.nb].to(m.device)
             mo += sp.nb
             target = param if param.is_contiguous() else param.contiguous()
-            span_update_(target, local_tensor(st["idx"]), st["scale"], st["v_blk"], st["v_col"], m, c, b, a, cb, sp,
-                         bid=bid, nearest=_dispatch.nearest if self._fused(p) is not False else nearest_codeword, **hp)
+            nearest = _dispatch.nearest if self._fused(p) is not False else nearest_codeword
+            impl.span_update_(target, local_tensor(st["idx"]), st["scale"], st["v_blk"], st["v_col"], m, c, b, a, cb,
+                              sp, bid=bid, nearest=nearest, **hp)
             if target is not param:
                 param.copy_(target)
             for t in (param, st["scale"], st["v_blk"], st["v_col"]):

@@ -222,6 +222,10 @@ def _lib() -> Optional[ctypes.CDLL]:
             lib.gefen_sumsq_mean.argtypes = [vp, i64, i64, i32, vp]
             lib.gefen_column_sumsq.restype = ctypes.c_int
             lib.gefen_column_sumsq.argtypes = [vp, i32, i64, i64, vp, i32]
+            lib.gefen_span_stats.restype = None  # D16's phases (kernels/cpu_span.py)
+            lib.gefen_span_stats.argtypes = [vp] * 5 + [i64] * 4 + [vp] * 5
+            lib.gefen_span_update.restype = None
+            lib.gefen_span_update.argtypes = [vp] * 9 + [i64] * 4 + [f32]
             lib.gefen_two_level_table.restype = ctypes.c_int
             lib.gefen_two_level_table.argtypes = [vp, i32]
             _configured.add(id(lib))

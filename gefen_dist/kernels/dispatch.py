@@ -23,6 +23,7 @@ import torch
 
 from ..core import codebook as _codebook
 from ..core import periods as _periods
+from ..core import span as _span
 from ..core.quant import NUM_BINS, block_histogram_eager, nearest_codeword
 from . import cpu as _cpu
 
@@ -144,6 +145,8 @@ class StepImpl:
     :func:`gefen_dist.core.apply.apply_compressed` / :func:`~gefen_dist.core.apply.apply_factored`)
     the parameter update alone from the state functions' results (ZeRO-1's replicas), in this
     implementation's own arithmetic, so state function + applier equal its full step bitwise.
+    ``span_statistics`` / ``span_update_``: the two phases of a tensor kept per block of rows (D16),
+    the contracts of :func:`gefen_dist.core.span.span_statistics` / :func:`~gefen_dist.core.span.span_update_`.
     An implementation without state functions (Triton) has no appliers either and is not used by
     owners: they fall back to the eager reference, and so do their appliers."""
 
@@ -155,6 +158,8 @@ class StepImpl:
     factored_state_: Optional[Callable] = None
     apply_compressed_: Optional[Callable] = None
     apply_factored_: Optional[Callable] = None
+    span_statistics: Callable = _span.span_statistics  # D16's two phases (the reference's contracts)
+    span_update_: Callable = _span.span_update_
     grad_in_param_dtype: bool = True  # the kernels read g in the parameter's dtype; the reference any dtype
 
     def grad_for(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -176,8 +181,11 @@ def _eager() -> StepImpl:
 def _native_cpu() -> StepImpl:
     from . import cpu
 
+    from . import cpu_span
+
     return StepImpl("cpu", cpu.quantized_step_, cpu.quantized_step_factored_, cpu.column_sumsq,
-                    cpu.quantized_state_, cpu.factored_state_, cpu.apply_compressed_, cpu.apply_factored_)
+                    cpu.quantized_state_, cpu.factored_state_, cpu.apply_compressed_, cpu.apply_factored_,
+                    cpu_span.span_statistics, cpu_span.span_update_)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1894,3 +1894,104 @@ void gefen_sumsq_mean(const float *g, int64_t rows, int64_t P, int32_t lanes, fl
 {
     for (int64_t r = 0; r < rows; ++r) out[r] = sumsq(g, r * P, P, lanes, 0, 0) / (float)P;
 }
+
+/* ------------------------------------------------------------------------------------ */
+/* D16 (narrow_rows="span"): state per block of k whole rows of S elements               */
+/* ------------------------------------------------------------------------------------ */
+
+/* The rows [row0, row0 + nrows) of a tensor of rows of S elements in blocks of k rows, block by
+ * block: for each block b they touch, its elements [e0, e1) in the piece and the position of e0
+ * in the block (t0 = (row - b k) S), so that column j of element e is (t0 + e - e0) mod S. */
+#define SPAN_FOR_BLOCKS(b, e0, e1, t0)                                                      \
+    for (int64_t r_ = row0, r1_ = 0, b = 0, e0 = 0, e1 = 0, t0 = 0;                         \
+         r_ < row0 + nrows &&                                                               \
+         (b = r_ / k, r1_ = (b + 1) * k < row0 + nrows ? (b + 1) * k : row0 + nrows,        \
+          e0 = (r_ - row0) * S, e1 = (r1_ - row0) * S, t0 = (r_ - b * k) * S, 1);           \
+         r_ = r1_)
+
+/* The first phase of gefen_dist.core.span.span_statistics: m = lerp(C[idx] M_b, g, 1 - beta1)
+ * (float32, torch's rounding: a->lerp_*, a->fused_lerp), the float32 squares g*g added in double
+ * per column (col[S], overwritten) and per block (blk), and per block the NaN-propagating max of
+ * |m| (amax). blk and amax hold every block of the tensor, zeros from the caller: the blocks of
+ * these rows are accumulated into, the others left at zero. a->dtype: the gradient's (0 float32,
+ * 1 bfloat16). acc: scratch of k S doubles (the column sums by position in a block). */
+void gefen_span_stats(const gefen_step_args *a, const void *grad, const uint8_t *idx, const float *scale,
+                      const float *cb, int64_t nrows, int64_t S, int64_t k, int64_t row0,
+                      float *m, double *col, double *blk, float *amax, double *acc)
+{
+    const int dt = a->dtype, small = a->lerp_small, fused = a->fused_lerp != 0;
+    const float lc = a->lerp_c;
+    for (int64_t t = 0; t < k * S; ++t) acc[t] = 0.0;
+    SPAN_FOR_BLOCKS(b, e0, e1, t0) {
+        const float M = scale[b];
+        double bs = 0.0;
+        float mx = amax[b];
+        int nan = mx != mx;
+        double *restrict ac = acc + t0 - e0;
+        for (int64_t e = e0; e < e1; ++e) {
+            const float g = load_g(grad, e, dt);
+            const float mi = fused ? lerp_t(cb[idx[e]] * M, g, lc, small, 1) : lerp_t(cb[idx[e]] * M, g, lc, small, 0);
+            m[e] = mi;
+            const double sq = (double)(g * g);
+            ac[e] += sq;
+            bs += sq;
+            const float am = fabsf(mi);
+            nan |= am != am;
+            mx = am > mx ? am : mx;
+        }
+        blk[b] += bs;
+        amax[b] = nan ? NAN : mx;
+    }
+    for (int64_t j = 0; j < S; ++j) col[j] = 0.0;
+    for (int64_t t = 0; t < k * S; ++t) col[t % S] += acc[t];
+}
+
+/* The second phase's per-element part of gefen_dist.core.span.span_update_, once the block state
+ * is updated (scale: the new M of every block; rms: sqrt(v_blk) per block; colt: the column
+ * factors sqrt(v_col / mean v_col) tiled over a block, k S floats): idx <- nearest(m / M_b) (0
+ * where M_b is not > 0), then p <- p decay - clamp(C[idx] M_b sigma, +-bound) lr with sigma =
+ * (1 / (rms_b colf_j / sqrt(bc2) + eps)) (1 / bc1), every operation a float32 one in torch's
+ * order (bound: +inf for none). a->dtype: the parameter's. */
+void gefen_span_update(const gefen_step_args *a, void *param, const float *m, uint8_t *idx, const float *scale,
+                       const float *rms, const float *colt, const float *cb, const int32_t *lut,
+                       int64_t nrows, int64_t S, int64_t k, int64_t row0, float bound)
+{
+    const int dt = a->dtype, wd = a->has_wd, mode = a->lut_mode;
+    const float h = a->lut_h, nbm1 = (float)(a->lut_n - 1), sb = a->sqrt_bc2, eps = a->eps, ib = a->inv_bc1;
+    const float lr = a->lr, decay = a->decay;
+    SPAN_FOR_BLOCKS(b, e0, e1, t0) {
+        const float M = scale[b], rb = rms[b];
+        const float *restrict ct = colt + t0 - e0;
+        const int pos = M > 0.0f;
+        if (mode && dt == 0) {
+            float *restrict pf = (float *)param;
+#pragma omp simd
+            for (int64_t e = e0; e < e1; ++e) {
+                float cq;
+                const int q = nearest_fast(pos ? m[e] / M : 0.0f, cb, lut, h, nbm1, &cq);
+                idx[e] = (uint8_t)q;
+                float s = (rb * ct[e]) / sb;
+                s = 1.0f / (s + eps);
+                float u = (cq * M) * (s * ib);
+                u = u > bound ? bound : (u < -bound ? -bound : u);
+                u = u * lr;
+                const float pi = wd ? pf[e] * decay : pf[e];
+                pf[e] = pi - u;
+            }
+        } else {
+            for (int64_t e = e0; e < e1; ++e) {
+                float cq;
+                const float z = pos ? m[e] / M : 0.0f;
+                const int q = mode ? nearest_fast(z, cb, lut, h, nbm1, &cq) : nearest_scan(z, cb, lut, h, nbm1, &cq);
+                idx[e] = (uint8_t)q;
+                float s = (rb * ct[e]) / sb;
+                s = 1.0f / (s + eps);
+                float u = (cb[q] * M) * (s * ib);
+                u = u > bound ? bound : (u < -bound ? -bound : u);
+                u = u * lr;
+                if (dt == 0) update_param(param, e, u, decay, 0, wd);
+                else update_param(param, e, u, decay, 1, wd);
+            }
+        }
+    }
+}
