@@ -142,14 +142,13 @@ class GefenStepMixin:
             pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
             sp = SpanPiece.of(pc.shape, pc.start, param.numel())
             cb = st["codebook"].to(param.device)
-            bid = sp.block_ids(param.device)
             impl = self._impl(param, p, group)
             m, col, blk, amax = impl.span_statistics(local_tensor(p.grad), local_tensor(st["idx"]), st["scale"], cb,
-                                                     sp, hp["beta1"], bid)
+                                                     sp, hp["beta1"])
             if sharded and not pc.contributes:
                 col.zero_()
                 blk.zero_()
-            work.append((p, st, hp, param, sp, cb, m, col, blk, amax, bid, impl))
+            work.append((p, st, hp, param, sp, cb, m, col, blk, amax, impl))
         if not work:
             return
         dev = work[0][6].device  # one buffer per reduction (tensors on several devices: on the first one's)
@@ -159,7 +158,7 @@ class GefenStepMixin:
             self._comm.all_reduce_sum_(sums)
             self._comm.all_reduce_max_(maxs)
         so = mo = 0
-        for p, st, hp, param, sp, cb, m, col, blk, amax, bid, impl in work:
+        for p, st, hp, param, sp, cb, m, col, blk, amax, impl in work:
             c, b = sums[so:so + sp.slab].to(m.device), sums[so + sp.slab:so + sp.slab + sp.nb].to(m.device)
             so += sp.slab + sp.nb
             a = maxs[mo:mo + sp.nb].to(m.device)
@@ -167,7 +166,7 @@ class GefenStepMixin:
             target = param if param.is_contiguous() else param.contiguous()
             nearest = _dispatch.nearest if self._fused(p) is not False else nearest_codeword
             impl.span_update_(target, local_tensor(st["idx"]), st["scale"], st["v_blk"], st["v_col"], m, c, b, a, cb,
-                              sp, bid=bid, nearest=nearest, **hp)
+                              sp, nearest=nearest, **hp)
             if target is not param:
                 param.copy_(target)
             for t in (param, st["scale"], st["v_blk"], st["v_col"]):

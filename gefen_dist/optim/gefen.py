@@ -73,7 +73,7 @@ class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
             Adafactor's single profile. Also per param group.
         narrow_rows: where a factored tensor whose rows hold fewer than 80 elements keeps its scales
             and second moment (also per param group): ``"rows"`` (default; ``1 + 8 / S`` B/param,
-            ``(N, 1)`` exact) or ``"span"``, per block of rows (~1.01 B/param; D16: torch operations).
+            ``(N, 1)`` exact) or ``"span"``, per block of rows (~1.01 B/param; D16).
         bound_updates: a factor ``c >= 1`` (default ``2.0``) clamps every quantized element's
             normalised update to ``c (1 + beta1^(t-1))`` times AdamW's own bound ``K_t``
             (:func:`gefen_dist.core.step.clamp_bound`; D13): no gradient sequence moves a weight by
