@@ -61,29 +61,57 @@ def span_blocks(shape: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class SpanPiece:
-    """The rows ``[row0, row0 + nrows)`` of a tensor of ``rows`` rows of ``slab`` elements, in
-    blocks of ``k`` rows."""
+    """The elements ``[lead, lead + count)`` of the rows ``[row0, row0 + nrows)`` of a tensor of
+    ``rows`` rows of ``slab`` elements, in blocks of ``k`` rows: whole rows (an FSDP2 shard, a
+    whole tensor: ``lead = 0``, ``count = nrows * slab``) or a piece that cuts a row at either end
+    (a DeepSpeed partition edge)."""
 
     rows: int
     slab: int
     k: int
     row0: int = 0
     nrows: int = -1  # -1: every row (row0 must be 0)
+    lead: int = 0  # elements of row row0 before the piece
+    count: int = -1  # elements held; -1: nrows * slab
 
     @classmethod
     def of(cls, shape: Sequence[int], start: int = 0, numel: int = -1) -> "SpanPiece":
-        """The piece of a tensor of global ``shape`` that starts at flat element ``start`` (a row
-        boundary) and holds ``numel`` elements (-1: the whole tensor)."""
+        """The piece of a tensor of global ``shape`` that starts at flat element ``start`` and holds
+        ``numel`` elements (-1: the rest of the tensor)."""
         S = row_slab(shape)
-        n = int(math.prod(shape)) - start if numel < 0 else numel
-        if start % S or n % S:
-            raise ValueError(f"a piece of a tensor of shape {tuple(shape)} must hold whole rows of {S} elements "
-                             f"(got elements [{start}, {start + n}))")
-        return cls(int(shape[0]), S, span_rows(shape), start // S, n // S)
+        total = int(math.prod(shape))
+        n = total - start if numel < 0 else numel
+        if start < 0 or n < 0 or start + n > total:
+            raise ValueError(f"elements [{start}, {start + n}) are not inside a tensor of shape {tuple(shape)}")
+        row0 = start // S
+        nrows = -(-(start + n) // S) - row0 if n else 0
+        return cls(int(shape[0]), S, span_rows(shape), row0, nrows, start - row0 * S, n)
 
     @property
     def nb(self) -> int:
         return -(-self.rows // self.k)
+
+    @property
+    def numel(self) -> int:
+        return self.nrows * self.slab if self.count < 0 else self.count
+
+    @property
+    def start(self) -> int:
+        """The piece's first element in the flattened tensor."""
+        return self.row0 * self.slab + self.lead
+
+    @property
+    def whole_rows(self) -> bool:
+        return self.lead == 0 and self.numel == self.nrows * self.slab
+
+    def rows_piece(self) -> "SpanPiece":
+        """The whole rows this piece touches."""
+        return SpanPiece(self.rows, self.slab, self.k, self.row0, self.nrows)
+
+    def element_blocks(self, device) -> torch.Tensor:
+        """The block of each element of the piece (int64, ``[numel]``)."""
+        e = torch.arange(self.start, self.start + self.numel, device=device)
+        return torch.div(e, self.k * self.slab, rounding_mode="floor")
 
     def block_ids(self, device) -> torch.Tensor:
         """The block of each row of the piece (int64, ``[nrows]``)."""
@@ -106,8 +134,21 @@ def span_statistics(grad: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, 
     ``[nb]``) and block maxima of ``|m|`` (float32 ``[nb]``), zero for blocks it does not hold. The
     float32 squares are added in float64, so the order in which pieces are combined does not show in
     the float32 statistics (as the factored column sums, D10). ``bid``: ``sp.block_ids`` if the
-    caller has them."""
+    caller has them. A piece that cuts rows is computed on its rows with zeros around it (``m``
+    then holds only the piece's elements, flat)."""
     dev = codebook.device
+    if not sp.whole_rows:
+        full, sl = sp.rows_piece(), slice(sp.lead, sp.lead + sp.numel)
+        gp = torch.zeros(full.numel, dtype=torch.float32, device=dev)
+        gp[sl] = grad.reshape(-1).float()
+        ip = torch.zeros(full.numel, dtype=torch.uint8, device=dev)
+        ip[sl] = idx.reshape(-1)
+        m, col, blk, _ = span_statistics(gp, ip, scale, codebook, full, beta1)
+        m = m.reshape(-1)[sl]
+        amax = torch.zeros(sp.nb, dtype=torch.float32, device=dev)
+        if sp.numel:
+            amax.scatter_reduce_(0, sp.element_blocks(dev), m.abs(), "amax")
+        return m, col, blk, amax
     g = grad.reshape(sp.nrows, sp.slab).float()
     bid = sp.block_ids(dev) if bid is None else bid
     m = first_moment(idx.reshape(sp.nrows, sp.slab), scale.index_select(0, bid).unsqueeze(1), g, codebook, beta1)
@@ -146,6 +187,25 @@ def span_update_(param: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, v_
     span_state_(scale, v_blk, v_col, col_sum, blk_sum, amax, sp, beta2)
     if sp.nrows == 0:
         return
+    hp = dict(lr=lr, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound, nearest=nearest)
+    if not sp.whole_rows:  # a piece that cuts rows: its rows, with zeros around it
+        full, sl = sp.rows_piece(), slice(sp.lead, sp.lead + sp.numel)
+        dev = codebook.device
+        pp = torch.zeros(full.numel, dtype=param.dtype, device=dev)
+        pp[sl] = param.reshape(-1)
+        ip = torch.zeros(full.numel, dtype=torch.uint8, device=dev)
+        mp = torch.zeros(full.numel, dtype=torch.float32, device=dev)
+        mp[sl] = m.reshape(-1)
+        _span_apply_(pp, ip, scale, v_blk, v_col, mp.view(full.nrows, full.slab), codebook, full, **hp)
+        param.reshape(-1).copy_(pp[sl])
+        idx.reshape(-1).copy_(ip[sl])
+        return
+    _span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp, bid=bid, **hp)
+
+
+def _span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp: SpanPiece, *, lr, eps, weight_decay, bc1, bc2,
+                 bound, nearest, bid=None) -> None:
+    """The indices and the parameter of a piece of whole rows from the updated block state."""
     bid = sp.block_ids(codebook.device) if bid is None else bid
     a = scale.index_select(0, bid).unsqueeze(1)
     new = quantize(m, a, codebook, nearest)
@@ -159,8 +219,12 @@ def span_update_(param: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, v_
 def span_grad_absmax(grad: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
     """This piece's block maxima of ``|g|`` (float32 ``[nb]``, zero elsewhere): reduced (MAX) over the
     pieces, the scales the codebook histogram normalises a first gradient by (D3)."""
+    out = torch.zeros(sp.nb, dtype=torch.float32, device=grad.device)
+    if not sp.whole_rows:  # a piece that cuts rows: element by element
+        if sp.numel:
+            out.scatter_reduce_(0, sp.element_blocks(grad.device), grad.reshape(-1).float().abs(), "amax")
+        return out
     g = grad.reshape(sp.nrows, sp.slab).float()
-    out = torch.zeros(sp.nb, dtype=torch.float32, device=g.device)
     if sp.nrows:
         out.scatter_reduce_(0, sp.block_ids(g.device), g.abs().amax(dim=1), "amax")
     return out
@@ -169,7 +233,11 @@ def span_grad_absmax(grad: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
 def span_histogram(grad: torch.Tensor, absmax: torch.Tensor, sp: SpanPiece, out: torch.Tensor) -> torch.Tensor:
     """Add the histogram of this piece's gradient normalised by its blocks' absmax (``absmax``: the
     reduced :func:`span_grad_absmax`) to ``out``."""
-    if sp.nrows:
+    if not sp.whole_rows:  # a piece that cuts rows: element by element (the same counts)
+        if sp.numel:
+            g = grad.reshape(-1).float()
+            scaled_histogram(g, absmax.to(g.device).index_select(0, sp.element_blocks(g.device)), out)
+    elif sp.nrows:
         g = grad.reshape(sp.nrows, sp.slab).float()
         scaled_histogram(g, absmax.to(g.device).index_select(0, sp.block_ids(g.device)).unsqueeze(1), out)
     return out

@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..core import periods as _periods
+from ..core import span as _span
 from ..core.quant import NUM_BINS, nearest_codeword
 from ..core.step import column_ratios
 from ..engine import learning
@@ -65,12 +66,6 @@ _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_state
 _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups", "fp32_flat_groups",
             "optimizer_state_dict")
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "initial_lr")
-
-
-_SPAN_UNSUPPORTED = (
-    "universal checkpoints of narrow_rows='span' state (D16: tensors of narrow rows kept per block of rows) are "
-    "not supported yet; resume at the same world size (engine.load_checkpoint), or train with "
-    "narrow_rows='rows' to convert")
 
 
 class UniversalCheckpointError(ValueError):
@@ -125,15 +120,17 @@ def _optim_files(tag_dir: str) -> List[Tuple[int, str]]:
 class _Tensor:
     """Full-tensor view of one parameter's Gefen state, assembled from all ranks' pieces."""
 
-    def __init__(self, name: str, shape: Tuple[int, ...], period: int, factored: bool, col_blocks: int = 1):
-        self.name, self.shape, self.factored = name, shape, factored
+    def __init__(self, name: str, shape: Tuple[int, ...], period: int, factored: bool, col_blocks: int = 1,
+                 span: bool = False):
+        self.name, self.shape, self.factored, self.span = name, shape, factored, span
         self.col_blocks = int(col_blocks)  # row blocks of the factored v_col (D12)
         self.numel = int(math.prod(shape))
         self.exact = period == 0
         self.period = int(period)
         self.slab = _periods.row_slab(shape)
-        self.block = _periods.scale_block_for(self.period, self.slab) if not self.exact else 0
+        self.block = 0 if self.exact else (self.period if span else _periods.scale_block_for(self.period, self.slab))
         self.learned = True
+        self.span_read = False  # D16: the block state was read from a file (the other ranks' copies are checked)
         self.step = 0
         self.covered = torch.zeros(self.numel, dtype=torch.bool)
         self.fp32 = torch.zeros(self.numel, dtype=torch.float32)
@@ -142,6 +139,12 @@ class _Tensor:
             self.exp_avg_sq = torch.zeros(self.numel, dtype=torch.float32)
             return
         self.idx = torch.zeros(self.numel, dtype=torch.uint8)
+        if span:  # D16: scale and v per block of rows, v_col per column (replicated in the flat buffers)
+            nb = _span.span_blocks(shape)
+            self.scale = torch.zeros(nb, dtype=torch.float32)
+            self.v_blk = torch.zeros(nb, dtype=torch.float32)
+            self.v_col = torch.zeros(self.slab, dtype=torch.float32)
+            return
         self.scale = torch.zeros(self.numel // self.block, dtype=torch.float32)
         if factored:
             self.v_row = torch.zeros(self.numel // self.slab, dtype=torch.float32)
@@ -156,6 +159,10 @@ class _Tensor:
         if not self.learned or codebook is None:
             z = torch.zeros(self.numel, dtype=torch.float32)
             return z, z.clone()
+        if self.span:  # v = v_blk of the row's block times the column's ratio (D16)
+            bid = _span.SpanPiece.of(self.shape).block_ids("cpu")
+            m = (codebook[self.idx.long()].view(-1, self.slab) * self.scale[bid].view(-1, 1)).reshape(-1)
+            return m, (self.v_blk[bid].view(-1, 1) * column_ratios(self.v_col).view(1, -1)).reshape(-1)
         m = (codebook[self.idx.long()].view(-1, self.block) * self.scale.view(-1, 1)).reshape(-1)
         if self.factored:
             G = self.col_blocks
@@ -193,26 +200,32 @@ def _rank_states(f: str, obj) -> Tuple[Dict[str, Any], Any, list, int]:
                                        f"{keys[:8]}): not saved by gefen_dist.integrations.deepspeed.Gefen")
     if len(states) != len(flats):
         raise UniversalCheckpointError(f"{f!r}: {len(states)} optimizer states but {len(flats)} fp32 partitions")
-    if any(s.get("span_keys") for s in states.values()):
-        raise UniversalCheckpointError(_SPAN_UNSUPPORTED)
     return osd, base, flats, stage
 
 
 def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict[str, "_Tensor"],
-                   order: List[str]) -> None:
-    """Copy one flat partition's segments (fp32 values and Gefen state) into the global tensors."""
+                   order: List[str], keys: Dict[str, Segment]) -> None:
+    """Copy one flat partition's segments (fp32 values and Gefen state) into the global tensors; the
+    replicated block state of tensors kept per block of rows (D16) is read by :func:`_add_span_state`
+    once every file's segments are known (``keys``: key -> a segment of that tensor, any rank's)."""
     factored = mode_of_saved(st) == MODE_FACTORED  # a file's state: no spec, its keys say
     segs = [Segment.from_dict(d) for d in st["segments"]]
+    keys.update((s.key, s) for s in segs)
+    span_keys = set(st.get("span_keys", []))
+    span_shapes = {s.shape for s in segs if s.key in span_keys}  # D16 is decided by shape within a buffer
     slots, _, _, _ = _slots(segs, st["periods"], None, factored, st.get("row_blocks", 1),
-                            few_rows_shared="few_rows" in st)  # D15: saved before it, every segment is factored
+                            few_rows_shared="few_rows" in st,  # D15: saved before it, every segment is factored
+                            span=(lambda shape: tuple(shape) in span_shapes) if span_shapes else None)
     for sp, learned in zip(slots, st["learned"]):
         s = sp.seg
         t = tensors.get(s.name)
         if t is None:
             G = sp.vcol_n // _periods.row_slab(s.shape) if (sp.factored and sp.vcol_n) else 1
-            t = tensors[s.name] = _Tensor(s.name, s.shape, 0 if sp.exact else sp.period, sp.factored, col_blocks=G)
+            t = tensors[s.name] = _Tensor(s.name, s.shape, 0 if sp.exact else sp.period, sp.factored or sp.span,
+                                          col_blocks=G, span=sp.span)
             order.append(s.name)
-        elif t.shape != s.shape or t.exact != sp.exact or (not sp.exact and t.period != sp.period):
+        elif (t.shape != s.shape or t.exact != sp.exact or t.span != sp.span
+              or (not sp.exact and t.period != sp.period)):
             raise UniversalCheckpointError(f"{f!r}: ranks disagree on tensor {s.name!r} (shape/period)")
         t.step = int(st["step"])
         if not s.numel:
@@ -228,6 +241,8 @@ def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict
             continue
         t.learned = bool(learned)
         t.idx[a:a + n] = st["idx"][fo:fo + n]
+        if sp.span:
+            continue
         B = sp.block
         t.scale[a // B:a // B + sp.scale_n] = st["scale"][sp.scale_off:sp.scale_off + sp.scale_n].float()
         if sp.factored:
@@ -237,6 +252,32 @@ def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict
         else:  # shared; in a factored buffer a few-row tensor's v lives in v_row (D15)
             P = sp.period
             t.v[a // P:a // P + sp.v_n] = st["v_row" if factored else "v"][sp.v_off:sp.v_off + sp.v_n].float()
+
+
+def _add_span_state(f: str, sst: Dict[str, Any], tensors: Dict[str, "_Tensor"], keys: Dict[str, Segment]) -> None:
+    """The block state of a buffer's tensors kept per block of rows (D16): ``span_scale``, ``span_vblk``
+    and ``span_vcol`` hold every such tensor of the buffer's catalog in ``span_keys`` order (the same
+    on every rank of its group; each rank's copy is checked against the first one read)."""
+    bo = co = 0
+    for key in sst["span_keys"]:
+        seg = keys.get(key)
+        if seg is None:
+            raise UniversalCheckpointError(f"{f!r}: tensor key {key!r} of the span state is held by no rank")
+        t = tensors[seg.name]
+        nb, S = _span.span_blocks(seg.shape), _periods.row_slab(seg.shape)
+        if not t.span or sst["span_scale"].numel() < bo + nb or sst["span_vcol"].numel() < co + S:
+            raise UniversalCheckpointError(f"{f!r}: the span state of {seg.name!r} does not match its layout")
+        got = [sst["span_scale"][bo:bo + nb].float(), sst["span_vblk"][bo:bo + nb].float(),
+               sst["span_vcol"][co:co + S].float()]
+        if t.span_read:
+            if not all(torch.equal(x, y) for x, y in zip(got, (t.scale, t.v_blk, t.v_col))):
+                raise UniversalCheckpointError(f"{f!r}: ranks disagree on the block state of {seg.name!r}")
+        else:
+            t.scale.copy_(got[0])
+            t.v_blk.copy_(got[1])
+            t.v_col.copy_(got[2])
+            t.span_read = True
+        bo, co = bo + nb, co + S
 
 
 def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
@@ -250,6 +291,8 @@ def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
     order: List[str] = []
     cb, steps, modes, stage = None, set(), set(), None
     global_state, param_groups = None, None
+    keys: Dict[str, Segment] = {}
+    span_states = []  # (file, the replicated D16 block state of a buffer)
     for rank, f in files:
         obj = _load(f)
         osd, base, flats, stage = _rank_states(f, obj)
@@ -266,8 +309,12 @@ def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
                 if cb is not None and not torch.equal(cb, c.float()):
                     raise UniversalCheckpointError(f"{f!r}: two different learned codebooks in one checkpoint")
                 cb = c.float().clone()
-            _add_partition(f, st, flat.reshape(-1).float(), tensors, order)
+            _add_partition(f, st, flat.reshape(-1).float(), tensors, order, keys)
+            if st.get("span_keys"):
+                span_states.append((f, {k: st[k] for k in ("span_keys", "span_scale", "span_vblk", "span_vcol")}))
         del obj
+    for f, sst in span_states:
+        _add_span_state(f, sst, tensors, keys)
     missing = [n for n in order if not bool(tensors[n].covered.all())]
     if missing:
         raise UniversalCheckpointError(f"{tag_dir!r}: tensors not fully covered by the {len(files)} optimizer files: "
@@ -322,7 +369,9 @@ def convert(ckpt_dir: str, out_dir: str, tag: Optional[str] = None) -> Dict[str,
             torch.save(torch.tensor(float(t.step)), os.path.join(d, "step.pt"))
             rec = dict(shape=list(t.shape), kind="exact" if t.exact else "quantized", period=t.period,
                        scale_block=t.block, learned=bool(t.learned))
-            if not t.exact and t.factored:
+            if not t.exact and t.span:  # D16: scale is the block absmax of exp_avg; v per block and column
+                rec.update(span=True, v_blk=t.v_blk.clone(), v_col=t.v_col.clone())
+            elif not t.exact and t.factored:
                 rec.update(v_row=t.v_row.clone(), v_col=t.v_col.clone())
             meta_t[name] = rec
         ms0 = _load(model_files[0])
@@ -413,8 +462,6 @@ def load_into_engine(engine, folder: str, load_optimizer_states: bool = True) ->
     Gefen's state requantized from ``exp_avg``/``exp_avg_sq``, hyperparameters and DeepSpeed's global
     optimizer state. Every rank of the data-parallel group calls it (the layout catalog is collective)."""
     opt, wrapper = engine.basic_optimizer, engine.optimizer
-    if any(g.get("narrow_rows", "rows") == "span" for g in opt.param_groups):
-        raise UniversalCheckpointError(_SPAN_UNSUPPORTED)
     zero = os.path.join(folder, "zero")
     if not os.path.isdir(zero):
         raise UniversalCheckpointError(
@@ -495,7 +542,9 @@ def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]]) -> Dic
             continue
         rec = mt.get(name)
         if rec is not None and rec["kind"] == "quantized" and tuple(rec["shape"]) == shape:
-            info[name] = _Learned(int(rec["period"]), bool(rec["learned"]), rec)
+            # a D16 record's period is its blocks of rows: a layout without them takes the mode's
+            per = int(rec["period"]) if not rec.get("span") else (fixed_period(shape, MODE_FACTORED))
+            info[name] = _Learned(per, bool(rec["learned"]), rec)
         else:
             generic.append((name, shape))
     counts = torch.zeros(NUM_BINS, dtype=torch.int64)
@@ -529,7 +578,10 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[s
     """The Gefen state of one flat buffer of the new layout, filled from the universal files."""
     small = opt.small_threshold
     factored = second_moment_of(group) == MODE_FACTORED
+    fs.second_moment = second_moment_of(group)  # the buffer's group's, as the step sets them
+    fs.narrow_rows = group.get("narrow_rows", "rows")  # D16
     st = fs.new_state(flat, opt._codebook_for(flat.device), factored=factored, row_blocks=group.get("row_blocks", "auto"))
+    spanf = fs._span_fn(factored)  # D16: these segments' period is their blocks of rows, as new_state's
     periods, learned = [], []
     for s in fs.segments:
         if is_exact(s.shape, small):
@@ -537,15 +589,20 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[s
             learned.append(1)
         else:
             li = info[s.name]
-            periods.append(li.period if li.learned else _periods.row_slab(s.shape))
+            periods.append(_span_period(s.shape) if spanf and spanf(s.shape) else
+                           li.period if li.learned else _periods.row_slab(s.shape))
             learned.append(int(li.learned))
     fs._reslot(st, periods, factored)
     st["learned"] = learned
+    spans = set(st.get("span_keys", []))
     for j, key in enumerate(st["global_keys"]):
         li = info[key_name[key]]
         st["global_learned"][j] = int(li.learned)
-        st["global_periods"][j] = li.period if li.learned else 0
-    slots, _, _, _ = _slots(fs.segments, st["periods"], small, factored, st.get("row_blocks", 1))
+        per = _span_period(fs.global_catalog()[key]["shape"]) if key in spans else li.period
+        st["global_periods"][j] = per if li.learned else 0
+    slots, _, _, _ = _slots(fs.segments, st["periods"], small, factored, st.get("row_blocks", 1), span=spanf)
+    if spans:
+        _fill_span(st, fs, info, key_name, zero, opt.codebook)
     for sp, lrn in zip(slots, learned):
         s = sp.seg
         if not s.numel:
@@ -555,9 +612,48 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[s
             st["exact_m"][sp.exact_off:sp.exact_off + s.numel] = _read_param(zero, s.name, "exp_avg")[a:e]
             st["exact_v"][sp.exact_off:sp.exact_off + s.numel] = _read_param(zero, s.name, "exp_avg_sq")[a:e]
             continue
-        if lrn:
+        if lrn and not sp.span:
             _fill_quantized(st, sp, zero, info[s.name], opt.codebook, factored, meta)
     return st
+
+
+def _span_period(shape) -> int:
+    return _span.span_rows(shape) * _periods.row_slab(shape)
+
+
+def _fill_span(st, fs, info, key_name, zero: str, codebook) -> None:
+    """The block state of every tensor the buffer keeps per block of rows (D16), held here or not
+    (it is replicated), and the indices of the pieces held here: the scales are the block absmax of
+    ``exp_avg`` (bitwise the saved ones, as for the other modes), ``v_blk`` / ``v_col`` Gefen's from the
+    metadata, else the block and column means of ``exp_avg_sq`` (a warm start)."""
+    local = {s.key: s for s in fs.segments if s.numel}
+    dev = st["idx"].device
+    for key, (bo, nb, co, S, shape) in fs.span_layout(st).items():
+        name = key_name[key]
+        li = info[name]
+        if not li.learned:
+            continue
+        sp = _span.SpanPiece.of(shape)
+        m = _read_param(zero, name, "exp_avg")
+        A = _span.span_grad_absmax(m, sp)  # the block absmax (of m here)
+        st["span_scale"][bo:bo + nb] = A.to(dev)
+        rec = li.meta
+        if rec is not None and rec.get("span") and rec["v_blk"].numel() == nb and rec["v_col"].numel() == S:
+            vb, vc = rec["v_blk"].float(), rec["v_col"].float()
+        else:
+            v = _read_param(zero, name, "exp_avg_sq").double().view(-1, S)
+            vb = (torch.zeros(nb, dtype=torch.float64).index_add_(0, sp.block_ids("cpu"), v.sum(dim=1))
+                  / sp.counts("cpu")).float()
+            vc = v.mean(dim=0).float()
+        st["span_vblk"][bo:bo + nb] = vb.to(dev)
+        st["span_vcol"][co:co + S] = vc.to(dev)
+        seg = local.get(key)
+        if seg is not None:
+            a, n = seg.param_offset, seg.numel
+            # element by element: a partition edge may cut a row
+            Ar = A.index_select(0, _span.SpanPiece.of(shape, a, n).element_blocks("cpu"))
+            z = torch.where(Ar > 0, m[a:a + n] / torch.where(Ar > 0, Ar, torch.ones_like(Ar)), torch.zeros(1))
+            st["idx"][seg.flat_offset:seg.flat_offset + n] = nearest_codeword(z, codebook.cpu()).to(dev)
 
 
 def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, factored: bool, meta) -> None:
@@ -580,7 +676,7 @@ def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, fac
         r0, r1 = a // S, (e - 1) // S + 1
         G = sp.vcol_n // S  # row blocks (D12)
         # the metadata of a factored checkpoint holds each quantized tensor's v_row / v_col
-        if (rec is not None and meta.get("second_moment") == MODE_FACTORED and rec.get("v_col") is not None
+        if (rec is not None and meta.get("second_moment") == MODE_FACTORED and rec.get("v_row") is not None
                 and rec["v_col"].numel() == sp.vcol_n):
             vr, vc = rec["v_row"].float(), rec["v_col"].float().reshape(-1)
         else:  # from the element-wise second moment: row and per-block column means (float64)

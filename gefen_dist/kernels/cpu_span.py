@@ -50,17 +50,17 @@ def span_statistics(grad, idx, scale, codebook, sp: _ref.SpanPiece, beta1: float
     ix = idx.contiguous()
     sc = scale.detach().to(torch.float32).contiguous()
     tab = codebook_table(codebook)
-    n = sp.nrows * sp.slab
+    n = sp.numel
     a = _args(g, n, tab, lr=0.0, beta1=beta1, beta2=0.0, eps=0.0, weight_decay=0.0, bc1=1.0, bc2=1.0,
               bound=None)
-    m = torch.empty(sp.nrows, sp.slab, dtype=torch.float32)
+    m = torch.empty(n, dtype=torch.float32)  # flat: a piece may cut rows (a DeepSpeed partition edge)
     col = torch.empty(sp.slab, dtype=torch.float64)
     blk = torch.zeros(sp.nb, dtype=torch.float64)
     amax = torch.zeros(sp.nb, dtype=torch.float32)
-    if sp.nrows:
+    if n:
         acc = torch.empty(sp.k * sp.slab, dtype=torch.float64)
         lib.gefen_span_stats(ctypes.byref(a), g.data_ptr(), ix.data_ptr(), sc.data_ptr(), tab.cb.data_ptr(),
-                             sp.nrows, sp.slab, sp.k, sp.row0, m.data_ptr(), col.data_ptr(), blk.data_ptr(),
+                             n, sp.slab, sp.k, sp.start, m.data_ptr(), col.data_ptr(), blk.data_ptr(),
                              amax.data_ptr(), acc.data_ptr())
     else:
         col.zero_()
@@ -80,10 +80,10 @@ def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, cod
                                  beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound,
                                  beta1=beta1, bid=bid, **kw)
     _ref.span_state_(scale, v_blk, v_col, col_sum, blk_sum, amax, sp, beta2)
-    if sp.nrows == 0:
+    n = sp.numel
+    if n == 0:
         return
     tab = codebook_table(codebook)
-    n = sp.nrows * sp.slab
     a = _args(param, n, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1,
               bc2=bc2, bound=bound)
     rms = v_blk.sqrt()  # float32, as the reference's sqrt per block
@@ -91,7 +91,7 @@ def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, cod
     mc = m.contiguous()
     lim = math.inf if bound is None else float(bound)
     lib.gefen_span_update(ctypes.byref(a), param.data_ptr(), mc.data_ptr(), idx.data_ptr(), scale.data_ptr(),
-                          rms.data_ptr(), colt.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr(), sp.nrows, sp.slab,
-                          sp.k, sp.row0, lim)
+                          rms.data_ptr(), colt.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr(), n, sp.slab, sp.k,
+                          sp.start, lim)
     for t in (param, idx):
         torch.autograd.graph.increment_version(t)

@@ -462,6 +462,7 @@ G = 12  # global batch of the universal cases: divisible by world sizes 1, 2 and
 UC = {  # case -> (config, stage, zero.Init, overrides)
     "ucz2": ("gefen_zero2.json", 2, False, {"zero_optimization.round_robin_gradients": True}),
     "ucz3f": ("gefen_zero3.json", 3, True, dict({"zero_optimization.sub_group_size": 7000}, **FACTORED)),
+    "ucz2span": ("gefen_zero2.json", 2, False, dict(SPAN)),  # D16 blocks of rows, cut by the partition edges
 }
 
 
@@ -530,8 +531,10 @@ def same_tensors(case, a, b):
     for name, ta in a["tensors"].items():
         tb = b["tensors"][name]
         assert (ta.exact, ta.period, ta.block, ta.learned) == (tb.exact, tb.period, tb.block, tb.learned), (case, name)
+        assert ta.span == tb.span, (case, name)
         keys = ["fp32"] + (["exp_avg", "exp_avg_sq"] if ta.exact else
-                           ["idx", "scale"] + (["v_row", "v_col"] if ta.factored else ["v"]))
+                           ["idx", "scale"] + (["v_blk", "v_col"] if ta.span else
+                                               ["v_row", "v_col"] if ta.factored else ["v"]))
         for k in keys:
             assert torch.equal(getattr(ta, k), getattr(tb, k)), (case, name, k)
         n_q += not ta.exact

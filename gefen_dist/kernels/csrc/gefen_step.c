@@ -1899,24 +1899,25 @@ void gefen_sumsq_mean(const float *g, int64_t rows, int64_t P, int32_t lanes, fl
 /* D16 (narrow_rows="span"): state per block of k whole rows of S elements               */
 /* ------------------------------------------------------------------------------------ */
 
-/* The rows [row0, row0 + nrows) of a tensor of rows of S elements in blocks of k rows, block by
- * block: for each block b they touch, its elements [e0, e1) in the piece and the position of e0
- * in the block (t0 = (row - b k) S), so that column j of element e is (t0 + e - e0) mod S. */
+/* The elements [es, es + n) of a tensor of rows of S elements in blocks of k rows (a piece may
+ * cut rows at both ends: a partition edge), block by block: for each block b they touch, its
+ * elements [e0, e1) in the piece and the position of e0 in the block (t0; a block starts at a row,
+ * so the column of position t is t mod S). */
 #define SPAN_FOR_BLOCKS(b, e0, e1, t0)                                                      \
-    for (int64_t r_ = row0, r1_ = 0, b = 0, e0 = 0, e1 = 0, t0 = 0;                         \
-         r_ < row0 + nrows &&                                                               \
-         (b = r_ / k, r1_ = (b + 1) * k < row0 + nrows ? (b + 1) * k : row0 + nrows,        \
-          e0 = (r_ - row0) * S, e1 = (r1_ - row0) * S, t0 = (r_ - b * k) * S, 1);           \
-         r_ = r1_)
+    for (int64_t g_ = es, g1_ = 0, b = 0, e0 = 0, e1 = 0, t0 = 0;                           \
+         g_ < es + n &&                                                                     \
+         (b = g_ / (k * S), g1_ = (b + 1) * k * S < es + n ? (b + 1) * k * S : es + n,      \
+          e0 = g_ - es, e1 = g1_ - es, t0 = g_ - b * k * S, 1);                             \
+         g_ = g1_)
 
 /* The first phase of gefen_dist.core.span.span_statistics: m = lerp(C[idx] M_b, g, 1 - beta1)
  * (float32, torch's rounding: a->lerp_*, a->fused_lerp), the float32 squares g*g added in double
  * per column (col[S], overwritten) and per block (blk), and per block the NaN-propagating max of
  * |m| (amax). blk and amax hold every block of the tensor, zeros from the caller: the blocks of
- * these rows are accumulated into, the others left at zero. a->dtype: the gradient's (0 float32,
- * 1 bfloat16). acc: scratch of k S doubles (the column sums by position in a block). */
+ * these elements are accumulated into, the others left at zero. a->dtype: the gradient's (0
+ * float32, 1 bfloat16). acc: scratch of k S doubles (the column sums by position in a block). */
 void gefen_span_stats(const gefen_step_args *a, const void *grad, const uint8_t *idx, const float *scale,
-                      const float *cb, int64_t nrows, int64_t S, int64_t k, int64_t row0,
+                      const float *cb, int64_t n, int64_t S, int64_t k, int64_t es,
                       float *m, double *col, double *blk, float *amax, double *acc)
 {
     const int dt = a->dtype, small = a->lerp_small, fused = a->fused_lerp != 0;
@@ -1954,7 +1955,7 @@ void gefen_span_stats(const gefen_step_args *a, const void *grad, const uint8_t 
  * order (bound: +inf for none). a->dtype: the parameter's. */
 void gefen_span_update(const gefen_step_args *a, void *param, const float *m, uint8_t *idx, const float *scale,
                        const float *rms, const float *colt, const float *cb, const int32_t *lut,
-                       int64_t nrows, int64_t S, int64_t k, int64_t row0, float bound)
+                       int64_t n, int64_t S, int64_t k, int64_t es, float bound)
 {
     const int dt = a->dtype, wd = a->has_wd, mode = a->lut_mode;
     const float h = a->lut_h, nbm1 = (float)(a->lut_n - 1), sb = a->sqrt_bc2, eps = a->eps, ib = a->inv_bc1;
