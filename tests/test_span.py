@@ -343,6 +343,31 @@ def test_zerogefen_keeps_span_tensors_whole():
     assert spec.mode == "span" and spec.range_tensors(0, 100)["scale"][0] == (5,)
 
 
+def test_universal_conversion_refuses_rank_files_that_disagree():
+    """``gefen-dist ds-to-universal`` reads the replicated block state of D16 tensors from every rank's
+    file (the round trip itself: tests/dist/ds_check.py ``ucz2span``); files that disagree, or name a
+    tensor no rank holds, are refused by name instead of converted."""
+    from gefen_dist.engine.flat_layout import Segment
+    from gefen_dist.integrations import ds_universal as U
+
+    shape = (134, 67)
+    seg = Segment("p1", "b.weight", shape, 0, 0, 134 * 67)
+    nb = span_blocks(shape)
+
+    def state(x):
+        return {"span_keys": ["p1"], "span_scale": torch.full((nb,), x), "span_vblk": torch.ones(nb),
+                "span_vcol": torch.ones(67)}
+
+    tensors = {"b.weight": U._Tensor("b.weight", shape, span_rows(shape) * 67, True, span=True)}
+    U._add_span_state("rank0.pt", state(0.5), tensors, {"p1": seg})
+    assert torch.equal(tensors["b.weight"].scale, torch.full((nb,), 0.5))
+    U._add_span_state("rank1.pt", state(0.5), tensors, {"p1": seg})  # the same copy: accepted
+    with pytest.raises(U.UniversalCheckpointError, match="rank2.pt.*disagree on the block state of 'b.weight'"):
+        U._add_span_state("rank2.pt", state(0.25), tensors, {"p1": seg})
+    with pytest.raises(U.UniversalCheckpointError, match="key 'p1' of the span state is held by no rank"):
+        U._add_span_state("rank0.pt", state(0.5), tensors, {})
+
+
 def test_the_cuda_batch_leaves_span_tensors_to_the_per_tensor_path(monkeypatch):
     from gefen_dist.engine import cuda_batch
     from gefen_dist.engine.cuda_batch import CudaBatch
