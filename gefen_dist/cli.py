@@ -239,6 +239,9 @@ def _inspect_file(path: str) -> Dict[str, Any]:
     return out
 
 
+_DS_STATE_KEYS = ("idx", "scale", "v", "v_row", "v_col", "span_scale", "span_vblk", "span_vcol", "exact_m", "exact_v")
+
+
 def _inspect_deepspeed(files: Sequence[str], single_file: bool = False) -> Dict[str, Any]:
     import torch
 
@@ -263,7 +266,8 @@ def _inspect_deepspeed(files: Sequence[str], single_file: bool = False) -> Dict[
         pcount = (pc[0] if isinstance(pc, (list, tuple)) and pc else pc) if pc is not None else pcount
         ranks.append(_rank_of(f))
         for st in sd["state"].values():
-            total += sum(_nbytes(st[k]) for k in ("idx", "scale", "v", "exact_m", "exact_v") if k in st)
+            total += sum(_nbytes(st[k]) for k in _DS_STATE_KEYS if isinstance(st.get(k), torch.Tensor))
+            factored, spans = "v_row" in st, set(st.get("span_keys", []))
             c = st.get("codebook")
             if isinstance(c, torch.Tensor) and (cb is None or (float(cb[0]) != -1.0 and float(c[0]) == -1.0)):
                 cb = c
@@ -279,9 +283,12 @@ def _inspect_deepspeed(files: Sequence[str], single_file: bool = False) -> Dict[
                 rec["ranks"].add(_rank_of(f))
                 if per == 0:
                     rec["bytes"] += 8 * n
-                else:
+                elif seg.get("key") in spans:  # D16: scale and v per block of rows (replicated, not counted here)
+                    rec["bytes"] += n
+                else:  # a scale per block, v per period (shared) or per row (factored; v_col not counted here)
                     B = scale_block_for(int(per), row_slab(shape))
-                    rec["bytes"] += n + 4 * math.ceil(n / B) + 4 * math.ceil(n / int(per))
+                    rec["bytes"] += n + 4 * math.ceil(n / B) + 4 * math.ceil(n / (row_slab(shape) if factored
+                                                                                   else int(per)))
     if cb is not None:
         total += _nbytes(cb)
     tensors = []
@@ -291,7 +298,8 @@ def _inspect_deepspeed(files: Sequence[str], single_file: bool = False) -> Dict[
         r["scale_block"] = scale_block_for(r["period"], row_slab(r["shape"])) if r["period"] else 0
         tensors.append(r)
     notes = ["per-tensor bytes are estimated from segment sizes (a block cut by a partition edge is held by each "
-             "rank sharing it); the total is exact"]
+             "rank sharing it; column profiles and the block state of narrow_rows='span' tensors, replicated, are "
+             "not in them); the total is exact: every state tensor of every rank's file"]
     world = len(files) if not single_file else pcount
     if pcount is not None and not single_file and pcount != len(files):
         notes.append(f"WARNING: partition_count {pcount} but {len(files)} optimizer files were found (missing ranks?)")

@@ -288,6 +288,7 @@ from torch import nn
 cfg = json.load(open(os.path.join({root!r}, "integrations", "deepspeed", "gefen_zero2.json")))
 cfg["train_micro_batch_size_per_gpu"] = 4
 cfg.pop("train_batch_size", None)
+cfg["optimizer"]["params"]["narrow_rows"] = "span"  # 2.weight (131 rows of 67): blocks of rows (D16)
 torch.manual_seed(0)
 m = nn.Sequential(nn.Linear(95, 67), nn.Tanh(), nn.Linear(67, 131), nn.Tanh(), nn.Linear(131, 8))
 engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
@@ -317,7 +318,15 @@ def test_inspect_deepspeed_checkpoint(tmp_path):
         assert t["kind"] == "quantized" and t["period"] > 0 and t["covered"] == t["numel"] == 67 * 95
         assert r["tensors"][4]["kind"] == "exact"  # 8 x 131 < 4096
         assert r["codebook"]["learned"] and r["codebook"]["distinct"] == 256
+    # the total: every state tensor of the file (factored v_row / v_col, D16's span_* arrays), the codebook once
     one = next((tmp_path / "ds" / "t2").glob("*optim_states.pt"))
+    states = torch.load(one, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["state"]
+    keys = {k for st in states.values() for k, v in st.items() if torch.is_tensor(v)}
+    assert {"v_row", "v_col", "span_scale", "span_vblk", "span_vcol"} <= keys, keys
+    want = sum(v.numel() * v.element_size() for st in states.values() for k, v in st.items()
+               if torch.is_tensor(v) and k not in ("codebook", "step"))
+    want += 256 * 4
+    assert r["state_bytes"] == want, (r["state_bytes"], want)
     assert inspect_checkpoint(str(one))["format"].startswith("DeepSpeed ZeRO-2 checkpoint (one rank")
 
 
