@@ -282,6 +282,20 @@ def test_state_dict_resumes_bitwise_and_refuses_the_other_layout():
         rows.load_state_dict(opt.state_dict())
     with pytest.raises(ValueError, match="narrow_rows"):
         opt2.load_state_dict(rows.state_dict())
+    old = opt.state_dict()  # saved before D16: no narrow_rows in the groups, tensors of narrow rows per row
+    del old["param_groups"][0]["narrow_rows"]
+    with pytest.raises(ValueError, match="saved with narrow_rows='rows'"):
+        opt2.load_state_dict(old)
+    # a group without tensors of narrow rows: the setting does not change its layout, so it loads either
+    # way and the group keeps its own setting
+    c = nn.Parameter(torch.randn(64, 128) * 0.1)
+    wide = Gefen([c], lr=1e-2, narrow_rows="span")
+    c.grad = torch.randn_like(c)
+    wide.step()
+    other = Gefen([nn.Parameter(c.detach().clone())], lr=1e-2)
+    other.load_state_dict(wide.state_dict())
+    assert other.param_groups[0]["narrow_rows"] == "rows"
+    assert torch.equal(other.state[other.param_groups[0]["params"][0]]["idx"], wide.state[c]["idx"])
 
 
 def test_plain_dcp_flow_resumes_bitwise(tmp_path):

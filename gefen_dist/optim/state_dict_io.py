@@ -39,7 +39,8 @@ from torch.optim import Optimizer
 from ..core.periods import row_slab
 from ..core.step import factored_block_v
 from ..engine.layout import FEW_ROWS, few_rows, global_shape, is_dtensor, like_param, local_tensor, one_element_rows, piece_of
-from ..engine.state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, StateSpec, mode_of_saved, new_step, threshold_of
+from ..engine.state import (MODE_EXACT, MODE_FACTORED, MODE_SPAN, StateSpec, mode_of_saved, new_step, span_mode,
+                            threshold_of)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,12 @@ __all__ = ["load", "validate_entry", "getstate", "setstate", "deepcopy"]
 _INT_KEYS = ("period", "scale_block", "learned")
 # keys whose absence in an older checkpoint's param group is filled from this optimizer's group
 NEWER_GROUP_KEYS = ("second_moment", "row_blocks")
+
+
+def _narrow_rows_matter(opt, group: dict) -> bool:
+    """Whether ``narrow_rows`` changes the state layout of some tensor of ``group`` (D16)."""
+    th = threshold_of(group, opt.small_threshold)
+    return any(span_mode(global_shape(p), group["second_moment"], "span", th) for p in group["params"])
 
 
 def _spec(opt, p: torch.Tensor, group: dict, period=None) -> StateSpec:
@@ -217,8 +224,11 @@ def _groups(opt, saved_groups) -> list:
                 f"Build Gefen with second_moment={ng['second_moment']!r} for that group to resume this "
                 "checkpoint, or start the optimizer fresh to switch modes"
             )
-        saved_nr, nr = ng.get("narrow_rows", "rows"), g.get("narrow_rows", "rows")
-        if saved_nr != nr:
+        # a group saved before D16 has no narrow_rows: its tensors of narrow rows were kept per row
+        saved_nr, nr = ng.setdefault("narrow_rows", "rows"), g.get("narrow_rows", "rows")
+        if saved_nr != nr and not _narrow_rows_matter(opt, g):
+            ng["narrow_rows"] = nr  # no tensor of the group has narrow rows: the layouts agree, this group's stays
+        elif saved_nr != nr:
             raise ValueError(
                 f"loaded state dict's param group {i} was saved with narrow_rows={saved_nr!r}, but this optimizer's "
                 f"group {i} uses narrow_rows={nr!r}; the state layouts of tensors with narrow rows differ (D16). "
