@@ -246,6 +246,7 @@ def _inspect_deepspeed(files: Sequence[str], single_file: bool = False) -> Dict[
     import torch
 
     from .core.periods import row_slab, scale_block_for
+    from .engine.state import MODE_FACTORED, mode_of_saved
 
     per_name: Dict[str, Dict[str, Any]] = {}
     order: List[str] = []
@@ -267,7 +268,7 @@ def _inspect_deepspeed(files: Sequence[str], single_file: bool = False) -> Dict[
         ranks.append(_rank_of(f))
         for st in sd["state"].values():
             total += sum(_nbytes(st[k]) for k in _DS_STATE_KEYS if isinstance(st.get(k), torch.Tensor))
-            factored, spans = "v_row" in st, set(st.get("span_keys", []))
+            factored, spans = mode_of_saved(st) == MODE_FACTORED, set(st.get("span_keys", []))
             c = st.get("codebook")
             if isinstance(c, torch.Tensor) and (cb is None or (float(cb[0]) != -1.0 and float(c[0]) == -1.0)):
                 cb = c

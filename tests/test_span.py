@@ -382,6 +382,32 @@ def test_universal_conversion_refuses_rank_files_that_disagree():
         U._add_span_state("rank0.pt", state(0.5), tensors, {})
 
 
+def test_an_overflowing_square_is_refused_before_anything_changes():
+    """A finite gradient whose square overflows float32 (|g| > ~1.8e19) would make the block's ``v``
+    inf and the update NaN: the step raises as the factored second moment does, before any state,
+    step count or parameter changes (the statistics phase writes nothing)."""
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(3000, 2) * 0.1)
+    b = nn.Parameter(torch.randn(64, 128) * 0.1)
+    opt = Gefen([a, b], lr=1e-2, narrow_rows="span")
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    before = copy.deepcopy((a.detach(), b.detach(), opt.state_dict()))
+    a.grad = torch.randn_like(a)
+    a.grad[5, 1] = 3e19
+    with pytest.raises(RuntimeError, match="overflows float32"):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+    after = opt.state_dict()["state"]
+    for k, st in before[2]["state"].items():
+        for name, v in st.items():
+            w = after[k][name]
+            assert torch.equal(v, w) if torch.is_tensor(v) else v == w, (k, name)
+    a.grad[5, 1] = 1.0
+    opt.step()  # the same step with a sane gradient goes through
+    assert int(opt.state[a]["step"]) == 2 and bool(torch.isfinite(a).all())
+
+
 def test_the_cuda_batch_leaves_span_tensors_to_the_per_tensor_path(monkeypatch):
     from gefen_dist.engine import cuda_batch
     from gefen_dist.engine.cuda_batch import CudaBatch

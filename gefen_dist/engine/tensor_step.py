@@ -8,9 +8,6 @@ import torch
 
 from .column_stats import column_means, piece_column_sums
 from .cuda_batch import CudaBatch
-from ..core.quant import nearest_codeword
-from ..core.span import SpanPiece
-from ..kernels import dispatch as _dispatch
 from ..core.step import adamw_foreach_, adamw_step_, decay_only_, hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
@@ -103,8 +100,9 @@ class GefenStepMixin:
         """The step by the multi-tensor CUDA batch (:class:`~gefen_dist.engine.cuda_batch.CudaBatch`)
         when it takes ``entries``: True when the step is done (or skipped), False when the per-tensor
         path must take it. Tensors kept per block of rows (D16) are not in the batch: their gradients
-        are checked first (a non-finite one skips or raises before anything changes), the batch steps
-        the others, then :meth:`_step_span` steps them."""
+        are checked first (a non-finite one skips or raises before anything changes) and their
+        statistics computed (an overflow raises), the batch steps the others, then
+        :meth:`_step_span` steps them."""
         span = [(g, p) for g, p in entries if self._mode(p) == MODE_SPAN]
         rest = [(g, p) for g, p in entries if self._mode(p) != MODE_SPAN] if span else entries
         batch, skipped = CudaBatch.get(self, rest), self.skipped_steps
@@ -112,65 +110,17 @@ class GefenStepMixin:
             return False
         if span and self.nonfinite != "ignore" and self._nonfinite(span):
             return True
+        # the learned span tensors' statistics before the batch changes anything: an overflow
+        # raises here (they write nothing, so a skipped batch step discards them)
+        work = self._span_statistics(span) if span else {}
         if not batch.step(self):
             return False
         if self.skipped_steps == skipped:
             if span:
                 self._prepare(span)
-                self._step_span(span)
+                self._step_span(span, work)  # tensors learned by this step: their statistics now
             self._announce()
         return True
-
-    def _step_span(self, entries) -> None:
-        """One step of the tensors of ``entries`` that keep their state per block of rows (D16,
-        ``narrow_rows="span"``), on every rank: each piece's statistics
-        (:func:`gefen_dist.core.span.span_statistics`, natively on CPU), one SUM (column and block sums of ``g^2``;
-        replicas that must not count twice add zeros) and one MAX (block maxima of ``|m|``)
-        all-reduce when any of them is sharded, then the same state update everywhere
-        (:func:`~gefen_dist.core.span.span_update_`). :meth:`_update` leaves these tensors alone."""
-        todo = [(g, p) for g, p in entries if self.state.get(p) and self._mode(p) == MODE_SPAN]
-        sharded = self._comm.world_size > 1 and any(is_dtensor(p) for _, p in todo)
-        work = []
-        for group, p in todo:
-            st = self.state[p]
-            st["step"] += 1
-            hp = hyperparameters(group, step_of(st), self.bound_updates)
-            param = local_tensor(p)
-            if not st["learned"]:  # a globally zero gradient so far (D4): the same on every rank
-                decay_only_(param, hp["lr"], hp["weight_decay"])
-                continue
-            pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
-            sp = SpanPiece.of(pc.shape, pc.start, param.numel())
-            cb = st["codebook"].to(param.device)
-            impl = self._impl(param, p, group)
-            m, col, blk, amax = impl.span_statistics(local_tensor(p.grad), local_tensor(st["idx"]), st["scale"], cb,
-                                                     sp, hp["beta1"])
-            if sharded and not pc.contributes:
-                col.zero_()
-                blk.zero_()
-            work.append((p, st, hp, param, sp, cb, m, col, blk, amax, impl))
-        if not work:
-            return
-        dev = work[0][6].device  # one buffer per reduction (tensors on several devices: on the first one's)
-        sums = torch.cat([t.to(dev) for w in work for t in (w[7], w[8])])
-        maxs = torch.cat([w[9].to(dev) for w in work])
-        if sharded:
-            self._comm.all_reduce_sum_(sums)
-            self._comm.all_reduce_max_(maxs)
-        so = mo = 0
-        for p, st, hp, param, sp, cb, m, col, blk, amax, impl in work:
-            c, b = sums[so:so + sp.slab].to(m.device), sums[so + sp.slab:so + sp.slab + sp.nb].to(m.device)
-            so += sp.slab + sp.nb
-            a = maxs[mo:mo + sp.nb].to(m.device)
-            mo += sp.nb
-            target = param if param.is_contiguous() else param.contiguous()
-            nearest = _dispatch.nearest if self._fused(p) is not False else nearest_codeword
-            impl.span_update_(target, local_tensor(st["idx"]), st["scale"], st["v_blk"], st["v_col"], m, c, b, a, cb,
-                              sp, nearest=nearest, **hp)
-            if target is not param:
-                param.copy_(target)
-            for t in (param, st["scale"], st["v_blk"], st["v_col"]):
-                torch.autograd.graph.increment_version(t)
 
     def _update(self, group: dict, p: torch.Tensor, col_mean_sq: Optional[torch.Tensor] = None) -> None:
         st = self.state[p]

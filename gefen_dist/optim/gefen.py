@@ -20,6 +20,7 @@ from . import validation as _validation
 from .introspect import Introspection
 from ..engine.comm import LocalComm, comm_for
 from ..engine.tensor_step import GefenStepMixin
+from ..engine.span_step import SpanStepMixin
 from ..core.step import DEFAULT_BOUND_UPDATES, bound_factor
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import Piece, check_supported, global_shape, like_param, local_tensor, piece_of
@@ -50,7 +51,7 @@ def saved_param_map(opt: Optimizer, state_dict: Dict[str, Any]) -> Dict[Any, tor
     return id_map
 
 
-class Gefen(GefenStepMixin, NonfiniteChecks, Introspection, Optimizer):
+class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optimizer):
     r"""AdamW with ~1 byte per parameter of state (Gefen, Benedek, Koren, Fried 2026).
 
     Large tensors keep the first moment as uint8 indices into one learned 256-entry codebook times a

@@ -1,0 +1,102 @@
+"""The step of the tensors kept per block of rows (D16, ``narrow_rows="span"``) in
+:class:`gefen_dist.Gefen` (a mixin of it), in two phases so that a refusal comes before anything
+changes: :meth:`SpanStepMixin._span_statistics` (every piece's statistics, the reductions over the
+ranks, the overflow check: no state or parameter is written) and :meth:`SpanStepMixin._span_update`
+(step counts, state, indices, parameters)."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from ..core.quant import nearest_codeword
+from ..core.span import SpanPiece
+from ..core.step import decay_only_, hyperparameters
+from ..kernels import dispatch as _dispatch
+from .layout import is_dtensor, local_tensor, piece_of
+from .state import MODE_SPAN, step_of
+
+
+class SpanStepMixin:
+    """D16's step (uses the optimizer's ``state``, ``_mode``, ``_impl``, ``_fused``, ``_comm``,
+    ``nonfinite``, ``bound_updates`` and ``_raise_column_overflow``)."""
+
+    def _span_entries(self, entries):
+        return [(g, p) for g, p in entries if self.state.get(p) and self._mode(p) == MODE_SPAN]
+
+    def _span_statistics(self, entries) -> Dict[torch.Tensor, tuple]:
+        """The first phase for the learned span tensors of ``entries``, on every rank: each piece's
+        statistics (:func:`gefen_dist.core.span.span_statistics`, natively on CPU), one SUM (column and
+        block sums of ``g^2``; replicas that must not count twice add zeros) and one MAX (block maxima
+        of ``|m|``) all-reduce when any of them is sharded. Raises (on every rank: the sums are
+        reduced) when a squared gradient overflows float32, as the factored second moment does, unless
+        ``nonfinite="ignore"``. Writes nothing. Returns ``{param: work}`` for :meth:`_span_update`."""
+        todo = [(g, p) for g, p in self._span_entries(entries) if self.state[p]["learned"]]
+        sharded = self._comm.world_size > 1 and any(is_dtensor(p) for _, p in todo)
+        work = []
+        for group, p in todo:
+            st = self.state[p]
+            hp = hyperparameters(group, step_of(st) + 1, self.bound_updates)  # this step's
+            param = local_tensor(p)
+            pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
+            sp = SpanPiece.of(pc.shape, pc.start, param.numel())
+            cb = st["codebook"].to(param.device)
+            impl = self._impl(param, p, group)
+            m, col, blk, amax = impl.span_statistics(local_tensor(p.grad), local_tensor(st["idx"]), st["scale"], cb,
+                                                     sp, hp["beta1"])
+            if sharded and not pc.contributes:
+                col.zero_()
+                blk.zero_()
+            work.append((p, hp, sp, cb, m, col, blk, amax, impl))
+        if not work:
+            return {}
+        dev = work[0][4].device  # one buffer per reduction (tensors on several devices: on the first one's)
+        sums = torch.cat([t.to(dev) for w in work for t in (w[5], w[6])])
+        maxs = torch.cat([w[7].to(dev) for w in work])
+        if sharded:
+            self._comm.all_reduce_sum_(sums)
+            self._comm.all_reduce_max_(maxs)
+        out, so, mo = {}, 0, 0
+        for p, hp, sp, cb, m, _, _, _, impl in work:
+            c, b = sums[so:so + sp.slab].to(m.device), sums[so + sp.slab:so + sp.slab + sp.nb].to(m.device)
+            so += sp.slab + sp.nb
+            a = maxs[mo:mo + sp.nb].to(m.device)
+            mo += sp.nb
+            out[p] = (hp, sp, cb, m, c, b, a, impl)
+        if self.nonfinite != "ignore" and bool(torch.isinf(sums.to(torch.float32)).any()):
+            # g*g above float32's range (a finite gradient): v would be inf and the update NaN
+            self._raise_column_overflow({p: torch.cat([w[4], w[5]]).to(torch.float32) for p, w in out.items()})
+        return out
+
+    def _span_update(self, entries, work: Dict[torch.Tensor, tuple]) -> None:
+        """The second phase for the span tensors of ``entries``: every one counts the step; the
+        learned ones in ``work`` (from :meth:`_span_statistics`) take the same state update on every
+        rank (:func:`~gefen_dist.core.span.span_update_`) and their piece's indices and parameter;
+        one whose gradient has been globally zero so far (D4) only decays."""
+        for group, p in self._span_entries(entries):
+            st = self.state[p]
+            st["step"] += 1
+            param = local_tensor(p)
+            if p not in work:
+                if not st["learned"]:
+                    hp = hyperparameters(group, step_of(st), self.bound_updates)
+                    decay_only_(param, hp["lr"], hp["weight_decay"])
+                continue
+            hp, sp, cb, m, c, b, a, impl = work[p]
+            target = param if param.is_contiguous() else param.contiguous()
+            nearest = _dispatch.nearest if self._fused(p) is not False else nearest_codeword
+            impl.span_update_(target, local_tensor(st["idx"]), st["scale"], st["v_blk"], st["v_col"], m, c, b, a, cb,
+                              sp, nearest=nearest, **hp)
+            if target is not param:
+                param.copy_(target)
+            for t in (param, st["scale"], st["v_blk"], st["v_col"]):
+                torch.autograd.graph.increment_version(t)
+
+    def _step_span(self, entries, work: Optional[Dict[torch.Tensor, tuple]] = None) -> None:
+        """One step of the span tensors of ``entries`` (both phases; ``work``: statistics already
+        computed for some of them, the others' are computed here). :meth:`_update` leaves these
+        tensors alone."""
+        work = dict(work or {})
+        missing = [(g, p) for g, p in entries if p not in work]
+        work.update(self._span_statistics(missing))
+        self._span_update(entries, work)
