@@ -43,7 +43,8 @@ class ZeroStepMixin:
         """One ZeRO-1 step: every rank updates the state it owns and packs the update in its
         compressed form, one all-gather, every rank applies every range identically. Tensors kept
         per block of rows (D16) are stepped whole by every rank (Gefen's own step: no collective)."""
-        self._step_span([(g, p) for g, p in entries if self._replicated(p)])
+        span = [(g, p) for g, p in entries if self._replicated(p)]
+        span_work = self._span_statistics(span)  # may refuse an overflow: before anything changes
         entries = [(g, p) for g, p in entries if not self._replicated(p)]
         items = self._wire_items(entries)
         wire = [(mode, st["scale_block"], p.element_size(), self._partition.of(p), st["v_col"].shape[-1])
@@ -53,6 +54,7 @@ class ZeroStepMixin:
         # Factored tensors: the column means of g^2 over all rows, computed by every rank from its
         # full (DDP) gradient with Gefen's own code, so bitwise the single-process values.
         col = self._column_stats(entries, partials)
+        self._step_span(span, span_work)  # the checks passed
         parts = self._owner_parts(items, col)
         # every rank: the replicated column factor (v_col <- EMA, then sqrt(v_col / mean(v_col))),
         # after the owners' dense steps, which update a copy of the old v_col themselves
