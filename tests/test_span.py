@@ -156,6 +156,36 @@ def test_native_phases_equal_the_reference(shape, start, n, dtype, bound, wd):
         assert torch.equal(a, b), (name, int((a != b).sum()))
 
 
+def test_native_phases_do_not_depend_on_the_thread_count():
+    """The native phases run blocks in parallel; the column sums use fixed segments of blocks, so one
+    and two threads give the same bits (a tensor large enough for several threads, a piece cut mid-row)."""
+    _native_or_skip()
+    from gefen_dist.kernels import cpu_span as nat
+
+    shape = (150_001, 3)
+    sp = SpanPiece.of(shape, 7, 150_001 * 3 - 20)
+    gen = torch.Generator().manual_seed(5)
+    cb = torch.sort(torch.cat([torch.tensor([-1.0, 0.0, 1.0]), torch.rand(253, generator=gen) * 2 - 1]))[0]
+    g = torch.randn(sp.numel, generator=gen)
+    idx = torch.randint(0, 256, (sp.numel,), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(sp.nb, generator=gen) * 1e-2
+    p0 = torch.randn(sp.numel, generator=gen) * 0.02
+    threads = torch.get_num_threads()
+    res = []
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            m, col, blk, amax = nat.span_statistics(g, idx, scale, cb, sp, 0.9)
+            st = [p0.clone(), idx.clone(), scale.clone(), torch.full((sp.nb,), 1e-6), torch.full((3,), 1e-6)]
+            nat.span_update_(*st, m, col, blk, amax, cb, sp, lr=1e-3, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                             bc1=0.19, bc2=0.002, bound=1.5, beta1=0.9)
+            res.append([m, col, blk, amax] + st)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+
+
 def test_native_step_agrees_with_the_eager_step():
     """``Gefen.step()`` on span tensors with the native phases (the default on CPU) and with
     ``fused=False`` (the reference), 40 steps of sparse and heavy-tailed gradients: the same

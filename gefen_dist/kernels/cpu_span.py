@@ -27,6 +27,7 @@ from ..core.step import column_factors
 from .cpu import _lib, _make_args, codebook_table
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_COL_SEGS = 16  # csrc/gefen_step.c SPAN_COL_SEGS: fixed segments of blocks for the column sums
 
 
 def _usable(*ts: torch.Tensor) -> Optional[ctypes.CDLL]:
@@ -58,7 +59,7 @@ def span_statistics(grad, idx, scale, codebook, sp: _ref.SpanPiece, beta1: float
     blk = torch.zeros(sp.nb, dtype=torch.float64)
     amax = torch.zeros(sp.nb, dtype=torch.float32)
     if n:
-        acc = torch.empty(sp.k * sp.slab, dtype=torch.float64)
+        acc = torch.empty(_COL_SEGS * sp.k * sp.slab, dtype=torch.float64)
         lib.gefen_span_stats(ctypes.byref(a), g.data_ptr(), ix.data_ptr(), sc.data_ptr(), tab.cb.data_ptr(),
                              n, sp.slab, sp.k, sp.start, m.data_ptr(), col.data_ptr(), blk.data_ptr(),
                              amax.data_ptr(), acc.data_ptr())

@@ -1903,32 +1903,50 @@ void gefen_sumsq_mean(const float *g, int64_t rows, int64_t P, int32_t lanes, fl
  * cut rows at both ends: a partition edge), block by block: for each block b they touch, its
  * elements [e0, e1) in the piece and the position of e0 in the block (t0; a block starts at a row,
  * so the column of position t is t mod S). */
-#define SPAN_FOR_BLOCKS(b, e0, e1, t0)                                                      \
-    for (int64_t g_ = es, g1_ = 0, b = 0, e0 = 0, e1 = 0, t0 = 0;                           \
-         g_ < es + n &&                                                                     \
-         (b = g_ / (k * S), g1_ = (b + 1) * k * S < es + n ? (b + 1) * k * S : es + n,      \
-          e0 = g_ - es, e1 = g1_ - es, t0 = g_ - b * k * S, 1);                             \
-         g_ = g1_)
+#define SPAN_BLOCK_RANGE(b, e0, e1, t0)                                                     \
+    const int64_t g0_ = (b) * k * S > es ? (b) * k * S : es;                                \
+    const int64_t g1_ = ((b) + 1) * k * S < es + n ? ((b) + 1) * k * S : es + n;            \
+    const int64_t e0 = g0_ - es, e1 = g1_ - es, t0 = g0_ - (b) * k * S
+
+#define SPAN_COL_SEGS 16 /* the column sums' fixed segments of blocks: the same result at any thread count */
+
+static int span_threads(const gefen_step_args *a, int64_t n, int64_t nblocks)
+{
+    int64_t nt = a->nthreads > 0 ? a->nthreads : 1;
+    if (nt > n / 65536 + 1) nt = n / 65536 + 1; /* no extra thread for small tensors */
+    if (nt > nblocks) nt = nblocks;
+    return (int)(nt > 0 ? nt : 1);
+}
 
 /* The first phase of gefen_dist.core.span.span_statistics: m = lerp(C[idx] M_b, g, 1 - beta1)
  * (float32, torch's rounding: a->lerp_*, a->fused_lerp), the float32 squares g*g added in double
  * per column (col[S], overwritten) and per block (blk), and per block the NaN-propagating max of
  * |m| (amax). blk and amax hold every block of the tensor, zeros from the caller: the blocks of
  * these elements are accumulated into, the others left at zero. a->dtype: the gradient's (0
- * float32, 1 bfloat16). acc: scratch of k S doubles (the column sums by position in a block). */
+ * float32, 1 bfloat16). acc: scratch of SPAN_COL_SEGS k S doubles (the column sums by position in
+ * a block, one row of them per fixed segment of blocks). Blocks run in parallel (a->nthreads). */
 void gefen_span_stats(const gefen_step_args *a, const void *grad, const uint8_t *idx, const float *scale,
                       const float *cb, int64_t n, int64_t S, int64_t k, int64_t es,
                       float *m, double *col, double *blk, float *amax, double *acc)
 {
     const int dt = a->dtype, small = a->lerp_small, fused = a->fused_lerp != 0;
     const float lc = a->lerp_c;
-    for (int64_t t = 0; t < k * S; ++t) acc[t] = 0.0;
-    SPAN_FOR_BLOCKS(b, e0, e1, t0) {
+    for (int64_t j = 0; j < S; ++j) col[j] = 0.0;
+    if (n <= 0) return;
+    const int64_t KS = k * S, bf = es / KS, nbl = (es + n - 1) / KS - bf + 1;
+    const int64_t nseg = nbl < SPAN_COL_SEGS ? nbl : SPAN_COL_SEGS;
+    for (int64_t t = 0; t < nseg * KS; ++t) acc[t] = 0.0;
+    const int nt = span_threads(a, n, nseg);
+    (void)nt;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
+    for (int64_t sg = 0; sg < nseg; ++sg)
+    for (int64_t b = bf + nbl * sg / nseg; b < bf + nbl * (sg + 1) / nseg; ++b) {
+        SPAN_BLOCK_RANGE(b, e0, e1, t0);
         const float M = scale[b];
         double bs = 0.0;
         float mx = amax[b];
         int nan = mx != mx;
-        double *restrict ac = acc + t0 - e0;
+        double *restrict ac = acc + sg * KS + t0 - e0;
         for (int64_t e = e0; e < e1; ++e) {
             const float g = load_g(grad, e, dt);
             const float mi = fused ? lerp_t(cb[idx[e]] * M, g, lc, small, 1) : lerp_t(cb[idx[e]] * M, g, lc, small, 0);
@@ -1943,8 +1961,7 @@ void gefen_span_stats(const gefen_step_args *a, const void *grad, const uint8_t 
         blk[b] += bs;
         amax[b] = nan ? NAN : mx;
     }
-    for (int64_t j = 0; j < S; ++j) col[j] = 0.0;
-    for (int64_t t = 0; t < k * S; ++t) col[t % S] += acc[t];
+    for (int64_t t = 0; t < nseg * KS; ++t) col[t % S] += acc[t]; /* segments in order */
 }
 
 /* The second phase's per-element part of gefen_dist.core.span.span_update_, once the block state
@@ -1952,7 +1969,7 @@ void gefen_span_stats(const gefen_step_args *a, const void *grad, const uint8_t 
  * factors sqrt(v_col / mean v_col) tiled over a block, k S floats): idx <- nearest(m / M_b) (0
  * where M_b is not > 0), then p <- p decay - clamp(C[idx] M_b sigma, +-bound) lr with sigma =
  * (1 / (rms_b colf_j / sqrt(bc2) + eps)) (1 / bc1), every operation a float32 one in torch's
- * order (bound: +inf for none). a->dtype: the parameter's. */
+ * order (bound: +inf for none). a->dtype: the parameter's. Blocks run in parallel (a->nthreads). */
 void gefen_span_update(const gefen_step_args *a, void *param, const float *m, uint8_t *idx, const float *scale,
                        const float *rms, const float *colt, const float *cb, const int32_t *lut,
                        int64_t n, int64_t S, int64_t k, int64_t es, float bound)
@@ -1960,7 +1977,13 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
     const int dt = a->dtype, wd = a->has_wd, mode = a->lut_mode;
     const float h = a->lut_h, nbm1 = (float)(a->lut_n - 1), sb = a->sqrt_bc2, eps = a->eps, ib = a->inv_bc1;
     const float lr = a->lr, decay = a->decay;
-    SPAN_FOR_BLOCKS(b, e0, e1, t0) {
+    if (n <= 0) return;
+    const int64_t KS = k * S, bf = es / KS, bl = (es + n - 1) / KS;
+    const int nt = span_threads(a, n, bl - bf + 1);
+    (void)nt;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t b = bf; b <= bl; ++b) {
+        SPAN_BLOCK_RANGE(b, e0, e1, t0);
         const float M = scale[b], rb = rms[b];
         const float *restrict ct = colt + t0 - e0;
         const int pos = M > 0.0f;
