@@ -37,7 +37,7 @@ from .periods import row_slab
 from .quant import nearest_codeword, scaled_histogram
 from .step import apply_, column_factors, ema_, first_moment, inv_rms_, quantize
 
-__all__ = ["SPAN_BELOW", "SPAN_TARGET", "span_eligible", "span_rows", "span_blocks", "SpanPiece",
+__all__ = ["SPAN_BELOW", "SPAN_TARGET", "span_eligible", "span_rows", "span_period", "span_blocks", "SpanPiece",
            "span_statistics", "span_state_", "span_update_", "span_grad_absmax", "span_histogram"]
 
 SPAN_BELOW = 80  # rows narrower than this spend more than 0.1 B/param on per-row fp32 state
@@ -52,6 +52,11 @@ def span_eligible(shape: Sequence[int]) -> bool:
 def span_rows(shape: Sequence[int]) -> int:
     """Rows per block: ``ceil(SPAN_TARGET / S)`` for rows of ``S`` elements."""
     return max(1, -(-SPAN_TARGET // max(1, row_slab(shape))))
+
+
+def span_period(shape: Sequence[int]) -> int:
+    """Elements per block (``k S``): the period a tensor kept per block of rows has in the layouts."""
+    return span_rows(shape) * row_slab(shape)
 
 
 def span_blocks(shape: Sequence[int]) -> int:
@@ -138,13 +143,9 @@ def span_statistics(grad: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, 
     then holds only the piece's elements, flat)."""
     dev = codebook.device
     if not sp.whole_rows:
-        full, sl = sp.rows_piece(), slice(sp.lead, sp.lead + sp.numel)
-        gp = torch.zeros(full.numel, dtype=torch.float32, device=dev)
-        gp[sl] = grad.reshape(-1).float()
-        ip = torch.zeros(full.numel, dtype=torch.uint8, device=dev)
-        ip[sl] = idx.reshape(-1)
-        m, col, blk, _ = span_statistics(gp, ip, scale, codebook, full, beta1)
-        m = m.reshape(-1)[sl]
+        m, col, blk, _ = span_statistics(_in_rows(grad.float(), sp), _in_rows(idx, sp), scale, codebook,
+                                         sp.rows_piece(), beta1)
+        m = m.reshape(-1)[sp.lead:sp.lead + sp.numel]
         amax = torch.zeros(sp.nb, dtype=torch.float32, device=dev)
         if sp.numel:
             amax.scatter_reduce_(0, sp.element_blocks(dev), m.abs(), "amax")
@@ -161,6 +162,14 @@ def span_statistics(grad: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, 
     if sp.nrows:
         amax.scatter_reduce_(0, bid, m.abs().view(-1) if one else m.abs().amax(dim=1), "amax")
     return m, col, blk, amax
+
+
+def _in_rows(x: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
+    """The elements of piece ``sp`` (``x``, any shape) placed in the whole rows it touches, zeros
+    around them (flat, ``x``'s dtype and device)."""
+    out = torch.zeros(sp.nrows * sp.slab, dtype=x.dtype, device=x.device)
+    out[sp.lead:sp.lead + sp.numel] = x.reshape(-1)
+    return out
 
 
 def span_state_(scale: torch.Tensor, v_blk: torch.Tensor, v_col: torch.Tensor, col_sum: torch.Tensor,
@@ -190,13 +199,8 @@ def span_update_(param: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, v_
     hp = dict(lr=lr, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound, nearest=nearest)
     if not sp.whole_rows:  # a piece that cuts rows: its rows, with zeros around it
         full, sl = sp.rows_piece(), slice(sp.lead, sp.lead + sp.numel)
-        dev = codebook.device
-        pp = torch.zeros(full.numel, dtype=param.dtype, device=dev)
-        pp[sl] = param.reshape(-1)
-        ip = torch.zeros(full.numel, dtype=torch.uint8, device=dev)
-        mp = torch.zeros(full.numel, dtype=torch.float32, device=dev)
-        mp[sl] = m.reshape(-1)
-        _span_apply_(pp, ip, scale, v_blk, v_col, mp.view(full.nrows, full.slab), codebook, full, **hp)
+        pp, ip = _in_rows(param, sp), _in_rows(idx, sp)
+        _span_apply_(pp, ip, scale, v_blk, v_col, _in_rows(m, sp).view(full.nrows, full.slab), codebook, full, **hp)
         param.reshape(-1).copy_(pp[sl])
         idx.reshape(-1).copy_(ip[sl])
         return

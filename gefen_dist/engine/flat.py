@@ -178,7 +178,7 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
                   row_blocks="auto") -> Dict[str, Any]:
         # placeholders: the period the mode fixes (factored), else the row until one is detected
         spanf = self._span_fn(factored)
-        periods = [_span.span_rows(s.shape) * _periods.row_slab(s.shape) if spanf and spanf(s.shape) else
+        periods = [_span.span_period(s.shape) if spanf and spanf(s.shape) else
                    0 if is_exact(s.shape, self.small_threshold) else
                    (_periods.shape_period(s.shape) if factored else _periods.row_slab(s.shape))
                    for s in self.segments]
@@ -331,7 +331,7 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
         held = {key: self.segments[local[key]] for key in live if key in local}
         spans = set(st.get("span_keys", []))
         new_period = learning.learn_periods_by_key(
-            self.comm, {key: (cat[key]["shape"], _span.span_rows(cat[key]["shape"]) * _periods.row_slab(cat[key]["shape"])
+            self.comm, {key: (cat[key]["shape"], _span.span_period(cat[key]["shape"])
                               if key in spans else fixed_period(cat[key]["shape"], second_moment)) for key in live},
             {key: Piece(local=None, grad=g[s.flat_offset:s.flat_offset + s.numel], start=s.param_offset,
                         shape=tuple(cat[key]["shape"])) for key, s in held.items()})

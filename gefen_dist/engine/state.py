@@ -168,7 +168,7 @@ class StateSpec:
         are its block of ``k`` rows, ``k * slab`` elements (the last block may be shorter)."""
         shape = tuple(int(s) for s in shape)
         if span_mode(shape, second_moment, narrow_rows, small_threshold):
-            L = _span.span_rows(shape) * _periods.row_slab(shape)
+            L = _span.span_period(shape)
             return cls(MODE_SPAN, Geometry(KIND_QUANTIZED, shape, L, L))
         if is_exact(shape, small_threshold):
             return cls(MODE_EXACT, Geometry.exact(shape))

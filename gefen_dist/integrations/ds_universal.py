@@ -47,7 +47,7 @@ import torch
 from ..core import periods as _periods
 from ..core import span as _span
 from ..core.quant import NUM_BINS, nearest_codeword
-from ..core.step import column_ratios
+from ..core.step import column_ratios, quantize
 from ..engine import learning
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import is_exact
@@ -543,7 +543,7 @@ def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]]) -> Dic
         rec = mt.get(name)
         if rec is not None and rec["kind"] == "quantized" and tuple(rec["shape"]) == shape:
             # a D16 record's period is its blocks of rows: a layout without them takes the mode's
-            per = int(rec["period"]) if not rec.get("span") else (fixed_period(shape, MODE_FACTORED))
+            per = int(rec["period"]) if not rec.get("span") else fixed_period(shape, MODE_FACTORED)
             info[name] = _Learned(per, bool(rec["learned"]), rec)
         else:
             generic.append((name, shape))
@@ -589,7 +589,7 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[s
             learned.append(1)
         else:
             li = info[s.name]
-            periods.append(_span_period(s.shape) if spanf and spanf(s.shape) else
+            periods.append(_span.span_period(s.shape) if spanf and spanf(s.shape) else
                            li.period if li.learned else _periods.row_slab(s.shape))
             learned.append(int(li.learned))
     fs._reslot(st, periods, factored)
@@ -598,7 +598,7 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[s
     for j, key in enumerate(st["global_keys"]):
         li = info[key_name[key]]
         st["global_learned"][j] = int(li.learned)
-        per = _span_period(fs.global_catalog()[key]["shape"]) if key in spans else li.period
+        per = _span.span_period(fs.global_catalog()[key]["shape"]) if key in spans else li.period
         st["global_periods"][j] = per if li.learned else 0
     slots, _, _, _ = _slots(fs.segments, st["periods"], small, factored, st.get("row_blocks", 1), span=spanf)
     if spans:
@@ -615,10 +615,6 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[s
         if lrn and not sp.span:
             _fill_quantized(st, sp, zero, info[s.name], opt.codebook, factored, meta)
     return st
-
-
-def _span_period(shape) -> int:
-    return _span.span_rows(shape) * _periods.row_slab(shape)
 
 
 def _fill_span(st, fs, info, key_name, zero: str, codebook) -> None:
@@ -652,8 +648,7 @@ def _fill_span(st, fs, info, key_name, zero: str, codebook) -> None:
             a, n = seg.param_offset, seg.numel
             # element by element: a partition edge may cut a row
             Ar = A.index_select(0, _span.SpanPiece.of(shape, a, n).element_blocks("cpu"))
-            z = torch.where(Ar > 0, m[a:a + n] / torch.where(Ar > 0, Ar, torch.ones_like(Ar)), torch.zeros(1))
-            st["idx"][seg.flat_offset:seg.flat_offset + n] = nearest_codeword(z, codebook.cpu()).to(dev)
+            st["idx"][seg.flat_offset:seg.flat_offset + n] = quantize(m[a:a + n], Ar, codebook.cpu()).to(dev)
 
 
 def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, factored: bool, meta) -> None:

@@ -55,7 +55,7 @@ def span_statistics(grad, idx, scale, codebook, sp: _ref.SpanPiece, beta1: float
     a = _args(g, n, tab, lr=0.0, beta1=beta1, beta2=0.0, eps=0.0, weight_decay=0.0, bc1=1.0, bc2=1.0,
               bound=None)
     m = torch.empty(n, dtype=torch.float32)  # flat: a piece may cut rows (a DeepSpeed partition edge)
-    col = torch.empty(sp.slab, dtype=torch.float64)
+    col = torch.zeros(sp.slab, dtype=torch.float64)
     blk = torch.zeros(sp.nb, dtype=torch.float64)
     amax = torch.zeros(sp.nb, dtype=torch.float32)
     if n:
@@ -63,8 +63,6 @@ def span_statistics(grad, idx, scale, codebook, sp: _ref.SpanPiece, beta1: float
         lib.gefen_span_stats(ctypes.byref(a), g.data_ptr(), ix.data_ptr(), sc.data_ptr(), tab.cb.data_ptr(),
                              n, sp.slab, sp.k, sp.start, m.data_ptr(), col.data_ptr(), blk.data_ptr(),
                              amax.data_ptr(), acc.data_ptr())
-    else:
-        col.zero_()
     return m, col, blk, amax
 
 
