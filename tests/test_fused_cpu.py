@@ -23,7 +23,7 @@ import torch
 
 from gefen_dist.core.quant import nearest_codeword
 from gefen_dist.core.step import bias_corrections, quantized_step_eager_
-from gefen_dist.kernels import cpu
+from gefen_dist.kernels import cpu, cpu_tables
 
 pytestmark = pytest.mark.skipif(not cpu.available(),
                                 reason="native gefen_step library unavailable (no C compiler)")
@@ -112,7 +112,7 @@ def adversarial_z(cb: torch.Tensor) -> np.ndarray:
                          1e-45, -1e-45, 1e-40, -1e-40, 1.1754944e-38, -1.1754944e-38, 0.5, -0.5],
                         dtype=np.float32)
     tab = cpu.codebook_table(cb)
-    bounds = cpu._bucket_lower_bounds(tab.nb)[1:]
+    bounds = cpu_tables._bucket_lower_bounds(tab.nb)[1:]
     parts = [
         _ulp_neighbours(c.astype(np.float32)),
         _ulp_neighbours(mids64.astype(np.float32)),
@@ -390,7 +390,7 @@ def test_two_level_table_every_bucket():
     if _has_cpu_flag("avx512_bitalg"):
         assert cpu.two_level_table(cb)  # a realistic codebook takes the gather-free path
     nb = cpu.codebook_table(cb).nb
-    lo = torch.from_numpy(cpu._bucket_lower_bounds(nb)[1:].copy())
+    lo = torch.from_numpy(cpu_tables._bucket_lower_bounds(nb)[1:].copy())
     z = torch.cat([lo, torch.nextafter(lo, torch.full_like(lo, -2.0)), torch.tensor([-1.0, 0.0, 1.0])])
     n = z.numel() - z.numel() % 64 + 64
     g = torch.zeros(n)

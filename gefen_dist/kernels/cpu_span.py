@@ -24,7 +24,8 @@ import torch
 
 from ..core import span as _ref
 from ..core.step import column_factors
-from .cpu import _lib, _make_args, codebook_table
+from .cpu import _lib, _make_args
+from .cpu_tables import codebook_table
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _COL_SEGS = 16  # csrc/gefen_step.c SPAN_COL_SEGS: fixed segments of blocks for the column sums

@@ -52,7 +52,7 @@ _tables_lock = threading.Lock()
 
 
 def _build_device_table(codebook: torch.Tensor, device: torch.device) -> _DeviceTable:
-    from gefen_dist.kernels.cpu import codebook_table
+    from gefen_dist.kernels.cpu_tables import codebook_table
 
     cbf = codebook.detach().to("cpu", torch.float32).contiguous().reshape(-1)
     key = (cbf.numpy().tobytes(), str(device))
