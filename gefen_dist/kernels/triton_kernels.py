@@ -46,7 +46,7 @@ tiny fraction of elements (where the float32 result lies next to a rounding boun
 
 Nearest codeword
 ----------------
-The lookup table of :func:`gefen_dist.kernels.cpu.codebook_table` (its ``nb`` index entries;
+The lookup table of :func:`gefen_dist.kernels.cpu_tables.codebook_table` (its ``nb`` index entries;
 built once per codebook, copied to the device with the 257-entry codebook, ``C[256] = +inf``,
 and cached per codebook tensor and version): bucket ``k = (int) clamp(z * H + H, 0, NB - 1)``; in the
 two-candidate mode the nearest codeword is ``lut[k]`` or ``lut[k] + 1``: with per-element step sizes

@@ -1503,7 +1503,7 @@ static uint8_t *prepare_tables(const gefen_step_args *a, const float *cb, const 
 
 #ifdef GEFEN_AVX2
 /* The tables of an AVX2 call (lut_mode 1), by a->simd: 1 the per-bucket entries a->ent when the caller
- * built them (cpu.py does for tables of at most 16,384 buckets), else gathers from a byte copy of the
+ * built them (cpu_tables.py does for tables of at most 16,384 buckets), else gathers from a byte copy of the
  * table; 3 the byte copy; 2 none (gather from the int32 table). Returns what to free (or NULL). All
  * give the same results. */
 static void *prepare_tables2(const gefen_step_args *a, const int32_t *lut, avx2_tabs *tb)
