@@ -518,3 +518,27 @@ def test_inspect_names_the_layout(tmp_path):
     torch.save({"optimizer": opt.state_dict()}, tmp_path / "ck.pt")
     text = render_inspect(inspect_checkpoint(str(tmp_path / "ck.pt")))
     assert "narrow_rows=span" in text and "(5000, 2)" in text and "1.009" in text, text
+
+
+def test_a_dense_span_tensor_is_named_once_at_learning(caplog):
+    """Span tensors whose first gradient reaches most rows (a dense layer, where one second moment
+    per block of rows measured worse than per row: the digits classifier, docs/algorithm.md D16) are
+    named in one WARNING when they learn their state; a sparse embedding is not, and no step after
+    the first warns again."""
+    dense, emb = nn.Parameter(torch.randn(256, 64)), nn.Parameter(torch.randn(3000, 4))
+    opt = Gefen([("enc.weight", dense), ("emb.weight", emb)], narrow_rows="span")
+    logger = "gefen_dist.engine.span_step"
+    for t in range(3):
+        dense.grad = torch.randn(256, 64)
+        emb.grad = torch.zeros(3000, 4)
+        emb.grad[torch.arange(t, 3000, 97)] = 1.0  # 31 of 3000 rows
+        with caplog.at_level("WARNING", logger=logger):
+            opt.step()
+        msgs = [r.getMessage() for r in caplog.records if r.name == logger]
+        if t == 0:
+            assert len(msgs) == 1 and "'enc.weight' (256, 64): 100% of rows" in msgs[0], msgs
+            assert "emb.weight" not in msgs[0] and "narrow_rows='rows'" in msgs[0]
+        else:
+            assert not msgs, msgs
+        caplog.clear()
+    assert opt._mode(dense) == opt._mode(emb) == "span"

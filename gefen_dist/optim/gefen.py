@@ -269,6 +269,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
                 self._alloc(p, pc, learned=False)
         if not live:
             return
+        self._note_dense_span(live)
         t0 = time.perf_counter()
         periods = self._learn_periods(live)
         t_periods = time.perf_counter() - t0
