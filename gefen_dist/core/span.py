@@ -38,7 +38,7 @@ from .quant import nearest_codeword, scaled_histogram
 from .step import apply_, column_factors, ema_, first_moment, inv_rms_, quantize
 
 __all__ = ["SPAN_BELOW", "SPAN_TARGET", "span_eligible", "span_rows", "span_period", "span_blocks", "SpanPiece",
-           "span_statistics", "span_state_", "span_update_", "span_grad_absmax", "span_histogram"]
+           "span_statistics", "span_state_", "span_update_", "span_grad_absmax", "span_histogram", "rows_reached"]
 
 SPAN_BELOW = 80  # rows narrower than this spend more than 0.1 B/param on per-row fp32 state
 SPAN_TARGET = 1024  # a block holds at least this many elements (the default's scale blocks reach ~1024)
@@ -245,3 +245,13 @@ def span_histogram(grad: torch.Tensor, absmax: torch.Tensor, sp: SpanPiece, out:
         g = grad.reshape(sp.nrows, sp.slab).float()
         scaled_histogram(g, absmax.to(g.device).index_select(0, sp.block_ids(g.device)).unsqueeze(1), out)
     return out
+
+
+def rows_reached(grad: torch.Tensor, sp: SpanPiece) -> float:
+    """The share of the rows piece ``sp`` touches on which ``grad`` (the piece's gradient) has a
+    nonzero element: near 1 for a dense layer, small for a sparse embedding's batch (0 for an empty
+    piece)."""
+    if not sp.numel or not sp.nrows:
+        return 0.0
+    g = grad.reshape(-1) if sp.whole_rows else _in_rows(grad, sp)
+    return float((g.reshape(sp.nrows, sp.slab) != 0).any(dim=1).float().mean())

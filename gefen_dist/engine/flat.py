@@ -330,6 +330,7 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
         # 2) periods from decomposed statistics (one all-gather of partials)
         held = {key: self.segments[local[key]] for key in live if key in local}
         spans = set(st.get("span_keys", []))
+        self._note_dense_span(g, [k for k in held if k in spans])
         new_period = learning.learn_periods_by_key(
             self.comm, {key: (cat[key]["shape"], _span.span_period(cat[key]["shape"])
                               if key in spans else fixed_period(cat[key]["shape"], second_moment)) for key in live},

@@ -11,6 +11,7 @@ import torch
 
 from ..core import periods as _periods
 from ..core import span as _span
+from .span_step import DENSE_ROWS, warn_dense
 from .state import MODE_FACTORED, span_mode
 
 
@@ -58,6 +59,19 @@ class FlatSpanMixin:
             self.comm.all_reduce_max_(amax)
         for gs, sp, o, nb in held:
             _span.span_histogram(gs, amax[o:o + nb], sp, counts)
+
+    def _note_dense_span(self, g: torch.Tensor, keys: Sequence[str]) -> None:
+        """:func:`~gefen_dist.engine.span_step.warn_dense` for the span tensors ``keys`` learning
+        their state, from the pieces of their first gradient held here (``g``: the buffer's)."""
+        cat = self.global_catalog()
+        found = []
+        for s in self.segments:
+            if s.key in keys and s.numel:
+                sp = _span.SpanPiece.of(cat[s.key]["shape"], s.param_offset, s.numel)
+                reached = _span.rows_reached(g[s.flat_offset:s.flat_offset + s.numel], sp)
+                if reached >= DENSE_ROWS:
+                    found.append((s.key, tuple(cat[s.key]["shape"]), reached))
+        warn_dense(found)
 
     def _step_span(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl=None) -> None:
         """The tensors kept per block of rows (D16) of this buffer: every learned one, held here or

@@ -11,10 +11,9 @@ from typing import Dict, Optional
 import torch
 
 from ..core.quant import nearest_codeword
-from ..core.span import SpanPiece
+from ..core.span import SpanPiece, rows_reached
 from ..core.step import decay_only_, hyperparameters
 from ..kernels import dispatch as _dispatch
-from ..core.periods import row_slab
 from .layout import is_dtensor, local_tensor, piece_of
 from .state import MODE_SPAN, step_of
 
@@ -22,6 +21,23 @@ logger = logging.getLogger(__name__)
 
 # a span tensor whose first gradient reaches at least this share of its rows is a dense layer
 DENSE_ROWS = 0.5
+
+
+def warn_dense(found) -> None:
+    """One WARNING naming the span tensors ``found`` (``(name, shape, share of rows reached)``) whose
+    first gradient reaches at least :data:`DENSE_ROWS` of their rows: dense layers, where one second
+    moment per block of rows measured worse than the per-row default (docs/algorithm.md D16: the
+    digits classifier's ``(256, 64)`` input layer). Rank-local (each rank judges its pieces), no
+    collective; the decision stays the user's."""
+    if not found:
+        return
+    dense = [f"{name!r} {tuple(shape)}: {reached:.0%} of rows" for name, shape, reached in found]
+    logger.warning(
+        "Gefen: narrow_rows='span' keeps one second moment per block of rows, but the first gradient of %d such "
+        "tensor(s) reaches most of their rows (dense layers: %s). On a dense layer of narrow rows that measured "
+        "worse than the per-row default (docs/algorithm.md D16); span measured better on sparse embeddings. "
+        "Consider narrow_rows='rows' for their param group.",
+        len(dense), "; ".join(dense[:8]) + ("; ..." if len(dense) > 8 else ""))
 
 
 class SpanStepMixin:
@@ -32,27 +48,18 @@ class SpanStepMixin:
         return [(g, p) for g, p in entries if self.state.get(p) and self._mode(p) == MODE_SPAN]
 
     def _note_dense_span(self, live) -> None:
-        """One WARNING for the span tensors among ``live`` (``(param, piece)`` pairs learning their
-        state) whose first gradient reaches at least :data:`DENSE_ROWS` of this rank's rows: dense
-        layers, where one second moment per block of rows measured worse than the per-row default
-        (docs/algorithm.md D16: the digits classifier's ``(256, 64)`` input layer). Rank-local, no
-        collective; the decision stays the user's."""
-        dense = []
+        """:func:`warn_dense` for the span tensors among ``live`` (``(param, piece)`` pairs learning
+        their state), from this rank's pieces of their first gradient."""
+        names = None
+        found = []
         for p, pc in live:
-            S = row_slab(pc.shape)
-            g = pc.grad
-            if self._mode(p) != MODE_SPAN or g is None or not g.numel() or g.numel() % S:
+            if self._mode(p) != MODE_SPAN or pc.grad is None:
                 continue
-            reached = float((g.reshape(-1, S) != 0).any(dim=1).float().mean())
+            reached = rows_reached(pc.grad, SpanPiece.of(pc.shape, pc.start, pc.grad.numel()))
             if reached >= DENSE_ROWS:
-                dense.append(f"{self._names().get(id(p), '?')!r} {tuple(pc.shape)}: {reached:.0%} of rows")
-        if dense:
-            logger.warning(
-                "Gefen: narrow_rows='span' keeps one second moment per block of rows, but the first gradient of "
-                "%d such tensor(s) reaches most of their rows (dense layers: %s). On a dense layer of narrow rows "
-                "that measured worse than the per-row default (docs/algorithm.md D16); span measured better on "
-                "sparse embeddings. Consider narrow_rows='rows' for their param group.",
-                len(dense), "; ".join(dense[:8]) + ("; ..." if len(dense) > 8 else ""))
+                names = names or self._names()
+                found.append((names.get(id(p), "?"), pc.shape, reached))
+        warn_dense(found)
 
     def _span_statistics(self, entries) -> Dict[torch.Tensor, tuple]:
         """The first phase for the learned span tensors of ``entries``, on every rank: each piece's

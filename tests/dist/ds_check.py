@@ -305,13 +305,30 @@ def case_exact(case, cfg_name, stage, steps=int(os.environ.get("DS_STEPS", 10)),
     engine, _, _, sched = make_engine(cfg, zinit=zinit, client=client)
     lrs = []
     rank, ws = dist.get_rank(), dist.get_world_size()
-    for s in range(steps):
-        lrs.append(float(engine.get_lr()[0]))
-        train(engine, 1, ga, start=s)
-        if os.environ.get("DS_DEBUG"):
-            bo = engine.basic_optimizer
-            log("dbg", s, engine.global_steps, engine.skipped_steps, [g["lr"] for g in bo.param_groups],
-                [st["step"] for st in bo.state.values()], engine.lr_scheduler.get_last_lr())
+    import logging
+
+    dense = []  # the flat path's WARNING on span tensors with a dense first gradient (D16)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: dense.append(r.getMessage())
+    lg = logging.getLogger("gefen_dist.engine.span_step")
+    lg.addHandler(handler)
+    try:
+        for s in range(steps):
+            lrs.append(float(engine.get_lr()[0]))
+            train(engine, 1, ga, start=s)
+            if os.environ.get("DS_DEBUG"):
+                bo = engine.basic_optimizer
+                log("dbg", s, engine.global_steps, engine.skipped_steps, [g["lr"] for g in bo.param_groups],
+                    [st["step"] for st in bo.state.values()], engine.lr_scheduler.get_last_lr())
+    finally:
+        lg.removeHandler(handler)
+    alld = [None] * ws  # rank-local: the ranks that hold a piece of the tensor warn
+    dist.all_gather_object(alld, dense)
+    alld = [m for r in alld for m in r]
+    if over.get("optimizer.params.narrow_rows") == "span":  # b.weight's gradient reaches every row
+        assert alld and all("(134, 67): 100% of rows" in m for m in alld), (case, alld)
+    else:
+        assert not alld, (case, alld)
     assert len(set(lrs)) > 1 or steps < 2 or "scheduler" not in cfg, f"{case}: lr schedule not applied {lrs}"
     params = cfg.get("optimizer", {}).get("params", {})
     compare(case, engine, stage, steps, ga, lrs, cfg.get("gradient_clipping", 0.0),
