@@ -363,9 +363,11 @@ def test_plain_dcp_flow_resumes_bitwise(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
 
 
-def test_zerogefen_keeps_span_tensors_whole():
-    """ZeroGefen keeps span tensors whole on every rank (not partitioned; tests/dist/zero_check.py
-    checks 2 and 3 ranks bitwise against one process, with 2 -> 1 and 2 -> 3 resumes; DeepSpeed
+def test_zerogefen_partitions_span_tensors_single_process():
+    """ZeroGefen cuts span tensors at rows like factored ones (one process: it owns them whole) and
+    steps them bitwise as Gefen does, through the same exchange and appliers as every world size;
+    its consolidated state dict is Gefen's (tests/dist/zero_check.py checks 2 and 3 ranks bitwise
+    against one process, the pieces cutting blocks, with 2 -> 1 and 2 -> 3 resumes; DeepSpeed
     ZeRO-2/3: tests/dist/ds_check.py, z2span / z3span, and universal checkpoints of span state,
     ucz2span, saved at 2 ranks and loaded at 1, 2 and 3)."""
     from gefen_dist import ZeroGefen
@@ -373,16 +375,22 @@ def test_zerogefen_keeps_span_tensors_whole():
     p = nn.Parameter(torch.zeros(5000, 1))
     with pytest.raises(ValueError, match="Invalid narrow_rows"):
         Gefen([p], narrow_rows="blocks")
-    q = nn.Parameter(torch.randn(5000, 1))
-    zo = ZeroGefen([{"params": [q], "narrow_rows": "span"}], lr=1e-2)
-    ref_q = nn.Parameter(q.detach().clone())
-    ro = Gefen([ref_q], lr=1e-2, narrow_rows="span")
-    for t in range(3):
-        g = torch.randn(5000, 1, generator=torch.Generator().manual_seed(t))
-        q.grad, ref_q.grad = g, g.clone()
-        zo.step()
-        ro.step()
-    assert zo._replicated(q) and zo.owned_range(q) == (0, 5000) and torch.equal(q, ref_q)
+    for fused in (None, False):
+        q = nn.Parameter(torch.randn(3000, 5))
+        zo = ZeroGefen([{"params": [q], "narrow_rows": "span"}], lr=1e-2, fused=fused)
+        ref_q = nn.Parameter(q.detach().clone())
+        ro = Gefen([ref_q], lr=1e-2, narrow_rows="span", fused=fused)
+        for t in range(4):
+            g = torch.randn(3000, 5, generator=torch.Generator().manual_seed(t))
+            g[t::3] = 0.0
+            q.grad, ref_q.grad = g, g.clone()
+            zo.step()
+            ro.step()
+        assert zo._mode(q) == "span" and zo.owned_range(q) == (0, 15000) and torch.equal(q, ref_q), fused
+        assert zo.last_wire["elements"] == 15000
+        sd, rsd = zo.state_dict()["state"][0], ro.state_dict()["state"][0]
+        assert sorted(sd) == sorted(rsd) and all(torch.equal(torch.as_tensor(sd[k]), torch.as_tensor(rsd[k]))
+                                                 for k in rsd), fused
     spec = StateSpec.of((5000, 1), second_moment="factored", small_threshold=4096, narrow_rows="span")
     assert spec.mode == "span" and spec.range_tensors(0, 100)["scale"][0] == (5,)
 

@@ -13,6 +13,7 @@ from gefen_dist import Gefen, ZeroGefen
 from gefen_dist.core.step import column_sumsq
 from gefen_dist.zero.optimizer import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, factored_wire_compressed, partition,
                              step_wire_bytes, unit_cost)
+from gefen_dist.zero.partition import MODE_SPAN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK = os.path.join(ROOT, "tests", "dist", "zero_check.py")
@@ -105,6 +106,9 @@ def test_step_wire_bytes():
     # factored: n idx bytes + n/B fp32 M + n/row fp32 sqrt(v_row), each padded to 8
     sizes = step_wire_bytes([(MODE_FACTORED, 64, 4, [(0, 3 * 256), (3 * 256, 4 * 256)], 256)], 2)
     assert sizes == [768 + 4 * 12 + 16, 256 + 16 + 8]
+    # span (D16): n idx bytes only (the block state is replicated), padded to 8; a rank owning nothing adds 0
+    sizes = step_wire_bytes([(MODE_SPAN, 1, 4, [(0, 1542), (1542, 4500), (4500, 4500)])], 3)
+    assert sizes == [1544, 2960, 0]
     assert unit_cost(False, 1, 64, row=256) == (256, 256 + 16 + 4)
     # compressed when 1 + 4/B + 4/row bytes per element < itemsize
     assert factored_wire_compressed(768, 768, 4) and factored_wire_compressed(512, 512, 2)

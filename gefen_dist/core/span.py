@@ -38,7 +38,7 @@ from .quant import nearest_codeword, scaled_histogram
 from .step import apply_, column_factors, ema_, first_moment, inv_rms_, quantize
 
 __all__ = ["SPAN_BELOW", "SPAN_TARGET", "span_eligible", "span_rows", "span_period", "span_blocks", "SpanPiece",
-           "span_statistics", "span_state_", "span_update_", "span_grad_absmax", "span_histogram", "rows_reached"]
+           "span_statistics", "span_state_", "span_update_", "span_grad_absmax", "span_histogram", "rows_reached", "span_apply_indices_"]
 
 SPAN_BELOW = 80  # rows narrower than this spend more than 0.1 B/param on per-row fp32 state
 SPAN_TARGET = 1024  # a block holds at least this many elements (the default's scale blocks reach ~1024)
@@ -211,12 +211,25 @@ def _span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp: SpanPiece, *,
                  bound, nearest, bid=None) -> None:
     """The indices and the parameter of a piece of whole rows from the updated block state."""
     bid = sp.block_ids(codebook.device) if bid is None else bid
-    a = scale.index_select(0, bid).unsqueeze(1)
-    new = quantize(m, a, codebook, nearest)
+    new = quantize(m, scale.index_select(0, bid).unsqueeze(1), codebook, nearest)
     idx.view(sp.nrows, sp.slab).copy_(new)
+    span_apply_indices_(param, new, scale, v_blk, v_col, codebook, sp, lr=lr, eps=eps, weight_decay=weight_decay,
+                        bc1=bc1, bc2=bc2, bound=bound, bid=bid)
+
+
+def span_apply_indices_(param, idx, scale, v_blk, v_col, codebook, sp: SpanPiece, *, lr, eps, weight_decay, bc1, bc2,
+                        bound=None, bid=None, **_) -> None:
+    """The parameter update of a piece of whole rows from its new indices ``idx`` and the updated
+    block state (``scale``, ``v_blk``, ``v_col``): ``p <- p (1 - lr wd) - lr clamp(C[idx] M_b sigma,
+    +-bound)``, the operations of the second phase in its order, so a rank that receives another's
+    indices (ZeroGefen) applies that rank's update bitwise."""
+    if sp.nrows == 0:
+        return
+    bid = sp.block_ids(codebook.device) if bid is None else bid
+    a = scale.index_select(0, bid).unsqueeze(1)
     rms = v_blk.sqrt().index_select(0, bid).unsqueeze(1) * column_factors(v_col).unsqueeze(0)
     sigma = inv_rms_(rms, eps, bc1, math.sqrt(bc2))
-    q = codebook.index_select(0, new.view(-1).int()).view(sp.nrows, sp.slab)  # codebook[new], without int64 indices
+    q = codebook.index_select(0, idx.reshape(-1).int()).view(sp.nrows, sp.slab)  # codebook[idx], no int64 indices
     apply_(param.view(sp.nrows, sp.slab), q * a, sigma, lr, weight_decay, bound)
 
 

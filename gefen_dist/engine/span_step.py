@@ -6,7 +6,7 @@ ranks, the overflow check: no state or parameter is written) and :meth:`SpanStep
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -14,7 +14,7 @@ from ..core.quant import nearest_codeword
 from ..core.span import SpanPiece, rows_reached
 from ..core.step import decay_only_, hyperparameters
 from ..kernels import dispatch as _dispatch
-from .layout import is_dtensor, local_tensor, piece_of
+from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .state import MODE_SPAN, step_of
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,23 @@ class SpanStepMixin:
                 found.append((names.get(id(p), "?"), pc.shape, reached))
         warn_dense(found)
 
+    def _span_sharded(self, todo) -> bool:
+        """Whether the ranks hold different pieces of the span tensors ``todo`` (FSDP2/HSDP shards),
+        so that their statistics are reduced over the ranks."""
+        return self._comm.world_size > 1 and any(is_dtensor(p) for _, p in todo)
+
+    def _span_local(self, p: torch.Tensor):
+        """``(start, parameter piece, gradient piece, contributes)`` of this rank's piece of span
+        tensor ``p``: its first flat element, the piece the step updates, its gradient, and whether
+        its statistics count (False on replicas that must not count twice)."""
+        pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
+        return pc.start, local_tensor(p), local_tensor(p.grad), pc.contributes
+
+    @staticmethod
+    def _span_target(param: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+        """The tensor the second phase writes for ``param``, and whether it is copied back into it."""
+        return (param, False) if param.is_contiguous() else (param.contiguous(), True)
+
     def _span_statistics(self, entries) -> Dict[torch.Tensor, tuple]:
         """The first phase for the learned span tensors of ``entries``, on every rank: each piece's
         statistics (:func:`gefen_dist.core.span.span_statistics`, natively on CPU), one SUM (column and
@@ -69,19 +86,17 @@ class SpanStepMixin:
         reduced) when a squared gradient overflows float32, as the factored second moment does, unless
         ``nonfinite="ignore"``. Writes nothing. Returns ``{param: work}`` for :meth:`_span_update`."""
         todo = [(g, p) for g, p in self._span_entries(entries) if self.state[p]["learned"]]
-        sharded = self._comm.world_size > 1 and any(is_dtensor(p) for _, p in todo)
+        sharded = self._span_sharded(todo)
         work = []
         for group, p in todo:
             st = self.state[p]
             hp = hyperparameters(group, step_of(st) + 1, self.bound_updates)  # this step's
-            param = local_tensor(p)
-            pc = piece_of(p, self._comm.rank, self._comm.world_size > 1)
-            sp = SpanPiece.of(pc.shape, pc.start, param.numel())
+            start, param, grad, contributes = self._span_local(p)
+            sp = SpanPiece.of(global_shape(p), start, param.numel())
             cb = st["codebook"].to(param.device)
             impl = self._impl(param, p, group)
-            m, col, blk, amax = impl.span_statistics(local_tensor(p.grad), local_tensor(st["idx"]), st["scale"], cb,
-                                                     sp, hp["beta1"])
-            if sharded and not pc.contributes:
+            m, col, blk, amax = impl.span_statistics(grad, local_tensor(st["idx"]), st["scale"], cb, sp, hp["beta1"])
+            if sharded and not contributes:
                 col.zero_()
                 blk.zero_()
             work.append((p, hp, sp, cb, m, col, blk, amax, impl))
@@ -113,20 +128,20 @@ class SpanStepMixin:
         for group, p in self._span_entries(entries):
             st = self.state[p]
             st["step"] += 1
-            param = local_tensor(p)
             if p not in work:
                 if not st["learned"]:
                     hp = hyperparameters(group, step_of(st), self.bound_updates)
-                    decay_only_(param, hp["lr"], hp["weight_decay"])
+                    decay_only_(local_tensor(p), hp["lr"], hp["weight_decay"])
                 continue
             hp, sp, cb, m, c, b, a, impl = work[p]
-            target = param if param.is_contiguous() else param.contiguous()
+            param = self._span_local(p)[1]
+            target, write_back = self._span_target(param)
             nearest = _dispatch.nearest if self._fused(p) is not False else nearest_codeword
             impl.span_update_(target, local_tensor(st["idx"]), st["scale"], st["v_blk"], st["v_col"], m, c, b, a, cb,
                               sp, nearest=nearest, **hp)
-            if target is not param:
+            if write_back:
                 param.copy_(target)
-            for t in (param, st["scale"], st["v_blk"], st["v_col"]):
+            for t in (local_tensor(p), st["scale"], st["v_blk"], st["v_col"]):
                 torch.autograd.graph.increment_version(t)
 
     def _step_span(self, entries, work: Optional[Dict[torch.Tensor, tuple]] = None) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..engine.layout import Geometry, global_shape
-from ..engine.state import MODE_EXACT, new_step, tensor_keys as _state_keys
+from ..engine.state import MODE_EXACT, MODE_SPAN, new_step
 from ..optim.gefen import saved_param_map
 from ..optim.state_dict_io import continue_few_rows
 
@@ -47,16 +47,19 @@ class ZeroCheckpointMixin:
                 i += 1
         cb = self.codebook.detach().clone() if self.codebook is not None else None
         out: Dict[int, dict] = {}
-        for p in self._replicated_params():  # D16: every rank holds the whole state; this rank's copy
-            st = self.state[p]
-            out[index[id(p)]] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) and k != "codebook" else v)
-                                 for k, v in st.items()}
-            out[index[id(p)]]["codebook"] = cb if cb is not None else torch.zeros(256, dtype=torch.float32)
         for p in params:
             st = self.state[p]
             f = full[id(p)]
             shape = global_shape(p)
             mode = self._mode(p)
+            if mode == MODE_SPAN:  # D16: idx gathered; the block state replicated (this rank's copy)
+                out[index[id(p)]] = {
+                    "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
+                    "learned": st["learned"], "idx": f["idx"].view(shape),
+                    **{k: st[k].detach().clone() for k in ("scale", "v_blk", "v_col")},
+                    "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
+                }
+                continue
             if mode == MODE_EXACT:
                 out[index[id(p)]] = {"step": st["step"], "exp_avg": f["exp_avg"].view(shape),
                                      "exp_avg_sq": f["exp_avg_sq"].view(shape)}
@@ -78,10 +81,6 @@ class ZeroCheckpointMixin:
                 "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
             }
         self._consolidated = out
-
-    def _replicated_params(self):
-        """The tensors with state that every rank keeps whole (D16, :meth:`_replicated`)."""
-        return [p for g in self.param_groups for p in g["params"] if self._replicated(p) and self.state.get(p)]
 
     def state_dict(self) -> Dict[str, Any]:
         """The consolidated, world-size-independent state dict (single-process Gefen's layout).
@@ -134,9 +133,11 @@ class ZeroCheckpointMixin:
         for p, st in full.items():
             loc = self.state[p]
             mode = self._mode(p)  # the entry was validated against p's spec (_validate_loaded)
-            if self._replicated(p):  # D16: the whole state on every rank
-                for k in _state_keys(mode):
-                    loc[k] = st[k].detach().to(p.device).clone()
+            if mode == MODE_SPAN:  # D16: this rank's idx; the block state whole on every rank
+                for k in ("scale", "v_blk", "v_col"):
+                    loc[k] = st[k].detach().to(device=p.device, dtype=torch.float32).reshape(-1).clone()
+                loc["idx"] = st["idx"]
+                self._set_from_full(p, {"idx": st["idx"]})
                 loc["codebook"] = self._codebook_for(p.device)
                 continue
             keys = _E_KEYS if mode == MODE_EXACT else _F_KEYS if self._is_factored(p) else _Q_KEYS

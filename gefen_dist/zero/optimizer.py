@@ -18,7 +18,9 @@ A step:
    so the compressed form would be larger than the values) the new parameter values, bitwise, in
    the parameter's dtype; for a factored tensor (always cut at rows) the new ``idx`` bytes, per
    scale block ``M_b`` and per row ``sqrt(v_row_i)`` (float32), or its new values when that is not
-   smaller (:func:`factored_wire_compressed`);
+   smaller (:func:`factored_wire_compressed`); for a tensor kept per block of rows (D16,
+   ``narrow_rows="span"``, cut at rows, its block state replicated and updated by every rank from
+   the owners' statistics, one SUM and one MAX all-reduce) the new ``idx`` bytes only;
 2. one ``all_gather`` of the byte buffers (padded to the largest rank's size; ranks that own
    nothing still take part);
 3. every rank applies every range with the same code: for element ``i`` of block ``b``
@@ -29,7 +31,9 @@ A step:
    the single-process values; no collective), then applies
    ``sigma_ij = (1 / ((sqrt(v_row_i) * sqrt(v_col_j / mean(v_col))) / sqrt(bc2) + eps)) * (1/bc1)``
    and ``p_ij <- p_ij * (1 - lr*wd) - ((C[idx_ij] * M_b) * sigma_ij) * lr`` in
-   :func:`~gefen_dist.core.step.quantized_step_factored_eager_`'s order.
+   :func:`~gefen_dist.core.step.quantized_step_factored_eager_`'s order. Span tensors:
+   :func:`~gefen_dist.core.span.span_apply_indices_` (the reference's second phase, which the
+   native one equals bitwise).
 
 So replicas stay bitwise identical, and equal single-process :class:`~gefen_dist.Gefen` with the
 same ``fused`` setting bitwise: with ``fused=False`` the owner replays the eager step's
@@ -69,7 +73,7 @@ import torch
 
 from ..engine.comm import exchange_bytes, take_bytes
 from ..core import periods as _periods
-from ..engine.layout import Geometry, Piece, global_shape, is_dtensor, is_exact, piece_of
+from ..engine.layout import Geometry, Piece, global_shape, is_dtensor, is_exact
 from ..engine import state as _state
 from ..optim.gefen import Gefen, Report
 from ..optim.validation import GROUP_REJECTED_SHARDED, prestep_zero
@@ -141,21 +145,35 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
 
     # ------------------------------------------------------------------ the part
     def _trainable(self) -> List[torch.Tensor]:
-        """The partitioned tensors: every trainable one except those of narrow rows kept per block
-        of rows (D16), which every rank keeps and steps whole (:meth:`_replicated`)."""
+        """The partitioned tensors: every trainable one."""
         return [p for g in self.param_groups for p in g["params"]
-                if (p.requires_grad or p.grad is not None or self.state.get(p)) and not self._replicated(p)]
+                if p.requires_grad or p.grad is not None or self.state.get(p)]
 
-    def _replicated(self, p: torch.Tensor) -> bool:
-        """``narrow_rows="span"`` tensors (D16): not partitioned; every rank holds their whole state
-        (1 byte per element and the small block state) and steps them as a single process does, from
-        its full (DDP) gradient, so nothing travels for them."""
-        return self._mode(p) == _state.MODE_SPAN
+    # ------------------------------------------------------------------ span tensors (D16)
+    # A tensor kept per block of rows is cut at rows like a factored one; its block state (scale,
+    # v_blk, v_col) is replicated. The owners' pieces take Gefen's two phases with one SUM and one
+    # MAX all-reduce (blocks cut by the partition), then their new indices travel and every rank
+    # applies every piece (core.span.span_apply_indices_, the second phase's operations).
+    def _span_sharded(self, todo) -> bool:
+        return self._world > 1
+
+    def _span_local(self, p: torch.Tensor):
+        s, e = self._mine(p)
+        grad = p.grad.reshape(-1)[s:e] if p.grad is not None else None
+        return s, p.detach().reshape(-1)[s:e], grad, True
+
+    @staticmethod
+    def _span_target(param: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+        """A scratch copy, not written back: the owner's phase updates the state; the parameter is
+        written by the appliers of the step's exchange, on every rank alike (:meth:`_apply_all`)."""
+        return param.clone(), False
 
     def _unit(self, p: torch.Tensor, pending: Optional[dict] = None) -> Tuple[int, int]:
         """(unit, cost) of ``p`` for the partition; a quantized tensor whose period is not known
         yet is cut only at rows (whole blocks for every period it can get)."""
         shape = global_shape(p)
+        if self._mode(p) == _state.MODE_SPAN:  # whole rows of idx bytes; the block state is replicated
+            return _periods.row_slab(shape), _periods.row_slab(shape)
         if is_exact(shape, self.small_threshold):
             return unit_cost(True, 1, 1)
         st = (pending or {}).get(p) or self.state.get(p)
@@ -243,10 +261,6 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     def _zalloc(self, p: torch.Tensor, period: Optional[int], *, learned: bool, step: int = 0) -> None:
         """Zero state for this rank's range of ``p`` (flat slices of the single-process state)."""
         spec = self._spec(p, int(period) if period else None)  # the one state spec (engine.state)
-        if self._replicated(p):
-            self.state[p] = spec.allocate(tuple(p.shape), p.device, learned=learned, step=step,
-                                          codebook=self._codebook_for(p.device), wrap=lambda t, gs: t)
-            return
         s, e = self._mine(p)
         self.state[p] = spec.allocate_range(s, e, p.device, learned=learned, step=step,
                                             codebook=self._codebook_for(p.device))
@@ -260,6 +274,8 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         sliced)."""
         st = self.state[p]
         mode = self._mode(p)
+        if mode == _state.MODE_SPAN:  # scale, v_blk, v_col: replicated
+            return {"idx": 1}
         if mode == _state.MODE_FACTORED:
             return {"idx": 1, "scale": int(st["scale_block"]), "v_row": int(st["v_col"].shape[-1])}
         if mode != _state.MODE_EXACT:
@@ -305,8 +321,6 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         return out
 
     def _piece(self, p: torch.Tensor) -> Piece:
-        if self._replicated(p):  # the whole tensor, as a DDP replica (only rank 0 adds to sums)
-            return piece_of(p, self._rank, True)
         s, e = self._mine(p)
         grad = p.grad.reshape(-1)[s:e] if p.grad is not None else None
         return Piece(local=p.detach().reshape(-1)[s:e], grad=grad, start=s, shape=global_shape(p), contributes=True)
@@ -330,6 +344,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         live = [p for p, a in zip(quant, amax_t.tolist()) if a > 0 or math.isnan(a)]
         if not live:
             return
+        self._note_dense_span([(p, self._piece(p)) for p in live])
         t0 = time.perf_counter()
         periods = self._learn_periods([(p, self._piece(p)) for p in live])
         t_periods = time.perf_counter() - t0
@@ -405,8 +420,6 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     # ------------------------------------------------------------------ introspection
     def owned_range(self, p: torch.Tensor) -> Tuple[int, int]:
         """The flat range ``[start, end)`` of ``p`` whose state this rank keeps."""
-        if self._replicated(p) and self.state.get(p):
-            return (0, p.numel())
         if self._partition is None or id(p) not in self._partition.index:
             return (0, 0)
         return self._mine(p)

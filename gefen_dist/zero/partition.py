@@ -17,6 +17,7 @@ MODE_LOCAL = 0       # nothing travels (a quantized tensor whose gradient was al
 MODE_COMPRESSED = 1  # idx bytes + per-block fp32 (M, sigma): period > 1
 MODE_DENSE = 2       # new values in the parameter's dtype: exact tensors and period == 1
 MODE_FACTORED = 3    # second_moment="factored": idx bytes + per-block fp32 M + per-row fp32 sqrt(v_row)
+MODE_SPAN = 4        # narrow_rows="span" (D16): idx bytes (the block state is replicated, reduced over the ranks)
 
 # ---------------------------------------------------------------------------------------------
 # partition of the global parameter space
@@ -108,7 +109,7 @@ def step_wire_bytes(items: Sequence[tuple], world_size: int) -> List[int]:
     ``items``: per updated parameter ``(mode, period, itemsize, ranges)`` with ``ranges[r]`` the
     flat range rank ``r`` owns; for ``MODE_FACTORED`` ``(mode, scale_block, itemsize, ranges, row)``.
     Compressed: ``n`` idx bytes + ``2 * n / P`` float32 (M, sigma); factored: ``n`` idx bytes +
-    ``n / B`` float32 M + ``n / row`` float32 ``sqrt(v_row)``; dense: ``n * itemsize`` bytes; each
+    ``n / B`` float32 M + ``n / row`` float32 ``sqrt(v_row)``; span: ``n`` idx bytes; dense: ``n * itemsize`` bytes; each
     segment padded to 8 bytes. This is the function the optimizer sizes its buffers with (and the
     benchmark counts with).
     """
@@ -122,6 +123,8 @@ def step_wire_bytes(items: Sequence[tuple], world_size: int) -> List[int]:
                 sizes[r] += _pad(n) + _pad(4 * (n // period)) * 2
             elif mode == MODE_FACTORED:
                 sizes[r] += _pad(n) + _pad(4 * (n // period)) + _pad(4 * (n // int(rest[0])))
+            elif mode == MODE_SPAN:
+                sizes[r] += _pad(n)
             else:
                 sizes[r] += _pad(n * itemsize)
     return sizes

@@ -11,8 +11,11 @@ from ..core.apply import update_v_col
 from ..core.step import adamw_step_, decay_only_, hyperparameters, row_block_args
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import global_shape
+from ..core.span import SpanPiece, span_apply_indices_
 from ..engine.state import MODE_EXACT, step_of
-from .partition import MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, factored_wire_compressed, step_wire_bytes
+from ..engine.state import MODE_SPAN as _STATE_SPAN
+from .partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, MODE_SPAN, factored_wire_compressed,
+                        step_wire_bytes)
 
 _STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")  # what a state-only update needs of the hyperparameters
 
@@ -41,12 +44,15 @@ class ZeroStepMixin:
 
     def _zero_update(self, entries, partials=None) -> None:
         """One ZeRO-1 step: every rank updates the state it owns and packs the update in its
-        compressed form, one all-gather, every rank applies every range identically. Tensors kept
-        per block of rows (D16) are stepped whole by every rank (Gefen's own step: no collective)."""
-        span = [(g, p) for g, p in entries if self._replicated(p)]
+        compressed form, one all-gather, every rank applies every range identically. Learned tensors
+        kept per block of rows (D16) first take Gefen's two phases on the owners' pieces (one SUM and
+        one MAX all-reduce), then travel as their new indices (``MODE_SPAN``)."""
+        span = [(g, p) for g, p in entries if self._mode(p) == _STATE_SPAN and self.state[p]["learned"]]
         span_work = self._span_statistics(span)  # may refuse an overflow: before anything changes
-        entries = [(g, p) for g, p in entries if not self._replicated(p)]
-        items = self._wire_items(entries)
+        ids = {id(p) for _, p in span}
+        entries = [(g, p) for g, p in entries if id(p) not in ids]
+        items = self._wire_items(entries)  # a span tensor not learned yet: MODE_LOCAL (decay only)
+        items += [(p, self.state[p], span_work[p][0], MODE_SPAN) for _, p in span]
         wire = [(mode, st["scale_block"], p.element_size(), self._partition.of(p), st["v_col"].shape[-1])
                 if mode == MODE_FACTORED else (mode, st.get("period", 1), p.element_size(), self._partition.of(p))
                 for p, st, hp, mode in items]
@@ -54,7 +60,7 @@ class ZeroStepMixin:
         # Factored tensors: the column means of g^2 over all rows, computed by every rank from its
         # full (DDP) gradient with Gefen's own code, so bitwise the single-process values.
         col = self._column_stats(entries, partials)
-        self._step_span(span, span_work)  # the checks passed
+        self._span_update(span, span_work)  # the checks passed: block state, steps, the owners' indices
         parts = self._owner_parts(items, col)
         # every rank: the replicated column factor (v_col <- EMA, then sqrt(v_col / mean(v_col))),
         # after the owners' dense steps, which update a copy of the old v_col themselves
@@ -99,7 +105,9 @@ class ZeroStepMixin:
             s, e = self._mine(p)
             if mode == MODE_LOCAL or e == s:
                 continue
-            if mode == MODE_COMPRESSED:
+            if mode == MODE_SPAN:  # updated by _span_update
+                parts.append(st["idx"])
+            elif mode == MODE_COMPRESSED:
                 parts.extend(self._owner_compressed(p, st, hp, s, e))
             elif mode == MODE_FACTORED:
                 parts.extend(self._owner_factored(p, st, hp, s, e))
@@ -136,6 +144,10 @@ class ZeroStepMixin:
                     rf, off = take_bytes(chunks[r], off, n // slab, torch.float32)
                     impl.apply_factored_(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device),
                                          col_f[id(p)], st["codebook"], B, slab, hp, **_row_blocks_kw(p, st, s))
+                elif mode == MODE_SPAN:
+                    idx, off = take_bytes(chunks[r], off, n, torch.uint8)
+                    span_apply_indices_(flat[s:e], idx.to(p.device), st["scale"], st["v_blk"], st["v_col"],
+                                        st["codebook"], SpanPiece.of(global_shape(p), s, n), **hp)
                 else:
                     vals, off = take_bytes(chunks[r], off, n, p.dtype)
                     flat[s:e].copy_(vals.to(p.device))
