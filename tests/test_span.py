@@ -446,6 +446,41 @@ def test_an_overflowing_square_is_refused_before_anything_changes():
     assert int(opt.state[a]["step"]) == 2 and bool(torch.isfinite(a).all())
 
 
+@pytest.mark.parametrize("cls", ["Gefen", "ZeroGefen"])
+@pytest.mark.parametrize("where", ["span", "factored"])
+def test_a_first_step_that_overflows_learns_nothing(cls, where):
+    """A first step whose squared gradient overflows float32 is refused before the periods, the
+    codebook or any quantized state are learned from it (they were, before: the step raised after
+    learning, and the codebook stayed the one of the refused gradient); the run that follows is
+    bitwise the run without that step. ZeroGefen too (its step counts no longer advance before the
+    refusal either)."""
+    import gefen_dist
+
+    opt_cls = getattr(gefen_dist, cls)
+
+    def run(bad_first):
+        torch.manual_seed(0)
+        a = nn.Parameter(torch.randn(3000, 2) * 0.1)
+        b = nn.Parameter(torch.randn(64, 128) * 0.1)
+        c = nn.Parameter(torch.randn(32))
+        opt = opt_cls([{"params": [a, b, c], "narrow_rows": "span"}], lr=1e-2)
+        if bad_first:
+            a.grad, b.grad, c.grad = torch.randn_like(a), torch.randn_like(b), torch.randn_like(c)
+            (a if where == "span" else b).grad.view(-1)[7] = 3e19
+            with pytest.raises(RuntimeError, match="overflows float32"):
+                opt.step()
+            assert opt.codebook is None and not any(st.get("learned") for st in opt.state.values())
+            assert all(int(st["step"]) == 0 for st in opt.state.values())
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in (a, b, c):
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        return a, b, c
+
+    assert all(torch.equal(x, y) for x, y in zip(run(True), run(False)))
+
+
 def test_the_cuda_batch_leaves_span_tensors_to_the_per_tensor_path(monkeypatch):
     from gefen_dist.engine import cuda_batch
     from gefen_dist.engine.cuda_batch import CudaBatch

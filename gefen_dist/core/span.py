@@ -38,7 +38,7 @@ from .quant import nearest_codeword, scaled_histogram
 from .step import apply_, column_factors, ema_, first_moment, inv_rms_, quantize
 
 __all__ = ["SPAN_BELOW", "SPAN_TARGET", "span_eligible", "span_rows", "span_period", "span_blocks", "SpanPiece",
-           "span_statistics", "span_state_", "span_update_", "span_grad_absmax", "span_histogram", "rows_reached", "span_apply_indices_"]
+           "span_statistics", "span_state_", "span_update_", "span_grad_absmax", "span_histogram", "rows_reached", "span_apply_indices_", "span_square_sums"]
 
 SPAN_BELOW = 80  # rows narrower than this spend more than 0.1 B/param on per-row fp32 state
 SPAN_TARGET = 1024  # a block holds at least this many elements (the default's scale blocks reach ~1024)
@@ -153,15 +153,29 @@ def span_statistics(grad: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, 
     g = grad.reshape(sp.nrows, sp.slab).float()
     bid = sp.block_ids(dev) if bid is None else bid
     m = first_moment(idx.reshape(sp.nrows, sp.slab), scale.index_select(0, bid).unsqueeze(1), g, codebook, beta1)
-    sq = g * g
-    col = sq.sum(dim=0, dtype=torch.float64)
+    col, blk = _square_sums(g, sp, bid)
     one = sp.slab == 1  # rows of one element: the row reductions are the values themselves
-    rowsq = sq.view(-1).double() if one else sq.sum(dim=1, dtype=torch.float64)
-    blk = torch.zeros(sp.nb, dtype=torch.float64, device=dev).index_add_(0, bid, rowsq)
     amax = torch.zeros(sp.nb, dtype=torch.float32, device=dev)
     if sp.nrows:
         amax.scatter_reduce_(0, bid, m.abs().view(-1) if one else m.abs().amax(dim=1), "amax")
     return m, col, blk, amax
+
+
+def _square_sums(g: torch.Tensor, sp: SpanPiece, bid: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Column and block sums (float64) of the float32 squares of ``g`` (float32 ``[nrows, slab]``)."""
+    sq = g * g
+    col = sq.sum(dim=0, dtype=torch.float64)
+    rowsq = sq.view(-1).double() if sp.slab == 1 else sq.sum(dim=1, dtype=torch.float64)
+    return col, torch.zeros(sp.nb, dtype=torch.float64, device=g.device).index_add_(0, bid, rowsq)
+
+
+def span_square_sums(grad: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
+    """This piece's column sums and block sums of ``g^2`` (float64 ``[slab + nb]``, the statistics of
+    :func:`span_statistics` that do not need the state): what a first step checks for an overflow
+    before it learns anything."""
+    g = grad.float() if sp.whole_rows else _in_rows(grad.float(), sp)
+    g = g.reshape(sp.nrows, sp.slab)
+    return torch.cat(_square_sums(g, sp, sp.block_ids(g.device)))
 
 
 def _in_rows(x: torch.Tensor, sp: SpanPiece) -> torch.Tensor:

@@ -6,6 +6,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..core import span as _span
 from .column_stats import column_means, piece_column_sums
 from .cuda_batch import CudaBatch
 from ..core.step import adamw_foreach_, adamw_step_, decay_only_, hyperparameters, row_block_args
@@ -71,6 +72,45 @@ class GefenStepMixin:
                                        skip=sharded and not pc.contributes)
         return out
 
+
+    def _refuse_overflow_before_learning(self, live, sharded: Optional[bool] = None) -> None:
+        """The overflow refusal of a step's column statistics (:meth:`_column_stats`, the span
+        tensors' first phase) for the tensors about to learn their state (``live``: ``(param,
+        piece)``, the same tensors on every rank), before periods, codebook or state exist: a first
+        step whose squared gradient overflows float32 leaves nothing learned from it. The same sums
+        as the step (factored: column sums per block of rows; span: column and block sums), one SUM
+        all-reduce when ``sharded`` (default: any piece is a DTensor's)."""
+        if self.nonfinite == "ignore":
+            return
+        todo = [(p, pc) for p, pc in live if self._mode(p) in (MODE_FACTORED, MODE_SPAN)]
+        if not todo:
+            return
+        if sharded is None:
+            sharded = self._comm.world_size > 1 and any(is_dtensor(p) for p, _ in todo)
+        sums = []
+        for p, pc in todo:
+            shape = global_shape(p)
+            if self._mode(p) == MODE_SPAN:
+                sp = _span.SpanPiece.of(shape, pc.start, pc.grad.numel() if pc.grad is not None else 0)
+                s = (_span.span_square_sums(pc.grad, sp) if pc.grad is not None and pc.grad.numel()
+                     else torch.zeros(sp.slab + sp.nb, dtype=torch.float64))
+                if sharded and not pc.contributes:
+                    s = torch.zeros_like(s)
+            else:
+                spec = self._spec(p)
+                vc = torch.empty((spec.row_blocks, spec.geometry.slab) if spec.row_blocks > 1 else (spec.geometry.slab,))
+                sumsq = self._impl(pc.grad, p).column_sumsq if pc.grad is not None else None
+                s = piece_column_sums(pc, vc, shape[0], sumsq, skip=sharded and not pc.contributes)
+            sums.append(s.cpu())
+        buf = torch.cat(sums)
+        if sharded:
+            self._comm.all_reduce_sum_(buf)
+        if bool(torch.isinf(buf.to(torch.float32)).any()):
+            out, o = {}, 0
+            for (p, _), s in zip(todo, sums):
+                out[p] = buf[o:o + s.numel()].to(torch.float32)
+                o += s.numel()
+            self._raise_column_overflow(out)
 
     def _column_stats(self, entries, partials: Optional[Dict[torch.Tensor, torch.Tensor]] = None
                       ) -> Dict[torch.Tensor, torch.Tensor]:

@@ -269,6 +269,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
                 self._alloc(p, pc, learned=False)
         if not live:
             return
+        self._refuse_overflow_before_learning(live)  # nothing learned from a gradient the step refuses
         self._note_dense_span(live)
         t0 = time.perf_counter()
         periods = self._learn_periods(live)

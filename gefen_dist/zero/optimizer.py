@@ -344,6 +344,9 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         live = [p for p, a in zip(quant, amax_t.tolist()) if a > 0 or math.isnan(a)]
         if not live:
             return
+        # every rank holds the whole (DDP) gradient: the refusal's sums from it, no collective
+        self._refuse_overflow_before_learning([(p, Piece(local=p.detach(), grad=p.grad, start=0, shape=global_shape(p)))
+                                               for p in live], sharded=False)
         self._note_dense_span([(p, self._piece(p)) for p in live])
         t0 = time.perf_counter()
         periods = self._learn_periods([(p, self._piece(p)) for p in live])

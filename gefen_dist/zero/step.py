@@ -51,15 +51,16 @@ class ZeroStepMixin:
         span_work = self._span_statistics(span)  # may refuse an overflow: before anything changes
         ids = {id(p) for _, p in span}
         entries = [(g, p) for g, p in entries if id(p) not in ids]
+        # Factored tensors: the column means of g^2 over all rows, computed by every rank from its
+        # full (DDP) gradient with Gefen's own code, so bitwise the single-process values. It may
+        # refuse an overflow too: before the step counts and decays below change anything.
+        col = self._column_stats(entries, partials)
         items = self._wire_items(entries)  # a span tensor not learned yet: MODE_LOCAL (decay only)
         items += [(p, self.state[p], span_work[p][0], MODE_SPAN) for _, p in span]
         wire = [(mode, st["scale_block"], p.element_size(), self._partition.of(p), st["v_col"].shape[-1])
                 if mode == MODE_FACTORED else (mode, st.get("period", 1), p.element_size(), self._partition.of(p))
                 for p, st, hp, mode in items]
         sizes = step_wire_bytes(wire, self._world)
-        # Factored tensors: the column means of g^2 over all rows, computed by every rank from its
-        # full (DDP) gradient with Gefen's own code, so bitwise the single-process values.
-        col = self._column_stats(entries, partials)
         self._span_update(span, span_work)  # the checks passed: block state, steps, the owners' indices
         parts = self._owner_parts(items, col)
         # every rank: the replicated column factor (v_col <- EMA, then sqrt(v_col / mean(v_col))),
