@@ -336,6 +336,36 @@ def case_exact(case, cfg_name, stage, steps=int(os.environ.get("DS_STEPS", 10)),
     return engine
 
 
+def case_nonfinite(case, cfg_name, stage, **over):
+    """A NaN gradient under DeepSpeed: its own overflow check (ZeRO-1/2/3, the BF16_Optimizer; not only
+    fp16's loss scaler) skips the step before Gefen's ``step()`` is called, so Gefen's ``nonfinite``
+    does not apply on the flat buffers (docs/deepspeed.md). Checked: DeepSpeed counts the skip, params
+    and Gefen's state are unchanged on every rank, and the run goes on."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    dt = torch.bfloat16 if over.get("bf16.enabled") else torch.float32
+    cfg = load_cfg(cfg_name, gradient_clipping=0.0, **over)
+    engine, *_ = make_engine(cfg)
+    train(engine, 3, 1, dtype=dt)
+    opt = engine.basic_optimizer
+    p0 = full_params(engine, stage)
+    s0 = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()} for st in opt.state.values()]
+    x, y = data(4, MB * ws)
+    x, y = x[rank * MB:(rank + 1) * MB].to(dt), y[rank * MB:(rank + 1) * MB].to(dt)
+    engine.backward(((engine(x) - y).float() ** 2).mean() * float("nan"))
+    ds_skipped = engine.skipped_steps
+    engine.step()
+    assert engine.skipped_steps == ds_skipped + 1 and opt.skipped_steps == 0, (case, engine.skipped_steps)
+    p1 = full_params(engine, stage)
+    assert all(torch.equal(p0[n], p1[n]) for n in p0), (case, "params changed")
+    for a, b in zip(s0, opt.state.values()):
+        for k, v in a.items():
+            assert (torch.equal(v, b[k]) if torch.is_tensor(v) else v == b[k]), (case, k)
+    train(engine, 2, 1, start=5, dtype=dt)
+    assert all(bool(torch.isfinite(t).all()) for t in full_params(engine, stage).values()), case
+    log(f"OK {case}: a NaN gradient is skipped by DeepSpeed before Gefen's step (params and state unchanged "
+        "on every rank), the run goes on")
+
+
 def case_ckpt(case, cfg_name, stage, ckdir, zinit=False, **over):
     cfg = load_cfg(cfg_name, **over)
     d = os.path.join(ckdir, case)
@@ -820,6 +850,15 @@ def main():
             case_bf16("bf16 zero2", "gefen_zero2.json", 2)
         elif c == "bf16opt":
             case_bf16("bf16 zero1 (BF16_Optimizer)", "gefen_zero1.json", 1, data_types={"grad_accum_dtype": "fp32"})
+        elif c == "nanz2":  # nonfinite on the flat buffers (raise / skip)
+            case_nonfinite("nonfinite zero2", "gefen_zero2.json", 2)
+        elif c == "nanz3":
+            case_nonfinite("nonfinite zero3", "gefen_zero3.json", 3, **FACTORED)
+        elif c == "nanbf16":  # the BF16_Optimizer (ZeRO-1 with bf16)
+            case_nonfinite("nonfinite bf16 zero1", "gefen_zero1.json", 1, **{"bf16.enabled": True},
+                           data_types={"grad_accum_dtype": "fp32"})
+        elif c == "nanz2bf16":
+            case_nonfinite("nonfinite bf16 zero2", "gefen_zero2.json", 2, **{"bf16.enabled": True})
         elif c == "refuse":
             case_refuse("refusals")
         elif c == "plainclient":
