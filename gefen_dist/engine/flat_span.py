@@ -73,19 +73,18 @@ class FlatSpanMixin:
                     found.append((s.key, tuple(cat[s.key]["shape"]), reached))
         warn_dense(found)
 
-    def _step_span(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl=None) -> None:
-        """The tensors kept per block of rows (D16) of this buffer: every learned one, held here or
-        not (the reductions are entered by every rank): each held piece's statistics, one SUM (column
-        and block sums of ``g^2``) and one MAX (block maxima of ``|m|``) all-reduce over the whole
-        catalog, then every rank updates every such tensor's replicated state and its own pieces.
-        ``impl``: the implementation of the two phases (a :class:`~gefen_dist.kernels.dispatch.StepImpl`;
-        None: the reference's)."""
+    def _span_stats(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl=None):
+        """The first phase of the tensors kept per block of rows (D16) of this buffer: every learned
+        one, held here or not (the reductions are entered by every rank): each held piece's
+        statistics, one SUM (column and block sums of ``g^2``) and one MAX (block maxima of ``|m|``)
+        all-reduce over the whole catalog. Writes nothing; None when no such tensor is learned.
+        ``impl``: the implementation of the two phases (a
+        :class:`~gefen_dist.kernels.dispatch.StepImpl`; None: the reference's)."""
         stats = impl.span_statistics if impl is not None else _span.span_statistics
-        update = impl.span_update_ if impl is not None else _span.span_update_
         lay = self.span_layout(st)
         learned = {k for k, lrn in zip(st["global_keys"], st["global_learned"]) if lrn and k in lay}
         if not learned:
-            return
+            return None
         held = {s.key: (s, p, g) for _, s, p, g in items}
         nbt = sum(v[1] for v in lay.values())
         nct = sum(v[3] for v in lay.values())
@@ -110,7 +109,14 @@ class FlatSpanMixin:
         if self.comm.world_size > 1:
             self.comm.all_reduce_sum_(sums)
             self.comm.all_reduce_max_(maxs)
-        for key in sorted(learned):
+        return dict(lay=lay, learned=learned, work=work, sums=sums, maxs=maxs, nct=nct)
+
+    def _span_finish(self, st: Dict[str, Any], hp: Dict[str, Any], res, impl=None) -> None:
+        """The second phase (:meth:`_span_stats`' result ``res``): every rank updates every such
+        tensor's replicated state and its own pieces."""
+        update = impl.span_update_ if impl is not None else _span.span_update_
+        lay, work, sums, maxs, nct, cb = res["lay"], res["work"], res["sums"], res["maxs"], res["nct"], st["codebook"]
+        for key in sorted(res["learned"]):
             bo, nb, co, S, _ = lay[key]
             sp, p, ix, m = work[key]
             dev = st["span_vblk"].device

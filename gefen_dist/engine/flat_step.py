@@ -24,29 +24,38 @@ class SegmentStepMixin:
 
     # ------------------------------------------------------------------ the step
     def step(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], *, second_moment: str,
-             hp: Dict[str, Any], impl=None) -> None:
-        """One Gefen step of every segment (``st['step']`` already incremented). ``second_moment``: the
-        buffer's param group's (the mode of its quantized segments; the state was made for it). ``hp``:
-        the step's scalars, :func:`gefen_dist.core.step.hyperparameters` of the group at ``st['step']``
-        (its ``bound`` None: unbounded). ``impl``: the implementation that steps whole blocks / whole
-        rows (a :class:`gefen_dist.kernels.dispatch.StepImpl`: the native CPU or the Triton kernels;
-        None: the eager reference); cut blocks and rows are finished with the reference's phase functions."""
+             hp: Dict[str, Any], impl=None, check_overflow: bool = True) -> None:
+        """One Gefen step of every segment (``hp`` at the step it takes; the caller counts it when
+        this returns). ``second_moment``: the buffer's param group's (the mode of its quantized
+        segments; the state was made for it). ``hp``: the step's scalars,
+        :func:`gefen_dist.core.step.hyperparameters` of the group (its ``bound`` None: unbounded).
+        ``impl``: the implementation that steps whole blocks / whole rows (a
+        :class:`gefen_dist.kernels.dispatch.StepImpl`: the native CPU or the Triton kernels; None: the
+        eager reference); cut blocks and rows are finished with the reference's phase functions.
+        First the statistics that the factored and span tensors reduce over the ranks (they write
+        nothing): with ``check_overflow``, a squared gradient that overflows float32 raises there, on
+        every rank (the sums are reduced), before anything of the buffer changes."""
         impl = impl or _dispatch.select(flat, fused=False)
         factored = second_moment == MODE_FACTORED
         rbr = st.get("row_blocks", 1) if factored else 1
         layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, factored, rbr,
                                  span=self._span_fn(factored))
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
-        learned = list(_learned_segments(layout, st, fv, gv, hp))  # steps exact segments, decays unlearned ones
-        if factored:
-            self._step_factored(st, hp, [w for w in learned if w[0].factored], rbr, flat.device,
-                                impl.quantized_step_factored_, impl.column_sumsq)
+        learned = _learned_segments(layout, st, fv, gv)
+        fact = self._factored_stats(st, hp, [w for w in learned if w[0].factored], rbr, flat.device,
+                                    impl.column_sumsq) if factored else None
+        span = self._span_stats(st, hp, [w for w in learned if w[0].span], impl) if st.get("span_keys") else None
+        if check_overflow:
+            _refuse_overflow(self.where, fact[1] if fact else None, span["sums"] if span else None)
+        _step_exact_and_decay(layout, st, fv, gv, hp)
+        if fact is not None:
+            self._factored_finish(*fact, st["codebook"], hp, impl.quantized_step_factored_)
         # the shared second moment: every segment of a shared / elementwise buffer, the few-row
         # tensors of a factored one (D15, their v in st["v_row"])
         self._step_shared(st, hp, [w for w in learned if not w[0].factored and not w[0].span], impl,
                           st["v_row"] if factored else st["v"], second_moment)
-        if st.get("span_keys"):
-            self._step_span(st, hp, [w for w in learned if w[0].span], impl)
+        if span is not None:
+            self._span_finish(st, hp, span, impl)
 
     def _step_shared(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl, v_all: torch.Tensor,
                      second_moment: str) -> None:
@@ -109,9 +118,11 @@ class SegmentStepMixin:
 
 
     # ------------------------------------------------------------------ factored second moment
-    def _step_factored(self, st: Dict[str, Any], hp: Dict[str, float], items: list, rbr, dev: torch.device,
-                       whole_rows, sumsq) -> None:
-        """One step with the factored (row x column) second moment (Adafactor's estimator).
+    def _factored_stats(self, st: Dict[str, Any], hp: Dict[str, float], items: list, rbr, dev: torch.device,
+                        sumsq):
+        """The first phase of the factored (row x column) second moment (Adafactor's estimator);
+        writes nothing. Returns the arguments of :meth:`_factored_finish` but the codebook, the scalars
+        and the implementation (None when there is nothing to step).
 
         Per quantized tensor of ``R`` rows of ``S`` elements: ``v_col`` ([S], identical on every
         rank holding part of the tensor) is the EMA of the column mean of ``g^2`` over all ``R``
@@ -129,9 +140,9 @@ class SegmentStepMixin:
         slots = torch.zeros(ctx.nr + ctx.nb, dtype=torch.float64)
         work = self._factored_local(items, st, ctx, hp, sumsq, cols, slots)
         if not work and ctx.nc == 0:
-            return
+            return None
         cols, rsum, bmax = self._reconcile_factored(cols, slots, ctx, dev)
-        self._factored_finish(work, cols, rsum, bmax, ctx, st["codebook"], hp, whole_rows)
+        return work, cols, rsum, bmax, ctx
 
 
     def _factored_catalog(self, st: Dict[str, Any], rbr) -> "_FactoredCatalog":
@@ -252,23 +263,40 @@ class SegmentStepMixin:
                 apply_(p[r0:r1], cb[new.long()] * A, sigma, hp["lr"], hp["weight_decay"], hp["bound"])
 
 
-def _learned_segments(layout, st, fv, gv, hp):
-    """The segments of a flat buffer in order: exact ones are stepped (AdamW), quantized ones whose
-    gradient has been globally zero so far only decay, and the learned quantized ones are yielded as
-    ``(slot, segment, param view, grad view)`` for the caller's step."""
+def _learned_segments(layout, st, fv, gv) -> list:
+    """The learned quantized segments of a flat buffer in order, as ``(slot, segment, param view,
+    grad view)`` for the caller's step."""
+    return [(sp, sp.seg, fv[sp.seg.flat_offset:sp.seg.flat_offset + sp.seg.numel],
+             gv[sp.seg.flat_offset:sp.seg.flat_offset + sp.seg.numel])
+            for sp, learned in zip(layout, st["learned"]) if sp.seg.numel and not sp.exact and learned]
+
+
+def _step_exact_and_decay(layout, st, fv, gv, hp) -> None:
+    """The exact segments' step (AdamW); quantized ones whose gradient has been globally zero so far
+    only decay."""
     for sp, learned in zip(layout, st["learned"]):
         s = sp.seg
-        if not s.numel:
+        if not s.numel or (not sp.exact and learned):
             continue
         p = fv[s.flat_offset:s.flat_offset + s.numel]
-        g = gv[s.flat_offset:s.flat_offset + s.numel]
         if sp.exact:
-            adamw_step_(p, g, st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
+            adamw_step_(p, gv[s.flat_offset:s.flat_offset + s.numel], st["exact_m"][sp.exact_off:sp.exact_off + s.numel],
                         st["exact_v"][sp.exact_off:sp.exact_off + s.numel], **hp)
-        elif not learned:
-            decay_only_(p, hp["lr"], hp["weight_decay"])
         else:
-            yield sp, s, p, g
+            decay_only_(p, hp["lr"], hp["weight_decay"])
+
+
+def _refuse_overflow(where: str, cols, span_sums) -> None:
+    """Raise when a reduced sum of ``g^2`` (factored column sums, span column and block sums) is
+    beyond float32, as :class:`gefen_dist.Gefen` does for its tensors: its second moment would be
+    inf and its update NaN. The sums are the same on every rank, so every rank raises."""
+    for t in (cols, span_sums):
+        if t is not None and t.numel() and bool(torch.isinf(t.to(torch.float32)).any()):
+            raise RuntimeError(
+                f"Gefen: the squared gradient of a tensor of {where} overflows float32 (|g| above ~1.8e19), so "
+                "its second moment would be inf/NaN; nothing of this buffer was updated (param groups DeepSpeed "
+                "stepped before it in this step were). Clip the gradients (gradient_clipping) or scale the loss "
+                "down, or use second_moment='shared'.")
 
 
 @dataclass

@@ -233,9 +233,11 @@ class Gefen(_opt_mod.Gefen):
                 self.codebook_info = fit.info
                 logger.info("Gefen (DeepSpeed) learned its codebook from %d values in %d active bins",
                             fit.info["values"], fit.info["active_bins"])
-        st["step"] += 1
+        # counted once the step went through (an overflowing squared gradient raises before)
         fs.step(flat, grad, st, second_moment=second_moment, impl=self._impl(flat),
-                hp=hyperparameters(group, int(st["step"]), self.bound_updates))
+                hp=hyperparameters(group, int(st["step"]) + 1, self.bound_updates),
+                check_overflow=self.nonfinite != "ignore")
+        st["step"] += 1
 
     # ------------------------------------------------------------------ introspection
     def periods(self) -> Dict[str, int]:

@@ -366,6 +366,33 @@ def case_nonfinite(case, cfg_name, stage, **over):
         "on every rank), the run goes on")
 
 
+def case_overflow(case, cfg_name, stage, **over):
+    """A finite gradient whose square overflows float32 (a loss scaled by 1e30) under ZeRO-3, which
+    DeepSpeed does not skip (ZeRO-2 does, from its overflowing norm): Gefen raises on every rank
+    before anything of the buffer changes (params and state unchanged), as the per-tensor path does
+    (its factored column sums and span sums are reduced first)."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    cfg = load_cfg(cfg_name, gradient_clipping=0.0, **over)
+    engine, *_ = make_engine(cfg)
+    train(engine, 3, 1)
+    opt = engine.basic_optimizer
+    p0 = full_params(engine, stage)
+    s0 = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()} for st in opt.state.values()]
+    x, y = data(4, MB * ws)
+    engine.backward(((engine(x[rank * MB:(rank + 1) * MB]) - y[rank * MB:(rank + 1) * MB]) ** 2).mean() * 1e30)
+    try:
+        engine.step()
+        raise AssertionError(f"{case}: an overflowing squared gradient did not raise")
+    except RuntimeError as e:
+        assert "overflows float32" in str(e) and "nothing of this buffer was updated" in str(e), str(e)
+    p1 = full_params(engine, stage)
+    assert all(torch.equal(p0[n], p1[n]) for n in p0), (case, "params changed")
+    for a, b in zip(s0, opt.state.values()):
+        for k, v in a.items():
+            assert (torch.equal(v, b[k]) if torch.is_tensor(v) else v == b[k]), (case, k)
+    log(f"OK {case}: an overflowing squared gradient raises on every rank, params and state unchanged")
+
+
 def case_ckpt(case, cfg_name, stage, ckdir, zinit=False, **over):
     cfg = load_cfg(cfg_name, **over)
     d = os.path.join(ckdir, case)
@@ -854,6 +881,10 @@ def main():
             case_nonfinite("nonfinite zero2", "gefen_zero2.json", 2)
         elif c == "nanz3":
             case_nonfinite("nonfinite zero3", "gefen_zero3.json", 3, **FACTORED)
+        elif c == "ovz3":  # a finite gradient whose square overflows float32 (factored, span)
+            case_overflow("overflow zero3 factored", "gefen_zero3.json", 3, **FACTORED)
+        elif c == "ovz3span":
+            case_overflow("overflow zero3 span", "gefen_zero3.json", 3, **SPAN)
         elif c == "nanbf16":  # the BF16_Optimizer (ZeRO-1 with bf16)
             case_nonfinite("nonfinite bf16 zero1", "gefen_zero1.json", 1, **{"bf16.enabled": True},
                            data_types={"grad_accum_dtype": "fp32"})
