@@ -223,7 +223,8 @@ class Gefen(_opt_mod.Gefen):
         if grad.dtype != torch.float32:
             grad = grad.float()
         if fs.needs_learning(st):
-            counts = fs.learn(st, grad, codebook_needed=self.codebook is None, second_moment=second_moment)
+            counts = fs.learn(st, grad, codebook_needed=self.codebook is None, second_moment=second_moment,
+                              check_overflow=self.nonfinite != "ignore")
             if counts is not None:
                 fit = learning.learn_codebook(counts)
                 self.codebook = fit.codebook.to(device=flat.device)

@@ -372,25 +372,31 @@ def case_overflow(case, cfg_name, stage, **over):
     before anything of the buffer changes (params and state unchanged), as the per-tensor path does
     (its factored column sums and span sums are reduced first)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
-    cfg = load_cfg(cfg_name, gradient_clipping=0.0, **over)
-    engine, *_ = make_engine(cfg)
-    train(engine, 3, 1)
-    opt = engine.basic_optimizer
-    p0 = full_params(engine, stage)
-    s0 = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()} for st in opt.state.values()]
-    x, y = data(4, MB * ws)
-    engine.backward(((engine(x[rank * MB:(rank + 1) * MB]) - y[rank * MB:(rank + 1) * MB]) ** 2).mean() * 1e30)
-    try:
-        engine.step()
-        raise AssertionError(f"{case}: an overflowing squared gradient did not raise")
-    except RuntimeError as e:
-        assert "overflows float32" in str(e) and "nothing of this buffer was updated" in str(e), str(e)
-    p1 = full_params(engine, stage)
-    assert all(torch.equal(p0[n], p1[n]) for n in p0), (case, "params changed")
-    for a, b in zip(s0, opt.state.values()):
-        for k, v in a.items():
-            assert (torch.equal(v, b[k]) if torch.is_tensor(v) else v == b[k]), (case, k)
-    log(f"OK {case}: an overflowing squared gradient raises on every rank, params and state unchanged")
+    for first in (False, True):  # at step 4, and at the first step (before anything is learned)
+        cfg = load_cfg(cfg_name, gradient_clipping=0.0, **over)
+        engine, *_ = make_engine(cfg)
+        if not first:
+            train(engine, 3, 1)
+        opt = engine.basic_optimizer
+        p0 = full_params(engine, stage)
+        s0 = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()} for st in opt.state.values()]
+        x, y = data(4, MB * ws)
+        engine.backward(((engine(x[rank * MB:(rank + 1) * MB]) - y[rank * MB:(rank + 1) * MB]) ** 2).mean() * 1e30)
+        try:
+            engine.step()
+            raise AssertionError(f"{case}: an overflowing squared gradient did not raise (first={first})")
+        except RuntimeError as e:
+            assert "overflows float32" in str(e) and "nothing of this buffer was updated" in str(e), str(e)
+        p1 = full_params(engine, stage)
+        assert all(torch.equal(p0[n], p1[n]) for n in p0), (case, first, "params changed")
+        if first:  # nothing learned: no codebook, no learned tensor
+            assert opt.codebook is None and not any(any(st.get("global_learned", [])) for st in opt.state.values()), case
+        for a, b in zip(s0, opt.state.values()):
+            for k, v in a.items():
+                assert (torch.equal(v, b[k]) if torch.is_tensor(v) else v == b[k]), (case, k)
+        del engine
+    log(f"OK {case}: an overflowing squared gradient raises on every rank, params and state unchanged, at the "
+        "first step with nothing learned")
 
 
 def case_ckpt(case, cfg_name, stage, ckdir, zinit=False, **over):
