@@ -9,10 +9,12 @@ from typing import Any, Dict, Tuple
 import torch
 
 from ..core import periods as _periods
+from ..core import span as _span
 from ..core.step import (adamw_step_, apply_, block_column_sumsq, column_factors, decay_only_, ema_,
                         first_moment, inv_rms_, quantize)
 from ..kernels import dispatch as _dispatch
 from .flat_layout import LayoutError, _slots, _split
+from .layout import is_exact
 from .state import MODE_FACTORED, quantized_mode
 
 
@@ -56,6 +58,51 @@ class SegmentStepMixin:
                           st["v_row"] if factored else st["v"], second_moment)
         if span is not None:
             self._span_finish(st, hp, span, impl)
+
+    def _refuse_overflow_before_learning(self, st, g, live, held, spans, second_moment) -> None:
+        """The overflow refusal of :meth:`step` for the tensors about to learn (``live``; ``held``:
+        the segments of them here): the sums the step reduces (a factored tensor's column sums per
+        block of rows, a span tensor's column and block sums of ``g^2``), for every live key of the
+        catalog in order, one SUM all-reduce (entered by every rank), raised on every rank."""
+        cat = self.global_catalog()
+        keys, sizes = [], []
+        for k in live:
+            shape = tuple(cat[k]["shape"])
+            if k not in spans and is_exact(shape, self.small_threshold):
+                continue
+            if k in spans:
+                keys.append((k, "span"))
+                sizes.append(_periods.row_slab(shape) + _span.span_blocks(shape))
+            elif second_moment == MODE_FACTORED and quantized_mode(shape, MODE_FACTORED) == MODE_FACTORED:
+                keys.append((k, "factored"))
+                sizes.append(_periods.row_slab(shape) * _periods.factored_row_blocks(shape, st.get("row_blocks", 1)))
+        if not keys:
+            return
+        buf = torch.zeros(sum(sizes), dtype=torch.float64)
+        o = 0
+        for (k, kind), n in zip(keys, sizes):
+            seg = held.get(k)
+            if seg is not None and seg.numel:
+                shape = tuple(cat[k]["shape"])
+                gs = g[seg.flat_offset:seg.flat_offset + seg.numel].float()
+                e = torch.arange(seg.param_offset, seg.param_offset + seg.numel, device=gs.device)
+                S = _periods.row_slab(shape)
+                sq = (gs * gs).double()
+                if kind == "span":
+                    k_rows = _span.span_rows(shape)
+                    buf[o:o + S] += torch.zeros(S, dtype=torch.float64, device=gs.device).index_add_(0, e % S, sq).cpu()
+                    nb = n - S
+                    buf[o + S:o + n] += torch.zeros(nb, dtype=torch.float64, device=gs.device).index_add_(
+                        0, (e // S) // k_rows, sq).cpu()
+                else:
+                    G = n // S
+                    rb = int(shape[0]) // G
+                    buf[o:o + n] += torch.zeros(n, dtype=torch.float64, device=gs.device).index_add_(
+                        0, ((e // S) // rb) * S + e % S, sq).cpu()
+            o += n
+        if self.comm.world_size > 1:
+            self.comm.all_reduce_sum_(buf)
+        _refuse_overflow(self.where, buf, None)
 
     def _step_shared(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl, v_all: torch.Tensor,
                      second_moment: str) -> None:
