@@ -86,19 +86,26 @@ def _teardown_abort(res, overrides) -> bool:
 
     gloo can abort a rank at exit when its peer closes the TCP pair first (``gloo::IoException``
     thrown on gloo's own thread: pytorch/pytorch#130345, horovod#2907); nanoGPT's ``train.py``
-    (vendored, not ours to change) calls ``destroy_process_group()`` and exits. Seen once in CI
-    (2026-12-04, rank 1 exit -6 after the run's last checkpoint); 18 loaded local repeats and 3
-    with the native kernels built under AddressSanitizer ran clean.
+    (vendored, not ours to change) calls ``destroy_process_group()`` and exits. Seen in CI (2026-12-04,
+    rank 1 exit -6 after the run's last checkpoint, "terminate called without an active exception";
+    once, then twice in a row in a later run); locally 1 in 16 launches on an idle host (the code of
+    that day's start: 0 in 6), 18 loaded repeats and 3 with the native kernels built under
+    AddressSanitizer ran clean. The launch is relaunched once; a second such abort is accepted (the
+    run's output and checkpoint are still checked); any other failure fails.
     """
     last = next((int(o.split("=")[1]) for o in overrides if o.startswith("--max_iters=")), 20)
     return (res.returncode != 0 and re.search(rf"^iter {last}: loss", res.stdout, re.M) is not None
-            and "exitcode  : -6" in res.stdout)
+            and "exitcode  : -6" in res.stdout and "terminate called without an active exception" in res.stdout)
 
 
 def test_teardown_abort_rule():
-    """The one relaunch is for an abort after the last iteration only, never for a failure during training."""
-    done = "iter 19: loss 2.98,\niter 20: loss 2.95, time 1ms\n  exitcode  : -6 (pid: 1)  (SIGABRT)\n"
+    """The relaunch (and the tolerated second abort) is for gloo's teardown abort after the last
+    iteration only, never for a failure during training or another abort (a heap error's, say)."""
+    done = ("iter 19: loss 2.98,\niter 20: loss 2.95, time 1ms\nterminate called without an active exception\n"
+            "  exitcode  : -6 (pid: 1)  (SIGABRT)\n")
     assert _teardown_abort(subprocess.CompletedProcess([], 1, done, ""), ["--out_dir=out"])
+    heap = done.replace("terminate called without an active exception", "free(): invalid pointer")
+    assert not _teardown_abort(subprocess.CompletedProcess([], 1, heap, ""), ["--out_dir=out"])
     assert not _teardown_abort(subprocess.CompletedProcess([], 1, done, ""), ["--max_iters=30"])
     assert not _teardown_abort(subprocess.CompletedProcess([], 1, done.replace("-6", "1"), ""), [])
     assert not _teardown_abort(subprocess.CompletedProcess([], 0, done, ""), [])
@@ -125,7 +132,14 @@ def _train(cwd, *overrides, nproc=1):
                 shutil.copytree(backup, cwd / "out")
             continue
         break
-    assert res.returncode == 0, f"{what} failed (rc {res.returncode}); output tail:\n{res.stdout[-TAIL:]}"
+    if nproc > 1 and _teardown_abort(res, overrides):
+        # twice in a row (CI, 2026-12-04: a launch and its relaunch; locally 1 in 16 launches):
+        # every iteration, eval and checkpoint is done, which the callers check; only the exit code of
+        # the vendored script's teardown is not
+        print(f"{what}: a rank aborted after the last iteration again (gloo teardown); the run's output and "
+              "checkpoint are checked as they are")
+    else:
+        assert res.returncode == 0, f"{what} failed (rc {res.returncode}); output tail:\n{res.stdout[-TAIL:]}"
     out = res.stdout
     iters = [(int(i), float(v)) for i, v in ITER.findall(out)]
     evals = [(int(i), float(t), float(v)) for i, t, v in EVAL.findall(out)]
