@@ -147,8 +147,9 @@ class ZeroStepMixin:
                                          col_f[id(p)], st["codebook"], B, slab, hp, **_row_blocks_kw(p, st, s))
                 elif mode == MODE_SPAN:
                     idx, off = take_bytes(chunks[r], off, n, torch.uint8)
-                    span_apply_indices_(flat[s:e], idx.to(p.device), st["scale"], st["v_blk"], st["v_col"],
-                                        st["codebook"], SpanPiece.of(global_shape(p), s, n), **hp)
+                    if self._span_applied_here(p, r):
+                        span_apply_indices_(flat[s:e], idx.to(p.device), st["scale"], st["v_blk"], st["v_col"],
+                                            st["codebook"], SpanPiece.of(global_shape(p), s, n), **hp)
                 else:
                     vals, off = take_bytes(chunks[r], off, n, p.dtype)
                     flat[s:e].copy_(vals.to(p.device))
