@@ -149,31 +149,6 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         return [p for g in self.param_groups for p in g["params"]
                 if p.requires_grad or p.grad is not None or self.state.get(p)]
 
-    # ------------------------------------------------------------------ span tensors (D16)
-    # A tensor kept per block of rows is cut at rows like a factored one; its block state (scale,
-    # v_blk, v_col) is replicated. The owners' pieces take Gefen's two phases with one SUM and one
-    # MAX all-reduce (blocks cut by the partition), updating their own rows of the parameter; their
-    # new indices travel and every other rank applies those rows with the second phase's operations
-    # (core.span.span_apply_indices_: the reference's, which the native phase equals bitwise).
-    def _span_sharded(self, todo) -> bool:
-        return self._world > 1
-
-    def _span_local(self, p: torch.Tensor):
-        """This rank's rows of ``p``: a view of the parameter, or (a non-contiguous one) a scratch
-        copy whose rows the appliers then write (:meth:`_apply_all`, :meth:`_span_applied_here`)."""
-        s, e = self._mine(p)
-        grad = p.grad.reshape(-1)[s:e] if p.grad is not None else None
-        return s, (p.detach().view(-1)[s:e] if p.is_contiguous() else p.detach().reshape(-1)[s:e].clone()), grad, True
-
-    @staticmethod
-    def _span_target(param: torch.Tensor) -> Tuple[torch.Tensor, bool]:
-        return param, False
-
-    def _span_applied_here(self, p: torch.Tensor, r: int) -> bool:
-        """Whether rank ``r``'s rows of span tensor ``p`` still need the applier on this rank (all
-        but this rank's own rows of a contiguous parameter, which its phase updated in place)."""
-        return r != self._rank or not p.is_contiguous()
-
     def _unit(self, p: torch.Tensor, pending: Optional[dict] = None) -> Tuple[int, int]:
         """(unit, cost) of ``p`` for the partition; a quantized tensor whose period is not known
         yet is cut only at rows (whole blocks for every period it can get)."""

@@ -2,7 +2,7 @@
 :class:`gefen_dist.zero.optimizer.ZeroGefen`, which holds the partition part and the state."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -37,6 +37,30 @@ class ZeroStepMixin:
         native CPU kernel or the eager reference; see :func:`gefen_dist.kernels.dispatch.select`)."""
         return _dispatch.select(t, self.fused, need_state=True)
 
+
+    # A tensor kept per block of rows is cut at rows like a factored one; its block state (scale,
+    # v_blk, v_col) is replicated. The owners' pieces take Gefen's two phases with one SUM and one
+    # MAX all-reduce (blocks cut by the partition), updating their own rows of the parameter; their
+    # new indices travel and every other rank applies those rows with the second phase's operations
+    # (core.span.span_apply_indices_: the reference's, which the native phase equals bitwise).
+    def _span_sharded(self, todo) -> bool:
+        return self._world > 1
+
+    def _span_local(self, p: torch.Tensor):
+        """This rank's rows of ``p``: a view of the parameter, or (a non-contiguous one) a scratch
+        copy whose rows the appliers then write (:meth:`_apply_all`, :meth:`_span_applied_here`)."""
+        s, e = self._mine(p)
+        grad = p.grad.reshape(-1)[s:e] if p.grad is not None else None
+        return s, (p.detach().view(-1)[s:e] if p.is_contiguous() else p.detach().reshape(-1)[s:e].clone()), grad, True
+
+    @staticmethod
+    def _span_target(param: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+        return param, False
+
+    def _span_applied_here(self, p: torch.Tensor, r: int) -> bool:
+        """Whether rank ``r``'s rows of span tensor ``p`` still need the applier on this rank (all
+        but this rank's own rows of a contiguous parameter, which its phase updated in place)."""
+        return r != self._rank or not p.is_contiguous()
 
     def _hparams(self, group: dict, st: dict) -> dict:
         return hyperparameters(group, step_of(st), self.bound_updates)
