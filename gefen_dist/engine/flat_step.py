@@ -85,20 +85,15 @@ class SegmentStepMixin:
             if seg is not None and seg.numel:
                 shape = tuple(cat[k]["shape"])
                 gs = g[seg.flat_offset:seg.flat_offset + seg.numel].float()
-                e = torch.arange(seg.param_offset, seg.param_offset + seg.numel, device=gs.device)
-                S = _periods.row_slab(shape)
-                sq = (gs * gs).double()
-                if kind == "span":
-                    k_rows = _span.span_rows(shape)
-                    buf[o:o + S] += torch.zeros(S, dtype=torch.float64, device=gs.device).index_add_(0, e % S, sq).cpu()
-                    nb = n - S
-                    buf[o + S:o + n] += torch.zeros(nb, dtype=torch.float64, device=gs.device).index_add_(
-                        0, (e // S) // k_rows, sq).cpu()
-                else:
-                    G = n // S
-                    rb = int(shape[0]) // G
+                if kind == "span":  # the first phase's sums (core.span), on this piece
+                    buf[o:o + n] += _span.span_square_sums(gs, _span.SpanPiece.of(shape, seg.param_offset,
+                                                                                  seg.numel)).cpu()
+                else:  # column sums per block of rows, element by element (a segment may cut rows)
+                    S = _periods.row_slab(shape)
+                    rb = int(shape[0]) // (n // S)
+                    e = torch.arange(seg.param_offset, seg.param_offset + seg.numel, device=gs.device)
                     buf[o:o + n] += torch.zeros(n, dtype=torch.float64, device=gs.device).index_add_(
-                        0, ((e // S) // rb) * S + e % S, sq).cpu()
+                        0, ((e // S) // rb) * S + e % S, (gs * gs).double()).cpu()
             o += n
         if self.comm.world_size > 1:
             self.comm.all_reduce_sum_(buf)

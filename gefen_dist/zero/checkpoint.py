@@ -136,7 +136,6 @@ class ZeroCheckpointMixin:
             if mode == MODE_SPAN:  # D16: this rank's idx; the block state whole on every rank
                 for k in ("scale", "v_blk", "v_col"):
                     loc[k] = st[k].detach().to(device=p.device, dtype=torch.float32).reshape(-1).clone()
-                loc["idx"] = st["idx"]
                 self._set_from_full(p, {"idx": st["idx"]})
                 loc["codebook"] = self._codebook_for(p.device)
                 continue
