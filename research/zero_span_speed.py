@@ -1,9 +1,10 @@
 """ZeroGefen's step with a narrow_rows="span" tensor (D16), 2 ranks: ms per step and this rank's state
-bytes (the figure in docs/zero.md). An ad hoc timing, run against an earlier commit for a before/after:
+bytes (the figure in docs/zero.md). An ad hoc timing, run against earlier commits, interleaved:
 
-    git worktree add /tmp/before 716e771   # every rank kept and stepped span tensors whole
-    for root in /tmp/before .; do TAG=$root OMP_NUM_THREADS=1 PYTHONPATH=$root \
-        python -m torch.distributed.run --standalone --nproc_per_node 2 research/zero_span_speed.py; done
+    git worktree add /tmp/whole 716e771    # every rank kept and stepped span tensors whole
+    git worktree add /tmp/before 6e91b37   # partitioned, the other ranks' rows applied with torch operations
+    for i in 1 2 3; do for root in /tmp/whole /tmp/before .; do TAG=$root OMP_NUM_THREADS=1 PYTHONPATH=$root \
+        python -m torch.distributed.run --standalone --nproc_per_node 2 research/zero_span_speed.py; done; done
 
 A (500000, 4) span tensor beside a 512 x 512 factored one, 1 thread per rank, 3 untimed steps, then the
 median of 5 rounds of 5 steps (wall time between barriers), printed by rank 0.

@@ -121,7 +121,9 @@ def test_native_phases_equal_the_reference(shape, start, n, dtype, bound, wd):
     a DeepSpeed partition edge; blocks cut at both ends): the first moment, the block maxima, indices,
     scales, ``v`` and the parameter bitwise (float32 and bfloat16 parameters, with and without the
     bound and weight decay, some blocks with a zero scale); the float64 sums of ``g^2`` to 1e-13 (added
-    in another order)."""
+    in another order). On whole rows, the update alone from the new indices and state
+    (``span_apply_indices_``, ZeroGefen's other ranks), native and reference, gives the phase's
+    parameter bitwise."""
     _native_or_skip()
     from gefen_dist.core import span as ref
     from gefen_dist.kernels import cpu_span as nat
@@ -154,6 +156,13 @@ def test_native_phases_equal_the_reference(shape, start, n, dtype, bound, wd):
         res.append(st)
     for name, a, b in zip(("param", "idx", "scale", "v_blk", "v_col"), *res):
         assert torch.equal(a, b), (name, int((a != b).sum()))
+    if sp.whole_rows:  # ZeroGefen's other ranks: the update alone from the new indices and the new state
+        _, new_idx, new_scale, vb, vc = res[0]
+        for impl in (ref, nat):
+            p = p0.clone()
+            impl.span_apply_indices_(p, new_idx, new_scale, vb, vc, cb, sp, lr=1e-3, eps=1e-8, weight_decay=wd,
+                                     bc1=0.19, bc2=0.002, bound=bound)
+            assert torch.equal(p, res[0][0]), (impl.__name__, int((p != res[0][0]).sum()))
 
 
 def test_native_phases_do_not_depend_on_the_thread_count():

@@ -67,6 +67,18 @@ def span_statistics(grad, idx, scale, codebook, sp: _ref.SpanPiece, beta1: float
     return m, col, blk, amax
 
 
+def _update_args(param, v_blk, v_col, codebook, sp, lr, beta1, beta2, eps, weight_decay, bc1, bc2, bound):
+    """The kernel's arguments of the second phase's per-element part: the struct, the codebook
+    table, ``sqrt(v_blk)`` per block and the column factors tiled over a block (float32, as the
+    reference computes them), and the bound (+inf for none)."""
+    tab = codebook_table(codebook)
+    a = _args(param, sp.numel, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1,
+              bc2=bc2, bound=bound)
+    rms = v_blk.sqrt()  # float32, as the reference's sqrt per block
+    colt = column_factors(v_col).repeat(sp.k)  # tiled over a block of k rows
+    return a, tab, rms, colt, math.inf if bound is None else float(bound)
+
+
 def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp: _ref.SpanPiece, *,
                  lr: float, beta2: float, eps: float, weight_decay: float, bc1: float, bc2: float, bound=None,
                  beta1: float = 0.0, bid=None, nearest=None) -> None:
@@ -83,15 +95,33 @@ def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, cod
     n = sp.numel
     if n == 0:
         return
-    tab = codebook_table(codebook)
-    a = _args(param, n, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1,
-              bc2=bc2, bound=bound)
-    rms = v_blk.sqrt()  # float32, as the reference's sqrt per block
-    colt = column_factors(v_col).repeat(sp.k)  # tiled over a block of k rows
+    a, tab, rms, colt, lim = _update_args(param, v_blk, v_col, codebook, sp, lr, beta1, beta2, eps,
+                                          weight_decay, bc1, bc2, bound)
     mc = m.contiguous()
-    lim = math.inf if bound is None else float(bound)
     lib.gefen_span_update(ctypes.byref(a), param.data_ptr(), mc.data_ptr(), idx.data_ptr(), scale.data_ptr(),
                           rms.data_ptr(), colt.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr(), n, sp.slab, sp.k,
                           sp.start, lim)
     for t in (param, idx):
         torch.autograd.graph.increment_version(t)
+
+
+def span_apply_indices_(param, idx, scale, v_blk, v_col, codebook, sp: _ref.SpanPiece, *, lr, eps, weight_decay, bc1,
+                        bc2, bound=None, bid=None, **_) -> None:
+    """:func:`gefen_dist.core.span.span_apply_indices_` (the parameter update alone from given new
+    indices: ZeroGefen's other ranks), natively for a contiguous CPU float32/bfloat16 ``param``: the
+    second phase's operations, so bitwise the reference's and the native phase's."""
+    lib = _usable(param, idx, scale, v_blk, v_col)
+    if (lib is None or param.dtype not in _KERNEL_DTYPES or not param.is_contiguous() or idx.dtype != torch.uint8
+            or not sp.whole_rows):
+        return _ref.span_apply_indices_(param, idx, scale, v_blk, v_col, codebook, sp, lr=lr, eps=eps,
+                                        weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound, bid=bid)
+    if sp.numel == 0:
+        return
+    ix = idx.contiguous()
+    sc = scale.detach().to(torch.float32).contiguous()
+    a, tab, rms, colt, lim = _update_args(param, v_blk, v_col, codebook, sp, lr, 0.0, 0.0, eps, weight_decay,
+                                          bc1, bc2, bound)
+    lib.gefen_span_update(ctypes.byref(a), param.data_ptr(), None, ix.data_ptr(), sc.data_ptr(), rms.data_ptr(),
+                          colt.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr(), sp.numel, sp.slab, sp.k, sp.start,
+                          lim)
+    torch.autograd.graph.increment_version(param)

@@ -146,7 +146,9 @@ class StepImpl:
     the parameter update alone from the state functions' results (ZeRO-1's replicas), in this
     implementation's own arithmetic, so state function + applier equal its full step bitwise.
     ``span_statistics`` / ``span_update_``: the two phases of a tensor kept per block of rows (D16),
-    the contracts of :func:`gefen_dist.core.span.span_statistics` / :func:`~gefen_dist.core.span.span_update_`.
+    the contracts of :func:`gefen_dist.core.span.span_statistics` / :func:`~gefen_dist.core.span.span_update_`,
+    and ``span_apply_indices_`` the second phase's parameter update from given indices (ZeroGefen's
+    other ranks; :func:`~gefen_dist.core.span.span_apply_indices_`).
     An implementation without state functions (Triton) has no appliers either and is not used by
     owners: they fall back to the eager reference, and so do their appliers."""
 
@@ -160,6 +162,7 @@ class StepImpl:
     apply_factored_: Optional[Callable] = None
     span_statistics: Callable = _span.span_statistics  # D16's two phases (the reference's contracts)
     span_update_: Callable = _span.span_update_
+    span_apply_indices_: Callable = _span.span_apply_indices_  # the second phase's update from given indices
     grad_in_param_dtype: bool = True  # the kernels read g in the parameter's dtype; the reference any dtype
 
     def grad_for(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -185,7 +188,7 @@ def _native_cpu() -> StepImpl:
 
     return StepImpl("cpu", cpu.quantized_step_, cpu.quantized_step_factored_, cpu.column_sumsq,
                     cpu.quantized_state_, cpu.factored_state_, cpu.apply_compressed_, cpu.apply_factored_,
-                    cpu_span.span_statistics, cpu_span.span_update_)
+                    cpu_span.span_statistics, cpu_span.span_update_, cpu_span.span_apply_indices_)
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,8 +32,8 @@ A step:
    ``sigma_ij = (1 / ((sqrt(v_row_i) * sqrt(v_col_j / mean(v_col))) / sqrt(bc2) + eps)) * (1/bc1)``
    and ``p_ij <- p_ij * (1 - lr*wd) - ((C[idx_ij] * M_b) * sigma_ij) * lr`` in
    :func:`~gefen_dist.core.step.quantized_step_factored_eager_`'s order. Span tensors:
-   :func:`~gefen_dist.core.span.span_apply_indices_` (the reference's second phase, which the
-   native one equals bitwise).
+   the implementation's ``span_apply_indices_`` (the second phase's update from the received indices:
+   :func:`~gefen_dist.core.span.span_apply_indices_` or the native kernel's, bitwise the same).
 
 So replicas stay bitwise identical, and equal single-process :class:`~gefen_dist.Gefen` with the
 same ``fused`` setting bitwise: with ``fused=False`` the owner replays the eager step's

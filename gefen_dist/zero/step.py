@@ -11,7 +11,7 @@ from ..core.apply import update_v_col
 from ..core.step import adamw_step_, decay_only_, hyperparameters, row_block_args
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import global_shape
-from ..core.span import SpanPiece, span_apply_indices_
+from ..core.span import SpanPiece
 from ..engine.state import MODE_EXACT, step_of
 from ..engine.state import MODE_SPAN as _STATE_SPAN
 from .partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, MODE_SPAN, factored_wire_compressed,
@@ -42,7 +42,7 @@ class ZeroStepMixin:
     # v_blk, v_col) is replicated. The owners' pieces take Gefen's two phases with one SUM and one
     # MAX all-reduce (blocks cut by the partition), updating their own rows of the parameter; their
     # new indices travel and every other rank applies those rows with the second phase's operations
-    # (core.span.span_apply_indices_: the reference's, which the native phase equals bitwise).
+    # (the implementation's span_apply_indices_: the native kernel or the reference, bitwise the same).
     def _span_sharded(self, todo) -> bool:
         return self._world > 1
 
@@ -172,8 +172,8 @@ class ZeroStepMixin:
                 elif mode == MODE_SPAN:
                     idx, off = take_bytes(chunks[r], off, n, torch.uint8)
                     if self._span_applied_here(p, r):
-                        span_apply_indices_(flat[s:e], idx.to(p.device), st["scale"], st["v_blk"], st["v_col"],
-                                            st["codebook"], SpanPiece.of(global_shape(p), s, n), **hp)
+                        impl.span_apply_indices_(flat[s:e], idx.to(p.device), st["scale"], st["v_blk"], st["v_col"],
+                                                 st["codebook"], SpanPiece.of(global_shape(p), s, n), **hp)
                 else:
                     vals, off = take_bytes(chunks[r], off, n, p.dtype)
                     flat[s:e].copy_(vals.to(p.device))

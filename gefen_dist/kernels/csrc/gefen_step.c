@@ -1969,7 +1969,9 @@ void gefen_span_stats(const gefen_step_args *a, const void *grad, const uint8_t 
  * factors sqrt(v_col / mean v_col) tiled over a block, k S floats): idx <- nearest(m / M_b) (0
  * where M_b is not > 0), then p <- p decay - clamp(C[idx] M_b sigma, +-bound) lr with sigma =
  * (1 / (rms_b colf_j / sqrt(bc2) + eps)) (1 / bc1), every operation a float32 one in torch's
- * order (bound: +inf for none). a->dtype: the parameter's. Blocks run in parallel (a->nthreads). */
+ * order (bound: +inf for none). a->dtype: the parameter's. Blocks run in parallel (a->nthreads).
+ * m NULL: the parameter update alone from the given new indices idx (read, not written), as
+ * gefen_dist.core.span.span_apply_indices_ (the same operations, so bitwise the full phase's). */
 void gefen_span_update(const gefen_step_args *a, void *param, const float *m, uint8_t *idx, const float *scale,
                        const float *rms, const float *colt, const float *cb, const int32_t *lut,
                        int64_t n, int64_t S, int64_t k, int64_t es, float bound)
@@ -1987,6 +1989,30 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
         const float M = scale[b], rb = rms[b];
         const float *restrict ct = colt + t0 - e0;
         const int pos = M > 0.0f;
+        if (!m) { /* apply only (ZeroGefen's other ranks): the indices are given, the same operations */
+            if (dt == 0) {
+                float *restrict pf = (float *)param;
+#pragma omp simd
+                for (int64_t e = e0; e < e1; ++e) {
+                    float s = (rb * ct[e]) / sb;
+                    s = 1.0f / (s + eps);
+                    float u = (cb[idx[e]] * M) * (s * ib);
+                    u = u > bound ? bound : (u < -bound ? -bound : u);
+                    u = u * lr;
+                    const float pi = wd ? pf[e] * decay : pf[e];
+                    pf[e] = pi - u;
+                }
+            } else {
+                for (int64_t e = e0; e < e1; ++e) {
+                    float s = (rb * ct[e]) / sb;
+                    s = 1.0f / (s + eps);
+                    float u = (cb[idx[e]] * M) * (s * ib);
+                    u = u > bound ? bound : (u < -bound ? -bound : u);
+                    update_param(param, e, u * lr, decay, 1, wd);
+                }
+            }
+            continue;
+        }
         if (mode && dt == 0) {
             float *restrict pf = (float *)param;
 #pragma omp simd
