@@ -312,16 +312,16 @@ OPTIMIZERS = (
 
 
 class _no_plan:
-    """Within the block, Gefen steps tensor by tensor (CudaBatch.get returns None)."""
+    """Within the block, Gefen steps tensor by tensor (CudaBatch.plan returns None)."""
 
     def __enter__(self):
         from gefen_dist.engine import cuda_batch as cuda_path
 
-        self._mod, self._orig = cuda_path, cuda_path.CudaBatch.__dict__["get"]
-        cuda_path.CudaBatch.get = classmethod(lambda cls, opt, entries: None)
+        self._mod, self._orig = cuda_path, cuda_path.CudaBatch.__dict__["plan"]
+        cuda_path.CudaBatch.plan = classmethod(lambda cls, opt, entries: None)
 
     def __exit__(self, *exc):
-        self._mod.CudaBatch.get = self._orig
+        self._mod.CudaBatch.plan = self._orig
 
 
 def profile_step(fn) -> dict:

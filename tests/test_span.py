@@ -498,8 +498,15 @@ def test_the_cuda_batch_leaves_span_tensors_to_the_per_tensor_path(monkeypatch):
     p = nn.Parameter(torch.randn(5000, 1))
     opt = Gefen([p], narrow_rows="span")
     _steps(p, opt, 1)
-    dev, why = CudaBatch.eligible(opt, [(opt.param_groups[0], p)])
-    assert dev is None and "narrow_rows='span'" in why
+    q = nn.Parameter(torch.randn(64, 128))
+    opt2 = Gefen([p, q], narrow_rows="span")
+    p.grad, q.grad = torch.randn(5000, 1), torch.randn(64, 128)
+    opt2.step()
+    entries = [(opt2.param_groups[0], p), (opt2.param_groups[0], q)]
+    groups, beside, why = CudaBatch.split(opt2, entries)
+    assert groups == [(q.device, [entries[1]])] and beside == [entries[0]] and why == ""
+    groups, beside, why = CudaBatch.split(opt, [(opt.param_groups[0], p)])  # span alone: no batch
+    assert groups is None and beside == [] and why == ""
 
 
 def _embedding_bag(make_opt, steps=300, feats=3000, dim=4, batch=64, active=8, seed=0):

@@ -597,8 +597,9 @@ def _per_tensor_and_batch(monkeypatch, **hp):
     for o in (oa, ob):
         monkeypatch.setattr(o, "_impl", lambda t, p=None, group=None: dispatch._triton())
     monkeypatch.setattr(oa, "_foreach_exact", lambda p, group=None: "exp_avg" in oa.state.get(p, {}))
-    monkeypatch.setattr(cuda_path.CudaBatch, "get", classmethod(
-        lambda cls, opt, entries, _get=cuda_path.CudaBatch.get.__func__: None if opt is oa else _get(cls, opt, entries)))
+    monkeypatch.setattr(cuda_path.CudaBatch, "plan", classmethod(
+        lambda cls, opt, entries, _plan=cuda_path.CudaBatch.plan.__func__: None if opt is oa else _plan(cls, opt,
+                                                                                                         entries)))
     return a, b, oa, ob
 
 
@@ -638,7 +639,7 @@ def _nan_raises_unchanged(b, ob, batch, where, name, extra=()):
     x, y = batch
     ob.zero_grad()
     ((b(x) - y) ** 2).mean().backward()
-    where.grad.view(-1)[7] = float("nan")
+    where.grad[tuple(int(i) for i in torch.unravel_index(torch.tensor(7), where.grad.shape))] = float("nan")
     before = [q.clone() for q in b.parameters()] + [t.clone() for t in extra]
     with pytest.raises(RuntimeError, match=rf"non-finite gradient.*'{name}'"):
         ob.step()
@@ -688,8 +689,9 @@ def test_cuda_batch_steps_around_span_tensors(monkeypatch):
 @interp
 def test_cuda_batch_mixed_step_counts_and_logged_fallbacks(monkeypatch, caplog):
     """A tensor that missed steps (no gradient at step 2: an expert without tokens) keeps the batch:
-    its own launches with its own bias corrections, bitwise equal to the per-tensor path. A
-    non-contiguous parameter sends the model to the per-tensor path with one WARNING naming it."""
+    its own launches with its own bias corrections, bitwise equal to the per-tensor path. A model
+    whose only quantized tensor is a non-contiguous parameter has nothing to batch: the per-tensor
+    path, with one WARNING naming it and the fix."""
     from gefen_dist import Gefen
 
     a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=1e-3)
@@ -703,7 +705,6 @@ def test_cuda_batch_mixed_step_counts_and_logged_fallbacks(monkeypatch, caplog):
     assert int(ob.state[b[2].weight]["step"]) == 5 and int(ob.state[b[0].weight]["step"]) == 6
     assert len(plans[5].groups) == 2
     _assert_same_state(a, b, oa, ob)
-    # a non-contiguous parameter: per-tensor path, one warning that names it and says what to do
     w = torch.nn.Parameter(torch.randn(96, 64).t())  # (64, 96), stride (1, 64)
     oc = Gefen([w], lr=1e-3)
     with caplog.at_level("WARNING", logger="gefen_dist.engine.cuda_batch"):
@@ -713,6 +714,92 @@ def test_cuda_batch_mixed_step_counts_and_logged_fallbacks(monkeypatch, caplog):
     warned = [r.getMessage() for r in caplog.records if "multi-tensor CUDA step is not used" in r.getMessage()]
     assert len(warned) == 1 and "'group0.param0'" in warned[0] and "not contiguous" in warned[0], warned
     assert getattr(oc, "_cuda_batch", None) is None
+
+
+def _non_contiguous(lin):
+    """``lin.weight`` replaced by a parameter of the same values and a transposed layout."""
+    lin.weight = torch.nn.Parameter(lin.weight.detach().t().contiguous().t())
+
+
+@interp
+def test_cuda_batch_steps_beside_what_it_cannot_take(monkeypatch, caplog):
+    """In a single process a quantized tensor the batch cannot take (here a non-contiguous (192, 96)
+    weight) is stepped on its own beside the batch, which keeps every other tensor (a non-contiguous
+    exact (8, 200) weight included: foreach operations take any layout); one INFO line names it, and
+    the results equal the per-tensor path bitwise. A NaN in its gradient raises before anything
+    changes, and so does a NaN in a batched tensor's."""
+    import copy
+
+    from gefen_dist import Gefen
+    from gefen_dist.engine import cuda_batch as cuda_path
+    from gefen_dist.kernels import dispatch
+
+    monkeypatch.setattr(cuda_path, "_DEVICE_TYPES", ("cuda", "cpu"))
+    base = _three_kinds_model()
+    _non_contiguous(base[2])
+    _non_contiguous(base[6])
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    assert not b[2].weight.is_contiguous() and not b[6].weight.is_contiguous()
+    oa, ob = Gefen(a.named_parameters(), lr=1e-3, weight_decay=0.1), Gefen(b.named_parameters(), lr=1e-3,
+                                                                           weight_decay=0.1)
+    for o in (oa, ob):
+        monkeypatch.setattr(o, "_impl", lambda t, p=None, group=None: dispatch._triton())
+    monkeypatch.setattr(cuda_path.CudaBatch, "plan", classmethod(
+        lambda cls, opt, entries, _plan=cuda_path.CudaBatch.plan.__func__: None if opt is oa else _plan(cls, opt,
+                                                                                                         entries)))
+    with caplog.at_level("INFO", logger="gefen_dist.engine.cuda_batch"):
+        plans, batch = _train_both(a, b, oa, ob, 4, 5)
+    assert plans[1] is not None and plans[3] is plans[1]
+    batched = {id(p) for _, p in plans[1].entries}
+    assert id(b[2].weight) not in batched and id(b[6].weight) in batched and id(b[4].weight) in batched
+    said = [r.getMessage() for r in caplog.records if "beside the multi-tensor CUDA step" in r.getMessage()]
+    assert len(said) == 1 and "'2.weight'" in said[0] and "not contiguous" in said[0], said
+    assert not [r for r in caplog.records if "is not used" in r.getMessage()]
+    _assert_same_state(a, b, oa, ob)
+    st = ob.state[b[2].weight]
+    _nan_raises_unchanged(b, ob, batch, b[2].weight, "2.weight", (st["idx"], st["scale"], st["v_row"]))
+    _nan_raises_unchanged(b, ob, batch, b[4].weight, "4.weight", (st["idx"], st["scale"], st["v_row"]))
+
+
+@interp
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_several_batches_are_all_checked_before_any_steps(monkeypatch, nonfinite):
+    """A single process with parameters on several CUDA devices gets one batch per device. Here the
+    split is forced into two batches on the CPU device: the results equal the per-tensor path bitwise,
+    and a NaN in the second batch's gradient raises (or skips the step) before the first batch
+    changes anything."""
+    from gefen_dist.engine import cuda_batch as cuda_path
+
+    orig = cuda_path.CudaBatch.split
+
+    def two(opt, entries):
+        groups, beside, why = orig(opt, entries)
+        if groups is None:
+            return groups, beside, why
+        (dev, es), = groups
+        return [(dev, es[:3]), (dev, es[3:])], beside, why
+
+    a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=1e-3, weight_decay=0.1, nonfinite=nonfinite)
+    monkeypatch.setattr(cuda_path.CudaBatch, "split", staticmethod(two))
+    plans, batch = _train_both(a, b, oa, ob, 4, 6)
+    assert plans[1] is not None and plans[3] is plans[1] and len(ob._cuda_batches) == 2
+    assert ob._cuda_batches[1] is not plans[1] and ob._cuda_batches[1].entries
+    _assert_same_state(a, b, oa, ob)
+    where = ob._cuda_batches[1].entries[0][1]
+    if nonfinite == "raise":
+        name = dict((id(p), n) for n, p in b.named_parameters())[id(where)]
+        _nan_raises_unchanged(b, ob, batch, where, name)
+        return
+    x, y = batch
+    ob.zero_grad()
+    ((b(x) - y) ** 2).mean().backward()
+    where.grad.view(-1)[3] = float("nan")
+    before = [q.clone() for q in b.parameters()] + [ob.state[q]["step"].clone() for q in b.parameters()]
+    skipped = ob.skipped_steps
+    ob.step()
+    assert ob.skipped_steps == skipped + 1
+    assert all(torch.equal(u, w) for u, w in zip(before, list(b.parameters()) +
+                                                 [ob.state[q]["step"] for q in b.parameters()]))
 
 
 @pytest.mark.parametrize("device", [

@@ -17,12 +17,16 @@ same tensors with the same arithmetic in
   (:class:`~gefen_dist.kernels.triton_step.MultiStep`), and
   :func:`~gefen_dist.core.step.adamw_foreach_` for the exact ones.
 
-A batch is built for a fixed set of CUDA tensors (plain, or FSDP2/HSDP DTensors sharded by whole
-rows) whose state exists and is learned, and reused while the parameters, their storage and their
-state dicts stay the same; tensors whose step counts differ (one that missed steps) get their own
-launches. Anything else (the first step, CPU tensors, non-contiguous tensors, parameters that are
-neither float32 nor bfloat16, gradients of another dtype) runs the per-tensor path, and where that
-is not the expected path a WARNING names the tensor and the fix, once per reason. Sharded tensors take the per-tensor path's
+A batch is built for a fixed set of CUDA tensors of one device (plain, or FSDP2/HSDP DTensors
+sharded by whole rows) whose state exists and is learned, and reused while the parameters, their
+storage and their state dicts stay the same; tensors whose step counts differ (one that missed
+steps) get their own launches. In a single process, parameters on several GPUs get one batch per
+GPU (all checked before any steps), and a quantized tensor the batch cannot take (not contiguous,
+neither float32 nor bfloat16, on the CPU, shared with a period other than 1 or its scale block) is
+stepped by the per-tensor path beside the batches, logged once (INFO) with the reason
+(:meth:`CudaBatch.split`). Otherwise (the first step, a CPU model, those cases when several ranks
+take part, gradients of another dtype or layout) the per-tensor path takes the whole step, and
+where that is not the expected path a WARNING names the tensor and the fix, once per reason. Sharded tensors take the per-tensor path's
 collectives in the same order (a fixed-size summary of the non-finite check, the per-tensor flags
 only when some rank raised one, one SUM of the column statistics; replicas that must not count
 twice contribute zeros), so ranks on either path stay in step. Results equal the per-tensor Triton
@@ -32,7 +36,7 @@ the float32 column statistics agree except in rare last-bit cases (the tests see
 from __future__ import annotations
 
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -141,12 +145,22 @@ class CudaBatch:
 
     # ------------------------------------------------------------------ building
     @staticmethod
-    def eligible(opt, entries) -> Tuple[Optional[torch.device], str]:
-        """``(device, "")`` of a batch for ``entries`` (non-empty, ``opt.fused`` not False), or
-        ``(None, reason)`` when the per-tensor path must run; ``reason`` is empty where that is the
-        expected path (state still to learn, not a CUDA device), else it names the tensor and the fix."""
-        dev = None
-        cb = None
+    def split(opt, entries) -> Tuple[Optional[List[Tuple[torch.device, list]]], list, str]:
+        """How the batch takes ``entries`` (``opt.fused`` not False): ``(groups, beside, "")``, the
+        ``(device, entries)`` of each batch and the entries the per-tensor path steps beside them, or
+        ``(None, [], reason)`` when the per-tensor path must take the whole step (``reason`` empty
+        where that is the expected path: state still to learn, no CUDA tensor; else it names the
+        tensor and the fix).
+
+        Beside the batches: tensors kept per block of rows (D16), and in a single process the
+        quantized tensors the batch cannot take (a parameter that is not contiguous, not float32 or
+        bfloat16, on a device of another type, or shared with a period other than 1 or its scale
+        block), each logged once (INFO) with the reason; a single process with CUDA parameters on
+        several devices gets one batch per device. Exact (AdamW) tensors are stepped by foreach
+        operations whatever their layout and dtype. When several ranks take part (their
+        collectives must match) those cases send the whole step to the per-tensor path instead,
+        with one WARNING per reason."""
+        single = opt._comm.world_size == 1
         names = None
 
         def name(p):
@@ -154,66 +168,90 @@ class CudaBatch:
             names = names or opt._names()
             return names.get(id(p), "?")
 
+        devices = {local_tensor(p).device for _, p in entries if opt._mode(p) != MODE_SPAN}
+        if not any(d.type in _DEVICE_TYPES for d in devices):
+            return None, [], ""
+        by_dev: Dict[torch.device, list] = {}
+        beside, reasons, cb = [], [], None
         for group, p in entries:
+            mode = opt._mode(p)
+            if mode == MODE_SPAN:
+                beside.append((group, p))
+                continue
             st = opt.state.get(p)
             if not st or st.get("learned", 1) == 0:
-                return None, ""
-            if dev is None:
-                dev = p.device
-                if dev.type not in _DEVICE_TYPES:
-                    return None, ""
+                return None, [], ""
             loc = local_tensor(p)
-            if loc.device != dev:
-                return None, f"parameter {name(p)!r} is on {loc.device}, others on {dev} (one batch per device)"
-            if loc.dtype not in (torch.float32, torch.bfloat16):
-                return None, (f"parameter {name(p)!r} has dtype {loc.dtype}; the batch steps float32 and bfloat16 "
-                              "parameters (keep fp16 weights in an fp32 master copy, or use bf16)")
-            if not loc.is_contiguous():
-                return None, (f"parameter {name(p)!r} (shape {tuple(loc.shape)}, stride {tuple(loc.stride())}) is not "
-                              "contiguous; make it contiguous (e.g. param.data = param.data.contiguous()) before "
-                              "building the optimizer")
-            mode = opt._mode(p)
-            if mode == MODE_EXACT:
+            why = ""
+            if loc.device.type not in _DEVICE_TYPES:
+                why = f"parameter {name(p)!r} is on {loc.device}, the others on CUDA"
+            elif mode != MODE_EXACT:
+                if loc.dtype not in (torch.float32, torch.bfloat16):
+                    why = (f"parameter {name(p)!r} has dtype {loc.dtype}; the batch steps float32 and bfloat16 "
+                           "parameters (keep fp16 weights in an fp32 master copy, or use bf16)")
+                elif not loc.is_contiguous():
+                    why = (f"parameter {name(p)!r} (shape {tuple(loc.shape)}, stride {tuple(loc.stride())}) is not "
+                           "contiguous; make it contiguous (e.g. param.data = param.data.contiguous()) before "
+                           "building the optimizer")
+                elif mode != MODE_FACTORED and int(st["period"]) not in (1, int(st["scale_block"])):
+                    why = (f"parameter {name(p)!r} has period {int(st['period'])} and scale block "
+                           f"{int(st['scale_block'])} (shared mode): the batch steps shared tensors whose period is "
+                           "1 or the scale block")
+                else:
+                    c = st["codebook"]
+                    if cb is None:
+                        cb = c
+                    elif c is not cb and not torch.equal(c, cb):
+                        return None, [], f"parameter {name(p)!r} holds another codebook than the rest (a partial load?)"
+            if why:
+                if not single:
+                    return None, [], why
+                beside.append((group, p))
+                reasons.append(why)
                 continue
-            if mode == MODE_SPAN:
-                return None, (f"parameter {name(p)!r} keeps its state per block of rows (narrow_rows='span', D16), "
-                              "which the batch does not step; use narrow_rows='rows' for its param group to keep the "
-                              "multi-tensor step")
-            if mode != MODE_FACTORED:
-                P, B = int(st["period"]), int(st["scale_block"])
-                if not (P == 1 or P == B):
-                    return None, (f"parameter {name(p)!r} has period {P} and scale block {B} (shared mode): the "
-                                  "batch steps shared tensors whose period is 1 or the scale block")
-            c = st["codebook"]
-            if cb is None:
-                cb = c
-            elif c is not cb and not torch.equal(c, cb):
-                return None, f"parameter {name(p)!r} holds another codebook than the rest (a partial load?)"
-        return dev, ""
+            by_dev.setdefault(loc.device, []).append((group, p))
+        if not by_dev:
+            return None, [], reasons[0] if reasons else ""  # nothing left to batch
+        if len(by_dev) > 1 and not single:
+            return None, [], (f"parameters on {', '.join(map(str, by_dev))} in a job of several ranks (one batch per "
+                              "device in a single process only)")
+        seen = opt.__dict__.setdefault("_cuda_beside", set())
+        for why in reasons:
+            if why not in seen:
+                seen.add(why)
+                logger.info("Gefen: a tensor is stepped on its own beside the multi-tensor CUDA step: %s (the other "
+                            "tensors stay batched); logged once per reason.", why)
+        return list(by_dev.items()), beside, ""
 
     @classmethod
-    def get(cls, opt, entries) -> Optional["CudaBatch"]:
-        """The cached batch when ``entries`` and their state are unchanged, else a new one (or None)."""
-        if (opt.fused is False or not entries or entries[0][1].device.type not in _DEVICE_TYPES
-                or any(g.get("fused") is False for g in opt.param_groups)):
+    def plan(cls, opt, entries) -> Optional[Tuple[list, list]]:
+        """``(batches, beside)`` for this step's ``entries`` (:meth:`split`; each device's batch
+        cached while its tensors and their state stay the same), or None when the per-tensor path
+        must take the step."""
+        if (opt.fused is False or not entries or any(g.get("fused") is False for g in opt.param_groups)):
             return None
-        key = _key(opt, entries)
-        batch = getattr(opt, "_cuda_batch", None)
-        if batch is not None and batch.key == key:
-            return batch
-        opt._cuda_batch = None
-        dev, why = cls.eligible(opt, entries)
-        if dev is None:
+        groups, beside, why = cls.split(opt, entries)
+        if groups is None:
+            opt._cuda_batch, opt._cuda_batches = None, []
             _fallback(opt, why)
             return None
         try:
             from ..kernels import triton_step as _tri
         except ImportError:
             return None
-        if not _tri.available(dev if dev.type == "cuda" else None):
-            return None
-        opt._cuda_batch = cls(key, dev, entries, opt)
-        return opt._cuda_batch
+        cache = {b.key: b for b in opt.__dict__.get("_cuda_batches") or []}
+        batches = []
+        for dev, es in groups:
+            key = _key(opt, es)
+            batch = cache.get(key)
+            if batch is None:
+                if not _tri.available(dev if dev.type == "cuda" else None):
+                    return None
+                batch = cls(key, dev, es, opt)
+            batches.append(batch)
+        opt._cuda_batches = batches
+        opt._cuda_batch = batches[0]  # the (first) device's batch: what tests and benchmarks read
+        return batches, beside
 
     # ------------------------------------------------------------------ stepping
     def step(self, opt) -> bool:
@@ -222,15 +260,29 @@ class CudaBatch:
         another dtype or layout). Collectives, when the tensors are sharded: the same as the
         per-tensor path's (a fixed-size summary of the non-finite check, the per-tensor flags only
         when some rank has one, one SUM of the column statistics)."""
+        prep = self.prepare(opt)
+        if prep is None or prep is True:
+            return prep is True
+        self.apply(opt, prep)
+        return True
+
+    def prepare(self, opt):
+        """The checks and statistics of :meth:`step`, which change nothing: None when the per-tensor
+        path must take the step, True when it is skipped (``nonfinite="skip"``; "raise" raised),
+        else what :meth:`apply` needs. So several batches (one per device) are all checked before
+        any of them changes a tensor."""
         grads = []
         for _, p in self.entries:
             g = local_tensor(p.grad)
+            if g is not None and opt._mode(p) == MODE_EXACT and g.device == self.device:
+                grads.append(g)  # foreach operations: any layout and dtype
+                continue
             if g is None or g.dtype != local_tensor(p).dtype or not g.is_contiguous() or g.device != self.device:
                 _fallback(opt, f"the gradient of {opt._names().get(id(p), '?')!r} is "
                                + ("missing" if g is None else f"{g.dtype}, {'' if g.is_contiguous() else 'non-'}"
                                   f"contiguous, on {g.device}") + f", its parameter {local_tensor(p).dtype} on "
                                f"{self.device} (the batch needs contiguous gradients of the parameter's dtype)")
-                return False
+                return None
             grads.append(g)
         buf = cms = None
         if self.colsums is not None:
@@ -261,6 +313,11 @@ class CudaBatch:
         if check and buf is not None and inf:
             opt._raise_column_overflow({self.entries[e][1]: cms[o:o + n] for (e, *_), (o, n, _) in
                                         zip(self.fact, self.fact_slices)})
+        return grads, cms
+
+    def apply(self, opt, prep) -> None:
+        """The updates of a step that :meth:`prepare` passed."""
+        grads, cms = prep
         for gi in self.groups:
             for e in gi["item_entries"]:
                 opt.state[self.entries[e][1]]["step"] += 1
@@ -284,4 +341,3 @@ class CudaBatch:
                 gi["multi"].run([grads[e] for e in gi["item_entries"]], cb, **hp)
             # the exact tensors as the per-tensor path batches them (it advances their step)
             opt._update_exact_batched([(group, self.entries[e][1]) for e in gi["exact"]])
-        return True

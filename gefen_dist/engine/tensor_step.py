@@ -137,29 +137,47 @@ class GefenStepMixin:
 
 
     def _batched_step(self, entries) -> bool:
-        """The step by the multi-tensor CUDA batch (:class:`~gefen_dist.engine.cuda_batch.CudaBatch`)
-        when it takes ``entries``: True when the step is done (or skipped), False when the per-tensor
-        path must take it. Tensors kept per block of rows (D16) are not in the batch: their gradients
-        are checked first (a non-finite one skips or raises before anything changes) and their
-        statistics computed (an overflow raises), the batch steps the others, then
-        :meth:`_step_span` steps them."""
-        span = [(g, p) for g, p in entries if self._mode(p) == MODE_SPAN]
-        rest = [(g, p) for g, p in entries if self._mode(p) != MODE_SPAN] if span else entries
-        batch, skipped = CudaBatch.get(self, rest), self.skipped_steps
-        if batch is None:
+        """The step by the multi-tensor CUDA batches (:class:`~gefen_dist.engine.cuda_batch.CudaBatch`,
+        one per device) when they take ``entries``: True when the step is done (or skipped), False
+        when the per-tensor path must take it. The tensors the batches leave beside them
+        (:meth:`CudaBatch.split`: kept per block of rows, D16; in a single process, quantized tensors
+        the batch cannot take) are checked first (a non-finite gradient skips or raises before
+        anything changes) and their statistics computed (an overflow raises); then every batch is
+        checked, then every batch steps, then the per-tensor path steps the tensors beside them."""
+        plan = CudaBatch.plan(self, entries)
+        if plan is None:
             return False
-        if span and self.nonfinite != "ignore" and self._nonfinite(span):
+        batches, beside = plan
+        if beside and self.nonfinite != "ignore" and self._nonfinite(beside):
             return True
-        # the learned span tensors' statistics before the batch changes anything: an overflow
-        # raises here (they write nothing, so a skipped batch step discards them)
+        span = [(g, p) for g, p in beside if self._mode(p) == MODE_SPAN]
+        other = [(g, p) for g, p in beside if self._mode(p) != MODE_SPAN]
+        # their statistics before the batches change anything: an overflow raises here (they write
+        # nothing, so a skipped step discards them)
         work = self._span_statistics(span) if span else {}
-        if not batch.step(self):
-            return False
-        if self.skipped_steps == skipped:
-            if span:
-                self._prepare(span)
-                self._step_span(span, work)  # tensors learned by this step: their statistics now
-            self._announce()
+        col = self._column_stats(other) if other else {}
+        preps = []
+        for batch in batches:
+            prep = batch.prepare(self)
+            if prep is None:
+                return False
+            if prep is True:
+                return True  # skipped (nonfinite="skip"); "raise" raised
+            preps.append(prep)
+        for batch, prep in zip(batches, preps):
+            batch.apply(self, prep)
+        if span:
+            self._prepare(span)
+            self._step_span(span, work)  # tensors learned by this step: their statistics now
+        if other:
+            exact = []
+            for group, p in other:
+                if self._foreach_exact(p, group):
+                    exact.append((group, p))
+                else:
+                    self._update(group, p, col.get(p))
+            self._update_exact_batched(exact)
+        self._announce()
         return True
 
     def _update(self, group: dict, p: torch.Tensor, col_mean_sq: Optional[torch.Tensor] = None) -> None:
