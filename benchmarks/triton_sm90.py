@@ -5,6 +5,7 @@ of its global loads are 128-bit.
 
     python benchmarks/triton_sm90.py            # every shipped configuration, a table
     python benchmarks/triton_sm90.py --json out.json
+    python benchmarks/triton_sm90.py --span     # the span kernels (D16, kernels/triton_span.py)
 
 Triton ships ``ptxas``, ``cuobjdump`` and ``nvdisasm``, so ``triton.compile`` with a
 ``GPUTarget("cuda", 90, 32)`` produces the real cubin on a CPU-only machine. Registers come from
@@ -60,32 +61,23 @@ def available() -> str:
     return ""
 
 
-def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, warps: int = 4,
-                  lut_fast: bool = True, maxnreg=None) -> Dict[str, object]:
-    """Compile one configuration of the multi-tensor kernel for sm_90, with the launch options
-    :class:`MultiStep` uses (``maxnreg``: default, the library's); its resource figures."""
+def _compile(name: str, fn, ptr: Dict[str, str], ints, consts: Dict[str, object], options: Dict[str, object]):
+    """Compile kernel ``name`` (its plain function ``fn``) for sm_90: ``ptr`` the pointer arguments'
+    types (16-byte aligned, as the launcher marks tensor arguments), ``ints`` the int32 scalars (the
+    other scalars float32); its registers, spills, loads and SASS counts."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from gefen_dist.kernels import triton_kernels as tk, triton_multi as tm
+    from gefen_dist.kernels import triton_kernels as tk
 
-    kern = tk._kernel("multi")
-    names = list(inspect.signature(tk._gefen_multi_kernel).parameters)
-    # tab_ptr: the per-bucket float32 entries in the two-candidate mode of modes 1 and 2, else the int32 table
-    ptr = {"meta_ptr": "*i64", "gptr_ptr": "*i64", "prog_ptr": "*i64", "cb_ptr": "*fp32",
-           "tab_ptr": "*fp32" if lut_fast and mode != 0 else "*i32"}  # TritonTables.kernel_table
-    consts = dict(MODE=mode, LERP_SMALL=True, FUSED_LERP=True, FUSED_AXPY=True, HAS_WD=True, LUT_FAST=lut_fast,
-                  IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=block, ALIGNED=aligned)
-    sig = {n: ptr.get(n, "i32" if n == "scan_steps" else "fp32") for n in names}
+    kern = tk._kernel(name)
+    names = list(inspect.signature(fn).parameters)
+    sig = {n: ptr.get(n, "i32" if n in ints else "fp32") for n in names}
     sig.update({c: "constexpr" for c in consts})
-    # the launcher gives 16-byte aligned tensor arguments this attribute, as here
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptr}
     src = triton.compiler.ASTSource(fn=kern, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
                                     attrs=attrs)
-    opts = dict(num_warps=warps, enable_fp_fusion=False, **tm.multi_launch_options())
-    if maxnreg is not None:
-        opts["maxnreg"] = maxnreg
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
@@ -95,10 +87,54 @@ def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, w
         sass = subprocess.run([os.path.join(tools_dir(), "nvdisasm"), path], capture_output=True, text=True,
                               check=True).stdout
     regs = re.search(r"REG:(\d+)", res)
+    return dict(registers=int(regs.group(1)) if regs else None, spill_stores=len(re.findall(r"\bSTL", sass)),
+                loads=len(re.findall(r"\bLDG", sass)), loads_128=len(re.findall(r"\bLDG\.E\.128", sass)),
+                **sass_counts(sass))
+
+
+def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, warps: int = 4,
+                  lut_fast: bool = True, maxnreg=None) -> Dict[str, object]:
+    """Compile one configuration of the multi-tensor kernel for sm_90, with the launch options
+    :class:`MultiStep` uses (``maxnreg``: default, the library's); its resource figures."""
+    from gefen_dist.kernels import triton_kernels as tk, triton_multi as tm
+
+    # tab_ptr: the per-bucket float32 entries in the two-candidate mode of modes 1 and 2, else the int32 table
+    ptr = {"meta_ptr": "*i64", "gptr_ptr": "*i64", "prog_ptr": "*i64", "cb_ptr": "*fp32",
+           "tab_ptr": "*fp32" if lut_fast and mode != 0 else "*i32"}  # TritonTables.kernel_table
+    consts = dict(MODE=mode, LERP_SMALL=True, FUSED_LERP=True, FUSED_AXPY=True, HAS_WD=True, LUT_FAST=lut_fast,
+                  IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=block, ALIGNED=aligned)
+    opts = dict(num_warps=warps, enable_fp_fusion=False, **tm.multi_launch_options())
+    if maxnreg is not None:
+        opts["maxnreg"] = maxnreg
+    out = _compile("multi", tk._gefen_multi_kernel, ptr, ("scan_steps",), consts, opts)
     return dict(mode=MODES[mode], dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps,
-                aligned=aligned, maxnreg=opts.get("maxnreg"), lut_fast=lut_fast, registers=int(regs.group(1)) if regs else None,
-                spill_stores=len(re.findall(r"\bSTL", sass)), loads=len(re.findall(r"\bLDG", sass)),
-                loads_128=len(re.findall(r"\bLDG\.E\.128", sass)), **sass_counts(sass))
+                aligned=aligned, maxnreg=opts.get("maxnreg"), lut_fast=lut_fast, **out)
+
+
+SPAN_SLABS = (1, 4, 16, 64, 79)  # row lengths of tensors kept per block of rows (D16: below 80)
+
+
+def compile_span(kernel: str, bf16: bool, slab: int, apply: bool = False) -> Dict[str, object]:
+    """Compile a span kernel (``"span_stats"`` or ``"span_update"``, kernels/triton_span.py) for rows of
+    ``slab`` elements, with the tile and launch options that module uses."""
+    from gefen_dist.kernels import triton_kernels as tk, triton_span as ts
+
+    SP = 1 << max(0, (slab - 1).bit_length())
+    R = max(1, ts._TILE // SP)
+    g = "*i16" if bf16 else "*fp32"
+    if kernel == "span_stats":
+        fn, ints = tk._span_stats_kernel, ("nrows", "S", "k", "row0", "b_first")
+        ptr = {"g_ptr": g, "idx_ptr": "*u8", "scale_ptr": "*fp32", "cb_ptr": "*fp32", "m_ptr": "*fp32",
+               "part_ptr": "*fp64", "blk_ptr": "*fp64", "amax_ptr": "*fp32"}
+        consts = dict(LERP_SMALL=True, FUSED_LERP=True, IS_BF16=bf16, R=R, SP=SP)
+    else:
+        fn, ints = tk._span_update_kernel, ("nrows", "S", "k", "row0", "b_first", "scan_steps")
+        ptr = {"p_ptr": g, "m_ptr": "*fp32", "idx_ptr": "*u8", "scale_ptr": "*fp32", "rms_ptr": "*fp32",
+               "cf_ptr": "*fp32", "cb_ptr": "*fp32", "tab_ptr": "*fp32"}
+        consts = dict(APPLY=apply, HAS_WD=True, LUT_FAST=True, IS_BF16=bf16, R=R, SP=SP)
+    out = _compile(kernel, fn, ptr, ints, consts, dict(num_warps=ts._WARPS, enable_fp_fusion=False))
+    return dict(kernel=kernel + ("_apply" if apply else ""), dtype="bfloat16" if bf16 else "float32", slab=slab,
+                tile=f"{R}x{SP}", **out)
 
 
 def sass_counts(sass: str) -> Dict[str, int]:
@@ -113,14 +149,26 @@ def shipped(aligned=(False, True)) -> List[Dict[str, object]]:
     return [compile_multi(m, bf, r, b, al) for m in MODES for bf in (False, True) for r, b in TILES for al in aligned]
 
 
+def shipped_span() -> List[Dict[str, object]]:
+    return [compile_span(k, bf, s, ap) for k, ap in (("span_stats", False), ("span_update", False), ("span_update", True))
+            for bf in (False, True) for s in SPAN_SLABS]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--span", action="store_true", help="the span kernels (D16) instead of the multi-tensor kernel")
     a = ap.parse_args(argv)
     why = available()
     if why:
         print(f"cannot compile offline: {why}", file=sys.stderr)
         return 2
+    if a.span:
+        rows = shipped_span()
+        for r in rows:
+            print(f"{r['kernel']:>17} {r['dtype']:>8} S={r['slab']:<3} {r['tile']:>7} | regs {r['registers']:>3} spills "
+                  f"{r['spill_stores']:>3} LDG {r['loads']:>3} SASS {r['instructions']:>5} MUFU {r['mufu']:>3}")
+        return 0
     rows = shipped()
     hdr = (f"{'mode':>11} {'dtype':>8} {'tile':>8} {'aligned':>7} | {'regs':>4} {'spills':>6} {'LDG':>4} {'LDG.128':>7}"
            f" {'SASS':>5} {'MUFU':>4}")

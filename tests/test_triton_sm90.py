@@ -43,3 +43,13 @@ def test_aligned_configurations_vectorise_without_spills(mode):
 def test_unaligned_fallback_builds():
     r = sm90.compile_multi(2, False, 16, 128, aligned=False)
     assert r["registers"] is not None and r["loads"] > 0, r
+
+
+def test_span_kernels_compile_without_spills():
+    """The span kernels (D16, kernels/triton_span.py: statistics, update, update from given indices)
+    compile for sm_90 for float32 and bfloat16 rows of 1 to 79 elements, with no register spills and
+    at most 64 registers (8 warps, 4 elements per thread)."""
+    rows = sm90.shipped_span()
+    assert len(rows) == 3 * 2 * len(sm90.SPAN_SLABS)
+    for r in rows:
+        assert r["spill_stores"] == 0 and r["registers"] <= 64, r

@@ -88,6 +88,8 @@ def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, cod
     if (lib is None or param.dtype not in _KERNEL_DTYPES or not param.is_contiguous() or not idx.is_contiguous()
             or m.dtype != torch.float32):
         kw = {} if nearest is None else {"nearest": nearest}
+        if sp.whole_rows and m.dim() == 1:  # this module's flat m, in the reference's [rows, slab]
+            m = m.view(sp.nrows, sp.slab)
         return _ref.span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp, lr=lr,
                                  beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound,
                                  beta1=beta1, bid=bid, **kw)

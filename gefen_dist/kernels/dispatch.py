@@ -150,7 +150,8 @@ class StepImpl:
     and ``span_apply_indices_`` the second phase's parameter update from given indices (ZeroGefen's
     other ranks; :func:`~gefen_dist.core.span.span_apply_indices_`).
     An implementation without state functions (Triton) has no appliers either and is not used by
-    owners: they fall back to the eager reference, and so do their appliers."""
+    owners: they fall back to the eager reference, and so do their appliers (Triton has the span
+    phases, which need none)."""
 
     name: str
     quantized_step_: Callable
@@ -194,9 +195,12 @@ def _native_cpu() -> StepImpl:
 @functools.lru_cache(maxsize=None)
 def _triton() -> StepImpl:
     from ..core.step import column_sumsq
+    from . import triton_span as span
     from . import triton_step as tri
 
-    return StepImpl("triton", tri.quantized_step_, tri.quantized_step_factored_, column_sumsq)
+    return StepImpl("triton", tri.quantized_step_, tri.quantized_step_factored_, column_sumsq,
+                    span_statistics=span.span_statistics, span_update_=span.span_update_,
+                    span_apply_indices_=span.span_apply_indices_)
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -116,6 +116,69 @@ def _ema_m(g, idx_ptr, offs, mask, cb_ptr, Mb, lerp_c, LERP_SMALL: tl.constexpr,
     return m
 
 
+def _nearest(z, cb_ptr, tab_ptr, lut_h, lut_nbm1, scan_steps, MODE: tl.constexpr, LUT_FAST: tl.constexpr,
+             ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The nearest codeword of ``z`` (``[ROWS, BLOCK_SIZE]``): its index (int32; 255 for NaN) and
+    value (the module docstring's table lookup; ``MODE`` as :func:`_step_rows`'s, which selects the
+    table that ``tab_ptr`` is)."""
+    # bucket (z * H exact, H a power of two), then table
+    t = z * lut_h + lut_h
+    t = tl.where(t > 0.0, t, 0.0)  # NaN -> 0
+    t = tl.where(t < lut_nbm1, t, lut_nbm1)
+    k = t.to(tl.int32)
+    if LUT_FAST and MODE != 0:
+        # the bucket's entry (c0, c1, flip point, lower index's bits): one 16-byte load, no
+        # dependent lookups; z >= flip point is the two-candidate rule (core.quant.flip_points)
+        e = tl.load(tab_ptr + (k * 4)[:, :, None] + tl.arange(0, 4)[None, None, :])
+        # split takes the last axis: [.., a, b] = e[.., 2a + b], so b = 0 is (c0, thr), b = 1 (c1, j)
+        even, odd = tl.split(tl.reshape(e, (ROWS, BLOCK_SIZE, 2, 2)))
+        c0v, thr = tl.split(even)
+        c1v, jf = tl.split(odd)
+        sel = z >= thr
+        j = jf.to(tl.int32, bitcast=True) + sel.to(tl.int32)
+        cq = tl.where(sel, c1v, c0v)
+    elif LUT_FAST:  # mode 0: tab_ptr is the int32 table (TritonTables.kernel_table)
+        jl = tl.load(tab_ptr + k)
+        c0v = tl.load(cb_ptr + jl)
+        c1v = tl.load(cb_ptr + jl + 1)
+        sel = (z > c1v) | (tl.abs(z - c1v) < tl.abs(z - c0v))
+        j = jl + sel.to(tl.int32)
+        cq = tl.where(sel, c1v, c0v)
+    else:
+        j = tl.load(tab_ptr + k)
+        for _ in range(scan_steps):
+            j += (tl.load(cb_ptr + j) < z).to(tl.int32)
+        lo = tl.maximum(j - 1, 0)
+        hi = tl.minimum(j, 255)
+        clo = tl.load(cb_ptr + lo)
+        chi = tl.load(cb_ptr + hi)
+        take = tl.abs(z - chi) < tl.abs(z - clo)
+        j = tl.where(take, hi, lo)
+        cq = tl.where(take, chi, clo)
+    isn = z != z
+    j = tl.where(isn, 255, j)
+    cq = tl.where(isn, 1.0, cq)  # C[255] == +1
+    return j, cq
+
+
+def _update_param(p_ptr, offs, mask, u, decay, HAS_WD: tl.constexpr, IS_BF16: tl.constexpr):
+    """``p <- p * decay - u`` in float32 (decay only with weight decay), rounded once to the
+    parameter's dtype."""
+    pf = _load_f32_jit(p_ptr, offs, mask, IS_BF16)
+    if HAS_WD:
+        pf = pf * decay
+    pf = pf - u
+    if IS_BF16:
+        # round to nearest even by hand, NaN -> 0x7FC0 (as csrc/gefen_step.c; exact on the
+        # GPU and in the interpreter, whose float -> bfloat16 cast truncates)
+        bits = pf.to(tl.uint32, bitcast=True)
+        rb = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rb = tl.where(pf != pf, 0x7FC0, rb)
+        tl.store(p_ptr + offs, rb.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    else:
+        tl.store(p_ptr + offs, pf, mask=mask)
+
+
 def _step_rows(
     p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, tab_ptr,
     r_first, nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
@@ -206,43 +269,7 @@ def _step_rows(
             m = _ema_m_jit(g, idx_ptr, offs, mask, cb_ptr, Mb, lerp_c, LERP_SMALL, FUSED_LERP)
             z = tl.where(posb, tl.div_rn(m, Ad), 0.0)
 
-            # nearest codeword: bucket (z * H exact, H a power of two), then table
-            t = z * lut_h + lut_h
-            t = tl.where(t > 0.0, t, 0.0)  # NaN -> 0
-            t = tl.where(t < lut_nbm1, t, lut_nbm1)
-            k = t.to(tl.int32)
-            if LUT_FAST and MODE != 0:
-                # the bucket's entry (c0, c1, flip point, lower index's bits): one 16-byte load, no
-                # dependent lookups; z >= flip point is the two-candidate rule (core.quant.flip_points)
-                e = tl.load(tab_ptr + (k * 4)[:, :, None] + tl.arange(0, 4)[None, None, :])
-                # split takes the last axis: [.., a, b] = e[.., 2a + b], so b = 0 is (c0, thr), b = 1 (c1, j)
-                even, odd = tl.split(tl.reshape(e, (ROWS, BLOCK_SIZE, 2, 2)))
-                c0v, thr = tl.split(even)
-                c1v, jf = tl.split(odd)
-                sel = z >= thr
-                j = jf.to(tl.int32, bitcast=True) + sel.to(tl.int32)
-                cq = tl.where(sel, c1v, c0v)
-            elif LUT_FAST:  # mode 0: tab_ptr is the int32 table (TritonTables.kernel_table)
-                jl = tl.load(tab_ptr + k)
-                c0v = tl.load(cb_ptr + jl)
-                c1v = tl.load(cb_ptr + jl + 1)
-                sel = (z > c1v) | (tl.abs(z - c1v) < tl.abs(z - c0v))
-                j = jl + sel.to(tl.int32)
-                cq = tl.where(sel, c1v, c0v)
-            else:
-                j = tl.load(tab_ptr + k)
-                for _ in range(scan_steps):
-                    j += (tl.load(cb_ptr + j) < z).to(tl.int32)
-                lo = tl.maximum(j - 1, 0)
-                hi = tl.minimum(j, 255)
-                clo = tl.load(cb_ptr + lo)
-                chi = tl.load(cb_ptr + hi)
-                take = tl.abs(z - chi) < tl.abs(z - clo)
-                j = tl.where(take, hi, lo)
-                cq = tl.where(take, chi, clo)
-            isn = z != z
-            j = tl.where(isn, 255, j)
-            cq = tl.where(isn, 1.0, cq)  # C[255] == +1
+            j, cq = _nearest_jit(z, cb_ptr, tab_ptr, lut_h, lut_nbm1, scan_steps, MODE, LUT_FAST, ROWS, BLOCK_SIZE)
             tl.store(idx_ptr + offs, j.to(tl.uint8), mask=mask)
 
             if MODE == 1:
@@ -266,19 +293,7 @@ def _step_rows(
             # the bound (D13; +inf: none); comparisons are false for NaN, so NaN stays NaN
             u = tl.where(u > ubound, ubound, tl.where(u < -ubound, -ubound, u))
             u = u * lr
-            pf = _load_f32_jit(p_ptr, offs, mask, IS_BF16)
-            if HAS_WD:
-                pf = pf * decay
-            pf = pf - u
-            if IS_BF16:
-                # round to nearest even by hand, NaN -> 0x7FC0 (as csrc/gefen_step.c; exact on the
-                # GPU and in the interpreter, whose float -> bfloat16 cast truncates)
-                bits = pf.to(tl.uint32, bitcast=True)
-                rb = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-                rb = tl.where(pf != pf, 0x7FC0, rb)
-                tl.store(p_ptr + offs, rb.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
-            else:
-                tl.store(p_ptr + offs, pf, mask=mask)
+            _update_param_jit(p_ptr, offs, mask, u, decay, HAS_WD, IS_BF16)
 
 
 def _gefen_step_kernel(
@@ -425,16 +440,99 @@ def _colfactor_kernel(tab_ptr, CHUNK: tl.constexpr):
         tl.store(cf_ptr + cols, tl.where(pos, tl.sqrt_rn(tl.div_rn(v, md)), 0.0), mask=m)
 
 
+def _span_rows(b, k, row0, nrows):
+    """The local rows ``[lo, hi)`` of block ``b`` (blocks of ``k`` global rows) in a piece of whole rows
+    that starts at global row ``row0`` and holds ``nrows``."""
+    return tl.maximum(b * k - row0, 0), tl.minimum((b + 1) * k - row0, nrows)
+
+
+def _span_stats_kernel(g_ptr, idx_ptr, scale_ptr, cb_ptr, m_ptr, part_ptr, blk_ptr, amax_ptr,
+                       nrows, S, k, row0, b_first, lerp_c,
+                       LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, IS_BF16: tl.constexpr,
+                       R: tl.constexpr, SP: tl.constexpr):
+    """The first phase of a tensor kept per block of rows (D16, :func:`gefen_dist.core.span.span_statistics`)
+    on a piece of whole rows: program ``i`` takes block ``b_first + i`` in tiles of ``R`` rows x ``SP``
+    (a power of two >= ``S``) columns: ``m = lerp(C[idx] M_b, g, 1 - beta1)`` (stored), the block's
+    float64 column sums of the float32 squares (row ``i`` of ``part``), their sum (``blk[b]``) and
+    the NaN-propagating maximum of ``|m|`` (``amax[b]``)."""
+    i = tl.program_id(0)
+    b = b_first + i
+    lo, hi = _span_rows_jit(b, k, row0, nrows)
+    M = tl.load(scale_ptr + b)
+    cols = tl.arange(0, SP)
+    cmask = cols < S
+    acc = tl.zeros([R, SP], dtype=tl.float64)
+    amax = tl.zeros([R, SP], dtype=tl.float32)
+    for r0 in range(lo, hi, R):
+        rows = r0 + tl.arange(0, R)
+        mask = (rows < hi)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * S + cols[None, :]
+        g = _load_f32_jit(g_ptr, offs, mask, IS_BF16)
+        m = _ema_m_jit(g, idx_ptr, offs, mask, cb_ptr, M, lerp_c, LERP_SMALL, FUSED_LERP)
+        tl.store(m_ptr + offs, m, mask=mask)
+        acc += (g * g).to(tl.float64)  # masked lanes load g = 0
+        am = tl.where(mask, tl.abs(m), 0.0)
+        amax = tl.where((am > amax) | (am != am), am, amax)
+    colp = tl.sum(acc, axis=0)
+    tl.store(part_ptr + i.to(tl.int64) * S + cols, colp, mask=cmask)
+    tl.store(blk_ptr + b, tl.sum(colp, axis=0))
+    bad = amax != amax
+    A = tl.max(tl.max(tl.where(bad, 0.0, amax), axis=1), axis=0)
+    nan_sum = tl.sum(tl.sum(tl.where(bad, amax, 0.0), axis=1), axis=0)  # NaN where any m is NaN
+    tl.store(amax_ptr + b, tl.where(nan_sum != nan_sum, nan_sum, A))
+
+
+def _span_update_kernel(p_ptr, m_ptr, idx_ptr, scale_ptr, rms_ptr, cf_ptr, cb_ptr, tab_ptr,
+                        nrows, S, k, row0, b_first, scan_steps,
+                        sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
+                        APPLY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
+                        IS_BF16: tl.constexpr, R: tl.constexpr, SP: tl.constexpr):
+    """The second phase's per-element part (:func:`gefen_dist.core.span.span_update_`, once the block
+    state is updated: ``scale`` the new ``M_b``, ``rms`` ``sqrt(v_blk)``, ``cf`` the column factors):
+    ``idx <- nearest(m / M_b)`` (0 where ``M_b`` is not > 0), then ``p <- p decay - clamp(C[idx] M_b
+    sigma, +-bound) lr`` with ``sigma = (1 / ((rms_b cf_j) / sqrt(bc2) + eps)) (1 / bc1)``, the
+    reference's float32 operations in its order. ``APPLY``: the update alone from the given ``idx``
+    (:func:`~gefen_dist.core.span.span_apply_indices_`). Program ``i``: block ``b_first + i``."""
+    i = tl.program_id(0)
+    b = b_first + i
+    lo, hi = _span_rows_jit(b, k, row0, nrows)
+    M = tl.load(scale_ptr + b)
+    pos = M > 0.0
+    Md = tl.where(pos, M, 1.0)
+    cols = tl.arange(0, SP)
+    cmask = cols < S
+    # the step size of each column of this block (the same for all its rows)
+    x = tl.div_rn(tl.load(rms_ptr + b) * tl.load(cf_ptr + cols, mask=cmask, other=0.0), sqrt_bc2)
+    sg = (tl.div_rn(1.0, x + eps) * inv_bc1)[None, :]
+    for r0 in range(lo, hi, R):
+        rows = r0 + tl.arange(0, R)
+        mask = (rows < hi)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * S + cols[None, :]
+        if APPLY:
+            j = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
+            cq = tl.load(cb_ptr + j)
+        else:
+            m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+            z = tl.where(pos, tl.div_rn(m, Md), 0.0)
+            j, cq = _nearest_jit(z, cb_ptr, tab_ptr, lut_h, lut_nbm1, scan_steps, 2, LUT_FAST, R, SP)
+            tl.store(idx_ptr + offs, j.to(tl.uint8), mask=mask)
+        u = (cq * M) * sg
+        u = tl.where(u > ubound, ubound, tl.where(u < -ubound, -ubound, u))  # NaN stays NaN
+        _update_param_jit(p_ptr, offs, mask, u * lr, decay, HAS_WD, IS_BF16)
+
+
 _META = tl.constexpr(10) if _HAVE_TRITON else 10  # int64 fields per tensor in MultiStep's table
 _kernels: Dict[Tuple[bool, str], object] = {}
 _kernels_lock = threading.Lock()
 # the helpers the kernels call, by these module-level names (jit-wrapped on first use)
-_HELPERS = {"_step_rows_jit": _step_rows, "_load_f32_jit": _load_f32, "_ema_m_jit": _ema_m}
-_step_rows_jit = _load_f32_jit = _ema_m_jit = None
+_HELPERS = {"_step_rows_jit": _step_rows, "_load_f32_jit": _load_f32, "_ema_m_jit": _ema_m,
+            "_nearest_jit": _nearest, "_update_param_jit": _update_param, "_span_rows_jit": _span_rows}
+_step_rows_jit = _load_f32_jit = _ema_m_jit = _nearest_jit = _update_param_jit = _span_rows_jit = None
 
 
 def _kernel(name: str = "step"):
-    """The jit-wrapped kernel ``name`` (step, multi, colsum, reduce, colfactor) for the current mode
+    """The jit-wrapped kernel ``name`` (step, multi, colsum, reduce, colfactor, span_stats, span_update)
+    for the current mode
     (compiled, or interpreted under TRITON_INTERPRET=1); the helpers are wrapped first and bound
     to their module-level names, by which the kernels call them."""
     interp = _interpret()
@@ -447,6 +545,7 @@ def _kernel(name: str = "step"):
         k = _kernels.get((interp, name))
         if k is None:
             fn = {"step": _gefen_step_kernel, "multi": _gefen_multi_kernel, "colsum": _colsum_kernel,
-                  "reduce": _colsum_reduce_kernel, "colfactor": _colfactor_kernel}[name]
+                  "reduce": _colsum_reduce_kernel, "colfactor": _colfactor_kernel,
+                  "span_stats": _span_stats_kernel, "span_update": _span_update_kernel}[name]
             k = _kernels[(interp, name)] = triton.jit(fn)
     return k
