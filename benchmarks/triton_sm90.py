@@ -117,22 +117,23 @@ SPAN_SLABS = (1, 4, 16, 64, 79)  # row lengths of tensors kept per block of rows
 def compile_span(kernel: str, bf16: bool, slab: int, apply: bool = False) -> Dict[str, object]:
     """Compile a span kernel (``"span_stats"`` or ``"span_update"``, kernels/triton_span.py) for rows of
     ``slab`` elements, with the tile and launch options that module uses."""
-    from gefen_dist.kernels import triton_kernels as tk, triton_span as ts
+    from gefen_dist.kernels import triton_kernels as tk, triton_multi as tm, triton_span as ts
 
     SP = 1 << max(0, (slab - 1).bit_length())
     R = max(1, ts._TILE // SP)
     g = "*i16" if bf16 else "*fp32"
     if kernel == "span_stats":
-        fn, ints = tk._span_stats_kernel, ("nrows", "S", "k", "row0", "b_first")
+        fn, ints = tk._span_stats_kernel, ("nrows", "S", "k", "row0", "b_first", "lead", "count")
         ptr = {"g_ptr": g, "idx_ptr": "*u8", "scale_ptr": "*fp32", "cb_ptr": "*fp32", "m_ptr": "*fp32",
                "part_ptr": "*fp64", "blk_ptr": "*fp64", "amax_ptr": "*fp32"}
         consts = dict(LERP_SMALL=True, FUSED_LERP=True, IS_BF16=bf16, R=R, SP=SP)
     else:
-        fn, ints = tk._span_update_kernel, ("nrows", "S", "k", "row0", "b_first", "scan_steps")
+        fn, ints = tk._span_update_kernel, ("nrows", "S", "k", "row0", "b_first", "lead", "count", "scan_steps")
         ptr = {"p_ptr": g, "m_ptr": "*fp32", "idx_ptr": "*u8", "scale_ptr": "*fp32", "rms_ptr": "*fp32",
                "cf_ptr": "*fp32", "cb_ptr": "*fp32", "tab_ptr": "*fp32"}
         consts = dict(APPLY=apply, HAS_WD=True, LUT_FAST=True, IS_BF16=bf16, R=R, SP=SP)
-    out = _compile(kernel, fn, ptr, ints, consts, dict(num_warps=ts._WARPS, enable_fp_fusion=False))
+    out = _compile(kernel, fn, ptr, ints, consts, dict(num_warps=ts._WARPS, enable_fp_fusion=False,
+                                                         **tm.multi_launch_options()))
     return dict(kernel=kernel + ("_apply" if apply else ""), dtype="bfloat16" if bf16 else "float32", slab=slab,
                 tile=f"{R}x{SP}", **out)
 

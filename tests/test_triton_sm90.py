@@ -48,7 +48,7 @@ def test_unaligned_fallback_builds():
 def test_span_kernels_compile_without_spills():
     """The span kernels (D16, kernels/triton_span.py: statistics, update, update from given indices)
     compile for sm_90 for float32 and bfloat16 rows of 1 to 79 elements, with no register spills and
-    at most 64 registers (8 warps, 4 elements per thread)."""
+    at most 64 registers (8 warps, 4 elements per thread; pieces that cut rows included)."""
     rows = sm90.shipped_span()
     assert len(rows) == 3 * 2 * len(sm90.SPAN_SLABS)
     for r in rows:

@@ -447,11 +447,13 @@ def _span_rows(b, k, row0, nrows):
 
 
 def _span_stats_kernel(g_ptr, idx_ptr, scale_ptr, cb_ptr, m_ptr, part_ptr, blk_ptr, amax_ptr,
-                       nrows, S, k, row0, b_first, lerp_c,
+                       nrows, S, k, row0, b_first, lead, count, lerp_c,
                        LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, IS_BF16: tl.constexpr,
                        R: tl.constexpr, SP: tl.constexpr):
     """The first phase of a tensor kept per block of rows (D16, :func:`gefen_dist.core.span.span_statistics`)
-    on a piece of whole rows: program ``i`` takes block ``b_first + i`` in tiles of ``R`` rows x ``SP``
+    on a piece (``count`` elements from position ``lead`` of the ``nrows`` rows it touches, which start
+    at global row ``row0``; the tensors hold the piece's elements): program ``i`` takes block
+    ``b_first + i`` in tiles of ``R`` rows x ``SP``
     (a power of two >= ``S``) columns: ``m = lerp(C[idx] M_b, g, 1 - beta1)`` (stored), the block's
     float64 column sums of the float32 squares (row ``i`` of ``part``), their sum (``blk[b]``) and
     the NaN-propagating maximum of ``|m|`` (``amax[b]``)."""
@@ -465,8 +467,8 @@ def _span_stats_kernel(g_ptr, idx_ptr, scale_ptr, cb_ptr, m_ptr, part_ptr, blk_p
     amax = tl.zeros([R, SP], dtype=tl.float32)
     for r0 in range(lo, hi, R):
         rows = r0 + tl.arange(0, R)
-        mask = (rows < hi)[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * S + cols[None, :]
+        offs = rows.to(tl.int64)[:, None] * S + cols[None, :] - lead
+        mask = (rows < hi)[:, None] & cmask[None, :] & (offs >= 0) & (offs < count)
         g = _load_f32_jit(g_ptr, offs, mask, IS_BF16)
         m = _ema_m_jit(g, idx_ptr, offs, mask, cb_ptr, M, lerp_c, LERP_SMALL, FUSED_LERP)
         tl.store(m_ptr + offs, m, mask=mask)
@@ -483,7 +485,7 @@ def _span_stats_kernel(g_ptr, idx_ptr, scale_ptr, cb_ptr, m_ptr, part_ptr, blk_p
 
 
 def _span_update_kernel(p_ptr, m_ptr, idx_ptr, scale_ptr, rms_ptr, cf_ptr, cb_ptr, tab_ptr,
-                        nrows, S, k, row0, b_first, scan_steps,
+                        nrows, S, k, row0, b_first, lead, count, scan_steps,
                         sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
                         APPLY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
                         IS_BF16: tl.constexpr, R: tl.constexpr, SP: tl.constexpr):
@@ -492,7 +494,8 @@ def _span_update_kernel(p_ptr, m_ptr, idx_ptr, scale_ptr, rms_ptr, cf_ptr, cb_pt
     ``idx <- nearest(m / M_b)`` (0 where ``M_b`` is not > 0), then ``p <- p decay - clamp(C[idx] M_b
     sigma, +-bound) lr`` with ``sigma = (1 / ((rms_b cf_j) / sqrt(bc2) + eps)) (1 / bc1)``, the
     reference's float32 operations in its order. ``APPLY``: the update alone from the given ``idx``
-    (:func:`~gefen_dist.core.span.span_apply_indices_`). Program ``i``: block ``b_first + i``."""
+    (:func:`~gefen_dist.core.span.span_apply_indices_`). Program ``i``: block ``b_first + i`` of the
+    piece (as :func:`_span_stats_kernel`'s)."""
     i = tl.program_id(0)
     b = b_first + i
     lo, hi = _span_rows_jit(b, k, row0, nrows)
@@ -506,8 +509,8 @@ def _span_update_kernel(p_ptr, m_ptr, idx_ptr, scale_ptr, rms_ptr, cf_ptr, cb_pt
     sg = (tl.div_rn(1.0, x + eps) * inv_bc1)[None, :]
     for r0 in range(lo, hi, R):
         rows = r0 + tl.arange(0, R)
-        mask = (rows < hi)[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * S + cols[None, :]
+        offs = rows.to(tl.int64)[:, None] * S + cols[None, :] - lead
+        mask = (rows < hi)[:, None] & cmask[None, :] & (offs >= 0) & (offs < count)
         if APPLY:
             j = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
             cq = tl.load(cb_ptr + j)

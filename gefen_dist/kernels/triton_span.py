@@ -11,9 +11,9 @@ column, :func:`~gefen_dist.core.span.span_state_`, torch operations as in the re
 Results against the reference: the first moment, the block maxima, the indices and the parameter
 are its float32 operations in its order (bitwise through the interpreter, ``tests/test_triton_step.py``,
 with the GPU's numerics flags as the other kernels: :mod:`gefen_dist.kernels.triton_kernels`); the
-float64 sums of ``g^2`` are added in another order. Pieces that cut rows (a DeepSpeed partition edge,
-a CPU-only flow), other dtypes, devices without the kernel or non-contiguous tensors take the
-reference.
+float64 sums of ``g^2`` are added in another order. Pieces that cut rows (a DeepSpeed partition
+edge) are masked element by element; other dtypes, devices without the kernel or non-contiguous
+tensors take the reference.
 """
 from __future__ import annotations
 
@@ -24,14 +24,15 @@ import torch
 from ..core import span as _ref
 from ..core.step import column_factors
 from .triton_kernels import _HAVE_TRITON, _interpret, _kernel
+from .triton_multi import multi_launch_options
 from .triton_tables import _device_table, _step_scalars
 
 _TILE = 1024  # elements per tile of a program (rows x a power of two of columns)
-_WARPS = 8  # 4 elements per thread: an sm_90 compile has no spills (4 warps: one in the bf16 statistics of S = 1)
+_WARPS = 8  # 4 elements per thread, every register ptxas wants (MultiStep's maxnreg): no spills on sm_90
 
 
 def _usable(sp: _ref.SpanPiece, *ts: torch.Tensor) -> bool:
-    if not _HAVE_TRITON or not sp.whole_rows:
+    if not _HAVE_TRITON:
         return False
     dev = ts[0].device
     if dev.type != "cuda" and not _interpret():
@@ -40,7 +41,7 @@ def _usable(sp: _ref.SpanPiece, *ts: torch.Tensor) -> bool:
 
 
 def _geometry(sp: _ref.SpanPiece):
-    """(first block, blocks touched, tile rows R, tile columns SP) of a piece of whole rows."""
+    """(first block, blocks touched, tile rows R, tile columns SP) of a piece."""
     b0 = sp.row0 // sp.k
     nbp = (sp.row0 + sp.nrows - 1) // sp.k - b0 + 1 if sp.nrows else 0
     SP = 1 << max(0, (sp.slab - 1).bit_length())
@@ -57,8 +58,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def span_statistics(grad, idx, scale, codebook, sp: _ref.SpanPiece, beta1: float, bid=None):
-    """:func:`gefen_dist.core.span.span_statistics`, by the Triton kernel for a piece of whole rows
-    (``m`` flat, float32)."""
+    """:func:`gefen_dist.core.span.span_statistics`, by the Triton kernel (``m`` flat, float32)."""
     if grad.dtype not in (torch.float32, torch.bfloat16) or not _usable(sp, grad, idx, scale):
         return _ref.span_statistics(grad, idx, scale, codebook, sp, beta1, bid)
     dev = grad.device
@@ -74,9 +74,9 @@ def span_statistics(grad, idx, scale, codebook, sp: _ref.SpanPiece, beta1: float
         sc = scale if scale.dtype == torch.float32 else scale.float()
         with _ctx(dev):
             _kernel("span_stats")[(nbp,)](
-                _bits(grad), idx, sc, tab.cb, m, part, blk, amax, sp.nrows, sp.slab, sp.k, sp.row0, b0,
-                scalars[0], LERP_SMALL=consts["LERP_SMALL"], FUSED_LERP=consts["FUSED_LERP"],
-                IS_BF16=grad.dtype == torch.bfloat16, R=R, SP=SP, num_warps=_WARPS, enable_fp_fusion=False)
+                _bits(grad), idx, sc, tab.cb, m, part, blk, amax, sp.nrows, sp.slab, sp.k, sp.row0, b0, sp.lead,
+                sp.numel, scalars[0], LERP_SMALL=consts["LERP_SMALL"], FUSED_LERP=consts["FUSED_LERP"],
+                IS_BF16=grad.dtype == torch.bfloat16, R=R, SP=SP, num_warps=_WARPS, enable_fp_fusion=False, **multi_launch_options())
     return m, part.sum(dim=0), blk, amax
 
 
@@ -95,10 +95,10 @@ def _launch_update(param, m, idx, scale, v_blk, v_col, codebook, sp, *, apply, l
     with _ctx(dev):
         _kernel("span_update")[(nbp,)](
             _bits(param), m if m is not None else rms, idx, scale, rms, cf, tab.cb, tab.kernel_table(2),
-            sp.nrows, sp.slab, sp.k, sp.row0, b0, tab.scan_steps,
+            sp.nrows, sp.slab, sp.k, sp.row0, b0, sp.lead, sp.numel, tab.scan_steps,
             sqrt_bc2, eps32, inv_bc1, lr32, decay, lut_h, lut_nbm1, ubound,
             APPLY=apply, HAS_WD=consts["HAS_WD"], LUT_FAST=consts["LUT_FAST"],
-            IS_BF16=param.dtype == torch.bfloat16, R=R, SP=SP, num_warps=_WARPS, enable_fp_fusion=False)
+            IS_BF16=param.dtype == torch.bfloat16, R=R, SP=SP, num_warps=_WARPS, enable_fp_fusion=False, **multi_launch_options())
     for t in (param,) if apply else (param, idx):
         torch.autograd.graph.increment_version(t)
 
@@ -107,7 +107,7 @@ def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, cod
                  lr: float, beta2: float, eps: float, weight_decay: float, bc1: float, bc2: float, bound=None,
                  beta1: float = 0.0, bid=None, nearest=None) -> None:
     """:func:`gefen_dist.core.span.span_update_`, by the Triton kernel for a contiguous float32/bfloat16
-    ``param`` of whole rows (``nearest`` and ``bid`` are the reference's and unused here)."""
+    ``param`` (``nearest`` and ``bid`` are the reference's and unused here)."""
     if (param.dtype not in (torch.float32, torch.bfloat16) or m.dtype != torch.float32
             or not _usable(sp, param, idx, scale, v_blk, v_col, m)):
         kw = {} if nearest is None else {"nearest": nearest}
@@ -124,7 +124,8 @@ def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, cod
 def span_apply_indices_(param, idx, scale, v_blk, v_col, codebook, sp: _ref.SpanPiece, *, lr, eps, weight_decay, bc1,
                         bc2, bound=None, bid=None, **_) -> None:
     """:func:`gefen_dist.core.span.span_apply_indices_` (the update alone from given new indices), by
-    the Triton kernel for a contiguous float32/bfloat16 ``param`` of whole rows."""
+    the Triton kernel for a contiguous float32/bfloat16 ``param`` (any piece; the reference takes whole
+    rows)."""
     if (param.dtype not in (torch.float32, torch.bfloat16) or idx.dtype != torch.uint8 or scale.dtype != torch.float32
             or not _usable(sp, param, idx, scale, v_blk, v_col)):
         return _ref.span_apply_indices_(param, idx, scale, v_blk, v_col, codebook, sp, lr=lr, eps=eps,
