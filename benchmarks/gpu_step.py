@@ -1,7 +1,7 @@
 """Optimizer step time on GPT-2 tensor sets, one CUDA GPU.
 
     python benchmarks/gpu_step.py [--iters 20] [--warmup 5] [--dtypes fp32,bf16] [--sizes small,xl]
-                                  [--no-optimizers] [--no-eager] [--no-sweep]
+                                  [--no-optimizers] [--no-span] [--no-eager] [--no-sweep]
                                   [--out docs/results/gpu_step.json]
     python benchmarks/gpu_step.py --plot docs/img/gpu_step.png [--before OLD.json]   # no GPU needed
     bash benchmarks/gpu_check.sh      # the CUDA tests, then this script (one prepared GPU run)
@@ -30,6 +30,10 @@ steps, then the median of ``--iters``):
 * ``gefen_eager_matrices``: ``quantized_step_eager_`` on the GPU over the matrices (reference);
 * ``torch_adamw_fused`` / ``torch_adamw_fused_matrices``: ``torch.optim.AdamW(fused=True)``
   over all tensors / the matrices only; ``torch_adamw_foreach``: ``foreach=True``.
+
+**Span** (``--no-span`` skips it): a ``(4,000,000, 16)`` embedding kept per block of rows
+(``narrow_rows="span"``, D16): ``Gefen(...).step()`` with the Triton span kernels, with the span
+phases as torch operations, and torch's fused AdamW on the same tensor.
 
 Also: a correctness check of the kernel against the eager path on three tensors (idx mismatch
 fraction, parameter difference; any index mismatch makes the script exit 1 after writing the
@@ -388,6 +392,45 @@ def run_optimizers(key: str, dtype: torch.dtype, dev, args, size: str = "small")
     return dict(ms=res, ratios=ratios)
 
 
+def run_span(dev, args, rows: int = 4_000_000, width: int = 16) -> dict:
+    """A recommender's embedding kept per block of rows (D16, ``narrow_rows="span"``): ``(rows,
+    width)`` fp32, a fifth of the rows in the gradient (the kernels read every element anyway):
+    ``Gefen(...).step()`` on the
+    Triton span kernels, the same with the span phases as torch operations (the CUDA path before
+    2026-12-05), and torch's fused AdamW on the same tensor; ms per step and ratios."""
+    from gefen_dist import Gefen
+    from gefen_dist.core import span as ref
+    from gefen_dist.kernels import dispatch
+
+    gen = torch.Generator(device=dev).manual_seed(3)
+    w0 = torch.randn(rows, width, device=dev, generator=gen) * 0.02
+    grad = torch.randn(rows, width, device=dev, generator=gen) * 1e-3
+    grad *= (torch.rand(rows, 1, device=dev, generator=gen) < 0.2)  # a sparse embedding's gradient
+    hp = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
+    res = {}
+    print(f"\n== span tensor ({rows:,} x {width}, fp32) ==")
+    for name in ("torch_adamw_fused", "gefen_span_triton", "gefen_span_torch_ops"):
+        p = torch.nn.Parameter(w0.clone())
+        p.grad = grad.clone()
+        opt = (torch.optim.AdamW([p], fused=True, **hp) if name == "torch_adamw_fused"
+               else Gefen([{"params": [p], "narrow_rows": "span"}], **hp))
+        if name == "gefen_span_torch_ops":
+            impl = dispatch._triton()
+            opt._impl = lambda t, q=None, group=None, _i=dispatch.StepImpl(
+                impl.name, impl.quantized_step_, impl.quantized_step_factored_, impl.column_sumsq,
+                span_statistics=ref.span_statistics, span_update_=ref.span_update_): _i
+        opt.step()  # the first step (learning) untimed
+        res[name] = cuda_time(opt.step, min(args.warmup, 2), args.iters)
+        print(f"  {name:22s} {res[name]['median_ms']:8.3f} ms  (min {res[name]['min_ms']:.3f})")
+        del opt, p
+        torch.cuda.empty_cache()
+    base = res["torch_adamw_fused"]["median_ms"]
+    ratios = {f"{n} / torch_adamw_fused": res[n]["median_ms"] / base for n in res if n != "torch_adamw_fused"}
+    for k, r in ratios.items():
+        print(f"  ratio {k:40s} {r:6.3f}")
+    return dict(shape=[rows, width], ms=res, ratios=ratios)
+
+
 TUNE_CONFIGS = [(r, bs, w) for bs in (128, 256, 512, 1024) for r in (1, 2, 4, 8, 16)
                 for w in (4, 8) if 512 <= r * bs <= 4096]
 
@@ -503,6 +546,8 @@ def main() -> int:
     ap.add_argument("--tune", action="store_true", help="also time the plan's step for every forced "
                     "(ROWS, BLOCK_SIZE, num_warps) in TUNE_CONFIGS (one compile each: minutes)")
     ap.add_argument("--tune-size", default="xl")
+    ap.add_argument("--no-span", dest="span", action="store_false",
+                    help="skip the span-tensor timing (D16: Triton span kernels vs torch operations vs fused AdamW)")
     ap.add_argument("--no-optimizers", dest="optimizers", action="store_false",
                     help="skip the optimizer-class timings (Gefen(...).step() vs torch AdamW)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "gpu_step.json"))
@@ -584,6 +629,10 @@ def main() -> int:
                 dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[key.strip()]
                 info["optimizers"][f"{size}_{key}"] = run_optimizers(key, dtype, dev, args, size)
                 save()
+
+    if args.span:
+        info["span"] = run_span(dev, args)
+        save()
 
     if args.tune:
         print(f"\nlaunch-configuration sweep of the plan (GPT-2 {args.tune_size}, fp32):")

@@ -1012,3 +1012,44 @@ def test_cuda_factored_matches_eager(case, dtype):
     rows, S, B, G, row0, rb = FACTORED_CASES[case]
     ref, out = _run_both_factored(rows * 8, S, B, dtype, G=G, row0=row0 * 8, row_block=rb * 8, device="cuda")
     _assert_agree_factored([t.cpu() for t in ref], [t.cpu() for t in out], idx_frac=1e-4)
+
+
+@pytest.mark.skipif(_CHILD or not torch.cuda.is_available() or not triton_step.available("cuda"),
+                    reason="needs CUDA (compiled kernel)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape,start,n", [((200_000, 4), 0, 800_000), ((3001, 10), 2047, 13339), ((50_000, 1), 0, 50_000)])
+def test_cuda_span_phases_match_the_reference(shape, start, n, dtype):
+    """The compiled span kernels (D16) against core/span.py's torch operations on the same CUDA
+    tensors, three steps: scales and v within float32 rounding, parameters within 1e-6 of their
+    largest value, indices equal but for a tiny fraction (torch's CUDA lerp may round differently
+    from the kernel's fma in rare elements)."""
+    import math
+
+    from gefen_dist.core import span as ref
+    from gefen_dist.kernels import triton_span as tri
+
+    dev = torch.device("cuda")
+    S = math.prod(shape[1:])
+    sp = ref.SpanPiece.of(shape, start, n)
+    gen = torch.Generator().manual_seed(7)
+    cb = torch.sort(torch.cat([torch.tensor([-1.0, 0.0, 1.0]), torch.rand(253, generator=gen) * 2 - 1]))[0].to(dev)
+    p0 = (torch.randn(n, generator=gen) * 0.02).to(dtype).to(dev)
+    states = []
+    for _ in range(2):
+        states.append(dict(p=p0.clone(), idx=torch.zeros(n, dtype=torch.uint8, device=dev),
+                           scale=torch.zeros(sp.nb, device=dev), vb=torch.zeros(sp.nb, device=dev),
+                           vc=torch.zeros(S, device=dev)))
+    for t in range(1, 4):
+        g = (torch.randn(n, generator=gen) * 0.1).to(dtype).to(dev)
+        hp = dict(lr=1e-3, beta2=0.999, eps=1e-8, weight_decay=0.1, bc1=1 - 0.9 ** t, bc2=1 - 0.999 ** t, bound=2.0,
+                  beta1=0.9)
+        for impl, st in zip((ref, tri), states):
+            m, col, blk, amax = impl.span_statistics(g, st["idx"], st["scale"], cb, sp, 0.9)
+            impl.span_update_(st["p"], st["idx"], st["scale"], st["vb"], st["vc"], m, col, blk, amax, cb, sp, **hp)
+    a, b = states
+    torch.testing.assert_close(b["scale"], a["scale"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(b["vb"], a["vb"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(b["vc"], a["vc"], rtol=1e-6, atol=0)
+    assert (a["idx"] != b["idx"]).float().mean().item() <= 1e-4
+    torch.testing.assert_close(b["p"].float(), a["p"].float(), rtol=0,
+                               atol=(1e-6 if dtype == torch.float32 else 1e-2) * a["p"].float().abs().max().item())
