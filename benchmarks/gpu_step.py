@@ -385,11 +385,16 @@ def run_optimizers(key: str, dtype: torch.dtype, dev, args, size: str = "small")
               f"kernel time {r.get('kernel_ms', float('nan')):.3f} ms")
         del opt, params
         torch.cuda.empty_cache()
+    return dict(ms=res, ratios=_ratios(res))
+
+
+def _ratios(res: dict) -> dict:
+    """Each timing's median over torch's fused AdamW's (printed)."""
     base = res["torch_adamw_fused"]["median_ms"]
     ratios = {f"{n} / torch_adamw_fused": res[n]["median_ms"] / base for n in res if n != "torch_adamw_fused"}
     for k, r in ratios.items():
         print(f"  ratio {k:40s} {r:6.3f}")
-    return dict(ms=res, ratios=ratios)
+    return ratios
 
 
 def run_span(dev, args, rows: int = 4_000_000, width: int = 16) -> dict:
@@ -424,11 +429,7 @@ def run_span(dev, args, rows: int = 4_000_000, width: int = 16) -> dict:
         print(f"  {name:22s} {res[name]['median_ms']:8.3f} ms  (min {res[name]['min_ms']:.3f})")
         del opt, p
         torch.cuda.empty_cache()
-    base = res["torch_adamw_fused"]["median_ms"]
-    ratios = {f"{n} / torch_adamw_fused": res[n]["median_ms"] / base for n in res if n != "torch_adamw_fused"}
-    for k, r in ratios.items():
-        print(f"  ratio {k:40s} {r:6.3f}")
-    return dict(shape=[rows, width], ms=res, ratios=ratios)
+    return dict(shape=[rows, width], ms=res, ratios=_ratios(res))
 
 
 TUNE_CONFIGS = [(r, bs, w) for bs in (128, 256, 512, 1024) for r in (1, 2, 4, 8, 16)

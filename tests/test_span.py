@@ -15,6 +15,7 @@ import copy
 import math
 import warnings
 
+import _span_phases
 import pytest
 import torch
 from torch import nn
@@ -110,59 +111,18 @@ def _native_or_skip():
         pytest.skip("the native CPU library is not built here")
 
 
-@pytest.mark.parametrize("shape,start,n", [((5000, 1), 0, 5000), ((4999, 2), 0, 9998), ((3001, 10), 2050, 13330),
-                                           ((1000, 79), 237, 39500), ((700, 3, 3), 0, 6300), ((999, 40), 1040, 40),
-                                           ((3001, 10), 2047, 13339), ((1000, 79), 5, 70), ((4999, 2), 2047, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bound,wd", [(None, 0.0), (1.5, 0.1), (0.01, 0.0)])
+@pytest.mark.parametrize("shape,start,n", _span_phases.PIECES)
+@pytest.mark.parametrize("dtype", _span_phases.DTYPES)
+@pytest.mark.parametrize("bound,wd", _span_phases.BOUND_WD)
 def test_native_phases_equal_the_reference(shape, start, n, dtype, bound, wd):
-    """The native span phases (kernels/cpu_span.py) against core/span.py's on one piece (elements
-    ``start`` .. of a tensor: whole rows as an FSDP2 shard holds them, or rows cut at either end as at
-    a DeepSpeed partition edge; blocks cut at both ends): the first moment, the block maxima, indices,
-    scales, ``v`` and the parameter bitwise (float32 and bfloat16 parameters, with and without the
-    bound and weight decay, some blocks with a zero scale); the float64 sums of ``g^2`` to 1e-13 (added
-    in another order). On whole rows, the update alone from the new indices and state
-    (``span_apply_indices_``, ZeroGefen's other ranks), native and reference, gives the phase's
-    parameter bitwise."""
+    """The native span phases (kernels/cpu_span.py) against core/span.py's on one piece
+    (tests/_span_phases.py: whole rows and rows cut at either end, float32 and bfloat16 parameters,
+    with and without the bound and weight decay): everything bitwise but the float64 sums of
+    ``g^2`` (to 1e-13); on whole rows the update alone from the new indices too."""
     _native_or_skip()
-    from gefen_dist.core import span as ref
     from gefen_dist.kernels import cpu_span as nat
 
-    gen = torch.Generator().manual_seed(n + start)
-    S = math.prod(shape[1:])
-    sp = SpanPiece.of(shape, start, n)
-    nrows = -(-n // S)
-    cb = torch.sort(torch.cat([torch.tensor([-1.0, 0.0, 1.0]), torch.rand(253, generator=gen) * 2 - 1]))[0]
-    g = (torch.randn(nrows, S, generator=gen) * torch.exp(torch.randn(nrows, 1, generator=gen))).to(dtype).view(-1)[:n]
-    idx = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-    scale = torch.rand(sp.nb, generator=gen) * 1e-2
-    scale[::3] = 0.0
-    out = [impl.span_statistics(g, idx, scale, cb, sp, 0.9) for impl in (ref, nat)]
-    for name, a, b in zip(("m", "col", "blk", "amax"), *out):
-        if a.dtype == torch.float64:
-            torch.testing.assert_close(b, a, rtol=1e-13, atol=0, msg=name)
-        else:
-            assert torch.equal(a.reshape(-1), b.reshape(-1)), name
-    m, col, blk, amax = out[0]
-    amax = amax.clone()
-    amax[1::4] = 0.0  # blocks whose new scale is zero: z = 0
-    p0 = (torch.randn(n, generator=gen) * 0.02).to(dtype)
-    vb0, vc0 = torch.rand(sp.nb, generator=gen) * 1e-6, torch.rand(S, generator=gen) * 1e-6
-    res = []
-    for impl in (ref, nat):
-        st = [p0.clone(), idx.clone(), scale.clone(), vb0.clone(), vc0.clone()]
-        impl.span_update_(*st, m, col, blk, amax, cb, sp, lr=1e-3, beta2=0.999, eps=1e-8, weight_decay=wd,
-                          bc1=0.19, bc2=0.002, bound=bound, beta1=0.9)
-        res.append(st)
-    for name, a, b in zip(("param", "idx", "scale", "v_blk", "v_col"), *res):
-        assert torch.equal(a, b), (name, int((a != b).sum()))
-    if sp.whole_rows:  # ZeroGefen's other ranks: the update alone from the new indices and the new state
-        _, new_idx, new_scale, vb, vc = res[0]
-        for impl in (ref, nat):
-            p = p0.clone()
-            impl.span_apply_indices_(p, new_idx, new_scale, vb, vc, cb, sp, lr=1e-3, eps=1e-8, weight_decay=wd,
-                                     bc1=0.19, bc2=0.002, bound=bound)
-            assert torch.equal(p, res[0][0]), (impl.__name__, int((p != res[0][0]).sum()))
+    _span_phases.check_phases_equal_the_reference(nat, shape, start, n, dtype, bound, wd)
 
 
 def test_native_phases_do_not_depend_on_the_thread_count():

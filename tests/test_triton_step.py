@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+import _span_phases
 import numpy as np
 import pytest
 import torch
@@ -716,59 +717,17 @@ def test_cuda_batch_steps_around_span_tensors(monkeypatch):
 
 
 @interp
-@pytest.mark.parametrize("shape,start,n", [((5000, 1), 0, 5000), ((4999, 2), 0, 9998), ((3001, 10), 2050, 13330),
-                                           ((1000, 79), 395, 39500), ((700, 3, 3), 0, 6300), ((999, 40), 1040, 40),
-                                           ((3001, 10), 2047, 13339), ((1000, 79), 5, 70), ((4999, 2), 2047, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bound,wd", [(None, 0.0), (1.5, 0.1), (0.01, 0.0)])
+@pytest.mark.parametrize("shape,start,n", _span_phases.PIECES)
+@pytest.mark.parametrize("dtype", _span_phases.DTYPES)
+@pytest.mark.parametrize("bound,wd", _span_phases.BOUND_WD)
 def test_span_phases_equal_the_reference(shape, start, n, dtype, bound, wd):
-    """The Triton span phases (kernels/triton_span.py) against core/span.py's on one piece (elements
-    ``start`` .. of a tensor: whole rows as an FSDP2 shard holds them, or rows cut at either end as at
-    a DeepSpeed partition edge; blocks cut at both ends): the first moment, the block maxima, indices,
-    scales, ``v`` and the parameter bitwise (float32 and bfloat16, with and without the bound and
-    weight decay, some blocks with a zero scale), the float64 sums of ``g^2`` to 1e-13; on whole rows
-    the update alone from the new indices (``span_apply_indices_``) gives the phase's parameter
-    bitwise."""
-    import math
-
-    from gefen_dist.core import span as ref
+    """The Triton span phases (kernels/triton_span.py) against core/span.py's on one piece
+    (tests/_span_phases.py: whole rows and rows cut at either end, float32 and bfloat16, with and
+    without the bound and weight decay): everything bitwise but the float64 sums of ``g^2`` (to
+    1e-13); on whole rows the update alone from the new indices too."""
     from gefen_dist.kernels import triton_span as tri
 
-    S = math.prod(shape[1:])
-    sp = ref.SpanPiece.of(shape, start, n)
-    nrows = -(-n // S)
-    gen = torch.Generator().manual_seed(n + start)
-    cb = torch.sort(torch.cat([torch.tensor([-1.0, 0.0, 1.0]), torch.rand(253, generator=gen) * 2 - 1]))[0]
-    g = (torch.randn(nrows, S, generator=gen) * torch.exp(torch.randn(nrows, 1, generator=gen))).to(dtype).view(-1)[:n]
-    idx = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-    scale = torch.rand(sp.nb, generator=gen) * 1e-2
-    scale[::3] = 0.0
-    out = [impl.span_statistics(g, idx, scale, cb, sp, 0.9) for impl in (ref, tri)]
-    for name, a, b in zip(("m", "col", "blk", "amax"), *out):
-        if a.dtype == torch.float64:
-            torch.testing.assert_close(b, a, rtol=1e-13, atol=0, msg=name)
-        else:
-            assert torch.equal(a.reshape(-1), b.reshape(-1)), name
-    m, col, blk, amax = out[0]
-    amax = amax.clone()
-    amax[1::4] = 0.0  # blocks whose new scale is zero: z = 0
-    p0 = (torch.randn(n, generator=gen) * 0.02).to(dtype)
-    vb0, vc0 = torch.rand(sp.nb, generator=gen) * 1e-6, torch.rand(S, generator=gen) * 1e-6
-    res = []
-    for impl in (ref, tri):
-        st = [p0.clone(), idx.clone(), scale.clone(), vb0.clone(), vc0.clone()]
-        impl.span_update_(*st, m.reshape(-1) if impl is tri else m, col, blk, amax, cb, sp, lr=1e-3, beta2=0.999,
-                          eps=1e-8, weight_decay=wd, bc1=0.19, bc2=0.002, bound=bound, beta1=0.9)
-        res.append(st)
-    for name, a, b in zip(("param", "idx", "scale", "v_blk", "v_col"), *res):
-        assert torch.equal(a, b), (name, int((a != b).sum()))
-    if not sp.whole_rows:
-        return
-    _, new_idx, new_scale, vb, vc = res[0]
-    p = p0.clone()
-    tri.span_apply_indices_(p, new_idx, new_scale, vb, vc, cb, sp, lr=1e-3, eps=1e-8, weight_decay=wd, bc1=0.19,
-                            bc2=0.002, bound=bound)
-    assert torch.equal(p, res[0][0]), int((p != res[0][0]).sum())
+    _span_phases.check_phases_equal_the_reference(tri, shape, start, n, dtype, bound, wd)
 
 
 @interp

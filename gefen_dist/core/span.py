@@ -200,13 +200,15 @@ def span_update_(param: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, v_
                  v_col: torch.Tensor, m: torch.Tensor, col_sum: torch.Tensor, blk_sum: torch.Tensor,
                  amax: torch.Tensor, codebook: torch.Tensor, sp: SpanPiece, *, lr: float, beta2: float, eps: float,
                  weight_decay: float, bc1: float, bc2: float, bound=None, beta1: float = 0.0,
-                 bid: Optional[torch.Tensor] = None, nearest=nearest_codeword) -> None:
+                 bid: Optional[torch.Tensor] = None, nearest=None) -> None:
     """The second phase, from the statistics summed (``col_sum``, ``blk_sum``) and maximised
     (``amax``) over every piece of the tensor: the replicated state of every block (``v_col``,
     ``v_blk``, ``scale``), then this piece's indices and parameter (``param``, ``idx``: the piece,
-    in place). ``beta1`` is accepted so that one hyperparameter dict serves every phase; ``bid``
-    (``sp.block_ids``) and ``nearest`` (:func:`~gefen_dist.core.step.quantize`'s) may come from the
-    caller."""
+    in place; ``m`` as :func:`span_statistics` returns it, or flat). ``beta1`` is accepted so that
+    one hyperparameter dict serves every phase; ``bid`` (``sp.block_ids``) and ``nearest``
+    (:func:`~gefen_dist.core.step.quantize`'s; None: :func:`~gefen_dist.core.quant.nearest_codeword`)
+    may come from the caller."""
+    nearest = nearest_codeword if nearest is None else nearest
     span_state_(scale, v_blk, v_col, col_sum, blk_sum, amax, sp, beta2)
     if sp.nrows == 0:
         return
@@ -218,7 +220,7 @@ def span_update_(param: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, v_
         param.reshape(-1).copy_(pp[sl])
         idx.reshape(-1).copy_(ip[sl])
         return
-    _span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp, bid=bid, **hp)
+    _span_apply_(param, idx, scale, v_blk, v_col, m.reshape(sp.nrows, sp.slab), codebook, sp, bid=bid, **hp)
 
 
 def _span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp: SpanPiece, *, lr, eps, weight_decay, bc1, bc2,

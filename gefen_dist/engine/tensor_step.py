@@ -170,15 +170,21 @@ class GefenStepMixin:
             self._prepare(span)
             self._step_span(span, work)  # tensors learned by this step: their statistics now
         if other:
-            exact = []
-            for group, p in other:
-                if self._foreach_exact(p, group):
-                    exact.append((group, p))
-                else:
-                    self._update(group, p, col.get(p))
-            self._update_exact_batched(exact)
+            self._update_all(other, col)
         self._announce()
         return True
+
+    def _update_all(self, entries, col: Dict[torch.Tensor, torch.Tensor]) -> None:
+        """Every tensor of ``entries`` (span tensors excepted: :meth:`_step_span`): the exact ones
+        batched by foreach operations, the others one by one (``col``: the factored tensors' column
+        statistics)."""
+        exact = []
+        for group, p in entries:
+            if self._foreach_exact(p, group):
+                exact.append((group, p))
+            else:
+                self._update(group, p, col.get(p))
+        self._update_exact_batched(exact)
 
     def _update(self, group: dict, p: torch.Tensor, col_mean_sq: Optional[torch.Tensor] = None) -> None:
         st = self.state[p]

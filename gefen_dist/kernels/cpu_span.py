@@ -79,20 +79,16 @@ def _update_args(param, v_blk, v_col, codebook, sp, lr, beta1, beta2, eps, weigh
     return a, tab, rms, colt, math.inf if bound is None else float(bound)
 
 
-def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp: _ref.SpanPiece, *,
-                 lr: float, beta2: float, eps: float, weight_decay: float, bc1: float, bc2: float, bound=None,
-                 beta1: float = 0.0, bid=None, nearest=None) -> None:
+def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp: _ref.SpanPiece,
+                 **hp) -> None:
     """:func:`gefen_dist.core.span.span_update_`, natively for a contiguous CPU float32/bfloat16
-    ``param`` (``nearest`` and ``bid`` are the reference's and unused here)."""
+    ``param`` (``hp``: its keyword arguments; ``nearest`` and ``bid`` are the reference's, unused here)."""
     lib = _usable(param, idx, scale, v_blk, v_col, m)
     if (lib is None or param.dtype not in _KERNEL_DTYPES or not param.is_contiguous() or not idx.is_contiguous()
             or m.dtype != torch.float32):
-        kw = {} if nearest is None else {"nearest": nearest}
-        if sp.whole_rows and m.dim() == 1:  # this module's flat m, in the reference's [rows, slab]
-            m = m.view(sp.nrows, sp.slab)
-        return _ref.span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp, lr=lr,
-                                 beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound,
-                                 beta1=beta1, bid=bid, **kw)
+        return _ref.span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp, **hp)
+    lr, beta2, eps, weight_decay, bc1, bc2 = (hp[k] for k in ("lr", "beta2", "eps", "weight_decay", "bc1", "bc2"))
+    bound, beta1 = hp.get("bound"), hp.get("beta1", 0.0)
     _ref.span_state_(scale, v_blk, v_col, col_sum, blk_sum, amax, sp, beta2)
     n = sp.numel
     if n == 0:

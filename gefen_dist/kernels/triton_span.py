@@ -103,22 +103,16 @@ def _launch_update(param, m, idx, scale, v_blk, v_col, codebook, sp, *, apply, l
         torch.autograd.graph.increment_version(t)
 
 
-def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp: _ref.SpanPiece, *,
-                 lr: float, beta2: float, eps: float, weight_decay: float, bc1: float, bc2: float, bound=None,
-                 beta1: float = 0.0, bid=None, nearest=None) -> None:
+def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp: _ref.SpanPiece,
+                 **hp) -> None:
     """:func:`gefen_dist.core.span.span_update_`, by the Triton kernel for a contiguous float32/bfloat16
-    ``param`` (``nearest`` and ``bid`` are the reference's and unused here)."""
+    ``param`` (``hp``: its keyword arguments; ``nearest`` and ``bid`` are the reference's, unused here)."""
     if (param.dtype not in (torch.float32, torch.bfloat16) or m.dtype != torch.float32
             or not _usable(sp, param, idx, scale, v_blk, v_col, m)):
-        kw = {} if nearest is None else {"nearest": nearest}
-        if sp.whole_rows and m.dim() == 1:  # this module's flat m, in the reference's [rows, slab]
-            m = m.view(sp.nrows, sp.slab)
-        return _ref.span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp, lr=lr,
-                                 beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound,
-                                 beta1=beta1, bid=bid, **kw)
-    _ref.span_state_(scale, v_blk, v_col, col_sum, blk_sum, amax, sp, beta2)
-    _launch_update(param, m.reshape(-1), idx, scale, v_blk, v_col, codebook, sp, apply=False, lr=lr, eps=eps,
-                   weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound)
+        return _ref.span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp, **hp)
+    _ref.span_state_(scale, v_blk, v_col, col_sum, blk_sum, amax, sp, hp["beta2"])
+    _launch_update(param, m.reshape(-1), idx, scale, v_blk, v_col, codebook, sp, apply=False,
+                   **{k: hp.get(k) for k in ("lr", "eps", "weight_decay", "bc1", "bc2", "bound")})
 
 
 def span_apply_indices_(param, idx, scale, v_blk, v_col, codebook, sp: _ref.SpanPiece, *, lr, eps, weight_decay, bc1,

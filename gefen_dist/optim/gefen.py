@@ -361,13 +361,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         self._prepare(entries)
         col = self._column_stats(entries, partials)
         self._step_span(entries)  # narrow_rows="span" tensors (D16): every rank, one SUM and one MAX
-        batched = []
-        for group, p in entries:
-            if self._foreach_exact(p, group):
-                batched.append((group, p))
-            else:
-                self._update(group, p, col.get(p))
-        self._update_exact_batched(batched)
+        self._update_all(entries, col)
         self._announce()
         return loss
 

@@ -1964,6 +1964,17 @@ void gefen_span_stats(const gefen_step_args *a, const void *grad, const uint8_t 
     for (int64_t t = 0; t < nseg * KS; ++t) col[t % S] += acc[t]; /* segments in order */
 }
 
+/* The update of one element of a span tensor from its codeword cq: clamp(cq M sigma, +-bound) lr with
+ * sigma = (1 / ((rb c) / sb + eps)) ib, the reference's float32 operations in its order. */
+ALWAYS_INLINE float span_u(float cq, float M, float rb, float c, float sb, float eps, float ib, float bound, float lr)
+{
+    float s = (rb * c) / sb;
+    s = 1.0f / (s + eps);
+    float u = (cq * M) * (s * ib);
+    u = u > bound ? bound : (u < -bound ? -bound : u);
+    return u * lr;
+}
+
 /* The second phase's per-element part of gefen_dist.core.span.span_update_, once the block state
  * is updated (scale: the new M of every block; rms: sqrt(v_blk) per block; colt: the column
  * factors sqrt(v_col / mean v_col) tiled over a block, k S floats): idx <- nearest(m / M_b) (0
@@ -1993,23 +2004,11 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
             if (dt == 0) {
                 float *restrict pf = (float *)param;
 #pragma omp simd
-                for (int64_t e = e0; e < e1; ++e) {
-                    float s = (rb * ct[e]) / sb;
-                    s = 1.0f / (s + eps);
-                    float u = (cb[idx[e]] * M) * (s * ib);
-                    u = u > bound ? bound : (u < -bound ? -bound : u);
-                    u = u * lr;
-                    const float pi = wd ? pf[e] * decay : pf[e];
-                    pf[e] = pi - u;
-                }
+                for (int64_t e = e0; e < e1; ++e)
+                    pf[e] = (wd ? pf[e] * decay : pf[e]) - span_u(cb[idx[e]], M, rb, ct[e], sb, eps, ib, bound, lr);
             } else {
-                for (int64_t e = e0; e < e1; ++e) {
-                    float s = (rb * ct[e]) / sb;
-                    s = 1.0f / (s + eps);
-                    float u = (cb[idx[e]] * M) * (s * ib);
-                    u = u > bound ? bound : (u < -bound ? -bound : u);
-                    update_param(param, e, u * lr, decay, 1, wd);
-                }
+                for (int64_t e = e0; e < e1; ++e)
+                    update_param(param, e, span_u(cb[idx[e]], M, rb, ct[e], sb, eps, ib, bound, lr), decay, 1, wd);
             }
             continue;
         }
@@ -2020,13 +2019,7 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
                 float cq;
                 const int q = nearest_fast(pos ? m[e] / M : 0.0f, cb, lut, h, nbm1, &cq);
                 idx[e] = (uint8_t)q;
-                float s = (rb * ct[e]) / sb;
-                s = 1.0f / (s + eps);
-                float u = (cq * M) * (s * ib);
-                u = u > bound ? bound : (u < -bound ? -bound : u);
-                u = u * lr;
-                const float pi = wd ? pf[e] * decay : pf[e];
-                pf[e] = pi - u;
+                pf[e] = (wd ? pf[e] * decay : pf[e]) - span_u(cq, M, rb, ct[e], sb, eps, ib, bound, lr);
             }
         } else {
             for (int64_t e = e0; e < e1; ++e) {
@@ -2034,11 +2027,7 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
                 const float z = pos ? m[e] / M : 0.0f;
                 const int q = mode ? nearest_fast(z, cb, lut, h, nbm1, &cq) : nearest_scan(z, cb, lut, h, nbm1, &cq);
                 idx[e] = (uint8_t)q;
-                float s = (rb * ct[e]) / sb;
-                s = 1.0f / (s + eps);
-                float u = (cb[q] * M) * (s * ib);
-                u = u > bound ? bound : (u < -bound ? -bound : u);
-                u = u * lr;
+                const float u = span_u(cb[q], M, rb, ct[e], sb, eps, ib, bound, lr);
                 if (dt == 0) update_param(param, e, u, decay, 0, wd);
                 else update_param(param, e, u, decay, 1, wd);
             }
