@@ -1,8 +1,9 @@
 """Distributed checkpoints and DDP: real torchrun launches on CPU/gloo (tests/dist/*.py), plus the
 single-process parts of gefen_dist.checkpoint and gefen_dist.integrations.fsdp in-process.
 
-Launches (about 7, each a few seconds): dcp_reshard.py save at 2 ranks, then load at 1, 3 and 4
-ranks; ddp_check.py at 2 ranks (with the mismatch checks) and as 2 nodes x 1 rank.
+Launches (about 8, each a few seconds): dcp_reshard.py save at 2 ranks, then load at 1, 3 and 4
+ranks; ddp_check.py at 2 ranks (with the mismatch checks) and as 2 nodes x 1 rank; batch_check.py
+(the multi-tensor CUDA step through the Triton interpreter) at 2 ranks.
 """
 import os
 import re
@@ -72,6 +73,23 @@ def test_dcp_load_resharded(dcp_dir, ws):
         if m:
             assert float(m.group(1)) <= 1e-6, ln
     assert f"ALL OK load ws={ws}" in out
+
+
+# ----------------------------------------------------------------------------- CUDA batch, 2 ranks
+@pytest.mark.dist
+def test_cuda_batch_with_two_ranks_through_the_interpreter():
+    """tests/dist/batch_check.py: the multi-tensor CUDA step on replicated tensors at 2 ranks (CPU
+    tensors through the Triton interpreter) is bitwise the per-tensor path on every rank, with a span
+    tensor beside it; a non-contiguous quantized parameter sends the whole step to the per-tensor
+    path (one WARNING), since the ranks' collectives must match; a NaN on rank 1 only makes every
+    rank raise with nothing changed."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    out = run_torchrun("batch_check.py", 2, timeout=TIMEOUT).stdout
+    ok = _ok_lines(out)
+    for case in ("plain", "nan", "span", "noncontig"):
+        for rank in (0, 1):
+            assert any(ln.startswith(f"OK {case} rank {rank}:") for ln in ok), f"{case} rank {rank}:\n{out[-4000:]}"
+    assert "ALL OK batch_check ws=2" in out
 
 
 # ----------------------------------------------------------------------------- DDP (torchrun)

@@ -1,0 +1,142 @@
+"""The multi-tensor CUDA step (gefen_dist.engine.cuda_batch) with several ranks, on CPU tensors through
+the Triton interpreter (torchrun, gloo; tests/test_distributed.py launches it at 2 ranks).
+
+Replicated (DDP) tensors, the same gradients on every rank. For each case, Gefen with the batch
+against Gefen on the per-tensor path (both on the Triton kernels, the same collectives' group):
+
+* ``plain``: the batch takes every tensor; parameters and state bitwise the per-tensor path's, and
+  the same on every rank;
+* ``span``: a ``narrow_rows="span"`` tensor is stepped beside the batch (a decision every rank
+  makes alike): bitwise as above;
+* ``noncontig``: a non-contiguous quantized parameter: with several ranks the whole step goes to
+  the per-tensor path (one WARNING naming it), bitwise as above;
+* ``nan``: a NaN in one batched gradient on rank 1 only: every rank raises naming the tensor and
+  nothing changes on any rank.
+
+Prints ``OK <case>`` per case and ``ALL OK batch_check ws=N``.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import copy  # noqa: E402
+import hashlib  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from _teardown import leave  # noqa: E402
+from gefen_dist import Gefen  # noqa: E402
+from gefen_dist.engine import cuda_batch  # noqa: E402
+from gefen_dist.kernels import dispatch  # noqa: E402
+
+cuda_batch._DEVICE_TYPES = ("cuda", "cpu")  # judge CPU tensors as CUDA ones
+
+
+def model(case):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 192), nn.GELU(), nn.Linear(192, 8))
+    if case == "noncontig":
+        m[2].weight = nn.Parameter(m[2].weight.detach().t().contiguous().t())
+    return m
+
+
+def optimizers(case, a, b):
+    kw = dict(lr=1e-3, weight_decay=0.1)
+    if case == "span":
+        ga = [{"params": [a[0].weight], "narrow_rows": "span"}, {"params": [p for p in a.parameters() if p is not a[0].weight]}]
+        gb = [{"params": [b[0].weight], "narrow_rows": "span"}, {"params": [p for p in b.parameters() if p is not b[0].weight]}]
+        oa, ob = Gefen(ga, small_threshold=2048, **kw), Gefen(gb, small_threshold=2048, **kw)
+    else:
+        oa, ob = Gefen(a.named_parameters(), **kw), Gefen(b.named_parameters(), **kw)
+    for o in (oa, ob):
+        o._impl = lambda t, p=None, group=None: dispatch._triton()
+        o._foreach_exact = (lambda o: lambda p, group=None: "exp_avg" in o.state.get(p, {}))(o)
+    oa._batched_step = lambda entries: False  # the per-tensor path
+    return oa, ob
+
+
+def grads(m, step):
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+    m.zero_grad()
+    ((m(x) - y) ** 2).mean().backward()
+
+
+def digest(m, o):
+    h = hashlib.sha256()
+    for p in m.parameters():
+        h.update(p.detach().float().numpy().tobytes())
+        for v in o.state[p].values():
+            if isinstance(v, torch.Tensor):
+                h.update(v.detach().float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def same_everywhere(value: str) -> bool:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return len(set(out)) == 1
+
+
+def say(line: str) -> None:
+    """One write per line, so that the ranks' lines do not interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    for case in ("plain", "span", "noncontig"):
+        a = model(case)
+        b = copy.deepcopy(a)
+        oa, ob = optimizers(case, a, b)
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("gefen_dist.engine.cuda_batch").addHandler(handler)
+        for step in range(4):
+            grads(a, step)
+            for p, q in zip(a.parameters(), b.parameters()):
+                q.grad = p.grad.clone()
+            oa.step()
+            ob.step()
+        logging.getLogger("gefen_dist.engine.cuda_batch").removeHandler(handler)
+        da, db = digest(a, oa), digest(b, ob)
+        assert da == db, f"{case}: batch != per-tensor on rank {rank}"
+        assert same_everywhere(db), f"{case}: replicas differ"
+        batch = getattr(ob, "_cuda_batch", None)
+        warned = [r.getMessage() for r in records if "is not used" in r.getMessage()]
+        if case == "noncontig":
+            assert batch is None and len(warned) == 1 and "'2.weight'" in warned[0], warned
+        else:
+            assert batch is not None and not warned, warned
+            if case == "span":
+                assert ob._mode(b[0].weight) == "span" and all(p is not b[0].weight for _, p in batch.entries)
+        say(f"OK {case} rank {rank}: bitwise the per-tensor path, replicas identical")
+        if case == "plain":
+            grads(b, 9)
+            if rank == 1:
+                b[2].weight.grad[3, 5] = float("nan")
+            before = digest(b, ob)
+            try:
+                ob.step()
+            except RuntimeError as e:
+                assert "non-finite gradient" in str(e) and "2.weight" in str(e), e
+            else:
+                raise AssertionError(f"rank {rank}: no error for a NaN on rank 1")
+            assert digest(b, ob) == before, f"rank {rank}: a refused step changed something"
+            say(f"OK nan rank {rank}: every rank raised, nothing changed")
+    dist.barrier()
+    if rank == 0:
+        say(f"ALL OK batch_check ws={ws}")
+    leave()  # gloo's teardown race (tests/dist/_teardown.py)
+
+
+if __name__ == "__main__":
+    main()
