@@ -151,8 +151,8 @@ def shipped(aligned=(False, True)) -> List[Dict[str, object]]:
 
 
 def shipped_span() -> List[Dict[str, object]]:
-    return [compile_span(k, bf, s, ap) for k, ap in (("span_stats", False), ("span_update", False), ("span_update", True))
-            for bf in (False, True) for s in SPAN_SLABS]
+    kernels = (("span_stats", False), ("span_update", False), ("span_update", True))
+    return [compile_span(k, bf, s, ap) for k, ap in kernels for bf in (False, True) for s in SPAN_SLABS]
 
 
 def main(argv=None) -> int:
@@ -167,8 +167,8 @@ def main(argv=None) -> int:
     if a.span:
         rows = shipped_span()
         for r in rows:
-            print(f"{r['kernel']:>17} {r['dtype']:>8} S={r['slab']:<3} {r['tile']:>7} | regs {r['registers']:>3} spills "
-                  f"{r['spill_stores']:>3} LDG {r['loads']:>3} SASS {r['instructions']:>5} MUFU {r['mufu']:>3}")
+            print(f"{r['kernel']:>17} {r['dtype']:>8} S={r['slab']:<3} {r['tile']:>7} | regs {r['registers']:>3} "
+                  f"spills {r['spill_stores']:>3} LDG {r['loads']:>3} SASS {r['instructions']:>5} MUFU {r['mufu']:>3}")
         return 0
     rows = shipped()
     hdr = (f"{'mode':>11} {'dtype':>8} {'tile':>8} {'aligned':>7} | {'regs':>4} {'spills':>6} {'LDG':>4} {'LDG.128':>7}"

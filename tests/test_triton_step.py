@@ -976,7 +976,8 @@ def test_cuda_factored_matches_eager(case, dtype):
 @pytest.mark.skipif(_CHILD or not torch.cuda.is_available() or not triton_step.available("cuda"),
                     reason="needs CUDA (compiled kernel)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape,start,n", [((200_000, 4), 0, 800_000), ((3001, 10), 2047, 13339), ((50_000, 1), 0, 50_000)])
+@pytest.mark.parametrize("shape,start,n", [((200_000, 4), 0, 800_000), ((3001, 10), 2047, 13339),
+                                           ((50_000, 1), 0, 50_000)])
 def test_cuda_span_phases_match_the_reference(shape, start, n, dtype):
     """The compiled span kernels (D16) against core/span.py's torch operations on the same CUDA
     tensors, three steps: scales and v within float32 rounding, parameters within 1e-6 of their

@@ -76,7 +76,8 @@ def span_statistics(grad, idx, scale, codebook, sp: _ref.SpanPiece, beta1: float
             _kernel("span_stats")[(nbp,)](
                 _bits(grad), idx, sc, tab.cb, m, part, blk, amax, sp.nrows, sp.slab, sp.k, sp.row0, b0, sp.lead,
                 sp.numel, scalars[0], LERP_SMALL=consts["LERP_SMALL"], FUSED_LERP=consts["FUSED_LERP"],
-                IS_BF16=grad.dtype == torch.bfloat16, R=R, SP=SP, num_warps=_WARPS, enable_fp_fusion=False, **multi_launch_options())
+                IS_BF16=grad.dtype == torch.bfloat16, R=R, SP=SP, num_warps=_WARPS, enable_fp_fusion=False,
+                **multi_launch_options())
     return m, part.sum(dim=0), blk, amax
 
 
@@ -98,7 +99,8 @@ def _launch_update(param, m, idx, scale, v_blk, v_col, codebook, sp, *, apply, l
             sp.nrows, sp.slab, sp.k, sp.row0, b0, sp.lead, sp.numel, tab.scan_steps,
             sqrt_bc2, eps32, inv_bc1, lr32, decay, lut_h, lut_nbm1, ubound,
             APPLY=apply, HAS_WD=consts["HAS_WD"], LUT_FAST=consts["LUT_FAST"],
-            IS_BF16=param.dtype == torch.bfloat16, R=R, SP=SP, num_warps=_WARPS, enable_fp_fusion=False, **multi_launch_options())
+            IS_BF16=param.dtype == torch.bfloat16, R=R, SP=SP, num_warps=_WARPS, enable_fp_fusion=False,
+            **multi_launch_options())
     for t in (param,) if apply else (param, idx):
         torch.autograd.graph.increment_version(t)
 

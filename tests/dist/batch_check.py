@@ -47,8 +47,8 @@ def model(case):
 def optimizers(case, a, b):
     kw = dict(lr=1e-3, weight_decay=0.1)
     if case == "span":
-        ga = [{"params": [a[0].weight], "narrow_rows": "span"}, {"params": [p for p in a.parameters() if p is not a[0].weight]}]
-        gb = [{"params": [b[0].weight], "narrow_rows": "span"}, {"params": [p for p in b.parameters() if p is not b[0].weight]}]
+        ga, gb = ([{"params": [m[0].weight], "narrow_rows": "span"},
+                   {"params": [p for p in m.parameters() if p is not m[0].weight]}] for m in (a, b))
         oa, ob = Gefen(ga, small_threshold=2048, **kw), Gefen(gb, small_threshold=2048, **kw)
     else:
         oa, ob = Gefen(a.named_parameters(), **kw), Gefen(b.named_parameters(), **kw)
