@@ -447,6 +447,58 @@ def test_optimizer_span_tensors_through_interpreter_equal_the_eager_path(monkeyp
 
 
 @interp
+def test_zerogefen_on_the_triton_path_equals_gefen(monkeypatch):
+    """ZeroGefen with the Triton kernels (CUDA's implementation, through the interpreter): the owners'
+    state-only updates and the appliers of kernels/triton_state.py give single-process Gefen's Triton
+    parameters and state bitwise after 4 steps, for a factored group (row blocks: a (128, 64) weight
+    of two 64-row blocks; a bfloat16 (512, 8) tensor that travels dense), a shared group, a span group
+    and exact tensors."""
+    from torch import nn
+
+    from gefen_dist import Gefen, ZeroGefen
+    from gefen_dist.kernels import dispatch
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.ModuleDict(dict(a=nn.Linear(64, 128), b=nn.Linear(128, 96), e=nn.Linear(96, 16)))
+        m.c = nn.Parameter((torch.randn(512, 8) * 0.05).to(torch.bfloat16))
+        m.s = nn.Parameter(torch.randn(3000, 4) * 0.05)
+        return m
+
+    def groups(m):
+        return [{"params": [m.a.weight, m.c], "second_moment": "factored"},
+                {"params": [m.b.weight], "weight_decay": 0.0, "second_moment": "shared"},
+                {"params": [m.s], "narrow_rows": "span"},
+                {"params": [m.a.bias, m.b.bias, m.e.weight, m.e.bias]}]
+
+    def loss(m, x, w):
+        h = torch.tanh(m.a(x))
+        out = m.e(torch.tanh(m.b(h))) + h.repeat(1, 4) @ m.c.float()[:, :1]
+        return ((out - torch.tanh(x @ w)) ** 2).mean() + (m.s[torch.arange(0, 3000, 7)] ** 2).sum() * 1e-3
+
+    a, b = build(), build()
+    oa = Gefen(groups(a), lr=1e-2, weight_decay=0.1)
+    ob = ZeroGefen(groups(b), lr=1e-2, weight_decay=0.1)
+    for o in (oa, ob):
+        monkeypatch.setattr(o, "_impl", lambda t, p=None, group=None: dispatch._triton())
+    monkeypatch.setattr(oa, "_foreach_exact", lambda p, group=None: "exp_avg" in oa.state.get(p, {}))
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 16, generator=g)
+    for _ in range(4):
+        x = torch.randn(32, 64, generator=g)
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            loss(m, x, w).backward()
+            o.step()
+    assert ob._mode(b.s) == "span" and ob._mode(b.b.weight) == "shared" and ob._mode(b.a.weight) == "factored"
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+        for k, v in oa.state[p].items():
+            if isinstance(v, torch.Tensor) and k in ob.state[q]:  # ZeroGefen keeps flat slices
+                assert torch.equal(v.reshape(-1), ob.state[q][k].reshape(-1)), (name, k)
+
+
+@interp
 def test_column_sums_match_block_column_sumsq():
     """The two-launch column sums (chunks of rows, fixed order) against the eager per-block sums,
     for pieces that cut row blocks, both dtypes and a tensor with more rows than chunks."""

@@ -326,16 +326,3 @@ def test_zero_distributed(tmp_path):
     out3 = _run_torchrun(CHECK, 3, "--phase", 3, "--ckpt", tmp_path, timeout=150)
     assert "ZERO_CHECK_OK phase=3" in out3, out3[-4000:]
 
-
-def test_cuda_tensors_take_the_eager_path_with_one_warning(caplog):
-    """ZeroGefen needs state-only updates and appliers, which the Triton kernels lack: CUDA tensors
-    step with the eager reference, said once (a WARNING naming what to use instead)."""
-    import types
-
-    opt = ZeroGefen([torch.nn.Parameter(torch.randn(64, 128))], lr=1e-3)
-    fake_cuda = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
-    with caplog.at_level("WARNING", logger="gefen_dist.zero.step"):
-        impls = [opt._impl(fake_cuda) for _ in range(3)]
-    assert all(i.name == "eager" for i in impls)
-    said = [r.getMessage() for r in caplog.records if "ZeroGefen: CUDA parameters" in r.getMessage()]
-    assert len(said) == 1 and "Gefen with DDP or FSDP2" in said[0], said

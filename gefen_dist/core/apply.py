@@ -21,12 +21,13 @@ from .step import _EAGER_CHUNK_ELEMS, apply_, column_factors, ema_, inv_rms_, ro
 __all__ = ["apply_compressed", "apply_factored", "update_v_col"]
 
 
-def update_v_col(st: dict, col_mean_sq: torch.Tensor, hp: dict) -> torch.Tensor:
+def update_v_col(st: dict, col_mean_sq: torch.Tensor, hp: dict, factors=column_factors) -> torch.Tensor:
     """``v_col`` <- EMA (every rank, identically); returns the column factor
-    ``sqrt(v_col / mean(v_col))`` exactly as :func:`quantized_step_factored_eager_` does."""
+    ``sqrt(v_col / mean(v_col))`` by ``factors`` (default: exactly as
+    :func:`quantized_step_factored_eager_` does; an implementation's own, for its appliers)."""
     v_col = st["v_col"]
     ema_(v_col, col_mean_sq.view_as(v_col), hp["beta2"])
-    return column_factors(v_col)
+    return factors(v_col)
 
 
 def apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: torch.Tensor,

@@ -25,6 +25,7 @@ from ..core import codebook as _codebook
 from ..core import periods as _periods
 from ..core import span as _span
 from ..core.quant import NUM_BINS, block_histogram_eager, nearest_codeword
+from ..core.step import column_factors as _column_factors
 from . import cpu as _cpu
 
 logger = logging.getLogger(__name__)
@@ -149,9 +150,9 @@ class StepImpl:
     the contracts of :func:`gefen_dist.core.span.span_statistics` / :func:`~gefen_dist.core.span.span_update_`,
     and ``span_apply_indices_`` the second phase's parameter update from given indices (ZeroGefen's
     other ranks; :func:`~gefen_dist.core.span.span_apply_indices_`).
-    An implementation without state functions (Triton) has no appliers either and is not used by
-    owners: they fall back to the eager reference, and so do their appliers (Triton has the span
-    phases, which need none)."""
+    ``column_factors``: ``sqrt(v_col / mean(v_col))`` as this implementation's factored step computes
+    it (what its ``apply_factored_`` must be given). Every implementation has them all (the Triton
+    ones: :mod:`.triton_state`)."""
 
     name: str
     quantized_step_: Callable
@@ -164,6 +165,7 @@ class StepImpl:
     span_statistics: Callable = _span.span_statistics  # D16's two phases (the reference's contracts)
     span_update_: Callable = _span.span_update_
     span_apply_indices_: Callable = _span.span_apply_indices_  # the second phase's update from given indices
+    column_factors: Callable = _column_factors  # sqrt(v_col / mean(v_col)) as this implementation's appliers read it
     grad_in_param_dtype: bool = True  # the kernels read g in the parameter's dtype; the reference any dtype
 
     def grad_for(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -196,11 +198,13 @@ def _native_cpu() -> StepImpl:
 def _triton() -> StepImpl:
     from ..core.step import column_sumsq
     from . import triton_span as span
+    from . import triton_state as zs
     from . import triton_step as tri
 
     return StepImpl("triton", tri.quantized_step_, tri.quantized_step_factored_, column_sumsq,
+                    zs.quantized_state_, zs.factored_state_, zs.apply_compressed_, zs.apply_factored_,
                     span_statistics=span.span_statistics, span_update_=span.span_update_,
-                    span_apply_indices_=span.span_apply_indices_)
+                    span_apply_indices_=span.span_apply_indices_, column_factors=zs.column_factors)
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -237,15 +241,13 @@ def native_cpu_usable(t: torch.Tensor) -> bool:
     return _cpu.available()
 
 
-def select(t: torch.Tensor, fused: Optional[bool] = None, need_state: bool = False) -> StepImpl:
+def select(t: torch.Tensor, fused: Optional[bool] = None) -> StepImpl:
     """The implementation that steps tensor ``t``: with ``fused`` not False, the native CPU kernel
     for CPU float32/bfloat16 tensors or the Triton kernels for CUDA ones when they are usable; the
-    eager reference otherwise (any device and dtype). ``need_state``: only an implementation with
-    state-only functions and appliers (what ZeRO-1's owners and replicas need: the native CPU kernel
-    or the reference)."""
+    eager reference otherwise (any device and dtype)."""
     if fused is not False:
         if native_cpu_usable(t):
             return _native_cpu()
-        if not need_state and triton_usable(t):
+        if triton_usable(t):
             return _triton()
     return _eager()

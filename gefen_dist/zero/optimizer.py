@@ -40,7 +40,9 @@ same ``fused`` setting bitwise: with ``fused=False`` the owner replays the eager
 operations; with the native kernel (``fused=None`` on CPU) the owner updates its state with the
 kernel (on a scratch copy of its parameter slice) and computes ``sigma`` with the kernel's float32
 operations and a correctly rounded sqrt, so the applied update is the kernel's (the same holds
-for the factored second moment). The appliers live in :mod:`gefen_dist.core.apply`.
+for the factored second moment); on CUDA the Triton step's (:mod:`gefen_dist.kernels.triton_state`)
+likewise. The reference appliers live in :mod:`gefen_dist.core.apply`, each implementation's in
+its :class:`~gefen_dist.kernels.dispatch.StepImpl`.
 
 The partition balances the ranks' *state bytes* and cuts a tensor only at its blocks: a quantized
 tensor's unit is its scale block ``B`` (``P``, or the row-aligned absmax block when ``P == 1``;

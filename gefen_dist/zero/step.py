@@ -2,7 +2,6 @@
 :class:`gefen_dist.zero.optimizer.ZeroGefen`, which holds the partition part and the state."""
 from __future__ import annotations
 
-import logging
 from typing import List, Optional, Tuple
 
 import torch
@@ -17,8 +16,6 @@ from ..engine.state import MODE_EXACT, step_of
 from ..engine.state import MODE_SPAN as _STATE_SPAN
 from .partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, MODE_SPAN, factored_wire_compressed,
                         step_wire_bytes)
-
-logger = logging.getLogger(__name__)
 
 _STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")  # what a state-only update needs of the hyperparameters
 
@@ -36,15 +33,10 @@ class ZeroStepMixin:
 
     def _impl(self, t: torch.Tensor, p: Optional[torch.Tensor] = None,
               group: Optional[dict] = None) -> _dispatch.StepImpl:
-        """Owners and appliers use one implementation with state-only functions and appliers (the
-        native CPU kernel or the eager reference; see :func:`gefen_dist.kernels.dispatch.select`).
-        CUDA tensors therefore take the eager reference: said once, with what to use instead."""
-        if t.device.type == "cuda" and self.fused is not False and not self.__dict__.get("_warned_cuda"):
-            self._warned_cuda = True
-            logger.warning("ZeroGefen: CUDA parameters step with the eager torch operations (the Triton kernels "
-                           "have no state-only updates or appliers), tens of times slower per step than "
-                           "gefen_dist.Gefen on the same GPU (docs/zero.md); on GPUs use Gefen with DDP or FSDP2.")
-        return _dispatch.select(t, self.fused, need_state=True)
+        """Owners and appliers use one implementation, its state-only functions and appliers (the
+        native CPU kernel, the Triton kernels or the eager reference; see
+        :func:`gefen_dist.kernels.dispatch.select`)."""
+        return _dispatch.select(t, self.fused)
 
 
     # A tensor kept per block of rows is cut at rows like a factored one; its block state (scale,
@@ -98,7 +90,7 @@ class ZeroStepMixin:
         parts = self._owner_parts(items, col)
         # every rank: the replicated column factor (v_col <- EMA, then sqrt(v_col / mean(v_col))),
         # after the owners' dense steps, which update a copy of the old v_col themselves
-        col_f = {id(p): update_v_col(st, col[p], hp) for p, st, hp, mode in items
+        col_f = {id(p): update_v_col(st, col[p], hp, self._impl(p).column_factors) for p, st, hp, mode in items
                  if self._is_factored(p) and mode != MODE_LOCAL}
         dev = items[0][0].device if items else torch.device("cpu")
         self._apply_all(items, self._exchange(parts, sizes, None, dev), col_f)

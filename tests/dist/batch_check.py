@@ -11,7 +11,9 @@ against Gefen on the per-tensor path (both on the Triton kernels, the same colle
 * ``noncontig``: a non-contiguous quantized parameter: with several ranks the whole step goes to
   the per-tensor path (one WARNING naming it), bitwise as above;
 * ``nan``: a NaN in one batched gradient on rank 1 only: every rank raises naming the tensor and
-  nothing changes on any rank.
+  nothing changes on any rank;
+* ``zero``: ZeroGefen on the Triton path (owners' state-only updates, appliers) against a one-rank
+  Gefen on the same path: bitwise, replicas identical.
 
 Prints ``OK <case>`` per case and ``ALL OK batch_check ws=N``.
 """
@@ -29,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _teardown import leave  # noqa: E402
-from gefen_dist import Gefen  # noqa: E402
+from gefen_dist import Gefen, ZeroGefen  # noqa: E402
 from gefen_dist.engine import cuda_batch  # noqa: E402
 from gefen_dist.kernels import dispatch  # noqa: E402
 
@@ -66,6 +68,16 @@ def grads(m, step):
     ((m(x) - y) ** 2).mean().backward()
 
 
+def train_both(a, b, oa, ob, steps=4):
+    """``steps`` steps of both copies on ``a``'s gradients."""
+    for step in range(steps):
+        grads(a, step)
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.grad = p.grad.clone()
+        oa.step()
+        ob.step()
+
+
 def digest(m, o):
     h = hashlib.sha256()
     for p in m.parameters():
@@ -100,12 +112,7 @@ def main():
         handler = logging.Handler()
         handler.emit = records.append
         logging.getLogger("gefen_dist.engine.cuda_batch").addHandler(handler)
-        for step in range(4):
-            grads(a, step)
-            for p, q in zip(a.parameters(), b.parameters()):
-                q.grad = p.grad.clone()
-            oa.step()
-            ob.step()
+        train_both(a, b, oa, ob)
         logging.getLogger("gefen_dist.engine.cuda_batch").removeHandler(handler)
         da, db = digest(a, oa), digest(b, ob)
         assert da == db, f"{case}: batch != per-tensor on rank {rank}"
@@ -132,6 +139,24 @@ def main():
                 raise AssertionError(f"rank {rank}: no error for a NaN on rank 1")
             assert digest(b, ob) == before, f"rank {rank}: a refused step changed something"
             say(f"OK nan rank {rank}: every rank raised, nothing changed")
+    # ZeroGefen on the Triton path (its owners' state-only updates and appliers,
+    # kernels/triton_state.py): the ranks own cut ranges; bitwise a one-rank Gefen on the same path
+    solo = [dist.new_group([r]) for r in range(ws)][rank]
+
+    a = model("plain")
+    b = copy.deepcopy(a)
+    oa = Gefen(a.named_parameters(), lr=1e-3, weight_decay=0.1, process_group=solo)
+    ob = ZeroGefen(b.named_parameters(), lr=1e-3, weight_decay=0.1)
+    for o in (oa, ob):
+        o._impl = lambda t, p=None, group=None: dispatch._triton()
+    oa._foreach_exact = lambda p, group=None: "exp_avg" in oa.state.get(p, {})
+    oa._batched_step = lambda entries: False
+    train_both(a, b, oa, ob)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())), f"zero: rank {rank}"
+    params = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in b.parameters())).hexdigest()
+    assert same_everywhere(params), "zero: replicas differ"  # (each rank holds its own slices of the state)
+    cut = [ob.owned_range(p) for p in b.parameters()]
+    say(f"OK zero rank {rank}: ZeroGefen on the Triton path bitwise Gefen's, replicas identical (owned {cut})")
     dist.barrier()
     if rank == 0:
         say(f"ALL OK batch_check ws={ws}")

@@ -1,0 +1,111 @@
+"""ZeRO-1's halves of the Triton step (ZeroGefen on CUDA): the owners' state updates and every rank's
+appliers, with the contracts of :class:`gefen_dist.kernels.dispatch.StepImpl` (``quantized_state_``,
+``factored_state_``, ``apply_compressed_``, ``apply_factored_``, ``column_factors``).
+
+An owner runs the Triton step itself on a scratch parameter with ``lr = wd = 0`` (the state, ``idx``,
+``scale``, ``v``/``v_row``, never depends on the parameter, the learning rate or the column
+profile), and hands on what the kernel's parameter update reads: ``sigma`` per block (computed here
+with the kernel's float32 operations) or a correctly rounded ``sqrt(v_row)``. The appliers replay the
+kernel's update with torch operations in its order (``u = (C[idx] M) sigma``, the bound, ``* lr``,
+``p decay - u``; per element for the factored mode ``sigma = (1/bc1) / ((sqrt(v_row) (1/sqrt(bc2)))
+col_f + eps)``). Every division is a tensor by a tensor (torch's CUDA division by a scalar multiplies
+by its reciprocal, and ``scalar / tensor`` is ``reciprocal * scalar``), so the results are the
+kernel's bits: ZeroGefen's replicas equal single-process ``Gefen`` on the Triton path bitwise
+(``tests/test_triton_step.py``, through the interpreter). The column factors come from the kernels'
+own launch (:class:`~gefen_dist.kernels.triton_multi.ColumnFactors`), whose mean is summed in its
+order.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..core.apply import apply_compressed as _apply_compressed_eager
+from ..core.step import _EAGER_CHUNK_ELEMS, apply_, row_factors
+from .triton_multi import ColumnFactors
+from .triton_step import quantized_step_, quantized_step_factored_
+
+__all__ = ["quantized_state_", "factored_state_", "apply_compressed_", "apply_factored_", "column_factors"]
+
+_SCRATCH_ELEMS = 1 << 24  # parameter scratch of a state-only call (chunks of whole blocks)
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def _sqrt_rn(t: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root (the kernel's ``sqrt_rn``): through float64, whose
+    sqrt rounded once more to float32 is exact (torch's float32 sqrt on CPU can be an ulp off)."""
+    return t.double().sqrt().float()
+
+
+def _div(a: float, t: torch.Tensor) -> torch.Tensor:
+    """``a / t`` correctly rounded per element (a tensor division, not ``reciprocal(t) * a``)."""
+    return torch.full_like(t, a) / t
+
+
+def quantized_state_(grad, idx, scale, v, codebook, *, beta1, beta2, eps, bc1, bc2, period,
+                     scale_block) -> torch.Tensor:
+    """The Triton step's state update (``v``, ``idx``, ``scale`` in place, bitwise the full step's)
+    without the parameter update, ``period == scale_block``; returns ``sigma`` per block as the kernel
+    computes it: ``(1 / (sqrt(v) / sqrt(bc2) + eps)) * (1 / bc1)`` in float32."""
+    P, n = int(period), idx.numel()
+    chunk = max(P, (_SCRATCH_ELEMS // P) * P)
+    scratch = torch.zeros(min(n, chunk), dtype=grad.dtype, device=grad.device)
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        quantized_step_(scratch[:c1 - c0], grad[c0:c1], idx[c0:c1], scale[c0 // P:c1 // P], v[c0 // P:c1 // P],
+                        codebook, lr=0.0, beta1=beta1, beta2=beta2, eps=eps, weight_decay=0.0, bc1=bc1, bc2=bc2,
+                        period=P, scale_block=scale_block)
+    sb = _sqrt_rn(v) / torch.full_like(v, _f32(math.sqrt(bc2))) + _f32(eps)
+    return _div(1.0, sb) * _f32(1.0 / bc1)
+
+
+def factored_state_(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, eps, bc1, bc2,
+                    scale_block) -> torch.Tensor:
+    """The Triton factored step's row-local state update (``v_row``, ``idx``, ``scale`` in place)
+    without the column factor and the parameter update; returns ``sqrt(v_row)`` correctly rounded
+    (the kernel's ``sqrt_rn``). Run against a zero column profile with ``lr = wd = 0``."""
+    zeros = torch.zeros(slab, dtype=torch.float32, device=grad.device)
+    quantized_step_factored_(torch.zeros(idx.numel(), dtype=grad.dtype, device=grad.device), grad, idx, scale,
+                             v_row, zeros.clone(), codebook, zeros, lr=0.0, beta1=beta1, beta2=beta2, eps=eps,
+                             weight_decay=0.0, bc1=bc1, bc2=bc2, scale_block=scale_block)
+    return _sqrt_rn(v_row.reshape(-1))
+
+
+def apply_compressed_(pf, idx, M, sigma, cb, P: int, hp: dict) -> None:
+    """The parameter update of the Triton step (``period == scale_block == P``) from its results: the
+    kernel's order is the eager step's (``u = (C[idx] M) sigma``, bound, ``* lr``, ``p decay - u``),
+    so :func:`gefen_dist.core.apply.apply_compressed` with :func:`quantized_state_`'s ``sigma``."""
+    _apply_compressed_eager(pf, idx, M, sigma, cb, P, hp)
+
+
+def apply_factored_(pf, idx, M, rsq, col_f, cb, B: int, slab: int, hp: dict, row0: int = 0,
+                    row_block: int = 0) -> None:
+    """The parameter update of the Triton factored step from its results (the new ``idx`` and scales
+    ``M`` per ``B`` elements, ``rsq = sqrt(v_row)`` per row of ``slab`` elements, the column factors
+    ``col_f`` of :func:`column_factors`), in the kernel's float32 operations and order."""
+    n = pf.numel()
+    lr, wd = hp["lr"], hp["weight_decay"]
+    sqrt_bc2 = _f32(math.sqrt(hp["bc2"]))
+    isb = float(np.float32(1.0) / np.float32(sqrt_bc2))  # the kernel's div_rn(1, sqrt(bc2))
+    eps, inv_bc1 = _f32(hp["eps"]), _f32(1.0 / hp["bc1"])
+    rows = n // slab
+    rows_per = max(1, _EAGER_CHUNK_ELEMS // slab)
+    for r0 in range(0, rows, rows_per):
+        r1 = min(rows, r0 + rows_per)
+        q = cb.index_select(0, idx[r0 * slab:r1 * slab].int()).view(-1, B)
+        a = M[r0 * slab // B:r1 * slab // B].view(-1, 1)
+        cf = row_factors(col_f, row0, r0, r1, row_block)
+        sigma = _div(inv_bc1, (rsq[r0:r1].unsqueeze(1) * isb) * cf + eps)
+        apply_(pf[r0 * slab:r1 * slab].view(r1 - r0, slab), (q * a).view(r1 - r0, slab), sigma, lr, wd,
+               hp.get("bound"))
+
+
+def column_factors(v_col: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v_col / mean(v_col))`` per row block, by the launch the Triton step uses
+    (:class:`~gefen_dist.kernels.triton_multi.ColumnFactors`), so an applier reads the step's bits."""
+    return ColumnFactors([v_col], v_col.device).run()[0].view_as(v_col)
