@@ -1065,3 +1065,34 @@ def test_cuda_span_phases_match_the_reference(shape, start, n, dtype):
     assert (a["idx"] != b["idx"]).float().mean().item() <= 1e-4
     torch.testing.assert_close(b["p"].float(), a["p"].float(), rtol=0,
                                atol=(1e-6 if dtype == torch.float32 else 1e-2) * a["p"].float().abs().max().item())
+
+
+@pytest.mark.skipif(_CHILD or not torch.cuda.is_available() or not triton_step.available("cuda"),
+                    reason="needs CUDA (compiled kernel)")
+def test_cuda_zerogefen_equals_gefen_per_tensor():
+    """ZeroGefen on CUDA (one process: the owner's state-only Triton step and the torch-operation
+    appliers of kernels/triton_state.py) against Gefen's per-tensor Triton path on the same CUDA
+    tensors and gradients, 4 steps: parameters bitwise (the appliers replay the kernel's float32
+    operations; a mismatch names the tensor and how many elements differ)."""
+    from torch import nn
+
+    from gefen_dist import Gefen, ZeroGefen
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 512), nn.GELU(),
+                             nn.Linear(512, 8)).cuda()
+
+    a, b = build(), build()
+    oa = Gefen(a.named_parameters(), lr=1e-2, weight_decay=0.1)
+    oa._batched_step = lambda entries: False  # the per-tensor path (the batch sums columns in its own order)
+    ob = ZeroGefen(b.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(32, 64, device="cuda", generator=g), torch.randn(32, 8, device="cuda", generator=g)
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), (name, int((p != q).sum()), p.numel())
