@@ -10,7 +10,9 @@ Needs a CUDA GPU and triton (exits with a message otherwise).
 
 **Optimizer classes** (first, the numbers a user sees): ``Gefen(params).step()`` with its
 defaults (factored second moment with row blocks, the multi-tensor CUDA plan of
-``gefen_dist/engine/cuda_batch.py``), ``second_moment="shared"``, the default with the plan disabled
+``gefen_dist/engine/cuda_batch.py``), the default with ``nonfinite="ignore"`` (no non-finite check:
+the batch's host synchronisation for the check's verdict is not taken), ``second_moment="shared"``,
+the default with the plan disabled
 (``gefen_default_per_tensor``: one Triton launch per tensor), the eager path (``fused=False``),
 and ``torch.optim.AdamW(fused=True)``, over every tensor of GPT-2 small (124,439,808
 parameters) and XL (1,557,611,200), the same parameters and random gradients for each. Per
@@ -309,6 +311,8 @@ OPTIMIZERS = (
     # "_per_tensor": the multi-tensor plan (gefen_dist/engine/cuda_batch.py) disabled, one launch per tensor
     ("torch_adamw_fused", None, None),
     ("gefen_default", {}, None),
+    # no non-finite check: the batch's one host synchronisation (the check's verdict) is not taken
+    ("gefen_default_nonfinite_ignore", dict(nonfinite="ignore"), None),
     ("gefen_shared", dict(second_moment="shared"), None),
     ("gefen_default_per_tensor", {}, None),
     ("gefen_default_eager", dict(fused=False), 5),
