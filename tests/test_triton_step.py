@@ -452,7 +452,7 @@ def test_zerogefen_on_the_triton_path_equals_gefen(monkeypatch):
     state-only updates and the appliers of kernels/triton_state.py give single-process Gefen's Triton
     parameters and state bitwise after 4 steps, for a factored group (row blocks: a (128, 64) weight
     of two 64-row blocks; a bfloat16 (512, 8) tensor that travels dense), a shared group, a span group
-    and exact tensors."""
+    and exact tensors; the state-only steps in chunks of a few rows or blocks."""
     from torch import nn
 
     from gefen_dist import Gefen, ZeroGefen
@@ -476,6 +476,9 @@ def test_zerogefen_on_the_triton_path_equals_gefen(monkeypatch):
         out = m.e(torch.tanh(m.b(h))) + h.repeat(1, 4) @ m.c.float()[:, :1]
         return ((out - torch.tanh(x @ w)) ** 2).mean() + (m.s[torch.arange(0, 3000, 7)] ** 2).sum() * 1e-3
 
+    from gefen_dist.kernels import triton_state
+
+    monkeypatch.setattr(triton_state, "_SCRATCH_ELEMS", 300)  # the owners' state-only steps in chunks of rows
     a, b = build(), build()
     oa = Gefen(groups(a), lr=1e-2, weight_decay=0.1)
     ob = ZeroGefen(groups(b), lr=1e-2, weight_decay=0.1)

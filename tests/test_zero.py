@@ -326,3 +326,20 @@ def test_zero_distributed(tmp_path):
     out3 = _run_torchrun(CHECK, 3, "--phase", 3, "--ckpt", tmp_path, timeout=150)
     assert "ZERO_CHECK_OK phase=3" in out3, out3[-4000:]
 
+
+
+def test_owner_state_in_small_chunks_equals_gefen(monkeypatch):
+    """The owners' state-only updates run the native kernel chunk by chunk of whole blocks or rows
+    (kernels/state_only.py; the scratch parameter no longer spans the owner's range): with chunks of a
+    few rows the run is still bitwise single-process Gefen (factored and shared groups)."""
+    from gefen_dist.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("the native CPU library is not built here")
+    monkeypatch.setattr(cpu, "_SCRATCH_ELEMS", 200)  # rows of 64: 3 rows a chunk; blocks of P: one a chunk
+    a, b = _Mixed(), _Mixed()
+    oa = Gefen(_mixed_groups(a), lr=1e-2, weight_decay=0.1)
+    ob = ZeroGefen(_mixed_groups(b), lr=1e-2, weight_decay=0.1)
+    _train(a, oa, 3)
+    _train(b, ob, 3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

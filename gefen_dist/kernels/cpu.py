@@ -123,6 +123,7 @@ from gefen_dist.core.quant import NUM_CODEWORDS
 from gefen_dist.core.step import column_factors
 from gefen_dist.kernels import native
 from gefen_dist.kernels.cpu_tables import CodebookTable, codebook_table  # the kernel's table (re-exported)
+from gefen_dist.kernels.state_only import factored_state_only_, state_only_
 
 logger = logging.getLogger(__name__)
 
@@ -587,14 +588,8 @@ def quantized_state_(grad, idx, scale, v, codebook, *, beta1, beta2, eps, bc1, b
     a float64 sqrt rounded once to float32), so an update applied with :func:`apply_compressed_`
     is the kernel's, bitwise.
     The kernel runs with ``lr = wd = 0`` on a scratch parameter of ``grad``'s dtype."""
-    P, n = period, idx.numel()
-    chunk = max(P, (_SCRATCH_ELEMS // P) * P)
-    scratch = torch.zeros(min(n, chunk), dtype=grad.dtype)
-    for c0 in range(0, n, chunk):
-        c1 = min(n, c0 + chunk)
-        quantized_step_(scratch[:c1 - c0], grad[c0:c1], idx[c0:c1], scale[c0 // P:c1 // P], v[c0 // P:c1 // P],
-                        codebook, lr=0.0, beta1=beta1, beta2=beta2, eps=eps, weight_decay=0.0, bc1=bc1, bc2=bc2,
-                        period=P, scale_block=scale_block)
+    state_only_(quantized_step_, grad, idx, scale, v, codebook, period=period, scale_block=scale_block,
+                hp=dict(beta1=beta1, beta2=beta2, eps=eps, bc1=bc1, bc2=bc2), max_elems=_SCRATCH_ELEMS)
     sigma = v.double().sqrt().float().div_(math.sqrt(bc2)).add_(eps).reciprocal_()
     return sigma.mul_(1.0 / bc1)
 
@@ -606,11 +601,10 @@ def factored_state_(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, ep
     returns ``sqrt(v_row)`` correctly rounded, as the kernel's ``sqrtf`` (what :func:`apply_factored_`
     reads). The state never depends
     on ``v_col``, so the kernel runs against a zero column profile, with ``lr = wd = 0``, on a
-    scratch parameter of ``grad``'s dtype."""
-    zeros = torch.zeros(slab, dtype=torch.float32)
-    quantized_step_factored_(torch.zeros(idx.numel(), dtype=grad.dtype), grad, idx, scale, v_row, zeros.clone(),
-                             codebook, zeros, lr=0.0, beta1=beta1, beta2=beta2, eps=eps, weight_decay=0.0,
-                             bc1=bc1, bc2=bc2, scale_block=scale_block)
+    scratch parameter of ``grad``'s dtype, chunk by chunk of rows (:mod:`.state_only`)."""
+    factored_state_only_(quantized_step_factored_, grad, idx, scale, v_row, codebook, slab=slab,
+                         scale_block=scale_block, hp=dict(beta1=beta1, beta2=beta2, eps=eps, bc1=bc1, bc2=bc2),
+                         max_elems=_SCRATCH_ELEMS)
     return v_row.reshape(-1).double().sqrt().float()
 
 

@@ -25,6 +25,7 @@ import torch
 from ..core.apply import apply_compressed as _apply_compressed_eager
 from ..core.step import _EAGER_CHUNK_ELEMS, apply_, row_factors
 from .triton_multi import ColumnFactors
+from .state_only import factored_state_only_, state_only_
 from .triton_step import quantized_step_, quantized_step_factored_
 
 __all__ = ["quantized_state_", "factored_state_", "apply_compressed_", "apply_factored_", "column_factors"]
@@ -52,14 +53,8 @@ def quantized_state_(grad, idx, scale, v, codebook, *, beta1, beta2, eps, bc1, b
     """The Triton step's state update (``v``, ``idx``, ``scale`` in place, bitwise the full step's)
     without the parameter update, ``period == scale_block``; returns ``sigma`` per block as the kernel
     computes it: ``(1 / (sqrt(v) / sqrt(bc2) + eps)) * (1 / bc1)`` in float32."""
-    P, n = int(period), idx.numel()
-    chunk = max(P, (_SCRATCH_ELEMS // P) * P)
-    scratch = torch.zeros(min(n, chunk), dtype=grad.dtype, device=grad.device)
-    for c0 in range(0, n, chunk):
-        c1 = min(n, c0 + chunk)
-        quantized_step_(scratch[:c1 - c0], grad[c0:c1], idx[c0:c1], scale[c0 // P:c1 // P], v[c0 // P:c1 // P],
-                        codebook, lr=0.0, beta1=beta1, beta2=beta2, eps=eps, weight_decay=0.0, bc1=bc1, bc2=bc2,
-                        period=P, scale_block=scale_block)
+    state_only_(quantized_step_, grad, idx, scale, v, codebook, period=period, scale_block=scale_block,
+                hp=dict(beta1=beta1, beta2=beta2, eps=eps, bc1=bc1, bc2=bc2), max_elems=_SCRATCH_ELEMS)
     sb = _sqrt_rn(v) / torch.full_like(v, _f32(math.sqrt(bc2))) + _f32(eps)
     return _div(1.0, sb) * _f32(1.0 / bc1)
 
@@ -68,11 +63,11 @@ def factored_state_(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, ep
                     scale_block) -> torch.Tensor:
     """The Triton factored step's row-local state update (``v_row``, ``idx``, ``scale`` in place)
     without the column factor and the parameter update; returns ``sqrt(v_row)`` correctly rounded
-    (the kernel's ``sqrt_rn``). Run against a zero column profile with ``lr = wd = 0``."""
-    zeros = torch.zeros(slab, dtype=torch.float32, device=grad.device)
-    quantized_step_factored_(torch.zeros(idx.numel(), dtype=grad.dtype, device=grad.device), grad, idx, scale,
-                             v_row, zeros.clone(), codebook, zeros, lr=0.0, beta1=beta1, beta2=beta2, eps=eps,
-                             weight_decay=0.0, bc1=bc1, bc2=bc2, scale_block=scale_block)
+    (the kernel's ``sqrt_rn``). Run against a zero column profile with ``lr = wd = 0``, chunk by chunk
+    of rows (:mod:`.state_only`)."""
+    factored_state_only_(quantized_step_factored_, grad, idx, scale, v_row, codebook, slab=slab,
+                         scale_block=scale_block, hp=dict(beta1=beta1, beta2=beta2, eps=eps, bc1=bc1, bc2=bc2),
+                         max_elems=_SCRATCH_ELEMS)
     return _sqrt_rn(v_row.reshape(-1))
 
 
