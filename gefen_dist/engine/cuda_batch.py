@@ -57,17 +57,21 @@ def _key(opt, entries) -> tuple:
     return tuple((id(p), local_tensor(p).data_ptr(), id(state.get(p))) for _, p in entries)
 
 
+def _once(opt, attr: str, why: str) -> bool:
+    """True the first time this optimizer meets reason ``why`` under ``attr`` (its set of reasons)."""
+    seen = opt.__dict__.setdefault(attr, set())
+    if why in seen:
+        return False
+    seen.add(why)
+    return True
+
+
 def _fallback(opt, why: str) -> None:
     """Log, once per optimizer and reason, why the multi-tensor step is not taken (nothing for the
     expected cases: ``why`` empty)."""
-    if not why:
-        return
-    seen = opt.__dict__.setdefault("_cuda_fallbacks", set())
-    if why in seen:
-        return
-    seen.add(why)
-    logger.warning("Gefen: the multi-tensor CUDA step is not used: %s. Every tensor is stepped on its own "
-                   "instead (same results, several times slower on a GPU); logged once per reason.", why)
+    if why and _once(opt, "_cuda_fallbacks", why):
+        logger.warning("Gefen: the multi-tensor CUDA step is not used: %s. Every tensor is stepped on its own "
+                       "instead (same results, several times slower on a GPU); logged once per reason.", why)
 
 
 class CudaBatch:
@@ -215,21 +219,24 @@ class CudaBatch:
         if len(by_dev) > 1 and not single:
             return None, [], (f"parameters on {', '.join(map(str, by_dev))} in a job of several ranks (one batch per "
                               "device in a single process only)")
-        seen = opt.__dict__.setdefault("_cuda_beside", set())
         for why in reasons:
-            if why not in seen:
-                seen.add(why)
+            if _once(opt, "_cuda_beside", why):
                 logger.info("Gefen: a tensor is stepped on its own beside the multi-tensor CUDA step: %s (the other "
                             "tensors stay batched); logged once per reason.", why)
         return list(by_dev.items()), beside, ""
 
     @classmethod
     def plan(cls, opt, entries) -> Optional[Tuple[list, list]]:
-        """``(batches, beside)`` for this step's ``entries`` (:meth:`split`; each device's batch
-        cached while its tensors and their state stay the same), or None when the per-tensor path
-        must take the step."""
+        """``(batches, beside)`` for this step's ``entries`` (:meth:`split`; the last plan, and each
+        device's batch, reused while the tensors, their storage and their state dicts stay the same, so
+        a step does not re-examine every tensor), or None when the per-tensor path must take the step."""
         if (opt.fused is False or not entries or any(g.get("fused") is False for g in opt.param_groups)):
             return None
+        key = _key(opt, entries)
+        last = opt.__dict__.get("_cuda_plan")
+        if last is not None and last[0] == key:
+            return last[1]
+        opt._cuda_plan = None
         groups, beside, why = cls.split(opt, entries)
         if groups is None:
             opt._cuda_batch, opt._cuda_batches = None, []
@@ -251,26 +258,18 @@ class CudaBatch:
             batches.append(batch)
         opt._cuda_batches = batches
         opt._cuda_batch = batches[0]  # the (first) device's batch: what tests and benchmarks read
+        opt._cuda_plan = (key, (batches, beside))
         return batches, beside
 
     # ------------------------------------------------------------------ stepping
-    def step(self, opt) -> bool:
-        """One optimizer step (or a skipped one, for ``nonfinite="skip"``); False, with nothing
-        changed and no collective entered, when the per-tensor path must take it (a gradient of
-        another dtype or layout). Collectives, when the tensors are sharded: the same as the
-        per-tensor path's (a fixed-size summary of the non-finite check, the per-tensor flags only
-        when some rank has one, one SUM of the column statistics)."""
-        prep = self.prepare(opt)
-        if prep is None or prep is True:
-            return prep is True
-        self.apply(opt, prep)
-        return True
-
     def prepare(self, opt):
-        """The checks and statistics of :meth:`step`, which change nothing: None when the per-tensor
-        path must take the step, True when it is skipped (``nonfinite="skip"``; "raise" raised),
-        else what :meth:`apply` needs. So several batches (one per device) are all checked before
-        any of them changes a tensor."""
+        """A step's checks and statistics, which change nothing: None, with no collective entered,
+        when the per-tensor path must take the step (a gradient of another dtype or layout), True
+        when it is skipped (``nonfinite="skip"``; "raise" raised), else what :meth:`apply` needs; so
+        several batches (one per device) are all checked before any of them changes a tensor.
+        Collectives, when the tensors are sharded: the same as the per-tensor path's (a fixed-size
+        summary of the non-finite check, the per-tensor flags only when some rank has one, one SUM of
+        the column statistics)."""
         grads = []
         for _, p in self.entries:
             g = local_tensor(p.grad)

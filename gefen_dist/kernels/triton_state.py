@@ -71,11 +71,10 @@ def factored_state_(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, ep
     return _sqrt_rn(v_row.reshape(-1))
 
 
-def apply_compressed_(pf, idx, M, sigma, cb, P: int, hp: dict) -> None:
-    """The parameter update of the Triton step (``period == scale_block == P``) from its results: the
-    kernel's order is the eager step's (``u = (C[idx] M) sigma``, bound, ``* lr``, ``p decay - u``),
-    so :func:`gefen_dist.core.apply.apply_compressed` with :func:`quantized_state_`'s ``sigma``."""
-    _apply_compressed_eager(pf, idx, M, sigma, cb, P, hp)
+# The parameter update of the Triton step (``period == scale_block == P``) from its results: the
+# kernel's order is the eager step's (``u = (C[idx] M) sigma``, bound, ``* lr``, ``p decay - u``), so
+# the reference applier with :func:`quantized_state_`'s ``sigma`` is the kernel's update, bitwise.
+apply_compressed_ = _apply_compressed_eager
 
 
 def apply_factored_(pf, idx, M, rsq, col_f, cb, B: int, slab: int, hp: dict, row0: int = 0,

@@ -316,7 +316,7 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
         if isinstance(p, torch.Tensor) and "codebook" in st:
             st["codebook"] = opt._codebook_for(local_tensor(st["idx"]).device)
     Optimizer.__setstate__(opt, {"state": new_state, "param_groups": groups})
-    opt._cuda_batch, opt._cuda_batches = None, []
+    opt._cuda_batch, opt._cuda_batches, opt._cuda_plan = None, [], None
     opt._modes = None
     opt._agreement_checked = False
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
@@ -327,10 +327,10 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
 _HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
           "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
           "_optimizer_load_state_dict_post_hooks")
-# caches rebuilt when next needed: views of the state (_cuda_batch, _cuda_batches), the mode table keyed by
-# parameter ids (_modes; a copy has other parameters), the ids of the parameters (_own_ids), the
-# groups by parameter id (_groups_by_id)
-_TRANSIENT = ("_cuda_batch", "_cuda_batches", "_modes", "_own_ids", "_groups_by_id")
+# caches rebuilt when next needed: views of the state (_cuda_batch, _cuda_batches, _cuda_plan), the
+# mode table keyed by parameter ids (_modes; a copy has other parameters), the ids of the parameters
+# (_own_ids), the groups by parameter id (_groups_by_id)
+_TRANSIENT = ("_cuda_batch", "_cuda_batches", "_cuda_plan", "_modes", "_own_ids", "_groups_by_id")
 
 
 def getstate(opt) -> Dict[str, Any]:

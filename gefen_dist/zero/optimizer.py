@@ -33,7 +33,8 @@ A step:
    and ``p_ij <- p_ij * (1 - lr*wd) - ((C[idx_ij] * M_b) * sigma_ij) * lr`` in
    :func:`~gefen_dist.core.step.quantized_step_factored_eager_`'s order. Span tensors:
    the implementation's ``span_apply_indices_`` (the second phase's update from the received indices:
-   :func:`~gefen_dist.core.span.span_apply_indices_` or the native kernel's, bitwise the same).
+   :func:`~gefen_dist.core.span.span_apply_indices_`, the native kernel's or the Triton kernel's,
+   bitwise the same).
 
 So replicas stay bitwise identical, and equal single-process :class:`~gefen_dist.Gefen` with the
 same ``fused`` setting bitwise: with ``fused=False`` the owner replays the eager step's
