@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..core.step import hyperparameters, row_block_args
+from ..core.step import adamw_foreach_, hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
 
@@ -142,6 +142,20 @@ class CudaBatch:
                 o += v.numel()
         fact_entries = {f[0] for f in self.fact}
         self.others = [e for e in range(len(entries)) if e not in fact_entries]
+        self._exact_entry = [opt._mode(p) == MODE_EXACT for _, p in entries]
+        # per step, after the flags: the float32 column statistics in one buffer whose views the v_col
+        # EMAs read (built once), and each group's exact tensors and their AdamW state (the grads are
+        # this step's); the state dicts are part of the key, so these stay valid while the batch does
+        if self.colsums is not None:
+            self._cms = torch.empty(self.colsums.total, dtype=torch.float32, device=device)
+            for gi in self.groups:
+                gi["vcol_parts"] = [self._cms[o:o + n].view(shape)
+                                    for o, n, shape in (self.fact_slices[k] for k in gi["fact_pos"])]
+        for gi in self.groups:
+            ps = [entries[e][1] for e in gi["exact"]]
+            gi["exact_state"] = ([local_tensor(p) for p in ps], [local_tensor(opt.state[p]["exp_avg"]) for p in ps],
+                                 [local_tensor(opt.state[p]["exp_avg_sq"]) for p in ps])
+            gi["members"] = [entries[e][1] for e in gi["item_entries"] + gi["exact"]]
         self.codebook_state = next((opt.state[entries[e][1]] for gi in self.groups for e in gi["item_entries"]), None)
         logger.debug("gefen_dist: CUDA batch for %d tensors: %d quantized launches, %d factored%s", len(entries),
                      sum(gi["multi"].launches for gi in self.groups if gi["multi"]), len(self.fact),
@@ -271,9 +285,9 @@ class CudaBatch:
         summary of the non-finite check, the per-tensor flags only when some rank has one, one SUM of
         the column statistics)."""
         grads = []
-        for _, p in self.entries:
+        for (_, p), exact in zip(self.entries, self._exact_entry):
             g = local_tensor(p.grad)
-            if g is not None and opt._mode(p) == MODE_EXACT and g.device == self.device:
+            if g is not None and exact and g.device == self.device:
                 grads.append(g)  # foreach operations: any layout and dtype
                 continue
             if g is None or g.dtype != local_tensor(p).dtype or not g.is_contiguous() or g.device != self.device:
@@ -298,7 +312,7 @@ class CudaBatch:
                 flags.append(torch.stack(torch._foreach_norm(other)).isfinite().all().logical_not())
             any_flag = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=self.device)
             if not self.sharded and buf is not None:
-                cms = (buf / self.rows).to(torch.float32)
+                cms = torch.div(buf, self.rows, out=self._cms)  # float64 quotients rounded once
                 any_flag, inf = torch.stack([any_flag, torch.isinf(cms).any()]).tolist()  # the one sync
             else:
                 inf = None
@@ -307,7 +321,7 @@ class CudaBatch:
         if buf is not None and cms is None:
             if self.sharded:
                 opt._comm.all_reduce_sum_(buf)
-            cms = (buf / self.rows).to(torch.float32)
+            cms = torch.div(buf, self.rows, out=self._cms)
             inf = bool(torch.isinf(cms).any()) if check else False
         if check and buf is not None and inf:
             opt._raise_column_overflow({self.entries[e][1]: cms[o:o + n] for (e, *_), (o, n, _) in
@@ -315,28 +329,31 @@ class CudaBatch:
         return grads, cms
 
     def apply(self, opt, prep) -> None:
-        """The updates of a step that :meth:`prepare` passed."""
+        """The updates of a step that :meth:`prepare` passed. Host work here is what a GPU waits for
+        after the step's synchronisation, so it is kept to a fixed number of operations: one foreach
+        increment of every step count, per launch group one step read, two foreach operations for
+        the ``v_col`` EMAs (views built once), the launches, and the exact tensors' foreach AdamW on
+        lists built once (``research/batch_host_time.py`` measures it)."""
         grads, cms = prep
+        state = opt.state
+        # every tensor of a launch group has the group's step count (the partition's key)
+        torch._foreach_add_([state[p]["step"] for gi in self.groups for p in gi["members"]], 1.0)
         for gi in self.groups:
-            for e in gi["item_entries"]:
-                opt.state[self.entries[e][1]]["step"] += 1
-        for gi in self.groups:
-            beta2 = gi["group"]["betas"][1]
             if gi["vcols"]:
-                parts = []
-                for k in gi["fact_pos"]:
-                    o, n, shape = self.fact_slices[k]
-                    parts.append(cms[o:o + n].view(shape))
+                beta2 = gi["group"]["betas"][1]
                 torch._foreach_mul_(gi["vcols"], beta2)
-                torch._foreach_add_(gi["vcols"], parts, alpha=1.0 - beta2)
+                torch._foreach_add_(gi["vcols"], gi["vcol_parts"], alpha=1.0 - beta2)
         if self.colfactors is not None:
             self.colfactors.run()  # the update kernels read the factors of the new v_col
         for gi in self.groups:
             group = gi["group"]
+            step = step_of(state[gi["members"][0]])
             if gi["multi"] is not None:
-                step = step_of(opt.state[self.entries[gi["item_entries"][0]][1]])
                 hp = hyperparameters(group, step, opt.bound_updates)
                 cb = local_tensor(self.codebook_state["codebook"])
                 gi["multi"].run([grads[e] for e in gi["item_entries"]], cb, **hp)
-            # the exact tensors as the per-tensor path batches them (it advances their step)
-            opt._update_exact_batched([(group, self.entries[e][1]) for e in gi["exact"]])
+            if gi["exact"]:  # as the per-tensor path's _update_exact_batched
+                hp = hyperparameters(group, step, bounded=False)  # exact tensors are AdamW's: no clamp
+                hp.pop("bound")
+                ps, ms, vs = gi["exact_state"]
+                adamw_foreach_(ps, [grads[e] for e in gi["exact"]], ms, vs, **hp)

@@ -32,11 +32,13 @@ class GefenStepMixin:
 
     def _update_exact_batched(self, batched) -> None:
         """:func:`adamw_foreach_` over the exact tensors of ``batched``, per (group, step, device)."""
+        if not batched:
+            return
+        steps = [self.state[p]["step"] for _, p in batched]
+        torch._foreach_add_(steps, 1.0)  # CPU scalars, as AdamW keeps them: one operation, one read
         buckets: Dict[tuple, list] = {}
-        for group, p in batched:
-            st = self.state[p]
-            st["step"] += 1
-            key = (id(group), step_of(st), local_tensor(p).device)
+        for (group, p), step in zip(batched, torch.stack(steps).tolist()):
+            key = (id(group), int(step), local_tensor(p).device)
             buckets.setdefault(key, (group, []))[1].append(p)
         for (_, step, _), (group, ps) in buckets.items():
             hp = hyperparameters(group, step, bounded=False)  # exact tensors are AdamW's: no clamp

@@ -83,6 +83,7 @@ class MultiStep:
             rows, bs, warps = tuple(config) if config is not None else _config(it.B, n // it.S)
             buckets.setdefault((it.mode, it.param.dtype == torch.bfloat16, rows, bs, warps, _aligned(it)),
                                []).append(i)
+        self._touched = [t for it in self.items for t in (it.param, it.idx, it.scale, it.v)]  # version counters
         self._launches = []
         for (mode, bf16, rows, bs, warps, aligned), members in buckets.items():
             meta, prog = [], []
@@ -123,9 +124,7 @@ class MultiStep:
                     MODE=L["mode"], IS_BF16=L["bf16"], ROWS=L["rows"], BLOCK_SIZE=L["bs"], ALIGNED=aligned,
                     num_warps=L["warps"], enable_fp_fusion=False, **multi_launch_options(), **consts,
                 )
-        for it in self.items:
-            for t in (it.param, it.idx, it.scale, it.v):
-                torch.autograd.graph.increment_version(t)
+        torch.autograd.graph.increment_version(self._touched)
 
 
 _CS_RB = 16        # rows per iteration of the column-sum kernel

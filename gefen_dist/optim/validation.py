@@ -228,7 +228,10 @@ def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
         if st:
             # the state's tensors have the parameter's (global) shape, DTensor or not: one compare
             ref = st.get(tensor_keys(opt._mode(p))[0])  # idx, or exp_avg for an exact tensor
-            if ref is not None and tuple(ref.shape) != global_shape(p):
+            # (a DTensor's shape is global; ZeRO-3's ds_shape and a complex tensor's real view take the
+            # exact comparison)
+            if ref is not None and (ref.shape != p.shape or hasattr(p, "ds_shape")) \
+                    and tuple(ref.shape) != global_shape(p):
                 names = names or opt._names()
                 raise _shape_changed(type(opt).__name__, names[id(p)], global_shape(p), ref.shape)
             if not st.get("learned", 1):
