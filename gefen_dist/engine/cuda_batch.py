@@ -142,10 +142,19 @@ class CudaBatch:
                 o += v.numel()
         fact_entries = {f[0] for f in self.fact}
         self.others = [e for e in range(len(entries)) if e not in fact_entries]
+        self._step_tables(opt, entries, device)
+        self.codebook_state = next((opt.state[entries[e][1]] for gi in self.groups for e in gi["item_entries"]), None)
+        logger.debug("gefen_dist: CUDA batch for %d tensors: %d quantized launches, %d factored%s", len(entries),
+                     sum(gi["multi"].launches for gi in self.groups if gi["multi"]), len(self.fact),
+                     ", sharded" if self.sharded else "")
+
+    def _step_tables(self, opt, entries, device) -> None:
+        """What a step reads after the flags, built once so that the host work there stays a fixed
+        number of operations: the float32 column statistics in one buffer whose views the v_col EMAs
+        read, each group's exact tensors and their AdamW state (the grads are the step's), each
+        group's members (their step counts). The state dicts are part of the key, so these stay valid
+        while the batch does."""
         self._exact_entry = [opt._mode(p) == MODE_EXACT for _, p in entries]
-        # per step, after the flags: the float32 column statistics in one buffer whose views the v_col
-        # EMAs read (built once), and each group's exact tensors and their AdamW state (the grads are
-        # this step's); the state dicts are part of the key, so these stay valid while the batch does
         if self.colsums is not None:
             self._cms = torch.empty(self.colsums.total, dtype=torch.float32, device=device)
             for gi in self.groups:
@@ -156,10 +165,6 @@ class CudaBatch:
             gi["exact_state"] = ([local_tensor(p) for p in ps], [local_tensor(opt.state[p]["exp_avg"]) for p in ps],
                                  [local_tensor(opt.state[p]["exp_avg_sq"]) for p in ps])
             gi["members"] = [entries[e][1] for e in gi["item_entries"] + gi["exact"]]
-        self.codebook_state = next((opt.state[entries[e][1]] for gi in self.groups for e in gi["item_entries"]), None)
-        logger.debug("gefen_dist: CUDA batch for %d tensors: %d quantized launches, %d factored%s", len(entries),
-                     sum(gi["multi"].launches for gi in self.groups if gi["multi"]), len(self.fact),
-                     ", sharded" if self.sharded else "")
 
     # ------------------------------------------------------------------ building
     @staticmethod
