@@ -47,6 +47,7 @@ import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 import gefen_dist.integrations.deepspeed as gds  # noqa: E402  (registers "Gefen")
+from _teardown import leave  # noqa: E402
 from ds_check import MB, Net, data, groups, load_cfg  # noqa: E402
 
 INIT_POW = 15      # initial loss scale 2^15; three halvings bring this run to 2^12
@@ -250,6 +251,7 @@ def main():
         case(c)
     dist.barrier()
     log("ALL OK")
+    leave()  # gloo's teardown race (tests/dist/_teardown.py)
 
 
 if __name__ == "__main__":
