@@ -50,6 +50,31 @@ __all__ = ["CudaBatch"]
 
 # device types a batch is built for (tests add "cpu" to run the batch through the Triton interpreter)
 _DEVICE_TYPES = ("cuda",)
+# CPU tensors that the native kernel steps are batched too (kernels/cpu_multi.py), in a single process
+_NATIVE_CPU = True
+
+
+def _native_cpu(single: bool) -> bool:
+    """Whether CPU tensors get a batch of the native kernels (not when the CPU is one of
+    ``_DEVICE_TYPES``: the tests' way of running the Triton batch on CPU tensors)."""
+    if not (_NATIVE_CPU and single) or "cpu" in _DEVICE_TYPES:
+        return False
+    from ..kernels import cpu_multi
+
+    return cpu_multi.available()
+
+
+def _kernels(device: torch.device):
+    """The module whose ``StepItem``, ``MultiStep``, ``ColumnSums`` and ``ColumnFactors`` step a
+    batch on ``device``: the native CPU kernel's for CPU tensors the native kernel steps, else the
+    Triton kernels' (CUDA, or CPU tensors through the interpreter in the tests)."""
+    if device.type == "cpu" and "cpu" not in _DEVICE_TYPES:
+        from ..kernels import cpu_multi
+
+        return cpu_multi
+    from ..kernels import triton_step
+
+    return triton_step
 
 
 def _key(opt, entries) -> tuple:
@@ -66,10 +91,13 @@ def _once(opt, attr: str, why: str) -> bool:
     return True
 
 
-def _fallback(opt, why: str) -> None:
+def _fallback(opt, why: str, native_cpu: bool = False) -> None:
     """Log, once per optimizer and reason, why the multi-tensor step is not taken (nothing for the
-    expected cases: ``why`` empty)."""
-    if why and _once(opt, "_cuda_fallbacks", why):
+    expected cases: ``why`` empty; DEBUG for a native CPU batch, whose per-tensor path is the
+    CPU's usual one)."""
+    if why and native_cpu:
+        logger.debug("Gefen: the multi-tensor CPU step is not used: %s", why)
+    elif why and _once(opt, "_cuda_fallbacks", why):
         logger.warning("Gefen: the multi-tensor CUDA step is not used: %s. Every tensor is stepped on its own "
                        "instead (same results, several times slower on a GPU); logged once per reason.", why)
 
@@ -78,9 +106,9 @@ class CudaBatch:
     """Tables and launch groups for one optimizer's set of tensors (see the module docstring)."""
 
     def __init__(self, key: tuple, device: torch.device, entries, opt):
-        from ..kernels import triton_step as _tri
-
+        _tri = _kernels(device)
         self.key, self.device = key, device
+        self.native_cpu = _tri.__name__.endswith("cpu_multi")
         self.entries = entries
         comm = opt._comm
         self.sharded = comm.world_size > 1 and any(is_dtensor(p) for _, p in entries)
@@ -191,8 +219,9 @@ class CudaBatch:
             names = names or opt._names()
             return names.get(id(p), "?")
 
+        types = _DEVICE_TYPES + (("cpu",) if _native_cpu(single) else ())
         devices = {local_tensor(p).device for _, p in entries if opt._mode(p) != MODE_SPAN}
-        if not any(d.type in _DEVICE_TYPES for d in devices):
+        if not any(d.type in types for d in devices):
             return None, [], ""
         by_dev: Dict[torch.device, list] = {}
         beside, reasons, cb = [], [], None
@@ -206,7 +235,10 @@ class CudaBatch:
                 return None, [], ""
             loc = local_tensor(p)
             why = ""
-            if loc.device.type not in _DEVICE_TYPES:
+            if (mode != MODE_EXACT and loc.device.type == "cpu" and "cpu" not in _DEVICE_TYPES
+                    and opt._impl(loc, p, group).name != "cpu"):
+                return None, [], ""  # the per-tensor path steps it with another implementation (eager)
+            if loc.device.type not in types:
                 why = f"parameter {name(p)!r} is on {loc.device}, the others on CUDA"
             elif mode != MODE_EXACT:
                 if loc.dtype not in (torch.float32, torch.bfloat16):
@@ -238,10 +270,11 @@ class CudaBatch:
         if len(by_dev) > 1 and not single:
             return None, [], (f"parameters on {', '.join(map(str, by_dev))} in a job of several ranks (one batch per "
                               "device in a single process only)")
+        kind = "CPU" if all(d.type == "cpu" for d in by_dev) and "cpu" not in _DEVICE_TYPES else "CUDA"
         for why in reasons:
             if _once(opt, "_cuda_beside", why):
-                logger.info("Gefen: a tensor is stepped on its own beside the multi-tensor CUDA step: %s (the other "
-                            "tensors stay batched); logged once per reason.", why)
+                logger.info("Gefen: a tensor is stepped on its own beside the multi-tensor %s step: %s (the other "
+                            "tensors stay batched); logged once per reason.", kind, why)
         return list(by_dev.items()), beside, ""
 
     @classmethod
@@ -261,17 +294,13 @@ class CudaBatch:
             opt._cuda_batch, opt._cuda_batches = None, []
             _fallback(opt, why)
             return None
-        try:
-            from ..kernels import triton_step as _tri
-        except ImportError:
-            return None
         cache = {b.key: b for b in opt.__dict__.get("_cuda_batches") or []}
         batches = []
         for dev, es in groups:
             key = _key(opt, es)
             batch = cache.get(key)
             if batch is None:
-                if not _tri.available(dev if dev.type == "cuda" else None):
+                if not _kernels(dev).available(dev if dev.type == "cuda" else None):
                     return None
                 batch = cls(key, dev, es, opt)
             batches.append(batch)
@@ -299,7 +328,8 @@ class CudaBatch:
                 _fallback(opt, f"the gradient of {opt._names().get(id(p), '?')!r} is "
                                + ("missing" if g is None else f"{g.dtype}, {'' if g.is_contiguous() else 'non-'}"
                                   f"contiguous, on {g.device}") + f", its parameter {local_tensor(p).dtype} on "
-                               f"{self.device} (the batch needs contiguous gradients of the parameter's dtype)")
+                               f"{self.device} (the batch needs contiguous gradients of the parameter's dtype)",
+                          self.native_cpu)
                 return None
             grads.append(g)
         buf = cms = None

@@ -130,7 +130,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["available", "simd_compiled", "simd_isa", "quantized_step_", "quantized_step_factored_", "apply_compressed_",
            "apply_factored_", "numerics", "nearest_lut", "nearest_sweep", "CodebookTable", "codebook_table"]
 
-_ABI = 11
+_ABI = 12
 _LIB_NAME = "gefen_step"
 _SOURCES = ["gefen_step.c"]
 _BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together
@@ -222,6 +222,12 @@ def _lib() -> Optional[ctypes.CDLL]:
             lib.gefen_span_stats.argtypes = [vp] * 5 + [i64] * 4 + [vp] * 5
             lib.gefen_span_update.restype = None
             lib.gefen_span_update.argtypes = [vp] * 9 + [i64] * 4 + [f32]
+            lib.gefen_multi_step.restype = i64  # many tensors per call (kernels/cpu_multi.py)
+            lib.gefen_multi_step.argtypes = [ctypes.POINTER(_Args), vp, i64, vp, vp]
+            lib.gefen_multi_column_sumsq.restype = i64
+            lib.gefen_multi_column_sumsq.argtypes = [vp, i64, i32]
+            lib.gefen_multi_item_size.restype = ctypes.c_int
+            lib.gefen_colsum_item_size.restype = ctypes.c_int
             lib.gefen_two_level_table.restype = ctypes.c_int
             lib.gefen_two_level_table.argtypes = [vp, i32]
             _configured.add(id(lib))

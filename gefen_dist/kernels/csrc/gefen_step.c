@@ -63,7 +63,7 @@
 #include <immintrin.h>
 #endif
 
-#define GEFEN_STEP_ABI 11
+#define GEFEN_STEP_ABI 12
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -1811,6 +1811,65 @@ int gefen_column_sumsq(const void *g, int32_t dt, int64_t rows, int64_t S, doubl
         for (int64_t j = 0; j < S; ++j) out[j] += a[j];
     }
     free(acc);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* many tensors per call (the optimizer's multi-tensor batch on CPU, kernels/cpu_multi.py):  */
+/* the per-tensor entry points in a loop, so each tensor's result is its own call's, bitwise. */
+/* ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    void *param;
+    const void *grad;
+    uint8_t *idx;
+    float *scale;
+    float *v;          /* v (shared) or v_row (factored) */
+    const float *colf; /* factored: the column factors [blocks][period]; else NULL */
+    int64_t n, period, block, row0, rb;
+    int32_t dtype, factored;
+} gefen_multi_item;
+
+int gefen_multi_item_size(void) { return (int)sizeof(gefen_multi_item); }
+
+/* One step of every item with the scalars of *tmpl (its n, period, block and dtype replaced by
+ * the item's); returns 0, or (item index + 1) * 100 - error code of the first failing item, which
+ * stops the loop (items before it have stepped). */
+int64_t gefen_multi_step(const gefen_step_args *tmpl, const gefen_multi_item *items, int64_t count,
+                         const float *cb, const int32_t *lut)
+{
+    for (int64_t i = 0; i < count; ++i) {
+        const gefen_multi_item *it = items + i;
+        gefen_step_args a = *tmpl;
+        a.n = it->n;
+        a.period = it->period;
+        a.block = it->block;
+        a.dtype = it->dtype;
+        const int rc = it->factored
+                           ? gefen_quantized_step_factored(&a, it->param, it->grad, it->idx, it->scale, it->v,
+                                                           it->colf, cb, lut, it->row0, it->rb)
+                           : gefen_quantized_step(&a, it->param, it->grad, it->idx, it->scale, it->v, cb, lut);
+        if (rc != 0) return (i + 1) * 100 - rc;
+    }
+    return 0;
+}
+
+typedef struct {
+    const void *grad; /* the first row of the range */
+    double *out;      /* [S] */
+    int64_t rows, S;
+    int32_t dtype, pad;
+} gefen_colsum_item;
+
+int gefen_colsum_item_size(void) { return (int)sizeof(gefen_colsum_item); }
+
+/* gefen_column_sumsq of every item (a range of whole rows, possibly empty: zeros); 0, or the index + 1
+ * of the item whose scratch could not be allocated. */
+int64_t gefen_multi_column_sumsq(const gefen_colsum_item *items, int64_t count, int32_t nthreads)
+{
+    for (int64_t i = 0; i < count; ++i)
+        if (gefen_column_sumsq(items[i].grad, items[i].dtype, items[i].rows, items[i].S, items[i].out, nthreads))
+            return i + 1;
     return 0;
 }
 

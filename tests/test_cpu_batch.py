@@ -1,0 +1,119 @@
+"""The multi-tensor step on CPU (gefen_dist.engine.cuda_batch with the native provider,
+gefen_dist/kernels/cpu_multi.py): one native call per launch group instead of one per tensor, bitwise
+the per-tensor path (the same kernel on the same arguments, the column sums per block of rows in the
+same order), with the per-tensor path's behaviour at the edges (non-finite gradients, tensors beside
+the batch, mixed step counts, bfloat16)."""
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from gefen_dist import Gefen
+from gefen_dist.engine import cuda_batch
+from gefen_dist.kernels import cpu_multi
+
+pytestmark = pytest.mark.skipif(not cpu_multi.available(), reason="needs the native CPU library")
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    # Linear(96, 192): factored with 2 row blocks; Linear(192, 200): factored, one block; the rest exact
+    return nn.Sequential(nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 192), nn.GELU(), nn.Linear(192, 200),
+                         nn.GELU(), nn.Linear(200, 8)).to(dtype)
+
+
+def _pair(monkeypatch, dtype=torch.float32, **hp):
+    """Two copies with Gefen(**hp): ``oa`` always per tensor, ``ob`` through the CPU batch."""
+    base = _model(dtype)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    oa, ob = Gefen(a.named_parameters(), **hp), Gefen(b.named_parameters(), **hp)
+    monkeypatch.setattr(cuda_batch.CudaBatch, "plan", classmethod(
+        lambda cls, opt, entries, _plan=cuda_batch.CudaBatch.plan.__func__: None if opt is oa else _plan(
+            cls, opt, entries)))
+    return a, b, oa, ob
+
+
+def _steps(a, b, oa, ob, n, seed=1, drop=None):
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for step in range(n):
+        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        oa.zero_grad()
+        ((a(x.to(next(a.parameters()).dtype)) - y) ** 2).float().mean().backward()
+        if drop is not None and step in drop:
+            drop[step](a)
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.grad = None if p.grad is None else p.grad.clone()
+        oa.step()
+        ob.step()
+        batches.append(ob.__dict__.get("_cuda_batch"))
+    return batches, (x, y)
+
+
+def _same(a, b, oa, ob):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+        for k, v in oa.state[p].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, ob.state[q][k]), (name, k)
+
+
+@pytest.mark.parametrize("second_moment", ["factored", "shared", "elementwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_batch_equals_the_per_tensor_path(monkeypatch, second_moment, dtype):
+    a, b, oa, ob = _pair(monkeypatch, dtype, lr=1e-3, weight_decay=0.1, second_moment=second_moment)
+    batches, _ = _steps(a, b, oa, ob, 5)
+    assert batches[0] is None and batches[1] is not None and batches[4] is batches[1]  # built once, reused
+    assert batches[1].native_cpu and type(batches[1].groups[0]["multi"]).__module__.endswith("cpu_multi")
+    assert all(int(oa.state[p]["step"]) == int(ob.state[q]["step"]) == 5 for p, q in zip(a.parameters(), b.parameters()))
+    _same(a, b, oa, ob)
+
+
+def test_cpu_batch_edges(monkeypatch, caplog):
+    """A tensor that missed a step (its own launch group, its own bias corrections), a non-contiguous
+    parameter stepped beside the batch (one INFO line), then a NaN (raises naming the tensor, nothing
+    changed) and with nonfinite="skip" a skipped step: all as the per-tensor path."""
+    a, b, oa, ob = _pair(monkeypatch, lr=1e-3, weight_decay=0.1)
+    # the last layer's weight misses step 2: its step count falls behind the others'
+    _steps(a, b, oa, ob, 4, drop={2: lambda m: setattr(m[6].weight, "grad", None)})
+    assert len(ob._cuda_batch.groups) >= 2
+    _same(a, b, oa, ob)
+    for m, o in ((a, oa), (b, ob)):  # a transposed (non-contiguous) quantized parameter, same values
+        w = m[4].weight
+        w.data = w.data.t().contiguous().t()
+        o.load_state_dict(o.state_dict())
+    with caplog.at_level(logging.INFO, logger="gefen_dist.engine.cuda_batch"):
+        _, batch = _steps(a, b, oa, ob, 2, seed=2)
+    said = [r.getMessage() for r in caplog.records if "beside the multi-tensor CPU step" in r.getMessage()]
+    assert len(said) == 1 and "'4.weight'" in said[0] and "not contiguous" in said[0], said
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    _same(a, b, oa, ob)
+    x, y = batch
+    ob.zero_grad()
+    ((b(x) - y) ** 2).mean().backward()
+    b[2].weight.grad[3, 5] = float("nan")
+    before = [q.clone() for q in b.parameters()] + [ob.state[b[2].weight]["v_col"].clone()]
+    with pytest.raises(RuntimeError, match=r"non-finite gradient.*'2.weight'"):
+        ob.step()
+    assert all(torch.equal(u, w) for u, w in zip(before, list(b.parameters()) + [ob.state[b[2].weight]["v_col"]]))
+    ob.nonfinite = "skip"
+    steps = [int(ob.state[q]["step"]) for q in b.parameters()]
+    ob.step()
+    assert all(torch.equal(u, w) for u, w in zip(before, list(b.parameters()) + [ob.state[b[2].weight]["v_col"]]))
+    assert [int(ob.state[q]["step"]) for q in b.parameters()] == steps
+
+
+def test_cpu_batch_not_taken_without_the_native_kernel(monkeypatch):
+    """fused=False, or the native library switched off: the per-tensor path, no batch, no warning."""
+    for kw, env in ((dict(fused=False), None), ({}, "1")):
+        if env:
+            monkeypatch.setenv("GEFEN_DIST_NO_NATIVE", env)
+        m = _model()
+        opt = Gefen(m.parameters(), lr=1e-3, **kw)
+        for _ in range(3):
+            opt.zero_grad()
+            m(torch.randn(4, 32)).square().mean().backward()
+            opt.step()
+        assert opt.__dict__.get("_cuda_batch") is None
