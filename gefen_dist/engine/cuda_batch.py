@@ -17,6 +17,11 @@ same tensors with the same arithmetic in
   (:class:`~gefen_dist.kernels.triton_step.MultiStep`), and
   :func:`~gefen_dist.core.step.adamw_foreach_` for the exact ones.
 
+On CPU, in a single process, the same batch steps the tensors that the per-tensor path would give
+the native kernel, with that kernel's multi-tensor entry points (:mod:`gefen_dist.kernels.cpu_multi`:
+one native call per launch group and one for the column sums, bitwise the per-tensor calls), so a
+CPU step does not pay ~0.2 ms of Python per tensor; its fallbacks log at DEBUG only.
+
 A batch is built for a fixed set of CUDA tensors of one device (plain, or FSDP2/HSDP DTensors
 sharded by whole rows) whose state exists and is learned, and reused while the parameters, their
 storage and their state dicts stay the same; tensors whose step counts differ (one that missed
