@@ -117,3 +117,22 @@ def test_cpu_batch_not_taken_without_the_native_kernel(monkeypatch):
             m(torch.randn(4, 32)).square().mean().backward()
             opt.step()
         assert opt.__dict__.get("_cuda_batch") is None
+
+
+def test_cpu_batch_dropped_when_the_native_library_is_switched_off(monkeypatch):
+    """GEFEN_DIST_NO_NATIVE=1 set after a batch was built: the next step goes to the per-tensor path (the
+    eager one, as the dispatcher then selects), with no error."""
+    m = _model()
+    opt = Gefen(m.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad()
+        m(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+    for _ in range(2):
+        step()
+    assert opt._cuda_batch is not None and opt._cuda_batch.native_cpu
+    monkeypatch.setenv("GEFEN_DIST_NO_NATIVE", "1")
+    step()
+    assert opt._cuda_batch is None
+    assert all(torch.isfinite(p).all() for p in m.parameters())

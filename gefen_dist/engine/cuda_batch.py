@@ -291,8 +291,8 @@ class CudaBatch:
             return None
         key = _key(opt, entries)
         last = opt.__dict__.get("_cuda_plan")
-        if last is not None and last[0] == key:
-            return last[1]
+        if last is not None and last[0] == key and (not last[2] or _native_cpu(True)):
+            return last[1]  # (a native CPU batch only while the library stays enabled: GEFEN_DIST_NO_NATIVE)
         opt._cuda_plan = None
         groups, beside, why = cls.split(opt, entries)
         if groups is None:
@@ -311,7 +311,7 @@ class CudaBatch:
             batches.append(batch)
         opt._cuda_batches = batches
         opt._cuda_batch = batches[0]  # the (first) device's batch: what tests and benchmarks read
-        opt._cuda_plan = (key, (batches, beside))
+        opt._cuda_plan = (key, (batches, beside), any(b.native_cpu for b in batches))
         return batches, beside
 
     # ------------------------------------------------------------------ stepping
