@@ -73,7 +73,7 @@ def test_cpu_batch_equals_the_per_tensor_path(monkeypatch, second_moment, dtype)
 
 def test_cpu_batch_edges(monkeypatch, caplog):
     """A tensor that missed a step (its own launch group, its own bias corrections), a non-contiguous
-    parameter stepped beside the batch (one INFO line), then a NaN (raises naming the tensor, nothing
+    parameter stepped beside the batch (one DEBUG line), then a NaN (raises naming the tensor, nothing
     changed) and with nonfinite="skip" a skipped step: all as the per-tensor path."""
     a, b, oa, ob = _pair(monkeypatch, lr=1e-3, weight_decay=0.1)
     # the last layer's weight misses step 2: its step count falls behind the others'
@@ -84,7 +84,7 @@ def test_cpu_batch_edges(monkeypatch, caplog):
         w = m[4].weight
         w.data = w.data.t().contiguous().t()
         o.load_state_dict(o.state_dict())
-    with caplog.at_level(logging.INFO, logger="gefen_dist.engine.cuda_batch"):
+    with caplog.at_level(logging.DEBUG, logger="gefen_dist.engine.cuda_batch"):
         _, batch = _steps(a, b, oa, ob, 2, seed=2)
     said = [r.getMessage() for r in caplog.records if "beside the multi-tensor CPU step" in r.getMessage()]
     assert len(said) == 1 and "'4.weight'" in said[0] and "not contiguous" in said[0], said
@@ -136,3 +136,51 @@ def test_cpu_batch_dropped_when_the_native_library_is_switched_off(monkeypatch):
     step()
     assert opt._cuda_batch is None
     assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_cpu_batch_steps_an_eager_tensor_beside_it(caplog):
+    """A float16 weight takes the eager path (the native kernel steps float32 and bfloat16): it is
+    stepped beside the batch (one DEBUG line, no warning), the rest batched, bitwise the per-tensor
+    path; a model whose every quantized tensor is such keeps the per-tensor path without a warning."""
+    def build():
+        torch.manual_seed(0)
+        m = nn.ModuleDict(dict(a=nn.Linear(32, 96), b=nn.Linear(96, 8)))
+        m.h = nn.Parameter((torch.randn(96, 96) * 0.05).half())
+        return m
+
+    def loss(m, x):
+        return (m.b(torch.tanh(m.a(x)) @ m.h.float()) ** 2).mean()
+
+    a, b = build(), build()
+    oa, ob = Gefen(a.parameters(), lr=1e-3, weight_decay=0.1), Gefen(b.parameters(), lr=1e-3, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.DEBUG, logger="gefen_dist.engine.cuda_batch"):
+        for _ in range(4):
+            x = torch.randn(16, 32, generator=gen)
+            for m, o, batched in ((a, oa, False), (b, ob, True)):
+                o.zero_grad()
+                loss(m, x).backward()
+                cuda_batch._NATIVE_CPU = batched
+                try:
+                    o.step()
+                finally:
+                    cuda_batch._NATIVE_CPU = True
+    said = [r.getMessage() for r in caplog.records if "beside the multi-tensor CPU step" in r.getMessage()]
+    assert len(said) == 1 and "torch.float16" in said[0] and "eager" in said[0], said
+    assert ob._cuda_batch is not None and oa.__dict__.get("_cuda_batch") is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+        for k, v in oa.state[p].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, ob.state[q][k]), k
+    m = nn.Linear(64, 96).half()
+    opt = Gefen(m.parameters(), lr=1e-3, small_threshold=0)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="gefen_dist.engine.cuda_batch"):
+        for _ in range(3):
+            opt.zero_grad()
+            m(torch.randn(4, 64).half()).float().square().mean().backward()
+            opt.step()
+    assert opt.__dict__.get("_cuda_batch") is None or not opt._cuda_batch.groups[0]["items"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -240,10 +240,12 @@ class CudaBatch:
                 return None, [], ""
             loc = local_tensor(p)
             why = ""
-            if (mode != MODE_EXACT and loc.device.type == "cpu" and "cpu" not in _DEVICE_TYPES
-                    and opt._impl(loc, p, group).name != "cpu"):
-                return None, [], ""  # the per-tensor path steps it with another implementation (eager)
-            if loc.device.type not in types:
+            impl = (opt._impl(loc, p, group).name if mode != MODE_EXACT and loc.device.type == "cpu"
+                    and "cpu" in types and "cpu" not in _DEVICE_TYPES else "cpu")
+            if impl != "cpu":
+                why = (f"parameter {name(p)!r} ({loc.dtype}) takes the {impl} implementation, not the native CPU "
+                       "kernel (float32 or bfloat16 parameters take the kernel)")
+            elif loc.device.type not in types:
                 why = f"parameter {name(p)!r} is on {loc.device}, the others on CUDA"
             elif mode != MODE_EXACT:
                 if loc.dtype not in (torch.float32, torch.bfloat16):
@@ -270,16 +272,17 @@ class CudaBatch:
                 reasons.append(why)
                 continue
             by_dev.setdefault(loc.device, []).append((group, p))
-        if not by_dev:
-            return None, [], reasons[0] if reasons else ""  # nothing left to batch
+        native = "cpu" in types and "cpu" not in _DEVICE_TYPES and all(d.type == "cpu" for d in devices)
+        if not by_dev:  # nothing left to batch (on CPU the per-tensor path is the usual one: no warning)
+            return None, [], reasons[0] if reasons and not native else ""
         if len(by_dev) > 1 and not single:
             return None, [], (f"parameters on {', '.join(map(str, by_dev))} in a job of several ranks (one batch per "
                               "device in a single process only)")
-        kind = "CPU" if all(d.type == "cpu" for d in by_dev) and "cpu" not in _DEVICE_TYPES else "CUDA"
-        for why in reasons:
+        for why in reasons:  # (DEBUG on CPU, where stepping on its own is the per-tensor path's usual cost)
             if _once(opt, "_cuda_beside", why):
-                logger.info("Gefen: a tensor is stepped on its own beside the multi-tensor %s step: %s (the other "
-                            "tensors stay batched); logged once per reason.", kind, why)
+                logger.log(logging.DEBUG if native else logging.INFO, "Gefen: a tensor is stepped on its own beside "
+                           "the multi-tensor %s step: %s (the other tensors stay batched); logged once per reason.",
+                           "CPU" if native else "CUDA", why)
         return list(by_dev.items()), beside, ""
 
     @classmethod
