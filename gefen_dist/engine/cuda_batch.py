@@ -107,6 +107,32 @@ def _fallback(opt, why: str, native_cpu: bool = False) -> None:
                        "instead (same results, several times slower on a GPU); logged once per reason.", why)
 
 
+def _cannot_take(opt, group, p, loc, mode, st, types, name) -> str:
+    """Why the batch cannot take parameter ``p`` (local tensor ``loc``), or "" when it can (exact
+    tensors: any layout and dtype on a batched device)."""
+    if mode != MODE_EXACT and loc.device.type == "cpu" and "cpu" in types and "cpu" not in _DEVICE_TYPES:
+        impl = opt._impl(loc, p, group).name
+        if impl != "cpu":
+            return (f"parameter {name(p)!r} ({loc.dtype}) takes the {impl} implementation, not the native CPU "
+                    "kernel (float32 or bfloat16 parameters take the kernel)")
+    if loc.device.type not in types:
+        return f"parameter {name(p)!r} is on {loc.device}, the others on CUDA"
+    if mode == MODE_EXACT:
+        return ""
+    if loc.dtype not in (torch.float32, torch.bfloat16):
+        return (f"parameter {name(p)!r} has dtype {loc.dtype}; the batch steps float32 and bfloat16 "
+                "parameters (keep fp16 weights in an fp32 master copy, or use bf16)")
+    if not loc.is_contiguous():
+        return (f"parameter {name(p)!r} (shape {tuple(loc.shape)}, stride {tuple(loc.stride())}) is not "
+                "contiguous; make it contiguous (e.g. param.data = param.data.contiguous()) before "
+                "building the optimizer")
+    if mode != MODE_FACTORED and int(st["period"]) not in (1, int(st["scale_block"])):
+        return (f"parameter {name(p)!r} has period {int(st['period'])} and scale block "
+                f"{int(st['scale_block'])} (shared mode): the batch steps shared tensors whose period is "
+                "1 or the scale block")
+    return ""
+
+
 class CudaBatch:
     """Tables and launch groups for one optimizer's set of tensors (see the module docstring)."""
 
@@ -239,32 +265,13 @@ class CudaBatch:
             if not st or st.get("learned", 1) == 0:
                 return None, [], ""
             loc = local_tensor(p)
-            why = ""
-            impl = (opt._impl(loc, p, group).name if mode != MODE_EXACT and loc.device.type == "cpu"
-                    and "cpu" in types and "cpu" not in _DEVICE_TYPES else "cpu")
-            if impl != "cpu":
-                why = (f"parameter {name(p)!r} ({loc.dtype}) takes the {impl} implementation, not the native CPU "
-                       "kernel (float32 or bfloat16 parameters take the kernel)")
-            elif loc.device.type not in types:
-                why = f"parameter {name(p)!r} is on {loc.device}, the others on CUDA"
-            elif mode != MODE_EXACT:
-                if loc.dtype not in (torch.float32, torch.bfloat16):
-                    why = (f"parameter {name(p)!r} has dtype {loc.dtype}; the batch steps float32 and bfloat16 "
-                           "parameters (keep fp16 weights in an fp32 master copy, or use bf16)")
-                elif not loc.is_contiguous():
-                    why = (f"parameter {name(p)!r} (shape {tuple(loc.shape)}, stride {tuple(loc.stride())}) is not "
-                           "contiguous; make it contiguous (e.g. param.data = param.data.contiguous()) before "
-                           "building the optimizer")
-                elif mode != MODE_FACTORED and int(st["period"]) not in (1, int(st["scale_block"])):
-                    why = (f"parameter {name(p)!r} has period {int(st['period'])} and scale block "
-                           f"{int(st['scale_block'])} (shared mode): the batch steps shared tensors whose period is "
-                           "1 or the scale block")
-                else:
-                    c = st["codebook"]
-                    if cb is None:
-                        cb = c
-                    elif c is not cb and not torch.equal(c, cb):
-                        return None, [], f"parameter {name(p)!r} holds another codebook than the rest (a partial load?)"
+            why = _cannot_take(opt, group, p, loc, mode, st, types, name)
+            if not why and mode != MODE_EXACT:
+                c = st["codebook"]
+                if cb is None:
+                    cb = c
+                elif c is not cb and not torch.equal(c, cb):
+                    return None, [], f"parameter {name(p)!r} holds another codebook than the rest (a partial load?)"
             if why:
                 if not single:
                     return None, [], why
