@@ -77,6 +77,14 @@ def hyperparameters(group: dict, step: int, bounded=DEFAULT_BOUND_UPDATES) -> di
                 bound=None if f is None else clamp_bound(f, beta1, beta2, step))
 
 
+def adamw_hyperparameters(group: dict, step: int) -> dict:
+    """:func:`hyperparameters` of an exact (AdamW) tensor: no update bound (AdamW's own update), the
+    keywords of :func:`adamw_step_` / :func:`adamw_foreach_`."""
+    hp = hyperparameters(group, step, bounded=False)
+    hp.pop("bound")
+    return hp
+
+
 def clamp_bound(factor: float, beta1: float, beta2: float, step: int) -> float:
     """The clamp of the normalised update at ``step`` for a ``bound_updates`` factor ``c`` (D13):
     ``c (1 + beta1^(t-1)) K_t``, :func:`update_bound`'s ``K_t`` relaxed by up to 2x in the first steps

@@ -29,7 +29,7 @@ steps) get their own launches. In a single process, parameters on several GPUs g
 GPU (all checked before any steps), and a quantized tensor the batch cannot take (not contiguous,
 neither float32 nor bfloat16, on the CPU, shared with a period other than 1 or its scale block) is
 stepped by the per-tensor path beside the batches, logged once (INFO) with the reason
-(:meth:`CudaBatch.split`). Otherwise (the first step, a CPU model, those cases when several ranks
+(:meth:`CudaBatch.split`). Otherwise (the first step, a CPU model of several ranks, those cases when several ranks
 take part, gradients of another dtype or layout) the per-tensor path takes the whole step, and
 where that is not the expected path a WARNING names the tensor and the fix, once per reason. Sharded tensors take the per-tensor path's
 collectives in the same order (a fixed-size summary of the non-finite check, the per-tensor flags
@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..core.step import adamw_foreach_, hyperparameters, row_block_args
+from ..core.step import adamw_foreach_, adamw_hyperparameters, hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
 
@@ -403,7 +403,5 @@ class CudaBatch:
                 cb = local_tensor(self.codebook_state["codebook"])
                 gi["multi"].run([grads[e] for e in gi["item_entries"]], cb, **hp)
             if gi["exact"]:  # as the per-tensor path's _update_exact_batched
-                hp = hyperparameters(group, step, bounded=False)  # exact tensors are AdamW's: no clamp
-                hp.pop("bound")
                 ps, ms, vs = gi["exact_state"]
-                adamw_foreach_(ps, [grads[e] for e in gi["exact"]], ms, vs, **hp)
+                adamw_foreach_(ps, [grads[e] for e in gi["exact"]], ms, vs, **adamw_hyperparameters(group, step))

@@ -9,7 +9,7 @@ import torch
 from ..core import span as _span
 from .column_stats import column_means, piece_column_sums
 from .cuda_batch import CudaBatch
-from ..core.step import adamw_foreach_, adamw_step_, decay_only_, hyperparameters, row_block_args
+from ..core.step import adamw_foreach_, adamw_hyperparameters, adamw_step_, decay_only_, hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
 
@@ -41,8 +41,7 @@ class GefenStepMixin:
             key = (id(group), int(step), local_tensor(p).device)
             buckets.setdefault(key, (group, []))[1].append(p)
         for (_, step, _), (group, ps) in buckets.items():
-            hp = hyperparameters(group, step, bounded=False)  # exact tensors are AdamW's: no clamp
-            hp.pop("bound")
+            hp = adamw_hyperparameters(group, step)
             adamw_foreach_([local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
                            [local_tensor(self.state[p]["exp_avg"]) for p in ps],
                            [local_tensor(self.state[p]["exp_avg_sq"]) for p in ps], **hp)

@@ -38,13 +38,18 @@ class _ColItem(ctypes.Structure):
                 ("S", ctypes.c_int64), ("dtype", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
+_sizes_ok = {}  # id(library) -> whether its table structs match these (checked once per library)
+
+
 def _lib():
     lib = _cpu._lib()
     if lib is None:
         return None
-    if lib.gefen_multi_item_size() != ctypes.sizeof(_Item) or lib.gefen_colsum_item_size() != ctypes.sizeof(_ColItem):
-        return None
-    return lib
+    ok = _sizes_ok.get(id(lib))
+    if ok is None:
+        ok = _sizes_ok[id(lib)] = (lib.gefen_multi_item_size() == ctypes.sizeof(_Item)
+                                   and lib.gefen_colsum_item_size() == ctypes.sizeof(_ColItem))
+    return lib if ok else None
 
 
 def available(device: Optional[torch.device] = None) -> bool:
@@ -73,20 +78,14 @@ class MultiStep:
         self.items = list(items)
         self._table = (_Item * max(1, len(self.items)))()
         for i, it in enumerate(self.items):
+            it.check(i)
             n = it.param.numel()
-            if it.param.dtype not in (torch.float32, torch.bfloat16):
-                raise ValueError(f"param dtype {it.param.dtype} not supported (float32, bfloat16)")
-            if n and (it.S % it.B or n % it.S or (it.mode != 2 and it.S != it.B)):
-                raise ValueError(f"bad item {i}: S={it.S}, B={it.B}, mode={it.mode}, numel={n}")
             f = self._table[i]
             f.param, f.idx, f.scale, f.v = (it.param.data_ptr(), it.idx.data_ptr(), it.scale.data_ptr(),
                                             it.v.data_ptr())
             f.n, f.block, f.dtype = n, it.B, 0 if it.param.dtype == torch.float32 else 1
             if it.mode == 2:
-                one_block = it.v_col.numel() == it.S
-                f.colf, f.period, f.factored = it.v_col.data_ptr(), it.S, 1
-                f.row0 = it.row0
-                f.rb = it.row0 + n // it.S + 1 if one_block else it.row_block  # one block: every row in block 0
+                f.colf, f.period, f.factored, f.row0, f.rb = it.v_col.data_ptr(), it.S, 1, it.row0, it.block_rows
             else:
                 f.colf, f.period, f.factored, f.row0, f.rb = None, 1 if it.mode == 1 else it.B, 0, 0, 1
         self._touched = [t for it in self.items for t in (it.param, it.idx, it.scale, it.v)]  # version counters

@@ -35,6 +35,21 @@ class StepItem:
     row0: int = 0
     row_block: int = 1
 
+    def check(self, i: int) -> None:
+        """Refuse an item the multi-tensor step cannot take (``i``: its index, for the message)."""
+        n = self.param.numel()
+        if self.param.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"param dtype {self.param.dtype} not supported (float32, bfloat16)")
+        if n and (self.S % self.B or n % self.S or (self.mode != 2 and self.S != self.B)):
+            raise ValueError(f"bad item {i}: S={self.S}, B={self.B}, mode={self.mode}, numel={n}")
+
+    @property
+    def block_rows(self) -> int:
+        """Rows per block of the column factors as the kernels read them (one block: every row of
+        the piece in block 0)."""
+        one_block = self.v_col is None or self.v_col.numel() == self.S
+        return self.row0 + self.param.numel() // self.S + 1 if one_block else self.row_block
+
 
 # ptxas's own choice for the multi kernel spilled a few registers to local memory in its prologue in
 # some tile configurations (e.g. 96 registers and 4 spill stores for 4x512, shared mode); the
@@ -76,10 +91,7 @@ class MultiStep:
             n = it.param.numel()
             if n == 0:
                 continue
-            if it.param.dtype not in (torch.float32, torch.bfloat16):
-                raise ValueError(f"param dtype {it.param.dtype} not supported (float32, bfloat16)")
-            if it.S % it.B or n % it.S or (it.mode != 2 and it.S != it.B):
-                raise ValueError(f"bad item {i}: S={it.S}, B={it.B}, mode={it.mode}, numel={n}")
+            it.check(i)
             rows, bs, warps = tuple(config) if config is not None else _config(it.B, n // it.S)
             buckets.setdefault((it.mode, it.param.dtype == torch.bfloat16, rows, bs, warps, _aligned(it)),
                                []).append(i)
@@ -91,10 +103,8 @@ class MultiStep:
                 it = self.items[i]
                 nrows = it.param.numel() // it.S
                 vc = it.v_col.data_ptr() if it.v_col is not None else it.v.data_ptr()
-                one_block = it.v_col is None or it.v_col.numel() == it.S
-                rb = it.row0 + nrows + 1 if one_block else it.row_block  # one block: every row in block 0
                 meta.append([it.param.data_ptr(), it.idx.data_ptr(), it.scale.data_ptr(), it.v.data_ptr(), vc,
-                             nrows, it.S, it.B, it.row0, rb])
+                             nrows, it.S, it.B, it.row0, it.block_rows])
                 prog += [[t, r] for r in range(0, nrows, rows)]
             self._launches.append(dict(
                 mode=mode, bf16=bf16, rows=rows, bs=bs, warps=warps, members=members, aligned=aligned,
