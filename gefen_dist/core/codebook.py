@@ -44,6 +44,7 @@ __all__ = [
     "bin_centres",
     "solve_codebook",
     "dp_segments",
+    "mirrored_counts",
 ]
 
 
@@ -234,6 +235,16 @@ def _to_counts(counts) -> np.ndarray:
     if (arr < 0).any():
         raise ValueError("counts must be non-negative")
     return arr
+
+
+def mirrored_counts(counts) -> np.ndarray:
+    """The histogram plus its mirror image (int64 ``[NUM_BINS]``): bin ``j`` gets the counts of
+    ``j`` and ``NUM_BINS - 1 - j``, whose centres are ``c`` and ``-c``. The DP on it minimises the
+    first moment's quantization error averaged over a value and its negation, so the codebook
+    resolves both signs alike whatever the sign balance of the first step's gradient (D17; the
+    paper's codebook is the DP on the histogram itself)."""
+    cnt = _to_counts(counts)
+    return cnt + cnt[::-1]
 
 
 def solve_codebook(counts, dp: Optional[DPSolver] = None) -> CodebookResult:

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..core import codebook as _codebook
 from ..core import periods as _periods
 from ..core import span as _span
 from ..core.quant import NUM_BINS
@@ -110,13 +111,17 @@ class CodebookFit:
     info: Dict[str, Any]
 
 
-def learn_codebook(counts: torch.Tensor) -> CodebookFit:
+def learn_codebook(counts: torch.Tensor, symmetric: bool = True) -> CodebookFit:
     """The job's codebook from the global histogram (the exact DP, native when it builds), with its
-    summary: active bins, SSE, method, values, RMS error (normalised units) and the DP's time."""
-    res = _dispatch.solve_codebook(counts.numpy())
-    total = int(counts.sum())
-    info = dict(active_bins=res.active_bins, sse=res.sse, method=res.method, values=total,
-                rms_error=math.sqrt(res.sse / max(1, total)), seconds_dp=res.seconds)
+    summary: active bins, SSE, method, values, RMS error (normalised units), the DP's time and
+    whether it was fitted to the histogram and its mirror image (``symmetric``, D17: the default of
+    every optimizer; False is the paper's codebook). The SSE and RMS error are the fitted
+    histogram's (for ``symmetric``, twice the values)."""
+    fitted = _codebook.mirrored_counts(counts) if symmetric else counts.numpy()
+    res = _dispatch.solve_codebook(fitted)
+    total = int(fitted.sum())
+    info = dict(active_bins=res.active_bins, sse=res.sse, method=res.method, values=int(counts.sum()),
+                rms_error=math.sqrt(res.sse / max(1, total)), seconds_dp=res.seconds, symmetric=bool(symmetric))
     return CodebookFit(res.codebook.to(torch.float32), info)
 
 

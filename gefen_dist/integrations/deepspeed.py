@@ -226,7 +226,7 @@ class Gefen(_opt_mod.Gefen):
             counts = fs.learn(st, grad, codebook_needed=self.codebook is None, second_moment=second_moment,
                               check_overflow=self.nonfinite != "ignore")
             if counts is not None:
-                fit = learning.learn_codebook(counts)
+                fit = learning.learn_codebook(counts, self.symmetric_codebook)
                 self.codebook = fit.codebook.to(device=flat.device)
                 for s in self.state.values():
                     if "codebook" in s:

@@ -563,7 +563,7 @@ def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]]) -> Dic
     if meta is not None and meta.get("codebook") is not None:
         opt.codebook = meta["codebook"].float().clone()
     elif int(counts.sum()) > 0:
-        fit = learning.learn_codebook(counts)
+        fit = learning.learn_codebook(counts, getattr(opt, "symmetric_codebook", True))
         opt.codebook = fit.codebook
         opt.codebook_info = dict(fit.info, source="exp_avg (universal warm start)")
     else:

@@ -80,11 +80,15 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
             (:func:`gefen_dist.core.step.clamp_bound`; D13): no gradient sequence moves a weight by
             more than that times ``lr`` beyond its decay. ``True`` is ``c = 1``, ``False`` the
             paper's unbounded update. docs/api.md describes every option with its measurements.
+        symmetric_codebook: ``True`` (default) fits the codebook to the first step's histogram and
+            its mirror image, so both signs of the first moment are resolved alike (D17); ``False``
+            fits the histogram itself (the paper's codebook), which a first gradient of mostly one
+            sign skews to that sign.
         fused: ``None`` (default) uses the fused native kernel when it is available for the
             parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
             Per-group options are ``lr``, ``betas``, ``eps``, ``weight_decay``, ``second_moment``,
             ``row_blocks``, ``narrow_rows`` and (as AdamW's ``fused``) ``fused`` and ``small_threshold``; ``nonfinite``,
-            ``bound_updates`` and ``process_group`` are optimizer-wide, and a param group that sets one
+            ``bound_updates``, ``symmetric_codebook`` and ``process_group`` are optimizer-wide, and a param group that sets one
             is rejected with a ``ValueError``. Complex parameters are stepped as their real view.
         process_group: the group over which periods and the codebook are agreed (default: WORLD
             when ``torch.distributed`` is initialised, otherwise single process). Plain tensors on
@@ -109,6 +113,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         narrow_rows: str = "rows",
         nonfinite: str = "raise",
         bound_updates=DEFAULT_BOUND_UPDATES,
+        symmetric_codebook: bool = True,
         fused: Optional[bool] = None,
         process_group: Optional[Any] = None,
     ):
@@ -121,6 +126,8 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
             raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {NONFINITE})")
         if fused not in (None, True, False):
             raise ValueError(f"Invalid fused: {fused!r} (expected None, True or False)")
+        if symmetric_codebook not in (True, False):
+            raise ValueError(f"Invalid symmetric_codebook: {symmetric_codebook!r} (expected True or False)")
         _validation.validate_row_blocks(row_blocks)
         _validation.validate_narrow_rows(narrow_rows)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment,
@@ -128,6 +135,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         self.small_threshold = small_threshold
         bound_factor(bound_updates)  # True, False or a factor >= 1 on AdamW's bound; else a ValueError
         self.bound_updates = bound_updates
+        self.symmetric_codebook = bool(symmetric_codebook)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.fused = fused
@@ -293,7 +301,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         t0 = time.perf_counter()
         counts = self._global_histogram(live)
         t_hist = time.perf_counter() - t0
-        fit = learning.learn_codebook(counts)
+        fit = learning.learn_codebook(counts, self.symmetric_codebook)
         self.codebook = fit.codebook.to(device=live[0][1].local.device)
         for st in self.state.values():
             if "codebook" in st:
@@ -303,10 +311,10 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         per = Counter(self.state[p]["period"] for p, _ in live)
         top = ", ".join(f"P={k}: {v}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:6])
         logger.info(
-            "Gefen learned its codebook: %d tensors quantized (%s), %d values in %d active bins, "
+            "Gefen learned its %scodebook: %d tensors quantized (%s), %d values in %d active bins, "
             "RMS quantization error %.2e (normalised units), periods %.2fs, histogram %.2fs, DP %.2fs (%s)",
-            len(live), top, fit.info["values"], fit.info["active_bins"], fit.info["rms_error"], t_periods,
-            t_hist, fit.info["seconds_dp"], fit.info["method"],
+            "symmetric " if fit.info["symmetric"] else "", len(live), top, fit.info["values"],
+            fit.info["active_bins"], fit.info["rms_error"], t_periods, t_hist, fit.info["seconds_dp"], fit.info["method"],
         )
 
     def _check_same_tensors(self, shapes) -> None:

@@ -32,7 +32,7 @@ __all__ = ["validate_hparams", "validate_group_keys", "validate_param_group", "v
            "GROUP_REJECTED", "GROUP_REJECTED_SHARDED"]
 
 # Constructor options that apply to the whole optimizer; a param group that sets them is refused.
-GROUP_REJECTED = ("nonfinite", "bound_updates", "process_group")
+GROUP_REJECTED = ("nonfinite", "bound_updates", "symmetric_codebook", "process_group")
 # ZeroGefen and the DeepSpeed integration cut partitions across groups, stepped with one
 # implementation and one exactness threshold
 GROUP_REJECTED_SHARDED = ("fused", "small_threshold") + GROUP_REJECTED

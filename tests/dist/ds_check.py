@@ -217,7 +217,9 @@ def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="
         assert st["idx"].dtype == torch.uint8
         assert ("v_col" in st) == (second_moment == "factored") and ("v" in st) != ("v_col" in st), (case, list(st))
     if second_moment == "factored":
-        check_factored_state(case, opt, ref_opt)
+        # an isolated codeword flip changes later gradients a little, and with them v (measured up to
+        # 7.5e-6 relative after one flip in a.weight and one in b.weight under ZeRO-2 offload)
+        check_factored_state(case, opt, ref_opt, tol=1e-6 if flips == 0 else 1e-4)
     if narrow_rows == "span":
         check_span_state(case, opt, ref_opt)
     log(f"OK {case}: codebook and periods {sorted(set(opt.periods().values()))} identical, max rel param diff "
@@ -245,9 +247,10 @@ def check_span_state(case, opt, ref_opt):
     assert all(r == allr[0] for r in allr), (case, "span state differs across ranks")
 
 
-def check_factored_state(case, opt, ref_opt):
-    """v_col of every held tensor and v_row of every row match the reference's (1e-6 relative), and a
-    row cut by a partition edge has a bit-identical v_row on the ranks that share it."""
+def check_factored_state(case, opt, ref_opt, tol=1e-6):
+    """v_col of every held tensor and v_row of every row match the reference's (``tol`` relative:
+    1e-6, or 1e-4 after an isolated codeword flip of the parameters), and a row cut by a partition
+    edge has a bit-identical v_row on the ranks that share it."""
     from gefen_dist.engine.flat import _slots
 
     ref_by_shape = {}
@@ -297,7 +300,7 @@ def check_factored_state(case, opt, ref_opt):
         assert len(set(vals)) == 1, (case, key, vals)
         n_cut += len(vals) > 1
     assert n_cut >= 1, (case, "no row was cut by a partition edge")
-    assert vdiff <= 1e-6 and cdiff <= 1e-6, (case, vdiff, cdiff)
+    assert vdiff <= tol and cdiff <= tol, (case, vdiff, cdiff, tol)
     log(f"   {case}: {n_cut} cut row(s) with identical v_row on the ranks sharing them; max rel diff to the "
         f"reference: v_row {vdiff:.1e} (with the few-row tensor's shared v, cut by an edge: {few_cut}), "
         f"v_col {cdiff:.1e}")
