@@ -22,7 +22,10 @@ Configurations:
 * ``head_exact``: the head in a group with ``small_threshold`` above its size (AdamW's state).
 
 Prints every seed's held-out MSE, each configuration's ratio to AdamW per seed and its geometric
-mean, the negative codewords of the learned codebook, and the head's state bytes per parameter.
+mean (a diverged run, NaN, makes it NaN), the negative codewords of the learned codebook, and the
+head's state bytes per parameter (Gefen's; the 8-bit peers keep about 2). ``--out`` also records the
+commit. Run at a commit before D15 was withdrawn, ``default`` is D15's layout (one ``v`` per 2048
+elements of the head): ``research/results/head_regression_d15.json``.
 """
 from __future__ import annotations
 
@@ -130,10 +133,15 @@ def main(argv=None):
                              head_bytes_per_param=r[seeds[0]].get("head_bytes_per_param"),
                              negative_codewords=r[seeds[0]].get("negative_codewords"))
         print(f"{name:22s} | " + ", ".join(f"{r[s]['loss']:.4f}" for s in seeds) + " | "
-              + ", ".join(f"{x:.2f}x" for x in ratios) + f" | {gm:.2f}x | {summary[name]['head_bytes_per_param'] or 8.0:.3f}"
+              + ", ".join(f"{x:.2f}x" for x in ratios) + f" | {gm:.2f}x | "
+              + ("8.000" if name == "adamw" else "-" if summary[name]["head_bytes_per_param"] is None
+                 else f"{summary[name]['head_bytes_per_param']:.3f}")
               + f" | {summary[name]['negative_codewords']}")
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out = {"command": "python research/head_regression.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "torch": torch.__version__, "seconds": round(time.time() - t0, 1), "seeds": seeds,
+           "commit": commit, "torch": torch.__version__, "seconds": round(time.time() - t0, 1), "seeds": seeds,
            "runs": runs, "summary": summary, "skipped": skipped}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -298,6 +298,13 @@ RESEARCH_VARIANTS = {
                             _gefen(second_moment="factored", row_blocks="auto", bound_updates=False)),
     # (v) a bound twice AdamW's: the largest factor that keeps issue 26's three workloads within 5% of
     # AdamW (bag of features 0.87x AdamW's loss at 2x, 1.19x at 4x; dead first batch, plain MLP ~1.00x)
+    # (v) D17: the default against the paper's codebook fit, both on the native CPU step (fused=None; the
+    # other variants run the eager path), paired by seed on one host
+    "v_default_fused": ("(v) gefen_dist Gefen, defaults (D17's symmetric codebook fit), native CPU step",
+                        _gefen(second_moment="factored", row_blocks="auto", fused=None)),
+    "v_default_paper_cb_fused": ("(v) the default with symmetric_codebook=False (the paper's codebook fit, the default "
+                                 "before D17), native CPU step", _gefen(second_moment="factored", row_blocks="auto",
+                                                                        fused=None, symmetric_codebook=False)),
     "v_default_bound2": ("(v) gefen_dist Gefen, defaults but bound_updates=2.0 (every normalised update clamped "
                          "to 2 K_t instead of K_t)", _gefen(second_moment="factored", row_blocks="auto",
                                                             bound_updates=2.0)),

@@ -60,7 +60,7 @@ def test_eligibility_and_geometry():
     assert span_rows((5000, 1)) == 1024 and span_blocks((5000, 1)) == 5  # the last block holds 904 rows
     assert span_rows((100, 3)) == 342 and span_rows((10, 79)) == 13
     for shape, mode in [((5000, 1), "span"), ((1000, 79), "span"), ((1000, SPAN_BELOW), "factored"),
-                        ((4095, 1), "exact"), ((5000,), "exact"), ((1, 8192), "shared")]:
+                        ((4095, 1), "exact"), ((5000,), "exact"), ((1, 8192), "factored")]:  # few rows: factored (D15 withdrawn)
         p = nn.Parameter(torch.zeros(shape))
         assert Gefen([p], narrow_rows="span")._mode(p) == mode, shape
     p = nn.Parameter(torch.zeros(5000, 1))

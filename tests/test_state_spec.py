@@ -82,110 +82,114 @@ def test_loading_quantized_state_of_a_one_element_row_tensor_names_the_rule():
 
 
 @pytest.mark.parametrize("shape", [(1, 8192), (1, 197, 768), (3, 5000), (63, 4096), (1, 4099)])
-def test_few_row_tensors_keep_a_shared_v_at_about_one_byte(shape):
-    """D15: a factored group's tensor of fewer than 64 rows keeps the shared second moment with the
-    shape period (the period the factored mode fixes, D14), not a per-column v_col (4 / rows B/param:
-    5.0 B/param for (1, N)). The optimizer, the flat-range layout and the plan agree, it stays at or
-    under 1.1 B/param, and 64 rows stay factored. Shared / elementwise groups are unchanged."""
+def test_few_row_tensors_are_factored(shape):
+    """A factored group's tensor of fewer than 64 rows is factored like any other (D15, which kept a
+    shared v for them, is withdrawn: a dense one-row head trained 14x worse than with AdamW,
+    research/head_regression.py): ``v_row`` per row and a ``v_col`` per column, ``4 / rows`` B/param
+    (5.0 in all for ``(1, N)``), and the optimizer, the flat-range layout and the plan agree."""
     from gefen_dist import Gefen
     from gefen_dist.core.periods import shape_period
     from gefen_dist.plan import tensor_state
 
     spec = StateSpec.of(shape, second_moment="factored", small_threshold=4096)
-    assert spec.mode == "shared" and spec.geometry.period == shape_period(shape)
-    assert set(spec.range_tensors(7, 3000)) == {"idx", "scale", "v"}
-    assert StateSpec.of((64,) + tuple(shape[1:]), second_moment="factored", small_threshold=4096).mode == "factored"
-    assert StateSpec.of(shape, second_moment="elementwise", small_threshold=4096).mode == "elementwise"
+    assert spec.mode == "factored" and spec.geometry.period == shape_period(shape)
+    assert set(spec.range_tensors(7, 3000)) == {"idx", "scale", "v_row", "v_col"}
+    assert StateSpec.of(shape, second_moment="shared", small_threshold=4096).mode == "shared"
     gen = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(shape, generator=gen))
     opt = Gefen([p], lr=1e-3)
     for _ in range(2):
         p.grad = torch.randn(shape, generator=gen)
         opt.step()
-    n = math.prod(shape)
-    assert sorted(k for k, v in opt.state[p].items() if torch.is_tensor(v)) == ["codebook", "idx", "scale", "step", "v"]
-    assert opt.state[p]["period"] == shape_period(shape)
+    n, rows = math.prod(shape), shape[0]
+    assert sorted(k for k, v in opt.state[p].items() if torch.is_tensor(v)) == [
+        "codebook", "idx", "scale", "step", "v_col", "v_row"]
     assert opt.state_bytes() == tensor_state(shape)["gefen_bytes"] + 256 * 4  # + the job's codebook
-    assert tensor_state(shape)["gefen_bytes"] <= 1.1 * n, tensor_state(shape)["gefen_bytes"] / n
+    want = n + 4 * (n // shape_period(shape)) + 4 * rows + 4 * (n // rows)
+    assert tensor_state(shape)["gefen_bytes"] == want, (tensor_state(shape)["gefen_bytes"], want)
 
 
-def test_a_factored_state_saved_before_few_rows_were_shared_continues():
-    """A checkpoint saved when few-row tensors were factored (v_row / v_col) loads: their v per
-    block is the factored estimate's mean over the block, the other tensors' state is as saved, and
-    the optimizer steps on from it."""
+def _d15_entry(shape, gen):
+    """A state entry as a version of D15 saved it for a factored group's tensor of few rows: the
+    factored step's ``idx`` / ``scale`` (the same shape period and scale block) with a shared ``v``
+    per v-block instead of ``v_row`` / ``v_col``."""
+    from gefen_dist import Gefen
+
+    p = torch.nn.Parameter(torch.randn(shape, generator=gen))
+    opt = Gefen([p], lr=1e-3)
+    for _ in range(3):
+        p.grad = torch.randn(shape, generator=gen)
+        opt.step()
+    sd = opt.state_dict()
+    ent = {k: v for k, v in sd["state"][0].items() if k not in ("v_row", "v_col")}
+    per = ent["period"]
+    ent["v"] = torch.rand(shape[0], math.prod(shape[1:]) // per, generator=gen) + 0.5
+    return sd, ent
+
+
+def test_a_shared_state_saved_by_d15_versions_continues_as_factored():
+    """A checkpoint of D15's versions (a shared ``v`` for a few-row tensor of a factored group) loads:
+    ``v_row`` is each row's mean ``v``, ``v_col`` flat at the tensor's mean ``v`` (the estimate starts
+    at the row's shared ``v``), ``idx`` / ``scale`` / ``step`` as saved; the optimizer steps on."""
     from gefen_dist import Gefen
     from gefen_dist.core.step import column_ratios
 
     gen = torch.Generator().manual_seed(1)
+    sd, ent = _d15_entry((3, 5000), gen)
+    sd["state"][0] = ent
     few = torch.nn.Parameter(torch.randn(3, 5000, generator=gen))
-    many = torch.nn.Parameter(torch.randn(256, 192, generator=gen))
-    cols = torch.linspace(0.1, 3.0, 5000)
-    saver = Gefen([many], lr=1e-3)  # a (3, 5000) factored entry as an older version saved it:
-    donor = Gefen([torch.nn.Parameter(torch.randn(64, 5000, generator=gen))], lr=1e-3)  # 64 rows: factored
-    for o, p, c in ((saver, many, 1.0), (donor, donor.param_groups[0]["params"][0], cols)):
-        for _ in range(3):
-            p.grad = torch.randn(p.shape, generator=gen) * c
-            o.step()
-    sd = saver.state_dict()
-    old = {k: (v[:3].clone() if k in ("idx", "scale", "v_row") else v) for k, v in donor.state_dict()["state"][0].items()}
-    sd["state"][1] = old
-    sd["param_groups"][0]["params"] = [0, 1]
-    opt = Gefen([many, few], lr=1e-3)
+    opt = Gefen([few], lr=1e-3)
     opt.load_state_dict(sd)
     st = opt.state[few]
-    want = (old["v_row"] * column_ratios(old["v_col"]).view(1, -1)).view(3, -1, old["period"]).mean(-1)
-    assert set(k for k, v in st.items() if torch.is_tensor(v)) == {"step", "idx", "scale", "v", "codebook"}
-    torch.testing.assert_close(st["v"], want.float(), rtol=1e-6, atol=0)
-    assert torch.equal(st["idx"], old["idx"]) and torch.equal(opt.state[many]["v_col"], sd["state"][0]["v_col"])
-    few.grad, many.grad = torch.randn(3, 5000, generator=gen), torch.randn(256, 192, generator=gen)
+    assert set(k for k, v in st.items() if torch.is_tensor(v)) == {"step", "idx", "scale", "v_row", "v_col", "codebook"}
+    torch.testing.assert_close(st["v_row"], ent["v"].mean(dim=1, keepdim=True), rtol=0, atol=0)
+    assert st["v_col"].shape == (5000,)
+    torch.testing.assert_close(column_ratios(st["v_col"]), torch.ones(5000), rtol=1e-6, atol=0)
+    assert float(st["v_col"][0]) == pytest.approx(float(ent["v"].mean()), rel=1e-6)
+    assert torch.equal(st["idx"], ent["idx"]) and torch.equal(st["scale"], ent["scale"]) and int(st["step"]) == 3
+    few.grad = torch.randn(3, 5000, generator=gen)
     opt.step()
-    assert torch.isfinite(few).all()
+    assert torch.isfinite(few).all() and int(opt.state[few]["step"]) == 4
 
 
-def test_a_deepspeed_flat_state_saved_before_few_rows_were_shared_continues():
-    """The flat-buffer side of the same: a factored flat state without ``few_rows`` (saved before
-    D15) holds a ``v_row`` per row and a ``v_col`` for the few-row segment; its first step after the
-    resume moves that segment's ``v`` to the block means of the factored estimate, keeps the factored
-    segment's ``v_row`` / ``v_col`` and the scales, and steps on."""
-    from gefen_dist.core.step import factored_block_v, hyperparameters
+def test_a_deepspeed_flat_state_of_d15_versions_is_refused_or_continues():
+    """A flat buffer's factored state: one saved before D15 (no ``few_rows`` marker) has today's
+    layout and continues as saved; one of D15's versions (marker 64) whose catalog has a learned
+    tensor of few rows is refused before anything changes, naming it and the universal-checkpoint
+    conversion (its shared ``v`` cannot be read as ``v_row`` / ``v_col``); without such a tensor it
+    continues (same layout)."""
+    from gefen_dist.core.step import hyperparameters
     from gefen_dist.engine.comm import LocalComm
-    from gefen_dist.engine.flat import FlatSegments, Segment, _slots, counts_to_codebook
+    from gefen_dist.engine.flat import FlatSegments, LayoutError, Segment, counts_to_codebook
 
-    shapes = [("few", (3, 4000)), ("many", (96, 64)), ("bias", (64,))]
-    segs, off = [], 0
-    for name, shape in shapes:
-        segs.append(Segment(name, name, shape, 0, off, math.prod(shape)))
-        off += math.prod(shape)
-    gen = torch.Generator().manual_seed(0)
-    flat = torch.randn(off, generator=gen) * 0.02
-    fs = FlatSegments(segs, LocalComm(), 4096)
-    st = fs.new_state(flat, torch.zeros(256), factored=True)
-    grad = torch.randn(off, generator=gen) * 1e-2
-    st["codebook"] = counts_to_codebook(fs.learn(st, grad, codebook_needed=True, second_moment="factored")).codebook.float()
-    hp = hyperparameters(dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), 1)
-    st["step"] += 1
-    fs.step(flat, grad, st, second_moment="factored", hp=hp)
-    new, _, _, _ = _slots(segs, st["periods"], 4096, True, st["row_blocks"])
-    few, many = new[0], new[1]
-    assert not few.factored and many.factored and few.v_n == 3 * 4000 // few.period and few.vcol_n == 0
-    # the same state as an older version kept it: the few-row tensor factored, v_row per row, v_col [4000]
-    old, _, nv_old, _ = _slots(segs, st["periods"], 4096, True, st["row_blocks"], few_rows_shared=False)
-    vr_few, vc_few = torch.rand(3, generator=gen) + 0.5, torch.rand(4000, generator=gen) + 0.1
-    v_row = torch.zeros(nv_old)
-    v_row[old[0].v_off:old[0].v_off + 3] = vr_few
-    v_row[old[1].v_off:old[1].v_off + old[1].v_n] = st["v_row"][many.v_off:many.v_off + many.v_n]
-    v_col = torch.cat([vc_few, st["v_col"][many.vcol_off:many.vcol_off + many.vcol_n]])
-    assert old[0].vcol_off == 0 and old[1].vcol_off == 4000
-    saved = dict(st, v_row=v_row, v_col=v_col)
-    del saved["few_rows"]
-    keep = {k: saved[k].clone() for k in ("scale", "idx")}
-    assert fs.upgrade_few_rows(saved) and saved["few_rows"] == 64
-    want = factored_block_v(vr_few, vc_few, few.period, 0, 3).reshape(-1)
-    torch.testing.assert_close(saved["v_row"][few.v_off:few.v_off + few.v_n], want, rtol=1e-6, atol=0)
-    assert torch.equal(saved["v_row"][many.v_off:many.v_off + many.v_n], st["v_row"][many.v_off:many.v_off + many.v_n])
-    assert torch.equal(saved["v_col"], st["v_col"]) and all(torch.equal(keep[k], saved[k]) for k in keep)
-    assert not fs.upgrade_few_rows(saved)  # once
-    saved["step"] += 1
-    fs.step(flat, torch.randn(off, generator=gen) * 1e-2, saved, second_moment="factored",
-            hp=hyperparameters(dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), 2))
-    assert torch.isfinite(flat).all()
+    def buffer(shapes):
+        segs, off = [], 0
+        for name, shape in shapes:
+            segs.append(Segment(name, name, shape, 0, off, math.prod(shape)))
+            off += math.prod(shape)
+        gen = torch.Generator().manual_seed(0)
+        flat = torch.randn(off, generator=gen) * 0.02
+        fs = FlatSegments(segs, LocalComm(), 4096)
+        st = fs.new_state(flat, torch.zeros(256), factored=True)
+        grad = torch.randn(off, generator=gen) * 1e-2
+        st["codebook"] = counts_to_codebook(fs.learn(st, grad, codebook_needed=True,
+                                                     second_moment="factored")).codebook.float()
+        st["step"] += 1
+        fs.step(flat, grad, st, second_moment="factored",
+                hp=hyperparameters(dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), 1))
+        return fs, st, flat, grad
+
+    fs, st, flat, grad = buffer([("few", (3, 4000)), ("many", (96, 64)), ("bias", (64,))])
+    assert st["few_rows"] == 0 and st["v_col"].numel() == 4000 + 64  # the few-row tensor is factored
+    assert not fs.continue_few_rows(st)  # today's state: nothing to do
+    old = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+    del old["few_rows"]  # saved before D15: the same layout
+    assert fs.continue_few_rows(old) and old["few_rows"] == 0
+    assert all(torch.equal(old[k], st[k]) for k in ("idx", "scale", "v_row", "v_col"))
+    d15 = dict(st, few_rows=64)
+    with pytest.raises(LayoutError, match=r"few.*ds-to-universal"):
+        fs.continue_few_rows(d15)
+    assert d15["few_rows"] == 64  # unchanged
+    fs2, st2, _, _ = buffer([("many", (96, 64)), ("bias", (64,))])
+    d15 = dict(st2, few_rows=64)
+    assert fs2.continue_few_rows(d15) and d15["few_rows"] == 0

@@ -231,11 +231,12 @@ def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], size_
         return (f"checkpoint entry {key!r} holds {held} for parameter {fqn!r} ({numel} elements, shape {shape}), "
                 f"which this optimizer keeps {'quantized' if was == 'exact' else 'exact'} (small_threshold={thr}). "
                 f"Build Gefen with the small_threshold the checkpoint was saved with ({want})")
-    if was == "factored" and mode == "shared" and few_rows(shape):
-        return (f"checkpoint entry {key!r} holds a factored second moment for parameter {fqn!r} (shape {shape}), "
-                f"which has fewer than {FEW_ROWS} rows: this version keeps a shared v for such tensors (D15, "
-                "docs/algorithm.md), so the plain DCP flow cannot load it. Load the checkpoint once through "
-                "Gefen.load_state_dict (a full state dict: it continues the entry as shared state) and save it again")
+    if was == "shared" and mode == "factored" and few_rows(shape):
+        return (f"checkpoint entry {key!r} holds a shared second moment for parameter {fqn!r} (shape {shape}), "
+                f"which has fewer than {FEW_ROWS} rows: it was saved by a version that kept a shared v for such "
+                "tensors (D15, withdrawn: docs/algorithm.md); this version keeps them factored, so the plain DCP "
+                "flow cannot load it. Load the checkpoint once through Gefen.load_state_dict (a full state dict: "
+                "it continues the entry as factored state) and save it again")
     if was != mode and "span" in (was, mode):
         saved_nr = "span" if was == "span" else "rows"
         return (f"checkpoint entry {key!r} holds the state of parameter {fqn!r} (shape {shape}) per "

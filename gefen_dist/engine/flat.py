@@ -57,11 +57,10 @@ import torch
 from ..core import periods as _periods
 from ..core import span as _span
 from ..core.quant import NUM_BINS
-from ..core.step import factored_block_v
 from . import learning
 from ..kernels import dispatch as _dispatch
-from .layout import FEW_ROWS, Piece, is_exact
-from .state import MODE_FACTORED, fixed_period, mode_of_saved, new_step
+from .layout import FEW_ROWS, Piece, few_rows, is_exact
+from .state import MODE_FACTORED, few_rows_shared_in, fixed_period, mode_of_saved, new_step
 from .flat_layout import LayoutError, Segment, _slots, _split, verify_segments  # noqa: F401  (re-exported)
 from .flat_span import FlatSpanMixin
 from .flat_step import SegmentStepMixin
@@ -194,7 +193,7 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
             st["v_row"] = torch.zeros(nv, dtype=torch.float32, device=dev)
             st["v_col"] = torch.zeros(sum(sp.vcol_n for sp in slots), dtype=torch.float32, device=dev)
             st["row_blocks"] = row_blocks
-            st["few_rows"] = FEW_ROWS  # D15: tensors of fewer rows keep a shared v (in v_row)
+            st["few_rows"] = 0  # no tensor of few rows keeps a shared v (64 in the states of D15's versions)
         else:
             st["v"] = torch.zeros(nv, dtype=torch.float32, device=dev)
         cat = self.global_catalog()
@@ -254,43 +253,31 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
                 v[n.v_off:n.v_off + n.v_n] = st[vkey][o.v_off:o.v_off + o.v_n]
         st["scale"], st[vkey], st["periods"] = scale, v, list(new_periods)
 
-    def upgrade_few_rows(self, st: Dict[str, Any]) -> bool:
-        """Continue a factored state saved before D15 (no ``st["few_rows"]``), in which tensors of few
-        rows had a ``v_row`` / ``v_col``: their ``v`` per v-block becomes the factored estimate's mean
-        over the block (:func:`gefen_dist.core.step.factored_block_v`), the other segments keep
-        theirs. Local: the same on every rank holding a row. Returns True when ``st`` changed."""
-        if mode_of_saved(st) != MODE_FACTORED or st.get("few_rows") is not None:
+    def continue_few_rows(self, st: Dict[str, Any]) -> bool:
+        """Mark a loaded factored state with today's few-row layout (``st["few_rows"] = 0``): a state
+        saved before D15 (no marker) already has it, and so does one of D15's versions (marker 64,
+        withdrawn) whose catalog holds no learned tensor of few rows. One that does holds a shared ``v``
+        for it where a ``v_row`` / ``v_col`` are expected: refused with a :class:`LayoutError` that
+        names the tensors and the conversion that resumes it, on every rank (the catalog is the same on
+        all of them; a rank whose partition holds none of that tensor would otherwise go on into the
+        step's collectives alone). Returns True when ``st`` changed."""
+        if mode_of_saved(st) != MODE_FACTORED or st.get("few_rows") == 0:
             return False
-        rb = st.get("row_blocks", 1)
-        spanf = self._span_fn(True)
-        old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rb, few_rows_shared=False,
-                              span=spanf)
-        new, _, nv, _ = _slots(self.segments, st["periods"], self.small_threshold, True, rb, span=spanf)
-        dev = st["v_row"].device
-        v_row = torch.zeros(nv, dtype=torch.float32, device=dev)
-        v_col = torch.zeros(sum(n.vcol_n for n in new), dtype=torch.float32, device=dev)
-        moved = []
-        for o, n, learned in zip(old, new, st["learned"]):
-            if o.exact or o.span:
-                continue
-            if n.factored:
-                v_row[n.v_off:n.v_off + n.v_n] = st["v_row"][o.v_off:o.v_off + o.v_n]
-                v_col[n.vcol_off:n.vcol_off + n.vcol_n] = st["v_col"][o.vcol_off:o.vcol_off + o.vcol_n]
-                continue
-            s = o.seg
-            if not (learned and s.numel):
-                continue
-            S, P, R = _periods.row_slab(s.shape), o.period, int(s.shape[0])
-            a, e = s.param_offset, s.param_offset + s.numel
-            vc = st["v_col"][o.vcol_off:o.vcol_off + o.vcol_n]
-            per_row = factored_block_v(st["v_row"][o.v_off:o.v_off + o.v_n], vc.view(-1, S), P, a // S, R)
-            k0 = a // P - (a // S) * (S // P)  # first touched v-block, counted from the first touched row
-            v_row[n.v_off:n.v_off + n.v_n] = per_row.reshape(-1)[k0:k0 + n.v_n].to(dev)
-            moved.append(s.name)
-        st["v_row"], st["v_col"], st["few_rows"] = v_row, v_col, FEW_ROWS
-        if moved:
-            logger.info("%s: factored state saved before D15 continued with a shared v for the tensors of fewer than "
-                        "%d rows (%s)", self.where, FEW_ROWS, ", ".join(moved[:4]) + ("..." if len(moved) > 4 else ""))
+        if few_rows_shared_in(st):
+            # decided on the global catalog (the same on every rank), so every rank raises or none does
+            cat, spans = self.global_catalog(), set(st.get("span_keys", []))
+            shared = [k for k, learned in zip(st.get("global_keys", []), st.get("global_learned", []))
+                      if learned and k not in spans and few_rows(cat[k]["shape"])
+                      and not is_exact(cat[k]["shape"], self.small_threshold)]
+            if shared:
+                raise LayoutError(
+                    f"{self.where}: the optimizer state was saved by a gefen_dist version that kept a shared second "
+                    f"moment for tensors of fewer than {FEW_ROWS} rows (D15, withdrawn: docs/algorithm.md); this "
+                    f"version keeps them factored, so {', '.join(shared[:4])}{'...' if len(shared) > 4 else ''} "
+                    "cannot be read in place. Convert the checkpoint (gefen-dist ds-to-universal) and load it with "
+                    "gefen_dist.integrations.deepspeed.load_universal, which rebuilds every tensor's state in "
+                    "today's layout")
+        st["few_rows"] = 0
         return True
 
     # ------------------------------------------------------------------ learning (D4, D6, D3)

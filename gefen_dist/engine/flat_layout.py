@@ -89,15 +89,16 @@ class _SegSlots:
 
 
 def _slots(segments: Sequence[Segment], periods: Sequence[int], small_threshold: Optional[int],
-          factored: bool = False, row_blocks=1, few_rows_shared: bool = True,
+          factored: bool = False, row_blocks=1, few_rows_shared: bool = False,
           span=None) -> Tuple[List[_SegSlots], int, int, int]:
     """Offsets of every segment's state. Shared second moment: ``v`` per touched v-block (period).
     Factored (``factored=True``): ``v`` is ``v_row``, one entry per touched row (independent of the
     period), and ``vcol_off``/``vcol_n`` place a full ``v_col`` per non-empty quantized segment:
     ``G x slab`` floats with ``G = factored_row_blocks(shape, row_blocks)`` row blocks (D12; the
-    state records its rule as ``st["row_blocks"]``, 1 for states saved before D12). A tensor of few
-    rows keeps the shared second moment in a factored buffer too (D15, ``factored`` False on its
-    slots): its ``v`` per touched v-block lives in ``st["v_row"]`` and it has no ``v_col``.
+    state records its rule as ``st["row_blocks"]``, 1 for states saved before D12).
+    ``few_rows_shared``: the layout of the versions of D15 (withdrawn), in which a tensor of few rows
+    kept the shared second moment in a factored buffer (``factored`` False on its slots, its ``v`` per
+    touched v-block in ``st["v_row"]``, no ``v_col``); only for reading their saved state.
     ``small_threshold=None`` reads a *saved* state without knowing the optimizer's threshold: a
     segment is exact iff its period is 0 (quantized segments always have a period >= 1).
     ``span(shape)``: whether a tensor keeps its state per block of rows (D16, ``narrow_rows="span"``):
@@ -112,7 +113,7 @@ def _slots(segments: Sequence[Segment], periods: Sequence[int], small_threshold:
             eo += seg.numel
             continue
         # the segment's state as the one state spec lays out a flat range of its tensor
-        fac = factored and (not few_rows_shared or quantized_mode(seg.shape, MODE_FACTORED) == MODE_FACTORED)
+        fac = factored and quantized_mode(seg.shape, MODE_FACTORED, few_rows_shared) == MODE_FACTORED
         spec = StateSpec(MODE_FACTORED if fac else MODE_SHARED, Geometry.quantized(seg.shape, int(per)),
                          _periods.factored_row_blocks(seg.shape, row_blocks) if fac else 1)
         t = spec.range_tensors(seg.param_offset, seg.param_offset + seg.numel)

@@ -89,8 +89,8 @@ def few_rows(shape: Sequence[int]) -> bool:
     """A tensor of ``ndim >= 2`` with fewer than :data:`FEW_ROWS` dim-0 rows (``(1, N)``, a ViT
     position embedding ``(1, 197, 768)``, a two-class head ``(2, d)``). The factored second moment's
     column profile ``v_col`` holds one fp32 per column, ``4 / rows`` B/param (5.0 B/param in all for
-    ``(1, N)``); such a tensor keeps the shared second moment instead, one ``v`` per block of its
-    shape period (:func:`gefen_dist.engine.state.quantized_mode`, D15)."""
+    ``(1, N)``). Such tensors are factored like any other; the versions of D15 (withdrawn) kept them
+    shared, and this tells their saved state apart (:func:`gefen_dist.engine.state.quantized_mode`)."""
     return len(shape) >= 2 and int(shape[0]) < FEW_ROWS
 
 

@@ -18,8 +18,10 @@ span           ``idx``; ``scale``, ``v_blk`` [nb], ``v_col`` [slab], replicated 
                (``narrow_rows="span"``, rows of < 80 elements, blocks of rows, D16)
 =============  =================================================================  ==============
 
-A factored group's tensors of fewer than 64 rows are in the shared mode, with the period the
-factored mode fixes (:func:`quantized_mode`, D15): ``v_col`` would cost ``4 / rows`` B/param.
+A factored group's tensors of few rows are factored too (``v_col`` costs ``4 / rows`` B/param: 5.0 in all
+for ``(1, N)``). From 2026-12-02 to 2026-12-05 they kept the shared mode instead (D15, withdrawn: a
+dense single-output head trained 14x worse than with AdamW); :func:`few_rows_shared_in` recognises the
+state such versions saved.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ DEFAULT_SECOND_MOMENT = MODE_FACTORED  # Gefen's, ZeroGefen's and the DeepSpeed 
 
 __all__ = ["StateSpec", "SECOND_MOMENTS", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
            "MODE_ELEMENTWISE", "MODE_SPAN", "NARROW_ROWS", "span_mode", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of",
-           "quantized_mode"]
+           "quantized_mode", "few_rows_shared_in"]
 
 
 def new_step(value=0) -> torch.Tensor:
@@ -91,16 +93,21 @@ def mode_of(shape: Sequence[int], group: Mapping[str, Any], small_threshold: int
     return quantized_mode(shape, second_moment_of(group))
 
 
-def quantized_mode(shape: Sequence[int], second_moment: str) -> str:
-    """The mode of a quantized tensor of global ``shape`` in a group with ``second_moment`` (D15):
-    the group's, except that a factored group's tensors of few rows
-    (:func:`gefen_dist.engine.layout.few_rows`) keep the shared second moment, with the period the
-    factored mode fixes (:func:`fixed_period`, the shape period), so its ``v`` costs ``4 / P``
-    B/param instead of ``v_col``'s ``4 / rows``. A function of the global shape only: every backend
-    and world size agrees."""
-    if second_moment == MODE_FACTORED and few_rows(shape):
+def quantized_mode(shape: Sequence[int], second_moment: str, few_rows_shared: bool = False) -> str:
+    """The mode of a quantized tensor of global ``shape`` in a group with ``second_moment``: the
+    group's. ``few_rows_shared``: as the versions of D15 (withdrawn) kept it, a factored group's
+    tensors of few rows (:func:`gefen_dist.engine.layout.few_rows`) in the shared mode with the
+    shape period; only for reading the state those versions saved (:func:`few_rows_shared_in`)."""
+    if few_rows_shared and second_moment == MODE_FACTORED and few_rows(shape):
         return MODE_SHARED
     return second_moment
+
+
+def few_rows_shared_in(st: Mapping[str, Any]) -> bool:
+    """Whether a saved DeepSpeed flat-buffer state keeps its few-row tensors' second moment shared
+    (D15, withdrawn): ``st["few_rows"]`` is 64 in the states of the versions that did, 0 in newer
+    ones, absent in older ones (which were factored, as now)."""
+    return bool(st.get("few_rows"))
 
 
 def mode_of_saved(entry: Mapping[str, Any]) -> Optional[str]:

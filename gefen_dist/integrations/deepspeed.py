@@ -218,7 +218,7 @@ class Gefen(_opt_mod.Gefen):
                 f"the param group asks for narrow_rows={fs.narrow_rows!r} (D16: per block of rows or per row, "
                 "different state); resume with the setting the checkpoint was saved with")
         else:
-            fs.upgrade_few_rows(st)  # a factored state saved before D15
+            fs.continue_few_rows(st)  # a factored state saved before D15 or by its versions
         grad = flat.grad
         if grad.dtype != torch.float32:
             grad = grad.float()

@@ -51,7 +51,7 @@ from ..core.step import column_ratios, quantize
 from ..engine import learning
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import is_exact
-from ..engine.state import MODE_FACTORED, fixed_period, mode_of_saved, new_step, second_moment_of
+from ..engine.state import MODE_FACTORED, few_rows_shared_in, fixed_period, mode_of_saved, new_step, second_moment_of
 from ..engine.flat import Segment, _slots
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict
     span_keys = set(st.get("span_keys", []))
     span_shapes = {s.shape for s in segs if s.key in span_keys}  # D16 is decided by shape within a buffer
     slots, _, _, _ = _slots(segs, st["periods"], None, factored, st.get("row_blocks", 1),
-                            few_rows_shared="few_rows" in st,  # D15: saved before it, every segment is factored
+                            few_rows_shared=few_rows_shared_in(st),  # D15's versions (withdrawn) kept them shared
                             span=(lambda shape: tuple(shape) in span_shapes) if span_shapes else None)
     for sp, learned in zip(slots, st["learned"]):
         s = sp.seg

@@ -37,10 +37,9 @@ import torch
 from torch.optim import Optimizer
 
 from ..core.periods import row_slab
-from ..core.step import factored_block_v
-from ..engine.layout import FEW_ROWS, few_rows, global_shape, is_dtensor, like_param, local_tensor, one_element_rows, piece_of
-from ..engine.state import (MODE_EXACT, MODE_FACTORED, MODE_SPAN, StateSpec, mode_of_saved, new_step, span_mode,
-                            threshold_of)
+from ..engine.layout import FEW_ROWS, few_rows, global_shape, is_dtensor, local_tensor, one_element_rows
+from ..engine.state import (MODE_EXACT, MODE_FACTORED, MODE_SHARED, MODE_SPAN, StateSpec, fixed_period, mode_of_saved,
+                            new_step, span_mode, threshold_of)
 
 logger = logging.getLogger(__name__)
 
@@ -168,32 +167,39 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
 
 
 def continue_few_rows(opt, p: torch.Tensor, saved: Any, group: dict, name: str) -> Any:
-    """D15: a factored entry saved before tensors of few rows kept the shared second moment, for such
-    a tensor, continued as shared state: ``v`` per v-block is the factored estimate's mean over the
-    block (:func:`gefen_dist.core.step.factored_block_v`), the rest of the entry as saved. A new dict
-    (``saved`` is not changed); any other entry is returned as is (:func:`validate_entry` judges it)."""
-    if not isinstance(saved, dict) or mode_of_saved(saved) != MODE_FACTORED:
+    """D15 withdrawn: a shared entry that one of D15's versions saved for a tensor of few rows in a
+    factored group continues as factored state. ``idx`` and ``scale`` carry over (both modes have the
+    shape period and its scale block); ``v_row`` of a row is the mean of its v-blocks' ``v`` (every
+    v-block lies in one row) and ``v_col`` is flat at the tensor's mean ``v``, so the factored
+    estimate starts at each row's shared ``v`` and learns its column profile from the next gradients.
+    A new dict (``saved`` is not changed); any other entry is returned as is (:func:`validate_entry`
+    judges it). A sharded (DTensor) entry is refused: its replicated ``v_col`` would need the mean of
+    every rank's rows."""
+    if not isinstance(saved, dict) or mode_of_saved(saved) != MODE_SHARED:
         return saved
     shape = global_shape(p)
     spec = _spec(opt, p, group)
-    if spec.exact or spec.mode == MODE_FACTORED or not few_rows(shape):
+    if spec.exact or spec.mode != MODE_FACTORED or not few_rows(shape) or not isinstance(saved.get("v"), torch.Tensor):
         return saved
-    if not all(k in saved for k in ("v_row", "v_col", "period")) or not all(
-            isinstance(saved[k], torch.Tensor) for k in ("v_row", "v_col")):
-        return saved
-    S, per = row_slab(shape), saved["period"]
+    per = saved.get("period")
     per = int(per.item()) if isinstance(per, torch.Tensor) and per.numel() == 1 else per
-    if not isinstance(per, int) or per < 1 or S % per or saved["v_col"].shape[-1] != S:
+    S = row_slab(shape)
+    if per != fixed_period(shape, MODE_FACTORED) or S % per or saved["v"].numel() != int(shape[0]) * (S // per):
         return saved
-    sharded = is_dtensor(saved["v_row"])
-    vr = local_tensor(saved["v_row"])
-    row0 = piece_of(p).start // S if sharded else 0
-    v = factored_block_v(vr, local_tensor(saved["v_col"]).to(vr.device), per, row0, int(shape[0])).to(vr.device)
-    out = {k: val for k, val in saved.items() if k not in ("v_row", "v_col")}
-    out["v"] = like_param(v, p, (int(shape[0]), S // per)) if sharded else v
-    logger.info("Gefen.load_state_dict: %r (shape %s, %d rows) was saved with a factored second moment; tensors "
-                "of fewer than %d rows now keep a shared v (D15): continued with the factored estimate's mean per "
-                "block of %d", name, tuple(shape), int(shape[0]), FEW_ROWS, per)
+    if is_dtensor(saved["v"]):
+        raise ValueError(
+            f"checkpoint entry of {name!r} (shape {tuple(shape)}, {int(shape[0])} rows) holds a shared second moment "
+            f"that a gefen_dist version of D15 (withdrawn) kept for tensors of fewer than {FEW_ROWS} rows; this "
+            "version keeps them factored. Load it once from a full (unsharded) optimizer state dict, which "
+            "continues the entry as factored state, and save it again")
+    v = saved["v"].detach().reshape(int(shape[0]), S // per).float()
+    out = {k: val for k, val in saved.items() if k != "v"}
+    out["v_row"] = v.mean(dim=1, keepdim=True)
+    vc = ((spec.row_blocks,) if spec.row_blocks > 1 else ()) + (S,)
+    out["v_col"] = torch.full(vc, float(v.mean()), dtype=torch.float32, device=v.device)
+    logger.info("Gefen.load_state_dict: %r (shape %s, %d rows) was saved with a shared second moment, as tensors of "
+                "fewer than %d rows were kept from 2026-12-02 to 2026-12-05 (D15, withdrawn); continued as factored "
+                "state from each row's mean v", name, tuple(shape), int(shape[0]), FEW_ROWS)
     return out
 
 

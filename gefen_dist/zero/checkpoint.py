@@ -113,7 +113,7 @@ class ZeroCheckpointMixin:
         cb = None
         for k, saved in saved_state.items():
             p = id_map[k]
-            # a factored entry of a few-row tensor saved before D15 continues as shared state
+            # a shared entry of a few-row tensor saved by D15's versions (withdrawn) continues as factored state
             st = dict(continue_few_rows(self, p, saved, self._group_of(p), names[id(p)]))
             self._validate_loaded(p, st, names[id(p)])
             full[p] = st

@@ -207,12 +207,9 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
     span_cut = [None] * ws
     dist.all_gather_object(span_cut, [zo.owned_range(p) for p in span.values()])
     shapes = {n: tuple(p.shape) for n, p in zm.named_parameters()}
-    few = [n for n in FACTORED[variant] if few_rows(shapes[n])]  # D15: a shared v with the shape period
-    assert sorted(fact) == sorted(set(FACTORED[variant]) - set(few)), sorted(fact)
+    few = [n for n in FACTORED[variant] if few_rows(shapes[n])]  # factored like the rest (D15 withdrawn)
+    assert sorted(fact) == sorted(FACTORED[variant]), sorted(fact)
     assert few == (["hb", "late"] if variant == "a" else []), few
-    for n, p in zm.named_parameters():
-        if n in few:
-            assert "v" in zo.state[p] and zo.state[p]["period"] == shape_period(p.shape), (n, list(zo.state[p]))
     assert all(st["learned"] for st in fact.values())
     for n, p in zm.named_parameters():  # D14: a factored tensor's period comes from its shape
         if n in fact:
@@ -324,8 +321,9 @@ def empty_rank_cases():
     sizes = [None] * ws
     dist.all_gather_object(sizes, zo.owned_range(q))
     assert all(e > s for s, e in sizes), sizes  # after learning everyone owns a share
-    # (c) the same single-row matrix in a factored group: few rows, so a shared v with the shape
-    # period (D15), fixed before the first gradient: every rank owns a block-aligned share at once.
+    # (c) the same single-row matrix in a factored group: factored (a v_col per column; D15, which
+    # kept a shared v for few rows, is withdrawn). A factored tensor is cut only at rows, so one rank
+    # owns the row and the others own nothing of it.
     q2 = nn.Parameter(q.detach().clone())
     qr2 = nn.Parameter(q.detach().clone())
     zo = ZeroGefen([q2], lr=1e-2, weight_decay=0.1, second_moment="factored", fused=False)
@@ -337,14 +335,14 @@ def empty_rank_cases():
             ((p * 50 - tgt) ** 2).mean().backward()
             o.step()
     assert torch.equal(q2, qr2), "single-row model of a factored group differs"
-    assert "v_col" not in ro.state[qr2] and ro.state[qr2]["period"] == shape_period(q2.shape)
+    assert "v_col" in ro.state[qr2] and ro.state[qr2]["period"] == shape_period(q2.shape)
     fown = [None] * ws
     dist.all_gather_object(fown, zo.owned_range(q2))
-    assert all(e > s for s, e in fown) and sum(e - s for s, e in fown) == 8192, fown
+    assert sorted(e - s for s, e in fown) == [0] * (ws - 1) + [8192], fown
     zo.consolidate_state_dict(to=ws - 1)
     if rank == ws - 1:
         sd, rsd = zo.state_dict()["state"][0], ro.state_dict()["state"][0]
-        assert "v_col" not in sd and all(torch.equal(sd[k], rsd[k]) for k in ("idx", "scale", "v")), "1-row state"
+        assert all(torch.equal(sd[k], rsd[k]) for k in ("idx", "scale", "v_row", "v_col")), "1-row state"
     log(f"  ws={ws}: empty-rank models ok (1-element owned by {owned}, 1-row matrix now {sizes}, "
         f"1-row matrix of a factored group {fown})")
 
