@@ -412,21 +412,6 @@ def row_block_args(v_col: torch.Tensor, global_rows: int, start: int) -> dict:
     return dict(row0=start // slab, row_block=global_rows // v_col.shape[0])
 
 
-def factored_block_v(v_row: torch.Tensor, v_col: torch.Tensor, period: int, row0: int, global_rows: int) -> torch.Tensor:
-    """The factored estimate ``v_row_i * v_col_j / mean(v_col)`` averaged over each block of
-    ``period`` consecutive columns of every row: ``[rows, slab // period]`` for the rows
-    ``[row0, row0 + rows)`` of a tensor of ``global_rows`` rows whose ``v_row`` is given (``[rows]``
-    or ``[rows, 1]``) and whose ``v_col`` is ``[slab]`` or ``[G, slab]`` (D12). The shared ``v`` that
-    continues a factored state saved for a tensor that now keeps the shared second moment (D15)."""
-    vc = v_col.reshape(-1, v_col.shape[-1]).double()
-    G, S = vc.shape
-    ratio = column_ratios(vc).view(G, S // period, period).mean(dim=-1)  # [G, slab / period]
-    vr = v_row.reshape(-1).double()
-    blk = torch.div(torch.arange(row0, row0 + vr.numel(), device=vc.device), max(1, global_rows // G),
-                    rounding_mode="floor").clamp_(max=G - 1)
-    return (vr.unsqueeze(1) * ratio.index_select(0, blk)).float()
-
-
 def row_factors(col_f: torch.Tensor, row0: int, r0: int, r1: int, row_block: int) -> torch.Tensor:
     """The column factors of local rows ``[r0, r1)`` (global ``row0 + r``): ``[1, slab]`` for one
     block (broadcast), else ``[r1 - r0, slab]``, row ``r`` taking its block's profile."""
