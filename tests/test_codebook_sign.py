@@ -87,7 +87,6 @@ def _head_regression(seed, gefen_kw=None, head_group=(("second_moment", "element
 
 
 def test_a_one_signed_first_gradient_trains_like_adamw(caplog):
-    torch.set_num_threads(1)
     with caplog.at_level(logging.INFO, logger="gefen_dist.optim.gefen"):
         sym, opt = _head_regression(0, {})
     assert opt.codebook_info["symmetric"] and "learned its symmetric codebook" in caplog.text
