@@ -46,3 +46,30 @@ def dead_first_batch_mlp(make_opt: Callable, *, seed: int = 0, steps: int = 300,
         if after is not None:
             after()
     return loss0, held_out(), model
+
+
+def head_regression(make_opt: Callable, *, seed: int = 0, hidden: int = 4096, steps: int = 600, batch: int = 256):
+    """``Linear(1, hidden) -> ReLU -> Linear(hidden, 1)`` fitting a sum of 16 random sinusoids of a
+    scalar in [-2, 2] (MSE): a dense single-output head whose first gradient (error x ReLU features)
+    is mostly of one sign. ``make_opt(model)`` builds the optimizer (the model, so that it can put the
+    head ``model[2].weight`` in a group of its own). Returns ``(held-out MSE on 4,096 evenly spaced
+    points, optimizer, model)``. ``tests/test_codebook_sign.py`` and ``research/head_regression.py``
+    (D15, D17) train it."""
+    g = torch.Generator().manual_seed(4321)  # the task: the same for every seed and optimizer
+    w, b, a = torch.randn(16, generator=g) * 3, torch.rand(16, generator=g) * 6.283, torch.randn(16, generator=g)
+
+    def f(x):
+        return (a * torch.sin(x * w + b)).sum(-1, keepdim=True)
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+    opt = make_opt(model)
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    for _ in range(steps):
+        x = torch.rand(batch, 1, generator=gen) * 4 - 2
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), f(x)).backward()
+        opt.step()
+    ex = torch.linspace(-2, 2, 4096).unsqueeze(1)
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(model(ex), f(ex))), opt, model

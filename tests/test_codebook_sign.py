@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from _workloads import head_regression
+
 from gefen_dist import Gefen
 from gefen_dist.core.codebook import NUM_BINS, bin_centres, mirrored_counts
 from gefen_dist.engine.learning import learn_codebook
@@ -54,36 +56,21 @@ def test_a_one_sided_histogram_gives_a_sign_balanced_codebook():
 
 
 def _head_regression(seed, gefen_kw=None, head_group=(("second_moment", "elementwise"),)):
-    """``Linear(1, 4096) -> ReLU -> Linear(4096, 1)`` fitting a sum of sinusoids of a scalar: the
-    head's first gradient (error x ReLU features) is mostly of one sign. With Gefen (``gefen_kw``
-    not None) the head ``(1, 4096)`` is the only quantized tensor (the ``(4096, 1)`` input weight is
-    exact, D2), in a group with ``head_group``'s options (default ``second_moment="elementwise"``, so
-    only its first moment is quantized); else AdamW. Returns the held-out MSE after 600 steps and
-    the optimizer. research/head_regression.py runs the same workload over seeds and peers."""
-    g = torch.Generator().manual_seed(4321)
-    w, b, a = torch.randn(16, generator=g) * 3, torch.rand(16, generator=g) * 6.283, torch.randn(16, generator=g)
-
-    def f(x):
-        return (a * torch.sin(x * w + b)).sum(-1, keepdim=True)
-
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(1, 4096), nn.ReLU(), nn.Linear(4096, 1))
-    head = model[2].weight
+    """``_workloads.head_regression`` with AdamW (``gefen_kw`` None) or Gefen, the head ``(1, 4096)``
+    (the only quantized tensor: the ``(4096, 1)`` input weight is exact, D2) in a group with
+    ``head_group``'s options (default ``second_moment="elementwise"``, so only its first moment is
+    quantized). Returns the held-out MSE after 600 steps and the optimizer."""
     kw = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
-    if gefen_kw is None:
-        opt = torch.optim.AdamW(model.parameters(), **kw)
-    else:
+
+    def make(model):
+        if gefen_kw is None:
+            return torch.optim.AdamW(model.parameters(), **kw)
+        head = model[2].weight
         rest = [p for p in model.parameters() if p is not head]
-        opt = Gefen([{"params": rest}, dict({"params": [head]}, **dict(head_group))], **kw, **gefen_kw)
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    for _ in range(600):
-        x = torch.rand(256, 1, generator=gen) * 4 - 2
-        opt.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), f(x)).backward()
-        opt.step()
-    ex = torch.linspace(-2, 2, 4096).unsqueeze(1)
-    with torch.no_grad():
-        return float(nn.functional.mse_loss(model(ex), f(ex))), opt
+        return Gefen([{"params": rest}, dict({"params": [head]}, **dict(head_group))], **kw, **gefen_kw)
+
+    loss, opt, _ = head_regression(make, seed=seed)
+    return loss, opt
 
 
 def test_a_one_signed_first_gradient_trains_like_adamw(caplog):
