@@ -2,9 +2,12 @@
 # The checks for a session that is lent a CUDA GPU, as one prepared run (a few minutes on an H200):
 #   1. the CUDA tests: the compiled Triton kernels (shared, per-element and factored second moment)
 #      against the eager path, and Gefen on a CUDA model against the eager path on CPU;
-#   2. benchmarks/gpu_step.py: Gefen(...).step() against torch's fused AdamW on GPT-2 small and XL,
+#   2. benchmarks/cuda_graph_check.py: Gefen(capturable=True) captured in a CUDA graph replays bitwise the
+#      eager step (exit 1 otherwise), with no host synchronisation, and its time against fused AdamW;
+#   3. benchmarks/gpu_step.py: Gefen(...).step() against torch's fused AdamW on GPT-2 small and XL,
 #      then the kernel-level timings and the chunk-size sweep.
-# Everything lands under $OUT (default /tmp/gpu_check): gpu.txt, pytest.log, gpu_step.log, gpu_step.json.
+# Everything lands under $OUT (default /tmp/gpu_check): gpu.txt, pytest.log, graph.log, graph.json,
+# gpu_step.log, gpu_step.json.
 #   usage: bash benchmarks/gpu_check.sh [extra gpu_step.py arguments]
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -18,5 +21,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider -o addopts=-ra \
   tests/test_triton_step.py tests/test_optimizer.py -k cuda 2>&1 | tee "$OUT/pytest.log"
 echo "pytest rc ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
-timeout "${BENCH_TIMEOUT:-330}" $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "$@" 2>&1 | tee "$OUT/gpu_step.log"
+timeout "${GRAPH_TIMEOUT:-90}" $PY benchmarks/cuda_graph_check.py --out "$OUT/graph.json" 2>&1 | tee "$OUT/graph.log"
+echo "cuda_graph_check rc ${PIPESTATUS[0]}" | tee -a "$OUT/graph.log"
+timeout "${BENCH_TIMEOUT:-280}" $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "$@" 2>&1 | tee "$OUT/gpu_step.log"
 echo "gpu_step rc ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_step.log"

@@ -313,6 +313,8 @@ OPTIMIZERS = (
     ("gefen_default", {}, None),
     # no non-finite check: the batch's one host synchronisation (the check's verdict) is not taken
     ("gefen_default_nonfinite_ignore", dict(nonfinite="ignore"), None),
+    # capturable=True: the verdict, the step counts and the scalars on the device (0 syncs expected)
+    ("gefen_default_capturable", dict(capturable=True, nonfinite="skip"), None),
     ("gefen_shared", dict(second_moment="shared"), None),
     ("gefen_default_per_tensor", {}, None),
     ("gefen_default_eager", dict(fused=False), 5),

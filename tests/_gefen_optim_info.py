@@ -108,6 +108,13 @@ def optim_error_inputs_func_gefen(device, dtype):
             ValueError, params=[{"params": [sample], "small_threshold": -1}]),
         err({}, "nonfinite in a param group", r"'nonfinite'.*param group 0.*constructor", ValueError,
             params=[{"params": [sample], "nonfinite": "skip"}]),
+        err(dict(capturable="yes"), "capturable not a bool", "Invalid capturable: 'yes'"),
+        err(dict(capturable=True), "capturable with nonfinite='raise'",
+            r"capturable=True.*cannot raise.*nonfinite='skip'"),
+        err(dict(capturable=True, nonfinite="skip", fused=False), "capturable with fused=False",
+            r"capturable=True.*fused=False.*fused=None"),
+        err({}, "capturable in a param group", r"'capturable'.*param group 0.*constructor", ValueError,
+            params=[{"params": [sample], "capturable": True}]),
         err({}, "integer parameter", "floating-point", TypeError,
             params=[torch.zeros(4, dtype=torch.int64)]),
     ]

@@ -31,6 +31,8 @@ def _torchrun(nproc, *args):
     # interpreter: pieces that cut row blocks, the replica mask (HSDP), the non-finite protocol
     (3, ["--same-grads", "--second-moment", "factored", "--nonfinite", "--cuda-batch", "--steps", "5"]),
     (4, ["--same-grads", "--hsdp", "--second-moment", "factored", "--cuda-batch", "--steps", "4"]),
+    # capturable=True on DTensor shards: the sharded batch with its verdict on the device
+    (3, ["--same-grads", "--second-moment", "factored", "--cuda-batch", "--capturable", "--steps", "4"]),
 ])
 def test_fsdp2_matches_single_process(nproc, args):
     if "--cuda-batch" in args:
@@ -43,5 +45,9 @@ def test_fsdp2_matches_single_process(nproc, args):
         assert "OK nonfinite" in out
     if "--cuda-batch" in args:
         assert "OK cuda batch: sharded=True" in out
-    if "--same-grads" in args:
+    if "--capturable" in args:
+        assert "OK capturable ws=" in out
+    if "--same-grads" in args and "--capturable" in args:  # exact tensors by torch's fused AdamW (see the script)
+        assert "; quantized tensors bitwise" in out
+    elif "--same-grads" in args:
         assert "max relative param diff 0.000e+00" in out

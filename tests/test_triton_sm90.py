@@ -40,6 +40,20 @@ def test_aligned_configurations_vectorise_without_spills(mode):
         assert r["maxnreg"] == 255, r  # the launch option MultiStep passes (no prologue spills)
 
 
+def test_capturable_configurations_match_the_host_ones():
+    """capturable=True launches the same kernel reading lr, the bias corrections, the bound and the skip
+    flag from the device (DEVICE_HP): its aligned float32 and bfloat16 factored configurations compile
+    with the host-scalar ones' 128-bit loads and no spill. The loaded scalars live in registers where
+    kernel arguments are read from the constant bank: 138-186 registers against 128-168 (measured
+    2026-12-05, triton 3.9; at 16x128 float32 one CTA of 4 warps fewer fits an SM)."""
+    for bf16 in (False, True):
+        for r, b in sm90.TILES:
+            host = sm90.compile_multi(2, bf16, r, b, aligned=True)
+            dev = sm90.compile_multi(2, bf16, r, b, aligned=True, device_hp=True)
+            assert dev["spill_stores"] == 0 and dev["loads_128"] == host["loads_128"] >= 8, (host, dev)
+            assert dev["registers"] <= 192 and dev["mufu"] == host["mufu"], (host, dev)
+
+
 def test_unaligned_fallback_builds():
     r = sm90.compile_multi(2, False, 16, 128, aligned=False)
     assert r["registers"] is not None and r["loads"] > 0, r

@@ -755,6 +755,135 @@ def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
     _nan_raises_unchanged(b, ob, batch, b[2].weight, "2.weight")
 
 
+@pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999), (0.0, 0.99), (0.5, 0.0), (0.8, 0.64)])
+@pytest.mark.parametrize("bounded", [2.0, True, False])
+def test_device_step_scalars_are_the_host_ones(betas, bounded):
+    """capturable=True: the scalars computed on the device from a step-count tensor
+    (core.step.device_hyperparameters, triton_tables.device_step_scalars) are, in float32, exactly the
+    ones the host passes as kernel arguments (triton_tables._step_scalars) at every step 1..2000 and
+    a few far ones, for a float and a tensor lr: the capturable step's quantized tensors step bitwise
+    as the host-driven ones."""
+    from gefen_dist.core.step import device_hyperparameters
+    from gefen_dist.kernels.triton_tables import DEVICE_HP_FIELDS, _step_scalars, device_step_scalars
+
+    class Tab:  # the table fields _step_scalars reads (not compared)
+        h, nb, fast = 0.5, 2, True
+
+    names = ("lerp_c", "beta2", "alpha2", "sqrt_bc2", "eps", "inv_bc1", "lr", "decay", "lut_h", "lut_nbm1", "bound")
+    steps = list(range(1, 2001)) + [4321, 10 ** 5, 10 ** 7]
+    for lr in (3e-4, torch.tensor(2e-3)):
+        group = dict(lr=lr, betas=betas, eps=1e-8, weight_decay=0.1)
+        t = torch.tensor(steps, dtype=torch.float32)
+        out = torch.empty(len(steps), len(DEVICE_HP_FIELDS))
+        for i in range(len(steps)):  # (one step tensor at a time, as the optimizer has it)
+            device_step_scalars(out[i], None, **device_hyperparameters(group, t[i], bounded))
+        for i, step in enumerate(steps):
+            host = dict(zip(names, _step_scalars(torch.device("cpu"), Tab, **hyperparameters(group, step, bounded))[0]))
+            dev = dict(zip(DEVICE_HP_FIELDS, out[i].tolist()))
+            for k in ("sqrt_bc2", "inv_bc1", "lr", "decay", "bound"):
+                assert host[k] == dev[k], (step, k, host[k], dev[k])
+
+
+class _HostReads:
+    """Counts what would make a CUDA step wait for the device: the dispatched operations that read a
+    tensor's value on the host (``item``, ``bool``, ``float``, data-dependent shapes, ``torch.equal``)
+    and ``Tensor.tolist``, during a ``with`` block (on CPU tensors they are cheap, but each one is a
+    host synchronisation on a GPU)."""
+
+    OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::is_nonzero", "aten::item",
+           "aten::masked_select", "aten::unique", "aten::_unique2"}
+
+    def __init__(self, monkeypatch):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.reads, self.ops = [], 0
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer.ops += 1
+                if func._schema.name in outer.OPS:
+                    outer.reads.append(func._schema.name)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        tolist = torch.Tensor.tolist
+
+        def counting_tolist(t):
+            self.reads.append("tolist")
+            return tolist(t)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+
+    def __enter__(self):
+        self.reads.clear()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+@interp
+@pytest.mark.parametrize("second_moment", ["factored", "shared"])
+def test_capturable_step_reads_nothing_on_the_host(monkeypatch, second_moment):
+    """capturable=True (engine/device_step.py): through the interpreter, the multi-tensor step against
+    the per-tensor Triton path on the same gradients, a non-finite gradient of a quantized tensor at
+    step 4 and of an exact one at step 6 (both skipped, on the device), 7 steps. Quantized state and
+    parameters bitwise equal, step counts equal (on the parameters' device), the exact tensors (torch's
+    fused AdamW) within float32 rounding; a step reads no value on the host (the same batch without
+    capturable reads its verdict once)."""
+    a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=torch.tensor(1e-3), weight_decay=0.1,
+                                         second_moment=second_moment, nonfinite="skip", capturable=True)
+    host = _HostReads(monkeypatch)
+
+    def poison(step, when):
+        if when == "grads" and step in (3, 5):
+            w = a[2].weight if step == 3 else a[6].weight  # (2.weight quantized; 6.weight exact)
+            w.grad[0, 1] = float("inf") if step == 5 else float("nan")
+
+    plans, batch = _train_both(a, b, oa, ob, 7, 2, poison)
+    assert plans[0] is None and all(p is plans[1] and p.dstep is not None for p in plans[1:])
+    assert oa.skipped_steps == 2 and ob.skipped_steps == 0 and float(ob.device_skipped_steps) == 2.0
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        exact = "exp_avg" in oa.state[p]
+        assert float(oa.state[p]["step"]) == float(ob.state[q]["step"]) == 5.0, name
+        for k, v in oa.state[p].items():
+            if isinstance(v, torch.Tensor) and k != "step":
+                if exact:
+                    torch.testing.assert_close(v, ob.state[q][k], rtol=1e-6, atol=1e-12, msg=(name, k))
+                else:
+                    assert torch.equal(v, ob.state[q][k]), (name, k)
+        if exact:
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+        else:
+            assert torch.equal(p, q), name
+    x, y = batch
+    ob.zero_grad()
+    ((b(x) - y) ** 2).mean().backward()
+    with host as h:
+        ob.step()
+    assert h.reads == [] and h.ops > 50, (h.reads, h.ops)
+    # the same batch without capturable: its verdict is read on the host
+    oc = Gefen_like(ob, b, capturable=False)
+    for _ in range(2):
+        oc.zero_grad()
+        ((b(x) - y) ** 2).mean().backward()
+        with host as h:
+            oc.step()
+    assert oc._cuda_batch is not None and oc._cuda_batch.dstep is None and len(h.reads) >= 1, h.reads
+
+
+def Gefen_like(opt, model, **kw):
+    """A new Gefen over ``model`` with ``opt``'s Triton implementation (through the interpreter)."""
+    from gefen_dist import Gefen
+    from gefen_dist.kernels import dispatch
+
+    o = Gefen(model.named_parameters(), lr=1e-3, weight_decay=0.1, nonfinite="skip", **kw)
+    o._impl = lambda t, p=None, group=None: dispatch._triton()
+    return o
+
+
 @interp
 def test_cuda_batch_steps_around_span_tensors(monkeypatch):
     """narrow_rows="span" (D16): the first weight, (96, 32), keeps its state per block of rows and is

@@ -77,6 +77,24 @@ def hyperparameters(group: dict, step: int, bounded=DEFAULT_BOUND_UPDATES) -> di
                 bound=None if f is None else clamp_bound(f, beta1, beta2, step))
 
 
+def device_hyperparameters(group: dict, step: torch.Tensor, bounded=DEFAULT_BOUND_UPDATES) -> dict:
+    """:func:`hyperparameters` from a step count held on the device (``capturable=True``): the same
+    keys, with ``lr``, ``bc1``, ``bc2`` and ``bound`` float64 0-dim tensors on ``step``'s device
+    computed by tensor operations (no host synchronisation, so a CUDA graph can capture them), the
+    others floats. The same formulas in the same order as the host's double-precision ones, so
+    rounded to float32 they are the host's values (``tests/test_triton_step.py``). A tensor ``lr``
+    is read on the device (its value at each replay); a float ``lr`` is a constant of the step."""
+    beta1, beta2 = group["betas"]
+    t = step.to(torch.float64)
+    lr = group["lr"]
+    lr = lr.to(device=t.device, dtype=torch.float64).reshape(()) if isinstance(lr, torch.Tensor) \
+        else torch.full((), float(lr), dtype=torch.float64, device=t.device)
+    f = bound_factor(bounded)
+    return dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                bc1=1.0 - beta1 ** t, bc2=1.0 - beta2 ** t,
+                bound=None if f is None else clamp_bound(f, beta1, beta2, t))
+
+
 def adamw_hyperparameters(group: dict, step: int) -> dict:
     """:func:`hyperparameters` of an exact (AdamW) tensor: no update bound (AdamW's own update), the
     keywords of :func:`adamw_step_` / :func:`adamw_foreach_`."""
@@ -97,7 +115,8 @@ def clamp_bound(factor: float, beta1: float, beta2: float, step: int) -> float:
     training (training loss 3.20 at step 30 against 2.86 unclamped and 2.90 for AdamW; clamping only
     after step 10: 2.86), while the relaxed clamp trains (2.83); issue 26's three workloads stay
     within 5% of AdamW (docs/algorithm.md, D13)."""
-    return factor * (1.0 + beta1 ** (int(step) - 1)) * update_bound(beta1, beta2, step)
+    t = step if isinstance(step, torch.Tensor) else int(step)
+    return factor * (1.0 + beta1 ** (t - 1)) * update_bound(beta1, beta2, t)
 
 
 def update_bound(beta1: float, beta2: float, step: int) -> float:
@@ -111,17 +130,22 @@ def update_bound(beta1: float, beta2: float, step: int) -> float:
     ``(1-beta1)/sqrt((1-beta2)(1-beta1^2/beta2))`` when ``beta1^2 < beta2`` (7.27 for (0.9, 0.999),
     1.165 for (0.9, 0.95)). Gefen clamps every quantized element's normalised update
     ``sigma_i * C[idx_i] * M_b`` to ``[-K_t, K_t]``, so ``|dp_i| <= K_t * lr`` (weight decay aside)
-    whatever the gradients, as for AdamW (docs/algorithm.md)."""
-    t = int(step)
-    if t < 1:
+    whatever the gradients, as for AdamW (docs/algorithm.md).
+
+    ``step`` may also be a float64 tensor (the device-side step of ``capturable=True``,
+    :func:`device_hyperparameters`): the same operations in the same order, as tensor operations."""
+    dev = isinstance(step, torch.Tensor)
+    t = step if dev else int(step)
+    if not dev and t < 1:
         raise ValueError(f"update_bound: step must be >= 1, got {step}")
+    sqrt = torch.sqrt if dev else math.sqrt
     if beta1 == 0.0:  # m_t = g_t: |g_t| / sqrt(v_hat_t) <= sqrt((1-beta2^t)/(1-beta2))
-        return math.sqrt((1.0 - beta2 ** t) / (1.0 - beta2))
+        return sqrt((1.0 - beta2 ** t) / (1.0 - beta2))
     if beta2 == 0.0:  # v_t = g_t^2: AdamW itself is unbounded after the first step
-        return 1.0 if t == 1 else math.inf
+        return torch.where(t == 1, 1.0, math.inf).to(t) if dev else (1.0 if t == 1 else math.inf)
     rho = beta1 * beta1 / beta2
-    s = float(t) if rho == 1.0 else (1.0 - rho ** t) / (1.0 - rho)
-    return (1.0 - beta1) / (1.0 - beta1 ** t) * math.sqrt((1.0 - beta2 ** t) / (1.0 - beta2) * s)
+    s = (t if dev else float(t)) if rho == 1.0 else (1.0 - rho ** t) / (1.0 - rho)
+    return (1.0 - beta1) / (1.0 - beta1 ** t) * sqrt((1.0 - beta2 ** t) / (1.0 - beta2) * s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,6 +354,30 @@ def adamw_foreach_(
     torch._foreach_div_(denom, math.sqrt(bc2))
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(p32, m, denom, value=-(lr / bc1))
+    back = [(p, q) for p, q in zip(params, p32) if q is not p]
+    if back:
+        torch._foreach_copy_([p for p, _ in back], [q for _, q in back])
+
+
+def adamw_fused_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *, lr, betas, eps: float,
+                 weight_decay: float, found_inf: Optional[torch.Tensor] = None) -> None:
+    """The exact tensors' AdamW update by torch's fused kernel (``torch._fused_adamw_``), which reads
+    the step counts (already advanced: float32 tensors on the parameters' device), a tensor ``lr`` and
+    ``found_inf`` on the device: no host synchronisation, so the step can be captured in a CUDA
+    graph (``capturable=True``). A non-zero ``found_inf`` leaves every tensor as it was. The state is
+    float32 whatever the parameter dtype (D5): other parameters are stepped in float32 copies and
+    rounded back once (unchanged on a skipped step: the round trip is exact). Equal to
+    :func:`adamw_foreach_` within float32 rounding (the same update, other operations)."""
+    keep = [i for i, p in enumerate(params) if p.numel()]
+    if not keep:
+        return
+    params = [params[i] for i in keep]
+    g = _float32_copies([grads[i] for i in keep])
+    p32 = _float32_copies(params)
+    torch._fused_adamw_(p32, g, [exp_avgs[i] for i in keep], [exp_avg_sqs[i] for i in keep], [],
+                        [steps[i] for i in keep], lr=lr, beta1=betas[0], beta2=betas[1],
+                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=None,
+                        found_inf=found_inf)
     back = [(p, q) for p, q in zip(params, p32) if q is not p]
     if back:
         torch._foreach_copy_([p for p, _ in back], [q for _, q in back])

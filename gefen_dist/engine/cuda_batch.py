@@ -46,6 +46,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..core.step import adamw_foreach_, adamw_hyperparameters, hyperparameters, row_block_args
+from .device_step import DeviceStep
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
 
@@ -202,6 +203,8 @@ class CudaBatch:
         fact_entries = {f[0] for f in self.fact}
         self.others = [e for e in range(len(entries)) if e not in fact_entries]
         self._step_tables(opt, entries, device)
+        # capturable=True: a step without host synchronisation (engine/device_step.py); CUDA batches only
+        self.dstep = DeviceStep(self, opt) if getattr(opt, "capturable", False) and not self.native_cpu else None
         self.codebook_state = next((opt.state[entries[e][1]] for gi in self.groups for e in gi["item_entries"]), None)
         logger.debug("gefen_dist: CUDA batch for %d tensors: %d quantized launches, %d factored%s", len(entries),
                      sum(gi["multi"].launches for gi in self.groups if gi["multi"]), len(self.fact),
@@ -352,6 +355,13 @@ class CudaBatch:
             buf = self.colsums.run([grads[e] for e, *_ in self.fact])
             if self.mask is not None:
                 buf.mul_(self.mask)  # NaN * 0 stays NaN: a replica's non-finite gradient is still seen
+        if self.dstep is not None:  # capturable: the verdict stays on the device
+            if buf is not None:
+                if self.sharded:
+                    opt._comm.all_reduce_sum_(buf)
+                cms = torch.div(buf, self.rows, out=self._cms)
+            self.dstep.flag(opt, buf, cms, [grads[e] for e in self.others if grads[e].numel()])
+            return grads, cms
         check = opt.nonfinite != "ignore"
         if check:
             flags = []
@@ -385,23 +395,31 @@ class CudaBatch:
         the ``v_col`` EMAs (views built once), the launches, and the exact tensors' foreach AdamW on
         lists built once (``research/batch_host_time.py`` measures it)."""
         grads, cms = prep
-        state = opt.state
+        state, ds = opt.state, self.dstep
         # every tensor of a launch group has the group's step count (the partition's key)
-        torch._foreach_add_([state[p]["step"] for gi in self.groups for p in gi["members"]], 1.0)
+        if ds is not None:
+            ds.advance(self.groups)
+        else:
+            torch._foreach_add_([state[p]["step"] for gi in self.groups for p in gi["members"]], 1.0)
         for gi in self.groups:
             if gi["vcols"]:
                 beta2 = gi["group"]["betas"][1]
-                torch._foreach_mul_(gi["vcols"], beta2)
-                torch._foreach_add_(gi["vcols"], gi["vcol_parts"], alpha=1.0 - beta2)
+                if ds is not None:
+                    ds.vcol_ema(gi, beta2)
+                else:
+                    torch._foreach_mul_(gi["vcols"], beta2)
+                    torch._foreach_add_(gi["vcols"], gi["vcol_parts"], alpha=1.0 - beta2)
         if self.colfactors is not None:
             self.colfactors.run()  # the update kernels read the factors of the new v_col
         for gi in self.groups:
             group = gi["group"]
-            step = step_of(state[gi["members"][0]])
+            step = step_of(state[gi["members"][0]]) if ds is None else None
             if gi["multi"] is not None:
-                hp = hyperparameters(group, step, opt.bound_updates)
+                hp = hyperparameters(group, step, opt.bound_updates) if ds is None else ds.scalars(gi, opt)
                 cb = local_tensor(self.codebook_state["codebook"])
                 gi["multi"].run([grads[e] for e in gi["item_entries"]], cb, **hp)
-            if gi["exact"]:  # as the per-tensor path's _update_exact_batched
+            if gi["exact"] and ds is not None:
+                ds.exact(gi, [grads[e] for e in gi["exact"]])
+            elif gi["exact"]:  # as the per-tensor path's _update_exact_batched
                 ps, ms, vs = gi["exact_state"]
                 adamw_foreach_(ps, [grads[e] for e in gi["exact"]], ms, vs, **adamw_hyperparameters(group, step))

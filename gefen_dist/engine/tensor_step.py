@@ -2,6 +2,7 @@
 the learner and the API): what one ``step()`` does to each tensor once its state is learned."""
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Optional
 
 import torch
@@ -12,6 +13,8 @@ from .cuda_batch import CudaBatch
 from ..core.step import adamw_foreach_, adamw_hyperparameters, adamw_step_, decay_only_, hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
+
+logger = logging.getLogger(__name__)
 
 
 class GefenStepMixin:
@@ -165,6 +168,8 @@ class GefenStepMixin:
             if prep is True:
                 return True  # skipped (nonfinite="skip"); "raise" raised
             preps.append(prep)
+        if self._capturable_mixed(batches, beside):
+            return True  # skipped on every device and beside (nonfinite="skip")
         for batch, prep in zip(batches, preps):
             batch.apply(self, prep)
         if span:
@@ -174,6 +179,26 @@ class GefenStepMixin:
             self._update_all(other, col)
         self._announce()
         return True
+
+    def _capturable_mixed(self, batches, beside) -> bool:
+        """``capturable=True`` with tensors stepped beside the batch or batches on several devices: each
+        batch's skip flag is its own device's, so the step reads them on the host (one synchronisation,
+        a WARNING once) and skips everything when one is set. True when the step is skipped."""
+        flags = [b.dstep.skip for b in batches if b.dstep is not None and b.dstep.check]
+        if not flags or (len(batches) == 1 and not beside):
+            return False
+        if not self.__dict__.get("_capturable_warned"):
+            self._capturable_warned = True
+            logger.warning("Gefen(capturable=True): %s, so each step reads the non-finite verdict on the host (one "
+                           "synchronisation per step; such a step cannot be captured in a CUDA graph)",
+                           f"{len(beside)} tensor(s) are stepped beside the multi-tensor batch" if beside
+                           else f"the parameters are on {len(batches)} devices")
+        if any(bool(f) for f in flags):
+            self.skipped_steps += 1
+            logger.warning("Gefen: non-finite gradient or overflowing column statistic; step skipped on every "
+                           "device (%d skipped so far)", self.skipped_steps)
+            return True
+        return False
 
     def _update_all(self, entries, col: Dict[torch.Tensor, torch.Tensor]) -> None:
         """Every tensor of ``entries`` (span tensors excepted: :meth:`_step_span`): the exact ones

@@ -314,11 +314,12 @@ def _gefen_step_kernel(
 
 
 def _gefen_multi_kernel(
-    meta_ptr, gptr_ptr, prog_ptr, cb_ptr, tab_ptr, scan_steps,
+    meta_ptr, gptr_ptr, prog_ptr, cb_ptr, tab_ptr, scan_steps, hp_ptr,
     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
     MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
     FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
     IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ALIGNED: tl.constexpr = False,
+    DEVICE_HP: tl.constexpr = False,
 ):
     """Many tensors in one launch: program ``pid`` steps rows ``prog[pid, 1] ..`` of tensor
     ``prog[pid, 0]``, whose pointers and sizes are row ``t`` of ``meta`` (see :class:`MultiStep`)
@@ -327,7 +328,13 @@ def _gefen_multi_kernel(
     ``ALIGNED``: the host checked that every member's parameter, gradient, index and column-profile
     pointers are 16-byte aligned and its row length ``S`` and scale block ``B`` multiples of 16 (:class:`MultiStep`);
     the promise lets the compiler prove what it cannot see through the metadata table and issue
-    128-bit loads (the hints change the code, not one result bit)."""
+    128-bit loads (the hints change the code, not one result bit).
+
+    ``DEVICE_HP`` (``capturable=True``): the step's scalars that change from step to step are read
+    from the device, ``hp_ptr`` = (skip, sqrt(bc2), 1 / bc1, lr, 1 - lr wd, bound) in float32
+    (:func:`~gefen_dist.kernels.triton_tables.device_step_scalars`), replacing the arguments of those
+    names; a non-zero ``skip`` (a non-finite gradient under ``nonfinite="skip"``) makes every row
+    masked, so the launch changes nothing. Otherwise ``hp_ptr`` is not read."""
     pid = tl.program_id(0)
     t = tl.load(prog_ptr + 2 * pid)
     r_first = tl.load(prog_ptr + 2 * pid + 1).to(tl.int32)
@@ -345,6 +352,13 @@ def _gefen_multi_kernel(
     nrows = tl.load(mb + 5).to(tl.int32)
     S = tl.load(mb + 6).to(tl.int32)
     B = tl.load(mb + 7).to(tl.int32)
+    if DEVICE_HP:
+        nrows = tl.where(tl.load(hp_ptr) != 0.0, 0, nrows)  # skipped: no row of this program is stepped
+        sqrt_bc2 = tl.load(hp_ptr + 1)
+        inv_bc1 = tl.load(hp_ptr + 2)
+        lr = tl.load(hp_ptr + 3)
+        decay = tl.load(hp_ptr + 4)
+        ubound = tl.load(hp_ptr + 5)
     if ALIGNED:
         p_ptr = tl.multiple_of(p_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)

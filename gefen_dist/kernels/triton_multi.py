@@ -115,11 +115,16 @@ class MultiStep:
     def launches(self) -> int:
         return len(self._launches)
 
-    def run(self, grads, codebook: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
-            weight_decay: float, bc1: float, bc2: float, bound: Optional[float] = None) -> None:
+    def run(self, grads, codebook: torch.Tensor, *, lr, beta1: float, beta2: float, eps: float,
+            weight_decay: float, bc1, bc2, bound=None, hp: Optional[torch.Tensor] = None) -> None:
         """One step of every item; ``grads[i]`` (contiguous, the item's dtype and size) for item ``i``;
-        ``bound`` as for :func:`quantized_step_`."""
+        ``bound`` as for :func:`quantized_step_`. With ``hp`` (``capturable=True``: float32 on the
+        device, :func:`~gefen_dist.kernels.triton_tables.device_step_scalars` filled it) the kernels
+        read lr, the bias corrections, the bound and the skip flag from it, and ``lr``, ``bc1``,
+        ``bc2`` and ``bound`` (tensors then) are not read on the host."""
         tab = _device_table(codebook, self.device)
+        if hp is not None:  # placeholders for the scalars the kernel reads from hp
+            lr, bc1, bc2, bound = 0.0, 1.0, 1.0, None
         scalars, consts = _step_scalars(self.device, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                         weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound)
         kern = _kernel("multi")
@@ -130,8 +135,10 @@ class MultiStep:
                 # the promise of ALIGNED covers the gradients too, which may move between steps
                 aligned = L["aligned"] and all(g.data_ptr() % 16 == 0 for g in gs)
                 kern[(L["nprog"],)](
-                    L["meta"], L["grads"](gs), L["prog"], tab.cb, tab.kernel_table(L["mode"]), tab.scan_steps, *scalars,
+                    L["meta"], L["grads"](gs), L["prog"], tab.cb, tab.kernel_table(L["mode"]), tab.scan_steps,
+                    tab.cb if hp is None else hp, *scalars,
                     MODE=L["mode"], IS_BF16=L["bf16"], ROWS=L["rows"], BLOCK_SIZE=L["bs"], ALIGNED=aligned,
+                    DEVICE_HP=hp is not None,
                     num_warps=L["warps"], enable_fp_fusion=False, **multi_launch_options(), **consts,
                 )
         torch.autograd.graph.increment_version(self._touched)

@@ -173,6 +173,23 @@ def _step_scalars(device, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2,
     return args, consts
 
 
+# the device-side scalars of a capturable step, in the order the multi kernel reads them (DEVICE_HP)
+DEVICE_HP_FIELDS = ("skip", "sqrt_bc2", "inv_bc1", "lr", "decay", "bound")
+
+
+def device_step_scalars(out: torch.Tensor, skip: Optional[torch.Tensor], *, lr, beta1, beta2, eps,
+                        weight_decay, bc1, bc2, bound=None) -> torch.Tensor:
+    """Write the step's varying scalars into ``out`` (float32, :data:`DEVICE_HP_FIELDS`, on the
+    device) with tensor operations only: ``lr``, ``bc1``, ``bc2`` and ``bound`` are float64 0-dim
+    tensors (:func:`gefen_dist.core.step.device_hyperparameters`), ``skip`` a 0-dim tensor (non-zero:
+    nothing is stepped) or None. Each value is computed in double precision and rounded once to
+    float32, as :func:`_step_scalars` converts the host's."""
+    vals = [skip.to(torch.float64).reshape(()) if skip is not None else torch.zeros_like(bc1),
+            torch.sqrt(bc2), 1.0 / bc1, lr, 1.0 - lr * weight_decay,
+            torch.full_like(bc1, math.inf) if bound is None else bound]
+    return out.copy_(torch.stack(vals))
+
+
 def _pinned_to(values, device: torch.device) -> torch.Tensor:
     """An int64 table on ``device`` without a host synchronisation (pinned, non-blocking copy)."""
     t = torch.tensor(values, dtype=torch.int64)

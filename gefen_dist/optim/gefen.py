@@ -26,11 +26,11 @@ from ..kernels import dispatch as _dispatch
 from ..engine.layout import Piece, check_supported, global_shape, like_param, local_tensor, piece_of
 from ..engine.nonfinite import NonfiniteChecks
 from ..engine.report import Report
-from ..engine.state import MODE_EXACT, MODE_SPAN, SECOND_MOMENTS, StateSpec, fixed_period, mode_of, second_moment_of, threshold_of
+from ..engine.state import MODE_EXACT, MODE_SPAN, StateSpec, fixed_period, mode_of, second_moment_of, threshold_of
 
 logger = logging.getLogger(__name__)
 
-NONFINITE = ("raise", "skip", "ignore")
+NONFINITE = _validation.NONFINITE
 
 __all__ = ["Gefen", "Report", "saved_param_map", "NONFINITE"]
 
@@ -86,6 +86,8 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
             sign skews to that sign.
         fused: ``None`` (default) uses the fused native kernel when it is available for the
             parameter's device, ``True`` requires it, ``False`` forces the eager torch path.
+        capturable: ``True``: the CUDA step without host synchronisation, capturable in a CUDA graph
+            after the first step (``engine/device_step.py``); needs ``nonfinite="skip"`` or ``"ignore"``.
             Per-group options are ``lr``, ``betas``, ``eps``, ``weight_decay``, ``second_moment``,
             ``row_blocks``, ``narrow_rows`` and (as AdamW's ``fused``) ``fused`` and ``small_threshold``; ``nonfinite``,
             ``bound_updates``, ``symmetric_codebook`` and ``process_group`` are optimizer-wide, and a param group that sets one
@@ -96,7 +98,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
     """
 
     # param-group keys refused (optimizer-wide options); complex parameters stepped as real views
-    _group_rejected = _validation.GROUP_REJECTED
+    _group_rejected = _validation.GROUP_REJECTED + ("capturable",)
     _complex_ok = True
 
     def __init__(
@@ -115,21 +117,13 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         bound_updates=DEFAULT_BOUND_UPDATES,
         symmetric_codebook: bool = True,
         fused: Optional[bool] = None,
+        capturable: bool = False,
         process_group: Optional[Any] = None,
     ):
         _validation.validate_hparams(lr, betas, eps, weight_decay)
-        if second_moment not in SECOND_MOMENTS:
-            raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENTS})")
-        if isinstance(small_threshold, bool) or not isinstance(small_threshold, int) or small_threshold < 0:
-            raise ValueError(f"Invalid small_threshold: {small_threshold!r} (must be an int >= 0)")
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {NONFINITE})")
-        if fused not in (None, True, False):
-            raise ValueError(f"Invalid fused: {fused!r} (expected None, True or False)")
-        if symmetric_codebook not in (True, False):
-            raise ValueError(f"Invalid symmetric_codebook: {symmetric_codebook!r} (expected True or False)")
-        _validation.validate_row_blocks(row_blocks)
-        _validation.validate_narrow_rows(narrow_rows)
+        _validation.validate_options(second_moment=second_moment, small_threshold=small_threshold,
+                                     nonfinite=nonfinite, fused=fused, symmetric_codebook=symmetric_codebook,
+                                     capturable=capturable, row_blocks=row_blocks, narrow_rows=narrow_rows)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment,
                         row_blocks=row_blocks, narrow_rows=narrow_rows)
         self.small_threshold = small_threshold
@@ -138,6 +132,8 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         self.symmetric_codebook = bool(symmetric_codebook)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
+        self.capturable = capturable
+        self.device_skipped_steps: Optional[torch.Tensor] = None  # capturable: a 0-dim tensor on the device
         self.fused = fused
         self._comm: LocalComm = comm_for(process_group)
         self.codebook: Optional[torch.Tensor] = None

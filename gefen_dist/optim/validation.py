@@ -24,7 +24,9 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..engine.layout import global_shape, local_tensor, piece_of
-from ..engine.state import MODE_EXACT, tensor_keys
+from ..engine.state import MODE_EXACT, SECOND_MOMENTS, tensor_keys
+
+NONFINITE = ("raise", "skip", "ignore")  # Gefen's nonfinite policies (re-exported by gefen_dist.optim.gefen)
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,40 @@ def validate_group_keys(param_group: Dict[str, Any], index: int, rejected: Tuple
         )
 
 
+def validate_options(*, second_moment, small_threshold, nonfinite, fused, symmetric_codebook, capturable,
+                     row_blocks, narrow_rows) -> None:
+    """Gefen's constructor options other than the AdamW hyperparameters: each refused with a
+    ``ValueError`` naming the value and what is expected."""
+    if second_moment not in SECOND_MOMENTS:
+        raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENTS})")
+    if isinstance(small_threshold, bool) or not isinstance(small_threshold, int) or small_threshold < 0:
+        raise ValueError(f"Invalid small_threshold: {small_threshold!r} (must be an int >= 0)")
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {NONFINITE})")
+    if fused not in (None, True, False):
+        raise ValueError(f"Invalid fused: {fused!r} (expected None, True or False)")
+    if symmetric_codebook not in (True, False):
+        raise ValueError(f"Invalid symmetric_codebook: {symmetric_codebook!r} (expected True or False)")
+    validate_capturable(capturable, nonfinite, fused)
+    validate_row_blocks(row_blocks)
+    validate_narrow_rows(narrow_rows)
+
+
+def validate_capturable(capturable, nonfinite: str, fused) -> None:
+    """``capturable`` is True or False; True needs a non-finite policy the device can carry out alone
+    (``"skip"`` or ``"ignore"``: raising needs the host to know) and the fused kernels."""
+    if capturable not in (True, False):
+        raise ValueError(f"Invalid capturable: {capturable!r} (expected True or False)")
+    if capturable and nonfinite == "raise":
+        raise ValueError("Gefen(capturable=True) decides non-finite gradients on the device, so it cannot raise "
+                         "(nonfinite='raise', the default, needs a host synchronisation every step): pass "
+                         "nonfinite='skip' (a step with a non-finite gradient changes nothing and is counted in "
+                         "optimizer.device_skipped_steps) or nonfinite='ignore'")
+    if capturable and fused is False:
+        raise ValueError("Gefen(capturable=True) needs the fused multi-tensor step; fused=False forces the eager "
+                         "per-tensor path, which synchronises. Pass fused=None (default) or True")
+
+
 def validate_row_blocks(rb, where: str = "") -> None:
     if not (rb is None or rb == "auto" or (isinstance(rb, int) and not isinstance(rb, bool) and rb >= 1)):
         raise ValueError(f"Invalid row_blocks{where}: {rb!r} (expected 'auto', None or an int >= 1; 1 is one "
@@ -131,7 +167,6 @@ def validate_param_group(opt, param_group) -> None:
     """The checks of ``opt.add_param_group(param_group)`` before anything changes: optimizer-wide
     keys (``opt._group_rejected``), hyperparameters, ``second_moment``, ``row_blocks``,
     ``small_threshold`` and parameter dtypes; each error names the value and the fix."""
-    from ..engine.state import SECOND_MOMENTS
 
     where = f" in param group {len(opt.param_groups)}"
     if isinstance(param_group, dict):

@@ -12,6 +12,9 @@ against Gefen on the per-tensor path (both on the Triton kernels, the same colle
   the per-tensor path (one WARNING naming it), bitwise as above;
 * ``nan``: a NaN in one batched gradient on rank 1 only: every rank raises naming the tensor and
   nothing changes on any rank;
+* ``capturable``: ``capturable=True`` (the step's verdict, step counts and scalars on the device):
+  quantized tensors bitwise the per-tensor path, exact ones (torch's fused AdamW) within rounding;
+  a NaN on rank 1 only is skipped on every rank (one MAX all-reduce of the flag), nothing changes;
 * ``zero``: ZeroGefen on the Triton path (owners' state-only updates, appliers) against a one-rank
   Gefen on the same path: bitwise, replicas identical.
 
@@ -139,6 +142,31 @@ def main():
                 raise AssertionError(f"rank {rank}: no error for a NaN on rank 1")
             assert digest(b, ob) == before, f"rank {rank}: a refused step changed something"
             say(f"OK nan rank {rank}: every rank raised, nothing changed")
+    # capturable=True (engine/device_step.py): the verdict stays on the device, all-reduced with MAX
+    a = model("plain")
+    b = copy.deepcopy(a)
+    oa, ob = (Gefen(m.named_parameters(), lr=1e-3, weight_decay=0.1, nonfinite="skip", capturable=c)
+              for m, c in ((a, False), (b, True)))
+    for o in (oa, ob):
+        o._impl = lambda t, p=None, group=None: dispatch._triton()
+    oa._batched_step = lambda entries: False  # the per-tensor path
+    train_both(a, b, oa, ob)
+    assert ob._cuda_batch is not None and ob._cuda_batch.dstep is not None
+    for p, q in zip(a.parameters(), b.parameters()):
+        exact = "exp_avg" in oa.state[p]
+        for k, v in list(oa.state[p].items()) + [("param", p)]:
+            w = q if k == "param" else ob.state[q][k]
+            if isinstance(v, torch.Tensor):  # the exact tensors by torch's fused AdamW: within rounding
+                assert (torch.allclose(v, w, rtol=1e-6, atol=1e-7) if exact else torch.equal(v, w)), (rank, k)
+    assert same_everywhere(digest(b, ob)), "capturable: replicas differ"
+    grads(b, 9)
+    if rank == 1:
+        b[2].weight.grad[3, 5] = float("nan")
+    before = digest(b, ob)
+    ob.step()  # skipped on every rank, decided on the device
+    assert digest(b, ob) == before and float(ob.device_skipped_steps) == 1.0, f"capturable nan: rank {rank}"
+    say(f"OK capturable rank {rank}: the batch's quantized tensors bitwise the per-tensor path, exact ones within "
+        "rounding; a NaN on rank 1 only skipped on every rank on the device, nothing changed")
     # ZeroGefen on the Triton path (its owners' state-only updates and appliers,
     # kernels/triton_state.py): the ranks own cut ranges; bitwise a one-rank Gefen on the same path
     solo = [dist.new_group([r]) for r in range(ws)][rank]
