@@ -17,7 +17,7 @@ same tensors with the same arithmetic in
   (:class:`~gefen_dist.kernels.triton_step.MultiStep`), and
   :func:`~gefen_dist.core.step.adamw_foreach_` for the exact ones.
 
-On CPU, in a single process, the same batch steps the tensors that the per-tensor path would give
+On CPU (one process or several ranks) the same batch steps the tensors that the per-tensor path would give
 the native kernel, with that kernel's multi-tensor entry points (:mod:`gefen_dist.kernels.cpu_multi`:
 one native call per launch group and one for the column sums, bitwise the per-tensor calls), so a
 CPU step does not pay ~0.2 ms of Python per tensor; its fallbacks log at DEBUG only.
@@ -56,14 +56,16 @@ __all__ = ["CudaBatch"]
 
 # device types a batch is built for (tests add "cpu" to run the batch through the Triton interpreter)
 _DEVICE_TYPES = ("cuda",)
-# CPU tensors that the native kernel steps are batched too (kernels/cpu_multi.py), in a single process
+# CPU tensors that the native kernel steps are batched too (kernels/cpu_multi.py)
 _NATIVE_CPU = True
 
 
-def _native_cpu(single: bool) -> bool:
+def _native_cpu() -> bool:
     """Whether CPU tensors get a batch of the native kernels (not when the CPU is one of
-    ``_DEVICE_TYPES``: the tests' way of running the Triton batch on CPU tensors)."""
-    if not (_NATIVE_CPU and single) or "cpu" in _DEVICE_TYPES:
+    ``_DEVICE_TYPES``: the tests' way of running the Triton batch on CPU tensors). With several
+    ranks too (since 2026-12-05): the batch enters the per-tensor path's collectives in the same order
+    (tests/test_distributed.py, tests/test_fsdp2.py run DDP and FSDP2 CPU jobs through it)."""
+    if not _NATIVE_CPU or "cpu" in _DEVICE_TYPES:
         return False
     from ..kernels import cpu_multi
 
@@ -253,10 +255,11 @@ class CudaBatch:
             names = names or opt._names()
             return names.get(id(p), "?")
 
-        types = _DEVICE_TYPES + (("cpu",) if _native_cpu(single) else ())
+        types = _DEVICE_TYPES + (("cpu",) if _native_cpu() else ())
         devices = {local_tensor(p).device for _, p in entries if opt._mode(p) != MODE_SPAN}
         if not any(d.type in types for d in devices):
             return None, [], ""
+        native = "cpu" in types and "cpu" not in _DEVICE_TYPES and all(d.type == "cpu" for d in devices)
         by_dev: Dict[torch.device, list] = {}
         beside, reasons, cb = [], [], None
         for group, p in entries:
@@ -276,13 +279,14 @@ class CudaBatch:
                 elif c is not cb and not torch.equal(c, cb):
                     return None, [], f"parameter {name(p)!r} holds another codebook than the rest (a partial load?)"
             if why:
-                if not single:
-                    return None, [], why
+                if not single:  # (on CPU the per-tensor path is the usual one: DEBUG, not a warning)
+                    if native:
+                        logger.debug("Gefen: the multi-tensor CPU step is not used: %s", why)
+                    return None, [], "" if native else why
                 beside.append((group, p))
                 reasons.append(why)
                 continue
             by_dev.setdefault(loc.device, []).append((group, p))
-        native = "cpu" in types and "cpu" not in _DEVICE_TYPES and all(d.type == "cpu" for d in devices)
         if not by_dev:  # nothing left to batch (on CPU the per-tensor path is the usual one: no warning)
             return None, [], reasons[0] if reasons and not native else ""
         if len(by_dev) > 1 and not single:
@@ -304,7 +308,7 @@ class CudaBatch:
             return None
         key = _key(opt, entries)
         last = opt.__dict__.get("_cuda_plan")
-        if last is not None and last[0] == key and (not last[2] or _native_cpu(True)):
+        if last is not None and last[0] == key and (not last[2] or _native_cpu()):
             return last[1]  # (a native CPU batch only while the library stays enabled: GEFEN_DIST_NO_NATIVE)
         opt._cuda_plan = None
         groups, beside, why = cls.split(opt, entries)

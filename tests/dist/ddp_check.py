@@ -80,12 +80,15 @@ def run_ddp(rank, ws):
             else:
                 assert st[k] == v, (name, k, st[k], v)
     assert torch.equal(opt.codebook, ref.opt.codebook) and torch.unique(opt.codebook).numel() == 256
+    from gefen_dist.kernels import cpu_multi
+    batch = getattr(opt, "_cuda_batch", None)  # the native multi-tensor CPU step takes DDP's replicas too
+    assert not cpu_multi.available() or (batch is not None and batch.native_cpu and not batch.sharded), batch
     d = digest(model.module, opt)
     ds = [None] * ws
     dist.all_gather_object(ds, d)
     assert len(set(ds)) == 1, f"ddp replicas differ: {ds}"
     log(f"OK ddp ws={ws}: {STEPS} steps, replicas bitwise identical (params, idx, scale, v, codebook), "
-        f"single-process max rel {worst:.2e}")
+        f"single-process max rel {worst:.2e}; native CPU batch {batch is not None}")
     log(f"DIGEST {d}")
 
 
