@@ -305,6 +305,13 @@ RESEARCH_VARIANTS = {
     "v_default_paper_cb_fused": ("(v) the default with symmetric_codebook=False (the paper's codebook fit, the default "
                                  "before D17), native CPU step", _gefen(second_moment="factored", row_blocks="auto",
                                                                         fused=None, symmetric_codebook=False)),
+    # (v) the default with the embeddings (wte, tied to the LM head, and wpe) in a param group of their own
+    # with second_moment="elementwise" (the library option), native CPU step: the embeddings' share of the gap
+    # measured again on the current default (row blocks, the relaxed D13 bound, D17), paired with v_default_fused
+    "v_emb_elementwise_fused": ("(v) the default (D17), with the embeddings' param group second_moment="
+                                "\"elementwise\", native CPU step",
+                                quality._gefen_emb("elementwise", second_moment="factored", row_blocks="auto",
+                                                   fused=None)),
     "v_default_bound2": ("(v) gefen_dist Gefen, defaults but bound_updates=2.0 (every normalised update clamped "
                          "to 2 K_t instead of K_t)", _gefen(second_moment="factored", row_blocks="auto",
                                                             bound_updates=2.0)),
