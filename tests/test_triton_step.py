@@ -865,7 +865,7 @@ def test_capturable_step_reads_nothing_on_the_host(monkeypatch, second_moment):
         ob.step()
     assert h.reads == [] and h.ops > 50, (h.reads, h.ops)
     # the same batch without capturable: its verdict is read on the host
-    oc = Gefen_like(ob, b, capturable=False)
+    oc = _gefen_on_triton(ob, b, capturable=False)
     for _ in range(2):
         oc.zero_grad()
         ((b(x) - y) ** 2).mean().backward()
@@ -874,7 +874,7 @@ def test_capturable_step_reads_nothing_on_the_host(monkeypatch, second_moment):
     assert oc._cuda_batch is not None and oc._cuda_batch.dstep is None and len(h.reads) >= 1, h.reads
 
 
-def Gefen_like(opt, model, **kw):
+def _gefen_on_triton(opt, model, **kw):
     """A new Gefen over ``model`` with ``opt``'s Triton implementation (through the interpreter)."""
     from gefen_dist import Gefen
     from gefen_dist.kernels import dispatch

@@ -16,6 +16,11 @@ and a step is device work only, so it can be captured in a CUDA graph and replay
   count on the device (:func:`gefen_dist.core.step.device_hyperparameters`) into a float32 vector
   the kernel reads (``DEVICE_HP``), rounded to the same float32 values as the host's.
 
+With several ranks (DDP replicas, FSDP2 shards) the flag is all-reduced (MAX) after the column sums
+SUM, where the host-driven batch and the per-tensor path agree through a fixed-size summary first: so
+every rank must take the same path, which they do when their gradients have the same dtypes and
+layouts (as DDP and FSDP2 give them).
+
 Quantized tensors step bitwise as without ``capturable``; the exact (AdamW) tensors are stepped by
 ``torch._fused_adamw_`` (torch's fused AdamW, which reads its step count and ``found_inf`` on the
 device) instead of the foreach operations of :func:`gefen_dist.core.step.adamw_foreach_`, equal to
