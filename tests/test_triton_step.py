@@ -874,6 +874,27 @@ def test_capturable_step_reads_nothing_on_the_host(monkeypatch, second_moment):
     assert oc._cuda_batch is not None and oc._cuda_batch.dstep is None and len(h.reads) >= 1, h.reads
 
 
+@interp
+def test_capturable_warns_of_a_float_lr_under_capture(monkeypatch, caplog):
+    """A CUDA graph that captures step() with a float lr replays it as a constant (a scheduler's later
+    values would not reach it): one WARNING says so and names the fix; a tensor lr gets none. (Capture
+    itself needs a GPU: the check on the capturing stream is patched here.)"""
+    import logging
+
+    from gefen_dist.engine import device_step
+
+    for lr, warned in ((1e-3, True), (torch.tensor(1e-3), False)):
+        a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=lr, nonfinite="skip", capturable=True)
+        _train_both(a, b, oa, ob, 2, 3)
+        monkeypatch.setattr(device_step, "_capturing", lambda: True)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gefen_dist.engine.device_step"):
+            _train_both(a, b, oa, ob, 2, 4)
+        msgs = [r.getMessage() for r in caplog.records if "float lr" in r.getMessage()]
+        assert len(msgs) == (1 if warned else 0), msgs
+        monkeypatch.setattr(device_step, "_capturing", lambda: False)
+
+
 def _gefen_on_triton(opt, model, **kw):
     """A new Gefen over ``model`` with ``opt``'s Triton implementation (through the interpreter)."""
     from gefen_dist import Gefen

@@ -29,6 +29,7 @@ them within float32 rounding. ``nonfinite="raise"`` needs the host to know, so i
 """
 from __future__ import annotations
 
+import logging
 from typing import List, Optional
 
 import torch
@@ -36,6 +37,13 @@ import torch
 from ..core.step import adamw_fused_, device_hyperparameters
 
 __all__ = ["DeviceStep"]
+
+logger = logging.getLogger(__name__)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class DeviceStep:
@@ -113,9 +121,16 @@ class DeviceStep:
 
     def scalars(self, gi, opt) -> dict:
         """The launch group's hyperparameters from its step count on the device, written into its
-        scalar vector (``gi["hp"]``) for the kernel; returns them (``hp`` added)."""
+        scalar vector (``gi["hp"]``) for the kernel; returns them (``hp`` added). A float ``lr`` met
+        while a CUDA graph is being captured is a constant of the graph: a WARNING (once) says so."""
         from ..kernels.triton_tables import device_step_scalars
 
+        if not isinstance(gi["group"]["lr"], torch.Tensor) and _capturing() and not opt.__dict__.get("_lr_warned"):
+            opt._lr_warned = True
+            logger.warning("Gefen(capturable=True): a CUDA graph is capturing step() with a float lr (%g), which the "
+                           "graph replays as a constant: an LR scheduler's later values will not reach it. Pass lr "
+                           "as a tensor on the parameters' device (Gefen(params, lr=torch.tensor(lr, device=...)))",
+                           gi["group"]["lr"])
         hp = device_hyperparameters(gi["group"], gi["steps"][0], opt.bound_updates)
         device_step_scalars(gi["hp"], self.skip if self.check else None, **hp)
         return dict(hp, hp=gi["hp"])
