@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gefen-embeddings", default=None, choices=("factored", "shared", "elementwise"),
                    help="Gefen's second_moment for the embeddings' param group (wte, tied to the LM head, and "
                         "wpe); default: the same as every other tensor (factored). 'elementwise' (~5 B/param for "
-                        "those tensors) measured mixed on the small preset (docs/quality.md)")
+                        "those tensors) helped on the small preset and hurt the base one (docs/quality.md)")
     p.add_argument("--strategy", default=None, choices=STRATEGIES,
                    help="parallelism: 'single' (one process), or under torchrun 'ddp' (DDP), "
                         "'zero1' (DDP + ZeroGefen / ZeroRedundancyOptimizer), 'fsdp' (FSDP2), "
