@@ -161,6 +161,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--span", action="store_true", help="the span kernels (D16) instead of the multi-tensor kernel")
+    ap.add_argument("--device-hp", action="store_true",
+                    help="the aligned factored configurations with and without DEVICE_HP (capturable=True)")
     a = ap.parse_args(argv)
     why = available()
     if why:
@@ -172,13 +174,14 @@ def main(argv=None) -> int:
             print(f"{r['kernel']:>17} {r['dtype']:>8} S={r['slab']:<3} {r['tile']:>7} | regs {r['registers']:>3} "
                   f"spills {r['spill_stores']:>3} LDG {r['loads']:>3} SASS {r['instructions']:>5} MUFU {r['mufu']:>3}")
         return 0
-    rows = shipped()
-    hdr = (f"{'mode':>11} {'dtype':>8} {'tile':>8} {'aligned':>7} | {'regs':>4} {'spills':>6} {'LDG':>4} {'LDG.128':>7}"
+    rows = ([compile_multi(2, bf, r, b, True, device_hp=d) for bf in (False, True) for r, b in TILES
+             for d in (False, True)] if a.device_hp else shipped())
+    hdr = (f"{'mode':>11} {'dtype':>8} {'tile':>8} {'aligned':>7} {'dev_hp':>6} | {'regs':>4} {'spills':>6} {'LDG':>4} {'LDG.128':>7}"
            f" {'SASS':>5} {'MUFU':>4}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['mode']:>11} {r['dtype']:>8} {str(r['rows']) + 'x' + str(r['block']):>8} {str(r['aligned']):>7} | "
+        print(f"{r['mode']:>11} {r['dtype']:>8} {str(r['rows']) + 'x' + str(r['block']):>8} {str(r['aligned']):>7} {str(r['device_hp']):>6} | "
               f"{r['registers']:>4} {r['spill_stores']:>6} {r['loads']:>4} {r['loads_128']:>7} {r['instructions']:>5} "
               f"{r['mufu']:>4}")
     if a.json:

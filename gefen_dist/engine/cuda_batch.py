@@ -359,14 +359,8 @@ class CudaBatch:
             buf = self.colsums.run([grads[e] for e, *_ in self.fact])
             if self.mask is not None:
                 buf.mul_(self.mask)  # NaN * 0 stays NaN: a replica's non-finite gradient is still seen
-        if self.dstep is not None:  # capturable: the verdict stays on the device
-            if buf is not None:
-                if self.sharded:
-                    opt._comm.all_reduce_sum_(buf)
-                cms = torch.div(buf, self.rows, out=self._cms)
-            self.dstep.flag(opt, buf, cms, [grads[e] for e in self.others if grads[e].numel()])
-            return grads, cms
-        check = opt.nonfinite != "ignore"
+        # (capturable: the verdict stays on the device, DeviceStep.flag below)
+        check = opt.nonfinite != "ignore" and self.dstep is None
         if check:
             flags = []
             if buf is not None:
@@ -387,7 +381,9 @@ class CudaBatch:
                 opt._comm.all_reduce_sum_(buf)
             cms = torch.div(buf, self.rows, out=self._cms)
             inf = bool(torch.isinf(cms).any()) if check else False
-        if check and buf is not None and inf:
+        if self.dstep is not None:
+            self.dstep.flag(opt, buf, cms, [grads[e] for e in self.others if grads[e].numel()])
+        elif check and buf is not None and inf:
             opt._raise_column_overflow({self.entries[e][1]: cms[o:o + n] for (e, *_), (o, n, _) in
                                         zip(self.fact, self.fact_slices)})
         return grads, cms
@@ -405,14 +401,15 @@ class CudaBatch:
             ds.advance(self.groups)
         else:
             torch._foreach_add_([state[p]["step"] for gi in self.groups for p in gi["members"]], 1.0)
+        if ds is not None:
+            ds.keep_vcols()  # (restored after the EMAs on a skipped step)
         for gi in self.groups:
             if gi["vcols"]:
                 beta2 = gi["group"]["betas"][1]
-                if ds is not None:
-                    ds.vcol_ema(gi, beta2)
-                else:
-                    torch._foreach_mul_(gi["vcols"], beta2)
-                    torch._foreach_add_(gi["vcols"], gi["vcol_parts"], alpha=1.0 - beta2)
+                torch._foreach_mul_(gi["vcols"], beta2)
+                torch._foreach_add_(gi["vcols"], gi["vcol_parts"], alpha=1.0 - beta2)
+        if ds is not None:
+            ds.restore_vcols_if_skipped()
         if self.colfactors is not None:
             self.colfactors.run()  # the update kernels read the factors of the new v_col
         for gi in self.groups:

@@ -59,20 +59,17 @@ class DeviceStep:
                 st = opt.state[p]
                 if st["step"].device != dev:
                     st["step"] = st["step"].to(device=dev, dtype=torch.float32)
-            gi["steps"] = [opt.state[p]["step"] for p in gi["members"]]
-            gi["exact_steps"] = [opt.state[batch.entries[e][1]]["step"] for e in gi["exact"]]
+            gi["steps"] = [opt.state[p]["step"] for p in gi["members"]]  # (the exact tensors' last)
             gi["hp"] = torch.zeros(6, dtype=torch.float32, device=dev)
         self.skip = torch.zeros((), dtype=torch.float32, device=dev)
         self.keep = torch.ones((), dtype=torch.float32, device=dev)  # 1 - skip: what each step count advances by
         self._prev = self._new = None
-        if self.check and batch.colsums is not None:  # v_col before the EMAs, restored on a skipped step
+        if self.check and batch.colsums is not None:  # every v_col before the EMAs, restored on a skipped step
+            self._vcols = [v for _, v, *_ in batch.fact]
             self._prev = torch.empty(batch.colsums.total, dtype=torch.float32, device=dev)
             self._new = torch.empty_like(self._prev)
-            for gi in batch.groups:
-                gi["vcol_prev"] = [self._prev[o:o + n].view(shape) for o, n, shape in
-                                   (batch.fact_slices[k] for k in gi["fact_pos"])]
-                gi["vcol_new"] = [self._new[o:o + n].view(shape) for o, n, shape in
-                                  (batch.fact_slices[k] for k in gi["fact_pos"])]
+            self._prev_views, self._new_views = ([buf[o:o + n].view(shape) for o, n, shape in batch.fact_slices]
+                                                 for buf in (self._prev, self._new))
         if getattr(opt, "device_skipped_steps", None) is None or opt.device_skipped_steps.device != dev:
             opt.device_skipped_steps = torch.zeros((), dtype=torch.float32, device=dev)
 
@@ -106,18 +103,18 @@ class DeviceStep:
         else:
             torch._foreach_add_(steps, 1.0)
 
-    def vcol_ema(self, gi, beta2: float) -> None:
-        """The ``v_col`` EMAs of a launch group, the same operations as the host path's (so the same
-        bits); on a skipped step the values from before them are restored."""
-        vcols = gi["vcols"]
-        if self.check:
-            torch._foreach_copy_(gi["vcol_prev"], vcols)
-        torch._foreach_mul_(vcols, beta2)
-        torch._foreach_add_(vcols, gi["vcol_parts"], alpha=1.0 - beta2)
-        if self.check:
-            torch._foreach_copy_(gi["vcol_new"], vcols)
+    def keep_vcols(self) -> None:
+        """Copy every ``v_col`` before the batch's EMAs (which stay the host path's operations, so
+        the same bits): :meth:`restore_vcols_if_skipped` puts them back on a skipped step."""
+        if self._prev is not None:
+            torch._foreach_copy_(self._prev_views, self._vcols)
+
+    def restore_vcols_if_skipped(self) -> None:
+        """After the EMAs: every ``v_col`` as :meth:`keep_vcols` found it when the step is skipped."""
+        if self._prev is not None:
+            torch._foreach_copy_(self._new_views, self._vcols)
             torch.where(self.skip != 0, self._prev, self._new, out=self._new)
-            torch._foreach_copy_(vcols, gi["vcol_new"])
+            torch._foreach_copy_(self._vcols, self._new_views)
 
     def scalars(self, gi, opt) -> dict:
         """The launch group's hyperparameters from its step count on the device, written into its
@@ -142,6 +139,6 @@ class DeviceStep:
         group = gi["group"]
         lr = group["lr"]
         lr = lr.to(ps[0].device) if isinstance(lr, torch.Tensor) and ps else lr
-        adamw_fused_(ps, grads, ms, vs, gi["exact_steps"], lr=lr,
+        adamw_fused_(ps, grads, ms, vs, gi["steps"][len(gi["item_entries"]):], lr=lr,
                      betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
                      found_inf=self.skip if self.check else None)
