@@ -184,3 +184,60 @@ def test_cpu_batch_steps_an_eager_tensor_beside_it(caplog):
             opt.step()
     assert opt.__dict__.get("_cuda_batch") is None or not opt._cuda_batch.groups[0]["items"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_column_factors_by_shape_equal_the_per_tensor_operations(threads):
+    """ColumnFactors takes the v_col of one shape together (one stack, mean, div, sqrt per shape): every
+    output is bitwise the per-tensor path's (_column_factors_cpu), whatever the thread count, including
+    a one-profile v_col too long to reduce serially (kept on its own), a zero profile and a NaN one (the
+    general function's cases)."""
+    from gefen_dist.kernels import cpu as _cpu
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        shapes = [(768,), (768,), (3, 256), (3, 256), (3, 256), (4, 1024), (768,), (50257,), (50257,), (2, 40000),
+                  (2, 40000), (7,), (7,)]
+        v_cols = [torch.rand(s, generator=gen).pow_(3) * 10.0 ** float(torch.randint(-9, 2, (1,), generator=gen))
+                  for s in shapes]
+        v_cols[3][1].zero_()  # a row block whose mean is zero: the general function
+        v_cols[12][0] = float("nan")
+        cf = cpu_multi.ColumnFactors(v_cols, torch.device("cpu"))
+        assert len(cf._groups) < len(shapes)  # shared shapes really were taken together
+        for _ in range(2):  # the views are rewritten in place
+            views = cf.run()
+            for i, (v, out) in enumerate(zip(v_cols, views)):
+                ref = _cpu._column_factors_cpu(v)
+                assert out.shape == v.shape and torch.equal(out, ref) or (
+                    torch.isnan(ref).any() and torch.equal(out.isnan(), ref.isnan())
+                    and torch.equal(out.nan_to_num(), ref.nan_to_num())), (i, shapes[i])
+            for v in v_cols:
+                v.mul_(1.5)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_cpu_batch_of_repeated_layers_equals_the_per_tensor_path(monkeypatch):
+    """A model whose layers repeat their shapes (column factors taken per shape, the multi step's
+    tables built once per call) steps bitwise as the per-tensor path."""
+    torch.manual_seed(0)
+    base = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 96), nn.GELU(),
+                                                        nn.Linear(96, 32))])
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    hp = dict(lr=1e-3, weight_decay=0.1, small_threshold=0)
+    oa, ob = Gefen(a.named_parameters(), **hp), Gefen(b.named_parameters(), **hp)
+    monkeypatch.setattr(cuda_batch.CudaBatch, "plan", classmethod(
+        lambda cls, opt, entries, _plan=cuda_batch.CudaBatch.plan.__func__: None if opt is oa else _plan(
+            cls, opt, entries)))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(16, 32, generator=gen)
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            (m(x) ** 2).mean().backward()
+            o.step()
+    batch = ob.__dict__.get("_cuda_batch")
+    assert batch is not None and batch.native_cpu and len(batch.colfactors._groups) == 3
+    _same(a, b, oa, ob)

@@ -10,7 +10,7 @@ quantized tensor of a launch group (``gefen_multi_step``: the per-tensor entry p
 C) and one for every gradient's column sums (``gefen_multi_column_sumsq``), so each tensor's result
 is its own per-tensor call's, bitwise: the same kernel on the same arguments, the column sums per
 block of rows in the same order, the column factors by the per-tensor path's own operations
-(:func:`gefen_dist.kernels.cpu._column_factors_cpu`).
+(:func:`gefen_dist.kernels.cpu._column_factors_cpu`), taken over all ``v_col`` of one shape at once.
 """
 from __future__ import annotations
 
@@ -162,7 +162,16 @@ class ColumnFactors:
     """The column factors ``sqrt(v_col / mean(v_col))`` of many factored CPU tensors: ``v_cols[i]``
     (``[S]`` or ``[G, S]``, float32, contiguous) gets ``views[i]``, a tensor of its shape in one flat
     buffer that every :meth:`run` rewrites, with the per-tensor path's operations
-    (:func:`gefen_dist.kernels.cpu._column_factors_cpu`)."""
+    (:func:`gefen_dist.kernels.cpu._column_factors_cpu`).
+
+    ``v_col`` tensors of one shape are computed together: one ``stack``, one ``mean``, one ``div``
+    and one ``sqrt_`` per shape instead of four operations per tensor (a model's layers repeat a few
+    shapes). Each output of the stacked mean reduces its own row in the order a mean of that
+    ``v_col`` alone does, as long as the per-tensor mean runs in one thread: torch reduces a tensor of
+    one output and at least ``_GRAIN`` elements in parallel, in another order, so such ``v_col``
+    (one profile of 32,768 columns or more) stay on their own (``tests/test_cpu_batch.py``)."""
+
+    _GRAIN = 32768  # at::internal::GRAIN_SIZE: below it torch reduces serially
 
     def __init__(self, v_cols, device: torch.device):
         self.device = torch.device(device)
@@ -171,13 +180,33 @@ class ColumnFactors:
             if v.dtype != torch.float32 or not v.is_contiguous() or v.device.type != "cpu":
                 raise ValueError(f"v_col {i}: need a contiguous float32 CPU tensor, got {v.dtype} on {v.device}"
                                  f"{'' if v.is_contiguous() else ', non-contiguous'}")
+        by_shape: dict = {}
+        for i, v in enumerate(self.v_cols):
+            key = tuple(v.shape) if v.numel() < self._GRAIN else ("alone", i)
+            by_shape.setdefault(key, []).append(i)
         self.out = torch.empty(sum(v.numel() for v in self.v_cols), dtype=torch.float32)
-        self.views, o = [], 0
-        for v in self.v_cols:
-            self.views.append(self.out[o:o + v.numel()].view(v.shape))
-            o += v.numel()
+        self.views = [None] * len(self.v_cols)
+        self._groups, o = [], 0  # (v_cols, their outputs as one [K, *shape] block) per shape
+        for members in by_shape.values():
+            shape, k = tuple(self.v_cols[members[0]].shape), len(members)
+            n = self.v_cols[members[0]].numel()
+            block = self.out[o:o + k * n].view(k, *shape)
+            for j, i in enumerate(members):
+                self.views[i] = block[j]
+            self._groups.append(([self.v_cols[i] for i in members], block))
+            o += k * n
 
     def run(self):
-        for v, out in zip(self.v_cols, self.views):
-            out.copy_(_cpu._column_factors_cpu(v))
+        for vs, block in self._groups:
+            if len(vs) == 1:
+                block[0].copy_(_cpu._column_factors_cpu(vs[0]))
+                continue
+            st = torch.stack(vs)
+            mean_c = st.mean(dim=-1, keepdim=True)
+            if float(mean_c.min()) > 0:  # (False for a NaN mean) as _column_factors_cpu's fast case
+                torch.div(st, mean_c, out=block)
+                block.sqrt_()
+            else:
+                for v, out in zip(vs, block):
+                    out.copy_(_cpu._column_factors_cpu(v))
         return self.views

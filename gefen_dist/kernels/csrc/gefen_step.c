@@ -1562,22 +1562,41 @@ static const void *call_tables_init(call_tables *t, const gefen_step_args *a, co
     return NULL;
 }
 
+/* The argument checks of gefen_quantized_step: 0 when fine, else the error code. */
+static int quantized_args_error(const gefen_step_args *a)
+{
+    if (a->block <= 0 || a->period <= 0) return -1;
+    if (!(a->period == 1 || a->period == a->block)) return -2;
+    if (a->n % a->block != 0) return -3;
+    if (a->dtype != 0 && a->dtype != 1) return -4;
+    if (a->lut_n < 2) return -5;
+    return 0;
+}
+
+/* gefen_quantized_step with its call's tables already prepared (call_tables_init). */
+static int quantized_step_with(const gefen_step_args *a, void *param, const void *grad, uint8_t *idx,
+                               float *scale, float *v, const float *cb, const int32_t *lut, const void *planes)
+{
+    if (a->n == 0) return 0;
+    const int err = quantized_args_error(a);
+    if (err) return err;
+    const int k = (a->dtype << 3) | ((a->period == 1) << 2) | ((a->lut_mode != 0) << 1) |
+                  (a->fused_lerp != 0);
+    RUNS[k](a, param, grad, idx, scale, v, cb, lut, planes);
+    return 0;
+}
+
 /* Returns 0 on success, a negative code for invalid arguments. */
 int gefen_quantized_step(const gefen_step_args *a, void *param, const void *grad,
                          uint8_t *idx, float *scale, float *v, const float *cb,
                          const int32_t *lut)
 {
     if (a->n == 0) return 0;
-    if (a->block <= 0 || a->period <= 0) return -1;
-    if (!(a->period == 1 || a->period == a->block)) return -2;
-    if (a->n % a->block != 0) return -3;
-    if (a->dtype != 0 && a->dtype != 1) return -4;
-    if (a->lut_n < 2) return -5;
-    const int k = (a->dtype << 3) | ((a->period == 1) << 2) | ((a->lut_mode != 0) << 1) |
-                  (a->fused_lerp != 0);
+    const int err = quantized_args_error(a);
+    if (err) return err;
     call_tables ct;
     const void *planes = call_tables_init(&ct, a, cb, lut);
-    RUNS[k](a, param, grad, idx, scale, v, cb, lut, planes);
+    quantized_step_with(a, param, grad, idx, scale, v, cb, lut, planes);
     free(ct.to_free);
     return 0;
 }
@@ -1593,6 +1612,20 @@ static int factored_args_error(const gefen_step_args *a, int64_t row0, int64_t r
     return 0;
 }
 
+/* gefen_quantized_step_factored with its call's tables already prepared (call_tables_init). */
+static int factored_step_with(const gefen_step_args *a, void *param, const void *grad, uint8_t *idx,
+                              float *scale, float *v_row, const float *cf, const float *cb, const int32_t *lut,
+                              int64_t row0, int64_t rb, const void *planes)
+{
+    if (a->n == 0) return 0;
+    const int err = factored_args_error(a, row0, rb);
+    if (err) return err;
+    if (a->lut_n < 2) return -5;
+    const int k = (a->dtype << 2) | ((a->lut_mode != 0) << 1) | (a->fused_lerp != 0);
+    RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes, row0, rb);
+    return 0;
+}
+
 /* Factored second moment: a->period = slab (row length), a->block = scale block (divides
  * slab); v_row[n / slab] is updated here, cf = sqrt(v_col / mean(v_col)) per block of rb global
  * rows ([blocks][slab]) is read; the first local row is global row row0 (rb > row0 + rows: one
@@ -1605,10 +1638,9 @@ int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const v
     const int err = factored_args_error(a, row0, rb);
     if (err) return err;
     if (a->lut_n < 2) return -5;
-    const int k = (a->dtype << 2) | ((a->lut_mode != 0) << 1) | (a->fused_lerp != 0);
     call_tables ct;
     const void *planes = call_tables_init(&ct, a, cb, lut);
-    RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes, row0, rb);
+    factored_step_with(a, param, grad, idx, scale, v_row, cf, cb, lut, row0, rb, planes);
     free(ct.to_free);
     return 0;
 }
@@ -1838,20 +1870,31 @@ int gefen_multi_item_size(void) { return (int)sizeof(gefen_multi_item); }
 int64_t gefen_multi_step(const gefen_step_args *tmpl, const gefen_multi_item *items, int64_t count,
                          const float *cb, const int32_t *lut)
 {
-    for (int64_t i = 0; i < count; ++i) {
+    /* The tables depend on the codebook, the bucket table and the template's table settings only:
+     * prepared once for all items (not once per item, ~10 us each for the two-level form). */
+    call_tables ct;
+    const void *planes = NULL;
+    int ready = 0;
+    int64_t rc = 0;
+    for (int64_t i = 0; i < count && rc == 0; ++i) {
         const gefen_multi_item *it = items + i;
         gefen_step_args a = *tmpl;
         a.n = it->n;
         a.period = it->period;
         a.block = it->block;
         a.dtype = it->dtype;
-        const int rc = it->factored
-                           ? gefen_quantized_step_factored(&a, it->param, it->grad, it->idx, it->scale, it->v,
-                                                           it->colf, cb, lut, it->row0, it->rb)
-                           : gefen_quantized_step(&a, it->param, it->grad, it->idx, it->scale, it->v, cb, lut);
-        if (rc != 0) return (i + 1) * 100 - rc;
+        if (!ready && a.n > 0 && a.lut_n >= 2) {
+            planes = call_tables_init(&ct, tmpl, cb, lut);
+            ready = 1;
+        }
+        const int r = it->factored
+                          ? factored_step_with(&a, it->param, it->grad, it->idx, it->scale, it->v, it->colf, cb,
+                                               lut, it->row0, it->rb, planes)
+                          : quantized_step_with(&a, it->param, it->grad, it->idx, it->scale, it->v, cb, lut, planes);
+        if (r != 0) rc = (i + 1) * 100 - r;
     }
-    return 0;
+    if (ready) free(ct.to_free);
+    return rc;
 }
 
 typedef struct {
