@@ -317,6 +317,8 @@ OPTIMIZERS = (
     ("gefen_default_capturable", dict(capturable=True, nonfinite="skip"), None),
     ("gefen_shared", dict(second_moment="shared"), None),
     ("gefen_default_per_tensor", {}, None),
+    # ZeroGefen (ZeRO-1) in one process: owners' state-only steps per tensor, the appliers in one launch
+    ("zerogefen_one_rank", dict(_zero=True), None),
     ("gefen_default_eager", dict(fused=False), 5),
 )
 
@@ -358,7 +360,7 @@ def run_optimizers(key: str, dtype: torch.dtype, dev, args, size: str = "small")
     factored second moment with row blocks, Triton kernels, batched exact tensors) and torch's
     fused AdamW, the same parameters and gradients; the first Gefen step (periods + codebook)
     timed on its own; host synchronisations per step counted."""
-    from gefen_dist import Gefen
+    from gefen_dist import Gefen, ZeroGefen
 
     b = Bench(dtype, None, dev, seed=1, size=size)
     res = {}
@@ -369,7 +371,8 @@ def run_optimizers(key: str, dtype: torch.dtype, dev, args, size: str = "small")
             p.grad = q.grad.clone()
         hp = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
                   weight_decay=HP["weight_decay"])
-        opt = torch.optim.AdamW(params, fused=True, **hp) if kw is None else Gefen(params, **hp, **kw)
+        opt = (torch.optim.AdamW(params, fused=True, **hp) if kw is None
+               else ZeroGefen(params, **hp) if kw.get("_zero") else Gefen(params, **hp, **kw))
         with (_no_plan() if name.endswith("_per_tensor") else contextlib.nullcontext()):
             torch.cuda.synchronize()
             t0 = time.perf_counter()

@@ -6,6 +6,7 @@ of its global loads are 128-bit.
     python benchmarks/triton_sm90.py            # every shipped configuration, a table
     python benchmarks/triton_sm90.py --json out.json
     python benchmarks/triton_sm90.py --span     # the span kernels (D16, kernels/triton_span.py)
+    python benchmarks/triton_sm90.py --apply    # ZeroGefen's multi-range applier (kernels/triton_state.py)
 
 Triton ships ``ptxas``, ``cuobjdump`` and ``nvdisasm``, so ``triton.compile`` with a
 ``GPUTarget("cuda", 90, 32)`` produces the real cubin on a CPU-only machine. Registers come from
@@ -113,6 +114,20 @@ def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, w
                 aligned=aligned, device_hp=device_hp, maxnreg=opts.get("maxnreg"), lut_fast=lut_fast, **out)
 
 
+def compile_apply(mode: int, bf16: bool, rows: int, block: int, warps: int = 8) -> Dict[str, object]:
+    """Compile one configuration of ZeroGefen's multi-range applier (``_apply_multi_kernel``,
+    kernels/triton_state.py's ``ApplyMany``) for sm_90, with its launch options."""
+    from gefen_dist.kernels import triton_kernels as tk, triton_multi as tm
+
+    ptr = {"meta_ptr": "*i64", "prog_ptr": "*i64", "hp_ptr": "*fp32", "cf_ptr": "*i64", "cb_ptr": "*fp32",
+           "base": "i64"}  # (an int divisible by 16 gets the same attribute from the launcher)
+    consts = dict(MODE=mode, IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=block)
+    out = _compile("apply", tk._apply_multi_kernel, ptr, (), consts,
+                   dict(num_warps=warps, enable_fp_fusion=False, **tm.multi_launch_options()))
+    return dict(mode=MODES[mode], dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps,
+                aligned=False, device_hp=False, **out)
+
+
 SPAN_SLABS = (1, 4, 16, 64, 79)  # row lengths of tensors kept per block of rows (D16: below 80)
 
 
@@ -161,6 +176,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--span", action="store_true", help="the span kernels (D16) instead of the multi-tensor kernel")
+    ap.add_argument("--apply", action="store_true", help="ZeroGefen's multi-range applier (ApplyMany)")
     ap.add_argument("--device-hp", action="store_true",
                     help="the aligned factored configurations with and without DEVICE_HP (capturable=True)")
     a = ap.parse_args(argv)
@@ -174,8 +190,13 @@ def main(argv=None) -> int:
             print(f"{r['kernel']:>17} {r['dtype']:>8} S={r['slab']:<3} {r['tile']:>7} | regs {r['registers']:>3} "
                   f"spills {r['spill_stores']:>3} LDG {r['loads']:>3} SASS {r['instructions']:>5} MUFU {r['mufu']:>3}")
         return 0
-    rows = ([compile_multi(2, bf, r, b, True, device_hp=d) for bf in (False, True) for r, b in TILES
-             for d in (False, True)] if a.device_hp else shipped())
+    if a.apply:
+        rows = [compile_apply(m, bf, r, b) for m in (0, 2) for bf in (False, True) for r, b in TILES]
+    elif a.device_hp:
+        rows = [compile_multi(2, bf, r, b, True, device_hp=d) for bf in (False, True) for r, b in TILES
+                for d in (False, True)]
+    else:
+        rows = shipped()
     hdr = (f"{'mode':>11} {'dtype':>8} {'tile':>8} {'aligned':>7} {'dev_hp':>6} | {'regs':>4} {'spills':>6} {'LDG':>4} {'LDG.128':>7}"
            f" {'SASS':>5} {'MUFU':>4}")
     print(hdr)

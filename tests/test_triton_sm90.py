@@ -67,3 +67,17 @@ def test_span_kernels_compile_without_spills():
     assert len(rows) == 3 * 2 * len(sm90.SPAN_SLABS)
     for r in rows:
         assert r["spill_stores"] == 0 and r["registers"] <= 64, r
+
+
+def test_apply_many_compiles_without_spills():
+    """ZeroGefen's multi-range applier (ApplyMany, 8 warps on the step kernel's 2048-element tiles)
+    compiles for sm_90 for the factored and compressed modes, float32 and bfloat16, with no register
+    spill and at most 192 registers (its launch options: 8 warps and the multi kernel's register
+    ceiling; 4 warps took 238-255 and spilled at 16x128, ptxas's own ceiling spilled at 4x512
+    bfloat16). Its pointers come
+    from a table and the exchanged buffer's parts are 8-byte aligned, so its loads are not 128-bit."""
+    for mode in (0, 2):
+        for bf16 in (False, True):
+            for r, b in sm90.TILES:
+                x = sm90.compile_apply(mode, bf16, r, b)
+                assert x["spill_stores"] == 0 and x["registers"] <= 192 and x["loads"] > 0, x

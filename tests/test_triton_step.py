@@ -494,11 +494,65 @@ def test_zerogefen_on_the_triton_path_equals_gefen(monkeypatch):
             loss(m, x, w).backward()
             o.step()
     assert ob._mode(b.s) == "span" and ob._mode(b.b.weight) == "shared" and ob._mode(b.a.weight) == "factored"
+    many = ob._apply_cache[3]  # the factored and compressed ranges went through one launch per mode
+    assert many is not None and {L["mode"] for L in many._launches} == {0, 2}
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
         for k, v in oa.state[p].items():
             if isinstance(v, torch.Tensor) and k in ob.state[q]:  # ZeroGefen keeps flat slices
                 assert torch.equal(v.reshape(-1), ob.state[q][k].reshape(-1)), (name, k)
+
+
+@interp
+def test_apply_many_equals_the_per_range_appliers():
+    """ApplyMany (ZeroGefen's appliers in one launch per mode and dtype) gives every range the bits of
+    apply_factored_ / apply_compressed_: ranges of several tensors at byte offsets of one buffer (as
+    an all-gather leaves them), row blocks with a range starting inside one (row0), one column
+    profile, a bfloat16 parameter, a NaN scale, the bound and none, weight decay and none."""
+    from gefen_dist.kernels import triton_state as zs
+
+    cb = random_codebook()
+    gen = torch.Generator().manual_seed(4)
+    specs = [  # (dtype, rows, S, B, mode, G, row0, row_block, hp)
+        (torch.float32, 12, 64, 32, 2, 4, 6, 5, dict(lr=1e-2, weight_decay=0.1, bound=2.5)),
+        (torch.bfloat16, 7, 96, 96, 2, 1, 0, 0, dict(lr=3e-3, weight_decay=0.0, bound=None)),
+        (torch.float32, 9, 48, 48, 0, 1, 0, 0, dict(lr=1e-2, weight_decay=0.05, bound=1.5)),
+        (torch.float32, 5, 128, 64, 2, 3, 0, 2, dict(lr=2e-2, weight_decay=0.1, bound=None)),
+    ]
+    buf, ranges, ref, mine, scal, cfs = bytearray(), [], [], [], [], []
+    for h, (dt, rows, S, B, mode, G, row0, rb, hp) in enumerate(specs):
+        hp = dict(hp, eps=1e-8, bc1=1 - 0.9 ** 3, bc2=1 - 0.95 ** 3)
+        n = rows * S
+        p = (torch.randn(n + 3 * S, generator=gen) * 0.1).to(dt)  # the range starts at row 3 of the tensor
+        idx = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+        M = torch.rand(n // B, generator=gen)
+        M[1] = float("nan")
+        s = torch.rand(rows if mode == 2 else n // B, generator=gen) * (1e-2 if mode == 2 else 50.0)
+        cf = torch.rand(G, S, generator=gen) * 2 if G > 1 else torch.rand(S, generator=gen) * 2
+        offs = []
+        for t in (idx, M, s):
+            offs.append(len(buf))
+            raw = t.numpy().tobytes()
+            buf += raw + bytes(-len(raw) % 8)
+        ranges.append((p, 3 * S, rows, mode, S, B, row0, rb, tuple(offs), h))
+        want = p.clone()
+        kw = dict(row0=row0, row_block=rb) if G > 1 else {}
+        if mode == 2:
+            zs.apply_factored_(want[3 * S:], idx, M, s, cf, cb, B, S, hp, **kw)
+        else:
+            zs.apply_compressed_(want[3 * S:], idx, M, s, cb, S, hp)
+        ref.append(want)
+        mine.append(p)
+        scal.append(zs.ApplyMany.scalars(hp))
+        cfs.append(cf if mode == 2 else None)
+    chunk = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    am = zs.ApplyMany(ranges, torch.device("cpu"))
+    assert am.launches == 4  # (mode, dtype, launch configuration) buckets
+    am.run(chunk.data_ptr(), cb, scal, cfs)
+    for i, (want, got) in enumerate(zip(ref, mine)):
+        assert torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
+                           want.view(torch.int16) if want.dtype == torch.bfloat16 else want) or \
+            torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), i
 
 
 @interp
@@ -1223,10 +1277,10 @@ def test_cuda_span_phases_match_the_reference(shape, start, n, dtype):
 @pytest.mark.skipif(_CHILD or not torch.cuda.is_available() or not triton_step.available("cuda"),
                     reason="needs CUDA (compiled kernel)")
 def test_cuda_zerogefen_equals_gefen_per_tensor():
-    """ZeroGefen on CUDA (one process: the owner's state-only Triton step and the torch-operation
-    appliers of kernels/triton_state.py) against Gefen's per-tensor Triton path on the same CUDA
-    tensors and gradients, 4 steps: parameters bitwise (the appliers replay the kernel's float32
-    operations; a mismatch names the tensor and how many elements differ)."""
+    """ZeroGefen on CUDA (one process: the owner's state-only Triton step and the appliers of
+    kernels/triton_state.py, the factored ones in one launch, ApplyMany) against Gefen's per-tensor
+    Triton path on the same CUDA tensors and gradients, 4 steps: parameters bitwise (the appliers
+    replay the kernel's float32 operations; a mismatch names the tensor and how many elements differ)."""
     from torch import nn
 
     from gefen_dist import Gefen, ZeroGefen
@@ -1247,5 +1301,6 @@ def test_cuda_zerogefen_equals_gefen_per_tensor():
             o.zero_grad()
             ((m(x) - y) ** 2).mean().backward()
             o.step()
+    assert ob._apply_cache[3] is not None  # the one-launch appliers ran
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), (name, int((p != q).sum()), p.numel())

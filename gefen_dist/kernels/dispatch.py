@@ -166,6 +166,9 @@ class StepImpl:
     span_update_: Callable = _span.span_update_
     span_apply_indices_: Callable = _span.span_apply_indices_  # the second phase's update from given indices
     column_factors: Callable = _column_factors  # sqrt(v_col / mean(v_col)) as this implementation's appliers read it
+    # many ranges' appliers at once (factored and compressed; the Triton kernels' ApplyMany): built
+    # with (ranges, device), then .run(buffer address, codebook, per-tensor scalars, column factors)
+    apply_many: Optional[Callable] = None
     grad_in_param_dtype: bool = True  # the kernels read g in the parameter's dtype; the reference any dtype
 
     def grad_for(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -204,7 +207,8 @@ def _triton() -> StepImpl:
     return StepImpl("triton", tri.quantized_step_, tri.quantized_step_factored_, column_sumsq,
                     zs.quantized_state_, zs.factored_state_, zs.apply_compressed_, zs.apply_factored_,
                     span_statistics=span.span_statistics, span_update_=span.span_update_,
-                    span_apply_indices_=span.span_apply_indices_, column_factors=zs.column_factors)
+                    span_apply_indices_=span.span_apply_indices_, column_factors=zs.column_factors,
+                    apply_many=zs.ApplyMany)
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -538,7 +538,73 @@ def _span_update_kernel(p_ptr, m_ptr, idx_ptr, scale_ptr, rms_ptr, cf_ptr, cb_pt
         _update_param_jit(p_ptr, offs, mask, u * lr, decay, HAS_WD, IS_BF16)
 
 
+def _apply_multi_kernel(meta_ptr, prog_ptr, hp_ptr, cf_ptr, cb_ptr, base, MODE: tl.constexpr,
+                        IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """ZeroGefen's appliers in one launch (:class:`~gefen_dist.kernels.triton_state.ApplyMany`): program
+    ``pid`` applies rows ``prog[pid, 1] ..`` of range ``prog[pid, 0]``, the parameter update of
+    :func:`_step_rows`'s last sweep from an owner's compressed results, which sit in the exchanged
+    buffer at address ``base`` (byte offsets in ``meta``): the new indices, the scales ``M`` and, per
+    row (``MODE`` 2, factored) ``sqrt(v_row)`` or, per block (``MODE`` 0) ``sigma``. The column factors'
+    address and the scalars (1 / sqrt(bc2), eps, 1 / bc1, lr, 1 - lr wd, bound) are those of the
+    range's tensor ``h`` (``cf_ptr[h]``, ``hp_ptr[6 h ..]``), rewritten each step. The same float32
+    operations in the same order as the step kernel's, so each range gets that kernel's bits."""
+    pid = tl.program_id(0)
+    t = tl.load(prog_ptr + 2 * pid)
+    r_first = tl.load(prog_ptr + 2 * pid + 1).to(tl.int32)
+    mb = meta_ptr + t * _AMETA
+    if IS_BF16:
+        p_ptr = tl.load(mb + 0).to(tl.pointer_type(tl.int16))
+    else:
+        p_ptr = tl.load(mb + 0).to(tl.pointer_type(tl.float32))
+    idx_ptr = (base + tl.load(mb + 1)).to(tl.pointer_type(tl.uint8))
+    m_ptr = (base + tl.load(mb + 2)).to(tl.pointer_type(tl.float32))
+    s_ptr = (base + tl.load(mb + 3)).to(tl.pointer_type(tl.float32))
+    nrows = tl.load(mb + 4).to(tl.int32)
+    S = tl.load(mb + 5).to(tl.int32)
+    B = tl.load(mb + 6).to(tl.int32)
+    row0 = tl.load(mb + 7).to(tl.int32)
+    row_block = tl.load(mb + 8).to(tl.int32)
+    h = tl.load(mb + 9)
+    hb = hp_ptr + 6 * h
+    isb = tl.load(hb)
+    eps = tl.load(hb + 1)
+    inv_bc1 = tl.load(hb + 2)
+    lr = tl.load(hb + 3)
+    decay = tl.load(hb + 4)
+    ubound = tl.load(hb + 5)
+    rows = r_first + tl.arange(0, ROWS)
+    rmask = rows < nrows
+    rbase = rows.to(tl.int64) * S
+    cols0 = tl.arange(0, BLOCK_SIZE)
+    NBLK = S // B
+    if MODE == 2:
+        vc_ptr = tl.load(cf_ptr + h).to(tl.pointer_type(tl.float32))
+        xr = (tl.load(s_ptr + rows, mask=rmask, other=0.0) * isb)[:, None]  # sqrt(v_row) / sqrt(bc2)
+        cfbase = ((rows + row0) // row_block).to(tl.int64) * S
+    for kb in range(0, NBLK):
+        srow = rows.to(tl.int64) * NBLK + kb
+        Ab = tl.load(m_ptr + srow, mask=rmask, other=0.0)[:, None]
+        if MODE == 0:
+            sigma_row = tl.load(s_ptr + srow, mask=rmask, other=0.0)[:, None]
+        for c0 in range(0, B, BLOCK_SIZE):
+            cols = c0 + cols0
+            mask = rmask[:, None] & (cols < B)[None, :]
+            offs = (rbase + kb * B)[:, None] + cols[None, :]
+            ix = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
+            cq = tl.load(cb_ptr + ix)
+            if MODE == 2:
+                cf = tl.load(vc_ptr + cfbase[:, None] + (kb * B + cols)[None, :], mask=mask, other=0.0)
+                sg = tl.div_rn(inv_bc1, xr * cf + eps)
+            else:
+                sg = sigma_row
+            u = (cq * Ab) * sg
+            u = tl.where(u > ubound, ubound, tl.where(u < -ubound, -ubound, u))  # NaN stays NaN
+            u = u * lr
+            _update_param_jit(p_ptr, offs, mask, u, decay, True, IS_BF16)
+
+
 _META = tl.constexpr(10) if _HAVE_TRITON else 10  # int64 fields per tensor in MultiStep's table
+_AMETA = tl.constexpr(10) if _HAVE_TRITON else 10  # int64 fields per range in ApplyMany's table
 _kernels: Dict[Tuple[bool, str], object] = {}
 _kernels_lock = threading.Lock()
 # the helpers the kernels call, by these module-level names (jit-wrapped on first use)
@@ -548,7 +614,7 @@ _step_rows_jit = _load_f32_jit = _ema_m_jit = _nearest_jit = _update_param_jit =
 
 
 def _kernel(name: str = "step"):
-    """The jit-wrapped kernel ``name`` (step, multi, colsum, reduce, colfactor, span_stats, span_update)
+    """The jit-wrapped kernel ``name`` (step, multi, colsum, reduce, colfactor, span_stats, span_update, apply)
     for the current mode
     (compiled, or interpreted under TRITON_INTERPRET=1); the helpers are wrapped first and bound
     to their module-level names, by which the kernels call them."""
@@ -563,6 +629,7 @@ def _kernel(name: str = "step"):
         if k is None:
             fn = {"step": _gefen_step_kernel, "multi": _gefen_multi_kernel, "colsum": _colsum_kernel,
                   "reduce": _colsum_reduce_kernel, "colfactor": _colfactor_kernel,
-                  "span_stats": _span_stats_kernel, "span_update": _span_update_kernel}[name]
+                  "span_stats": _span_stats_kernel, "span_update": _span_update_kernel,
+                  "apply": _apply_multi_kernel}[name]
             k = _kernels[(interp, name)] = triton.jit(fn)
     return k

@@ -14,21 +14,33 @@ kernel's bits: ZeroGefen's replicas equal single-process ``Gefen`` on the Triton
 (``tests/test_triton_step.py``, through the interpreter). The column factors come from the kernels'
 own launch (:class:`~gefen_dist.kernels.triton_multi.ColumnFactors`), whose mean is summed in its
 order.
+
+Those torch operations are a dozen launches per range and rank on a GPU. :class:`ApplyMany` applies
+every factored and compressed range of a step in one launch per (mode, dtype, tile) instead
+(``_apply_multi_kernel``: the step kernel's own update, so the same bits as the torch appliers,
+``tests/test_triton_step.py``); ZeroGefen takes it where the exchanged chunks are one buffer and the
+parameter is contiguous, and the torch appliers for the rest.
 """
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..core.apply import apply_compressed as _apply_compressed_eager
 from ..core.step import _EAGER_CHUNK_ELEMS, apply_, row_factors
-from .triton_multi import ColumnFactors
+from .triton_kernels import _kernel
+from .triton_multi import ColumnFactors, multi_launch_options
+from .triton_tables import _config, _device_table, _pinned_to
 from .state_only import factored_state_only_, state_only_
 from .triton_step import quantized_step_, quantized_step_factored_
 
-__all__ = ["quantized_state_", "factored_state_", "apply_compressed_", "apply_factored_", "column_factors"]
+__all__ = ["quantized_state_", "factored_state_", "apply_compressed_", "apply_factored_", "column_factors",
+           "ApplyRange", "ApplyMany"]
 
 _SCRATCH_ELEMS = 1 << 24  # parameter scratch of a state-only call (chunks of whole blocks)
 
@@ -103,3 +115,106 @@ def column_factors(v_col: torch.Tensor) -> torch.Tensor:
     """``sqrt(v_col / mean(v_col))`` per row block, by the launch the Triton step uses
     (:class:`~gefen_dist.kernels.triton_multi.ColumnFactors`), so an applier reads the step's bits."""
     return ColumnFactors([v_col], v_col.device).run()[0].view_as(v_col)
+
+
+# 8 warps on _config's 2048-element tiles (8 elements a thread), with the multi kernel's register ceiling
+# stated (ptxas's own choice spilled at 4x512 bfloat16): no spill and at most 188 registers in every
+# shipped tile offline for sm_90, where 4 warps take 238-255 registers and spill at 16x128
+# (python benchmarks/triton_sm90.py --apply; tests/test_triton_sm90.py)
+_APPLY_WARPS = 8
+
+
+@dataclass(frozen=True)
+class ApplyRange:
+    """One range of an :class:`ApplyMany`: elements ``start .. start + nrows * S`` of ``param``
+    (contiguous), whose owner's results sit at byte offsets ``offs`` = (indices, scales ``M``,
+    ``sqrt(v_row)`` per row or ``sigma`` per block) of the exchanged buffer; ``mode`` 2 (factored:
+    rows of ``S`` elements, scale blocks of ``B``, the first row global row ``row0``, row blocks of
+    ``row_block`` rows; 0: one column profile) or 0 (compressed: ``S == B`` = the period); ``h``: its
+    tensor's index in the per-step tables of :meth:`ApplyMany.run`."""
+
+    param: torch.Tensor
+    start: int
+    nrows: int
+    mode: int
+    S: int
+    B: int
+    row0: int
+    row_block: int
+    offs: Tuple[int, int, int]
+    h: int
+
+
+class ApplyMany:
+    """ZeroGefen's factored and compressed appliers of a step in one launch per (mode, dtype, launch
+    configuration) instead of a dozen torch operations per range and rank
+    (``_apply_multi_kernel``: the step kernel's parameter update, so each range gets the bits that
+    :func:`apply_factored_` / :func:`apply_compressed_` give it). Built once for a fixed layout of the
+    exchanged buffer (the ranges' parameters must stay in place); :meth:`run` takes the buffer's
+    address, the codebook and each tensor's column factors and hyperparameters."""
+
+    def __init__(self, ranges: Sequence, device: torch.device):
+        self.device = torch.device(device)
+        self.ranges = [r if isinstance(r, ApplyRange) else ApplyRange(*r) for r in ranges]
+        buckets: Dict[tuple, list] = {}
+        for r in self.ranges:
+            if r.nrows == 0:
+                continue
+            if r.mode not in (0, 2) or r.S % r.B or (r.mode == 0 and r.S != r.B) or not r.param.is_contiguous():
+                raise ValueError(f"ApplyMany: bad range (mode {r.mode}, S {r.S}, B {r.B}, "
+                                 f"contiguous {r.param.is_contiguous()})")
+            rows, bs, _ = _config(r.B, r.nrows)
+            warps = _APPLY_WARPS
+            buckets.setdefault((r.mode, r.param.dtype == torch.bfloat16, rows, bs, warps), []).append(r)
+        self._launches = []
+        for (mode, bf16, rows, bs, warps), members in buckets.items():
+            meta, prog = [], []
+            for t, r in enumerate(members):
+                rb = r.row_block if r.row_block > 0 else r.row0 + r.nrows + 1  # none: every row in block 0
+                meta.append([r.param.data_ptr() + r.start * r.param.element_size(), *r.offs, r.nrows, r.S, r.B,
+                             r.row0, rb, r.h])
+                prog += [[t, i] for i in range(0, r.nrows, rows)]
+            self._launches.append(dict(mode=mode, bf16=bf16, rows=rows, bs=bs, warps=warps, nprog=len(prog),
+                                       meta=_pinned_to(meta, self.device), prog=_pinned_to(prog, self.device)))
+        self._touched = list({id(r.param): r.param for r in self.ranges}.values())
+
+    @property
+    def launches(self) -> int:
+        return len(self._launches)
+
+    @staticmethod
+    def scalars(hp: dict) -> List[float]:
+        """A tensor's six scalars for the kernel, as :func:`apply_factored_` rounds them: 1 / sqrt(bc2)
+        (correctly rounded from the float32 sqrt(bc2)), eps, 1 / bc1, lr, 1 - lr wd, the bound (+inf:
+        none)."""
+        bound = hp.get("bound")
+        return [float(np.float32(1.0) / np.float32(math.sqrt(hp["bc2"]))), _f32(hp["eps"]), _f32(1.0 / hp["bc1"]),
+                _f32(hp["lr"]), _f32(1.0 - hp["lr"] * hp["weight_decay"]),
+                math.inf if bound is None else _f32(bound)]
+
+    def run(self, base: int, codebook: torch.Tensor, scalars: Sequence[Sequence[float]],
+            col_factors: Sequence[Optional[torch.Tensor]]) -> None:
+        """Apply every range: ``base`` is the exchanged buffer's address on the device, ``scalars[h]``
+        (:meth:`scalars`) and ``col_factors[h]`` (contiguous float32 ``[S]`` or ``[G, S]``, or None for
+        a compressed tensor) those of tensor ``h``."""
+        if not self._launches:
+            return
+        hp = _pinned_float(scalars, self.device)
+        cf = _pinned_to([0 if c is None else c.data_ptr() for c in col_factors], self.device)
+        cb = _device_table(codebook, self.device).cb
+        kern = _kernel("apply")
+        ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+        with ctx:
+            for L in self._launches:
+                kern[(L["nprog"],)](L["meta"], L["prog"], hp, cf, cb, int(base), MODE=L["mode"], IS_BF16=L["bf16"],
+                                    ROWS=L["rows"], BLOCK_SIZE=L["bs"], num_warps=L["warps"], enable_fp_fusion=False,
+                                    **multi_launch_options())
+        torch.autograd.graph.increment_version(self._touched)
+
+
+def _pinned_float(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
+    """A float32 table on ``device`` without a host synchronisation (pinned, non-blocking copy)."""
+    t = torch.tensor([x for r in rows for x in r] or [0.0], dtype=torch.float32)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t

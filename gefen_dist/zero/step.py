@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..engine.comm import take_bytes
+from ..engine.comm import pad_bytes, take_bytes
 from ..core.apply import update_v_col
 from ..core.step import adamw_step_, decay_only_, hyperparameters, row_block_args
 from ..kernels import dispatch as _dispatch
@@ -22,6 +22,12 @@ _STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")  # what a state-only update 
 
 def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
     return row_block_args(st["v_col"], global_shape(p)[0], s)
+
+
+def _one_buffer(chunks) -> bool:
+    """Whether the exchanged chunks are consecutive rows of one buffer (what an all-gather returns)."""
+    return bool(chunks) and all(c.data_ptr() == chunks[0].data_ptr() + r * chunks[0].numel()
+                                for r, c in enumerate(chunks))
 
 
 class ZeroStepMixin:
@@ -142,46 +148,114 @@ class ZeroStepMixin:
         return parts
 
 
-    def _apply_all(self, items, chunks, col_f) -> None:
-        """Every rank applies every rank's range of every tensor, identically (the appliers of the
-        owners' implementation, :meth:`_impl`, or the owner's dense values)."""
-        works = {}
+    def _apply_layout(self, items) -> List[tuple]:
+        """Where every rank's range of every item sits in the exchanged chunks, in the order the
+        owners packed them (:meth:`_owner_parts`): ``(r, item index, s, e, offs)`` per range that
+        travels, ``offs`` the byte offsets of its parts in chunk ``r`` (:func:`take_bytes`'s)."""
+        out = []
         for r in range(self._world):
             off = 0
-            for p, st, hp, mode in items:
+            for i, (p, st, hp, mode) in enumerate(items):
                 s, e = self._partition.of(p)[r]
                 n = e - s
                 if mode == MODE_LOCAL or n == 0:
                     continue
-                if id(p) not in works:
-                    works[id(p)] = p if p.is_contiguous() else p.detach().contiguous()
-                flat, impl = works[id(p)].view(-1), self._impl(p)
                 if mode == MODE_COMPRESSED:
-                    P = st["period"]
-                    idx, off = take_bytes(chunks[r], off, n, torch.uint8)
-                    M, off = take_bytes(chunks[r], off, n // P, torch.float32)
-                    sigma, off = take_bytes(chunks[r], off, n // P, torch.float32)
-                    impl.apply_compressed_(flat[s:e], idx.to(p.device), M.to(p.device), sigma.to(p.device),
-                                           st["codebook"], P, hp)
+                    sizes = (n, 4 * (n // st["period"]), 4 * (n // st["period"]))
                 elif mode == MODE_FACTORED:
-                    B, slab = st["scale_block"], st["v_col"].shape[-1]
-                    idx, off = take_bytes(chunks[r], off, n, torch.uint8)
-                    M, off = take_bytes(chunks[r], off, n // B, torch.float32)
-                    rf, off = take_bytes(chunks[r], off, n // slab, torch.float32)
-                    impl.apply_factored_(flat[s:e], idx.to(p.device), M.to(p.device), rf.to(p.device),
-                                         col_f[id(p)], st["codebook"], B, slab, hp, **_row_blocks_kw(p, st, s))
-                elif mode == MODE_SPAN:
-                    idx, off = take_bytes(chunks[r], off, n, torch.uint8)
-                    if self._span_applied_here(p, r):
-                        impl.span_apply_indices_(flat[s:e], idx.to(p.device), st["scale"], st["v_blk"], st["v_col"],
-                                                 st["codebook"], SpanPiece.of(global_shape(p), s, n), **hp)
-                else:
-                    vals, off = take_bytes(chunks[r], off, n, p.dtype)
-                    flat[s:e].copy_(vals.to(p.device))
+                    sizes = (n, 4 * (n // st["scale_block"]), 4 * (n // st["v_col"].shape[-1]))
+                else:  # MODE_SPAN: the indices; MODE_DENSE: the values
+                    sizes = (n if mode == MODE_SPAN else n * p.element_size(),)
+                offs = []
+                for nb in sizes:
+                    offs.append(off)
+                    off += pad_bytes(nb)
+                out.append((r, i, s, e, tuple(offs)))
+        return out
+
+
+    def _apply_all(self, items, chunks, col_f) -> None:
+        """Every rank applies every rank's range of every tensor, identically (the appliers of the
+        owners' implementation, :meth:`_impl`, or the owner's dense values). Where the implementation
+        applies many ranges at once (the Triton kernels, :class:`~gefen_dist.kernels.triton_state.ApplyMany`),
+        the factored and compressed ranges of contiguous parameters go through it."""
+        layout, many, rest = self._apply_plan(items, chunks)
+        if many is not None and _one_buffer(chunks):
+            self._apply_many(items, chunks, col_f, many)
+        else:  # (an exchange gives its chunks as rows of one buffer; if not, each range on its own)
+            rest = layout
+        works = {}
+        for r, i, s, e, offs in rest:
+            p, st, hp, mode = items[i]
+            n, ch = e - s, chunks[r]
+            if id(p) not in works:
+                works[id(p)] = p if p.is_contiguous() else p.detach().contiguous()
+            flat, impl = works[id(p)].view(-1), self._impl(p)
+            if mode == MODE_COMPRESSED:
+                P = st["period"]
+                idx, M, sigma = (take_bytes(ch, o, c, dt)[0].to(p.device) for o, c, dt in
+                                 zip(offs, (n, n // P, n // P), (torch.uint8, torch.float32, torch.float32)))
+                impl.apply_compressed_(flat[s:e], idx, M, sigma, st["codebook"], P, hp)
+            elif mode == MODE_FACTORED:
+                B, slab = st["scale_block"], st["v_col"].shape[-1]
+                idx, M, rf = (take_bytes(ch, o, c, dt)[0].to(p.device) for o, c, dt in
+                              zip(offs, (n, n // B, n // slab), (torch.uint8, torch.float32, torch.float32)))
+                impl.apply_factored_(flat[s:e], idx, M, rf, col_f[id(p)], st["codebook"], B, slab, hp,
+                                     **_row_blocks_kw(p, st, s))
+            elif mode == MODE_SPAN:
+                if self._span_applied_here(p, r):
+                    impl.span_apply_indices_(flat[s:e], take_bytes(ch, offs[0], n, torch.uint8)[0].to(p.device),
+                                             st["scale"], st["v_blk"], st["v_col"], st["codebook"],
+                                             SpanPiece.of(global_shape(p), s, n), **hp)
+            else:
+                flat[s:e].copy_(take_bytes(ch, offs[0], n, p.dtype)[0].to(p.device))
         for p, st, hp, mode in items:
             w = works.get(id(p))
             if w is not None and w is not p:
                 p.copy_(w)
+
+
+    def _apply_plan(self, items, chunks):
+        """:meth:`_apply_layout`, the multi-range applier of the ranges it can take (or None) and the
+        other ranges, kept while the partition, the exchange's width, the implementation and the items'
+        tensors, modes and blocks stay the same."""
+        width = chunks[0].numel() if chunks else 0
+        impl = next((self._impl(p) for p, st, hp, mode in items if mode in (MODE_FACTORED, MODE_COMPRESSED)), None)
+        key = (width, impl, tuple((id(p), p.data_ptr(), mode, st.get("period"), st.get("scale_block"))
+                                  for p, st, hp, mode in items))
+        hit = self.__dict__.get("_apply_cache")
+        if hit is not None and hit[0] is self._partition and hit[1] == key:
+            return hit[2:]
+        layout = self._apply_layout(items)
+        pick = [k for k, (r, i, s, e, offs) in enumerate(layout)
+                if impl is not None and impl.apply_many is not None and items[i][3] in (MODE_FACTORED, MODE_COMPRESSED)
+                and items[i][0].is_contiguous() and self._impl(items[i][0]) is impl
+                and chunks[r].device == items[i][0].device]
+        many = None
+        if pick and _one_buffer(chunks):
+            ranges = []
+            for k in pick:
+                r, i, s, e, offs = layout[k]
+                p, st, hp, mode = items[i]
+                fact = mode == MODE_FACTORED
+                S = st["v_col"].shape[-1] if fact else st["period"]
+                kw = _row_blocks_kw(p, st, s) if fact else {}
+                # (tensor, first element, rows, mode, row length, scale block, row0, row block, offsets, item)
+                ranges.append((p, s, (e - s) // S, 2 if fact else 0, S, st["scale_block"] if fact else S,
+                               kw.get("row0", 0), kw.get("row_block", 0), tuple(o + r * width for o in offs), i))
+            many = impl.apply_many(ranges, items[layout[pick[0]][1]][0].device)
+        taken = set(pick) if many is not None else set()
+        rest = [x for k, x in enumerate(layout) if k not in taken]
+        self._apply_cache = (self._partition, key, layout, many, rest)
+        return layout, many, rest
+
+
+    @staticmethod
+    def _apply_many(items, chunks, col_f, applier) -> None:
+        """The multi-range applier's one call: each item's scalars and column factors (by item index)."""
+        cb = next(st["codebook"] for p, st, hp, mode in items if mode in (MODE_FACTORED, MODE_COMPRESSED))
+        applier.run(chunks[0].data_ptr(), cb, [applier.scalars(hp) for p, st, hp, mode in items],
+                    [col_f.get(id(p)) for p, st, hp, mode in items])
 
 
     def _owner_compressed(self, p, st, hp, s, e) -> List[torch.Tensor]:

@@ -184,7 +184,11 @@ def main():
     params = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in b.parameters())).hexdigest()
     assert same_everywhere(params), "zero: replicas differ"  # (each rank holds its own slices of the state)
     cut = [ob.owned_range(p) for p in b.parameters()]
-    say(f"OK zero rank {rank}: ZeroGefen on the Triton path bitwise Gefen's, replicas identical (owned {cut})")
+    layout, many, rest = ob._apply_cache[2:]  # the appliers of every rank's ranges in one launch
+    taken = [x for x in layout if x not in rest]
+    assert many is not None and {x[0] for x in taken} == set(range(ws)), f"zero: apply_many {rank}"
+    say(f"OK zero rank {rank}: ZeroGefen on the Triton path bitwise Gefen's, replicas identical (owned {cut}); "
+        f"{len(taken)} ranges of {ws} ranks applied in {many.launches} launch(es)")
     dist.barrier()
     if rank == 0:
         say(f"ALL OK batch_check ws={ws}")

@@ -1,0 +1,102 @@
+"""Host work of ZeroGefen's appliers on the Triton path (CUDA's), measured on CPU without a GPU.
+
+    python research/zero_apply_ops.py [--size small|xl] [--d 64] [--steps 30]
+
+Every rank applies every rank's range of every tensor (``zero/step.py``, ``_apply_all``). Before
+2026-12-05 each range of a factored or compressed tensor took a dozen torch operations (on a GPU,
+a launch each: ``kernels/triton_state.py``'s ``apply_factored_``); now they go through
+``ApplyMany``, one launch per (mode, dtype, tile) for all of them. This script builds GPT-2's
+parameter structure (``research/batch_host_time.py``'s ``build``: the same tensors at width ``--d``,
+every >= 2-D tensor quantized), steps ``ZeroGefen`` in one process with the Triton implementation
+forced and every Triton launch replaced by a counting no-op (so only host work is measured), and
+reports per step for ``_apply_all``: torch operations dispatched, Triton launches and wall time,
+for the one-launch appliers and for the per-range path (``_one_buffer`` patched to False, which is
+the code every range took before). With W ranks the per-range path's counts are W times these;
+the one-launch path's do not grow with W.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "research"), str(ROOT / "benchmarks")]
+os.environ.setdefault("TRITON_INTERPRET", "1")  # triton_step.available() without a GPU; no kernel runs
+
+from batch_host_time import _Count, _NoLaunch, build  # noqa: E402
+from gefen_dist import ZeroGefen  # noqa: E402
+from gefen_dist.kernels import dispatch, triton_kernels, triton_multi, triton_state, triton_step  # noqa: E402
+from gefen_dist.zero import step as zero_step  # noqa: E402
+
+
+def measure(opt, steps: int, per_range: bool) -> dict:
+    orig_one = zero_step._one_buffer
+    zero_step._one_buffer = (lambda chunks: False) if per_range else orig_one
+    orig = zero_step.ZeroStepMixin._apply_all
+    rec = {"ops": [], "launches": [], "ms": []}
+
+    def timed(self, *a, **k):
+        n0 = _NoLaunch.launches
+        t0 = time.perf_counter()
+        orig(self, *a, **k)
+        rec["ms"].append(1e3 * (time.perf_counter() - t0))
+        rec["launches"].append(_NoLaunch.launches - n0)
+        with _Count() as c:  # a second, counted call would change the parameters twice: count on a rerun below
+            pass
+        return None
+
+    zero_step.ZeroStepMixin._apply_all = timed
+    try:
+        opt.step()  # (re)builds the plan
+        for _ in range(steps):
+            opt.step()
+        counted = []
+
+        def count(self, *a, **k):
+            with _Count() as c:
+                orig(self, *a, **k)
+            counted.append(c.n)
+        zero_step.ZeroStepMixin._apply_all = count
+        for _ in range(3):
+            opt.step()
+    finally:
+        zero_step.ZeroStepMixin._apply_all = orig
+        zero_step._one_buffer = orig_one
+    return dict(ops=statistics.median(counted), launches=statistics.median(rec["launches"][1:]),
+                ms=statistics.median(rec["ms"][1:]))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    params = build(args.size, args.d)
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = ZeroGefen([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                     {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                    lr=1e-3, betas=(0.9, 0.95), small_threshold=0)
+    opt.step()  # learns the codebook (native kernels), then the Triton implementation is forced
+    opt._impl = lambda t, p=None, group=None: dispatch._triton()
+    for mod in (triton_kernels, triton_multi, triton_step, triton_state):  # every module that bound the launcher
+        mod._kernel = lambda name="step": _NoLaunch(name)
+    quantized = sum(1 for p in params if "idx" in opt.state[p])
+    print(f"ZeroGefen, GPT-2 {args.size} structure at width {args.d}: {len(params)} tensors, {quantized} quantized; "
+          f"one process (W = 1); per step of _apply_all (medians of {args.steps} steps; ops of 3):")
+    for name, per_range in (("one launch (ApplyMany)", False), ("per range (before)", True)):
+        r = measure(opt, args.steps, per_range)
+        print(f"  {name:24s} torch ops {r['ops']:6.0f}   Triton launches {r['launches']:4.0f}   host {r['ms']:7.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
