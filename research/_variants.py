@@ -70,6 +70,15 @@ decoupled weight decay) to the parent class:
   ``q4_floor=True``: the element's ``v`` is kept at or above the factored estimate
   (``v_t = max(fact_t, b2 v_{t-1} + (1 - b2) g^2)``), so the correction only ever shortens a step
   the factored estimate makes too long; use it with ``q4_zero=0`` (levels ``1x``..``2^(15 step)``).
+* ``second_moment_mode="li4"``: Li, Chen, Zhu 2023 ("Memory Efficient Optimizers with 4-bit States")'s
+  4-bit second moment on the factored layout's storage: a per-element EMA ``v`` stored as a 4-bit code
+  (two per byte, +0.5 B/element) relative to the rank-1 normaliser ``N_ij = min(max_j v_ij, max_i v_ij)``
+  (the row and column maxima of the new ``v``, kept in ``v_row`` / ``v_col``), with their linear mapping
+  that excludes zero (code ``k`` stands for ``(k + 1) / 16 N``) and deterministic nearest rounding. Each
+  step rebuilds ``v`` from the codes and the stored maxima, advances it exactly, steps with it and stores
+  it back: no random numbers, so every shard layout gets the same codes. Elements far below their
+  row's and column's maxima are held at ``N / 16`` (never zero, never a long step); an EMA decaying by
+  ``b2`` per step moves down a level only from codes >= 9 (rounding), below that it stays (shorter steps).
 * ``first_moment="quant4"``: a low-bit first moment (``m_bits``, default 4): 2^m_bits codewords
   learned by the same exact DP from the same global histogram of the first gradient (ends at -1
   and +1), on the default scale blocks. It is stored in one byte per element, the index in the low
@@ -216,11 +225,11 @@ class GefenVariant(Gefen):
         self.codebook_scope = codebook_scope
         self.v_mode = second_moment_mode or kw.get("second_moment", "shared")
         assert self.v_mode in ("shared", "factored", "exact", "grouped", "factored_clamp", "sm3", "factored_q4",
-                               "meanvar", "meanvar_min", "rowblock", "rowblock_meanvar_min")
+                               "meanvar", "meanvar_min", "rowblock", "rowblock_meanvar_min", "li4")
         if self.v_mode in ("shared", "factored"):
             kw["second_moment"] = self.v_mode  # explicit: the library default is "factored"
         if self.v_mode in ("grouped", "factored_clamp", "sm3", "factored_q4", "meanvar", "meanvar_min", "rowblock",
-                           "rowblock_meanvar_min"):
+                           "rowblock_meanvar_min", "li4"):
             kw["second_moment"] = "factored"  # v_row / v_col come from the parent's factored layout
         # K, or {id(param): K} (parameters not in it: 4)
         self.v_groups = {k: int(v) for k, v in v_groups.items()} if isinstance(v_groups, dict) else int(v_groups)
@@ -356,6 +365,9 @@ class GefenVariant(Gefen):
             if "code" not in st:  # 8-bit m: the v codes packed two per byte
                 assert vb == 4, "with the 8-bit first moment the v correction is 4 bits"
                 st["vq"] = pack4(torch.full((n,), z0, dtype=torch.uint8, device=dev))
+        if mode == "li4":  # the codes; v_row / v_col hold the row and column maxima of v
+            assert "v_col" in st and st["v_col"].dim() == 1, "li4 needs the factored layout with one column profile"
+            st["vq"] = pack4(torch.zeros(n, dtype=torch.uint8, device=dev))
         if mode == "exact":
             st["v"] = torch.zeros(tuple(piece.local.shape), dtype=torch.float32, device=dev)
         elif mode == "row":
@@ -452,7 +464,7 @@ class GefenVariant(Gefen):
         v_mode = self.v_override.get(id(p), self.v_mode)
         default = (self.first_moment == "quant"
                    and self.v_mode not in ("exact", "grouped", "factored_clamp", "sm3", "factored_q4", "meanvar",
-                                           "meanvar_min", "rowblock", "rowblock_meanvar_min")
+                                           "meanvar_min", "rowblock", "rowblock_meanvar_min", "li4")
                    and self.rounding == "nearest"
                    and not self.codebook_refresh and not self.v_lag and not self.v_innov and not self.v_clamp
                    and id(p) not in self.v_override
@@ -508,6 +520,19 @@ class GefenVariant(Gefen):
                 else:
                     denom = (v_row.sqrt().unsqueeze(1) * ratio.sqrt_()).div_(math.sqrt(bc2v)).add_(eps)
                 sigma = denom.reciprocal_().mul_(1.0 / bc1).view(-1)
+        elif v_mode == "li4":  # Li et al. 2023: rank-1 normalised, zero-excluding linear 4-bit codes
+            v_row, v_col = local_tensor(st["v_row"]).view(-1), st["v_col"].view(-1)
+            R, C = v_row.numel(), v_col.numel()
+            norm = torch.minimum(v_row.unsqueeze(1), v_col.unsqueeze(0))
+            v = norm * (unpack4(st["vq"], n).view(R, C).float() + 1.0) / 16.0
+            g2 = (g * g).view(R, C)
+            v.mul_(b2).add_(g2, alpha=1.0 - b2)
+            v_row.copy_(v.amax(dim=1))
+            v_col.copy_(v.amax(dim=0))
+            norm = torch.minimum(v_row.unsqueeze(1), v_col.unsqueeze(0))
+            x = torch.where(norm > 0, v / torch.where(norm > 0, norm, torch.ones_like(norm)), torch.zeros_like(v))
+            st["vq"].copy_(pack4(torch.round(x * 16.0 - 1.0).clamp_(0, 15).to(torch.uint8).view(-1)))
+            sigma = (v.sqrt() / math.sqrt(bc2)).add_(eps).reciprocal_().mul_(1.0 / bc1).view(-1)
         elif v_mode == "sm3":
             v_col, v_row = st["v_col"], local_tensor(st["v_row"]).view(-1)
             g2 = (g * g).view(-1, v_col.numel())

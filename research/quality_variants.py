@@ -247,6 +247,10 @@ RESEARCH_VARIANTS = {
                "first step its own): a delayed v as in AdaShift; same state",
                _variant_square_rowblocks(second_moment_mode="factored", v_lag=True)),
     # (y) the per-element recursion with a factored history: the current gradient enters exactly
+    "n_li4v": ("(n) 8-bit m (the default's codebook and scale blocks) and Li et al. 2023's 4-bit per-element v (rank-1 "
+               "normalisation by min(row max, column max), linear levels (k+1)/16 without zero, nearest rounding) on "
+               "every quantized tensor: ~1.5 B/param, a candidate 'quality' setting",
+               _variant(second_moment_mode="li4")),
     "y_innov": ("(y) u_square_blocks (the default's math), but each element's step uses b2 fact_{t-1} + (1 - b2) g_t^2: "
                 "AdamW's recursion for v with only the history factored, the current gradient per element; same state",
                 _variant_square_rowblocks(second_moment_mode="factored", v_innov=True)),

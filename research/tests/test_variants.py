@@ -521,3 +521,46 @@ def test_lag_variants():
     assert not close(run("y_innov", "constant"), run("u_square_blocks", "constant"))
 
 
+
+
+def test_li4_variant_tracks_the_per_element_second_moment():
+    """``second_moment_mode="li4"`` (Li et al. 2023's 4-bit v): deterministic (two runs give the same
+    codes), 0.5 B/element of codes beside the default's state, the row and column maxima of v in
+    v_row / v_col, every stored v between N / 16 and N, and closer to AdamW's v than the factored
+    estimate on a gradient with per-element (log-normal) structure: 0.79 doublings off on average
+    against 1.35 here. What keeps it from closer: the floor at N / 16 (elements far below their row's
+    and column's maxima) and, with b2 = 0.95, codes that stay on their level while the EMA moves
+    towards a value up to 0.625 N away, in both directions."""
+    V = _variants()
+
+    def run():
+        torch.manual_seed(0)
+        lin = nn.Linear(256, 384, bias=False)
+        opt = V.GefenVariant(lin.parameters(), lr=1e-3, betas=(0.9, 0.95), second_moment_mode="li4")
+        g = torch.Generator().manual_seed(2)
+        pattern = torch.exp(torch.randn(384, 256, generator=g))
+        v = torch.zeros(384, 256, dtype=torch.float64)
+        for _ in range(30):
+            lin.weight.grad = torch.randn(384, 256, generator=g) * pattern.sqrt() * 1e-3
+            v.mul_(0.95).add_(lin.weight.grad.double() ** 2, alpha=0.05)
+            opt.step()
+        return lin, opt, v
+
+    lin, opt, v = run()
+    lin2, opt2, _ = run()
+    st = opt.state[lin.weight]
+    assert torch.equal(st["vq"], opt2.state[lin2.weight]["vq"]) and torch.equal(lin.weight, lin2.weight)
+    assert st["vq"].numel() == lin.weight.numel() // 2
+    norm = torch.minimum(st["v_row"].double().view(-1, 1), st["v_col"].double().view(1, -1))
+    stored = norm * (V.unpack4(st["vq"], v.numel()).view_as(norm).double() + 1) / 16
+    assert bool((stored >= norm / 16 * (1 - 1e-6)).all()) and bool((stored <= norm * (1 + 1e-6)).all())
+    assert int(V.unpack4(st["vq"], v.numel()).max()) == 15  # every row's maximum sits at the top level
+    fact = v.mean(1, keepdim=True) * v.mean(0, keepdim=True) / v.mean()
+    err, err_fact = (stored / v).log2().abs().mean(), (fact / v).log2().abs().mean()
+    assert err < 0.7 * err_fact, (float(err), float(err_fact))
+    # nearest rounding of an EMA that moves by 5% of its gap a step keeps a code on its level while the
+    # gap is under 10 half levels (0.625 N), upwards as well as downwards: some stored v sit several
+    # half levels below the EMA (longer steps than AdamW's), measured here (7.6% of the elements below
+    # by more than one half level, at most 5.5)
+    below = (v - stored) / (norm / 32)
+    assert 0.01 < float((below > 1.001).float().mean()) < 0.2 and float(below.max()) < 10
