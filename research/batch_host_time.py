@@ -90,6 +90,18 @@ def build(size: str, d: int):
     return params
 
 
+def setup(size: str, d: int):
+    """One thread, the seed, GPT-2's structure at width ``d`` with gradients, and the recipe's two param
+    groups (weight decay on >= 2-D tensors)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    params = build(size, d)
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    return params, [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="small")
@@ -101,14 +113,8 @@ def main(argv=None) -> None:
                     help="Gefen(capturable=True, nonfinite='skip'): no synchronisation at all (the 'after the sync' "
                          "column then times from the end of prepare, which waits for nothing)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    params = build(args.size, args.d)
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = Gefen([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                lr=1e-3, betas=(0.9, 0.95), small_threshold=0,
+    params, groups = setup(args.size, args.d)
+    opt = Gefen(groups, lr=1e-3, betas=(0.9, 0.95), small_threshold=0,
                 **(dict(capturable=True, nonfinite="skip") if args.capturable else dict(nonfinite=args.nonfinite)))
     opt.step()  # learns periods and the codebook (per-tensor path, native kernel)
     cuda_batch._DEVICE_TYPES = ("cuda", "cpu")

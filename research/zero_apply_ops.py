@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "research"), str(ROOT / "benchmarks")]
 os.environ.setdefault("TRITON_INTERPRET", "1")  # triton_step.available() without a GPU; no kernel runs
 
-from batch_host_time import _Count, _NoLaunch, build  # noqa: E402
+from batch_host_time import _Count, _NoLaunch, setup  # noqa: E402
 from gefen_dist import ZeroGefen  # noqa: E402
 from gefen_dist.kernels import dispatch, triton_kernels, triton_multi, triton_state, triton_step  # noqa: E402
 from gefen_dist.zero import step as zero_step  # noqa: E402
@@ -76,14 +76,8 @@ def main(argv=None) -> None:
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    params = build(args.size, args.d)
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = ZeroGefen([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                     {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                    lr=1e-3, betas=(0.9, 0.95), small_threshold=0)
+    params, groups = setup(args.size, args.d)
+    opt = ZeroGefen(groups, lr=1e-3, betas=(0.9, 0.95), small_threshold=0)
     opt.step()  # learns the codebook (native kernels), then the Triton implementation is forced
     opt._impl = lambda t, p=None, group=None: dispatch._triton()
     for mod in (triton_kernels, triton_multi, triton_step, triton_state):  # every module that bound the launcher
