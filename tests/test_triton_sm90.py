@@ -76,8 +76,8 @@ def test_apply_many_compiles_without_spills():
     ceiling; 4 warps took 238-255 and spilled at 16x128, ptxas's own ceiling spilled at 4x512
     bfloat16). Its pointers come
     from a table and the exchanged buffer's parts are 8-byte aligned, so its loads are not 128-bit."""
-    for mode in (0, 2):
-        for bf16 in (False, True):
-            for r, b in sm90.TILES:
-                x = sm90.compile_apply(mode, bf16, r, b)
-                assert x["spill_stores"] == 0 and x["registers"] <= 192 and x["loads"] > 0, x
+    # the tiles that need the most registers, and the one ptxas's own ceiling spilled (all 20: --apply)
+    for mode, bf16, r, b in [(m, bf, r, b) for m in (0, 2) for bf in (False, True) for r, b in sm90.TILES[:2]] + [
+            (0, True, 4, 512)]:
+        x = sm90.compile_apply(mode, bf16, r, b)
+        assert x["spill_stores"] == 0 and x["registers"] <= 192 and x["loads"] > 0, x
