@@ -118,16 +118,18 @@ def exchange_bytes(comm: LocalComm, parts, sizes, to: Optional[int], device: tor
     if width == 0:
         return [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(W)]
     dev = getattr(comm, "_device", device) if W > 1 else device
-    buf = torch.empty(width, dtype=torch.uint8, device=dev)
-    off = 0
+    buf = torch.zeros(width, dtype=torch.uint8, device=dev)  # padding is zeros, not garbage
+    off, dst, src = 0, [], []
     for t in parts:
         b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        buf[off:off + b.numel()].copy_(b)
-        buf[off + b.numel():off + pad_bytes(b.numel())].zero_()  # padding is zeros, not garbage
+        if b.numel():
+            dst.append(buf[off:off + b.numel()])
+            src.append(b)
         off += pad_bytes(b.numel())
     if off != sizes[comm.rank]:
         raise RuntimeError(f"gefen_dist: internal error: this rank packed {off} bytes, the plan says {sizes[comm.rank]}")
-    buf[off:].zero_()
+    if dst:
+        torch._foreach_copy_(dst, src)  # one multi-tensor copy for every part (a launch or two on a GPU)
     if W == 1:
         return [buf]
     import torch.distributed as dist
