@@ -9,7 +9,8 @@ a launch each: ``kernels/triton_state.py``'s ``apply_factored_``); now they go t
 parameter structure (``research/batch_host_time.py``'s ``build``: the same tensors at width ``--d``,
 every >= 2-D tensor quantized), steps ``ZeroGefen`` in one process with the Triton implementation
 forced and every Triton launch replaced by a counting no-op (so only host work is measured), and
-reports per step for ``_apply_all``: torch operations dispatched, Triton launches and wall time,
+reports per step for ``_apply_all``: torch operations dispatched (and of them those that compute,
+a launch each on a GPU; the rest are views), Triton launches and wall time,
 for the one-launch appliers and for the per-range path (``_one_buffer`` patched to False, which is
 the code every range took before). With W ranks the per-range path's counts are W times these;
 the one-launch path's do not grow with W. The last line counts the whole step (the owners' state
@@ -31,6 +32,19 @@ sys.path[:0] = [str(ROOT), str(ROOT / "research"), str(ROOT / "benchmarks")]
 os.environ.setdefault("TRITON_INTERPRET", "1")  # triton_step.available() without a GPU; no kernel runs
 
 from batch_host_time import _Count, _NoLaunch, setup  # noqa: E402
+
+
+class _CountCompute(_Count):
+    """:class:`_Count`, and apart the operations that compute (not views: ``slice``, ``view``,
+    ``detach``, ``reshape`` only make tensor metadata; on a GPU the others are a launch each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.compute = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.compute += not getattr(func, "is_view", False)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 from gefen_dist import ZeroGefen  # noqa: E402
 from gefen_dist.kernels import dispatch, triton_kernels, triton_multi, triton_state, triton_step  # noqa: E402
 from gefen_dist.zero import step as zero_step  # noqa: E402
@@ -57,16 +71,17 @@ def measure(opt, steps: int, per_range: bool) -> dict:
         counted = []
 
         def count(self, *a, **k):
-            with _Count() as c:
+            with _CountCompute() as c:
                 orig(self, *a, **k)
-            counted.append(c.n)
+            counted.append((c.n, c.compute))
         zero_step.ZeroStepMixin._apply_all = count
         for _ in range(3):
             opt.step()
     finally:
         zero_step.ZeroStepMixin._apply_all = orig
         zero_step._one_buffer = orig_one
-    return dict(ops=statistics.median(counted), launches=statistics.median(rec["launches"][1:]),
+    return dict(ops=statistics.median(n for n, _ in counted), compute=statistics.median(c for _, c in counted),
+                launches=statistics.median(rec["launches"][1:]),
                 ms=statistics.median(rec["ms"][1:]))
 
 
@@ -87,11 +102,13 @@ def main(argv=None) -> None:
           f"one process (W = 1); per step of _apply_all (medians of {args.steps} steps; ops of 3):")
     for name, per_range in (("one launch (ApplyMany)", False), ("per range (before)", True)):
         r = measure(opt, args.steps, per_range)
-        print(f"  {name:24s} torch ops {r['ops']:6.0f}   Triton launches {r['launches']:4.0f}   host {r['ms']:7.2f} ms")
-    with _Count() as c:  # the whole step, for scale (on a GPU each torch operation is a launch)
+        print(f"  {name:24s} torch ops {r['ops']:6.0f} (computing {r['compute']:5.0f})   Triton launches "
+              f"{r['launches']:4.0f}   host {r['ms']:7.2f} ms")
+    with _CountCompute() as c:  # the whole step, for scale
         n0 = _NoLaunch.launches
         opt.step()
-    print(f"  the whole ZeroGefen.step(): torch ops {c.n}, Triton launches {_NoLaunch.launches - n0}")
+    print(f"  the whole ZeroGefen.step(): torch ops {c.n} (computing {c.compute}), Triton launches "
+          f"{_NoLaunch.launches - n0}")
 
 
 if __name__ == "__main__":
