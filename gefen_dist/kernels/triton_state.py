@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ from ..core.apply import apply_compressed as _apply_compressed_eager
 from ..core.step import _EAGER_CHUNK_ELEMS, apply_, row_factors
 from .triton_kernels import _kernel
 from .triton_multi import ColumnFactors, multi_launch_options
-from .triton_tables import _config, _device_table, _pinned_to
+from .triton_tables import _config, _device_table, _pinned_to, update_scalars
 from .state_only import factored_state_only_, state_only_
 from .triton_step import quantized_step_, quantized_step_factored_
 
@@ -183,14 +183,12 @@ class ApplyMany:
         return len(self._launches)
 
     @staticmethod
-    def scalars(hp: dict) -> List[float]:
-        """A tensor's six scalars for the kernel, as :func:`apply_factored_` rounds them: 1 / sqrt(bc2)
-        (correctly rounded from the float32 sqrt(bc2)), eps, 1 / bc1, lr, 1 - lr wd, the bound (+inf:
-        none)."""
-        bound = hp.get("bound")
-        return [float(np.float32(1.0) / np.float32(math.sqrt(hp["bc2"]))), _f32(hp["eps"]), _f32(1.0 / hp["bc1"]),
-                _f32(hp["lr"]), _f32(1.0 - hp["lr"] * hp["weight_decay"]),
-                math.inf if bound is None else _f32(bound)]
+    def scalars(hp: dict) -> Tuple[float, ...]:
+        """A tensor's six scalars for the kernel: the step launch's own (:func:`update_scalars`), with
+        sqrt(bc2) replaced by 1 / sqrt(bc2) correctly rounded (what the step kernel's ``div_rn`` gives;
+        on the host, since the division costs the applier registers)."""
+        sqrt_bc2, *rest = update_scalars(**{k: hp.get(k) for k in ("lr", "eps", "weight_decay", "bc1", "bc2", "bound")})
+        return (float(np.float32(1.0) / np.float32(sqrt_bc2)), *rest)
 
     def run(self, base: int, codebook: torch.Tensor, scalars: Sequence[Sequence[float]],
             col_factors: Sequence[Optional[torch.Tensor]]) -> None:

@@ -156,6 +156,15 @@ def _check(name: str, t: torch.Tensor, device: torch.device, dtype, numel: int) 
         raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
 
 
+def update_scalars(*, lr, eps, weight_decay, bc1, bc2, bound=None) -> Tuple[float, ...]:
+    """The parameter update's scalars as the kernels receive them (Python double -> float32): sqrt(bc2),
+    eps, 1 / bc1, lr, 1 - lr wd, the bound (+inf: none); the step launches' and the appliers'
+    (:class:`~gefen_dist.kernels.triton_state.ApplyMany`)."""
+    return (float(np.float32(np.sqrt(bc2))), float(np.float32(eps)), float(np.float32(1.0 / bc1)),
+            float(np.float32(lr)), float(np.float32(1.0 - lr * weight_decay)),
+            math.inf if bound is None else float(np.float32(bound)))
+
+
 def _step_scalars(device, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2, bound=None) -> Tuple[tuple, dict]:
     """The kernels' trailing scalar arguments (as torch converts them: Python double -> float32
     opmath) and the constexprs that depend on the hyperparameters and the codebook table."""
@@ -163,11 +172,11 @@ def _step_scalars(device, tab, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2,
     small = abs(w) < 0.5
     wf = np.float32(w)
     fused_lerp, fused_axpy = _fma_flags(device, small)
+    sqrt_bc2, eps32, inv_bc1, lr32, decay, ubound = update_scalars(lr=lr, eps=eps, weight_decay=weight_decay, bc1=bc1,
+                                                                   bc2=bc2, bound=bound)
     args = (float(wf) if small else float(wf - np.float32(1.0)),
             float(np.float32(beta2)), float(np.float32(1.0 - beta2)),
-            float(np.float32(np.sqrt(bc2))), float(np.float32(eps)), float(np.float32(1.0 / bc1)),
-            float(np.float32(lr)), float(np.float32(1.0 - lr * weight_decay)),
-            tab.h, float(tab.nb - 1), math.inf if bound is None else float(np.float32(bound)))
+            sqrt_bc2, eps32, inv_bc1, lr32, decay, tab.h, float(tab.nb - 1), ubound)
     consts = dict(LERP_SMALL=small, FUSED_LERP=fused_lerp, FUSED_AXPY=fused_axpy, HAS_WD=(weight_decay != 0.0),
                   LUT_FAST=tab.fast)
     return args, consts

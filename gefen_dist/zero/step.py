@@ -8,7 +8,7 @@ import torch
 
 from ..engine.comm import pad_bytes, take_bytes
 from ..core.apply import update_v_col
-from ..core.step import adamw_foreach_, adamw_step_, decay_only_, hyperparameters, row_block_args
+from ..core.step import adamw_foreach_, decay_only_, hyperparameters, row_block_args
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import global_shape
 from ..core.span import SpanPiece
@@ -152,8 +152,8 @@ class ZeroStepMixin:
 
     def _owner_exact(self, items) -> dict:
         """This rank's new values of its ranges of the exact (AdamW) tensors, by id: foreach operations
-        per set of hyperparameters (:func:`adamw_foreach_`, bitwise the per-tensor :func:`adamw_step_`
-        of :meth:`_owner_dense`), a few operations in all instead of a dozen per tensor."""
+        per set of hyperparameters (:func:`adamw_foreach_`, bitwise the per-tensor ``adamw_step_``), a
+        few operations in all instead of a dozen per tensor."""
         buckets: dict = {}
         for p, st, hp, mode in items:
             s, e = self._mine(p)
@@ -293,13 +293,11 @@ class ZeroStepMixin:
 
 
     def _owner_dense(self, p, st, hp, s, e, col_mean_sq=None) -> torch.Tensor:
-        """This rank's new values of ``p[s:e]`` (exact AdamW, or the full step when P == 1 or a
-        factored tensor's compressed form is not smaller)."""
+        """This rank's new values of ``p[s:e]`` of a quantized tensor that travels dense (the full step
+        when P == 1 or a factored tensor's compressed form is not smaller; exact tensors:
+        :meth:`_owner_exact`)."""
         work = p.detach().reshape(-1)[s:e].clone()
         g = p.grad.reshape(-1)[s:e].contiguous()
-        if self._mode(p) == MODE_EXACT:
-            adamw_step_(work, g, st["exp_avg"], st["exp_avg_sq"], **hp)
-            return work
         impl = self._impl(work)
         gk = impl.grad_for(g, work)
         if self._is_factored(p):
