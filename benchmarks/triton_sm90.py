@@ -114,18 +114,20 @@ def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, w
                 aligned=aligned, device_hp=device_hp, maxnreg=opts.get("maxnreg"), lut_fast=lut_fast, **out)
 
 
-def compile_apply(mode: int, bf16: bool, rows: int, block: int, warps: int = 8) -> Dict[str, object]:
+def compile_apply(mode: int, bf16: bool, rows: int, block: int, warps: int = 8,
+                  ceiling: bool = True) -> Dict[str, object]:
     """Compile one configuration of ZeroGefen's multi-range applier (``_apply_multi_kernel``,
-    kernels/triton_state.py's ``ApplyMany``) for sm_90, with its launch options."""
+    kernels/triton_state.py's ``ApplyMany``) for sm_90, with its launch options (8 warps, the multi
+    kernel's register ceiling; ``warps`` / ``ceiling=False``: the alternatives they were chosen over)."""
     from gefen_dist.kernels import triton_kernels as tk, triton_multi as tm
 
     ptr = {"meta_ptr": "*i64", "prog_ptr": "*i64", "hp_ptr": "*fp32", "cf_ptr": "*i64", "cb_ptr": "*fp32",
            "base": "i64"}  # (an int divisible by 16 gets the same attribute from the launcher)
     consts = dict(MODE=mode, IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=block)
     out = _compile("apply", tk._apply_multi_kernel, ptr, (), consts,
-                   dict(num_warps=warps, enable_fp_fusion=False, **tm.multi_launch_options()))
+                   dict(num_warps=warps, enable_fp_fusion=False, **(tm.multi_launch_options() if ceiling else {})))
     return dict(mode=MODES[mode], dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps,
-                aligned=False, device_hp=False, **out)
+                aligned=False, device_hp=False, ceiling=ceiling, **out)
 
 
 SPAN_SLABS = (1, 4, 16, 64, 79)  # row lengths of tensors kept per block of rows (D16: below 80)
@@ -177,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--span", action="store_true", help="the span kernels (D16) instead of the multi-tensor kernel")
     ap.add_argument("--apply", action="store_true", help="ZeroGefen's multi-range applier (ApplyMany)")
+    ap.add_argument("--apply-warps", type=int, default=8, help="with --apply: num_warps (the library's: 8)")
+    ap.add_argument("--apply-no-ceiling", action="store_true", help="with --apply: ptxas's own register ceiling")
     ap.add_argument("--device-hp", action="store_true",
                     help="the aligned factored configurations with and without DEVICE_HP (capturable=True)")
     a = ap.parse_args(argv)
@@ -191,7 +195,8 @@ def main(argv=None) -> int:
                   f"spills {r['spill_stores']:>3} LDG {r['loads']:>3} SASS {r['instructions']:>5} MUFU {r['mufu']:>3}")
         return 0
     if a.apply:
-        rows = [compile_apply(m, bf, r, b) for m in (0, 2) for bf in (False, True) for r, b in TILES]
+        rows = [compile_apply(m, bf, r, b, a.apply_warps, not a.apply_no_ceiling) for m in (0, 2)
+                for bf in (False, True) for r, b in TILES]
     elif a.device_hp:
         rows = [compile_multi(2, bf, r, b, True, device_hp=d) for bf in (False, True) for r, b in TILES
                 for d in (False, True)]

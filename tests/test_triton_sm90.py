@@ -73,7 +73,7 @@ def test_apply_many_compiles_without_spills():
     """ZeroGefen's multi-range applier (ApplyMany, 8 warps on the step kernel's 2048-element tiles)
     compiles for sm_90 for the factored and compressed modes, float32 and bfloat16, with no register
     spill and at most 192 registers (its launch options: 8 warps and the multi kernel's register
-    ceiling; 4 warps took 238-255 and spilled at 16x128, ptxas's own ceiling spilled at 4x512
+    ceiling; 4 warps take 244-255 and spill at 16x128, ptxas's own ceiling spills at 4x512
     bfloat16). Its pointers come
     from a table and the exchanged buffer's parts are 8-byte aligned, so its loads are not 128-bit."""
     # the tiles that need the most registers, and the one ptxas's own ceiling spilled (all 20: --apply)

@@ -119,8 +119,8 @@ def column_factors(v_col: torch.Tensor) -> torch.Tensor:
 
 # 8 warps on _config's 2048-element tiles (8 elements a thread), with the multi kernel's register ceiling
 # stated (ptxas's own choice spilled at 4x512 bfloat16): no spill and at most 188 registers in every
-# shipped tile offline for sm_90, where 4 warps take 238-255 registers and spill at 16x128
-# (python benchmarks/triton_sm90.py --apply; tests/test_triton_sm90.py)
+# shipped tile offline for sm_90, where 4 warps take 244-255 registers and spill at 16x128
+# (python benchmarks/triton_sm90.py --apply [--apply-warps 4 | --apply-no-ceiling]; tests/test_triton_sm90.py)
 _APPLY_WARPS = 8
 
 
