@@ -563,4 +563,6 @@ def test_li4_variant_tracks_the_per_element_second_moment():
     # half levels below the EMA (longer steps than AdamW's), measured here (7.6% of the elements below
     # by more than one half level, at most 5.5)
     below = (v - stored) / (norm / 32)
+    print(f"li4: mean |log2(stored / v)| {float(err):.2f} (factored {float(err_fact):.2f}); "
+          f"{100 * float((below > 1.001).float().mean()):.1f}% more than half a level below, at most {float(below.max()):.1f}")
     assert 0.01 < float((below > 1.001).float().mean()) < 0.2 and float(below.max()) < 10
