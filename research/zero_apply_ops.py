@@ -14,7 +14,10 @@ a launch each on a GPU; the rest are views), Triton launches and wall time,
 for the one-launch appliers and for the per-range path (``_one_buffer`` patched to False, which is
 the code every range took before). With W ranks the per-range path's counts are W times these;
 the one-launch path's do not grow with W. The last line counts the whole step (the owners' state
-updates, the column statistics and factors, the exact tensors, the exchange's packing), for scale.
+updates, the column statistics and factors, the exact tensors, the exchange's packing): since
+2026-12-05 (second session) those phases are batched too (``gefen_dist/zero/batch.py``), and the
+count of operations on tensors of >= 1 dimension is what launches on a GPU besides the Triton
+launches (the rest is the host's 0-dim step counters).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.utils._pytree  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "research"), str(ROOT / "benchmarks")]
@@ -36,15 +40,21 @@ from batch_host_time import _Count, _NoLaunch, setup  # noqa: E402
 
 class _CountCompute(_Count):
     """:class:`_Count`, and apart the operations that compute (not views: ``slice``, ``view``,
-    ``detach``, ``reshape`` only make tensor metadata; on a GPU the others are a launch each)."""
+    ``detach``, ``reshape`` only make tensor metadata; on a GPU the others are a launch each) and,
+    of those, the ones on tensors of at least one dimension (``device``: the 0-dim float32 step
+    counts stay on the host, as torch's AdamW keeps them, so their arithmetic launches nothing)."""
 
     def __init__(self):
         super().__init__()
-        self.compute = 0
+        self.compute = self.device = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.compute += not getattr(func, "is_view", False)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if not getattr(func, "is_view", False):
+            self.compute += 1
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs, out))
+            self.device += any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves)
+        return out
 from gefen_dist import ZeroGefen  # noqa: E402
 from gefen_dist.kernels import dispatch, triton_kernels, triton_multi, triton_state, triton_step  # noqa: E402
 from gefen_dist.zero import step as zero_step  # noqa: E402
@@ -107,8 +117,15 @@ def main(argv=None) -> None:
     with _CountCompute() as c:  # the whole step, for scale
         n0 = _NoLaunch.launches
         opt.step()
-    print(f"  the whole ZeroGefen.step(): torch ops {c.n} (computing {c.compute}), Triton launches "
-          f"{_NoLaunch.launches - n0}")
+    print(f"  the whole ZeroGefen.step(): torch ops {c.n} (computing {c.compute}, of them on tensors of >= 1 "
+          f"dimension {c.device}), Triton launches {_NoLaunch.launches - n0}")
+    ms = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        opt.step()
+        ms.append(1e3 * (time.perf_counter() - t0))
+    print(f"  the whole ZeroGefen.step(): host {statistics.median(ms):.2f} ms (median of {args.steps}; the torch "
+          "operations run on CPU tensors of this width, the Triton launches are stubbed)")
 
 
 if __name__ == "__main__":

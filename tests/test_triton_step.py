@@ -494,6 +494,9 @@ def test_zerogefen_on_the_triton_path_equals_gefen(monkeypatch):
             loss(m, x, w).backward()
             o.step()
     assert ob._mode(b.s) == "span" and ob._mode(b.b.weight) == "shared" and ob._mode(b.a.weight) == "factored"
+    batch = ob._zero_batch  # the batched phases (zero/batch.py) took steps 2-4: the owners' state in StateMany
+    assert batch is not None and len(batch.fact) == 2 and {L["mode"] for _, sm in batch._states
+                                                           for L in sm.multi._launches} == {0, 2}
     many = ob._apply_cache[3]  # the factored and compressed ranges went through one launch per mode
     assert many is not None and {L["mode"] for L in many._launches} == {0, 2}
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
@@ -501,6 +504,82 @@ def test_zerogefen_on_the_triton_path_equals_gefen(monkeypatch):
         for k, v in oa.state[p].items():
             if isinstance(v, torch.Tensor) and k in ob.state[q]:  # ZeroGefen keeps flat slices
                 assert torch.equal(v.reshape(-1), ob.state[q][k].reshape(-1)), (name, k)
+
+
+@interp
+def test_zerogefen_batch_checks_and_fallback(monkeypatch, caplog):
+    """ZeroGefen's batched phases on the Triton path (zero/batch.py) keep the per-tensor path's
+    guarantees: a NaN gradient skips the step ("skip") or raises naming the tensor ("raise") with
+    nothing changed, a squared gradient that overflows float32 raises before anything changes, and a
+    non-contiguous gradient sends that step to the per-tensor path (INFO once, the same results as a
+    ZeroGefen that never batches)."""
+    import logging
+
+    from torch import nn
+
+    from gefen_dist import ZeroGefen
+    from gefen_dist.kernels import dispatch
+    from gefen_dist.zero import batch as zbatch
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 128), nn.Tanh(), nn.Linear(128, 8))
+
+    def run(nonfinite):
+        m = build()
+        o = ZeroGefen(m.named_parameters(), lr=1e-2, weight_decay=0.1, nonfinite=nonfinite)
+        o._impl = lambda t, p=None, group=None: dispatch._triton()
+        return m, o
+
+    def grads(m, seed):
+        g = torch.Generator().manual_seed(seed)
+        for q in m.parameters():
+            q.grad = torch.randn(q.shape, generator=g) * 1e-2
+
+    def snap(m, o):
+        return [q.detach().clone() for q in m.parameters()] + [
+            t.clone() for q in m.parameters() for t in o.state[q].values() if isinstance(t, torch.Tensor)]
+
+    def same(a, b):
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    m, o = run("skip")
+    for s in range(3):
+        grads(m, s)
+        o.step()
+    assert o._zero_batch is not None and o._zero_batch.prepare(o) is False
+    before = snap(m, o)
+    grads(m, 9)
+    m[2].weight.grad[5, 7] = float("nan")
+    o.step()
+    assert same(before, snap(m, o)) and o.skipped_steps == 1
+    m, o = run("raise")
+    for s in range(3):
+        grads(m, s)
+        o.step()
+    for bad in (float("inf"), 1e30):  # a non-finite gradient; a finite one whose square overflows float32
+        before = snap(m, o)
+        grads(m, 9)
+        m[2].weight.grad[5, 7] = bad
+        with pytest.raises(RuntimeError, match="2.weight"):
+            o.step()
+        assert same(before, snap(m, o)), bad
+    # a non-contiguous gradient: that step per tensor, bitwise a ZeroGefen whose batch is off
+    ref_m, ref_o = run("raise")
+    monkeypatch.setattr(zbatch.ZeroBatch, "prepare", lambda self, opt: None)
+    for s in range(4):
+        grads(ref_m, s)
+        ref_o.step()
+    monkeypatch.undo()
+    m, o = run("raise")
+    with caplog.at_level(logging.INFO, logger="gefen_dist.zero.batch"):
+        for s in range(4):
+            grads(m, s)
+            if s == 2:
+                m[2].weight.grad = m[2].weight.grad.t().contiguous().t()
+            o.step()
+    assert any("non-contiguous" in r.getMessage() and "per-tensor path" in r.getMessage() for r in caplog.records)
+    assert same(snap(ref_m, ref_o), snap(m, o))
 
 
 @interp
@@ -553,6 +632,45 @@ def test_apply_many_equals_the_per_range_appliers():
         assert torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
                            want.view(torch.int16) if want.dtype == torch.bfloat16 else want) or \
             torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), i
+
+
+@interp
+def test_state_many_equals_the_per_range_state_functions(monkeypatch):
+    """StateMany (ZeroGefen's owners' state updates in one launch per mode, dtype and tile) gives every
+    range the bits of factored_state_ / quantized_state_: idx, scale, v / v_row and the returned
+    sqrt(v_row) or sigma, for factored ranges of both dtypes and a compressed one, each cut into the
+    state-only functions' chunks (a scratch of a few hundred elements), a NaN-free zero gradient row."""
+    from gefen_dist.kernels import triton_state as zs
+
+    monkeypatch.setattr(zs, "_SCRATCH_ELEMS", 300)  # ranges of several chunks, as the per-range calls cut them
+    cb = random_codebook()
+    gen = torch.Generator().manual_seed(6)
+    hp = dict(beta1=0.9, beta2=0.95, eps=1e-8, bc1=1 - 0.9 ** 4, bc2=1 - 0.95 ** 4)
+    specs = [(torch.float32, 11, 64, 32, 2), (torch.bfloat16, 7, 96, 96, 2), (torch.float32, 40, 16, 16, 0),
+             (torch.float32, 3, 128, 64, 2)]  # (dtype, rows, S, B, mode); S == B == period for mode 0
+    ranges, grads, ref = [], [], []
+    for dt, rows, S, B, mode in specs:
+        n = rows * S
+        g = (torch.randn(n, generator=gen) * torch.exp(2 * torch.randn(n, generator=gen)) * 1e-3).to(dt)
+        g[:S] = 0  # a zero row
+        idx = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+        scale = torch.rand(n // B, generator=gen) * 1e-3
+        v = torch.rand(rows if mode == 2 else n // B, generator=gen) * 1e-6
+        mine = (idx.clone(), scale.clone(), v.clone())
+        if mode == 2:
+            third = zs.factored_state_(g, idx, scale, v, cb, slab=S, scale_block=B, **hp)
+        else:
+            third = zs.quantized_state_(g, idx, scale, v, cb, period=S, scale_block=S, **hp)
+        ref.append((idx, scale, v, third))
+        ranges.append((dt, *mine, S, B, mode))
+        grads.append(g)
+    sm = zs.StateMany(ranges, torch.device("cpu"))
+    chunks = sum(len(c) for c in sm._cuts)  # the per-range functions' launches (one per chunk)
+    assert chunks == 11 and sm.launches < chunks  # one per (mode, dtype, tile, alignment) bucket
+    thirds = sm.run(grads, cb, **hp)
+    for i, ((dt, idx, scale, v, *_), want) in enumerate(zip(ranges, ref)):
+        for name, got, exp in zip(("idx", "scale", "v", "third"), (idx, scale, v, thirds[i]), want):
+            assert torch.equal(got, exp), (i, name)
 
 
 @interp

@@ -20,7 +20,7 @@ rounded once to its dtype.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -156,6 +156,13 @@ def update_bound(beta1: float, beta2: float, step: int) -> float:
 def ema_(v: torch.Tensor, x: torch.Tensor, beta2: float) -> torch.Tensor:
     """``v <- beta2 * v + (1 - beta2) * x`` in place (a second-moment statistic)."""
     return v.mul_(beta2).add_(x, alpha=1.0 - beta2)
+
+
+def ema_foreach_(vs: List[torch.Tensor], xs: List[torch.Tensor], beta2: float) -> None:
+    """:func:`ema_` of many statistics in two foreach operations (the same arithmetic per element)."""
+    if vs:
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_add_(vs, xs, alpha=1.0 - beta2)
 
 
 def inv_rms_(rms: torch.Tensor, eps: float, bc1: float, sqrt_bc2: float) -> torch.Tensor:

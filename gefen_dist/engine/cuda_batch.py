@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..core.step import adamw_foreach_, adamw_hyperparameters, hyperparameters, row_block_args
+from ..core.step import adamw_foreach_, adamw_hyperparameters, ema_foreach_, hyperparameters, row_block_args
 from .device_step import DeviceStep
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
@@ -405,9 +405,7 @@ class CudaBatch:
             ds.keep_vcols()  # (restored after the EMAs on a skipped step)
         for gi in self.groups:
             if gi["vcols"]:
-                beta2 = gi["group"]["betas"][1]
-                torch._foreach_mul_(gi["vcols"], beta2)
-                torch._foreach_add_(gi["vcols"], gi["vcol_parts"], alpha=1.0 - beta2)
+                ema_foreach_(gi["vcols"], gi["vcol_parts"], gi["group"]["betas"][1])
         if ds is not None:
             ds.restore_vcols_if_skipped()
         if self.colfactors is not None:

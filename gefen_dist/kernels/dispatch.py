@@ -169,6 +169,9 @@ class StepImpl:
     # many ranges' appliers at once (factored and compressed; the Triton kernels' ApplyMany): built
     # with (ranges, device), then .run(buffer address, codebook, per-tensor scalars, column factors)
     apply_many: Optional[Callable] = None
+    # many ranges' owner state updates at once (the Triton kernels' StateMany): built with (ranges,
+    # device), then .run(gradients, codebook, **state hyperparameters)
+    state_many: Optional[Callable] = None
     grad_in_param_dtype: bool = True  # the kernels read g in the parameter's dtype; the reference any dtype
 
     def grad_for(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -208,7 +211,7 @@ def _triton() -> StepImpl:
                     zs.quantized_state_, zs.factored_state_, zs.apply_compressed_, zs.apply_factored_,
                     span_statistics=span.span_statistics, span_update_=span.span_update_,
                     span_apply_indices_=span.span_apply_indices_, column_factors=zs.column_factors,
-                    apply_many=zs.ApplyMany)
+                    apply_many=zs.ApplyMany, state_many=zs.StateMany)
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)

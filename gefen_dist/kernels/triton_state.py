@@ -19,14 +19,17 @@ Those torch operations are a dozen launches per range and rank on a GPU. :class:
 every factored and compressed range of a step in one launch per (mode, dtype, tile) instead
 (``_apply_multi_kernel``: the step kernel's own update, so the same bits as the torch appliers,
 ``tests/test_triton_step.py``); ZeroGefen takes it where the exchanged chunks are one buffer and the
-parameter is contiguous, and the torch appliers for the rest.
+parameter is contiguous, and the torch appliers for the rest. :class:`StateMany` likewise runs the
+owners' state updates of many ranges in one launch per (mode, dtype, tile) (the multi-tensor step,
+:class:`~gefen_dist.kernels.triton_multi.MultiStep`, on scratch parameters), bitwise
+:func:`quantized_state_` / :func:`factored_state_` range by range.
 """
 from __future__ import annotations
 
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -34,13 +37,13 @@ import torch
 from ..core.apply import apply_compressed as _apply_compressed_eager
 from ..core.step import _EAGER_CHUNK_ELEMS, apply_, row_factors
 from .triton_kernels import _kernel
-from .triton_multi import ColumnFactors, multi_launch_options
+from .triton_multi import ColumnFactors, MultiStep, StepItem, multi_launch_options
 from .triton_tables import _config, _device_table, _pinned_to, update_scalars
 from .state_only import factored_state_only_, state_only_
 from .triton_step import quantized_step_, quantized_step_factored_
 
 __all__ = ["quantized_state_", "factored_state_", "apply_compressed_", "apply_factored_", "column_factors",
-           "ApplyRange", "ApplyMany"]
+           "ApplyRange", "ApplyMany", "StateMany"]
 
 _SCRATCH_ELEMS = 1 << 24  # parameter scratch of a state-only call (chunks of whole blocks)
 
@@ -60,6 +63,12 @@ def _div(a: float, t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, a) / t
 
 
+def _sigma(v: torch.Tensor, eps: float, bc1: float, bc2: float) -> torch.Tensor:
+    """``sigma`` per block from the new ``v``, in the kernel's float32 operations."""
+    sb = _sqrt_rn(v) / torch.full_like(v, _f32(math.sqrt(bc2))) + _f32(eps)
+    return _div(1.0, sb) * _f32(1.0 / bc1)
+
+
 def quantized_state_(grad, idx, scale, v, codebook, *, beta1, beta2, eps, bc1, bc2, period,
                      scale_block) -> torch.Tensor:
     """The Triton step's state update (``v``, ``idx``, ``scale`` in place, bitwise the full step's)
@@ -67,8 +76,7 @@ def quantized_state_(grad, idx, scale, v, codebook, *, beta1, beta2, eps, bc1, b
     computes it: ``(1 / (sqrt(v) / sqrt(bc2) + eps)) * (1 / bc1)`` in float32."""
     state_only_(quantized_step_, grad, idx, scale, v, codebook, period=period, scale_block=scale_block,
                 hp=dict(beta1=beta1, beta2=beta2, eps=eps, bc1=bc1, bc2=bc2), max_elems=_SCRATCH_ELEMS)
-    sb = _sqrt_rn(v) / torch.full_like(v, _f32(math.sqrt(bc2))) + _f32(eps)
-    return _div(1.0, sb) * _f32(1.0 / bc1)
+    return _sigma(v, eps, bc1, bc2)
 
 
 def factored_state_(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, eps, bc1, bc2,
@@ -216,3 +224,56 @@ def _pinned_float(rows: Sequence[Sequence[float]], device: torch.device) -> torc
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
+
+
+class StateMany:
+    """ZeroGefen's owners' state updates of many ranges (:func:`factored_state_` for ``mode`` 2,
+    :func:`quantized_state_` for ``mode`` 0) with one launch per (mode, dtype, tile): a
+    :class:`~gefen_dist.kernels.triton_multi.MultiStep` whose items are the ranges cut into the
+    state-only functions' chunks (:mod:`.state_only`: whole rows or blocks, at most
+    ``_SCRATCH_ELEMS`` elements), each on a scratch parameter that every item of its dtype shares
+    (run with ``lr = weight_decay = 0``, the kernel writes back the zeros it reads) against a zero
+    column profile, so each range's ``idx``, ``scale`` and ``v`` / ``v_row`` are bitwise its own
+    launches'. ``ranges[i]`` = (gradient dtype, ``idx``, ``scale``, ``v``, S, B, mode), the state
+    being flat views that stay in place; all of one set of hyperparameters (:meth:`run`)."""
+
+    def __init__(self, ranges: Sequence[tuple], device: torch.device):
+        self.device = torch.device(device)
+        self.ranges = list(ranges)
+        self._cuts: List[List[Tuple[int, int]]] = []
+        sizes: Dict[torch.dtype, int] = {}
+        for dtype, idx, scale, v, S, B, mode in self.ranges:
+            if mode not in (0, 2) or S % B or (mode == 0 and S != B) or idx.numel() % S:
+                raise ValueError(f"StateMany: bad range (mode {mode}, S {S}, B {B}, numel {idx.numel()})")
+            n, chunk = idx.numel(), max(S, (_SCRATCH_ELEMS // S) * S)
+            self._cuts.append([(c0, min(n, c0 + chunk)) for c0 in range(0, n, chunk)])
+            sizes[dtype] = max(sizes.get(dtype, 1), min(n, chunk))
+        scratch = {dt: torch.zeros(n, dtype=dt, device=self.device) for dt, n in sizes.items()}
+        zeros = torch.zeros(max([S for *_, S, B, m in self.ranges if m == 2] or [1]), dtype=torch.float32,
+                            device=self.device)
+        items = [StepItem(scratch[dtype][:c1 - c0], idx[c0:c1], scale[c0 // B:c1 // B], v[c0 // S:c1 // S],
+                          zeros[:S] if mode == 2 else None, S, B, mode)
+                 for (dtype, idx, scale, v, S, B, mode), cuts in zip(self.ranges, self._cuts) for c0, c1 in cuts]
+        self.multi = MultiStep(items, self.device)
+
+    @property
+    def launches(self) -> int:
+        return self.multi.launches
+
+    def run(self, grads: Sequence[torch.Tensor], codebook: torch.Tensor, *, beta1: float, beta2: float,
+            eps: float, bc1: float, bc2: float) -> List[torch.Tensor]:
+        """Every range's state update from ``grads[i]`` (flat, contiguous, in the range's dtype);
+        returns per range what its applier reads besides ``idx`` and ``scale``: ``sqrt(v_row)``
+        (factored) or ``sigma`` per block (compressed), as views of one buffer per mode."""
+        gs = [g[c0:c1] for g, cuts in zip(grads, self._cuts) for c0, c1 in cuts]
+        self.multi.run(gs, codebook, lr=0.0, beta1=beta1, beta2=beta2, eps=eps, weight_decay=0.0, bc1=bc1, bc2=bc2)
+        out: List[Optional[torch.Tensor]] = [None] * len(self.ranges)
+        for mode in (0, 2):
+            at = [i for i, r in enumerate(self.ranges) if r[6] == mode]
+            if not at:
+                continue
+            v = torch.cat([self.ranges[i][3].reshape(-1) for i in at])
+            res = _sqrt_rn(v) if mode == 2 else _sigma(v, eps, bc1, bc2)
+            for i, part in zip(at, res.split([self.ranges[i][3].numel() for i in at])):
+                out[i] = part
+        return out

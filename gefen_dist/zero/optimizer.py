@@ -81,6 +81,7 @@ from ..engine import state as _state
 from ..optim.gefen import Gefen, Report
 from ..optim.validation import GROUP_REJECTED_SHARDED, prestep_zero
 from .checkpoint import ZeroCheckpointMixin
+from .batch import ZeroBatch
 from .step import ZeroStepMixin
 from .partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, Partition, _pad,  # noqa: F401
                         factored_wire_compressed, partition, step_wire_bytes, unit_cost)
@@ -385,12 +386,19 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
                 loss = closure()
         entries = self._entries()
         prestep_zero(self, entries, self._partitioned_shape)  # compile, meta, changed shapes
-        partials = self._column_partials(entries)
-        if self.nonfinite != "ignore" and self._nonfinite(entries, partials):
-            return loss
+        batch = ZeroBatch.plan(self, entries)  # the Triton path's batched phases (zero/batch.py)
+        ready = batch.prepare(self) if batch is not None else None
+        if ready is True:
+            return loss  # skipped (nonfinite="skip"); "raise" raised
+        partials = None
+        if ready is None:
+            batch = None
+            partials = self._column_partials(entries)
+            if self.nonfinite != "ignore" and self._nonfinite(entries, partials):
+                return loss
         self._consolidated = None
         self._prepare(entries)
-        self._zero_update(entries, partials)
+        self._zero_update(entries, partials, batch)
         self._announce()
         return loss
 

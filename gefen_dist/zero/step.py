@@ -74,11 +74,13 @@ class ZeroStepMixin:
         return hyperparameters(group, step_of(st), self.bound_updates)
 
 
-    def _zero_update(self, entries, partials=None) -> None:
+    def _zero_update(self, entries, partials=None, batch=None) -> None:
         """One ZeRO-1 step: every rank updates the state it owns and packs the update in its
         compressed form, one all-gather, every rank applies every range identically. Learned tensors
         kept per block of rows (D16) first take Gefen's two phases on the owners' pieces (one SUM and
-        one MAX all-reduce), then travel as their new indices (``MODE_SPAN``)."""
+        one MAX all-reduce), then travel as their new indices (``MODE_SPAN``). ``batch`` (a
+        :class:`~gefen_dist.zero.batch.ZeroBatch` whose ``prepare`` passed) takes the column
+        statistics, the owners' compressed state updates and the column factors."""
         span = [(g, p) for g, p in entries if self._mode(p) == _STATE_SPAN and self.state[p]["learned"]]
         span_work = self._span_statistics(span)  # may refuse an overflow: before anything changes
         ids = {id(p) for _, p in span}
@@ -86,7 +88,7 @@ class ZeroStepMixin:
         # Factored tensors: the column means of g^2 over all rows, computed by every rank from its
         # full (DDP) gradient with Gefen's own code, so bitwise the single-process values. It may
         # refuse an overflow too: before the step counts and decays below change anything.
-        col = self._column_stats(entries, partials)
+        col = batch.column_means() if batch is not None else self._column_stats(entries, partials)
         items = self._wire_items(entries)  # a span tensor not learned yet: MODE_LOCAL (decay only)
         items += [(p, self.state[p], span_work[p][0], MODE_SPAN) for _, p in span]
         wire = [(mode, st["scale_block"], p.element_size(), self._partition.of(p), st["v_col"].shape[-1])
@@ -94,11 +96,12 @@ class ZeroStepMixin:
                 for p, st, hp, mode in items]
         sizes = step_wire_bytes(wire, self._world)
         self._span_update(span, span_work)  # the checks passed: block state, steps, the owners' indices
-        parts = self._owner_parts(items, col)
+        parts = self._owner_parts(items, col, batch.owner_states(self, items) if batch is not None else {})
         # every rank: the replicated column factor (v_col <- EMA, then sqrt(v_col / mean(v_col))),
         # after the owners' dense steps, which update a copy of the old v_col themselves
-        col_f = {id(p): update_v_col(st, col[p], hp, self._impl(p).column_factors) for p, st, hp, mode in items
-                 if self._is_factored(p) and mode != MODE_LOCAL}
+        col_f = batch.column_factors() if batch is not None else {
+            id(p): update_v_col(st, col[p], hp, self._impl(p).column_factors) for p, st, hp, mode in items
+            if self._is_factored(p) and mode != MODE_LOCAL}
         dev = items[0][0].device if items else torch.device("cpu")
         self._apply_all(items, self._exchange(parts, sizes, None, dev), col_f)
         width = max(sizes) if sizes else 0
@@ -110,36 +113,53 @@ class ZeroStepMixin:
     def _wire_items(self, entries) -> List[tuple]:
         """``(p, state, hyperparameters, wire mode)`` per entry, after advancing its step (tensors
         still unlearned only decay, on every rank)."""
-        items = []
+        items, hps = [], {}
+        steps = [self.state[p]["step"] for _, p in entries]
+        if steps and all(isinstance(t, torch.Tensor) for t in steps):
+            torch._foreach_add_(steps, 1.0)  # (0-dim host tensors: one call, not one per tensor)
+        else:
+            for _, p in entries:
+                self.state[p]["step"] += 1
         for group, p in entries:
             st = self.state[p]
-            st["step"] += 1
-            hp = self._hparams(group, st)
-            if self._mode(p) == MODE_EXACT:
-                mode = MODE_DENSE
-            elif not st["learned"]:
-                mode = MODE_LOCAL
+            key = (id(group), step_of(st))  # the scalars of a group at a step count, computed once
+            hp = hps.get(key)
+            if hp is None:
+                hp = hps[key] = self._hparams(group, st)
+            mode = self._wire_mode(p, st)
+            if mode == MODE_LOCAL:
                 decay_only_(p, hp["lr"], hp["weight_decay"])  # on every rank
-            elif self._is_factored(p):
-                # Compressed (idx, M, sqrt(v_row)); the selected implementation's applier does the
-                # parameter update of its own full step (StepImpl.apply_factored_).
-                mode = (MODE_FACTORED if factored_wire_compressed(
-                    st["scale_block"], st["v_col"].shape[-1], p.element_size()) else MODE_DENSE)
-            else:
-                mode = MODE_COMPRESSED if st["period"] > 1 else MODE_DENSE
             items.append((p, st, hp, mode))
         return items
 
+    def _wire_mode(self, p: torch.Tensor, st: dict) -> int:
+        """How ``p``'s update travels (span tensors aside): its new values (exact tensors, ``P == 1``,
+        a factored tensor whose compressed form is not smaller), nothing (still unlearned: decay
+        only), or compressed: (idx, M, sqrt(v_row)) for a factored tensor (the implementation's
+        applier does the parameter update of its own full step, ``StepImpl.apply_factored_``), (idx,
+        M, sigma) for a shared one."""
+        if self._mode(p) == MODE_EXACT:
+            return MODE_DENSE
+        if not st["learned"]:
+            return MODE_LOCAL
+        if self._is_factored(p):
+            return (MODE_FACTORED if factored_wire_compressed(st["scale_block"], st["v_col"].shape[-1], p.element_size())
+                    else MODE_DENSE)
+        return MODE_COMPRESSED if st["period"] > 1 else MODE_DENSE
 
-    def _owner_parts(self, items, col) -> List[torch.Tensor]:
-        """This rank's state update of the ranges it owns, as the parts it sends."""
+
+    def _owner_parts(self, items, col, done: Optional[dict] = None) -> List[torch.Tensor]:
+        """This rank's state update of the ranges it owns, as the parts it sends (``done``: the parts
+        of those already updated, by parameter id)."""
         parts: List[torch.Tensor] = []
         exact = self._owner_exact(items)
         for p, st, hp, mode in items:
             s, e = self._mine(p)
             if mode == MODE_LOCAL or e == s:
                 continue
-            if mode == MODE_SPAN:  # updated by _span_update
+            if done and id(p) in done:
+                parts.extend(done[id(p)])
+            elif mode == MODE_SPAN:  # updated by _span_update
                 parts.append(st["idx"])
             elif mode == MODE_COMPRESSED:
                 parts.extend(self._owner_compressed(p, st, hp, s, e))
@@ -153,7 +173,9 @@ class ZeroStepMixin:
     def _owner_exact(self, items) -> dict:
         """This rank's new values of its ranges of the exact (AdamW) tensors, by id: foreach operations
         per set of hyperparameters (:func:`adamw_foreach_`, bitwise the per-tensor ``adamw_step_``), a
-        few operations in all instead of a dozen per tensor."""
+        few operations in all instead of a dozen per tensor. A contiguous parameter's range is updated
+        in place (the values every rank then copies there, this rank's own included, are these), a
+        non-contiguous one's in a copy."""
         buckets: dict = {}
         for p, st, hp, mode in items:
             s, e = self._mine(p)
@@ -161,7 +183,7 @@ class ZeroStepMixin:
                 continue
             key = tuple(id(v) if isinstance(v, torch.Tensor) else v for v in (hp[k] for k in _ADAMW_HP))
             b = buckets.setdefault(key, (hp, []))[1]
-            b.append((p, p.detach().reshape(-1)[s:e].clone(), p.grad.reshape(-1)[s:e], st))
+            b.append((p, p.detach().reshape(-1)[s:e], p.grad.reshape(-1)[s:e], st))
         out = {}
         for hp, members in buckets.values():
             adamw_foreach_([w for _, w, _, _ in members], [g for _, _, g, _ in members],
@@ -207,7 +229,7 @@ class ZeroStepMixin:
             self._apply_many(items, chunks, col_f, many)
         else:  # (an exchange gives its chunks as rows of one buffer; if not, each range on its own)
             rest = layout
-        works = {}
+        works, dense = {}, ([], [])
         for r, i, s, e, offs in rest:
             p, st, hp, mode = items[i]
             n, ch = e - s, chunks[r]
@@ -230,8 +252,11 @@ class ZeroStepMixin:
                     impl.span_apply_indices_(flat[s:e], take_bytes(ch, offs[0], n, torch.uint8)[0].to(p.device),
                                              st["scale"], st["v_blk"], st["v_col"], st["codebook"],
                                              SpanPiece.of(global_shape(p), s, n), **hp)
-            else:
-                flat[s:e].copy_(take_bytes(ch, offs[0], n, p.dtype)[0].to(p.device))
+            else:  # the owner's new values: copied below, all in one foreach copy
+                dense[0].append(flat[s:e])
+                dense[1].append(take_bytes(ch, offs[0], n, p.dtype)[0].to(p.device))
+        if dense[0]:
+            torch._foreach_copy_(*dense)
         for p, st, hp, mode in items:
             w = works.get(id(p))
             if w is not None and w is not p:
@@ -277,7 +302,11 @@ class ZeroStepMixin:
     def _apply_many(items, chunks, col_f, applier) -> None:
         """The multi-range applier's one call: each item's scalars and column factors (by item index)."""
         cb = next(st["codebook"] for p, st, hp, mode in items if mode in (MODE_FACTORED, MODE_COMPRESSED))
-        applier.run(chunks[0].data_ptr(), cb, [applier.scalars(hp) for p, st, hp, mode in items],
+        scal: dict = {}  # per hyperparameter dict (the items of a group at a step count share one)
+        for p, st, hp, mode in items:
+            if id(hp) not in scal:
+                scal[id(hp)] = applier.scalars(hp)
+        applier.run(chunks[0].data_ptr(), cb, [scal[id(hp)] for p, st, hp, mode in items],
                     [col_f.get(id(p)) for p, st, hp, mode in items])
 
 

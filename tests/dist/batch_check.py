@@ -71,14 +71,17 @@ def grads(m, step):
     ((m(x) - y) ** 2).mean().backward()
 
 
-def train_both(a, b, oa, ob, steps=4):
-    """``steps`` steps of both copies on ``a``'s gradients."""
+def train_both(a, b, oa, ob, steps=4, more=()):
+    """``steps`` steps of both copies (and of the ``more`` (model, optimizer) pairs) on ``a``'s gradients."""
     for step in range(steps):
         grads(a, step)
-        for p, q in zip(a.parameters(), b.parameters()):
-            q.grad = p.grad.clone()
+        for m, _ in [(b, ob), *more]:
+            for p, q in zip(a.parameters(), m.parameters()):
+                q.grad = p.grad.clone()
         oa.step()
         ob.step()
+        for _, o in more:
+            o.step()
 
 
 def digest(m, o):
@@ -179,16 +182,24 @@ def main():
         o._impl = lambda t, p=None, group=None: dispatch._triton()
     oa._foreach_exact = lambda p, group=None: "exp_avg" in oa.state.get(p, {})
     oa._batched_step = lambda entries: False
-    train_both(a, b, oa, ob)
+    c = copy.deepcopy(a)  # and against the one-rank Gefen's multi-tensor batch (column sums in its order)
+    oc = Gefen(c.named_parameters(), lr=1e-3, weight_decay=0.1, process_group=solo)
+    oc._impl = lambda t, p=None, group=None: dispatch._triton()
+    train_both(a, b, oa, ob, more=[(c, oc)])
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())), f"zero: rank {rank}"
+    assert oc._cuda_batch is not None and all(torch.equal(p, q) for p, q in zip(c.parameters(), b.parameters())), \
+        f"zero against the batch: rank {rank}"
     params = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in b.parameters())).hexdigest()
     assert same_everywhere(params), "zero: replicas differ"  # (each rank holds its own slices of the state)
     cut = [ob.owned_range(p) for p in b.parameters()]
     layout, many, rest = ob._apply_cache[2:]  # the appliers of every rank's ranges in one launch
     taken = [x for x in layout if x not in rest]
     assert many is not None and {x[0] for x in taken} == set(range(ws)), f"zero: apply_many {rank}"
-    say(f"OK zero rank {rank}: ZeroGefen on the Triton path bitwise Gefen's, replicas identical (owned {cut}); "
-        f"{len(taken)} ranges of {ws} ranks applied in {many.launches} launch(es)")
+    zb = ob._zero_batch  # the column statistics, owners' states and factors batched (zero/batch.py)
+    assert zb is not None and zb.fact and sum(sm.launches for _, sm in zb._states) >= 1, f"zero: batch {rank}"
+    say(f"OK zero rank {rank}: ZeroGefen on the Triton path bitwise Gefen's (per tensor and batched), replicas "
+        f"identical (owned {cut}); {len(taken)} ranges of {ws} ranks applied in {many.launches} launch(es), "
+        f"owners' states in {sum(sm.launches for _, sm in zb._states)}")
     dist.barrier()
     if rank == 0:
         say(f"ALL OK batch_check ws={ws}")

@@ -1,0 +1,223 @@
+"""ZeroGefen's step on the Triton path (CUDA) in a fixed number of launches, not a few per tensor.
+
+Stepped tensor by tensor, a ZeroGefen step costs a dozen torch operations (each a launch on a GPU)
+per tensor and phase: the column sums of ``g^2``, the non-finite check, the column means, the
+owners' state updates and the ``v_col`` EMAs with their column factors (``research/zero_apply_ops.py``
+counts them). Where every quantized tensor takes the Triton implementation (its
+:class:`~gefen_dist.kernels.dispatch.StepImpl` has ``state_many``), :class:`ZeroBatch` takes those
+phases, from the second step on (state learned), with
+
+* one column-sum launch per gradient dtype plus one reduction for every factored tensor
+  (:class:`~gefen_dist.kernels.triton_multi.ColumnSums`; every rank from its whole gradient, as
+  before, added in the fixed order of single-process Gefen's CUDA batch, so ZeroGefen's statistics
+  are that batch's bits);
+* the non-finite check from those sums and one foreach norm of the other gradients, decided with the
+  column statistics' overflow in one host synchronisation and agreed across ranks by the same
+  collectives as the per-tensor path (:meth:`~gefen_dist.engine.nonfinite.NonfiniteChecks._nonfinite_agree`);
+* the column means in one division, the ``v_col`` EMAs in two foreach operations per ``beta2``, the
+  column factors in one launch (:class:`~gefen_dist.kernels.triton_multi.ColumnFactors`);
+* the owners' factored and compressed state updates in one launch per (mode, dtype, tile) and launch
+  group (:class:`~gefen_dist.kernels.triton_state.StateMany`: bitwise the per-range state functions).
+
+The wire modes, the exchange, the appliers (``ApplyMany``), the exact tensors and the span tensors
+(D16) are :mod:`gefen_dist.zero.step`'s, unchanged. A batch is built for a fixed set of tensors and
+reused while the partition, the tensors, their storage, their state dicts and their step counts'
+offsets stay the same. A gradient of another dtype or layout sends that step to the per-tensor
+path (INFO, once per reason); both paths enter the same collectives in the same order.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional
+
+import torch
+
+from ..core.step import ema_foreach_, row_block_args
+from ..engine.layout import global_shape, is_dtensor
+from ..engine.state import MODE_EXACT, MODE_SPAN, step_of
+from .partition import MODE_COMPRESSED, MODE_FACTORED
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ZeroBatch"]
+
+_STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")
+
+
+def _key(opt, entries) -> tuple:
+    steps = [step_of(opt.state[p]) for _, p in entries]
+    return (id(opt._partition), tuple((id(p), p.data_ptr(), id(opt.state[p]), s - steps[0])
+                                      for (_, p), s in zip(entries, steps)))
+
+
+class ZeroBatch:
+    """The tables of one ZeroGefen's batched phases for a fixed set of entries (module docstring)."""
+
+    def __init__(self, key: tuple, opt, entries, impl, device: torch.device):
+        from ..kernels import triton_step as tri
+
+        self.key, self.device, self.entries = key, device, entries
+        state = opt.state
+        self.fact = [e for e, (_, p) in enumerate(entries) if opt._is_factored(p)]
+        fset = set(self.fact)
+        self.others = [e for e in range(len(entries)) if e not in fset]
+        specs, rows, self.slices, vcols = [], [], [], []
+        o = 0
+        for e in self.fact:
+            p = entries[e][1]
+            v_col = state[p]["v_col"]
+            S, G, R = v_col.shape[-1], max(1, v_col.numel() // v_col.shape[-1]), global_shape(p)[0]
+            specs.append((p.numel() // S, S, 0, row_block_args(v_col, R, 0).get("row_block", 1), G, p.dtype))
+            rows.append(torch.full((v_col.numel(),), float(R // G), dtype=torch.float64))
+            self.slices.append((o, v_col.numel(), v_col.shape))
+            vcols.append(v_col)
+            o += v_col.numel()
+        self.colsums = tri.ColumnSums(specs, device) if specs else None
+        self.colfactors = tri.ColumnFactors(vcols, device) if vcols else None
+        self.rows = torch.cat(rows).to(device) if rows else None
+        self._cms = torch.empty(o, dtype=torch.float32, device=device)
+        self._cms_views = [self._cms[a:a + n].view(shape) for a, n, shape in self.slices]
+        by_beta2: Dict[float, tuple] = {}
+        for e, v_col, cms in zip(self.fact, vcols, self._cms_views):
+            b = by_beta2.setdefault(entries[e][0]["betas"][1], ([], []))
+            b[0].append(v_col)
+            b[1].append(cms)
+        self._emas = list(by_beta2.items())
+        self._states = self._state_groups(opt, entries, impl)
+        self.codebook_state = next((state[entries[e][1]] for e in self.fact), None) or next(
+            (state[p] for _, p in entries if "codebook" in state[p]), None)
+        self._prep = None
+        logger.debug("gefen_dist: ZeroGefen batch for %d tensors: %d factored, %d state launches", len(entries),
+                     len(self.fact), sum(sm.launches for _, sm in self._states))
+
+    @staticmethod
+    def _state_groups(opt, entries, impl) -> List[tuple]:
+        """One :class:`StateMany` per (param group, step count) over this rank's owned ranges of the
+        tensors whose update travels compressed: ``(member params, StateMany)``."""
+        groups: Dict[tuple, list] = {}
+        for group, p in entries:
+            st = opt.state[p]
+            if opt._mode(p) == MODE_SPAN:
+                continue
+            mode = opt._wire_mode(p, st)
+            s, e = opt._mine(p)
+            if mode not in (MODE_FACTORED, MODE_COMPRESSED) or e == s:
+                continue
+            fact = mode == MODE_FACTORED
+            S = st["v_col"].shape[-1] if fact else int(st["period"])
+            v = st["v_row"] if fact else st["v"]
+            rng = (p.dtype, st["idx"].view(-1), st["scale"].view(-1), v.view(-1), S,
+                   int(st["scale_block"]) if fact else S, 2 if fact else 0)
+            groups.setdefault((id(group), step_of(st)), []).append((p, rng))
+        return [([p for p, _ in m], impl.state_many([r for _, r in m], m[0][0].device))
+                for m in groups.values()]
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def plan(cls, opt, entries) -> Optional["ZeroBatch"]:
+        """The batch for this step's ``entries`` (the last one while its key holds), or None when the
+        per-tensor path takes the step: ``fused=False``, state still to learn, an implementation
+        without ``state_many`` (the native CPU kernel, the eager reference), a DTensor, a quantized
+        parameter that is not contiguous float32/bfloat16, or parameters on several devices."""
+        if opt.fused is False or not entries or opt._partition is None:
+            return None
+        impl = device = None
+        for _, p in entries:
+            st = opt.state.get(p)
+            if not st or is_dtensor(p) or (device is not None and p.device != device):
+                return None
+            device = p.device
+            mode = opt._mode(p)
+            if mode == MODE_EXACT:
+                continue
+            if not st.get("learned", 1):
+                return None
+            if mode == MODE_SPAN:
+                continue
+            i = opt._impl(p)
+            if (i.state_many is None or (impl is not None and i is not impl) or not p.is_contiguous()
+                    or p.dtype not in (torch.float32, torch.bfloat16)):
+                return None
+            impl = i
+        if impl is None:
+            return None
+        key = _key(opt, entries)
+        last = opt.__dict__.get("_zero_batch")
+        if last is not None and last.key == key:
+            return last
+        opt._zero_batch = cls(key, opt, entries, impl, device)
+        return opt._zero_batch
+
+    # ------------------------------------------------------------------ stepping
+    def prepare(self, opt):
+        """The step's checks and column statistics, changing nothing: None when the per-tensor path
+        must take the step (a gradient of another dtype or layout; no collective entered), True when
+        it is skipped (``nonfinite="skip"``; "raise" raised), else False."""
+        grads = []
+        for e, (_, p) in enumerate(self.entries):
+            g = p.grad
+            why = self._cannot_take(opt, p, g, e in self.fact or opt._mode(p) not in (MODE_EXACT, MODE_SPAN))
+            if why:
+                if why not in opt.__dict__.setdefault("_zero_batch_fallbacks", set()):
+                    opt._zero_batch_fallbacks.add(why)
+                    logger.info("ZeroGefen: %s: this step takes the per-tensor path (same results, more launches on a "
+                                "GPU); logged once per reason", why)
+                return None
+            grads.append(g)
+        buf = self.colsums.run([grads[e] for e in self.fact]) if self.colsums is not None else None
+        cms = torch.div(buf, self.rows, out=self._cms) if buf is not None else None  # float64 quotients rounded once
+        if opt.nonfinite != "ignore":
+            flags = [torch.isfinite(buf).all().logical_not()] if buf is not None else []
+            other = [grads[e] for e in self.others if grads[e].numel()]
+            if other:  # an overflowing norm of finite values is a false alarm, settled exactly below
+                flags.append(torch.stack(torch._foreach_norm(other)).isfinite().all().logical_not())
+            if flags or cms is not None:  # the one synchronisation: the flags and the overflow together
+                verdict = torch.stack(flags + ([torch.isinf(cms).any()] if cms is not None else [])).tolist()
+            any_flag = any(verdict[:len(flags)]) if flags else False
+            if opt._nonfinite_agree(self.entries, float(any_flag), lambda: opt._nonfinite_local(self.entries)):
+                return True
+            if cms is not None and verdict[-1]:
+                opt._raise_column_overflow({self.entries[e][1]: c for e, c in zip(self.fact, self._cms_views)})
+        self._prep = grads
+        return False
+
+    def _cannot_take(self, opt, p, g, quantized: bool) -> str:
+        """Why this step's gradient ``g`` of ``p`` cannot go through the batch ("" when it can):
+        quantized tensors' kernels read contiguous gradients of the parameter's dtype."""
+        if g is not None and g.device == self.device and not is_dtensor(g) and (
+                not quantized or (g.dtype == p.dtype and g.is_contiguous())):
+            return ""
+        name = opt._names().get(id(p), "?")
+        if g is None:
+            return f"the gradient of {name!r} is missing"
+        return (f"the gradient of {name!r} is {g.dtype}, {'' if g.is_contiguous() else 'non-'}contiguous, on "
+                f"{g.device} (parameter {p.dtype} on {self.device}; the batch needs contiguous gradients of the "
+                "parameter's dtype on its device)")
+
+    def column_means(self) -> Dict[torch.Tensor, torch.Tensor]:
+        """The float32 column means of ``g^2`` per factored tensor (views of one buffer)."""
+        return {self.entries[e][1]: c for e, c in zip(self.fact, self._cms_views)}
+
+    def owner_states(self, opt, items) -> Dict[int, List[torch.Tensor]]:
+        """This rank's state updates of its compressed-travelling ranges, by parameter id: the parts
+        it sends (``idx``, ``scale``, ``sqrt(v_row)`` or ``sigma``)."""
+        hps = {id(p): hp for p, st, hp, mode in items}
+        grads = {id(p): g for (_, p), g in zip(self.entries, self._prep)}
+        cb = self.codebook_state["codebook"]
+        out = {}
+        for members, sm in self._states:
+            hp = hps[id(members[0])]
+            thirds = sm.run([grads[id(p)].view(-1)[slice(*opt._mine(p))] for p in members], cb,
+                            **{k: hp[k] for k in _STATE_HP})
+            for p, r, third in zip(members, sm.ranges, thirds):
+                out[id(p)] = [r[1], r[2], third]
+        return out
+
+    def column_factors(self) -> Dict[int, torch.Tensor]:
+        """Every rank: the ``v_col`` EMAs, then the column factors ``sqrt(v_col / mean(v_col))`` in one
+        launch, by parameter id (after the owners' state updates, which do not read them)."""
+        for beta2, (vcols, cms) in self._emas:
+            ema_foreach_(vcols, cms, beta2)
+        views = self.colfactors.run() if self.colfactors is not None else []
+        return {id(self.entries[e][1]): v for e, v in zip(self.fact, views)}
+
