@@ -124,8 +124,8 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         opt.step()
         ms.append(1e3 * (time.perf_counter() - t0))
-    print(f"  the whole ZeroGefen.step(): host {statistics.median(ms):.2f} ms (median of {args.steps}; the torch "
-          "operations run on CPU tensors of this width, the Triton launches are stubbed)")
+    print(f"  the whole ZeroGefen.step(): host {statistics.median(ms):.2f} ms (median of {args.steps}; with the torch "
+          "operations executed on CPU tensors of this width, the Triton launches stubbed)")
 
 
 if __name__ == "__main__":

@@ -1394,11 +1394,12 @@ def test_cuda_span_phases_match_the_reference(shape, start, n, dtype):
 
 @pytest.mark.skipif(_CHILD or not torch.cuda.is_available() or not triton_step.available("cuda"),
                     reason="needs CUDA (compiled kernel)")
-def test_cuda_zerogefen_equals_gefen_per_tensor():
-    """ZeroGefen on CUDA (one process: the owner's state-only Triton step and the appliers of
-    kernels/triton_state.py, the factored ones in one launch, ApplyMany) against Gefen's per-tensor
-    Triton path on the same CUDA tensors and gradients, 4 steps: parameters bitwise (the appliers
-    replay the kernel's float32 operations; a mismatch names the tensor and how many elements differ)."""
+def test_cuda_zerogefen_equals_gefen_batch():
+    """ZeroGefen on CUDA (one process: its batched phases, zero/batch.py, with the owners' state in
+    StateMany and the appliers in ApplyMany) against Gefen's multi-tensor CUDA batch, which sums the
+    columns in the same order, on the same CUDA tensors and gradients, 4 steps: parameters bitwise (the
+    appliers replay the kernel's float32 operations; a mismatch names the tensor and how many elements
+    differ)."""
     from torch import nn
 
     from gefen_dist import Gefen, ZeroGefen
@@ -1410,7 +1411,6 @@ def test_cuda_zerogefen_equals_gefen_per_tensor():
 
     a, b = build(), build()
     oa = Gefen(a.named_parameters(), lr=1e-2, weight_decay=0.1)
-    oa._batched_step = lambda entries: False  # the per-tensor path (the batch sums columns in its own order)
     ob = ZeroGefen(b.parameters(), lr=1e-2, weight_decay=0.1)
     g = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(4):
@@ -1419,6 +1419,7 @@ def test_cuda_zerogefen_equals_gefen_per_tensor():
             o.zero_grad()
             ((m(x) - y) ** 2).mean().backward()
             o.step()
+    assert oa._cuda_batch is not None and ob._zero_batch is not None  # both batched
     assert ob._apply_cache[3] is not None  # the one-launch appliers ran
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), (name, int((p != q).sum()), p.numel())

@@ -121,7 +121,7 @@ def exchange_bytes(comm: LocalComm, parts, sizes, to: Optional[int], device: tor
     buf = torch.zeros(width, dtype=torch.uint8, device=dev)  # padding is zeros, not garbage
     off, dst, src = 0, [], []
     for t in parts:
-        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        b = (t.detach().view(-1) if t.is_contiguous() else t.detach().contiguous().reshape(-1)).view(torch.uint8)
         if b.numel():
             dst.append(buf[off:off + b.numel()])
             src.append(b)

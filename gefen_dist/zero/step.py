@@ -178,11 +178,13 @@ class ZeroStepMixin:
         non-contiguous one's in a copy."""
         buckets: dict = {}
         for p, st, hp, mode in items:
-            s, e = self._mine(p)
-            if mode != MODE_DENSE or e == s or self._mode(p) != MODE_EXACT:
+            if mode != MODE_DENSE or self._mode(p) != MODE_EXACT:
                 continue
-            key = tuple(id(v) if isinstance(v, torch.Tensor) else v for v in (hp[k] for k in _ADAMW_HP))
-            b = buckets.setdefault(key, (hp, []))[1]
+            s, e = self._mine(p)
+            if e == s:
+                continue
+            # (the items of a param group at a step count share one hyperparameter dict, _wire_items)
+            b = buckets.setdefault(id(hp), (hp, []))[1]
             b.append((p, p.detach().reshape(-1)[s:e], p.grad.reshape(-1)[s:e], st))
         out = {}
         for hp, members in buckets.values():
