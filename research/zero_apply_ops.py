@@ -1,6 +1,6 @@
 """Host work of ZeroGefen's appliers on the Triton path (CUDA's), measured on CPU without a GPU.
 
-    python research/zero_apply_ops.py [--size small|xl] [--d 64] [--steps 30]
+    python research/zero_apply_ops.py [--size small|xl] [--d 64] [--steps 30] [--phases]
 
 Every rank applies every rank's range of every tensor (``zero/step.py``, ``_apply_all``). Before
 2026-12-05 each range of a factored or compressed tensor took a dozen torch operations (on a GPU,
@@ -95,11 +95,52 @@ def measure(opt, steps: int, per_range: bool) -> dict:
                 ms=statistics.median(rec["ms"][1:]))
 
 
+def phases(opt, steps: int) -> dict:
+    """Median host milliseconds per step of each phase of ``ZeroGefen.step()`` (its methods wrapped
+    with a timer; nested phases count in their callers too)."""
+    from gefen_dist.zero import batch as zbatch
+    from gefen_dist.zero import optimizer as zopt
+
+    times: dict = {}
+    undo = []
+
+    def wrap(owner, name, label):
+        orig = owner.__dict__[name]
+        fn = orig.__func__ if isinstance(orig, (staticmethod, classmethod)) else orig
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                times.setdefault(label, []).append(1e3 * (time.perf_counter() - t0))
+        setattr(owner, name, classmethod(timed) if isinstance(orig, classmethod) else
+                staticmethod(timed) if isinstance(orig, staticmethod) else timed)
+        undo.append((owner, name, orig))
+
+    for name in ("_wire_items", "_owner_parts", "_owner_exact", "_apply_all"):
+        wrap(zero_step.ZeroStepMixin, name, name)
+    for name in ("plan", "prepare", "owner_states", "column_factors"):
+        wrap(zbatch.ZeroBatch, name, "ZeroBatch." + name)
+    wrap(zopt, "exchange_bytes", "exchange_bytes")
+    try:
+        for _ in range(3):
+            opt.step()
+        times.clear()
+        for _ in range(steps):
+            opt.step()
+    finally:
+        for owner, name, orig in reversed(undo):
+            setattr(owner, name, orig)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="small")
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--phases", action="store_true", help="also each phase's host time per step")
     args = ap.parse_args(argv)
     params, groups = setup(args.size, args.d)
     opt = ZeroGefen(groups, lr=1e-3, betas=(0.9, 0.95), small_threshold=0)
@@ -126,6 +167,9 @@ def main(argv=None) -> None:
         ms.append(1e3 * (time.perf_counter() - t0))
     print(f"  the whole ZeroGefen.step(): host {statistics.median(ms):.2f} ms (median of {args.steps}; with the torch "
           "operations executed on CPU tensors of this width, the Triton launches stubbed)")
+    if args.phases:
+        for k, v in sorted(phases(opt, args.steps).items(), key=lambda kv: -kv[1]):
+            print(f"    {k:28s} {v:7.2f} ms")
 
 
 if __name__ == "__main__":

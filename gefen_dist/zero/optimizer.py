@@ -28,7 +28,8 @@ A step:
    exact operation order (decay skipped when ``wd == 0``), or copies the dense values. Factored:
    every rank first updates its replicated ``v_col`` from the column means of ``g^2``, which it
    computes itself from its whole (DDP) gradient with Gefen's own code (float64 sums, so bitwise
-   the single-process values; no collective), then applies
+   the single-process values; no collective; on the Triton path in the order of single-process
+   Gefen's CUDA batch, :mod:`gefen_dist.zero.batch`), then applies
    ``sigma_ij = (1 / ((sqrt(v_row_i) * sqrt(v_col_j / mean(v_col))) / sqrt(bc2) + eps)) * (1/bc1)``
    and ``p_ij <- p_ij * (1 - lr*wd) - ((C[idx_ij] * M_b) * sigma_ij) * lr`` in
    :func:`~gefen_dist.core.step.quantized_step_factored_eager_`'s order. Span tensors:
