@@ -564,21 +564,27 @@ def test_zerogefen_batch_checks_and_fallback(monkeypatch, caplog):
         with pytest.raises(RuntimeError, match="2.weight"):
             o.step()
         assert same(before, snap(m, o)), bad
-    # a non-contiguous gradient: that step per tensor, bitwise a ZeroGefen whose batch is off
-    ref_m, ref_o = run("raise")
-    monkeypatch.setattr(zbatch.ZeroBatch, "prepare", lambda self, opt: None)
-    for s in range(4):
-        grads(ref_m, s)
-        ref_o.step()
-    monkeypatch.undo()
-    m, o = run("raise")
-    with caplog.at_level(logging.INFO, logger="gefen_dist.zero.batch"):
-        for s in range(4):
+    # a non-contiguous gradient: that step per tensor; a tensor without a gradient at step 3 (its step
+    # count then lags: a launch group of its own); bitwise a ZeroGefen whose batch is off
+    def train(m, o):
+        for s in range(6):
             grads(m, s)
             if s == 2:
                 m[2].weight.grad = m[2].weight.grad.t().contiguous().t()
+            if s == 3:
+                m[0].weight.grad = None
             o.step()
+
+    ref_m, ref_o = run("raise")
+    monkeypatch.setattr(zbatch.ZeroBatch, "prepare", lambda self, opt: None)
+    train(ref_m, ref_o)
+    monkeypatch.undo()
+    m, o = run("raise")
+    with caplog.at_level(logging.INFO, logger="gefen_dist.zero.batch"):
+        train(m, o)
     assert any("non-contiguous" in r.getMessage() and "per-tensor path" in r.getMessage() for r in caplog.records)
+    assert int(o.state[m[0].weight]["step"]) == int(o.state[m[2].weight]["step"]) - 1
+    assert len(o._zero_batch._states) == 2  # the lagging tensor's own launch group
     assert same(snap(ref_m, ref_o), snap(m, o))
 
 
