@@ -547,7 +547,8 @@ def test_zerogefen_batch_checks_and_fallback(monkeypatch, caplog):
     for s in range(3):
         grads(m, s)
         o.step()
-    assert o._zero_batch is not None and o._zero_batch.prepare(o) is False
+    assert o._zero_batch is not None and o._zero_batch._prep is None  # holds no gradient between steps
+    assert o._zero_batch.prepare(o) is False
     before = snap(m, o)
     grads(m, 9)
     m[2].weight.grad[5, 7] = float("nan")

@@ -44,10 +44,18 @@ __all__ = ["ZeroBatch"]
 _STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")
 
 
-def _key(opt, entries) -> tuple:
-    steps = [step_of(opt.state[p]) for _, p in entries]
-    return (id(opt._partition), tuple((id(p), p.data_ptr(), id(opt.state[p]), s - steps[0])
-                                      for (_, p), s in zip(entries, steps)))
+def _key(opt, entries) -> Optional[tuple]:
+    """What a batch is built for (None when a tensor has no state yet): the partition, the
+    ``fused`` setting, each tensor, its storage, its state dict and its step count's offset."""
+    out, first = [], None
+    for _, p in entries:
+        st = opt.state.get(p)
+        if not st:
+            return None
+        step = step_of(st)
+        first = step if first is None else first
+        out.append((id(p), p.data_ptr(), id(st), step - first))
+    return id(opt._partition), opt.fused, tuple(out)
 
 
 class ZeroBatch:
@@ -61,6 +69,8 @@ class ZeroBatch:
         self.fact = [e for e, (_, p) in enumerate(entries) if opt._is_factored(p)]
         fset = set(self.fact)
         self.others = [e for e in range(len(entries)) if e not in fset]
+        # the entries whose kernels read the gradient (contiguous, the parameter's dtype)
+        self._quantized = [e in fset or opt._mode(p) not in (MODE_EXACT, MODE_SPAN) for e, (_, p) in enumerate(entries)]
         specs, rows, self.slices, vcols = [], [], [], []
         o = 0
         for e in self.fact:
@@ -121,6 +131,16 @@ class ZeroBatch:
         parameter that is not contiguous float32/bfloat16, or parameters on several devices."""
         if opt.fused is False or not entries or opt._partition is None:
             return None
+        # (the common CPU case first, in O(1): the native kernel has no state_many)
+        q = next((p for _, p in entries if opt.state.get(p) and opt._mode(p) not in (MODE_EXACT, MODE_SPAN)), None)
+        if q is None or opt._impl(q).state_many is None:
+            return None
+        key = _key(opt, entries)
+        last = opt.__dict__.get("_zero_batch")
+        if key is None:
+            return None
+        if last is not None and last.key == key:
+            return last
         impl = device = None
         for _, p in entries:
             st = opt.state.get(p)
@@ -141,10 +161,6 @@ class ZeroBatch:
             impl = i
         if impl is None:
             return None
-        key = _key(opt, entries)
-        last = opt.__dict__.get("_zero_batch")
-        if last is not None and last.key == key:
-            return last
         opt._zero_batch = cls(key, opt, entries, impl, device)
         return opt._zero_batch
 
@@ -154,9 +170,13 @@ class ZeroBatch:
         must take the step (a gradient of another dtype or layout; no collective entered), True when
         it is skipped (``nonfinite="skip"``; "raise" raised), else False."""
         grads = []
-        for e, (_, p) in enumerate(self.entries):
+        for (_, p), quantized in zip(self.entries, self._quantized):
             g = p.grad
-            why = self._cannot_take(opt, p, g, e in self.fact or opt._mode(p) not in (MODE_EXACT, MODE_SPAN))
+            if g is not None and g.device == self.device and (
+                    not quantized or (g.dtype == p.dtype and g.is_contiguous())):
+                grads.append(g)
+                continue
+            why = self._cannot_take(opt, p, g, quantized)
             if why:
                 if why not in opt.__dict__.setdefault("_zero_batch_fallbacks", set()):
                     opt._zero_batch_fallbacks.add(why)
@@ -203,6 +223,7 @@ class ZeroBatch:
         it sends (``idx``, ``scale``, ``sqrt(v_row)`` or ``sigma``)."""
         hps = {id(p): hp for p, st, hp, mode in items}
         grads = {id(p): g for (_, p), g in zip(self.entries, self._prep)}
+        self._prep = None  # (the batch must not keep the step's gradients alive after it)
         cb = self.codebook_state["codebook"]
         out = {}
         for members, sm in self._states:
