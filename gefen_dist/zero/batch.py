@@ -36,17 +36,18 @@ from ..core.step import ema_foreach_, row_block_args
 from ..engine.layout import global_shape, is_dtensor
 from ..engine.state import MODE_EXACT, MODE_SPAN, step_of
 from .partition import MODE_COMPRESSED, MODE_FACTORED
+from .step import _STATE_HP
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ZeroBatch"]
 
-_STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")
 
 
 def _key(opt, entries) -> Optional[tuple]:
     """What a batch is built for (None when a tensor has no state yet): the partition, the
-    ``fused`` setting, each tensor, its storage, its state dict and its step count's offset."""
+    ``fused`` setting, each tensor, its storage, its state dict and its step count's offset (the
+    batch keeps the partition, the tensors and the state dicts alive, so no id is reused meanwhile)."""
     out, first = [], None
     for _, p in entries:
         st = opt.state.get(p)
@@ -66,6 +67,7 @@ class ZeroBatch:
 
         self.key, self.device, self.entries = key, device, entries
         state = opt.state
+        self._alive = (opt._partition, [state[p] for _, p in entries])  # (the ids in the key stay theirs)
         self.fact = [e for e, (_, p) in enumerate(entries) if opt._is_factored(p)]
         fset = set(self.fact)
         self.others = [e for e in range(len(entries)) if e not in fset]
