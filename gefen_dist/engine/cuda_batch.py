@@ -48,6 +48,7 @@ import torch
 from ..core.step import adamw_foreach_, adamw_hyperparameters, ema_foreach_, hyperparameters, row_block_args
 from .device_step import DeviceStep
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
+from .nonfinite import device_flags
 from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
 
 logger = logging.getLogger(__name__)
@@ -362,12 +363,7 @@ class CudaBatch:
         # (capturable: the verdict stays on the device, DeviceStep.flag below)
         check = opt.nonfinite != "ignore" and self.dstep is None
         if check:
-            flags = []
-            if buf is not None:
-                flags.append(torch.isfinite(buf).all().logical_not())
-            other = [grads[e] for e in self.others if grads[e].numel()]
-            if other:  # an overflowing norm of finite values is a false alarm, settled exactly below
-                flags.append(torch.stack(torch._foreach_norm(other)).isfinite().all().logical_not())
+            flags = device_flags(buf, [grads[e] for e in self.others if grads[e].numel()])  # (settled below)
             any_flag = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=self.device)
             if not self.sharded and buf is not None:
                 cms = torch.div(buf, self.rows, out=self._cms)  # float64 quotients rounded once

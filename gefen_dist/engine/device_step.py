@@ -35,6 +35,7 @@ from typing import List, Optional
 import torch
 
 from ..core.step import adamw_fused_, device_hyperparameters
+from .nonfinite import device_flags
 
 __all__ = ["DeviceStep"]
 
@@ -79,12 +80,8 @@ class DeviceStep:
         over the ranks. Raises nothing and reads nothing on the host."""
         if not self.check:
             return None
-        flags = []
-        if buf is not None:
-            flags.append(torch.isfinite(buf).all().logical_not())
-            flags.append(torch.isinf(cms).any())
-        if others:  # an overflowing norm of finite values skips too (the host path confirms it exactly)
-            flags.append(torch.stack(torch._foreach_norm(others)).isfinite().all().logical_not())
+        # (an overflowing norm of finite values skips too: the host path confirms it exactly)
+        flags = device_flags(buf, others) + ([torch.isinf(cms).any()] if buf is not None else [])
         if flags:
             self.skip.copy_(torch.stack(flags).any())
         else:

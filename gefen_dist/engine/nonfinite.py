@@ -17,7 +17,18 @@ from .layout import local_tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NonfiniteChecks"]
+__all__ = ["NonfiniteChecks", "device_flags"]
+
+
+def device_flags(buf: Optional[torch.Tensor], others: List[torch.Tensor]) -> List[torch.Tensor]:
+    """0-dim device flags of a multi-tensor step's non-finite check, read nothing on the host: set
+    when the float64 column sums ``buf`` of the factored gradients, or the norm of the ``others``
+    (the other gradients, one foreach norm), are not finite. An overflowing norm of finite values is
+    a false alarm that :meth:`NonfiniteChecks._nonfinite_local` settles exactly."""
+    flags = [torch.isfinite(buf).all().logical_not()] if buf is not None else []
+    if others:
+        flags.append(torch.stack(torch._foreach_norm(others)).isfinite().all().logical_not())
+    return flags
 
 
 class NonfiniteChecks:

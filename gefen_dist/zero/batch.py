@@ -34,6 +34,7 @@ import torch
 
 from ..core.step import ema_foreach_, row_block_args
 from ..engine.layout import global_shape, is_dtensor
+from ..engine.nonfinite import device_flags
 from ..engine.state import MODE_EXACT, MODE_SPAN, step_of
 from .partition import MODE_COMPRESSED, MODE_FACTORED
 from .step import _STATE_HP
@@ -189,10 +190,7 @@ class ZeroBatch:
         buf = self.colsums.run([grads[e] for e in self.fact]) if self.colsums is not None else None
         cms = torch.div(buf, self.rows, out=self._cms) if buf is not None else None  # float64 quotients rounded once
         if opt.nonfinite != "ignore":
-            flags = [torch.isfinite(buf).all().logical_not()] if buf is not None else []
-            other = [grads[e] for e in self.others if grads[e].numel()]
-            if other:  # an overflowing norm of finite values is a false alarm, settled exactly below
-                flags.append(torch.stack(torch._foreach_norm(other)).isfinite().all().logical_not())
+            flags = device_flags(buf, [grads[e] for e in self.others if grads[e].numel()])  # (settled below)
             if flags or cms is not None:  # the one synchronisation: the flags and the overflow together
                 verdict = torch.stack(flags + ([torch.isinf(cms).any()] if cms is not None else [])).tolist()
             any_flag = any(verdict[:len(flags)]) if flags else False

@@ -114,12 +114,8 @@ class ZeroStepMixin:
         """``(p, state, hyperparameters, wire mode)`` per entry, after advancing its step (tensors
         still unlearned only decay, on every rank)."""
         items, hps = [], {}
-        steps = [self.state[p]["step"] for _, p in entries]
-        if steps and all(isinstance(t, torch.Tensor) for t in steps):
-            torch._foreach_add_(steps, 1.0)  # (0-dim host tensors: one call, not one per tensor)
-        else:
-            for _, p in entries:
-                self.state[p]["step"] += 1
+        if entries:  # (the 0-dim step tensors, engine.state.new_step: one call, not one per tensor)
+            torch._foreach_add_([self.state[p]["step"] for _, p in entries], 1.0)
         for group, p in entries:
             st = self.state[p]
             key = (id(group), step_of(st))  # the scalars of a group at a step count, computed once
