@@ -239,5 +239,5 @@ def test_cpu_batch_of_repeated_layers_equals_the_per_tensor_path(monkeypatch):
             (m(x) ** 2).mean().backward()
             o.step()
     batch = ob.__dict__.get("_cuda_batch")
-    assert batch is not None and batch.native_cpu and len(batch.colfactors._groups) == 3
+    assert batch is not None and batch.native_cpu and len(batch.cols.factors._groups) == 3
     _same(a, b, oa, ob)

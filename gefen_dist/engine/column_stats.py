@@ -10,7 +10,7 @@ import torch
 from ..core.step import block_column_sumsq
 from .layout import Piece
 
-__all__ = ["piece_column_sums", "column_means"]
+__all__ = ["piece_column_sums", "column_means", "ColumnTable"]
 
 
 def piece_column_sums(pc: Piece, v_col: torch.Tensor, global_rows: int, sumsq: Callable, skip: bool) -> torch.Tensor:
@@ -41,3 +41,56 @@ def column_means(comm, sums: Sequence[torch.Tensor], tensors: Sequence[Tuple[tor
         out.append((buf[o:o + n] / rows).to(torch.float32).to(device))
         o += n
     return out, buf
+
+
+class ColumnTable:
+    """A multi-tensor batch's column statistics (the CUDA batch, its capturable step and ZeroGefen's
+    batch), built once for its factored tensors: one column-sum launcher over their gradients, the
+    float64 row counts per row block that divide the sums, a 0/1 mask where a replica must not count
+    a second time (HSDP), one float32 buffer of the column means with a view per tensor (what the
+    ``v_col`` EMAs read) and one column-factor launcher (``factors.views[i]`` is tensor ``i``'s
+    ``sqrt(v_col / mean(v_col))``, rewritten in place by every run).
+
+    ``kernels`` is the module of the launchers (:mod:`~gefen_dist.kernels.triton_step` or
+    :mod:`~gefen_dist.kernels.cpu_multi`); ``tensors[i] = (v_col, spec, rows, contributes)``:
+    ``spec`` the gradient's ``(local rows, S, first row, row block, G, dtype)`` for ``ColumnSums``,
+    ``rows`` the global rows per row block, ``contributes`` False for a replica whose sums count as
+    zeros."""
+
+    def __init__(self, kernels, tensors: Sequence[tuple], device: torch.device):
+        if not tensors:
+            raise ValueError("ColumnTable needs at least one factored tensor")
+        self.vcols = [t[0] for t in tensors]
+        self.sums = kernels.ColumnSums([t[1] for t in tensors], device)
+        self.factors = kernels.ColumnFactors(self.vcols, device)
+        self.slices, o = [], 0  # (offset, numel, v_col's shape) of each tensor in the flat buffers
+        for v in self.vcols:
+            self.slices.append((o, v.numel(), v.shape))
+            o += v.numel()
+        self.total = o
+
+        def per_column(values):
+            return torch.cat([torch.full((v.numel(),), float(x), dtype=torch.float64)
+                              for v, x in zip(self.vcols, values)]).to(device)
+
+        self.rows = per_column([t[2] for t in tensors])
+        self.mask = None if all(t[3] for t in tensors) else per_column([bool(t[3]) for t in tensors])
+        self.means = torch.empty(o, dtype=torch.float32, device=device)
+        self.views = self.views_of(self.means)
+
+    def views_of(self, buf: torch.Tensor) -> List[torch.Tensor]:
+        """Views of a flat buffer of ``total`` elements shaped like each tensor's ``v_col``."""
+        return [buf[o:o + n].view(shape) for o, n, shape in self.slices]
+
+    def column_sums(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's float64 column sums of ``g^2`` (one per tensor's gradient, in order), masked
+        where a replica must not count (``NaN * 0`` stays NaN: its non-finite gradient is still seen)."""
+        buf = self.sums.run(grads)
+        if self.mask is not None:
+            buf.mul_(self.mask)
+        return buf
+
+    def column_means(self, buf: torch.Tensor) -> torch.Tensor:
+        """The float32 column means from the (reduced) sums: float64 quotients rounded once, into
+        :attr:`means` (whose :attr:`views` the EMAs read)."""
+        return torch.div(buf, self.rows, out=self.means)

@@ -46,6 +46,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..core.step import adamw_foreach_, adamw_hyperparameters, ema_foreach_, hyperparameters, row_block_args
+from .column_stats import ColumnTable
 from .device_step import DeviceStep
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .nonfinite import device_flags
@@ -151,35 +152,43 @@ class CudaBatch:
         # every tensor of a batch advances by one per step, so the partition stays valid (a tensor
         # that missed steps, e.g. an expert without tokens, does not send the model per tensor)
         groups: Dict[tuple, dict] = {}
-        fact_specs, self.fact = [], []  # (entry index, v_col, global rows per block, contributes)
-        # the column factors sqrt(v_col / mean(v_col)) of every factored tensor, one launch per step
-        vcols = [opt.state[p]["v_col"] for _, p in entries if opt._mode(p) == MODE_FACTORED]
-        self.colfactors = _tri.ColumnFactors(vcols, device) if vcols else None
+        self.fact = []  # entry index of each factored tensor, in the column table's order
+        pieces = {e: piece_of(p, comm.rank, comm.world_size > 1) for e, (_, p) in enumerate(entries)
+                  if opt._mode(p) != MODE_EXACT}
+        cols = []
+        for e, pc in pieces.items():
+            p = entries[e][1]
+            if opt._mode(p) == MODE_FACTORED:
+                v_col, rows = opt.state[p]["v_col"], global_shape(p)[0]
+                S, G = v_col.shape[-1], max(1, v_col.numel() // v_col.shape[-1])
+                rb = row_block_args(v_col, rows, pc.start).get("row_block", 1)
+                # replicas that must not add to global sums a second time (HSDP) contribute zeros
+                cols.append((v_col, (pc.local.numel() // S, S, pc.start // S, rb, G, pc.local.dtype), rows // G,
+                             pc.contributes or not self.sharded))
+                self.fact.append(e)
+        # the column sums and the column factors sqrt(v_col / mean(v_col)) of every factored tensor
+        self.cols = ColumnTable(_tri, cols, device) if cols else None
+        fpos = {e: k for k, e in enumerate(self.fact)}
         for e, (group, p) in enumerate(entries):
             st = opt.state[p]
             gi = groups.setdefault((id(group), step_of(st)), dict(group=group, items=[], item_entries=[], exact=[],
-                                                                  vcols=[], fact_pos=[]))
+                                                                  vcols=[], vcol_parts=[]))
             mode = opt._mode(p)
             if mode == MODE_EXACT:
                 gi["exact"].append(e)
                 continue
-            pc = piece_of(p, comm.rank, comm.world_size > 1)
+            pc = pieces[e]
             param = pc.local
             if mode == MODE_FACTORED:
+                k = fpos[e]
                 v_col = st["v_col"]
-                S = v_col.shape[-1]
-                G = max(1, v_col.numel() // S)
-                rows = global_shape(p)[0]
-                rkw = row_block_args(v_col, rows, pc.start)
+                rkw = row_block_args(v_col, global_shape(p)[0], pc.start)
                 item = _tri.StepItem(param.view(-1), local_tensor(st["idx"]).view(-1),
                                      local_tensor(st["scale"]).view(-1), local_tensor(st["v_row"]).view(-1),
-                                     self.colfactors.views[len(self.fact)], S, int(st["scale_block"]), 2,
+                                     self.cols.factors.views[k], v_col.shape[-1], int(st["scale_block"]), 2,
                                      rkw.get("row0", 0), rkw.get("row_block", 1))
-                gi["fact_pos"].append(len(self.fact))
                 gi["vcols"].append(v_col)
-                # replicas that must not add to global sums a second time (HSDP) contribute zeros
-                self.fact.append((e, v_col, rows // G, pc.contributes or not self.sharded))
-                fact_specs.append((param.numel() // S, S, pc.start // S, rkw.get("row_block", 1), G, param.dtype))
+                gi["vcol_parts"].append(self.cols.views[k])
             else:
                 P, B = int(st["period"]), int(st["scale_block"])
                 item = _tri.StepItem(param.view(-1), local_tensor(st["idx"]).view(-1),
@@ -190,22 +199,8 @@ class CudaBatch:
         self.groups = list(groups.values())
         for gi in self.groups:
             gi["multi"] = _tri.MultiStep(gi["items"], device) if gi["items"] else None
-        self.colsums = _tri.ColumnSums(fact_specs, device) if fact_specs else None
-        self.mask = None
-        if self.colsums is not None:
-            self.rows = torch.cat([torch.full((v.numel(),), float(r), dtype=torch.float64)
-                                   for _, v, r, _ in self.fact]).to(device)
-            if not all(c for *_, c in self.fact):
-                self.mask = torch.cat([torch.full((v.numel(),), float(c), dtype=torch.float64)
-                                       for _, v, _, c in self.fact]).to(device)
-            self.fact_slices = []
-            o = 0
-            for _, v, _, _ in self.fact:
-                self.fact_slices.append((o, v.numel(), v.shape))
-                o += v.numel()
-        fact_entries = {f[0] for f in self.fact}
-        self.others = [e for e in range(len(entries)) if e not in fact_entries]
-        self._step_tables(opt, entries, device)
+        self.others = [e for e in range(len(entries)) if e not in fpos]
+        self._step_tables(opt, entries)
         # capturable=True: a step without host synchronisation (engine/device_step.py); CUDA batches only
         self.dstep = DeviceStep(self, opt) if getattr(opt, "capturable", False) and not self.native_cpu else None
         self.codebook_state = next((opt.state[entries[e][1]] for gi in self.groups for e in gi["item_entries"]), None)
@@ -213,18 +208,13 @@ class CudaBatch:
                      sum(gi["multi"].launches for gi in self.groups if gi["multi"]), len(self.fact),
                      ", sharded" if self.sharded else "")
 
-    def _step_tables(self, opt, entries, device) -> None:
+    def _step_tables(self, opt, entries) -> None:
         """What a step reads after the flags, built once so that the host work there stays a fixed
-        number of operations: the float32 column statistics in one buffer whose views the v_col EMAs
-        read, each group's exact tensors and their AdamW state (the grads are the step's), each
-        group's members (their step counts). The state dicts are part of the key, so these stay valid
-        while the batch does."""
+        number of operations (the column means' views, ``gi["vcol_parts"]``, are the column table's):
+        each group's exact tensors and their AdamW state (the grads are the step's), each group's
+        members (their step counts). The state dicts are part of the key, so these stay valid while
+        the batch does."""
         self._exact_entry = [opt._mode(p) == MODE_EXACT for _, p in entries]
-        if self.colsums is not None:
-            self._cms = torch.empty(self.colsums.total, dtype=torch.float32, device=device)
-            for gi in self.groups:
-                gi["vcol_parts"] = [self._cms[o:o + n].view(shape)
-                                    for o, n, shape in (self.fact_slices[k] for k in gi["fact_pos"])]
         for gi in self.groups:
             ps = [entries[e][1] for e in gi["exact"]]
             gi["exact_state"] = ([local_tensor(p) for p in ps], [local_tensor(opt.state[p]["exp_avg"]) for p in ps],
@@ -355,18 +345,17 @@ class CudaBatch:
                           self.native_cpu)
                 return None
             grads.append(g)
+        cols = self.cols
         buf = cms = None
-        if self.colsums is not None:
-            buf = self.colsums.run([grads[e] for e, *_ in self.fact])
-            if self.mask is not None:
-                buf.mul_(self.mask)  # NaN * 0 stays NaN: a replica's non-finite gradient is still seen
+        if cols is not None:
+            buf = cols.column_sums([grads[e] for e in self.fact])
         # (capturable: the verdict stays on the device, DeviceStep.flag below)
         check = opt.nonfinite != "ignore" and self.dstep is None
         if check:
             flags = device_flags(buf, [grads[e] for e in self.others if grads[e].numel()])  # (settled below)
             any_flag = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=self.device)
             if not self.sharded and buf is not None:
-                cms = torch.div(buf, self.rows, out=self._cms)  # float64 quotients rounded once
+                cms = cols.column_means(buf)
                 any_flag, inf = torch.stack([any_flag, torch.isinf(cms).any()]).tolist()  # the one sync
             else:
                 inf = None
@@ -375,13 +364,12 @@ class CudaBatch:
         if buf is not None and cms is None:
             if self.sharded:
                 opt._comm.all_reduce_sum_(buf)
-            cms = torch.div(buf, self.rows, out=self._cms)
+            cms = cols.column_means(buf)
             inf = bool(torch.isinf(cms).any()) if check else False
         if self.dstep is not None:
             self.dstep.flag(opt, buf, cms, [grads[e] for e in self.others if grads[e].numel()])
         elif check and buf is not None and inf:
-            opt._raise_column_overflow({self.entries[e][1]: cms[o:o + n] for (e, *_), (o, n, _) in
-                                        zip(self.fact, self.fact_slices)})
+            opt._raise_column_overflow({self.entries[e][1]: c for e, c in zip(self.fact, cols.views)})
         return grads, cms
 
     def apply(self, opt, prep) -> None:
@@ -404,8 +392,8 @@ class CudaBatch:
                 ema_foreach_(gi["vcols"], gi["vcol_parts"], gi["group"]["betas"][1])
         if ds is not None:
             ds.restore_vcols_if_skipped()
-        if self.colfactors is not None:
-            self.colfactors.run()  # the update kernels read the factors of the new v_col
+        if self.cols is not None:
+            self.cols.factors.run()  # the update kernels read the factors of the new v_col
         for gi in self.groups:
             group = gi["group"]
             step = step_of(state[gi["members"][0]]) if ds is None else None

@@ -65,12 +65,12 @@ class DeviceStep:
         self.skip = torch.zeros((), dtype=torch.float32, device=dev)
         self.keep = torch.ones((), dtype=torch.float32, device=dev)  # 1 - skip: what each step count advances by
         self._prev = self._new = None
-        if self.check and batch.colsums is not None:  # every v_col before the EMAs, restored on a skipped step
-            self._vcols = [v for _, v, *_ in batch.fact]
-            self._prev = torch.empty(batch.colsums.total, dtype=torch.float32, device=dev)
+        cols = batch.cols
+        if self.check and cols is not None:  # every v_col before the EMAs, restored on a skipped step
+            self._vcols = cols.vcols
+            self._prev = torch.empty(cols.total, dtype=torch.float32, device=dev)
             self._new = torch.empty_like(self._prev)
-            self._prev_views, self._new_views = ([buf[o:o + n].view(shape) for o, n, shape in batch.fact_slices]
-                                                 for buf in (self._prev, self._new))
+            self._prev_views, self._new_views = cols.views_of(self._prev), cols.views_of(self._new)
         if getattr(opt, "device_skipped_steps", None) is None or opt.device_skipped_steps.device != dev:
             opt.device_skipped_steps = torch.zeros((), dtype=torch.float32, device=dev)
 

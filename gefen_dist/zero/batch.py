@@ -33,6 +33,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..core.step import ema_foreach_, row_block_args
+from ..engine.column_stats import ColumnTable
 from ..engine.layout import global_shape, is_dtensor
 from ..engine.nonfinite import device_flags
 from ..engine.state import MODE_EXACT, MODE_SPAN, step_of
@@ -74,26 +75,18 @@ class ZeroBatch:
         self.others = [e for e in range(len(entries)) if e not in fset]
         # the entries whose kernels read the gradient (contiguous, the parameter's dtype)
         self._quantized = [e in fset or opt._mode(p) not in (MODE_EXACT, MODE_SPAN) for e, (_, p) in enumerate(entries)]
-        specs, rows, self.slices, vcols = [], [], [], []
-        o = 0
+        cols = []
         for e in self.fact:
             p = entries[e][1]
             v_col = state[p]["v_col"]
             S, G, R = v_col.shape[-1], max(1, v_col.numel() // v_col.shape[-1]), global_shape(p)[0]
-            specs.append((p.numel() // S, S, 0, row_block_args(v_col, R, 0).get("row_block", 1), G, p.dtype))
-            rows.append(torch.full((v_col.numel(),), float(R // G), dtype=torch.float64))
-            self.slices.append((o, v_col.numel(), v_col.shape))
-            vcols.append(v_col)
-            o += v_col.numel()
-        self.colsums = tri.ColumnSums(specs, device) if specs else None
-        self.colfactors = tri.ColumnFactors(vcols, device) if vcols else None
-        self.rows = torch.cat(rows).to(device) if rows else None
-        self._cms = torch.empty(o, dtype=torch.float32, device=device)
-        self._cms_views = [self._cms[a:a + n].view(shape) for a, n, shape in self.slices]
+            rb = row_block_args(v_col, R, 0).get("row_block", 1)
+            cols.append((v_col, (p.numel() // S, S, 0, rb, G, p.dtype), R // G, True))
+        self.cols = ColumnTable(tri, cols, device) if cols else None
         by_beta2: Dict[float, tuple] = {}
-        for e, v_col, cms in zip(self.fact, vcols, self._cms_views):
+        for e, cms in zip(self.fact, self.cols.views if cols else []):
             b = by_beta2.setdefault(entries[e][0]["betas"][1], ([], []))
-            b[0].append(v_col)
+            b[0].append(state[entries[e][1]]["v_col"])
             b[1].append(cms)
         self._emas = list(by_beta2.items())
         self._states = self._state_groups(opt, entries, impl)
@@ -187,8 +180,9 @@ class ZeroBatch:
                                 "GPU); logged once per reason", why)
                 return None
             grads.append(g)
-        buf = self.colsums.run([grads[e] for e in self.fact]) if self.colsums is not None else None
-        cms = torch.div(buf, self.rows, out=self._cms) if buf is not None else None  # float64 quotients rounded once
+        cols = self.cols
+        buf = cols.column_sums([grads[e] for e in self.fact]) if cols is not None else None
+        cms = cols.column_means(buf) if buf is not None else None
         if opt.nonfinite != "ignore":
             flags = device_flags(buf, [grads[e] for e in self.others if grads[e].numel()])  # (settled below)
             if flags or cms is not None:  # the one synchronisation: the flags and the overflow together
@@ -197,7 +191,7 @@ class ZeroBatch:
             if opt._nonfinite_agree(self.entries, float(any_flag), lambda: opt._nonfinite_local(self.entries)):
                 return True
             if cms is not None and verdict[-1]:
-                opt._raise_column_overflow({self.entries[e][1]: c for e, c in zip(self.fact, self._cms_views)})
+                opt._raise_column_overflow(self.column_means())
         self._prep = grads
         return False
 
@@ -216,7 +210,7 @@ class ZeroBatch:
 
     def column_means(self) -> Dict[torch.Tensor, torch.Tensor]:
         """The float32 column means of ``g^2`` per factored tensor (views of one buffer)."""
-        return {self.entries[e][1]: c for e, c in zip(self.fact, self._cms_views)}
+        return {self.entries[e][1]: c for e, c in zip(self.fact, self.cols.views if self.cols else [])}
 
     def owner_states(self, opt, items) -> Dict[int, List[torch.Tensor]]:
         """This rank's state updates of its compressed-travelling ranges, by parameter id: the parts
@@ -239,6 +233,6 @@ class ZeroBatch:
         launch, by parameter id (after the owners' state updates, which do not read them)."""
         for beta2, (vcols, cms) in self._emas:
             ema_foreach_(vcols, cms, beta2)
-        views = self.colfactors.run() if self.colfactors is not None else []
+        views = self.cols.factors.run() if self.cols is not None else []
         return {id(self.entries[e][1]): v for e, v in zip(self.fact, views)}
 

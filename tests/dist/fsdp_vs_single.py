@@ -130,7 +130,7 @@ def main():
         assert opt._cuda_batch is not None and opt._cuda_batch.sharded, "the sharded batch did not run"
         assert ref_opt._cuda_batch is not None and not ref_opt._cuda_batch.sharded
         if args.hsdp:
-            assert (opt._cuda_batch.mask is not None) == (mesh.get_coordinate()[0] != 0), "replica mask"
+            assert (opt._cuda_batch.cols.mask is not None) == (mesh.get_coordinate()[0] != 0), "replica mask"
         assert (opt._cuda_batch.dstep is not None) == args.capturable
         if rank == 0:
             print(f"OK cuda batch: sharded={opt._cuda_batch.sharded}", flush=True)
