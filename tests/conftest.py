@@ -62,16 +62,30 @@ def ref_vectors():
 _DS_SHM = "/dev/shm/deepspeed_allreduce_buffer_*"
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _deepspeed_shm_buffers():
+def _controller(session) -> bool:
+    """Whether this process runs the session as a whole: the only process without pytest-xdist, its
+    controller with it (``scripts/test.sh`` runs the suite in two workers)."""
+    return not hasattr(session.config, "workerinput")
+
+
+def pytest_sessionstart(session):
+    if _controller(session):
+        import glob
+
+        session.config._gefen_ds_shm = set(glob.glob(_DS_SHM))
+
+
+def pytest_sessionfinish(session, exitstatus):
     """DeepSpeed's CPU shared-memory all-reduce leaves its buffers (~69 MB each, 2-3 per 2-rank
     launch) in /dev/shm when the ranks exit; on a machine that runs the suite repeatedly they fill
-    the tmpfs, i.e. RAM (313 files, 21 GB, were found here). Remove the ones this session created,
-    after every launch has finished."""
+    the tmpfs, i.e. RAM (313 files, 21 GB, were found here). The controller removes the ones this
+    session created, after every worker's last launch has finished (a worker must not: another
+    worker's ranks may still be opening theirs by name)."""
+    before = getattr(session.config, "_gefen_ds_shm", None)
+    if before is None or not _controller(session):
+        return
     import glob
 
-    before = set(glob.glob(_DS_SHM))
-    yield
     for path in set(glob.glob(_DS_SHM)) - before:
         try:
             os.unlink(path)

@@ -49,7 +49,7 @@ def test_interpreter_suite():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
            os.path.abspath(__file__)]
     t0 = time.time()
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1500)
     out = r.stdout + r.stderr
     assert r.returncode == 0, f"interpreter suite failed (rc {r.returncode}):\n{out[-6000:]}"
     last = [ln for ln in out.splitlines() if ln.strip()][-1]
