@@ -15,6 +15,10 @@ Workloads (CPU, 1 thread; every one has quantized tensors whose rows hold fewer 
 * ``narrow_mlp``: an MLP whose first weight is ``(256, 32)`` (a narrow input layer) regressing a tanh
   teacher, 300 steps, lr 1e-3 (``tests/_workloads.py``'s ``dead_first_batch_mlp`` with a whole first
   batch); held-out MSE.
+* ``dense4_mlp``, ``dense8_mlp``, ``dense16_mlp``: the ``narrow_mlp`` regression with inputs of 4, 8
+  and 16 features into hidden layers of 1024, 1024 and 512 units: first weights ``(1024, 4)``,
+  ``(1024, 8)`` and ``(512, 16)``, dense layers of rows too narrow for one byte per row within 1.1
+  B/param (docs/algorithm.md, D16); not in the default ``--workloads``.
 * ``digits``: ``tests/test_quality.py``'s classifier of scikit-learn's 8x8 digits (``Linear(64, 256)``
   first: a dense layer whose weight has rows of 64 elements), 300 steps of batch 64, lr 2e-3,
   weight decay 0.01; the *training* loss of the last 50 steps, the test's measure (its held-out
@@ -117,18 +121,26 @@ def bag(name, seed):
     return loss, state_bytes(seen["opt"], seen["params"])
 
 
-def narrow_mlp(name, seed):
-    from _workloads import dead_first_batch_mlp
+def _dense_narrow(din: int, h: int):
+    """The ``narrow_mlp`` regression with a first weight ``(h, din)``: every row is a hidden unit
+    (dense gradients)."""
+    def workload(name, seed):
+        from _workloads import dead_first_batch_mlp
 
-    seen = {}
+        seen = {}
 
-    def mk(ps):
-        ps = list(ps)
-        seen["opt"], seen["params"] = make_opt(name, ps, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0), ps
-        return seen["opt"]
+        def mk(ps):
+            ps = list(ps)
+            seen["opt"], seen["params"] = make_opt(name, ps, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0), ps
+            return seen["opt"]
 
-    loss = dead_first_batch_mlp(mk, seed=seed, density=1.0)[1]
-    return loss, state_bytes(seen["opt"], seen["params"])
+        loss = dead_first_batch_mlp(mk, seed=seed, density=1.0, din=din, h=h)[1]
+        return loss, state_bytes(seen["opt"], seen["params"])
+
+    return workload
+
+
+narrow_mlp = _dense_narrow(32, 256)
 
 
 def digits(name, seed):
@@ -146,6 +158,9 @@ def digits(name, seed):
 
 
 WORKLOADS = {"recsys": recsys, "bag": bag, "narrow_mlp": narrow_mlp, "digits": digits}
+# dense layers of rows of 4-16 elements (run with --workloads)
+EXTRA = {"dense4_mlp": _dense_narrow(4, 1024), "dense8_mlp": _dense_narrow(8, 1024),
+         "dense16_mlp": _dense_narrow(16, 512)}
 
 
 def summary(res: dict) -> dict:
@@ -195,7 +210,7 @@ def run(args, argv) -> dict:
             res["runs"][wl][str(seed)] = {}
             for name in OPTS:
                 t0 = time.perf_counter()
-                loss, b = WORKLOADS[wl](name, seed)
+                loss, b = {**WORKLOADS, **EXTRA}[wl](name, seed)
                 res["runs"][wl][str(seed)][name] = dict(loss=loss, bytes=b, seconds=time.perf_counter() - t0)
                 print(f"{wl} seed {seed} {name}: loss {loss:.5f}, {b:.3f} B/param", flush=True)
     res["summary"] = summary(res)

@@ -146,7 +146,7 @@ def make_opt(name, params, **kw):
     return Gefen(params, narrow_rows="span" if name == "gefen_span" else "rows", fused=False, **kw)
 
 
-WORKLOADS = NQ.WORKLOADS
+WORKLOADS = {**NQ.WORKLOADS, **NQ.EXTRA}
 
 
 def main(argv=None):
