@@ -241,3 +241,38 @@ def test_cpu_batch_of_repeated_layers_equals_the_per_tensor_path(monkeypatch):
     batch = ob.__dict__.get("_cuda_batch")
     assert batch is not None and batch.native_cpu and len(batch.cols.factors._groups) == 3
     _same(a, b, oa, ob)
+
+
+def test_column_table_equals_the_per_piece_statistics():
+    """engine.column_stats.ColumnTable (the batches' one table) over the native launchers: its sums are
+    each piece's block_column_sumsq with the native kernel's sums (pieces that start inside a row block,
+    bfloat16, one block and several), a replica that must not count contributes zeros (a NaN stays NaN),
+    its means are the sums over the global rows per block rounded once to float32, in views shaped
+    like each v_col, and its factors are each v_col's column factors; no tensor is a clear error."""
+    from gefen_dist.core.step import block_column_sumsq, column_factors
+    from gefen_dist.engine.column_stats import ColumnTable
+    from gefen_dist.kernels import cpu as _cpu
+
+    gen = torch.Generator().manual_seed(5)
+    # (local rows, S, first row, row block, G, dtype, global rows, contributes)
+    specs = [(96, 32, 0, 48, 2, torch.float32, 96, True), (20, 24, 10, 20, 3, torch.float32, 60, True),
+             (7, 40, 0, 1, 1, torch.bfloat16, 7, True), (12, 16, 36, 16, 4, torch.float32, 64, False)]
+    grads = [torch.randn(r * S, generator=gen).to(dt) for r, S, _, _, _, dt, _, _ in specs]
+    vcols = [torch.rand((G, S) if G > 1 else (S,), generator=gen) for _, S, _, _, G, _, _, _ in specs]
+    table = ColumnTable(cpu_multi, [(v, (r, S, r0, rb, G, dt), R // G, c)
+                                    for v, (r, S, r0, rb, G, dt, R, c) in zip(vcols, specs)], torch.device("cpu"))
+    assert table.total == sum(v.numel() for v in vcols) and table.mask is not None
+    buf = table.column_sums(grads)
+    cms = table.column_means(buf)
+    for (o, n, shape), v, g, view, (r, S, r0, rb, G, dt, R, c) in zip(table.slices, vcols, grads, table.views, specs):
+        ref = block_column_sumsq(g, S, r0, rb, G, _cpu.column_sumsq) if c else torch.zeros(n, dtype=torch.float64)
+        assert torch.equal(buf[o:o + n], ref), shape
+        assert view.shape == v.shape and view.data_ptr() == cms[o:o + n].data_ptr()
+        assert torch.equal(view.reshape(-1), (ref / (R // G)).to(torch.float32)), shape
+    for v, f in zip(vcols, table.factors.run()):
+        assert torch.equal(f, column_factors(v))
+    grads[3][5] = float("nan")  # the replica's non-finite gradient is still seen
+    o, n, _ = table.slices[3]
+    assert torch.isnan(table.column_sums(grads)[o:o + n]).any()
+    with pytest.raises(ValueError, match="at least one factored tensor"):
+        ColumnTable(cpu_multi, [], torch.device("cpu"))
