@@ -590,6 +590,50 @@ def test_zerogefen_batch_checks_and_fallback(monkeypatch, caplog):
 
 
 @interp
+def test_zerogefen_batch_not_taken_is_logged_once_with_the_fix(monkeypatch, caplog):
+    """No silent cliff (issue 27): a quantized parameter the batch cannot take (here one that is not
+    contiguous) sends ZeroGefen's steps to the per-tensor path with one WARNING naming the tensor and
+    the fix, however many steps; the first step (state still to learn) logs nothing; made contiguous,
+    the same model takes the batch, and both end bitwise equal."""
+    import logging
+
+    from torch import nn
+
+    from gefen_dist import ZeroGefen
+    from gefen_dist.kernels import dispatch
+
+    def build(contiguous):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 128))
+        if not contiguous:  # the same values, column-major
+            m[2].weight = nn.Parameter(m[2].weight.detach().t().contiguous().t())
+        o = ZeroGefen(m.named_parameters(), lr=1e-2, weight_decay=0.1)
+        o._impl = lambda t, p=None, group=None: dispatch._triton()
+        return m, o
+
+    def train(m, o):
+        g = torch.Generator().manual_seed(4)
+        for _ in range(4):
+            for q in m.parameters():
+                q.grad = (torch.randn(q.shape, generator=g) * 1e-2).contiguous()
+            o.step()
+
+    m, o = build(contiguous=False)
+    with caplog.at_level(logging.WARNING, logger="gefen_dist.zero.batch"):
+        train(m, o)
+    msgs = [r.getMessage() for r in caplog.records if "batched step is not used" in r.getMessage()]
+    assert len(msgs) == 1 and "'2.weight'" in msgs[0] and "param.data = param.data.contiguous()" in msgs[0], msgs
+    assert o.__dict__.get("_zero_batch") is None
+    ref_m, ref_o = build(contiguous=True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gefen_dist.zero.batch"):
+        train(ref_m, ref_o)
+    assert ref_o._zero_batch is not None and not caplog.records
+    for (name, p), q in zip(m.named_parameters(), ref_m.parameters()):
+        assert torch.equal(p, q), name
+
+
+@interp
 def test_apply_many_equals_the_per_range_appliers():
     """ApplyMany (ZeroGefen's appliers in one launch per mode and dtype) gives every range the bits of
     apply_factored_ / apply_compressed_: ranges of several tensors at byte offsets of one buffer (as

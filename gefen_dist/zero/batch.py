@@ -23,7 +23,9 @@ The wire modes, the exchange, the appliers (``ApplyMany``), the exact tensors an
 (D16) are :mod:`gefen_dist.zero.step`'s, unchanged. A batch is built for a fixed set of tensors and
 reused while the partition, the tensors, their storage, their state dicts and their step counts'
 offsets stay the same. A gradient of another dtype or layout sends that step to the per-tensor
-path (INFO, once per reason); both paths enter the same collectives in the same order.
+path (INFO, once per reason); a parameter the batch cannot take (not contiguous, fp16, another
+implementation or device) sends every step there (WARNING, once per reason, naming the fix); both
+paths enter the same collectives in the same order.
 """
 from __future__ import annotations
 
@@ -123,8 +125,9 @@ class ZeroBatch:
     def plan(cls, opt, entries) -> Optional["ZeroBatch"]:
         """The batch for this step's ``entries`` (the last one while its key holds), or None when the
         per-tensor path takes the step: ``fused=False``, state still to learn, an implementation
-        without ``state_many`` (the native CPU kernel, the eager reference), a DTensor, a quantized
-        parameter that is not contiguous float32/bfloat16, or parameters on several devices."""
+        without ``state_many`` (the native CPU kernel, the eager reference: in O(1)), or
+        (:meth:`_survey`, one WARNING per reason) a DTensor, a quantized parameter that is not
+        contiguous float32/bfloat16, another implementation, or parameters on several devices."""
         if opt.fused is False or not entries or opt._partition is None:
             return None
         # (the common CPU case first, in O(1): the native kernel has no state_many)
@@ -137,28 +140,55 @@ class ZeroBatch:
             return None
         if last is not None and last.key == key:
             return last
+        impl, device, why = cls._survey(opt, entries)
+        if impl is None:
+            if why and why not in opt.__dict__.setdefault("_zero_plan_fallbacks", set()):
+                opt._zero_plan_fallbacks.add(why)
+                logger.warning("ZeroGefen: the batched step is not used: %s. Every tensor is stepped on its own "
+                               "instead (same results, many more launches on a GPU); logged once per reason.", why)
+            return None
+        opt._zero_batch = cls(key, opt, entries, impl, device)
+        return opt._zero_batch
+
+    @staticmethod
+    def _survey(opt, entries) -> tuple:
+        """``(impl, device, "")``: the implementation with ``state_many`` and the device that every
+        quantized tensor shares; else ``(None, None, why)``, ``why`` naming the tensor and the fix, or
+        empty where the per-tensor path is the expected one (state still to learn)."""
+        def name(p) -> str:  # (looked up only for a message)
+            return repr(opt._names().get(id(p), "?"))
+
         impl = device = None
         for _, p in entries:
             st = opt.state.get(p)
-            if not st or is_dtensor(p) or (device is not None and p.device != device):
-                return None
+            if not st:
+                return None, None, ""
+            if is_dtensor(p):
+                return None, None, f"parameter {name(p)} is a DTensor (ZeroGefen partitions plain tensors)"
+            if device is not None and p.device != device:
+                return None, None, f"parameter {name(p)} is on {p.device}, the others on {device} (one device per batch)"
             device = p.device
             mode = opt._mode(p)
             if mode == MODE_EXACT:
                 continue
             if not st.get("learned", 1):
-                return None
+                return None, None, ""
             if mode == MODE_SPAN:
                 continue
+            if not p.is_contiguous():
+                return None, None, (f"parameter {name(p)} (shape {tuple(p.shape)}, stride {tuple(p.stride())}) is not "
+                                    "contiguous; make it contiguous (param.data = param.data.contiguous()) before "
+                                    "building the optimizer")
+            if p.dtype not in (torch.float32, torch.bfloat16):
+                return None, None, (f"parameter {name(p)} has dtype {p.dtype}; the batch steps float32 and bfloat16 "
+                                    "parameters (keep fp16 weights in an fp32 master copy, or use bf16)")
             i = opt._impl(p)
-            if (i.state_many is None or (impl is not None and i is not impl) or not p.is_contiguous()
-                    or p.dtype not in (torch.float32, torch.bfloat16)):
-                return None
+            if i.state_many is None or (impl is not None and i is not impl):
+                others = f", the others {impl.name}" if impl is not None else ""
+                return None, None, (f"parameter {name(p)} takes the {i.name} implementation{others} (the batch needs "
+                                    "every quantized tensor on the Triton kernels)")
             impl = i
-        if impl is None:
-            return None
-        opt._zero_batch = cls(key, opt, entries, impl, device)
-        return opt._zero_batch
+        return impl, device, ""
 
     # ------------------------------------------------------------------ stepping
     def prepare(self, opt):
