@@ -130,9 +130,10 @@ class ZeroBatch:
         contiguous float32/bfloat16, another implementation, or parameters on several devices."""
         if opt.fused is False or not entries or opt._partition is None:
             return None
-        # (the common CPU case first, in O(1): the native kernel has no state_many)
+        # (the common CPU case first, in O(1): the native kernel has no state_many; on CUDA a tensor
+        # without the Triton kernels is named by _survey below)
         q = next((p for _, p in entries if opt.state.get(p) and opt._mode(p) not in (MODE_EXACT, MODE_SPAN)), None)
-        if q is None or opt._impl(q).state_many is None:
+        if q is None or (q.device.type == "cpu" and opt._impl(q).state_many is None):
             return None
         key = _key(opt, entries)
         last = opt.__dict__.get("_zero_batch")
