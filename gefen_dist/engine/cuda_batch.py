@@ -112,6 +112,19 @@ def _fallback(opt, why: str, native_cpu: bool = False) -> None:
                        "instead (same results, several times slower on a GPU); logged once per reason.", why)
 
 
+def quantized_layout_problem(name: str, t: torch.Tensor) -> str:
+    """Why a multi-tensor batch (this one, ZeroGefen's) cannot step quantized parameter ``t`` named
+    ``name`` (its kernels read contiguous float32 or bfloat16 tensors), naming the fix; "" when it can."""
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        return (f"parameter {name!r} has dtype {t.dtype}; the batch steps float32 and bfloat16 "
+                "parameters (keep fp16 weights in an fp32 master copy, or use bf16)")
+    if not t.is_contiguous():
+        return (f"parameter {name!r} (shape {tuple(t.shape)}, stride {tuple(t.stride())}) is not "
+                "contiguous; make it contiguous (e.g. param.data = param.data.contiguous()) before "
+                "building the optimizer")
+    return ""
+
+
 def _cannot_take(opt, group, p, loc, mode, st, types, name) -> str:
     """Why the batch cannot take parameter ``p`` (local tensor ``loc``), or "" when it can (exact
     tensors: any layout and dtype on a batched device)."""
@@ -124,13 +137,9 @@ def _cannot_take(opt, group, p, loc, mode, st, types, name) -> str:
         return f"parameter {name(p)!r} is on {loc.device}, the others on CUDA"
     if mode == MODE_EXACT:
         return ""
-    if loc.dtype not in (torch.float32, torch.bfloat16):
-        return (f"parameter {name(p)!r} has dtype {loc.dtype}; the batch steps float32 and bfloat16 "
-                "parameters (keep fp16 weights in an fp32 master copy, or use bf16)")
-    if not loc.is_contiguous():
-        return (f"parameter {name(p)!r} (shape {tuple(loc.shape)}, stride {tuple(loc.stride())}) is not "
-                "contiguous; make it contiguous (e.g. param.data = param.data.contiguous()) before "
-                "building the optimizer")
+    why = quantized_layout_problem(name(p), loc)
+    if why:
+        return why
     if mode != MODE_FACTORED and int(st["period"]) not in (1, int(st["scale_block"])):
         return (f"parameter {name(p)!r} has period {int(st['period'])} and scale block "
                 f"{int(st['scale_block'])} (shared mode): the batch steps shared tensors whose period is "
@@ -155,20 +164,20 @@ class CudaBatch:
         self.fact = []  # entry index of each factored tensor, in the column table's order
         pieces = {e: piece_of(p, comm.rank, comm.world_size > 1) for e, (_, p) in enumerate(entries)
                   if opt._mode(p) != MODE_EXACT}
-        cols = []
+        cols, fpos = [], {}  # fpos: a factored entry's (position in the table, row-block arguments)
         for e, pc in pieces.items():
             p = entries[e][1]
             if opt._mode(p) == MODE_FACTORED:
                 v_col, rows = opt.state[p]["v_col"], global_shape(p)[0]
                 S, G = v_col.shape[-1], max(1, v_col.numel() // v_col.shape[-1])
-                rb = row_block_args(v_col, rows, pc.start).get("row_block", 1)
+                rkw = row_block_args(v_col, rows, pc.start)
                 # replicas that must not add to global sums a second time (HSDP) contribute zeros
-                cols.append((v_col, (pc.local.numel() // S, S, pc.start // S, rb, G, pc.local.dtype), rows // G,
-                             pc.contributes or not self.sharded))
+                cols.append((v_col, (pc.local.numel() // S, S, pc.start // S, rkw.get("row_block", 1), G,
+                                     pc.local.dtype), rows // G, pc.contributes or not self.sharded))
+                fpos[e] = (len(self.fact), rkw)
                 self.fact.append(e)
         # the column sums and the column factors sqrt(v_col / mean(v_col)) of every factored tensor
         self.cols = ColumnTable(_tri, cols, device) if cols else None
-        fpos = {e: k for k, e in enumerate(self.fact)}
         for e, (group, p) in enumerate(entries):
             st = opt.state[p]
             gi = groups.setdefault((id(group), step_of(st)), dict(group=group, items=[], item_entries=[], exact=[],
@@ -180,9 +189,8 @@ class CudaBatch:
             pc = pieces[e]
             param = pc.local
             if mode == MODE_FACTORED:
-                k = fpos[e]
+                k, rkw = fpos[e]
                 v_col = st["v_col"]
-                rkw = row_block_args(v_col, global_shape(p)[0], pc.start)
                 item = _tri.StepItem(param.view(-1), local_tensor(st["idx"]).view(-1),
                                      local_tensor(st["scale"]).view(-1), local_tensor(st["v_row"]).view(-1),
                                      self.cols.factors.views[k], v_col.shape[-1], int(st["scale_block"]), 2,

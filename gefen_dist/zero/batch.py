@@ -36,6 +36,7 @@ import torch
 
 from ..core.step import ema_foreach_, row_block_args
 from ..engine.column_stats import ColumnTable
+from ..engine.cuda_batch import quantized_layout_problem
 from ..engine.layout import global_shape, is_dtensor
 from ..engine.nonfinite import device_flags
 from ..engine.state import MODE_EXACT, MODE_SPAN, step_of
@@ -141,8 +142,12 @@ class ZeroBatch:
             return None
         if last is not None and last.key == key:
             return last
+        if opt.__dict__.get("_zero_plan_refused") == key:
+            return None  # (surveyed for these tensors already: a parameter the batch cannot take)
         impl, device, why = cls._survey(opt, entries)
         if impl is None:
+            if why:
+                opt._zero_plan_refused = key
             if why and why not in opt.__dict__.setdefault("_zero_plan_fallbacks", set()):
                 opt._zero_plan_fallbacks.add(why)
                 logger.warning("ZeroGefen: the batched step is not used: %s. Every tensor is stepped on its own "
@@ -157,7 +162,7 @@ class ZeroBatch:
         quantized tensor shares; else ``(None, None, why)``, ``why`` naming the tensor and the fix, or
         empty where the per-tensor path is the expected one (state still to learn)."""
         def name(p) -> str:  # (looked up only for a message)
-            return repr(opt._names().get(id(p), "?"))
+            return opt._names().get(id(p), "?")
 
         impl = device = None
         for _, p in entries:
@@ -165,9 +170,9 @@ class ZeroBatch:
             if not st:
                 return None, None, ""
             if is_dtensor(p):
-                return None, None, f"parameter {name(p)} is a DTensor (ZeroGefen partitions plain tensors)"
+                return None, None, f"parameter {name(p)!r} is a DTensor (ZeroGefen partitions plain tensors)"
             if device is not None and p.device != device:
-                return None, None, f"parameter {name(p)} is on {p.device}, the others on {device} (one device per batch)"
+                return None, None, f"parameter {name(p)!r} is on {p.device}, the others on {device} (one device per batch)"
             device = p.device
             mode = opt._mode(p)
             if mode == MODE_EXACT:
@@ -176,17 +181,13 @@ class ZeroBatch:
                 return None, None, ""
             if mode == MODE_SPAN:
                 continue
-            if not p.is_contiguous():
-                return None, None, (f"parameter {name(p)} (shape {tuple(p.shape)}, stride {tuple(p.stride())}) is not "
-                                    "contiguous; make it contiguous (param.data = param.data.contiguous()) before "
-                                    "building the optimizer")
-            if p.dtype not in (torch.float32, torch.bfloat16):
-                return None, None, (f"parameter {name(p)} has dtype {p.dtype}; the batch steps float32 and bfloat16 "
-                                    "parameters (keep fp16 weights in an fp32 master copy, or use bf16)")
+            why = quantized_layout_problem(name(p), p)
+            if why:
+                return None, None, why
             i = opt._impl(p)
             if i.state_many is None or (impl is not None and i is not impl):
                 others = f", the others {impl.name}" if impl is not None else ""
-                return None, None, (f"parameter {name(p)} takes the {i.name} implementation{others} (the batch needs "
+                return None, None, (f"parameter {name(p)!r} takes the {i.name} implementation{others} (the batch needs "
                                     "every quantized tensor on the Triton kernels)")
             impl = i
         return impl, device, ""
