@@ -1,5 +1,6 @@
-"""Training quality with tensors of narrow rows: AdamW, Gefen's default (per-row state) and
-``narrow_rows="span"`` (D16, blocks of rows), paired by seed.
+"""Training quality with tensors of narrow rows: AdamW and Gefen with ``narrow_rows="rows"`` (per-row
+state), ``"span"`` (D16, blocks of rows) and the default ``"auto"`` (D18: blocks of rows for rows of
+fewer than 22 elements, per row above), paired by seed.
 
     python benchmarks/narrow_quality.py [--seeds 0,1,2,3,4] [--out docs/results/narrow_quality.json] [--write]
 
@@ -46,13 +47,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 from _docs import output_args, run_meta, run_or_load  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 
-OPTS = ("adamw", "gefen_rows", "gefen_span")
+OPTS = ("adamw", "gefen_rows", "gefen_span", "gefen_auto")
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def make_opt(name, params, **kw):
     if name == "adamw":
         return torch.optim.AdamW(params, **kw)
+    if name == "gefen_auto":  # the default (D18): span below 22 elements per row, per row above
+        return Gefen(params, **kw)
     return Gefen(params, narrow_rows="span" if name == "gefen_span" else "rows", **kw)
 
 
@@ -186,8 +189,9 @@ def table(res: dict) -> str:
              "paired by seed "
              f"(seeds {', '.join(map(str, res['seeds']))}), mean and 95% t-interval; state bytes per parameter "
              "of the whole model (exact 1-D tensors included).", "",
-             "| workload | AdamW B/param | default (`rows`) gap, per seed | B/param | `span` gap, per seed | B/param |",
-             "|---|---|---|---|---|---|"]
+             "| workload | AdamW B/param | `rows` gap, per seed | B/param | `span` gap, per seed | B/param "
+             "| default (`auto`) gap, per seed | B/param |",
+             "|---|---|---|---|---|---|---|---|"]
     for wl, row in res["summary"].items():
         cells = []
         for name in OPTS[1:]:

@@ -1,5 +1,5 @@
-"""State bytes per parameter and step time of tensors of every aspect ratio: AdamW, Gefen's default
-(per-row state, ``narrow_rows="rows"``) and ``narrow_rows="span"`` (D16, blocks of rows), CPU.
+"""State bytes per parameter and step time of tensors of every aspect ratio: AdamW and Gefen's default
+(``narrow_rows="auto"``, D18), per-row state (``"rows"``) and ``"span"`` (D16, blocks of rows), CPU.
 
     python benchmarks/narrow_rows.py [--threads 1] [--rounds 9] [--out docs/results/narrow_rows.json] [--write]
 
@@ -24,14 +24,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _docs import output_args, run_meta, run_or_load  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 
-SHAPES = [(1_000_000, 1), (500_000, 2), (100_000, 10), (25_000, 40), (20_000, 79), (10_000, 128),
-          (1, 1_000_000), (1000, 1000)]
-OPTS = ("torch_adamw_fused", "gefen_rows", "gefen_span")
+SHAPES = [(1_000_000, 1), (500_000, 2), (100_000, 10), (50_000, 21), (50_000, 22), (25_000, 40), (20_000, 79),
+          (10_000, 128), (1, 1_000_000), (1000, 1000)]
+OPTS = ("torch_adamw_fused", "gefen_rows", "gefen_span", "gefen_auto")
 
 
 def _make(name, p):
     if name == "torch_adamw_fused":
         return torch.optim.AdamW([p], lr=1e-3, fused=True)
+    if name == "gefen_auto":  # the default (D18)
+        return Gefen([p], lr=1e-3)
     return Gefen([p], lr=1e-3, narrow_rows="span" if name == "gefen_span" else "rows")
 
 
@@ -74,14 +76,15 @@ def table(res: dict) -> str:
              f"{res['cpu']}, torch {res['torch']}, {res['threads']} thread(s), {res['date']}; state after two steps "
              "(the one 1 KiB codebook per job not counted); step time: median of "
              f"{res['rounds']} interleaved rounds, ratio to torch's fused AdamW in the same round.", "",
-             "| shape | AdamW B/param | Gefen `rows` B/param (mode) | Gefen `span` B/param (mode) | "
-             "fused AdamW ms | `rows` ms (x AdamW) | `span` ms (x AdamW) |",
-             "|---|---|---|---|---|---|---|"]
+             "| shape | AdamW B/param | Gefen default (`auto`) B/param (mode) | `rows` B/param (mode) | "
+             "`span` B/param (mode) | fused AdamW ms | `auto` ms (x AdamW) | `rows` ms (x AdamW) | `span` ms (x AdamW) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in res["shapes"].items():
         b, ms, x = r["bytes_per_param"], r["median_ms"], r["ratio_to_adamw"]
-        lines.append(f"| {name} | {b['torch_adamw_fused']:.2f} | {b['gefen_rows']:.3f} ({r['mode']['gefen_rows']}) | "
-                     f"{b['gefen_span']:.3f} ({r['mode']['gefen_span']}) | {ms['torch_adamw_fused']:.2f} | "
-                     f"{ms['gefen_rows']:.2f} ({x['gefen_rows']:.2f}x) | {ms['gefen_span']:.2f} ({x['gefen_span']:.2f}x) |")
+        lines.append(f"| {name} | {b['torch_adamw_fused']:.2f} | "
+                     + " | ".join(f"{b[k]:.3f} ({r['mode'][k]})" for k in ("gefen_auto", "gefen_rows", "gefen_span"))
+                     + f" | {ms['torch_adamw_fused']:.2f} | "
+                     + " | ".join(f"{ms[k]:.2f} ({x[k]:.2f}x)" for k in ("gefen_auto", "gefen_rows", "gefen_span")) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -24,9 +24,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .core.periods import factored_row_blocks, shape_period
+from .core.periods import factored_row_blocks, row_slab, shape_period
+from .core.span import span_blocks, span_period
 from .engine.layout import KIND_EXACT, KIND_QUANTIZED, Geometry, is_exact
-from .engine.state import MODE_FACTORED, quantized_mode
+from .engine.state import DEFAULT_NARROW_ROWS, MODE_FACTORED, quantized_mode, span_mode
 
 __all__ = [
     "TensorSpec", "ModelEstimate", "STRATEGIES", "PRECISIONS", "GPT2_SMALL_GEFEN_BYTES_PER_PARAM",
@@ -75,14 +76,20 @@ def estimated_period(shape: Sequence[int]) -> int:
 
 
 def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
-                 second_moment: str = "factored") -> Dict[str, Any]:
+                 second_moment: str = "factored", narrow_rows: str = DEFAULT_NARROW_ROWS) -> Dict[str, Any]:
     """Kind, period, scale block and exact state bytes of one tensor (Gefen) and AdamW's bytes.
     ``second_moment``: ``"factored"`` (default: fp32 per row and per column), ``"shared"``
     (fp32 per period of each row) or ``"elementwise"`` (fp32 per element); a factored tensor of
-    few rows pays ``4 / rows`` B/param for its ``v_col`` (5.0 B/param in all for ``(1, N)``)."""
+    few rows pays ``4 / rows`` B/param for its ``v_col`` (5.0 B/param in all for ``(1, N)``).
+    ``narrow_rows``: a factored tensor of narrow rows kept per block of rows (D16, D18) holds a
+    scale and a ``v`` per block and a ``v_col`` per column."""
     shape = tuple(int(s) for s in shape)
     n = int(math.prod(shape))
     adamw = ADAMW_BYTES_PER_PARAM * n
+    if span_mode(shape, second_moment, narrow_rows, small_threshold):
+        L = span_period(shape)
+        return dict(kind=KIND_QUANTIZED, period=L, scale_block=L,
+                    gefen_bytes=n + 8 * span_blocks(shape) + 4 * row_slab(shape), adamw_bytes=adamw)
     if is_exact(shape, small_threshold):
         return dict(kind=KIND_EXACT, period=0, scale_block=0, gefen_bytes=8 * n, adamw_bytes=adamw)
     geo = Geometry.quantized(shape, 1 if second_moment == "elementwise" else estimated_period(shape))

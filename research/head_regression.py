@@ -6,7 +6,8 @@
 Workload (CPU, 1 thread): ``Linear(1, H) -> ReLU -> Linear(H, 1)`` (H = 4096) fitting a sum of 16
 random sinusoids of a scalar in [-2, 2]; MSE, 600 steps of batch 256, lr 1e-3, betas (0.9, 0.999),
 no weight decay; held-out MSE on 4,096 evenly spaced points. The head ``(1, 4096)`` is the only
-tensor Gefen quantizes (the ``(4096, 1)`` input weight and the biases keep AdamW's state, D2), and
+tensor Gefen quantizes in every configuration but ``default_d18`` (the ``(4096, 1)`` input weight and
+the biases keep AdamW's state, D2; D18's default keeps the input weight per block of rows), and
 its first gradient, error times ReLU features, is mostly of one sign, so the first step's histogram
 is too. ``tests/test_codebook_sign.py`` trains the ``elementwise`` rows on seed 0.
 
@@ -14,8 +15,10 @@ Configurations:
 
 * ``adamw``; ``torchao_8bit`` (torchao AdamW8bit), ``bnb_8bit`` (bitsandbytes AdamW8bit,
   ``min_8bit_size=0``): per-element 8-bit first and second moments, blocks of 256 (when installed);
-* ``default``: Gefen's defaults (factored group: the head keeps one ``v`` per 2048 elements, D15;
-  the codebook fitted to the histogram and its mirror, D17);
+* ``default``: Gefen's defaults before D18 (factored group; the ``(H, 1)`` input weight exact, as
+  ``narrow_rows="rows"`` keeps it; the codebook fitted to the histogram and its mirror, D17);
+  ``default_d18``: the defaults since D18 (``narrow_rows="auto"``: the input weight, a dense layer
+  of one-element rows, kept per block of 1024 rows);
 * ``default_paper_cb``: the same with ``symmetric_codebook=False`` (the paper's codebook fit);
 * ``elementwise``: the head in a ``second_moment="elementwise"`` group (fp32 ``v`` per element,
   8-bit first moment; ~5 B/param on the head), and ``elementwise_paper_cb`` with the paper's fit;
@@ -48,11 +51,15 @@ from gefen_dist import Gefen  # noqa: E402
 KW = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
 
 
-def _gefen(head_group=None, **opt_kw):
+def _gefen(head_group=None, rest_nr="rows", **opt_kw):
+    """Gefen with the head in a group of ``head_group``'s options; the other tensors in a group with
+    ``narrow_rows=rest_nr``: ``"rows"`` keeps the ``(H, 1)`` input weight exact, as in the stored runs
+    before D18; ``"auto"`` (D18's default) keeps it per block of rows."""
     def make(model):
         head = model[2].weight
         rest = [p for p in model.parameters() if p is not head]
-        return Gefen([{"params": rest}, dict({"params": [head]}, **(head_group or {}))], **KW, **opt_kw)
+        return Gefen([{"params": rest, "narrow_rows": rest_nr}, dict({"params": [head]}, **(head_group or {}))],
+                     **KW, **opt_kw)
     return make
 
 
@@ -71,6 +78,7 @@ CONFIGS = {
     "torchao_8bit": _torchao,
     "bnb_8bit": _bnb,
     "default": _gefen(),
+    "default_d18": _gefen(rest_nr="auto"),  # the defaults since D18: the input weight per block of rows
     "default_paper_cb": _gefen(symmetric_codebook=False),
     "elementwise": _gefen({"second_moment": "elementwise"}),
     "elementwise_paper_cb": _gefen({"second_moment": "elementwise"}, symmetric_codebook=False),

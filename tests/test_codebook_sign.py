@@ -59,7 +59,8 @@ def _head_regression(seed, gefen_kw=None, head_group=(("second_moment", "element
     """``_workloads.head_regression`` with AdamW (``gefen_kw`` None) or Gefen, the head ``(1, 4096)``
     (the only quantized tensor: the ``(4096, 1)`` input weight is exact, D2) in a group with
     ``head_group``'s options (default ``second_moment="elementwise"``, so only its first moment is
-    quantized). Returns the held-out MSE after 600 steps and the optimizer."""
+    quantized; the input weight's group ``narrow_rows="rows"``, which keeps it exact: D18's default
+    would quantize it per block of rows and its histogram would join the head's). Returns the held-out MSE after 600 steps and the optimizer."""
     kw = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
 
     def make(model):
@@ -67,7 +68,8 @@ def _head_regression(seed, gefen_kw=None, head_group=(("second_moment", "element
             return torch.optim.AdamW(model.parameters(), **kw)
         head = model[2].weight
         rest = [p for p in model.parameters() if p is not head]
-        return Gefen([{"params": rest}, dict({"params": [head]}, **dict(head_group))], **kw, **gefen_kw)
+        return Gefen([{"params": rest, "narrow_rows": "rows"}, dict({"params": [head]}, **dict(head_group))], **kw,
+                     **gefen_kw)
 
     loss, opt, _ = head_regression(make, seed=seed)
     return loss, opt

@@ -1,4 +1,6 @@
 """Property tests (hypothesis) of the pure math in gefen_dist.core."""
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,9 @@ from gefen_dist.core.quant import block_histogram_eager as block_histogram, near
 SETTINGS = dict(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+@functools.lru_cache(maxsize=None)
 def _codebook(seed):
+    """(cached: the exact DP is solved once per seed; callers do not modify it)"""
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 50, 4096)
     counts[rng.random(4096) < 0.5] = 0
@@ -23,7 +27,7 @@ def _codebook(seed):
 @settings(**SETTINGS)
 @given(seed=st.integers(0, 2**31 - 1), scale=st.floats(1e-30, 1e30), n=st.integers(1, 3000))
 def test_quantization_error_bounded_by_half_the_largest_gap(seed, scale, n):
-    cb = _codebook(seed % 7)
+    cb = _codebook(seed % 3)  # three codebooks (each an exact DP in numpy, ~1.4 s)
     g = torch.Generator().manual_seed(seed)
     m = torch.randn(n, generator=g) * scale
     a = m.abs().max()

@@ -11,6 +11,7 @@ shards that cut blocks: tests/test_fsdp2.py (``--narrow-span``, bitwise against 
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 import warnings
@@ -39,19 +40,21 @@ def _steps(p, opt, n, seed=0, scale=1.0):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_every_aspect_ratio_at_most_1_1_bytes_per_param(shape):
-    """<= 1.1 B/param (measured: <= 1.012) with ``"span"``; the per-row default for comparison."""
-    p = nn.Parameter(torch.randn(shape) * 0.1)
-    opt = Gefen([p], lr=1e-3, narrow_rows="span")
-    _steps(p, opt, 2)
-    assert opt._mode(p) == "span"
-    bpp = opt.state_bytes() / p.numel() - 256 * 4 / p.numel()  # the one codebook is per job
-    assert bpp <= 1.1, (shape, bpp)
-    q = nn.Parameter(torch.randn(shape) * 0.1)
-    rows = Gefen([q], lr=1e-3)
-    _steps(q, rows, 2)
-    per_row = rows.state_bytes() / q.numel() - (256 * 4 / q.numel() if rows._mode(q) != "exact" else 0)
+    """<= 1.1 B/param (measured: <= 1.012) with ``"span"``, and with the default ``"auto"`` (D18) for
+    rows of fewer than 22 elements (per row, ``1 + 8 / S``, for 22-79); ``"rows"`` for comparison."""
     S = math.prod(shape[1:])
-    assert per_row == pytest.approx(8.0 if S == 1 else 1 + 8 / S, abs=0.02), (shape, per_row)
+    per_row = 8.0 if S == 1 else 1 + 8 / S
+    for setting, mode, want in (("span", "span", None), ("auto", "span" if S < 22 else "factored", None),
+                                ("rows", "exact" if S == 1 else "factored", per_row)):
+        p = nn.Parameter(torch.randn(shape) * 0.1)
+        opt = Gefen([p], lr=1e-3, **({} if setting == "auto" else {"narrow_rows": setting}))
+        _steps(p, opt, 2)
+        assert opt._mode(p) == mode, (setting, shape)
+        bpp = opt.state_bytes() / p.numel() - (256 * 4 / p.numel() if mode != "exact" else 0)  # one codebook a job
+        if mode == "span":
+            assert bpp <= 1.1, (setting, shape, bpp)
+        else:
+            assert bpp == pytest.approx(per_row, abs=0.02), (setting, shape, bpp)
     assert StateSpec.of(shape, second_moment="factored", small_threshold=4096,
                         narrow_rows="span").geometry.state_bytes_per_element() <= 1.01
 
@@ -63,8 +66,12 @@ def test_eligibility_and_geometry():
                         ((4095, 1), "exact"), ((5000,), "exact"), ((1, 8192), "factored")]:  # few rows: factored (D15 withdrawn)
         p = nn.Parameter(torch.zeros(shape))
         assert Gefen([p], narrow_rows="span")._mode(p) == mode, shape
+    for shape, mode in [((5000, 1), "span"), ((1000, 21), "span"), ((1000, 22), "factored"), ((700, 3, 7), "span"),
+                        ((4095, 1), "exact"), ((1, 8192), "factored")]:  # the default "auto" (D18)
+        p = nn.Parameter(torch.zeros(shape))
+        assert Gefen([p])._mode(p) == mode, shape
     p = nn.Parameter(torch.zeros(5000, 1))
-    assert Gefen([p])._mode(p) == "exact"  # the default keeps per-row state ((N, 1): exact, D2)
+    assert Gefen([p], narrow_rows="rows")._mode(p) == "exact"  # per-row state ((N, 1): exact, D2)
     assert Gefen([p], second_moment="shared", narrow_rows="span")._mode(p) == "exact"  # factored groups only
     sp = SpanPiece.of((5000, 1), 1667, 1667)
     assert (sp.row0, sp.nrows, sp.nb) == (1667, 1667, 5)
@@ -180,37 +187,42 @@ def test_native_step_agrees_with_the_eager_step():
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-9)
 
 
+def _nearest(cb, z):
+    """The index of the codeword of the ascending list ``cb`` nearest to ``z`` (ties: the lower index)."""
+    i = bisect.bisect_left(cb, z)
+    cand = [c for c in (i - 1, i) if 0 <= c < len(cb)]
+    return min(cand, key=lambda c: (abs(cb[c] - z), c))
+
+
 def _loop_reference(p0, grads, codebook, *, lr, b1, b2, eps, wd, k):
     """D16 written out element by element in float64 from docs/algorithm.md (codebook rounding by
-    nearest value, ties to the lower index), for a small tensor: returns the parameters."""
+    nearest value, ties to the lower index), in Python floats, for a small tensor: returns the
+    parameters."""
     N, S = p0.shape
     nb = -(-N // k)
     cb = codebook.double().tolist()
-    p = p0.double().clone()
-    idx = torch.zeros(N, S, dtype=torch.long)
+    assert cb == sorted(cb)
+    p = p0.double().tolist()
+    idx = [[0] * S for _ in range(N)]
     M = [0.0] * nb
     vb = [0.0] * nb
     vc = [0.0] * S
     for t, g in enumerate(grads, start=1):
-        g = g.double()
-        vc = [b2 * vc[j] + (1 - b2) * float((g[:, j] ** 2).mean()) for j in range(S)]
+        g = g.double().tolist()
+        vc = [b2 * vc[j] + (1 - b2) * sum(g[i][j] ** 2 for i in range(N)) / N for j in range(S)]
         mean_c = sum(vc) / S
-        m = torch.zeros(N, S, dtype=torch.float64)
         for b in range(nb):
-            rows = slice(b * k, min(N, (b + 1) * k))
-            vb[b] = b2 * vb[b] + (1 - b2) * float((g[rows] ** 2).mean())
-            for i in range(rows.start, rows.stop):
-                for j in range(S):
-                    m[i, j] = cb[idx[i, j]] * M[b] + (1 - b1) * (g[i, j] - cb[idx[i, j]] * M[b])
-            M[b] = float(m[rows].abs().max())
-            for i in range(rows.start, rows.stop):
-                for j in range(S):
-                    z = m[i, j] / M[b] if M[b] > 0 else 0.0
-                    idx[i, j] = min(range(256), key=lambda c: (abs(cb[c] - z), c))
-                    sig = 1.0 / (math.sqrt(vb[b]) * math.sqrt(vc[j] / mean_c) / math.sqrt(1 - b2 ** t) + eps)
-                    u = cb[idx[i, j]] * M[b] * sig / (1 - b1 ** t)
-                    p[i, j] = p[i, j] * (1 - lr * wd) - lr * u
-    return p
+            rows = range(b * k, min(N, (b + 1) * k))
+            vb[b] = b2 * vb[b] + (1 - b2) * sum(g[i][j] ** 2 for i in rows for j in range(S)) / (len(rows) * S)
+            m = {(i, j): cb[idx[i][j]] * M[b] + (1 - b1) * (g[i][j] - cb[idx[i][j]] * M[b])
+                 for i in rows for j in range(S)}
+            M[b] = max(abs(x) for x in m.values())
+            for (i, j), mij in m.items():
+                idx[i][j] = _nearest(cb, mij / M[b] if M[b] > 0 else 0.0)
+                sig = 1.0 / (math.sqrt(vb[b]) * math.sqrt(vc[j] / mean_c) / math.sqrt(1 - b2 ** t) + eps)
+                u = cb[idx[i][j]] * M[b] * sig / (1 - b1 ** t)
+                p[i][j] = p[i][j] * (1 - lr * wd) - lr * u
+    return torch.tensor(p, dtype=torch.float64)
 
 
 def test_matches_an_elementwise_float64_reading_of_the_formulas():
@@ -276,7 +288,7 @@ def test_state_dict_resumes_bitwise_and_refuses_the_other_layout():
     assert torch.equal(a, a2) and torch.equal(b, b2)
     for k in ("idx", "scale", "v_blk", "v_col"):
         assert torch.equal(opt.state[a][k], opt2.state[a2][k]), k
-    rows = Gefen([nn.Parameter(a.detach().clone()), nn.Parameter(b.detach().clone())], lr=1e-2)
+    rows = Gefen([nn.Parameter(a.detach().clone()), nn.Parameter(b.detach().clone())], lr=1e-2, narrow_rows="rows")
     with pytest.raises(ValueError, match="narrow_rows='span'"):
         rows.load_state_dict(opt.state_dict())
     with pytest.raises(ValueError, match="narrow_rows"):
@@ -285,6 +297,22 @@ def test_state_dict_resumes_bitwise_and_refuses_the_other_layout():
     del old["param_groups"][0]["narrow_rows"]
     with pytest.raises(ValueError, match="saved with narrow_rows='rows'"):
         opt2.load_state_dict(old)
+    # the default "auto" (D18) keeps (3000, 2) per block of rows as "span" does: a "span" checkpoint of these
+    # tensors resumes under it bitwise (the group keeps "auto"), one saved per row ("rows", or before D16 and
+    # D18) is refused naming the setting
+    a3, b3 = nn.Parameter(a.detach().clone()), nn.Parameter(b.detach().clone())
+    auto = Gefen([a3, b3], lr=1e-2)
+    before = [t.clone() for t in (a3, b3)]
+    for saved in (rows.state_dict(), old):
+        with pytest.raises(ValueError, match="saved with narrow_rows='rows'.*narrow_rows='auto'"):
+            auto.load_state_dict(saved)
+        assert not auto.state and all(torch.equal(u, w) for u, w in zip(before, (a3, b3)))
+    auto.load_state_dict(copy.deepcopy(opt.state_dict()))  # (torch's loader may share the tensors)
+    assert auto.param_groups[0]["narrow_rows"] == "auto" and auto._mode(a3) == "span"
+    a3.grad, b3.grad, a.grad, b.grad = ga, gb, ga.clone(), gb.clone()
+    opt.step()
+    auto.step()
+    assert torch.equal(a, a3) and torch.equal(b, b3) and torch.equal(auto.state[a3]["idx"], opt.state[a]["idx"])
     # a group without tensors of narrow rows: the setting does not change its layout, so it loads either
     # way and the group keeps its own setting
     c = nn.Parameter(torch.randn(64, 128) * 0.1)
@@ -293,7 +321,7 @@ def test_state_dict_resumes_bitwise_and_refuses_the_other_layout():
     wide.step()
     other = Gefen([nn.Parameter(c.detach().clone())], lr=1e-2)
     other.load_state_dict(wide.state_dict())
-    assert other.param_groups[0]["narrow_rows"] == "rows"
+    assert other.param_groups[0]["narrow_rows"] == "auto"
     assert torch.equal(other.state[other.param_groups[0]["params"][0]]["idx"], wide.state[c]["idx"])
 
 
@@ -561,3 +589,124 @@ def test_a_dense_span_tensor_is_named_once_at_learning(caplog):
             assert not msgs, msgs
         caplog.clear()
     assert opt._mode(dense) == opt._mode(emb) == "span"
+
+
+def test_the_default_names_a_dense_layer_it_keeps_per_block_at_info(caplog):
+    """Under the default ``narrow_rows="auto"`` (D18) a dense layer of rows narrower than 22 elements is
+    kept per block of rows and named in one INFO line (no WARNING: measured 0.05-1.2% against per-row
+    state there); a sparse embedding of such rows is not named; a dense layer of rows of 64 stays per
+    row; a group that asked for ``"span"`` still gets D16's WARNING."""
+    narrow, emb, wide = (nn.Parameter(torch.randn(1024, 8)), nn.Parameter(torch.randn(3000, 4)),
+                         nn.Parameter(torch.randn(256, 64)))
+    spanned = nn.Parameter(torch.randn(256, 40))
+    opt = Gefen([{"params": [("enc.weight", narrow), ("emb.weight", emb), ("wide.weight", wide)]},
+                 {"params": [("other.weight", spanned)], "narrow_rows": "span"}])
+    logger = "gefen_dist.engine.span_step"
+    for t in range(2):
+        for p in (narrow, wide, spanned):
+            p.grad = torch.randn(p.shape)
+        emb.grad = torch.zeros(3000, 4)
+        emb.grad[torch.arange(t, 3000, 97)] = 1.0
+        with caplog.at_level("INFO", logger=logger):
+            opt.step()
+        recs = [r for r in caplog.records if r.name == logger]
+        if t == 0:
+            info = [r.getMessage() for r in recs if r.levelname == "INFO"]
+            warn = [r.getMessage() for r in recs if r.levelname == "WARNING"]
+            assert len(info) == 1 and "'enc.weight' (1024, 8): 100% of rows" in info[0], info
+            assert "emb.weight" not in info[0] and "narrow_rows='rows'" in info[0] and "auto" in info[0]
+            assert len(warn) == 1 and "'other.weight' (256, 40)" in warn[0] and "enc.weight" not in warn[0], warn
+        else:
+            assert not recs, [r.getMessage() for r in recs]
+        caplog.clear()
+    assert [opt._mode(p) for p in (narrow, emb, wide, spanned)] == ["span", "span", "factored", "span"]
+
+
+def test_plain_dcp_flow_under_the_default(tmp_path):
+    """The plain DCP flow with the default ``"auto"`` (D18): a ``"span"`` checkpoint of rows narrower
+    than 22 elements loads (the same layout) and resumes bitwise; one saved per row (``"rows"``) is
+    refused by ``dcp.load`` (DCP's size mismatch) before the optimizer changes, and
+    ``gefen_dist.checkpoint.check_compatible`` names ``narrow_rows='rows'``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from gefen_dist.checkpoint import CheckpointMismatchError, check_compatible
+
+    def make(**kw):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(3, 2000), nn.Linear(2000, 8))  # weight (2000, 3)
+        return m, Gefen(m.parameters(), lr=1e-2, **kw)
+
+    def train(m, opt, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(n):
+            for p in m.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+
+    def load(m, opt, path):
+        msd, osd = get_state_dict(m, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=str(path))
+        set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        for nr in ("span", "rows"):
+            m, opt = make(narrow_rows=nr)
+            train(m, opt, 3, 1)
+            msd, osd = get_state_dict(m, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / nr))
+            if nr == "span":
+                ref = (m, opt)
+        m2, opt2 = make()
+        train(m2, opt2, 1, 5)
+        before = {k: v.clone() for k, v in opt2.state[m2[0].weight].items() if torch.is_tensor(v)}
+        with pytest.raises(CheckpointMismatchError, match=r"\(2000, 3\).*per row.*per block of rows.*narrow_rows='rows'"):
+            check_compatible(m2, opt2, str(tmp_path / "rows"))
+        with pytest.raises(BaseException, match="Size mismatch"):  # DCP's CheckpointException
+            load(m2, opt2, tmp_path / "rows")
+        assert all(torch.equal(before[k], v) for k, v in opt2.state[m2[0].weight].items() if torch.is_tensor(v))
+        m3, opt3 = make()
+        load(m3, opt3, tmp_path / "span")
+    assert opt3._mode(m3[0].weight) == "span" and opt3.param_groups[0]["narrow_rows"] == "auto"
+    train(ref[0], ref[1], 2, 7)
+    train(m3, opt3, 2, 7)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0].parameters(), m3.parameters()))
+
+
+def test_a_deepspeed_buffer_resumes_under_another_setting_only_with_the_same_layout():
+    """A DeepSpeed flat buffer's state saved under one ``narrow_rows`` resumes under another when both
+    keep the same tensors per block of rows (the state then records the group's setting), and is
+    refused naming the tensors otherwise, the state unchanged (``integrations.deepspeed._check_narrow_rows``,
+    single process)."""
+    from gefen_dist.engine.comm import LocalComm
+    from gefen_dist.engine.flat import FlatSegments, Segment
+    from gefen_dist.integrations.deepspeed import _check_narrow_rows
+
+    def buffer(shapes, nr):
+        segs, off = [], 0
+        for name, shape in shapes:
+            segs.append(Segment(name, name, shape, 0, off, math.prod(shape)))
+            off += math.prod(shape)
+        fs = FlatSegments(segs, LocalComm(), 4096)
+        fs.second_moment, fs.narrow_rows = "factored", nr
+        return fs, fs.new_state(torch.zeros(off), torch.zeros(256), factored=True)
+
+    shapes = [("emb", (3000, 4)), ("mid", (200, 40)), ("w", (96, 128)), ("bias", (64,))]
+    for saved, live, ok in (("span", "auto", False), ("rows", "auto", False), ("auto", "span", False),
+                            ("auto", "rows", False)):
+        _, st = buffer(shapes, saved)
+        fs, _ = buffer(shapes, live)
+        keep = dict(st)
+        with pytest.raises(ValueError, match=rf"saved with narrow_rows='{saved}'.*narrow_rows='{live}'"):
+            _check_narrow_rows(fs, st, True)
+        assert st == keep
+    _, st = buffer([("emb", (3000, 4)), ("w", (96, 128))], "span")  # rows of 4 (span either way) and of 128
+    fs, _ = buffer([("emb", (3000, 4)), ("w", (96, 128))], "auto")
+    _check_narrow_rows(fs, st, True)
+    assert st["narrow_rows"] == "auto" and st["span_keys"] == ["emb"]
+    _, st = buffer([("w", (96, 128))], "rows")  # no narrow rows: alike under every setting
+    fs, _ = buffer([("w", (96, 128))], "span")
+    _check_narrow_rows(fs, st, True)
+    assert st["narrow_rows"] == "span"

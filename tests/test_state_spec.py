@@ -42,15 +42,18 @@ def test_one_element_rows_keep_adamw_state(mode, shape):
     from gefen_dist import Gefen
     from gefen_dist.plan import tensor_state
 
-    spec = StateSpec.of(shape, second_moment=mode, small_threshold=4096)
+    nr = {"narrow_rows": "rows"}  # the default "auto" keeps a factored one (D18) per block of rows: test_span.py
+    spec = StateSpec.of(shape, second_moment=mode, small_threshold=4096, **nr)
     assert spec.exact and set(spec.range_tensors(7, 2000)) == {"exp_avg", "exp_avg_sq"}
-    assert tensor_state(shape, 4096, mode)["gefen_bytes"] == 8 * math.prod(shape)
-    assert not StateSpec.of((shape[0], 2), second_moment=mode, small_threshold=4096).exact  # two per row: quantized
+    assert tensor_state(shape, 4096, mode, **nr)["gefen_bytes"] == 8 * math.prod(shape)
+    assert not StateSpec.of((shape[0], 2), second_moment=mode, small_threshold=4096, **nr).exact  # two per row
+    auto = StateSpec.of(shape, second_moment=mode, small_threshold=4096)
+    assert (auto.mode == "span") == (mode == "factored") and auto.exact == (mode != "factored")
     gen = torch.Generator().manual_seed(0)
     a = torch.nn.Parameter(torch.randn(shape, generator=gen))
     b = torch.nn.Parameter(a.detach().clone())
     oa = torch.optim.AdamW([a], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
-    ob = Gefen([b], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, second_moment=mode)
+    ob = Gefen([b], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, second_moment=mode, **nr)
     for _ in range(3):
         g = torch.randn(shape, generator=gen)
         a.grad, b.grad = g.clone(), g.clone()
@@ -67,12 +70,12 @@ def test_loading_quantized_state_of_a_one_element_row_tensor_names_the_rule():
 
     p = torch.nn.Parameter(torch.randn(5000, 1))
     q = torch.nn.Parameter(torch.randn(5000, 2))
-    saver = Gefen([q], lr=1e-3)
+    saver = Gefen([q], lr=1e-3, narrow_rows="rows")  # per row (the default keeps such tensors per block, D18)
     q.grad = torch.randn_like(q)
     saver.step()
     sd = saver.state_dict()
     sd["state"][0]["idx"] = sd["state"][0]["idx"][:, :1].contiguous()  # as a quantized (5000, 1) entry
-    opt = Gefen([p], lr=1e-3)
+    opt = Gefen([p], lr=1e-3, narrow_rows="rows")
     p.grad = torch.randn_like(p)
     opt.step()
     before = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}

@@ -466,7 +466,7 @@ def test_zerogefen_on_the_triton_path_equals_gefen(monkeypatch):
         return m
 
     def groups(m):
-        return [{"params": [m.a.weight, m.c], "second_moment": "factored"},
+        return [{"params": [m.a.weight, m.c], "second_moment": "factored", "narrow_rows": "rows"},  # c per row
                 {"params": [m.b.weight], "weight_decay": 0.0, "second_moment": "shared"},
                 {"params": [m.s], "narrow_rows": "span"},
                 {"params": [m.a.bias, m.b.bias, m.e.weight, m.e.bias]}]
@@ -1106,13 +1106,22 @@ def test_capturable_warns_of_a_float_lr_under_capture(monkeypatch, caplog):
 
     from gefen_dist.engine import device_step
 
+    def train(b, ob, steps, seed):  # the batch alone (no per-tensor copy to compare with here)
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+            ob.zero_grad()
+            ((b(x) - y) ** 2).mean().backward()
+            ob.step()
+
     for lr, warned in ((1e-3, True), (torch.tensor(1e-3), False)):
-        a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=lr, nonfinite="skip", capturable=True)
-        _train_both(a, b, oa, ob, 2, 3)
+        _, b, _, ob = _per_tensor_and_batch(monkeypatch, lr=lr, nonfinite="skip", capturable=True)
+        train(b, ob, 2, 3)
+        assert ob._cuda_batch is not None and ob._cuda_batch.dstep is not None
         monkeypatch.setattr(device_step, "_capturing", lambda: True)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="gefen_dist.engine.device_step"):
-            _train_both(a, b, oa, ob, 2, 4)
+            train(b, ob, 2, 4)
         msgs = [r.getMessage() for r in caplog.records if "float lr" in r.getMessage()]
         assert len(msgs) == (1 if warned else 0), msgs
         monkeypatch.setattr(device_step, "_capturing", lambda: False)

@@ -184,18 +184,21 @@ class _Mixed(nn.Module):
         return self.e(torch.tanh(self.b(h))) + self.d(h.repeat(1, 4) @ self.c.float())
 
 
-def _mixed_groups(m):
-    return [{"params": [m.a.weight, m.c], "second_moment": "factored"},
+def _mixed_groups(m, narrow_rows="rows"):
+    """(``c``'s rows of 8 elements: per row under ``"rows"``, per block of rows under the default
+    ``"auto"``, D18)"""
+    return [{"params": [m.a.weight, m.c], "second_moment": "factored", "narrow_rows": narrow_rows},
             {"params": [m.b.weight], "weight_decay": 0.0, "second_moment": "shared"},
             {"params": [m.a.bias, m.b.bias, m.d.weight, m.d.bias, m.e.weight, m.e.bias]}]
 
 
-@pytest.mark.parametrize("fused", [False, None])
-def test_single_process_factored_equals_gefen(fused):
+@pytest.mark.parametrize("fused,narrow_rows", [(False, "rows"), (None, "rows"), (None, "auto")])
+def test_single_process_factored_equals_gefen(fused, narrow_rows):
     """second_moment="factored" (with a shared group beside it): bitwise Gefen, same state dict,
-    cross-loading both ways continues bitwise."""
+    cross-loading both ways continues bitwise; the bf16 ``(512, 8)`` tensor per row or (the default,
+    D18) per block of rows."""
     def make(cls, m):
-        return cls(_mixed_groups(m), lr=1e-2, weight_decay=0.1, fused=fused)
+        return cls(_mixed_groups(m, narrow_rows), lr=1e-2, weight_decay=0.1, fused=fused)
 
     a, b = _Mixed(), _Mixed()
     oa, ob = make(Gefen, a), make(ZeroGefen, b)
@@ -203,7 +206,9 @@ def test_single_process_factored_equals_gefen(fused):
     _train(b, ob, 3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert "v_col" in ob.state[b.a.weight] and "v_col" in ob.state[b.c] and "v" in ob.state[b.b.weight]
-    assert not factored_wire_compressed(ob.state[b.c]["scale_block"], 8, 2)  # c travels dense
+    assert ob._mode(b.c) == ("span" if narrow_rows == "auto" else "factored")
+    if narrow_rows == "rows":
+        assert not factored_wire_compressed(ob.state[b.c]["scale_block"], 8, 2)  # c travels dense
     assert oa.state_bytes() == ob.state_bytes()
     sa, sb = oa.state_dict(), ob.state_dict()
     assert sa["param_groups"] == sb["param_groups"]

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 
 from ..core.periods import row_slab
+from ..core.span import span_by_default
 from ..engine.layout import FEW_ROWS, few_rows, global_shape, is_exact, local_tensor
 from ..engine.state import MODE_SHARED, mode_of_saved
 
@@ -214,6 +215,21 @@ def _saved_mode(leaves) -> str:
     return mode_of_saved(leaves) or "shared"
 
 
+def _span_mismatch(fqn: str, gi: int, shape, key: str, was: str, mode: str) -> str:
+    """The message of a tensor saved per block of rows and kept otherwise here, or the reverse (D16, D18)."""
+    how = {"span": "per block of rows", "exact": "as exact AdamW state"}
+    if was == "span":
+        nr = "'auto' (the default) or 'span'" if span_by_default(shape) else "'span'"
+    else:
+        nr = "'rows'"
+    if "exact" in (was, mode):
+        nr += " (or the small_threshold it was saved with)"
+    return (f"checkpoint entry {key!r} holds the state of parameter {fqn!r} (shape {shape}) {how.get(was, 'per row')}, "
+            f"but param group {gi} of this optimizer keeps it {how.get(mode, 'per row')}: the narrow_rows settings "
+            f"differ (D16, D18). Build Gefen (or that param group) with narrow_rows={nr}, the setting the checkpoint "
+            "was saved with")
+
+
 def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], size_of) -> Optional[str]:
     """Why the saved state ``saved`` (``{leaf: key}``, ``size_of(key)`` its shape) of ``fqn`` cannot
     load into ``spec``, or None."""
@@ -225,6 +241,8 @@ def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], size_
         got = size_of(key)
         return None if got == shape else (f"checkpoint entry {key!r} has shape {got}, parameter "
                                           f"{fqn!r} has shape {shape}: the model changed since the checkpoint was saved")
+    if was != mode and "span" in (was, mode):
+        return _span_mismatch(fqn, gi, shape, key, was, mode)
     if "exact" in (was, mode):
         held = "exact AdamW state" if was == "exact" else "quantized Gefen state"
         want = (f"small_threshold > {numel}" if was == "exact" else f"small_threshold <= {numel}")
@@ -237,12 +255,7 @@ def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], size_
                 "tensors (D15, withdrawn: docs/algorithm.md); this version keeps them factored, so the plain DCP "
                 "flow cannot load it. Load the checkpoint once through Gefen.load_state_dict (a full state dict: "
                 "it continues the entry as factored state) and save it again")
-    if was != mode and "span" in (was, mode):
-        saved_nr = "span" if was == "span" else "rows"
-        return (f"checkpoint entry {key!r} holds the state of parameter {fqn!r} (shape {shape}) per "
-                f"{'block of rows' if was == 'span' else 'row'} (narrow_rows={saved_nr!r}), but param group {gi} of "
-                f"this optimizer keeps it per {'row' if was == 'span' else 'block of rows'}. Build Gefen (or that param "
-                f"group) with narrow_rows={saved_nr!r}, the setting the checkpoint was saved with (D16)")
+
     if was != mode:
         return (f"checkpoint entry {key!r} holds a {was} second moment for parameter {fqn!r}, but param group {gi} "
                 f"of this optimizer has second_moment={spec.mode!r}. Build Gefen (or that param group) with "

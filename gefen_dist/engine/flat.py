@@ -60,7 +60,7 @@ from ..core.quant import NUM_BINS
 from . import learning
 from ..kernels import dispatch as _dispatch
 from .layout import FEW_ROWS, Piece, few_rows, is_exact
-from .state import MODE_FACTORED, few_rows_shared_in, fixed_period, mode_of_saved, new_step
+from .state import DEFAULT_NARROW_ROWS, MODE_FACTORED, few_rows_shared_in, fixed_period, mode_of_saved, new_step
 from .flat_layout import LayoutError, Segment, _slots, _split, verify_segments  # noqa: F401  (re-exported)
 from .flat_span import FlatSpanMixin
 from .flat_step import SegmentStepMixin
@@ -81,7 +81,7 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
         self.small_threshold = small_threshold
         self.where = where
         self.second_moment: Optional[str] = None  # the mode of the group that last stepped it (set by its owner)
-        self.narrow_rows = "rows"  # the buffer's param group's (set by its owner before new_state / learn / step)
+        self.narrow_rows = DEFAULT_NARROW_ROWS  # the buffer's param group's (set by its owner before new_state / learn / step)
         keys = [s.key for s in self.segments]
         if len(set(keys)) != len(keys):
             raise LayoutError(f"{where}: a tensor appears twice in one flat buffer ({keys})")
@@ -196,9 +196,8 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
             st["few_rows"] = 0  # no tensor of few rows keeps a shared v (64 in the states of D15's versions)
         else:
             st["v"] = torch.zeros(nv, dtype=torch.float32, device=dev)
-        cat = self.global_catalog()
         st["narrow_rows"] = self.narrow_rows
-        st["span_keys"] = [k for k in qkeys if spanf and spanf(cat[k]["shape"])]
+        st["span_keys"] = self.span_keys(factored)
         lay = self.span_layout(st)
         nbt, nct = sum(v[1] for v in lay.values()), sum(v[3] for v in lay.values())
         for key, n in (("span_scale", nbt), ("span_vblk", nbt), ("span_vcol", nct)):

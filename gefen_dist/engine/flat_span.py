@@ -5,7 +5,7 @@ the buffer's catalog; each rank's pieces add their statistics to one SUM and one
 step (and one MAX for the codebook histogram), entered by every rank."""
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -25,7 +25,13 @@ class FlatSpanMixin:
         return span_mode(shape, self.second_moment or MODE_FACTORED, self.narrow_rows, self.small_threshold)
 
     def _span_fn(self, factored: bool):
-        return self.is_span if factored and self.narrow_rows == "span" else None
+        return self.is_span if factored and self.narrow_rows != "rows" else None
+
+    def span_keys(self, factored: bool) -> List[str]:
+        """The keys of the buffer's tensors kept per block of rows under its group's setting (all
+        ranks'; the global catalog, an all-gather the first time)."""
+        spanf, cat = self._span_fn(factored), self.global_catalog()
+        return [k for k in self.quantized_keys() if spanf and spanf(cat[k]["shape"])]
 
     def span_layout(self, st: Dict[str, Any]) -> Dict[str, Tuple[int, int, int, int, Tuple[int, ...]]]:
         """key -> (offset in ``span_scale``/``span_vblk``, blocks, offset in ``span_vcol``, columns,
@@ -71,7 +77,7 @@ class FlatSpanMixin:
                 reached = _span.rows_reached(g[s.flat_offset:s.flat_offset + s.numel], sp)
                 if reached >= DENSE_ROWS:
                     found.append((s.key, tuple(cat[s.key]["shape"]), reached))
-        warn_dense(found)
+        warn_dense(found, self.narrow_rows)
 
     def _span_stats(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl=None):
         """The first phase of the tensors kept per block of rows (D16) of this buffer: every learned

@@ -15,7 +15,7 @@ from ..core.span import SpanPiece, rows_reached
 from ..core.step import decay_only_, hyperparameters
 from ..kernels import dispatch as _dispatch
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
-from .state import MODE_SPAN, step_of
+from .state import MODE_SPAN, narrow_rows_of, step_of
 
 logger = logging.getLogger(__name__)
 
@@ -23,19 +23,28 @@ logger = logging.getLogger(__name__)
 DENSE_ROWS = 0.5
 
 
-def warn_dense(found) -> None:
-    """One WARNING naming the span tensors ``found`` (``(name, shape, share of rows reached)``) whose
+def warn_dense(found, setting: str = "span") -> None:
+    """One log line naming the span tensors ``found`` (``(name, shape, share of rows reached)``) whose
     first gradient reaches at least :data:`DENSE_ROWS` of their rows: dense layers, where one second
-    moment per block of rows measured worse than the per-row default (docs/algorithm.md D16: the
-    digits classifier's ``(256, 64)`` input layer). Rank-local (each rank judges its pieces), no
-    collective; the decision stays the user's."""
+    moment per block of rows measured worse than per-row state. A WARNING for a group that asked
+    ``narrow_rows="span"`` (docs/algorithm.md D16: +9.6% on the digits classifier's ``(256, 64)``
+    input layer); an INFO line for the default ``"auto"``, which keeps only rows of fewer than 22
+    elements per block (D18: +0.05% to +1.2% on dense layers of rows of 4-16). Rank-local (each rank
+    judges its pieces), no collective; the decision stays the user's."""
     if not found:
         return
     dense = [f"{name!r} {tuple(shape)}: {reached:.0%} of rows" for name, shape, reached in found]
+    if setting == "auto":
+        logger.info(
+            "Gefen: narrow_rows='auto' (the default) keeps %d dense layer(s) of rows narrower than 22 elements per "
+            "block of rows (~1.01 B/param instead of 1 + 8 / S): %s. On dense layers of rows of 4-16 elements that "
+            "measured 0.05-1.2%% worse than per-row state (docs/algorithm.md D18); narrow_rows='rows' for their param "
+            "group keeps them per row.", len(dense), "; ".join(dense[:8]) + ("; ..." if len(dense) > 8 else ""))
+        return
     logger.warning(
         "Gefen: narrow_rows='span' keeps one second moment per block of rows, but the first gradient of %d such "
         "tensor(s) reaches most of their rows (dense layers: %s). On a dense layer of narrow rows that measured "
-        "worse than the per-row default (docs/algorithm.md D16); span measured better on sparse embeddings. "
+        "worse than per-row state (docs/algorithm.md D16); span measured better on sparse embeddings. "
         "Consider narrow_rows='rows' for their param group.",
         len(dense), "; ".join(dense[:8]) + ("; ..." if len(dense) > 8 else ""))
 
@@ -51,15 +60,17 @@ class SpanStepMixin:
         """:func:`warn_dense` for the span tensors among ``live`` (``(param, piece)`` pairs learning
         their state), from this rank's pieces of their first gradient."""
         names = None
-        found = []
+        found: Dict[str, list] = {}
         for p, pc in live:
             if self._mode(p) != MODE_SPAN or pc.grad is None:
                 continue
             reached = rows_reached(pc.grad, SpanPiece.of(pc.shape, pc.start, pc.grad.numel()))
             if reached >= DENSE_ROWS:
                 names = names or self._names()
-                found.append((names.get(id(p), "?"), pc.shape, reached))
-        warn_dense(found)
+                found.setdefault(narrow_rows_of(self._group_of(p)), []).append((names.get(id(p), "?"), pc.shape,
+                                                                                 reached))
+        for setting, tensors in found.items():
+            warn_dense(tensors, setting)
 
     def _span_sharded(self, todo) -> bool:
         """Whether the ranks hold different pieces of the span tensors ``todo`` (FSDP2/HSDP shards),

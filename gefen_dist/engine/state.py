@@ -38,11 +38,13 @@ from .layout import KIND_QUANTIZED, Geometry, few_rows, is_exact
 MODE_EXACT, MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE = "exact", "shared", "factored", "elementwise"
 MODE_SPAN = "span"  # a state mode, not a second_moment setting: narrow_rows="span" of a factored group (D16)
 SECOND_MOMENTS = (MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE)
-NARROW_ROWS = ("rows", "span")
+NARROW_ROWS = ("auto", "rows", "span")
+DEFAULT_NARROW_ROWS = "auto"  # the constructors' default (D18); a group saved without the key was "rows"
 DEFAULT_SECOND_MOMENT = MODE_FACTORED  # Gefen's, ZeroGefen's and the DeepSpeed Gefen's constructor default
 
 __all__ = ["StateSpec", "SECOND_MOMENTS", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
-           "MODE_ELEMENTWISE", "MODE_SPAN", "NARROW_ROWS", "span_mode", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of",
+           "MODE_ELEMENTWISE", "MODE_SPAN", "NARROW_ROWS", "DEFAULT_NARROW_ROWS", "span_mode", "narrow_rows_of",
+           "narrow_layouts_differ", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of",
            "quantized_mode", "few_rows_shared_in"]
 
 
@@ -69,14 +71,33 @@ def threshold_of(group: Mapping[str, Any], small_threshold: int) -> int:
     return group.get("small_threshold", small_threshold)
 
 
+def narrow_rows_of(group: Mapping[str, Any]) -> str:
+    """The ``narrow_rows`` of a live param group (:data:`DEFAULT_NARROW_ROWS` where it has none, as
+    the constructors default). A *saved* group without the key predates D16 and was ``"rows"``."""
+    return group.get("narrow_rows", DEFAULT_NARROW_ROWS)
+
+
 def span_mode(shape: Sequence[int], second_moment: str, narrow_rows: str, small_threshold: int) -> bool:
-    """Whether a tensor of global ``shape`` keeps its state per block of rows (D16): a group with
-    ``narrow_rows="span"`` and the factored second moment, rows narrower than
-    :data:`gefen_dist.core.span.SPAN_BELOW`, at least ``small_threshold`` elements. ``(N, 1)``
-    tensors too, which :func:`gefen_dist.engine.layout.is_exact` keeps exact otherwise."""
+    """Whether a tensor of global ``shape`` keeps its state per block of rows (D16): a group with the
+    factored second moment and ``narrow_rows="span"`` (rows narrower than
+    :data:`gefen_dist.core.span.SPAN_BELOW`) or ``"auto"`` (narrower than
+    :data:`gefen_dist.core.span.SPAN_AUTO_BELOW`, D18), at least ``small_threshold`` elements.
+    ``(N, 1)`` tensors too, which :func:`gefen_dist.engine.layout.is_exact` keeps exact otherwise."""
     shape = tuple(int(s) for s in shape)
-    return (narrow_rows == "span" and second_moment == MODE_FACTORED and _span.span_eligible(shape)
-            and 0 < math.prod(shape) and math.prod(shape) >= small_threshold)
+    if second_moment != MODE_FACTORED or not 0 < math.prod(shape) or math.prod(shape) < small_threshold:
+        return False
+    if narrow_rows == "span":
+        return _span.span_eligible(shape)
+    return narrow_rows == "auto" and _span.span_by_default(shape)
+
+
+def narrow_layouts_differ(shapes, second_moment: str, a: str, b: str, small_threshold: int) -> bool:
+    """Whether ``narrow_rows`` ``a`` and ``b`` keep some tensor of the global ``shapes`` differently
+    (per block of rows under one, per row or exact under the other): whether a checkpoint saved
+    under one loads under the other."""
+    return a != b and any(span_mode(s, second_moment, a, small_threshold) != span_mode(s, second_moment, b,
+                                                                                       small_threshold)
+                          for s in shapes)
 
 
 def mode_of(shape: Sequence[int], group: Mapping[str, Any], small_threshold: int) -> str:
@@ -85,7 +106,7 @@ def mode_of(shape: Sequence[int], group: Mapping[str, Any], small_threshold: int
     ``second_moment`` (the ``mode`` of :meth:`StateSpec.of`, which does not depend on the period).
     What live optimizer code asks instead of looking at the keys of a state dict. A group's own
     ``small_threshold`` (:class:`gefen_dist.Gefen` allows one per group) overrides the optimizer's."""
-    if span_mode(shape, second_moment_of(group), group.get("narrow_rows", "rows"),
+    if span_mode(shape, second_moment_of(group), narrow_rows_of(group),
                  threshold_of(group, small_threshold)):
         return MODE_SPAN
     if is_exact(tuple(int(s) for s in shape), threshold_of(group, small_threshold)):
@@ -168,7 +189,7 @@ class StateSpec:
 
     @classmethod
     def of(cls, shape: Sequence[int], *, second_moment: str, small_threshold: int,
-           period: Optional[int] = None, row_blocks="auto", narrow_rows: str = "rows") -> "StateSpec":
+           period: Optional[int] = None, row_blocks="auto", narrow_rows: str = DEFAULT_NARROW_ROWS) -> "StateSpec":
         """The spec of a tensor of global ``shape`` in a group with ``second_moment``, ``row_blocks``
         and ``narrow_rows``; ``period`` None is the placeholder of a tensor that has not learned its
         period yet (:func:`fixed_period`, else the row). A span tensor's (D16) period and scale block

@@ -39,7 +39,7 @@ from ..optim.validation import GROUP_REJECTED_SHARDED, refuse_compile
 from ..engine.comm import LocalComm, ProcessGroupComm
 from ..core.step import hyperparameters
 from ..engine.flat import FlatSegments, LayoutError, Segment, verify_segments
-from ..engine.state import MODE_FACTORED, MODE_SHARED, mode_of_saved, second_moment_of
+from ..engine.state import MODE_FACTORED, MODE_SHARED, mode_of_saved, narrow_rows_of, second_moment_of
 from ..engine.report import Report
 
 logger = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class Gefen(_opt_mod.Gefen):
         st = self.state.get(flat)
         second_moment = second_moment_of(group)  # the buffer's mode (the constructor's default where unset)
         fs.second_moment = second_moment  # for report(): ZeRO-3 empties the param groups between steps
-        fs.narrow_rows = group.get("narrow_rows", "rows")  # D16: the buffer's group's
+        fs.narrow_rows = narrow_rows_of(group)  # D16, D18: the buffer's group's
         factored = second_moment == MODE_FACTORED
         # state that exists was loaded (or put there by DeepSpeed): checked as a saved entry
         saved = mode_of_saved(st) if st else None
@@ -212,12 +212,8 @@ class Gefen(_opt_mod.Gefen):
                 f"{fs.where}: the optimizer state holds a {saved} second "
                 f"moment but the param group asks for second_moment={second_moment!r}; "
                 "resume with the setting the checkpoint was saved with")
-        elif st.get("narrow_rows", "rows") != fs.narrow_rows:
-            raise ValueError(
-                f"{fs.where}: the optimizer state was saved with narrow_rows={st.get('narrow_rows', 'rows')!r} but "
-                f"the param group asks for narrow_rows={fs.narrow_rows!r} (D16: per block of rows or per row, "
-                "different state); resume with the setting the checkpoint was saved with")
         else:
+            _check_narrow_rows(fs, st, factored)
             fs.continue_few_rows(st)  # a factored state saved before D15 or by its versions
         grad = flat.grad
         if grad.dtype != torch.float32:
@@ -307,6 +303,24 @@ class Gefen(_opt_mod.Gefen):
 
 
 # ---------------------------------------------------------------------------- layout extraction
+def _check_narrow_rows(fs, st: Dict[str, Any], factored: bool) -> None:
+    """A buffer's state saved under another ``narrow_rows`` (D16, D18) resumes when both settings keep
+    the same tensors per block of rows (the state then records the group's); otherwise a ValueError
+    before anything changes. The setting is the same string on every rank of a save, so every rank
+    enters the catalog's all-gather or none does."""
+    saved = st.get("narrow_rows", "rows")  # a state saved before D16 was per row
+    if saved == fs.narrow_rows:
+        return
+    was, now = list(st.get("span_keys", [])), fs.span_keys(factored)
+    if was != now:
+        differ = sorted(set(was) ^ set(now))
+        raise ValueError(
+            f"{fs.where}: the optimizer state was saved with narrow_rows={saved!r} but the param group asks for "
+            f"narrow_rows={fs.narrow_rows!r}, which keeps {differ[:4]} differently (D16, D18: per block of rows "
+            "or per row, different state); resume with the setting the checkpoint was saved with")
+    st["narrow_rows"] = fs.narrow_rows
+
+
 def extract_layout(wrapper, key_of, names: Dict[int, str]):
     """``[(flat, segments, sources, process_group, where)]`` for a ZeRO-1/2, bf16 or ZeRO-3 wrapper.
 

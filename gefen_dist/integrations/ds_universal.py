@@ -51,7 +51,8 @@ from ..core.step import column_ratios, quantize
 from ..engine import learning
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import is_exact
-from ..engine.state import MODE_FACTORED, few_rows_shared_in, fixed_period, mode_of_saved, new_step, second_moment_of
+from ..engine.state import (MODE_FACTORED, few_rows_shared_in, fixed_period, mode_of_saved, narrow_rows_of, new_step,
+                            second_moment_of)
 from ..engine.flat import Segment, _slots
 
 logger = logging.getLogger(__name__)
@@ -579,7 +580,7 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[s
     small = opt.small_threshold
     factored = second_moment_of(group) == MODE_FACTORED
     fs.second_moment = second_moment_of(group)  # the buffer's group's, as the step sets them
-    fs.narrow_rows = group.get("narrow_rows", "rows")  # D16
+    fs.narrow_rows = narrow_rows_of(group)  # D16, D18
     st = fs.new_state(flat, opt._codebook_for(flat.device), factored=factored, row_blocks=group.get("row_blocks", "auto"))
     spanf = fs._span_fn(factored)  # D16: these segments' period is their blocks of rows, as new_state's
     periods, learned = [], []

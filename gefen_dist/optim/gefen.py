@@ -26,7 +26,8 @@ from ..kernels import dispatch as _dispatch
 from ..engine.layout import Piece, check_supported, global_shape, like_param, local_tensor, piece_of
 from ..engine.nonfinite import NonfiniteChecks
 from ..engine.report import Report
-from ..engine.state import MODE_EXACT, MODE_SPAN, StateSpec, fixed_period, mode_of, second_moment_of, threshold_of
+from ..engine.state import (MODE_EXACT, MODE_SPAN, StateSpec, fixed_period, mode_of, narrow_rows_of, second_moment_of,
+                            threshold_of)
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +73,11 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         row_blocks: factored tensors of ``k x C`` rows of ``C`` elements keep one column profile per
             block of ``C`` rows (``"auto"``, default; D12); an int asks for that many blocks, ``1`` is
             Adafactor's single profile. Also per param group.
-        narrow_rows: where a factored tensor whose rows hold fewer than 80 elements keeps its scales
-            and second moment (also per param group): ``"rows"`` (default; ``1 + 8 / S`` B/param,
-            ``(N, 1)`` exact) or ``"span"``, per block of rows (~1.01 B/param; D16).
+        narrow_rows: where a factored tensor whose rows hold few elements keeps its scales and second
+            moment (also per param group): ``"auto"`` (default; per block of rows, ~1.01 B/param, for
+            rows of fewer than 22 elements, ``(N, 1)`` included; per row, ``1 + 8 / S`` B/param, for
+            rows of 22-79; D18), ``"rows"`` (per row below 80, ``(N, 1)`` exact) or ``"span"`` (per
+            block of rows below 80; D16).
         bound_updates: a factor ``c >= 1`` (default ``2.0``) clamps every quantized element's
             normalised update to ``c (1 + beta1^(t-1))`` times AdamW's own bound ``K_t``
             (:func:`gefen_dist.core.step.clamp_bound`; D13): no gradient sequence moves a weight by
@@ -112,7 +115,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         small_threshold: int = 4096,
         second_moment: str = "factored",
         row_blocks: Any = "auto",
-        narrow_rows: str = "rows",
+        narrow_rows: str = "auto",
         nonfinite: str = "raise",
         bound_updates=DEFAULT_BOUND_UPDATES,
         symmetric_codebook: bool = True,
@@ -196,7 +199,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
             return StateSpec.of(global_shape(p), second_moment=g["second_moment"],
                                 small_threshold=threshold_of(g, self.small_threshold),
                                 period=period, row_blocks=g.get("row_blocks", "auto"),
-                                narrow_rows=g.get("narrow_rows", "rows"))
+                                narrow_rows=narrow_rows_of(g))
         except ValueError as e:
             raise ValueError(f"Gefen: parameter {self._names().get(id(p), '?')!r}: {e}") from None
 

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from ..core.periods import row_slab
 from ..engine.layout import FEW_ROWS, few_rows, global_shape, is_dtensor, local_tensor, one_element_rows
 from ..engine.state import (MODE_EXACT, MODE_FACTORED, MODE_SHARED, MODE_SPAN, StateSpec, fixed_period, mode_of_saved,
-                            new_step, span_mode, threshold_of)
+                            narrow_layouts_differ, narrow_rows_of, new_step, threshold_of)
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +50,18 @@ _INT_KEYS = ("period", "scale_block", "learned")
 NEWER_GROUP_KEYS = ("second_moment", "row_blocks")
 
 
-def _narrow_rows_matter(opt, group: dict) -> bool:
-    """Whether ``narrow_rows`` changes the state layout of some tensor of ``group`` (D16)."""
-    th = threshold_of(group, opt.small_threshold)
-    return any(span_mode(global_shape(p), group["second_moment"], "span", th) for p in group["params"])
+def _narrow_rows_matter(opt, group: dict, saved: str) -> bool:
+    """Whether the ``narrow_rows`` a group was ``saved`` with and the live ``group``'s keep some
+    tensor of the group differently (D16, D18)."""
+    return narrow_layouts_differ([global_shape(p) for p in group["params"]], group["second_moment"], saved,
+                                 narrow_rows_of(group), threshold_of(group, opt.small_threshold))
 
 
 def _spec(opt, p: torch.Tensor, group: dict, period=None) -> StateSpec:
     return StateSpec.of(global_shape(p), second_moment=group["second_moment"],
                         small_threshold=threshold_of(group, opt.small_threshold),
                         period=period, row_blocks=group.get("row_blocks", "auto"),
-                        narrow_rows=group.get("narrow_rows", "rows"))
+                        narrow_rows=narrow_rows_of(group))
 
 
 _FIX = ("load a checkpoint saved by Gefen for the same model with the same small_threshold and "
@@ -231,13 +232,13 @@ def _groups(opt, saved_groups) -> list:
                 "checkpoint, or start the optimizer fresh to switch modes"
             )
         # a group saved before D16 has no narrow_rows: its tensors of narrow rows were kept per row
-        saved_nr, nr = ng.setdefault("narrow_rows", "rows"), g.get("narrow_rows", "rows")
-        if saved_nr != nr and not _narrow_rows_matter(opt, g):
-            ng["narrow_rows"] = nr  # no tensor of the group has narrow rows: the layouts agree, this group's stays
+        saved_nr, nr = ng.setdefault("narrow_rows", "rows"), narrow_rows_of(g)
+        if saved_nr != nr and not _narrow_rows_matter(opt, g, saved_nr):
+            ng["narrow_rows"] = nr  # both settings keep every tensor of the group alike: this group's stays
         elif saved_nr != nr:
             raise ValueError(
                 f"loaded state dict's param group {i} was saved with narrow_rows={saved_nr!r}, but this optimizer's "
-                f"group {i} uses narrow_rows={nr!r}; the state layouts of tensors with narrow rows differ (D16). "
+                f"group {i} uses narrow_rows={nr!r}; the state layouts of tensors with narrow rows differ (D16, D18). "
                 f"Build Gefen with narrow_rows={saved_nr!r} for that group to resume this checkpoint"
             )
         where = f" in loaded param group {i}"

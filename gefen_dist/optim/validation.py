@@ -156,7 +156,7 @@ def validate_row_blocks(rb, where: str = "") -> None:
 
 
 def validate_narrow_rows(nr, where: str = "") -> None:
-    """``narrow_rows`` is ``"rows"`` or ``"span"`` (D16)."""
+    """``narrow_rows`` is ``"auto"``, ``"rows"`` or ``"span"`` (D16, D18)."""
     from ..engine.state import NARROW_ROWS
 
     if nr not in NARROW_ROWS:
@@ -177,7 +177,7 @@ def validate_param_group(opt, param_group) -> None:
             raise ValueError(f"Invalid second_moment{where}: {merged['second_moment']!r} (expected one of "
                              f"{SECOND_MOMENTS})")
         validate_row_blocks(merged.get("row_blocks", "auto"), where)
-        validate_narrow_rows(merged.get("narrow_rows", "rows"), where)
+        validate_narrow_rows(merged.get("narrow_rows", "auto"), where)
         st = merged.get("small_threshold", 0)
         if isinstance(st, bool) or not isinstance(st, int) or st < 0:
             raise ValueError(f"Invalid small_threshold{where}: {st!r} (must be an int >= 0)")
