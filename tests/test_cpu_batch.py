@@ -276,3 +276,35 @@ def test_column_table_equals_the_per_piece_statistics():
     assert torch.isnan(table.column_sums(grads)[o:o + n]).any()
     with pytest.raises(ValueError, match="at least one factored tensor"):
         ColumnTable(cpu_multi, [], torch.device("cpu"))
+
+
+def test_nonfinite_and_overflow_flags(monkeypatch):
+    """``engine.nonfinite.device_flags`` reads the column sums through their sum (finite exactly when
+    every entry is, for sums of float32 squares: at most ~1.2e77 each) and ``any_overflow`` through the
+    means' maximum; through the CPU batch after learning, an inf, a NaN and a finite gradient whose
+    square overflows float32 are each refused before anything changes, the last naming the overflow."""
+    from gefen_dist.engine.nonfinite import any_overflow, device_flags
+
+    big = torch.full((1000,), 1.2e77, dtype=torch.float64)  # the largest entries a column sum can hold
+    for buf, bad in ((big, False), (torch.zeros(5, dtype=torch.float64), False)):
+        assert bool(device_flags(buf, [])[0]) is bad
+    for v in (float("nan"), float("inf")):
+        b = big.clone()
+        b[17] = v
+        assert bool(device_flags(b, [])[0])
+    assert bool(device_flags(None, [torch.ones(3), torch.tensor([1.0, float("inf")])])[0])
+    assert not bool(any_overflow(torch.empty(0))) and not bool(any_overflow(torch.full((9,), 3e38)))
+    assert bool(any_overflow(torch.tensor([0.0, float("inf"), 1.0])))
+    a, b, oa, ob = _pair(monkeypatch, lr=1e-3, weight_decay=0.1)
+    _, batch = _steps(a, b, oa, ob, 3)
+    assert ob._cuda_batch is not None
+    x, y = batch
+    for bad, match in ((float("inf"), r"non-finite gradient.*'2.weight'"),
+                       (float("nan"), r"non-finite gradient.*'2.weight'"), (1e30, "overflows float32")):
+        ob.zero_grad()
+        ((b(x) - y) ** 2).mean().backward()
+        b[2].weight.grad[3, 5] = bad
+        before = [q.clone() for q in b.parameters()] + [ob.state[b[2].weight]["v_col"].clone()]
+        with pytest.raises(RuntimeError, match=match):
+            ob.step()
+        assert all(torch.equal(u, w) for u, w in zip(before, list(b.parameters()) + [ob.state[b[2].weight]["v_col"]]))

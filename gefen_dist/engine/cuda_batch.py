@@ -49,7 +49,7 @@ from ..core.step import adamw_foreach_, adamw_hyperparameters, ema_foreach_, hyp
 from .column_stats import ColumnTable
 from .device_step import DeviceStep
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
-from .nonfinite import device_flags
+from .nonfinite import any_overflow, device_flags
 from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
 
 logger = logging.getLogger(__name__)
@@ -364,7 +364,7 @@ class CudaBatch:
             any_flag = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=self.device)
             if not self.sharded and buf is not None:
                 cms = cols.column_means(buf)
-                any_flag, inf = torch.stack([any_flag, torch.isinf(cms).any()]).tolist()  # the one sync
+                any_flag, inf = torch.stack([any_flag, any_overflow(cms)]).tolist()  # the one sync
             else:
                 inf = None
             if opt._nonfinite_agree(self.entries, any_flag, lambda: opt._nonfinite_local(self.entries)):
@@ -373,7 +373,7 @@ class CudaBatch:
             if self.sharded:
                 opt._comm.all_reduce_sum_(buf)
             cms = cols.column_means(buf)
-            inf = bool(torch.isinf(cms).any()) if check else False
+            inf = bool(any_overflow(cms)) if check else False
         if self.dstep is not None:
             self.dstep.flag(opt, buf, cms, [grads[e] for e in self.others if grads[e].numel()])
         elif check and buf is not None and inf:

@@ -35,7 +35,7 @@ from typing import List, Optional
 import torch
 
 from ..core.step import adamw_fused_, device_hyperparameters
-from .nonfinite import device_flags
+from .nonfinite import any_overflow, device_flags
 
 __all__ = ["DeviceStep"]
 
@@ -81,7 +81,7 @@ class DeviceStep:
         if not self.check:
             return None
         # (an overflowing norm of finite values skips too: the host path confirms it exactly)
-        flags = device_flags(buf, others) + ([torch.isinf(cms).any()] if buf is not None else [])
+        flags = device_flags(buf, others) + ([any_overflow(cms)] if buf is not None else [])
         if flags:
             self.skip.copy_(torch.stack(flags).any())
         else:

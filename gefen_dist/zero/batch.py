@@ -38,7 +38,7 @@ from ..core.step import ema_foreach_, row_block_args
 from ..engine.column_stats import ColumnTable
 from ..engine.cuda_batch import quantized_layout_problem
 from ..engine.layout import global_shape, is_dtensor
-from ..engine.nonfinite import device_flags
+from ..engine.nonfinite import any_overflow, device_flags
 from ..engine.state import MODE_EXACT, MODE_SPAN, step_of
 from .partition import MODE_COMPRESSED, MODE_FACTORED
 from .step import _STATE_HP
@@ -218,7 +218,7 @@ class ZeroBatch:
         if opt.nonfinite != "ignore":
             flags = device_flags(buf, [grads[e] for e in self.others if grads[e].numel()])  # (settled below)
             if flags or cms is not None:  # the one synchronisation: the flags and the overflow together
-                verdict = torch.stack(flags + ([torch.isinf(cms).any()] if cms is not None else [])).tolist()
+                verdict = torch.stack(flags + ([any_overflow(cms)] if cms is not None else [])).tolist()
             any_flag = any(verdict[:len(flags)]) if flags else False
             if opt._nonfinite_agree(self.entries, float(any_flag), lambda: opt._nonfinite_local(self.entries)):
                 return True

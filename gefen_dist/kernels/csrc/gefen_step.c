@@ -1809,8 +1809,11 @@ int gefen_column_sumsq(const void *g, int32_t dt, int64_t rows, int64_t S, doubl
     for (int64_t j = 0; j < S; ++j) out[j] = 0.0;
     if (rows <= 0 || S <= 0) return 0;
     const int64_t nseg = rows < GEFEN_COL_SEGS ? rows : GEFEN_COL_SEGS;
-    double *acc = (double *)calloc((size_t)(nseg * S), sizeof(double));
-    if (!acc) return -1;
+    /* segment 0 accumulates in out itself (0 + its sum is its sum: the same bits as adding its own
+     * accumulator to the zeroed out), the others in acc: one pass and S doubles fewer (a one-row
+     * tensor of 10^6 columns allocated, faulted in and added 8 MB more per step) */
+    double *acc = nseg > 1 ? (double *)calloc((size_t)((nseg - 1) * S), sizeof(double)) : NULL;
+    if (nseg > 1 && !acc) return -1;
     int nt = nthreads > 0 ? nthreads : 1;
     const int64_t wu = rows * S / 65536 + 1; /* no extra thread for small tensors */
     if ((int64_t)nt > wu) nt = (int)wu;
@@ -1819,7 +1822,7 @@ int gefen_column_sumsq(const void *g, int32_t dt, int64_t rows, int64_t S, doubl
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
     for (int64_t s = 0; s < nseg; ++s) {
         const int64_t r0 = rows * s / nseg, r1 = rows * (s + 1) / nseg;
-        double *restrict a = acc + s * S;
+        double *restrict a = s == 0 ? out : acc + (s - 1) * S;
         for (int64_t r = r0; r < r1; ++r) {
             if (dt == 0) {
                 const float *restrict gr = (const float *)g + r * S;
@@ -1838,8 +1841,8 @@ int gefen_column_sumsq(const void *g, int32_t dt, int64_t rows, int64_t S, doubl
             }
         }
     }
-    for (int64_t s = 0; s < nseg; ++s) {
-        const double *a = acc + s * S;
+    for (int64_t s = 1; s < nseg; ++s) {
+        const double *a = acc + (s - 1) * S;
         for (int64_t j = 0; j < S; ++j) out[j] += a[j];
     }
     free(acc);
@@ -2078,6 +2081,51 @@ ALWAYS_INLINE float span_u(float cq, float M, float rb, float c, float sb, float
     return u * lr;
 }
 
+#ifdef GEFEN_AVX2
+/* The fast-table (lut_mode 1) float32 update of span elements [e0, e8) (a multiple of 8) of one block
+ * whose scale M is finite and > 0 (so every m is finite and so is z), on 8 lanes with the per-bucket
+ * entries T (a->simd == 1): gefen_span_update's portable loop in the same float32 operations and
+ * order (z = m / M, its bucket, the nearest codeword by the pair's flip point, span_u, the parameter),
+ * so bitwise the same. */
+ALWAYS_INLINE void span_update_avx2(const gefen_step_args *restrict a, float *restrict pf, const float *restrict m,
+                                    uint8_t *restrict idx, const float *restrict ct, const avx2_entry *restrict T,
+                                    int64_t e0, int64_t e8, float M, float rb, float sb, float eps, float ib,
+                                    float bound, float lr, int wd)
+{
+    const __m256 Mv = _mm256_set1_ps(M), hv = _mm256_set1_ps(a->lut_h), zero = _mm256_setzero_ps();
+    const __m256 nbv = _mm256_set1_ps((float)(a->lut_n - 1)), one = _mm256_set1_ps(1.0f);
+    const __m256 rbv = _mm256_set1_ps(rb), sbv = _mm256_set1_ps(sb), epsv = _mm256_set1_ps(eps);
+    const __m256 ibv = _mm256_set1_ps(ib), ub = _mm256_set1_ps(bound), lb = _mm256_set1_ps(-bound);
+    const __m256 lrv = _mm256_set1_ps(lr), dv = _mm256_set1_ps(a->decay);
+    int32_t k[8];
+    for (int64_t e = e0; e < e8; e += 8) {
+        const __m256 z = _mm256_div_ps(_mm256_loadu_ps(m + e), Mv);
+        __m256 t = _mm256_add_ps(_mm256_mul_ps(z, hv), hv);
+        t = _mm256_min_ps(_mm256_max_ps(t, zero), nbv);
+        _mm256_storeu_si256((__m256i *)k, _mm256_cvttps_epi32(t));
+#define GEFEN_ROW(u, w) _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(&T[k[u]].c0)), _mm_loadu_ps(&T[k[w]].c0), 1)
+        const __m256 r0 = GEFEN_ROW(0, 4), r1 = GEFEN_ROW(1, 5), r2 = GEFEN_ROW(2, 6), r3 = GEFEN_ROW(3, 7);
+#undef GEFEN_ROW
+        const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)), t2 = _mm256_castps_pd(_mm256_unpacklo_ps(r2, r3));
+        const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));
+        const __m256 c0 = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2)), c1 = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
+        const __m256 thr = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3));
+        const __m256i jl = _mm256_castpd_si256(_mm256_unpackhi_pd(t1, t3));
+        const __m256 sel = _mm256_cmp_ps(z, thr, _CMP_GE_OQ);
+        const __m256 cq = _mm256_blendv_ps(c0, c1, sel);
+        v8store_bytes(idx + e, _mm256_sub_epi32(jl, _mm256_castps_si256(sel))); /* + 1 where sel */
+        /* span_u: s = (rb c) / sb; s = 1 / (s + eps); u = (cq M) (s ib), clamped (NaN stays), times lr */
+        __m256 sg = _mm256_div_ps(_mm256_mul_ps(rbv, _mm256_loadu_ps(ct + e)), sbv);
+        sg = _mm256_div_ps(one, _mm256_add_ps(sg, epsv));
+        __m256 u = _mm256_mul_ps(_mm256_mul_ps(cq, Mv), _mm256_mul_ps(sg, ibv));
+        u = _mm256_mul_ps(_mm256_min_ps(ub, _mm256_max_ps(lb, u)), lrv);
+        __m256 pv = _mm256_loadu_ps(pf + e);
+        if (wd) pv = _mm256_mul_ps(pv, dv);
+        _mm256_storeu_ps(pf + e, _mm256_sub_ps(pv, u));
+    }
+}
+#endif
+
 /* The second phase's per-element part of gefen_dist.core.span.span_update_, once the block state
  * is updated (scale: the new M of every block; rms: sqrt(v_blk) per block; colt: the column
  * factors sqrt(v_col / mean v_col) tiled over a block, k S floats): idx <- nearest(m / M_b) (0
@@ -2117,8 +2165,16 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
         }
         if (mode && dt == 0) {
             float *restrict pf = (float *)param;
+            int64_t es0 = e0;
+#ifdef GEFEN_AVX2
+            if (a->simd == 1 && a->ent && pos && M < INFINITY) {
+                es0 = e0 + ((e1 - e0) & ~(int64_t)7);
+                span_update_avx2(a, pf, m, idx, ct, (const avx2_entry *)a->ent, e0, es0, M, rb, sb, eps, ib, bound,
+                                 lr, wd);
+            }
+#endif
 #pragma omp simd
-            for (int64_t e = e0; e < e1; ++e) {
+            for (int64_t e = es0; e < e1; ++e) {
                 float cq;
                 const int q = nearest_fast(pos ? m[e] / M : 0.0f, cb, lut, h, nbm1, &cq);
                 idx[e] = (uint8_t)q;
