@@ -1,8 +1,15 @@
 import os
 import sys
 
-import pytest
-import torch
+# Idle OpenMP threads sleep instead of spinning. Two xdist workers of two torch threads each share the
+# CI's two cores; with the default (spinning) wait policy a thread waiting at a parallel region's
+# barrier for a descheduled sibling burns its core: the single-process test files took 791 CPU-s
+# (404 s) that way, 174 CPU-s (98 s) with this (docs/index.md, "Tests"). Read when torch loads
+# OpenMP, so before the import below (and inherited by the xdist workers and every launched rank).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (ROOT, os.path.join(ROOT, "tests")):

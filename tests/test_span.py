@@ -325,6 +325,22 @@ def test_state_dict_resumes_bitwise_and_refuses_the_other_layout():
     assert torch.equal(other.state[other.param_groups[0]["params"][0]]["idx"], wide.state[c]["idx"])
 
 
+def _dcp_model(**kw):
+    """``Linear(3, 2000) -> Linear(2000, 8)`` (the first weight ``(2000, 3)``, rows of 3) and a Gefen with ``kw``."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 2000), nn.Linear(2000, 8))
+    return m, Gefen(m.parameters(), lr=1e-2, **kw)
+
+
+def _train_random(m, opt, n, seed):
+    """``n`` steps on seeded random gradients."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        for p in m.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
 def test_plain_dcp_flow_resumes_bitwise(tmp_path):
     """get_state_dict -> dcp.save, then a fresh optimizer's get_state_dict -> dcp.load ->
     set_state_dict (the replicated block state has the shapes of the global shape alone)."""
@@ -332,17 +348,9 @@ def test_plain_dcp_flow_resumes_bitwise(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     def make():
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(3, 2000), nn.Linear(2000, 8))  # weight (2000, 3): span
-        return m, Gefen(m.parameters(), lr=1e-2, narrow_rows="span")
+        return _dcp_model(narrow_rows="span")
 
-    def train(m, opt, n, seed):
-        g = torch.Generator().manual_seed(seed)
-        for _ in range(n):
-            for p in m.parameters():
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
-
+    train = _train_random
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         m, opt = make()
@@ -632,17 +640,7 @@ def test_plain_dcp_flow_under_the_default(tmp_path):
 
     from gefen_dist.checkpoint import CheckpointMismatchError, check_compatible
 
-    def make(**kw):
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(3, 2000), nn.Linear(2000, 8))  # weight (2000, 3)
-        return m, Gefen(m.parameters(), lr=1e-2, **kw)
-
-    def train(m, opt, n, seed):
-        g = torch.Generator().manual_seed(seed)
-        for _ in range(n):
-            for p in m.parameters():
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
+    make, train = _dcp_model, _train_random
 
     def load(m, opt, path):
         msd, osd = get_state_dict(m, opt)
