@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..core.quant import nearest_codeword
-from ..core.span import SpanPiece, rows_reached
+from ..core.span import SPAN_AUTO_BELOW, SpanPiece, rows_reached
 from ..core.step import decay_only_, hyperparameters
 from ..kernels import dispatch as _dispatch
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
@@ -36,10 +36,11 @@ def warn_dense(found, setting: str = "span") -> None:
     dense = [f"{name!r} {tuple(shape)}: {reached:.0%} of rows" for name, shape, reached in found]
     if setting == "auto":
         logger.info(
-            "Gefen: narrow_rows='auto' (the default) keeps %d dense layer(s) of rows narrower than 22 elements per "
+            "Gefen: narrow_rows='auto' (the default) keeps %d dense layer(s) of rows narrower than %d elements per "
             "block of rows (~1.01 B/param instead of 1 + 8 / S): %s. On dense layers of rows of 4-16 elements that "
             "measured 0.05-1.2%% worse than per-row state (docs/algorithm.md D18); narrow_rows='rows' for their param "
-            "group keeps them per row.", len(dense), "; ".join(dense[:8]) + ("; ..." if len(dense) > 8 else ""))
+            "group keeps them per row.", len(dense), SPAN_AUTO_BELOW,
+            "; ".join(dense[:8]) + ("; ..." if len(dense) > 8 else ""))
         return
     logger.warning(
         "Gefen: narrow_rows='span' keeps one second moment per block of rows, but the first gradient of %d such "

@@ -302,7 +302,6 @@ class Gefen(_opt_mod.Gefen):
             st["codebook"] = self._codebook_for(st["idx"].device)
 
 
-# ---------------------------------------------------------------------------- layout extraction
 def _check_narrow_rows(fs, st: Dict[str, Any], factored: bool) -> None:
     """A buffer's state saved under another ``narrow_rows`` (D16, D18) resumes when both settings keep
     the same tensors per block of rows (the state then records the group's); otherwise a ValueError
@@ -321,6 +320,7 @@ def _check_narrow_rows(fs, st: Dict[str, Any], factored: bool) -> None:
     st["narrow_rows"] = fs.narrow_rows
 
 
+# ---------------------------------------------------------------------------- layout extraction
 def extract_layout(wrapper, key_of, names: Dict[int, str]):
     """``[(flat, segments, sources, process_group, where)]`` for a ZeRO-1/2, bf16 or ZeRO-3 wrapper.
 
