@@ -24,3 +24,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       docstring-parser==0.18.0 typeguard==4.6.1
   echo "$want" > "$stamp"
 fi
+# DeepSpeed JIT-builds its CPU shared-memory collective (deepspeed_shm_comm: ~55 s, both cores) at the
+# first init_distributed of a checkout, and every DeepSpeed launch of the tests waits for that build.
+# Build it here, once, in the directory the tests use (tests/conftest.py: build/torch_extensions).
+ext="$PWD/build/torch_extensions"
+if [ -z "${TORCH_EXTENSIONS_DIR:-}" ] && [ ! -f "$ext/deepspeed_shm_comm/deepspeed_shm_comm.so" ]; then
+  mkdir -p "$ext"
+  TORCH_EXTENSIONS_DIR="$ext" python -c "
+from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder('ShareMemCommBuilder').load()" > build/deepspeed_shm_comm.log 2>&1 \
+    || echo "setup: deepspeed_shm_comm was not built here (build/deepspeed_shm_comm.log); the first DeepSpeed test builds it"
+fi

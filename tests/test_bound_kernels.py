@@ -91,6 +91,7 @@ def test_triton_kernels_clamp_as_the_reference():
     code = f"""
 import sys, torch
 sys.path.insert(0, {ROOT!r}); sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
+import _fast_interpreter; _fast_interpreter.install()
 import test_bound_kernels as T
 from gefen_dist.kernels import triton_step as tri
 for shape in [(1, 512), (8, 256)]:

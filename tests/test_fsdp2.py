@@ -13,32 +13,40 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dis
 from _launch import run_torchrun  # noqa: E402
 
 
-def _torchrun(nproc, *args):
-    return run_torchrun("fsdp_vs_single.py", nproc, *args, timeout=180).stdout
-
-
+# Configurations of one world size share a launch (``--then``: a launch costs seconds of start-up per
+# rank); those through the Triton interpreter (``--cuda-batch``, which sets TRITON_INTERPRET in the
+# ranks) have launches of their own.
 @pytest.mark.dist
-@pytest.mark.parametrize("nproc,args", [
-    (2, ["--same-grads", "--refusals"]),
-    (3, ["--same-grads", "--second-moment", "factored", "--nonfinite"]),
-    (4, ["--same-grads", "--hsdp", "--second-moment", "factored"]),
-    (4, ["--hsdp"]),
-    (2, ["--same-grads", "--second-moment", "elementwise"]),
-    # narrow_rows="span" (D16): blocks of 1024 / 342 / 32 rows cut by the shards, replicated block state
-    (3, ["--same-grads", "--second-moment", "factored", "--nonfinite", "--narrow-span"]),
-    (4, ["--same-grads", "--hsdp", "--second-moment", "factored", "--narrow-span"]),
+@pytest.mark.parametrize("nproc,configs", [
+    (2, [["--same-grads", "--refusals"],
+         ["--same-grads", "--second-moment", "elementwise"]]),
+    (3, [["--same-grads", "--second-moment", "factored", "--nonfinite"],
+         # narrow_rows="span" (D16): blocks of 1024 / 342 / 32 rows cut by the shards, replicated block state
+         ["--same-grads", "--second-moment", "factored", "--nonfinite", "--narrow-span"]]),
+    (4, [["--same-grads", "--hsdp", "--second-moment", "factored"],
+         ["--hsdp"],
+         ["--same-grads", "--hsdp", "--second-moment", "factored", "--narrow-span"]]),
     # the multi-tensor CUDA batch (gefen_dist.engine.cuda_batch) on DTensor shards, through the Triton
-    # interpreter: pieces that cut row blocks, the replica mask (HSDP), the non-finite protocol
-    (3, ["--same-grads", "--second-moment", "factored", "--nonfinite", "--cuda-batch", "--steps", "5"]),
-    (4, ["--same-grads", "--hsdp", "--second-moment", "factored", "--cuda-batch", "--steps", "4"]),
+    # interpreter: pieces that cut row blocks, the replica mask (HSDP), the non-finite protocol;
     # capturable=True on DTensor shards: the sharded batch with its verdict on the device
-    (3, ["--same-grads", "--second-moment", "factored", "--cuda-batch", "--capturable", "--steps", "4"]),
-])
-def test_fsdp2_matches_single_process(nproc, args):
-    if "--cuda-batch" in args:
+    (3, [["--same-grads", "--second-moment", "factored", "--nonfinite", "--cuda-batch", "--steps", "5"],
+         ["--same-grads", "--second-moment", "factored", "--cuda-batch", "--capturable", "--steps", "4"]]),
+    (4, [["--same-grads", "--hsdp", "--second-moment", "factored", "--cuda-batch", "--steps", "4"]]),
+], ids=["ws2", "ws3", "ws4_hsdp", "ws3_cuda_batch", "ws4_hsdp_cuda_batch"])
+def test_fsdp2_matches_single_process(nproc, configs):
+    if any("--cuda-batch" in args for args in configs):
         pytest.importorskip("triton", reason="the CUDA plan's kernels run through the Triton interpreter")
-    out = _torchrun(nproc, *args)
-    assert "OK fsdp" in out
+    argv = [a for i, args in enumerate(configs) for a in ((["--then"] if i else []) + args)]
+    out = run_torchrun("fsdp_vs_single.py", nproc, *argv, timeout=180 * len(configs)).stdout
+    parts = out.split("CONFIG ")[1:]
+    assert len(parts) == len(configs), out[-4000:]
+    for i, (args, part) in enumerate(zip(configs, parts)):
+        assert part.startswith(f"{i}: {' '.join(args)}\n"), part[:200]
+        _check_config(args, part)
+
+
+def _check_config(args, out):
+    assert "OK fsdp" in out, out[-4000:]
     if "--refusals" in args:
         assert "OK refusals" in out
     if "--nonfinite" in args:

@@ -32,6 +32,10 @@ if _CHILD:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 pytest.importorskip("triton", reason="triton is not installed")
+if _CHILD:
+    import _fast_interpreter
+
+    _fast_interpreter.install()  # the interpreter patches triton.language once per launch
 
 from gefen_dist.core.quant import nearest_codeword  # noqa: E402
 from gefen_dist.core.step import bias_corrections, hyperparameters, quantized_step_eager_  # noqa: E402

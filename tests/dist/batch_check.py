@@ -34,6 +34,11 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _teardown import leave  # noqa: E402
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ (for _fast_interpreter)
+import _fast_interpreter  # noqa: E402
+
+_fast_interpreter.install()  # the interpreter patches triton.language once per launch
 from gefen_dist import Gefen, ZeroGefen  # noqa: E402
 from gefen_dist.engine import cuda_batch  # noqa: E402
 from gefen_dist.kernels import dispatch  # noqa: E402

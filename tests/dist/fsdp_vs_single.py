@@ -1,7 +1,9 @@
 """torchrun worker: FSDP2 (and HSDP) Gefen against single-process Gefen on the same global batch.
 
-Run: torchrun --nproc_per_node N tests/dist/fsdp_vs_single.py [--hsdp]
-Every rank also runs the single-process reference on the full global batch locally.
+Run: torchrun --nproc_per_node N tests/dist/fsdp_vs_single.py [--hsdp] [--then OPTIONS ...]
+Every rank also runs the single-process reference on the full global batch locally. ``--then``
+separates configurations checked one after the other in the same launch (a launch costs seconds of
+process start-up per rank); rank 0 prints ``CONFIG i: OPTIONS`` before each.
 """
 import argparse
 import os
@@ -17,6 +19,12 @@ from torch import nn
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
 from gefen_dist import Gefen  # noqa: E402
+
+if "--cuda-batch" in sys.argv:
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ (for _fast_interpreter)
+    import _fast_interpreter
+
+    _fast_interpreter.install()  # the interpreter patches triton.language once per launch
 
 
 class Net(nn.Module):
@@ -48,12 +56,9 @@ class Net(nn.Module):
         return out
 
 
-SPAN = "--narrow-span" in sys.argv
-
-
-def model(seed=0):
+def model(span, seed=0):
     torch.manual_seed(seed)
-    return Net(SPAN)
+    return Net(span)
 
 
 def forward(m, x):
@@ -61,6 +66,24 @@ def forward(m, x):
 
 
 def main():
+    configs, cur = [], []
+    for a in sys.argv[1:] + ["--then"]:
+        if a == "--then":
+            configs.append(cur)
+            cur = []
+        else:
+            cur.append(a)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    groups = []
+    for i, argv in enumerate(configs):
+        if dist.get_rank() == 0:
+            print(f"CONFIG {i}: {' '.join(argv)}", flush=True)
+        groups += check(parse(argv))
+    leave(*groups)
+
+
+def parse(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--hsdp", action="store_true")
     ap.add_argument("--steps", type=int, default=10)
@@ -79,10 +102,14 @@ def main():
     ap.add_argument("--same-grads", action="store_true",
                     help="feed the FSDP optimizer the single-process gradient (sharded): isolates the "
                          "optimizer's rank invariance, which must then be bitwise")
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
+    return ap.parse_args(argv)
+
+
+def check(args):
+    """One configuration: the sharded run against the single-process oracle, and the extra checks it
+    names; returns the mesh's groups (left together at the end of the launch)."""
+    SPAN = args.narrow_span
     rank, ws = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -90,21 +117,21 @@ def main():
         mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (ws,))
-    ref = model()
+    ref = model(SPAN)
     kw = dict(narrow_rows="span") if SPAN else {}
     if args.capturable:
         kw.update(capturable=True, nonfinite="skip")
     ref_opt = Gefen(ref.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment, **kw)
     ref_opt._comm = __import__("gefen_dist.engine.comm", fromlist=["LocalComm"]).LocalComm()  # single-process oracle
-    m = model()
+    m = model(SPAN)
     for mod in (m.a, m.b, m.c):
         fully_shard(mod, mesh=mesh)
     fully_shard(m, mesh=mesh)
     opt = Gefen(m.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment, **kw)
-    if args.cuda_batch:
-        from gefen_dist.engine import cuda_batch as cuda_path
+    from gefen_dist.engine import cuda_batch as cuda_path
 
-        cuda_path._DEVICE_TYPES = ("cuda", "cpu")
+    cuda_path._DEVICE_TYPES = ("cuda", "cpu") if args.cuda_batch else ("cuda",)
+    if args.cuda_batch:
         for o in (opt, ref_opt):
             o._impl = lambda t, p=None, group=None: __import__("gefen_dist.kernels.dispatch", fromlist=["_triton"])._triton()
     g = torch.Generator().manual_seed(5)
@@ -191,7 +218,7 @@ def main():
         check_nonfinite(m, opt, rank, ws)
     if args.capturable:
         check_capturable_skip(m, opt, rank, ws)
-    leave(*(mesh.get_group(d) for d in range(mesh.ndim)))
+    return [mesh.get_group(d) for d in range(mesh.ndim)]
 
 
 def check_nonfinite(m, opt, rank, ws):
