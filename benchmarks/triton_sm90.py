@@ -26,6 +26,7 @@ static half of the issue's check, and ``tests/test_triton_sm90.py`` asserts it i
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -93,6 +94,20 @@ def _compile(name: str, fn, ptr: Dict[str, str], ints, consts: Dict[str, object]
                 **sass_counts(sass))
 
 
+def _memo(fn):
+    """Compile each configuration once per process (the tests ask for some twice: the capturable
+    check compiles the host configurations that the aligned one has already; a compile and its
+    disassembly take 1-3 s); every call gets its own copy of the figures."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return dict(cached(*args, **kwargs))
+
+    return wrapper
+
+
+@_memo
 def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, warps: int = 4,
                   lut_fast: bool = True, maxnreg=None, device_hp: bool = False) -> Dict[str, object]:
     """Compile one configuration of the multi-tensor kernel for sm_90, with the launch options
@@ -114,6 +129,7 @@ def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, w
                 aligned=aligned, device_hp=device_hp, maxnreg=opts.get("maxnreg"), lut_fast=lut_fast, **out)
 
 
+@_memo
 def compile_apply(mode: int, bf16: bool, rows: int, block: int, warps: int = 8,
                   ceiling: bool = True) -> Dict[str, object]:
     """Compile one configuration of ZeroGefen's multi-range applier (``_apply_multi_kernel``,
@@ -133,6 +149,7 @@ def compile_apply(mode: int, bf16: bool, rows: int, block: int, warps: int = 8,
 SPAN_SLABS = (1, 4, 16, 64, 79)  # row lengths of tensors kept per block of rows (D16: below 80)
 
 
+@_memo
 def compile_span(kernel: str, bf16: bool, slab: int, apply: bool = False) -> Dict[str, object]:
     """Compile a span kernel (``"span_stats"`` or ``"span_update"``, kernels/triton_span.py) for rows of
     ``slab`` elements, with the tile and launch options that module uses."""
