@@ -108,7 +108,7 @@ def parse(argv):
 def check(args):
     """One configuration: the sharded run against the single-process oracle, and the extra checks it
     names; returns the mesh's groups (left together at the end of the launch)."""
-    SPAN = args.narrow_span
+    narrow = args.narrow_span
     rank, ws = dist.get_rank(), dist.get_world_size()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -117,13 +117,13 @@ def check(args):
         mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (ws,))
-    ref = model(SPAN)
-    kw = dict(narrow_rows="span") if SPAN else {}
+    ref = model(narrow)
+    kw = dict(narrow_rows="span") if narrow else {}
     if args.capturable:
         kw.update(capturable=True, nonfinite="skip")
     ref_opt = Gefen(ref.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment, **kw)
     ref_opt._comm = __import__("gefen_dist.engine.comm", fromlist=["LocalComm"]).LocalComm()  # single-process oracle
-    m = model(SPAN)
+    m = model(narrow)
     for mod in (m.a, m.b, m.c):
         fully_shard(mod, mesh=mesh)
     fully_shard(m, mesh=mesh)
@@ -161,7 +161,7 @@ def check(args):
         assert (opt._cuda_batch.dstep is not None) == args.capturable
         if rank == 0:
             print(f"OK cuda batch: sharded={opt._cuda_batch.sharded}", flush=True)
-    if args.second_moment == "factored" and not SPAN:  # b's four row blocks (D12), on every rank as in the oracle
+    if args.second_moment == "factored" and not narrow:  # b's four row blocks (D12), on every rank as in the oracle
         assert tuple(opt.state[m.b.weight]["v_col"].shape) == (4, 33), opt.state[m.b.weight]["v_col"].shape
     if args.same_grads:
         assert torch.equal(opt.codebook, ref_opt.codebook), "codebook differs from single process"
@@ -181,7 +181,7 @@ def check(args):
         st, rst = opt.state[p], ref_opt.state[q]
         assert st.get("period") == rst.get("period"), (name, st.get("period"), rst.get("period"))
         span = opt._mode(p) == "span"
-        assert span == (SPAN and name in ("b.weight", "e1", "e3")), (name, opt._mode(p))
+        assert span == (narrow and name in ("b.weight", "e1", "e3")), (name, opt._mode(p))
         for k in ("idx", "scale", "v", "v_row", "exp_avg", "exp_avg_sq"):
             if k in st and not (span and k == "scale"):
                 assert type(st[k]).__name__ == "DTensor", (name, k)
@@ -210,7 +210,7 @@ def check(args):
             # (a single codeword flip moves an element by lr*sigma*gap: ~1e-4 of the max)
             assert rel <= 1e-3, (name, rel)
     if rank == 0:
-        print(f"OK fsdp{'/hsdp' if args.hsdp else ''} {args.second_moment}{' span' if SPAN else ''} same_grads={args.same_grads} ws={ws}: max relative param diff {worst:.3e}"
+        print(f"OK fsdp{'/hsdp' if args.hsdp else ''} {args.second_moment}{' span' if narrow else ''} same_grads={args.same_grads} ws={ws}: max relative param diff {worst:.3e}"
               + ("; quantized tensors bitwise" if args.capturable else ""), flush=True)
     if args.refusals:
         check_refusals(mesh, rank)
