@@ -100,13 +100,15 @@ def pytest_sessionfinish(session, exitstatus):
             pass
 
 
-# The files that take longest, slowest first (seconds of one worker in `pytest -n 2 --durations=0`,
-# 2026-12-06: ~300, ~320, ~130, ~140, ~125, ~100, ~90). scripts/test.sh runs the suite with
-# `--dist loadfile --no-loadscope-reorder`, so xdist hands out files in collection order; started
-# first, these run while the many short files fill the gaps, instead of one of them starting last
-# and running alone at the end (xdist's default order, most tests first, put them last).
-_SLOW_FIRST = ("test_triton_step.py", "test_hf_multirank.py", "test_deepspeed.py", "test_distributed.py",
-               "test_train_strategies.py", "test_fsdp2.py", "test_triton_sm90.py")
+# The files that take longest, slowest first (seconds in one worker of `pytest -n 2 --durations=0`,
+# 2026-12-06: 331, 247, 165, 157, 122, 120, and test_fsdp2.py ~60 since its launches were merged).
+# scripts/test.sh runs the suite with `--dist loadfile --no-loadscope-reorder`, so xdist hands out
+# files in collection order and these start first, while the many short files fill the gaps (xdist's
+# default order, most tests first, puts them last). The suite is CPU-bound on two cores, so this
+# made no measurable difference there (901 s before, 916 s after); where cores idle, it should keep
+# one of them from running alone at the end (not measured).
+_SLOW_FIRST = ("test_triton_step.py", "test_hf_multirank.py", "test_train_strategies.py", "test_distributed.py",
+               "test_deepspeed.py", "test_triton_sm90.py", "test_fsdp2.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
