@@ -10,5 +10,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # idle OpenMP threads sleep (tests/conftest.py says why)
 exec python -m pytest -q -n "${GEFEN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -350,11 +350,10 @@ def test_plain_dcp_flow_resumes_bitwise(tmp_path):
     def make():
         return _dcp_model(narrow_rows="span")
 
-    train = _train_random
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         m, opt = make()
-        train(m, opt, 3, 1)
+        _train_random(m, opt, 3, 1)
         assert opt._mode(m[0].weight) == "span"
         msd, osd = get_state_dict(m, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
@@ -363,8 +362,8 @@ def test_plain_dcp_flow_resumes_bitwise(tmp_path):
         sd = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=str(tmp_path))
         set_state_dict(m2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    train(m, opt, 2, 7)
-    train(m2, opt2, 2, 7)
+    _train_random(m, opt, 2, 7)
+    _train_random(m2, opt2, 2, 7)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
 
 
@@ -640,7 +639,7 @@ def test_plain_dcp_flow_under_the_default(tmp_path):
 
     from gefen_dist.checkpoint import CheckpointMismatchError, check_compatible
 
-    make, train = _dcp_model, _train_random
+    make = _dcp_model
 
     def load(m, opt, path):
         msd, osd = get_state_dict(m, opt)
@@ -652,13 +651,13 @@ def test_plain_dcp_flow_under_the_default(tmp_path):
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         for nr in ("span", "rows"):
             m, opt = make(narrow_rows=nr)
-            train(m, opt, 3, 1)
+            _train_random(m, opt, 3, 1)
             msd, osd = get_state_dict(m, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / nr))
             if nr == "span":
                 ref = (m, opt)
         m2, opt2 = make()
-        train(m2, opt2, 1, 5)
+        _train_random(m2, opt2, 1, 5)
         before = {k: v.clone() for k, v in opt2.state[m2[0].weight].items() if torch.is_tensor(v)}
         with pytest.raises(CheckpointMismatchError, match=r"\(2000, 3\).*per row.*per block of rows.*narrow_rows='rows'"):
             check_compatible(m2, opt2, str(tmp_path / "rows"))
@@ -668,8 +667,8 @@ def test_plain_dcp_flow_under_the_default(tmp_path):
         m3, opt3 = make()
         load(m3, opt3, tmp_path / "span")
     assert opt3._mode(m3[0].weight) == "span" and opt3.param_groups[0]["narrow_rows"] == "auto"
-    train(ref[0], ref[1], 2, 7)
-    train(m3, opt3, 2, 7)
+    _train_random(ref[0], ref[1], 2, 7)
+    _train_random(m3, opt3, 2, 7)
     assert all(torch.equal(a, b) for a, b in zip(ref[0].parameters(), m3.parameters()))
 
 

@@ -11,6 +11,10 @@ import sys
 
 if "--cuda-batch" in sys.argv:  # before anything imports triton (its interpreter is chosen at import)
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ (for _fast_interpreter)
+    import _fast_interpreter
+
+    _fast_interpreter.install()  # the interpreter patches triton.language once per launch
 
 import torch
 import torch.distributed as dist
@@ -19,12 +23,6 @@ from torch import nn
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
 from gefen_dist import Gefen  # noqa: E402
-
-if "--cuda-batch" in sys.argv:
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ (for _fast_interpreter)
-    import _fast_interpreter
-
-    _fast_interpreter.install()  # the interpreter patches triton.language once per launch
 
 
 class Net(nn.Module):
