@@ -63,10 +63,13 @@ def available() -> str:
     return ""
 
 
-def _compile(name: str, fn, ptr: Dict[str, str], ints, consts: Dict[str, object], options: Dict[str, object]):
+def _compile(name: str, fn, ptr: Dict[str, str], ints, consts: Dict[str, object], options: Dict[str, object],
+             disasm: bool = True):
     """Compile kernel ``name`` (its plain function ``fn``) for sm_90: ``ptr`` the pointer arguments'
     types (16-byte aligned, as the launcher marks tensor arguments), ``ints`` the int32 scalars (the
-    other scalars float32); its registers, spills, loads and SASS counts."""
+    other scalars float32); its registers and stack frame (``cuobjdump -res-usage``), and with ``disasm``
+    its spill stores, loads and SASS counts (``nvdisasm``, ~0.85 s a kernel here). A kernel that spills
+    has a stack frame (the spill slots); the tests that check only registers and spills read ``stack``."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -87,11 +90,13 @@ def _compile(name: str, fn, ptr: Dict[str, str], ints, consts: Dict[str, object]
         res = subprocess.run([os.path.join(tools_dir(), "cuobjdump"), "-res-usage", path], capture_output=True,
                              text=True, check=True).stdout
         sass = subprocess.run([os.path.join(tools_dir(), "nvdisasm"), path], capture_output=True, text=True,
-                              check=True).stdout
-    regs = re.search(r"REG:(\d+)", res)
-    return dict(registers=int(regs.group(1)) if regs else None, spill_stores=len(re.findall(r"\bSTL", sass)),
-                loads=len(re.findall(r"\bLDG", sass)), loads_128=len(re.findall(r"\bLDG\.E\.128", sass)),
-                **sass_counts(sass))
+                              check=True).stdout if disasm else None
+    regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
+    out = dict(registers=int(regs.group(1)) if regs else None, stack=int(stack.group(1)) if stack else None)
+    if sass is not None:
+        out.update(spill_stores=len(re.findall(r"\bSTL", sass)), loads=len(re.findall(r"\bLDG", sass)),
+                   loads_128=len(re.findall(r"\bLDG\.E\.128", sass)), **sass_counts(sass))
+    return out
 
 
 def _memo(fn):
@@ -131,7 +136,7 @@ def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, w
 
 @_memo
 def compile_apply(mode: int, bf16: bool, rows: int, block: int, warps: int = 8,
-                  ceiling: bool = True) -> Dict[str, object]:
+                  ceiling: bool = True, disasm: bool = True) -> Dict[str, object]:
     """Compile one configuration of ZeroGefen's multi-range applier (``_apply_multi_kernel``,
     kernels/triton_state.py's ``ApplyMany``) for sm_90, with its launch options (8 warps, the multi
     kernel's register ceiling; ``warps`` / ``ceiling=False``: the alternatives they were chosen over)."""
@@ -141,7 +146,8 @@ def compile_apply(mode: int, bf16: bool, rows: int, block: int, warps: int = 8,
            "base": "i64"}  # (an int divisible by 16 gets the same attribute from the launcher)
     consts = dict(MODE=mode, IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=block)
     out = _compile("apply", tk._apply_multi_kernel, ptr, (), consts,
-                   dict(num_warps=warps, enable_fp_fusion=False, **(tm.multi_launch_options() if ceiling else {})))
+                   dict(num_warps=warps, enable_fp_fusion=False, **(tm.multi_launch_options() if ceiling else {})),
+                   disasm)
     return dict(mode=MODES[mode], dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps,
                 aligned=False, device_hp=False, ceiling=ceiling, **out)
 
@@ -150,7 +156,7 @@ SPAN_SLABS = (1, 4, 16, 64, 79)  # row lengths of tensors kept per block of rows
 
 
 @_memo
-def compile_span(kernel: str, bf16: bool, slab: int, apply: bool = False) -> Dict[str, object]:
+def compile_span(kernel: str, bf16: bool, slab: int, apply: bool = False, disasm: bool = True) -> Dict[str, object]:
     """Compile a span kernel (``"span_stats"`` or ``"span_update"``, kernels/triton_span.py) for rows of
     ``slab`` elements, with the tile and launch options that module uses."""
     from gefen_dist.kernels import triton_kernels as tk, triton_multi as tm, triton_span as ts
@@ -169,7 +175,7 @@ def compile_span(kernel: str, bf16: bool, slab: int, apply: bool = False) -> Dic
                "cf_ptr": "*fp32", "cb_ptr": "*fp32", "tab_ptr": "*fp32"}
         consts = dict(APPLY=apply, HAS_WD=True, LUT_FAST=True, IS_BF16=bf16, R=R, SP=SP)
     out = _compile(kernel, fn, ptr, ints, consts, dict(num_warps=ts._WARPS, enable_fp_fusion=False,
-                                                         **tm.multi_launch_options()))
+                                                         **tm.multi_launch_options()), disasm)
     return dict(kernel=kernel + ("_apply" if apply else ""), dtype="bfloat16" if bf16 else "float32", slab=slab,
                 tile=f"{R}x{SP}", **out)
 
@@ -186,9 +192,9 @@ def shipped(aligned=(False, True)) -> List[Dict[str, object]]:
     return [compile_multi(m, bf, r, b, al) for m in MODES for bf in (False, True) for r, b in TILES for al in aligned]
 
 
-def shipped_span() -> List[Dict[str, object]]:
+def shipped_span(disasm: bool = True) -> List[Dict[str, object]]:
     kernels = (("span_stats", False), ("span_update", False), ("span_update", True))
-    return [compile_span(k, bf, s, ap) for k, ap in kernels for bf in (False, True) for s in SPAN_SLABS]
+    return [compile_span(k, bf, s, ap, disasm) for k, ap in kernels for bf in (False, True) for s in SPAN_SLABS]
 
 
 def main(argv=None) -> int:

@@ -69,5 +69,28 @@ def install() -> bool:
 
     interp.GridExecutor.__call__ = launch
     interp.InterpretedFunction.__call__ = device_call
+    interp._get_np_dtype = _np_dtype_memo(interp._get_np_dtype, tl)
     _installed = True
     return True
+
+
+def _np_dtype_memo(get_np_dtype, tl):
+    """``_get_np_dtype`` builds a 19-entry dict of triton dtypes at every call (every emulated load,
+    store and cast). Its answer depends only on the scalar type, and triton's scalar types are equal
+    exactly when their names are, so it is memoised by name (pointers, and blocks of pointers, are
+    uint64 as in the original)."""
+    import numpy as np
+
+    u64 = np.dtype(np.uint64)
+    memo: dict = {}
+
+    def np_dtype(tt_dtype):
+        e = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(e, tl.pointer_type):
+            return u64
+        r = memo.get(e.name)
+        if r is None:
+            r = memo[e.name] = get_np_dtype(e)
+        return r
+
+    return np_dtype
