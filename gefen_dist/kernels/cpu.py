@@ -571,16 +571,17 @@ def quantized_step_factored_(
         torch.autograd.graph.increment_version(t)
 
 
-def _column_factors_cpu(v_col: torch.Tensor) -> torch.Tensor:
+def _column_factors_cpu(v_col: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`gefen_dist.core.step.column_factors` of a CPU ``v_col`` (``[slab]`` or ``[G, slab]``),
     bitwise, in four operations where every row block's mean is positive (the usual case; the
     ``where`` that zeroes the factors of a profile whose mean is not positive then selects
     ``v_col / mean`` everywhere), the general function otherwise. On CPU reading the mean costs no
-    device synchronisation."""
+    device synchronisation. ``out``: written in place (``v_col``'s shape) and returned."""
     mean_c = v_col.mean(dim=-1, keepdim=True)  # per row block (D12): [G, 1]
     if float(mean_c.min()) > 0:  # (False for a NaN mean)
-        return (v_col / mean_c).sqrt_()
-    return column_factors(v_col).contiguous()
+        return torch.div(v_col, mean_c, out=out).sqrt_()
+    f = column_factors(v_col)
+    return f.contiguous() if out is None else out.copy_(f)
 
 
 _SCRATCH_ELEMS = 1 << 20  # parameter scratch of a state-only call (chunks of whole blocks)

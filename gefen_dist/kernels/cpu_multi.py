@@ -199,7 +199,7 @@ class ColumnFactors:
     def run(self):
         for vs, block in self._groups:
             if len(vs) == 1:
-                block[0].copy_(_cpu._column_factors_cpu(vs[0]))
+                _cpu._column_factors_cpu(vs[0], out=block[0])
                 continue
             st = torch.stack(vs)
             mean_c = st.mean(dim=-1, keepdim=True)
@@ -208,5 +208,5 @@ class ColumnFactors:
                 block.sqrt_()
             else:
                 for v, out in zip(vs, block):
-                    out.copy_(_cpu._column_factors_cpu(v))
+                    _cpu._column_factors_cpu(v, out=out)
         return self.views
