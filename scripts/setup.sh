@@ -35,3 +35,8 @@ from deepspeed.accelerator import get_accelerator
 get_accelerator().create_op_builder('ShareMemCommBuilder').load()" > build/deepspeed_shm_comm.log 2>&1 \
     || echo "setup: deepspeed_shm_comm was not built here (build/deepspeed_shm_comm.log); the first DeepSpeed test builds it"
 fi
+# The native CPU kernels compile on first use (the step kernel in ~20 s) into $GEFEN_DIST_CACHE (default
+# ~/.cache/gefen_dist). Build them here, once, so that the tests (and their launches' ranks) do not.
+mkdir -p build
+gefen-dist build-kernels > build/native_kernels.log 2>&1 \
+    || echo "setup: the native kernels were not all built (build/native_kernels.log); the tests build them"

@@ -2,3 +2,19 @@
 
 Pure math like :mod:`gefen_dist.core`; no ``torch.distributed``.
 """
+
+from typing import Dict, Optional
+
+
+def build_native() -> Dict[str, Optional[str]]:
+    """Compile every native CPU library now (or find it in ``$GEFEN_DIST_CACHE``), so that a job's
+    first step does not (``gefen-dist build-kernels``; ``scripts/setup.sh`` runs it). Returns each
+    library's name and path, ``None`` where it could not be built (no C compiler, or
+    ``GEFEN_DIST_NO_NATIVE=1``: the eager path then runs, as the log says)."""
+    from . import cpu, dp, first_step
+
+    out: Dict[str, Optional[str]] = {}
+    for name, load in (("gefen_step", cpu._lib), ("gefen_dp", dp._lib), ("gefen_first_step", first_step._lib)):
+        lib = load()
+        out[name] = None if lib is None else str(lib._name)
+    return out

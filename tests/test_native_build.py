@@ -1,0 +1,88 @@
+"""Building the native CPU libraries (gefen_dist/kernels/native.py, ``gefen-dist build-kernels``).
+
+The ranks of a job on a new machine all need the libraries at the same moment; one compiles while the
+others wait on the lock file and load its result (the step kernel takes ~20 s to compile, so eight
+ranks compiling it side by side would spend minutes of CPU before the first step).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NATIVE = ROOT / "gefen_dist" / "kernels" / "native.py"
+
+# One process: load native.py alone (stdlib only: no torch import), wait until every process of the
+# test is ready, then load the small first-step library from the empty cache at the same moment.
+_CHILD = textwrap.dedent("""
+    import importlib.util, logging, os, sys, time
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    spec = importlib.util.spec_from_file_location("gefen_native_alone", sys.argv[1])
+    native = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native)
+    gate, me, n = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    open(os.path.join(gate, f"ready{me}"), "w").close()
+    t0 = time.monotonic()
+    while sum(os.path.exists(os.path.join(gate, f"ready{i}")) for i in range(n)) < n:
+        if time.monotonic() - t0 > 60:
+            sys.exit("the other processes never started")
+        time.sleep(0.001)
+    lib = native.load_library("gefen_first_step", ["first_step.c"])
+    print("LOADED", lib is not None and lib.gefen_first_step_abi() > 0)
+""")
+
+
+def _have_cc() -> bool:
+    spec = importlib.util.spec_from_file_location("gefen_native_probe", NATIVE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod._compiler() is not None
+
+
+def test_concurrent_first_loads_compile_once(tmp_path):
+    """Three processes load the same library from an empty cache at the same instant: exactly one
+    compiles it (one "compiling" log line in all), all three load it, and the cache holds the one
+    library (no temporary files left behind)."""
+    if not _have_cc():
+        pytest.skip("no C compiler")
+    cache, gate = tmp_path / "cache", tmp_path / "gate"
+    gate.mkdir()
+    env = {**os.environ, "GEFEN_DIST_CACHE": str(cache)}
+    env.pop("GEFEN_DIST_NO_NATIVE", None)
+    n = 3
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(NATIVE), str(gate), str(i), str(n)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "LOADED True" in out, (out, err)
+    logs = "".join(err for _, err in outs)
+    assert logs.count("gefen_dist: compiling gefen_first_step") == 1, logs
+    assert logs.count("gefen_dist: built gefen_first_step") == 1, logs
+    libs = sorted(f.name for f in cache.iterdir() if f.suffix == ".so")
+    assert len(libs) == 1 and libs[0].startswith("gefen_first_step-"), sorted(os.listdir(cache))
+    assert not [f for f in os.listdir(cache) if f.startswith(".gefen_first_step") and f.endswith(".so")]
+
+
+def test_build_kernels_command(capsys, monkeypatch):
+    """``gefen-dist build-kernels`` builds (or finds) the three libraries in the cache this run uses and
+    names them; with the native path switched off it says what runs instead and exits 1."""
+    from gefen_dist import cli
+
+    monkeypatch.delenv("GEFEN_DIST_NO_NATIVE", raising=False)
+    if not _have_cc():
+        pytest.skip("no C compiler")
+    assert cli.main(["build-kernels", "--json"]) == 0
+    built = json.loads(capsys.readouterr().out)
+    assert set(built) == {"gefen_step", "gefen_dp", "gefen_first_step"}
+    assert all(p and Path(p).is_file() for p in built.values()), built
+    monkeypatch.setenv("GEFEN_DIST_NO_NATIVE", "1")
+    assert cli.main(["build-kernels"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("not built (the eager torch path runs instead") == 3, out
