@@ -70,6 +70,26 @@ def test_concurrent_first_loads_compile_once(tmp_path):
     assert not [f for f in os.listdir(cache) if f.startswith(".gefen_first_step") and f.endswith(".so")]
 
 
+def test_an_unusable_cache_falls_back_with_the_fix(tmp_path):
+    """A cache directory that cannot be created (here: under a file) is not a crash at the first
+    step: the loader returns None (the eager path runs) and the warning names the directory and
+    GEFEN_DIST_CACHE."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code = ("import importlib.util, logging, sys\n"
+            "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+            "spec = importlib.util.spec_from_file_location('gefen_native_alone', sys.argv[1])\n"
+            "native = importlib.util.module_from_spec(spec); spec.loader.exec_module(native)\n"
+            "print('LIB', native.load_library('gefen_first_step', ['first_step.c']))\n")
+    env = {**os.environ, "GEFEN_DIST_CACHE": str(blocker / "cache")}
+    env.pop("GEFEN_DIST_NO_NATIVE", None)
+    r = subprocess.run([sys.executable, "-c", code, str(NATIVE)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "LIB None" in r.stdout, (r.stdout, r.stderr)
+    if _have_cc():
+        assert str(blocker / "cache") in r.stderr and "GEFEN_DIST_CACHE" in r.stderr, r.stderr
+
+
 def test_build_kernels_command(capsys, monkeypatch):
     """``gefen-dist build-kernels`` builds (or finds) the three libraries in the cache this run uses and
     names them; with the native path switched off it says what runs instead and exits 1."""

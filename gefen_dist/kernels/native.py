@@ -117,11 +117,19 @@ def _build_and_load(name: str, paths: Sequence[Path]) -> Optional[ctypes.CDLL]:
     h.update(cc.encode())
     digest = h.hexdigest()[:16]
     d = cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        logger.warning("gefen_dist: cannot use %s as the kernel cache (%s); %s falls back to eager torch. Set "
+                       "GEFEN_DIST_CACHE to a writable directory.", d, e, name)
+        return None
     errors = []
     for i, flags in enumerate(variants):
         target = d / f"{name}-{digest}-v{i}.so"
-        err = _build_once(cc, paths, target, flags)
+        try:
+            err = _build_once(cc, paths, target, flags)
+        except OSError as e:  # an unwritable cache (the lock file, the temporary library)
+            err = f"{target}: {e} (set GEFEN_DIST_CACHE to a writable directory)"
         if err is not None:
             errors.append(err)
             continue
