@@ -70,6 +70,28 @@ def test_concurrent_first_loads_compile_once(tmp_path):
     assert not [f for f in os.listdir(cache) if f.startswith(".gefen_first_step") and f.endswith(".so")]
 
 
+def test_a_failing_compile_is_not_repeated_by_the_waiting_processes(tmp_path):
+    """Three processes at once with a compiler that fails every build (slowly): each of the three
+    flag variants is compiled once in all, not once per process (the processes that waited read the
+    recorded failure), every process falls back (None) and logs why."""
+    cc = tmp_path / "failing-cc"
+    calls = tmp_path / "calls"
+    cc.write_text(f"#!/bin/sh\necho x >> {calls}\nsleep 0.5\necho 'no such compiler feature' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    cache, gate = tmp_path / "cache", tmp_path / "gate"
+    gate.mkdir()
+    env = {**os.environ, "GEFEN_DIST_CACHE": str(cache), "CC": str(cc)}
+    env.pop("GEFEN_DIST_NO_NATIVE", None)
+    n = 3
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(NATIVE), str(gate), str(i), str(n)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "LOADED False" in out, (out, err)
+        assert "could not build native library gefen_first_step" in err and "no such compiler feature" in err, err
+    assert len(calls.read_text().split()) == 3, calls.read_text()
+
+
 def test_an_unusable_cache_falls_back_with_the_fix(tmp_path):
     """A cache directory that cannot be created (here: under a file) is not a crash at the first
     step: the loader returns None (the eager path runs) and the warning names the directory and

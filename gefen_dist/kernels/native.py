@@ -157,14 +157,25 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+_FAILED_FOR = 600.0  # s: how long a failed build's record spares the processes that wait for it a rebuild
+
+
 def _build_once(cc: str, paths: Sequence[Path], target: Path, flags: Sequence[str]) -> Optional[str]:
     """Compile ``target`` unless it exists, one process at a time (the others wait, then find it);
-    None when it is there, else the compiler's error."""
+    None when it is there, else the compiler's error. A failure is recorded beside it for
+    :data:`_FAILED_FOR` seconds, so that the ranks that waited for it take the next variant at once
+    instead of repeating the failing compile one after another (a later job tries again)."""
     if target.exists():
         return None
+    failed = target.with_name("." + target.name + ".failed")
     with _exclusive(target.with_name("." + target.name + ".lock")):
         if target.exists():  # built by the process that held the lock
             return None
+        try:
+            if time.time() - failed.stat().st_mtime < _FAILED_FOR:
+                return failed.read_text()
+        except OSError:
+            pass
         logger.info("gefen_dist: compiling %s into %s (once per source version, CPU type and compiler; "
                     "up to ~20 s)", target.name, target.parent)
         t0 = time.monotonic()
@@ -173,7 +184,10 @@ def _build_once(cc: str, paths: Sequence[Path], target: Path, flags: Sequence[st
         err = _try_compile(cc, paths, Path(tmp), flags)
         if err is not None:
             os.unlink(tmp)
+            failed.write_text(err)
             return err
         os.replace(tmp, target)
+        if failed.exists():
+            failed.unlink()
         logger.info("gefen_dist: built %s in %.1f s (%s)", target.name, time.monotonic() - t0, " ".join(flags))
     return None
