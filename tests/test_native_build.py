@@ -128,3 +128,23 @@ def test_build_kernels_command(capsys, monkeypatch):
     assert cli.main(["build-kernels"]) == 1
     out = capsys.readouterr().out
     assert out.count("not built (the eager torch path runs instead") == 3, out
+
+
+def test_a_hung_compiler_times_out_and_falls_back(tmp_path, monkeypatch, caplog):
+    """A compiler that never returns does not hang the first step (nor the ranks waiting on its lock):
+    the compile times out, every flag variant is tried, the loader falls back (None) and says why."""
+    import logging
+
+    spec = importlib.util.spec_from_file_location("gefen_native_timeout", NATIVE)
+    native = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native)
+    cc = tmp_path / "hung-cc"
+    cc.write_text("#!/bin/sh\nsleep 30\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("GEFEN_DIST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("GEFEN_DIST_NO_NATIVE", raising=False)
+    monkeypatch.setattr(native, "_COMPILE_TIMEOUT", 0.3)
+    with caplog.at_level(logging.WARNING, logger="gefen_native_timeout"):
+        assert native.load_library("gefen_first_step", ["first_step.c"]) is None
+    assert caplog.text.count("timed out after 0.3 s") == 3, caplog.text

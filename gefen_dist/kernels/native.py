@@ -76,9 +76,15 @@ def _compiler() -> Optional[str]:
     return None
 
 
+_COMPILE_TIMEOUT = 900.0  # s: a compile that hangs fails (the ranks waiting on its lock go on)
+
+
 def _try_compile(cc: str, sources: Sequence[Path], out: Path, flags: Sequence[str]) -> Optional[str]:
     cmd = [cc, *flags, "-o", str(out), *map(str, sources), "-lm"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return f"{' '.join(cmd)}\ntimed out after {_COMPILE_TIMEOUT:g} s"
     if proc.returncode != 0:
         return f"{' '.join(cmd)}\n{proc.stderr[-2000:]}"
     return None
