@@ -136,7 +136,7 @@ def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, w
 
 @_memo
 def compile_apply(mode: int, bf16: bool, rows: int, block: int, warps: int = 8,
-                  ceiling: bool = True, disasm: bool = True) -> Dict[str, object]:
+                  ceiling: bool = True) -> Dict[str, object]:
     """Compile one configuration of ZeroGefen's multi-range applier (``_apply_multi_kernel``,
     kernels/triton_state.py's ``ApplyMany``) for sm_90, with its launch options (8 warps, the multi
     kernel's register ceiling; ``warps`` / ``ceiling=False``: the alternatives they were chosen over)."""
@@ -146,8 +146,7 @@ def compile_apply(mode: int, bf16: bool, rows: int, block: int, warps: int = 8,
            "base": "i64"}  # (an int divisible by 16 gets the same attribute from the launcher)
     consts = dict(MODE=mode, IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=block)
     out = _compile("apply", tk._apply_multi_kernel, ptr, (), consts,
-                   dict(num_warps=warps, enable_fp_fusion=False, **(tm.multi_launch_options() if ceiling else {})),
-                   disasm)
+                   dict(num_warps=warps, enable_fp_fusion=False, **(tm.multi_launch_options() if ceiling else {})))
     return dict(mode=MODES[mode], dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps,
                 aligned=False, device_hp=False, ceiling=ceiling, **out)
 
