@@ -46,23 +46,30 @@ def _have_cc() -> bool:
     return mod._compiler() is not None
 
 
+def _race(tmp_path, env_extra, n=3):
+    """``n`` processes of ``_CHILD`` released at the same instant with ``env_extra``; (rc, stdout,
+    stderr) of each."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = {**os.environ, **env_extra}
+    env.pop("GEFEN_DIST_NO_NATIVE", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(NATIVE), str(gate), str(i), str(n)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
 def test_concurrent_first_loads_compile_once(tmp_path):
     """Three processes load the same library from an empty cache at the same instant: exactly one
     compiles it (one "compiling" log line in all), all three load it, and the cache holds the one
     library (no temporary files left behind)."""
     if not _have_cc():
         pytest.skip("no C compiler")
-    cache, gate = tmp_path / "cache", tmp_path / "gate"
-    gate.mkdir()
-    env = {**os.environ, "GEFEN_DIST_CACHE": str(cache)}
-    env.pop("GEFEN_DIST_NO_NATIVE", None)
-    n = 3
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(NATIVE), str(gate), str(i), str(n)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
-    outs = [p.communicate(timeout=240) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and "LOADED True" in out, (out, err)
-    logs = "".join(err for _, err in outs)
+    cache = tmp_path / "cache"
+    outs = _race(tmp_path, {"GEFEN_DIST_CACHE": str(cache)})
+    for rc, out, err in outs:
+        assert rc == 0 and "LOADED True" in out, (out, err)
+    logs = "".join(err for _, _, err in outs)
     assert logs.count("gefen_dist: compiling gefen_first_step") == 1, logs
     assert logs.count("gefen_dist: built gefen_first_step") == 1, logs
     libs = sorted(f.name for f in cache.iterdir() if f.suffix == ".so")
@@ -78,16 +85,8 @@ def test_a_failing_compile_is_not_repeated_by_the_waiting_processes(tmp_path):
     calls = tmp_path / "calls"
     cc.write_text(f"#!/bin/sh\necho x >> {calls}\nsleep 0.5\necho 'no such compiler feature' >&2\nexit 1\n")
     cc.chmod(0o755)
-    cache, gate = tmp_path / "cache", tmp_path / "gate"
-    gate.mkdir()
-    env = {**os.environ, "GEFEN_DIST_CACHE": str(cache), "CC": str(cc)}
-    env.pop("GEFEN_DIST_NO_NATIVE", None)
-    n = 3
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(NATIVE), str(gate), str(i), str(n)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
-    outs = [p.communicate(timeout=240) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and "LOADED False" in out, (out, err)
+    for rc, out, err in _race(tmp_path, {"GEFEN_DIST_CACHE": str(tmp_path / "cache"), "CC": str(cc)}):
+        assert rc == 0 and "LOADED False" in out, (out, err)
         assert "could not build native library gefen_first_step" in err and "no such compiler feature" in err, err
     assert len(calls.read_text().split()) == 3, calls.read_text()
 
