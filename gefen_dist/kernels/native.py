@@ -178,8 +178,10 @@ def _build_once(cc: str, paths: Sequence[Path], target: Path, flags: Sequence[st
         if target.exists():  # built by the process that held the lock
             return None
         try:
-            if time.time() - failed.stat().st_mtime < _FAILED_FOR:
-                return failed.read_text()
+            age = time.time() - failed.stat().st_mtime
+            if age < _FAILED_FOR:
+                return (f"{failed.read_text()}\n(the build that failed {age:.0f} s ago; tried again after "
+                        f"{_FAILED_FOR:g} s)")
         except OSError:
             pass
         logger.info("gefen_dist: compiling %s into %s (once per source version, CPU type and compiler; "
@@ -193,7 +195,6 @@ def _build_once(cc: str, paths: Sequence[Path], target: Path, flags: Sequence[st
             failed.write_text(err)
             return err
         os.replace(tmp, target)
-        if failed.exists():
-            failed.unlink()
+        failed.unlink(missing_ok=True)
         logger.info("gefen_dist: built %s in %.1f s (%s)", target.name, time.monotonic() - t0, " ".join(flags))
     return None
