@@ -46,6 +46,20 @@ _lock = threading.Lock()
 _cache: Dict[str, Optional[ctypes.CDLL]] = {}
 
 _BASE_FLAGS = ["-O3", "-std=c99", "-shared", "-fPIC", "-fno-math-errno"]
+# GCC splits unaligned 256-bit stores in two 128-bit halves when it tunes for the first Zen cores, and
+# virtual machines that hide the CPU model often present an AMD EPYC as exactly that (family 23,
+# model 1): the step kernel then spends ~4% of its time on the split stores (research/speed-log.md).
+# The instructions' results are the same; a compiler without the option falls back to the next set.
+_X86_STORE_FLAGS = ["-mno-avx256-split-unaligned-store"]
+
+
+def flag_variants() -> list:
+    """The sets of compiler flags tried in turn (the first that compiles and loads is used)."""
+    native = ["-march=native", "-fopenmp"]
+    variants = [_BASE_FLAGS + native, _BASE_FLAGS + ["-fopenmp"], _BASE_FLAGS]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        variants.insert(0, _BASE_FLAGS + native + _X86_STORE_FLAGS)
+    return variants
 
 
 def _cpu_signature() -> str:
@@ -111,14 +125,11 @@ def _build_and_load(name: str, paths: Sequence[Path]) -> Optional[ctypes.CDLL]:
     if cc is None:
         logger.warning("gefen_dist: no C compiler found (set CC); %s falls back to eager torch", name)
         return None
-    variants = [
-        _BASE_FLAGS + ["-march=native", "-fopenmp"],
-        _BASE_FLAGS + ["-fopenmp"],
-        _BASE_FLAGS,
-    ]
+    variants = flag_variants()
     h = hashlib.sha256()
     for p in paths:
         h.update(p.read_bytes())
+    h.update(repr(variants).encode())
     h.update(_cpu_signature().encode())
     h.update(cc.encode())
     digest = h.hexdigest()[:16]
