@@ -473,19 +473,24 @@ def test_load_state_dict_hooks_run_in_torchs_order():
 
 
 def test_load_adamw_state_dict_is_atomic_and_says_why():
+    """An AdamW state dict warm-starts Gefen (tests/test_adamw_import.py); a corrupt one is refused
+    before anything changes, naming the parameter."""
     m = _mlp()
     adamw = torch.optim.AdamW(m.parameters())
     m(torch.randn(4, 64)).sum().backward()
     adamw.step()
     m2, opt = _trained(3)
     before = copy.deepcopy(opt.state_dict())
-    with pytest.raises(ValueError, match=r"parameter 'group0.param0' .*lacks \['period'.*AdamW-style.*"
-                                         r"cannot import them.*start the optimizer fresh"):
-        opt.load_state_dict(adamw.state_dict())
+    bad = copy.deepcopy(adamw.state_dict())
+    bad["state"][0]["exp_avg"].fill_(float("inf"))
+    with pytest.raises(ValueError, match=r"AdamW state 'exp_avg' of parameter 'group0.param0' holds NaN or inf"):
+        opt.load_state_dict(bad)
     after = opt.state_dict()
     assert after["param_groups"] == before["param_groups"]
     for k in before["state"]:
         _state_equal(before["state"][k], after["state"][k])
+    opt.load_state_dict(adamw.state_dict())  # the warm start
+    assert opt.state[m2[0].weight]["learned"] == 1 and int(opt.state[m2[0].weight]["step"]) == 1
     # an all-exact Gefen takes AdamW's moments (same keys; the tensor step becomes an int)
     m3 = _mlp()
     exact = Gefen(m3.parameters(), small_threshold=10**12)

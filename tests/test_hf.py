@@ -138,3 +138,24 @@ def test_accelerate_configs_parse():
     assert {"ddp.yaml", "fsdp2.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"} <= set(seen)
     assert seen["fsdp2.yaml"].fsdp_config["fsdp_version"] == 2
     assert [seen[f"deepspeed_zero{s}.yaml"].deepspeed_config["zero_stage"] for s in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_resuming_an_adamw_run_with_gefen(tmp_path):
+    """A Trainer run with its default torch AdamW saves a checkpoint; a Trainer given Gefen resumes from
+    it: the Trainer loads AdamW's ``optimizer.pt`` into Gefen, which warm-starts from the moments
+    (gefen_dist/optim/adamw_import.py) and goes on from AdamW's step count."""
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "a"), max_steps=2, per_device_train_batch_size=8, learning_rate=3e-3,
+        weight_decay=0.1, adam_beta2=0.95, save_steps=2, save_strategy="steps", logging_steps=1, report_to=[],
+        use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    adamw = transformers.Trainer(model=_model(), args=args, train_dataset=Tokens())
+    adamw.train()
+    assert type(getattr(adamw.optimizer, "optimizer", adamw.optimizer)).__name__ == "AdamW"
+    b = _trainer(tmp_path / "b", 4)
+    b.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    opt = getattr(b.optimizer, "optimizer", b.optimizer)
+    q = {n: st for n, st in _state(opt).items() if "idx" in st}
+    assert isinstance(opt, Gefen) and q and opt.codebook is not None
+    assert all(int(st["step"]) == 4 and st["learned"] == 1 for st in q.values())
+    losses = [h["loss"] for h in b.state.log_history if "loss" in h and h["step"] > 2]  # (the history goes on)
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), b.state.log_history

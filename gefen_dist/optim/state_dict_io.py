@@ -16,8 +16,9 @@
 
 Param groups of an older state dict that lack a key this version has (``second_moment``,
 ``row_blocks``) are filled from this optimizer's group, with a warning. A ``torch.optim.AdamW``
-state dict loads into tensors Gefen keeps exact (same keys; a tensor ``step`` becomes an int) and
-is refused, clearly, for quantized ones.
+state dict loads into tensors Gefen keeps exact (same keys; ``step`` as AdamW keeps it), and its
+quantized tensors are warm-started from their moments (:mod:`gefen_dist.optim.adamw_import`: periods
+and codebook learned from ``exp_avg_sq`` and ``exp_avg``, the state quantized).
 
 ``copy.deepcopy`` and ``pickle`` (:func:`getstate`, :func:`setstate`, :func:`deepcopy`) keep every
 attribute (``fused``, ``small_threshold``, ``nonfinite``, the codebook, ``skipped_steps``, ...)
@@ -38,6 +39,7 @@ from torch.optim import Optimizer
 
 from ..core.periods import row_slab
 from ..engine.layout import FEW_ROWS, few_rows, global_shape, is_dtensor, local_tensor, one_element_rows
+from .adamw_import import import_adamw, is_adamw_entry, is_adamw_state
 from ..engine.state import (MODE_EXACT, MODE_FACTORED, MODE_SHARED, MODE_SPAN, StateSpec, fixed_period, mode_of_saved,
                             narrow_layouts_differ, narrow_rows_of, new_step, threshold_of)
 
@@ -106,10 +108,10 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
     missing = [k for k in keys if k not in st]
     if missing:
         if not exact and {"exp_avg", "exp_avg_sq"} <= set(st):
-            what = ("it holds torch.optim.AdamW-style exact moments (exp_avg, exp_avg_sq), but Gefen keeps this "
-                    "tensor quantized (8-bit first moment, shared/factored second moment) and cannot import them: "
-                    "AdamW checkpoints load only into tensors Gefen keeps exact (small_threshold=10**12 makes every "
-                    "tensor exact)")
+            what = ("it holds exact moments (exp_avg, exp_avg_sq) in a checkpoint whose other tensors hold Gefen "
+                    "state (saved with another small_threshold?), but Gefen keeps this tensor quantized here. Build "
+                    "Gefen with the small_threshold the checkpoint was saved with. (A whole torch.optim.AdamW state "
+                    "dict, with no Gefen state in it, loads as a warm start: docs/checkpoints.md)")
         elif exact and one_element_rows(shape) and mode_of_saved(st) not in (None, MODE_EXACT):
             what = ("it holds quantized state, but its rows of one element keep exact AdamW state in this version "
                     "of gefen_dist (quantized, each element kept its own fp32 scale and second moment: 9 B/param "
@@ -204,9 +206,10 @@ def continue_few_rows(opt, p: torch.Tensor, saved: Any, group: dict, name: str) 
     return out
 
 
-def _groups(opt, saved_groups) -> list:
+def _groups(opt, saved_groups, from_adamw: bool = False) -> list:
     """The param groups to install: the saved hyperparameters (deep-copied) with this optimizer's
-    parameters; validated; newer keys filled in. Raises before anything changes."""
+    parameters; validated; newer keys filled in (``from_adamw``: a ``torch.optim.AdamW`` state dict,
+    whose groups take this optimizer's Gefen settings). Raises before anything changes."""
     from .validation import validate_group_keys, validate_hparams
 
     out = []
@@ -232,7 +235,7 @@ def _groups(opt, saved_groups) -> list:
                 "checkpoint, or start the optimizer fresh to switch modes"
             )
         # a group saved before D16 has no narrow_rows: its tensors of narrow rows were kept per row
-        saved_nr, nr = ng.setdefault("narrow_rows", "rows"), narrow_rows_of(g)
+        saved_nr, nr = ng.setdefault("narrow_rows", narrow_rows_of(g) if from_adamw else "rows"), narrow_rows_of(g)
         if saved_nr != nr and not _narrow_rows_matter(opt, g, saved_nr):
             ng["narrow_rows"] = nr  # both settings keep every tensor of the group alike: this group's stays
         elif saved_nr != nr:
@@ -263,7 +266,7 @@ def _groups(opt, saved_groups) -> list:
         if "param_names" in g and "param_names" not in ng:
             ng["param_names"] = g["param_names"]
         out.append(ng)
-    for k, idx in filled.items():
+    for k, idx in (filled.items() if not from_adamw else ()):
         logger.warning("Gefen.load_state_dict: param groups %s of the loaded state dict lack %r (saved by an "
                        "older version); using this optimizer's value(s) %s", idx, k,
                        [out[i][k] for i in idx])
@@ -285,7 +288,8 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
         if res is not None:
             state_dict = res
     id_map = saved_param_map(opt, state_dict)
-    groups = _groups(opt, state_dict["param_groups"])
+    from_adamw = is_adamw_state(state_dict["state"])  # a torch.optim.AdamW state dict: a warm start
+    groups = _groups(opt, state_dict["param_groups"], from_adamw)
     group_of = {}
     for ng in groups:
         for p in ng["params"]:
@@ -293,11 +297,15 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
     names = opt._names()
     new_state: Dict[Any, Any] = defaultdict(dict)
     cb = None
+    imports = []  # (param, AdamW entry, group, name) of quantized tensors: adamw_import
     for k, saved in state_dict["state"].items():
         if k not in id_map:
             new_state[k] = saved  # state not assigned to a parameter is kept as is (as torch does)
             continue
         p = id_map[k]
+        if from_adamw and is_adamw_entry(saved) and not _spec(opt, p, group_of[id(p)]).exact:
+            imports.append((p, saved, group_of[id(p)], names[id(p)]))  # a warm start, below
+            continue
         saved = continue_few_rows(opt, p, saved, group_of[id(p)], names[id(p)])
         validate_entry(opt, p, saved, names[id(p)], group_of[id(p)])
         st = {}
@@ -317,6 +325,9 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
         if "codebook" in st and cb is None and float(st["codebook"][0]) == -1.0:
             cb = st["codebook"]
         new_state[p] = st
+    if imports:
+        imported, cb = import_adamw(opt, imports, lambda p, g, per: _spec(opt, p, g, per))
+        new_state.update(imported)  # (cb None: no tensor had moments; they learn at their first gradient)
     # ---- everything validated: commit
     opt.codebook = cb.to(torch.float32) if cb is not None else None
     for p, st in new_state.items():

@@ -17,7 +17,10 @@ from torch.optim import Optimizer
 from ..engine.layout import Geometry, global_shape
 from ..engine.state import MODE_EXACT, MODE_SPAN, new_step
 from ..optim.gefen import saved_param_map
+from ..optim.adamw_import import import_adamw, is_adamw_entry, is_adamw_state
 from ..optim.state_dict_io import continue_few_rows
+
+_GEFEN_GROUP_KEYS = ("second_moment", "row_blocks", "narrow_rows")  # an AdamW dict's groups take this optimizer's
 
 _Q_KEYS = ("idx", "scale", "v")
 _F_KEYS = ("idx", "scale", "v_row")  # sliced by rows; v_col is replicated (the same on every rank)
@@ -100,13 +103,27 @@ class ZeroCheckpointMixin:
         sd["state"] = dict(self._consolidated)
         return sd
 
+    def _import_adamw(self, saved_state: Dict[Any, Any], id_map) -> Dict[Any, Any]:
+        """The saved AdamW entries of quantized tensors as full Gefen entries (:mod:`gefen_dist.optim.adamw_import`,
+        with this optimizer's groups), the other entries as saved."""
+        names = self._names()
+        imports = [(id_map[k], e, self._group_of(id_map[k]), names[id(id_map[k])]) for k, e in saved_state.items()
+                   if k in id_map and is_adamw_entry(e) and self._mode(id_map[k]) != MODE_EXACT]
+        conv, _ = import_adamw(self, imports, lambda p, g, per: self._spec(p, per))
+        return {k: conv.get(id_map.get(k), e) if k in id_map else e for k, e in saved_state.items()}
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a consolidated (or single-process Gefen) state dict at any world size: restore
         hyperparameters, periods and the codebook, decide the partition from the saved periods,
         and keep this rank's slices. No collectives."""
         id_map = saved_param_map(self, state_dict)
         saved_state = state_dict["state"]
-        Optimizer.load_state_dict(self, {**state_dict, "state": {}})
+        groups = state_dict["param_groups"]
+        if is_adamw_state(saved_state):  # a torch.optim.AdamW state dict: a warm start (Gefen.load_state_dict's)
+            saved_state = self._import_adamw(saved_state, id_map)
+            groups = [{**{k: g[k] for k in _GEFEN_GROUP_KEYS if k in g}, **sg}
+                      for sg, g in zip(groups, self.param_groups)]
+        Optimizer.load_state_dict(self, {**state_dict, "param_groups": groups, "state": {}})
         self._modes = None  # from the loaded groups' second_moment (each entry is validated against it below)
         names = self._names()
         full = {}
