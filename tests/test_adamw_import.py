@@ -51,9 +51,10 @@ def _loss(net, b):
 
 
 def _train(net, opt, steps, gen):
+    """``steps`` steps on the batches of ``gen`` (a generator: fresh batches), or on one batch (a tuple)."""
     losses = []
     for _ in range(steps):
-        b = _batch(gen)
+        b = gen if isinstance(gen, tuple) else _batch(gen)
         opt.zero_grad()
         loss = _loss(net, b)
         loss.backward()
@@ -143,17 +144,6 @@ def _full_batch_task(seed):
         return tok, x, teacher(tok, x)
 
 
-def _full_batch(net, opt, steps, batch):
-    out = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = _loss(net, batch)
-        loss.backward()
-        opt.step()
-        out.append(float(loss.detach()))
-    return out
-
-
 def test_continuing_from_adamw_state_tracks_adamw():
     """Switch optimizers after 150 full-batch AdamW steps (loss 26 -> 0.004) and take 30 more: Gefen
     warm-started from AdamW's state stays near AdamW's losses; Gefen started fresh, like a fresh
@@ -162,7 +152,7 @@ def test_continuing_from_adamw_state_tracks_adamw():
     torch.manual_seed(1)
     net = Net()
     adamw = torch.optim.AdamW(_groups(net, lr=3e-3), betas=BETAS, weight_decay=0.0)
-    _full_batch(net, adamw, 150, batch)
+    _train(net, adamw, 150, batch)
     sd, weights = adamw.state_dict(), copy.deepcopy(net.state_dict())
 
     def branch(cls, load, **kw):
@@ -170,7 +160,7 @@ def test_continuing_from_adamw_state_tracks_adamw():
         opt = cls(_groups(net, lr=3e-3), betas=BETAS, weight_decay=0.0, **kw)
         if load:
             opt.load_state_dict(copy.deepcopy(sd))
-        return torch.tensor(_full_batch(net, opt, 30, batch))
+        return torch.tensor(_train(net, opt, 30, batch))
 
     ref = branch(torch.optim.AdamW, True)
     warm = branch(Gefen, True, small_threshold=1024)
@@ -192,7 +182,7 @@ def test_bad_adamw_state_is_refused_and_changes_nothing():
 
     bad = copy.deepcopy(sd)
     bad["state"][k_up]["exp_avg"][3, 4] = float("nan")
-    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 'group0.param\d'.*NaN"):
+    with pytest.raises(ValueError, match=r"AdamW state of parameter 'group0.param\d' holds NaN"):
         opt.load_state_dict(bad)
     bad = copy.deepcopy(sd)
     bad["state"][k_up]["exp_avg_sq"] = bad["state"][k_up]["exp_avg_sq"][:, :64]

@@ -23,13 +23,13 @@ from _launch import run_torchrun  # noqa: E402
          ["--same-grads", "--second-moment", "elementwise"]]),
     (3, [["--same-grads", "--second-moment", "factored", "--nonfinite"],
          # narrow_rows="span" (D16): blocks of 1024 / 342 / 32 rows cut by the shards, replicated block state
-         ["--same-grads", "--second-moment", "factored", "--nonfinite", "--narrow-span"],
+         ["--same-grads", "--second-moment", "factored", "--nonfinite", "--narrow-span", "--adamw-import"],
          # the multi-tensor CUDA batch (gefen_dist.engine.cuda_batch) on DTensor shards, through the
          # Triton interpreter: pieces that cut row blocks, the non-finite protocol
          ["--same-grads", "--second-moment", "factored", "--nonfinite", "--cuda-batch", "--steps", "5"],
          # capturable=True on DTensor shards: the sharded batch with its verdict on the device
          ["--same-grads", "--second-moment", "factored", "--cuda-batch", "--capturable", "--steps", "4"]]),
-    (4, [["--same-grads", "--hsdp", "--second-moment", "factored"],
+    (4, [["--same-grads", "--hsdp", "--second-moment", "factored", "--adamw-import"],
          ["--hsdp"],
          ["--same-grads", "--hsdp", "--second-moment", "factored", "--narrow-span"],
          # the batch under HSDP: the replica mask
@@ -57,6 +57,8 @@ def _check_config(args, out):
         assert "OK cuda batch: sharded=True" in out
     if "--capturable" in args:
         assert "OK capturable ws=" in out
+    if "--adamw-import" in args:
+        assert "OK adamw import ws=" in out
     if "--same-grads" in args and "--capturable" in args:  # exact tensors by torch's fused AdamW (see the script)
         assert "; quantized tensors bitwise" in out
     elif "--same-grads" in args:

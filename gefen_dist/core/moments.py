@@ -12,13 +12,17 @@ summarises. Gefen's state of the same tensor after the same gradients would hold
   (``factored``, D12), its block means and column means (D16's blocks of rows).
 
 So the conversion is exact for the second moment (up to float32 rounding of a float64 mean) and a
-quantization of the first, as a step would make it. Whole tensors only: the caller passes the
-global ``m`` and ``v`` (a sharded checkpoint must be gathered first). Nothing here learns the
-period or the codebook; :mod:`gefen_dist.optim.adamw_import` does, as the first step would.
+quantization of the first, as a step would make it. It works on a *piece* of whole rows (a
+process's shard, or the whole tensor): :func:`moments_partials` gives what must be summed
+(column and block sums of ``v``, float64) and maximised (block maxima of ``|m|``) over the pieces
+of a tensor, :func:`state_from_moments` the piece's state from its rows and the reduced values.
+Nothing here learns the period or the codebook; :mod:`gefen_dist.optim.adamw_import` does, as the
+first step would.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -27,65 +31,122 @@ from .periods import row_slab
 from .quant import nearest_codeword
 from .step import quantize
 
-__all__ = ["state_from_moments"]
+__all__ = ["MomentsLayout", "moments_partials", "state_from_moments", "block_means", "factored_means", "span_means"]
 
 
-def _rows(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """``t`` as float64 ``[rows, slab]`` (the means are taken in float64, then rounded once)."""
-    return t.detach().reshape(int(shape[0]), row_slab(shape)).double()
+def block_means(v: torch.Tensor, P: int) -> torch.Tensor:
+    """float32 means of consecutive blocks of ``P`` elements of ``v`` (a whole number of blocks), in
+    float64: the ``v`` of the shared and elementwise layouts, ``[numel / P]``."""
+    return v.detach().reshape(-1, int(P)).double().mean(dim=1).float()
 
 
-def _quantize_blocks(m: torch.Tensor, B: int, codebook: torch.Tensor, nearest: Callable) -> tuple:
-    """``idx`` (uint8, ``m``'s shape) and ``scale`` (``[rows, slab / B]``) of a ``[rows, slab]`` float32 ``m``."""
-    rows, slab = m.shape
-    blocks = m.view(rows, slab // B, B)
-    scale = blocks.abs().amax(dim=2)
-    idx = quantize(blocks, scale.unsqueeze(2), codebook, nearest)
-    return idx.view(rows, slab), scale
+def factored_means(v: torch.Tensor, slab: int, G: int = 1) -> tuple:
+    """``(v_row, v_col)`` of whole rows of ``slab`` elements of ``v`` (float32 from float64 means):
+    the row means ``[rows]`` and the column means ``[slab]``, or ``[G, slab]`` per block of ``rows /
+    G`` consecutive rows (D12)."""
+    v64 = v.detach().reshape(-1, int(slab)).double()
+    cols = v64.mean(dim=0) if G == 1 else v64.view(int(G), -1, int(slab)).mean(dim=1)
+    return v64.mean(dim=1).float(), cols.float()
 
 
-def _span_state(m: torch.Tensor, v: torch.Tensor, shape: Sequence[int], codebook: torch.Tensor,
-                nearest: Callable) -> Dict[str, torch.Tensor]:
-    """D16's layout: per block of whole rows its absmax and its mean of ``v``; ``v_col`` the column
-    means of ``v`` over every row."""
-    sp = _span.SpanPiece.of(shape)
-    bid = sp.block_ids(m.device)
-    rows32 = m.reshape(sp.nrows, sp.slab)
-    scale = torch.zeros(sp.nb, dtype=torch.float32, device=m.device)
-    if sp.nrows:
-        scale.scatter_reduce_(0, bid, rows32.abs().amax(dim=1), "amax")
-    idx = quantize(rows32, scale.index_select(0, bid).unsqueeze(1), codebook, nearest)
-    v64 = _rows(v, shape)
-    blk = torch.zeros(sp.nb, dtype=torch.float64, device=v.device).index_add_(0, bid, v64.sum(dim=1))
-    return {"idx": idx.view(tuple(shape)), "scale": scale,
-            "v_blk": (blk / sp.counts(v.device)).float(), "v_col": v64.mean(dim=0).float()}
+def _span_sums(v: torch.Tensor, sp: "_span.SpanPiece") -> torch.Tensor:
+    """The column sums and the block sums of the rows of piece ``sp`` of ``v``: float64 ``[slab + blocks]``."""
+    v64 = v.detach().reshape(sp.nrows, sp.slab).double()
+    blk = torch.zeros(sp.nb, dtype=torch.float64, device=v.device).index_add_(0, sp.block_ids(v.device),
+                                                                             v64.sum(dim=1))
+    return torch.cat([v64.sum(dim=0), blk])
 
 
-def state_from_moments(m: torch.Tensor, v: torch.Tensor, *, mode: str, shape: Sequence[int], period: int,
-                       scale_block: int, row_blocks: int, codebook: torch.Tensor,
+def _span_means(sums: torch.Tensor, sp: "_span.SpanPiece") -> tuple:
+    """``(v_blk, v_col)`` from the whole tensor's :func:`_span_sums`: each block's and each column's mean."""
+    return (sums[sp.slab:] / sp.counts(sums.device)).float(), (sums[:sp.slab] / sp.rows).float()
+
+
+def span_means(v: torch.Tensor, sp: "_span.SpanPiece") -> tuple:
+    """``(v_blk, v_col)`` of a whole tensor kept per block of rows (D16; ``sp`` its
+    :class:`~gefen_dist.core.span.SpanPiece`): each block's mean and each column's mean of ``v``."""
+    return _span_means(_span_sums(v, sp), sp)
+
+
+@dataclass(frozen=True)
+class MomentsLayout:
+    """Where a piece of whole rows sits and how its tensor is kept: ``mode`` (``"shared"``,
+    ``"elementwise"``, ``"factored"`` or ``"span"``), the global ``shape``, the piece's first row
+    ``row0`` and number of rows ``nrows``, the ``period`` and ``scale_block`` and (factored) the
+    number of ``row_blocks`` with their own column profile."""
+
+    mode: str
+    shape: Tuple[int, ...]
+    row0: int
+    nrows: int
+    period: int
+    scale_block: int
+    row_blocks: int = 1
+
+    @property
+    def slab(self) -> int:
+        return row_slab(self.shape)
+
+    def span(self) -> "_span.SpanPiece":
+        return _span.SpanPiece.of(self.shape, self.row0 * self.slab, self.nrows * self.slab)
+
+
+def moments_partials(m: torch.Tensor, v: torch.Tensor, lay: MomentsLayout) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This piece's contributions (``m``, ``v``: its rows) to what the tensor's state needs from every
+    piece: float64 sums (factored: the column sums of ``v`` per block of rows, ``[G * slab]``; span:
+    the column sums and the block sums, ``[slab + blocks]``) and float32 maxima (span: the blocks'
+    maxima of ``|m|``); empty for the other modes. Sum and maximise them over the pieces (zeros from a
+    replica that must not count twice), then pass them to :func:`state_from_moments`."""
+    dev, slab = m.device, lay.slab
+    empty64, empty32 = torch.zeros(0, dtype=torch.float64, device=dev), torch.zeros(0, device=dev)
+    v64 = v.detach().reshape(lay.nrows, slab).double()
+    if lay.mode == "factored":
+        G = int(lay.row_blocks)
+        out = torch.zeros(G, slab, dtype=torch.float64, device=dev)
+        block = torch.div(torch.arange(lay.row0, lay.row0 + lay.nrows, device=dev), int(lay.shape[0]) // G,
+                          rounding_mode="floor")
+        return out.index_add_(0, block, v64).reshape(-1), empty32
+    if lay.mode == "span":
+        sp = lay.span()
+        amax = torch.zeros(sp.nb, dtype=torch.float32, device=dev)
+        if lay.nrows:
+            amax.scatter_reduce_(0, sp.block_ids(dev), m.detach().reshape(lay.nrows, slab).float().abs().amax(dim=1),
+                                 "amax")
+        return _span_sums(v, sp), amax
+    return empty64, empty32
+
+
+def state_from_moments(m: torch.Tensor, v: torch.Tensor, lay: MomentsLayout, codebook: torch.Tensor,
+                       sums: torch.Tensor, maxima: torch.Tensor,
                        nearest: Optional[Callable] = None) -> Dict[str, torch.Tensor]:
-    """The state tensors of a whole quantized tensor of global ``shape`` from its AdamW moments ``m``
-    and ``v`` (any float dtype, ``shape``'s number of elements): ``idx`` and ``scale`` and, by
-    ``mode`` (``"shared"``, ``"elementwise"``, ``"factored"`` or ``"span"``), ``v`` ``[rows, slab /
-    period]``, ``v_row`` ``[rows, 1]`` and ``v_col`` (``[row_blocks, slab]``, or ``[slab]`` for one
-    block), or ``v_blk`` ``[blocks]`` and ``v_col`` ``[slab]``; float32 and uint8, on ``m``'s
-    device. ``nearest``: the nearest-codeword function (default the reference's)."""
+    """The state tensors of a piece of whole rows (``m``, ``v``: its AdamW moments, any float dtype)
+    from ``sums`` and ``maxima``, :func:`moments_partials` reduced over every piece of the tensor:
+    ``idx`` (uint8, the piece's shape) and ``scale``, and by ``lay.mode`` ``v`` (``[rows, slab /
+    period]``), ``v_row`` (``[rows, 1]``) and ``v_col`` (``[row_blocks, slab]``, or ``[slab]``), or
+    ``v_blk`` (``[blocks]``, the whole tensor's) and ``v_col`` (``[slab]``) with a whole-tensor
+    ``scale``; float32 and uint8, on ``m``'s device. ``nearest``: the nearest-codeword function
+    (default the reference's)."""
     nearest = nearest_codeword if nearest is None else nearest
-    shape = tuple(int(s) for s in shape)
-    m32 = m.detach().reshape(int(shape[0]), row_slab(shape)).float()
-    if mode == "span":
-        return _span_state(m32, v, shape, codebook, nearest)
-    idx, scale = _quantize_blocks(m32, int(scale_block), codebook, nearest)
-    out = {"idx": idx.view(shape), "scale": scale}
-    v64 = _rows(v, shape)
-    rows, slab = v64.shape
-    if mode == "factored":
-        out["v_row"] = v64.mean(dim=1, keepdim=True).float()
-        G = int(row_blocks)
-        out["v_col"] = (v64.mean(dim=0) if G == 1 else v64.view(G, rows // G, slab).mean(dim=1)).float()
-    elif mode in ("shared", "elementwise"):
-        P = int(period)
-        out["v"] = v64.view(rows, slab // P, P).mean(dim=2).float()
+    rows, slab = lay.nrows, lay.slab
+    local_shape = (rows,) + tuple(lay.shape[1:])
+    m32 = m.detach().reshape(rows, slab).float()
+    if lay.mode == "span":
+        sp = lay.span()
+        scale = maxima.to(m.device, torch.float32)
+        idx = quantize(m32, scale.index_select(0, sp.block_ids(m.device)).unsqueeze(1), codebook, nearest)
+        v_blk, v_col = _span_means(sums, sp)
+        return {"idx": idx.view(local_shape), "scale": scale, "v_blk": v_blk, "v_col": v_col}
+    B = int(lay.scale_block)
+    blocks = m32.view(rows, slab // B, B)
+    scale = blocks.abs().amax(dim=2)
+    out = {"idx": quantize(blocks, scale.unsqueeze(2), codebook, nearest).view(local_shape), "scale": scale}
+    if lay.mode == "factored":
+        G = int(lay.row_blocks)
+        out["v_row"] = v.detach().reshape(rows, slab).double().mean(dim=1, keepdim=True).float()
+        col = (sums.view(G, slab) / (int(lay.shape[0]) // G)).float()
+        out["v_col"] = col if G > 1 else col.view(slab)
+    elif lay.mode in ("shared", "elementwise"):
+        out["v"] = block_means(v, int(lay.period)).view(rows, slab // int(lay.period))
     else:
-        raise ValueError(f"state_from_moments: unknown mode {mode!r}")
+        raise ValueError(f"state_from_moments: unknown mode {lay.mode!r}")
     return out

@@ -46,6 +46,7 @@ import torch
 
 from ..core import periods as _periods
 from ..core import span as _span
+from ..core.moments import block_means, factored_means, span_means
 from ..core.quant import NUM_BINS, nearest_codeword
 from ..core.step import column_ratios, quantize
 from ..engine import learning
@@ -638,10 +639,7 @@ def _fill_span(st, fs, info, key_name, zero: str, codebook) -> None:
         if rec is not None and rec.get("span") and rec["v_blk"].numel() == nb and rec["v_col"].numel() == S:
             vb, vc = rec["v_blk"].float(), rec["v_col"].float()
         else:
-            v = _read_param(zero, name, "exp_avg_sq").double().view(-1, S)
-            vb = (torch.zeros(nb, dtype=torch.float64).index_add_(0, sp.block_ids("cpu"), v.sum(dim=1))
-                  / sp.counts("cpu")).float()
-            vc = v.mean(dim=0).float()
+            vb, vc = span_means(_read_param(zero, name, "exp_avg_sq"), sp)
         st["span_vblk"][bo:bo + nb] = vb.to(dev)
         st["span_vcol"][co:co + S] = vc.to(dev)
         seg = local.get(key)
@@ -676,18 +674,16 @@ def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, fac
                 and rec["v_col"].numel() == sp.vcol_n):
             vr, vc = rec["v_row"].float(), rec["v_col"].float().reshape(-1)
         else:  # from the element-wise second moment: row and per-block column means (float64)
-            v = _read_param(zero, s.name, "exp_avg_sq").double().view(-1, S)
-            vc = v.mean(dim=0) if G == 1 else v.view(G, -1, S).mean(dim=1).reshape(-1)
-            vr, vc = v.mean(dim=1).float(), vc.float()
+            vr, vc = factored_means(_read_param(zero, s.name, "exp_avg_sq"), S, G)
+            vc = vc.reshape(-1)
         st["v_row"][sp.v_off:sp.v_off + sp.v_n] = vr[r0:r1].to(dev)
         st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n] = vc.to(dev)
     else:
         P = sp.period
-        v = _read_param(zero, s.name, "exp_avg_sq").double()
+        v = _read_param(zero, s.name, "exp_avg_sq")
         k0, k1 = a // P, (e - 1) // P + 1
         # a few-row tensor of a factored buffer keeps its shared v in v_row (D15)
-        st["v_row" if factored else "v"][sp.v_off:sp.v_off + sp.v_n] = (
-            v[k0 * P:k1 * P].view(-1, P).mean(dim=1).float().to(dev))
+        st["v_row" if factored else "v"][sp.v_off:sp.v_off + sp.v_n] = block_means(v[k0 * P:k1 * P], P).to(dev)
 
 
 def _set_hparams(opt, optim_sd: Dict[str, Any], from_gefen: bool) -> None:

@@ -38,7 +38,8 @@ import torch
 from torch.optim import Optimizer
 
 from ..core.periods import row_slab
-from ..engine.layout import FEW_ROWS, few_rows, global_shape, is_dtensor, local_tensor, one_element_rows
+from ..engine.layout import (FEW_ROWS, few_rows, global_shape, is_dtensor, like_param, local_tensor, one_element_rows,
+                             piece_of)
 from .adamw_import import import_adamw, is_adamw_entry, is_adamw_state
 from ..engine.state import (MODE_EXACT, MODE_FACTORED, MODE_SHARED, MODE_SPAN, StateSpec, fixed_period, mode_of_saved,
                             narrow_layouts_differ, narrow_rows_of, new_step, threshold_of)
@@ -273,6 +274,20 @@ def _groups(opt, saved_groups, from_adamw: bool = False) -> list:
     return out
 
 
+def _shard_rows(opt, p: torch.Tensor, group: dict):
+    """For a DTensor parameter (FSDP2): ``(first row, end row, keys)`` of this rank's rows and the state
+    keys that are sharded like the parameter, so that a full (unsharded) entry loads as this rank's
+    piece, as ``set_optimizer_state_dict`` would shard it; None for a plain parameter."""
+    if not is_dtensor(p):
+        return None
+    slab = row_slab(global_shape(p))
+    pc = piece_of(p, opt._comm.rank, True)
+    r0 = pc.start // slab if slab else 0
+    spec = _spec(opt, p, group)
+    sharded = {k for k, (_, _, _, sh) in spec.tensors(tuple(local_tensor(p).shape)).items() if sh}
+    return r0, r0 + int(local_tensor(p).shape[0]) if local_tensor(p).dim() else r0, sharded
+
+
 def load(opt, state_dict: Dict[str, Any]) -> None:
     """``Gefen.load_state_dict``: pre hooks, validation of everything, the state without a cast,
     then post hooks (module docstring)."""
@@ -309,7 +324,10 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
         saved = continue_few_rows(opt, p, saved, group_of[id(p)], names[id(p)])
         validate_entry(opt, p, saved, names[id(p)], group_of[id(p)])
         st = {}
+        rows = _shard_rows(opt, p, group_of[id(p)])  # a full entry's rows this rank keeps (FSDP2), or None
         for key, val in saved.items():
+            if rows is not None and key in rows[2] and isinstance(val, torch.Tensor) and not is_dtensor(val):
+                val = like_param(val.detach()[rows[0]:rows[1]].to(local_tensor(p).device), p, tuple(val.shape))
             if isinstance(val, torch.Tensor):
                 if key == "step":
                     val = new_step(val.item())  # as AdamW keeps it: 0-dim float32 on the CPU

@@ -6,6 +6,7 @@ separates configurations checked one after the other in the same launch (a launc
 process start-up per rank); rank 0 prints ``CONFIG i: OPTIONS`` before each.
 """
 import argparse
+import copy
 import os
 import sys
 
@@ -97,6 +98,9 @@ def parse(argv):
     ap.add_argument("--capturable", action="store_true",
                     help="with --cuda-batch: both optimizers capturable=True, nonfinite='skip' (the verdict, step "
                          "counts and scalars on the device); then a NaN in one rank's shard skips on every rank")
+    ap.add_argument("--adamw-import", action="store_true",
+                    help="also load AdamW state (DTensor entries of an AdamW over the sharded model, and a full one) "
+                         "into a sharded Gefen and compare with the single-process warm start")
     ap.add_argument("--same-grads", action="store_true",
                     help="feed the FSDP optimizer the single-process gradient (sharded): isolates the "
                          "optimizer's rank invariance, which must then be bitwise")
@@ -216,7 +220,79 @@ def check(args):
         check_nonfinite(m, opt, rank, ws)
     if args.capturable:
         check_capturable_skip(m, opt, rank, ws)
+    if args.adamw_import:
+        check_adamw_import(mesh, args, rank, ws)
     return [mesh.get_group(d) for d in range(mesh.ndim)]
+
+
+def check_adamw_import(mesh, args, rank, ws):
+    """An AdamW over the sharded model and one over the single-process model, stepped on the same
+    gradients; their state dicts loaded into Gefen (gefen_dist/optim/adamw_import.py): the sharded
+    Gefen's state from the DTensor entries, and from the full single-process dict, equals the
+    single-process warm start bitwise (codebook, periods, every state tensor), and one more step on
+    the same gradient keeps the parameters equal."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from gefen_dist.engine.comm import LocalComm
+
+    narrow = args.narrow_span
+    kw = dict(lr=3e-3, weight_decay=0.1, second_moment=args.second_moment,
+              **(dict(narrow_rows="span") if narrow else {}))
+    ref, m = model(narrow, seed=3), model(narrow, seed=3)
+    for mod in (m.a, m.b, m.c):
+        fully_shard(mod, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    a_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    a_sh = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(11)
+
+    def same_grads():
+        xg, yg = torch.randn(8 * ws, 96, generator=g), torch.randn(8 * ws, 8, generator=g)
+        for net in (ref, m):
+            for p in net.parameters():
+                p.grad = None
+        ((forward(ref, xg) - yg) ** 2).mean().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            p.grad = distribute_tensor(q.grad, p.device_mesh, p.placements)
+
+    for _ in range(3):
+        same_grads()
+        a_ref.step()
+        a_sh.step()
+    g_ref = Gefen(ref.parameters(), **kw)
+    g_ref._comm = LocalComm()
+    # (copies: a loaded state dict's tensors become the optimizer's own, as in torch, and both step)
+    g_ref.load_state_dict(copy.deepcopy(a_ref.state_dict()))
+    full_sd = copy.deepcopy(a_ref.state_dict())
+    for source in ("dtensor", "full"):
+        g_sh = Gefen(m.parameters(), **kw)
+        g_sh.load_state_dict(a_sh.state_dict() if source == "dtensor" else full_sd)
+        assert torch.equal(g_sh.codebook, g_ref.codebook), source
+        for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+            st, rst = g_sh.state[p], g_ref.state[q]
+            assert st.get("period") == rst.get("period") and st.get("learned") == rst.get("learned"), (source, name)
+            assert int(st["step"]) == int(rst["step"]) == 3, (source, name)
+            for k, t in rst.items():
+                if isinstance(t, torch.Tensor) and k != "step":
+                    mine = st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k]
+                    assert torch.equal(mine, t), (source, name, k)
+    same_grads()  # one more step of the last sharded Gefen (the full dict's) and the reference
+    g_sh.step()
+    g_ref.step()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert torch.equal(p.full_tensor(), q), name
+    g_full = Gefen(m.parameters(), **kw)  # a full (unsharded) Gefen state dict loads as each rank's rows
+    g_full.load_state_dict(copy.deepcopy(g_ref.state_dict()))
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        for k, t in g_sh.state[p].items():
+            if isinstance(t, torch.Tensor):
+                u = g_full.state[p][k]
+                assert type(u) is type(t) and torch.equal(u.full_tensor() if hasattr(u, "full_tensor") else u,
+                                                          t.full_tensor() if hasattr(t, "full_tensor") else t), (name, k)
+    if rank == 0:
+        print(f"OK adamw import ws={ws}{' hsdp' if args.hsdp else ''}{' span' if narrow else ''}: DTensor and full "
+              "AdamW state dicts give the single-process warm start bitwise; a full Gefen state dict loads as the shards", flush=True)
 
 
 def check_nonfinite(m, opt, rank, ws):
