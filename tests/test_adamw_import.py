@@ -240,3 +240,19 @@ def test_zerogefen_warm_starts_like_gefen():
             assert int(opt.state[twin.up.weight]["step"]) == 6 and opt.state[twin.up.weight]["learned"] == 1
     for n, p in params["Gefen"].items():
         torch.testing.assert_close(params["ZeroGefen"][n], p, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_amsgrad_state_is_refused_by_both():
+    """AdamW with amsgrad keeps a third moment Gefen has no place for: both optimizers refuse it, unchanged."""
+    from gefen_dist import ZeroGefen
+
+    torch.manual_seed(0)
+    net = Net()
+    gen = torch.Generator().manual_seed(1)
+    adamw = torch.optim.AdamW(_groups(net), betas=BETAS, amsgrad=True)
+    _train(net, adamw, 2, gen)
+    for cls in (Gefen, ZeroGefen):
+        opt = cls(_groups(net), betas=BETAS, small_threshold=1024)
+        with pytest.raises(ValueError, match="amsgrad"):
+            opt.load_state_dict(copy.deepcopy(adamw.state_dict()))
+        assert not opt.state, cls.__name__

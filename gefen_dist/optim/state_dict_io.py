@@ -40,9 +40,9 @@ from torch.optim import Optimizer
 from ..core.periods import row_slab
 from ..engine.layout import (FEW_ROWS, few_rows, global_shape, is_dtensor, like_param, local_tensor, one_element_rows,
                              piece_of)
-from .adamw_import import import_adamw, is_adamw_entry, is_adamw_state
 from ..engine.state import (MODE_EXACT, MODE_FACTORED, MODE_SHARED, MODE_SPAN, StateSpec, fixed_period, mode_of_saved,
                             narrow_layouts_differ, narrow_rows_of, new_step, threshold_of)
+from .adamw_import import import_adamw, is_adamw_entry, is_adamw_state
 
 logger = logging.getLogger(__name__)
 

@@ -120,6 +120,11 @@ class ZeroCheckpointMixin:
         saved_state = state_dict["state"]
         groups = state_dict["param_groups"]
         if is_adamw_state(saved_state):  # a torch.optim.AdamW state dict: a warm start (Gefen.load_state_dict's)
+            unsupported = sorted({k for sg in groups for k in ("maximize", "amsgrad") if sg.get(k)})
+            if unsupported:
+                raise ValueError(f"the loaded AdamW state dict sets {unsupported}, which Gefen does not implement "
+                                 "(amsgrad's max_exp_avg_sq would be dropped); load an AdamW checkpoint without them, "
+                                 "or start the optimizer fresh")
             saved_state = self._import_adamw(saved_state, id_map)
             groups = [{**{k: g[k] for k in _GEFEN_GROUP_KEYS if k in g}, **sg}
                       for sg, g in zip(groups, self.param_groups)]
