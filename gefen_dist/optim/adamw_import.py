@@ -37,7 +37,7 @@ from ..core.periods import row_slab
 from ..engine import learning
 from ..engine.comm import LocalComm
 from ..engine.layout import global_shape, is_dtensor, like_param, local_tensor, piece_of
-from ..engine.state import MODE_SPAN, fixed_period
+from ..engine.state import MODE_EXACT, MODE_SPAN, fixed_period, mode_of_saved
 from ..kernels import dispatch as _dispatch
 
 logger = logging.getLogger(__name__)
@@ -47,14 +47,15 @@ __all__ = ["is_adamw_entry", "is_adamw_state", "import_adamw"]
 
 def is_adamw_entry(saved: Any) -> bool:
     """Whether a saved per-parameter entry holds AdamW's moments (and no Gefen state)."""
-    return isinstance(saved, dict) and {"exp_avg", "exp_avg_sq"} <= set(saved) and "idx" not in saved
+    return (isinstance(saved, dict) and mode_of_saved(saved) == MODE_EXACT
+            and {"exp_avg", "exp_avg_sq"} <= set(saved))
 
 
 def is_adamw_state(entries: Mapping[Any, Any]) -> bool:
     """Whether a state dict's ``state`` is a ``torch.optim.AdamW`` one: AdamW's moments and no Gefen
     state (its param groups may carry Gefen's keys when the same group dicts built both optimizers)."""
     return (any(is_adamw_entry(e) for e in entries.values())
-            and not any(isinstance(e, dict) and ("idx" in e or "period" in e) for e in entries.values()))
+            and not any(isinstance(e, dict) and mode_of_saved(e) not in (None, MODE_EXACT) for e in entries.values()))
 
 
 def _moments(p: torch.Tensor, saved: dict, name: str, pc) -> Tuple[torch.Tensor, torch.Tensor, str]:
