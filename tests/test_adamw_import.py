@@ -256,3 +256,34 @@ def test_amsgrad_state_is_refused_by_both():
         with pytest.raises(ValueError, match="amsgrad"):
             opt.load_state_dict(copy.deepcopy(adamw.state_dict()))
         assert not opt.state, cls.__name__
+
+
+def test_dcp_checkpoint_of_adamw_loads_as_the_warm_start(tmp_path):
+    """``gefen_dist.checkpoint.load`` of a DCP checkpoint that AdamW's run saved (model and optimizer) gives
+    the state ``Gefen.load_state_dict`` builds from the same AdamW state dict; amsgrad's is refused
+    before anything loads. (FSDP2 and HSDP: tests/dist/fsdp_vs_single.py --adamw-import.)"""
+    from gefen_dist import checkpoint as gck
+
+    net, adamw, _ = _adamw_run(steps=4)
+    gck.save(net, adamw, tmp_path / "ck")
+    ref = Gefen(_groups(net), betas=BETAS, small_threshold=1024)
+    ref.load_state_dict(copy.deepcopy(adamw.state_dict()))
+    weights = copy.deepcopy(net.state_dict())
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)  # the load restores the model too
+    opt = Gefen(_groups(net), betas=BETAS, small_threshold=1024)
+    gck.load(net, opt, tmp_path / "ck")
+    assert all(torch.equal(t, weights[k]) for k, t in net.state_dict().items())
+    assert torch.equal(opt.codebook, ref.codebook)
+    for p, st in ref.state.items():
+        for k, t in st.items():
+            if isinstance(t, torch.Tensor):
+                assert torch.equal(t, opt.state[p][k]), k
+    ams = torch.optim.AdamW(_groups(net), betas=BETAS, amsgrad=True)
+    _train(net, ams, 1, torch.Generator().manual_seed(3))
+    gck.save(net, ams, tmp_path / "ams")
+    fresh = Gefen(_groups(net), betas=BETAS, small_threshold=1024)
+    with pytest.raises(ValueError, match="amsgrad"):
+        gck.load(net, fresh, tmp_path / "ams")
+    assert not fresh.state

@@ -15,7 +15,7 @@ import torch
 from ..core.periods import row_slab
 from ..core.span import span_by_default
 from ..engine.layout import FEW_ROWS, few_rows, global_shape, is_exact, local_tensor
-from ..engine.state import MODE_SHARED, mode_of_saved
+from ..engine.state import MODE_EXACT, MODE_SHARED, mode_of_saved
 
 from . import files as _files
 from .files import (CheckpointCorruptError, recover_interrupted, temporary_path,  # noqa: F401
@@ -470,15 +470,19 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
     a missing, truncated or corrupted file raises :class:`CheckpointCorruptError` naming it.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
     if verify and isinstance(checkpoint_id, (str, os.PathLike)):
         _verify_all_ranks(checkpoint_id, process_group)
 
     names = _param_names(optimizer)
-    if _is_gefen(optimizer):
-        prepare_for_load(model, optimizer, checkpoint_id)
-    msd, osd = get_state_dict(model, optimizer, options=options)
+    if _is_gefen(optimizer) and _holds_adamw_state(model, optimizer, checkpoint_id):
+        osd = _adamw_template(model, optimizer)  # a warm start from AdamW's moments (optim/adamw_import.py)
+        msd = get_model_state_dict(model, options=options)
+    else:
+        if _is_gefen(optimizer):
+            prepare_for_load(model, optimizer, checkpoint_id)
+        msd, osd = get_state_dict(model, optimizer, options=options)
     sd: Dict[str, Any] = {MODEL_KEY: msd, OPTIM_KEY: osd}
     if extra is not None:
         sd[EXTRA_KEY] = extra
@@ -493,6 +497,38 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
     if extra is not None:
         return sd[EXTRA_KEY]
     return _read_extra(checkpoint_id, process_group)
+
+
+def _holds_adamw_state(model, optimizer, checkpoint_id, key_prefix: str = OPTIM_KEY) -> bool:
+    """Whether the checkpoint's optimizer state is a ``torch.optim.AdamW`` one (AdamW's moments, no
+    Gefen state) with moments for some tensor Gefen quantizes here. Refuses amsgrad's third moment."""
+    keys = list(_reader(checkpoint_id).read_metadata().state_dict_metadata)
+    index = _state_index(keys, key_prefix)
+    if not index or any(mode_of_saved(leaves) not in (None, MODE_EXACT) for leaves in index.values()):
+        return False
+    if any(k.endswith(".max_exp_avg_sq") for k in keys):
+        raise CheckpointMismatchError(f"checkpoint {checkpoint_id!r} holds AdamW state with amsgrad (max_exp_avg_sq), "
+                                      "which Gefen does not implement; nothing was loaded")
+    fqns = param_fqns(model)
+    return any(not optimizer._spec(p).exact and fqns.get(id(p)) in index for p in _optimizer_params(optimizer))
+
+
+def _adamw_template(model, optimizer) -> Dict[str, Any]:
+    """A ``get_optimizer_state_dict``-style template (keyed by FQN) of AdamW's state for every trainable
+    parameter of ``optimizer``, like the parameters (DTensors under FSDP2): what ``dcp.load`` fills from an
+    AdamW checkpoint before ``set_state_dict`` hands it to ``Gefen.load_state_dict``."""
+    fqns = param_fqns(model)
+    state, groups = {}, []
+    for g in optimizer.param_groups:
+        names = []
+        for p in g["params"]:
+            fqn = fqns[id(p)]
+            names.append(fqn)
+            if p.requires_grad:
+                state[fqn] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.detach()),
+                              "exp_avg_sq": torch.zeros_like(p.detach())}
+        groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": names})
+    return {"state": state, "param_groups": groups}
 
 
 @contextlib.contextmanager

@@ -277,6 +277,27 @@ def check_adamw_import(mesh, args, rank, ws):
                 if isinstance(t, torch.Tensor) and k != "step":
                     mine = st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k]
                     assert torch.equal(mine, t), (source, name, k)
+    # an AdamW DCP checkpoint of the sharded model, loaded by gefen_dist.checkpoint.load into a new Gefen
+    import tempfile
+
+    from gefen_dist import checkpoint as gck
+
+    box = [tempfile.mkdtemp(prefix="adamw_dcp_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    path = os.path.join(box[0], "ck")
+    gck.save(m, a_sh, path)
+    g_dcp = Gefen(m.parameters(), **kw)
+    gck.load(m, g_dcp, path)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert torch.equal(p.full_tensor(), q), ("dcp weights", name)
+        assert int(g_dcp.state[p]["step"]) == 3 and torch.equal(g_dcp.codebook, g_ref.codebook), ("dcp", name)
+        for k, t in g_ref.state[q].items():
+            if isinstance(t, torch.Tensor) and k != "step":
+                u = g_dcp.state[p][k]
+                assert torch.equal(u.full_tensor() if hasattr(u, "full_tensor") else u, t), ("dcp", name, k)
+    dist.barrier()
+    if rank == 0:
+        __import__("shutil").rmtree(box[0], ignore_errors=True)
     same_grads()  # one more step of the last sharded Gefen (the full dict's) and the reference
     g_sh.step()
     g_ref.step()
@@ -292,7 +313,7 @@ def check_adamw_import(mesh, args, rank, ws):
                                                           t.full_tensor() if hasattr(t, "full_tensor") else t), (name, k)
     if rank == 0:
         print(f"OK adamw import ws={ws}{' hsdp' if args.hsdp else ''}{' span' if narrow else ''}: DTensor and full "
-              "AdamW state dicts give the single-process warm start bitwise; a full Gefen state dict loads as the shards", flush=True)
+              "AdamW state dicts and an AdamW DCP checkpoint give the single-process warm start bitwise; a full Gefen state dict loads as the shards", flush=True)
 
 
 def check_nonfinite(m, opt, rank, ws):
