@@ -130,7 +130,8 @@ def _not_gefen(path: str, sd: Optional[Dict[str, Any]], what: str) -> Checkpoint
         return CheckpointError(f"{path!r} ({what}) holds no optimizer state dict (a dict with 'state' and "
                                "'param_groups'): not a Gefen optimizer checkpoint")
     keys = sorted({k for st in sd.get("state", {}).values() if isinstance(st, dict) for k in st})
-    hint = " (looks like torch.optim.Adam/AdamW)" if "exp_avg" in keys and "exp_avg_sq" in keys else ""
+    hint = (" (looks like torch.optim.Adam/AdamW; Gefen.load_state_dict and gefen_dist.checkpoint.load warm-start "
+            "Gefen from it, docs/checkpoints.md)") if "exp_avg" in keys and "exp_avg_sq" in keys else ""
     return CheckpointError(f"{path!r} ({what}) is an optimizer state dict but not Gefen's{hint}: state keys {keys[:8]}, "
                            "no 'idx'/'codebook' state and no 'second_moment' in its param groups")
 
