@@ -1,7 +1,7 @@
 """``Gefen.load_state_dict`` of a ``torch.optim.AdamW`` (or Adam) state dict: a warm start.
 
 A job that trained with AdamW and switches to Gefen to free memory (or a trainer that resumes an
-AdamW checkpoint into the optimizer it is now given: the Hugging Face Trainer, Accelerate) hands
+AdamW checkpoint into the optimizer it is now given, as the Hugging Face Trainer does) hands
 Gefen AdamW's entries, ``exp_avg`` and ``exp_avg_sq`` per parameter. Tensors Gefen keeps exact
 take them as they are. For the quantized ones Gefen does here what its first step does with the
 first gradient, from the moments instead:
