@@ -258,7 +258,7 @@ def test_amsgrad_state_is_refused_by_both():
         assert not opt.state, cls.__name__
 
 
-def test_dcp_checkpoint_of_adamw_loads_as_the_warm_start(tmp_path):
+def test_dcp_checkpoint_of_adamw_loads_as_the_warm_start(tmp_path, caplog):
     """``gefen_dist.checkpoint.load`` of a DCP checkpoint that AdamW's run saved (model and optimizer) gives
     the state ``Gefen.load_state_dict`` builds from the same AdamW state dict; amsgrad's is refused
     before anything loads. (FSDP2 and HSDP: tests/dist/fsdp_vs_single.py --adamw-import.)"""
@@ -273,7 +273,10 @@ def test_dcp_checkpoint_of_adamw_loads_as_the_warm_start(tmp_path):
         for p in net.parameters():
             p.add_(1.0)  # the load restores the model too
     opt = Gefen(_groups(net), betas=BETAS, small_threshold=1024)
-    gck.load(net, opt, tmp_path / "ck")
+    with caplog.at_level("INFO", logger="gefen_dist"):
+        gck.load(net, opt, tmp_path / "ck")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text  # (a warm start is no surprise)
+    assert "warm start from AdamW state" in caplog.text
     assert all(torch.equal(t, weights[k]) for k, t in net.state_dict().items())
     assert torch.equal(opt.codebook, ref.codebook)
     for p, st in ref.state.items():

@@ -476,7 +476,8 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
         _verify_all_ranks(checkpoint_id, process_group)
 
     names = _param_names(optimizer)
-    if _is_gefen(optimizer) and _holds_adamw_state(model, optimizer, checkpoint_id):
+    from_adamw = _is_gefen(optimizer) and _holds_adamw_state(model, optimizer, checkpoint_id)
+    if from_adamw:
         osd = _adamw_template(model, optimizer)  # a warm start from AdamW's moments (optim/adamw_import.py)
         msd = get_model_state_dict(model, options=options)
     else:
@@ -486,7 +487,7 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint_id
     sd: Dict[str, Any] = {MODEL_KEY: msd, OPTIM_KEY: osd}
     if extra is not None:
         sd[EXTRA_KEY] = extra
-    kept = _drop_unsaved_group_keys(osd, checkpoint_id)
+    kept = _drop_unsaved_group_keys(osd, checkpoint_id, expected=from_adamw)
     with _single_process_quiet(), _dcp_errors(checkpoint_id):
         dcp.load(sd, checkpoint_id=checkpoint_id, process_group=process_group)
     for g, missing in zip(osd.get("param_groups", []), kept):
@@ -552,7 +553,7 @@ def _dcp_errors(checkpoint_id):
             "model and optimizer options it was saved with") from e
 
 
-def _drop_unsaved_group_keys(osd: Dict[str, Any], checkpoint_id) -> List[Dict[str, Any]]:
+def _drop_unsaved_group_keys(osd: Dict[str, Any], checkpoint_id, expected: bool = False) -> List[Dict[str, Any]]:
     """Param-group entries (hyperparameters) that the checkpoint lacks, e.g. an option added to
     Gefen after it was saved: take them out of the DCP template (DCP refuses missing keys) and
     return them, so that they keep this optimizer's values. Missing *state* still fails the load."""
@@ -567,9 +568,9 @@ def _drop_unsaved_group_keys(osd: Dict[str, Any], checkpoint_id) -> List[Dict[st
             missing = {}  # the checkpoint uses another layout: let DCP report it
         for k in missing:
             del g[k]
-        if missing:
-            logger.warning("checkpoint %s has no %s for param group %d: keeping this optimizer's values %s",
-                           checkpoint_id, sorted(missing), i, missing)
+        if missing:  # (expected: an AdamW checkpoint, which has no Gefen settings to keep)
+            logger.log(logging.INFO if expected else logging.WARNING, "checkpoint %s has no %s for param group %d: "
+                       "keeping this optimizer's values %s", checkpoint_id, sorted(missing), i, missing)
         kept.append(missing)
     return kept
 
