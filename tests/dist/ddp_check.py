@@ -1,6 +1,6 @@
 """torchrun worker: Gefen under DistributedDataParallel (plain tensors, 2 ranks).
 
-    torchrun --nproc_per_node 2 tests/dist/ddp_check.py [--mismatch]
+    torchrun --nproc_per_node 2 tests/dist/ddp_check.py [--mismatch] [--adamw-import]
     torchrun --nnodes 2 --node_rank K --nproc_per_node 1 --master_addr 127.0.0.1 --master_port P \
         tests/dist/ddp_check.py                                  (K = 0, 1: two "nodes")
 
@@ -13,6 +13,7 @@ nodes with 1 rank each must print the same digest.
 ``--mismatch``: afterwards rank 1 builds Gefen (a) over the model plus one extra parameter and
 (b) with one parameter of a different shape; each must raise a clear RuntimeError on every rank
 within the process group's 30 s timeout.
+``--adamw-import``: an AdamW trained under DDP warm-starts Gefen on every rank (identical replicas).
 """
 import argparse
 import hashlib
@@ -126,14 +127,49 @@ def run_mismatch(rank, ws):
         dist.barrier()
 
 
+def run_adamw_import(rank, ws):
+    """An AdamW trained under DDP, its state dict loaded into Gefen on every rank (the warm start of
+    gefen_dist/optim/adamw_import.py enters no collective for plain tensors): the replicas' states are
+    identical, learned, at AdamW's step, and stay identical through two more DDP steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(net())
+    opt = make_opt(model)  # (its param groups, for AdamW too)
+    adamw = torch.optim.AdamW([{k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")}
+                               for g in opt.param_groups])
+    for s in range(3):
+        x, y = local_batch(s, rank, ws)
+        adamw.zero_grad()
+        loss_fn(model, x, y).backward()
+        adamw.step()
+    opt.load_state_dict(adamw.state_dict())
+    del adamw
+    quantized = [st for st in opt.state.values() if "idx" in st]
+    assert quantized and all(st["learned"] == 1 and int(st["step"]) == 3 for st in quantized)
+    for s in range(3, 5):
+        x, y = local_batch(s, rank, ws)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+    d = digest(model.module, opt)
+    ds = [None] * ws
+    dist.all_gather_object(ds, d)
+    assert len(set(ds)) == 1, f"adamw import: ddp replicas differ: {ds}"
+    log(f"OK adamw import ws={ws}: {len(quantized)} quantized tensors warm-started, replicas bitwise identical "
+        "after 2 more steps")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mismatch", action="store_true")
+    ap.add_argument("--adamw-import", action="store_true")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     torch.set_num_threads(1)
     rank, ws = dist.get_rank(), dist.get_world_size()
     run_ddp(rank, ws)
+    if args.adamw_import:
+        run_adamw_import(rank, ws)
     if args.mismatch:
         run_mismatch(rank, ws)
     dist.barrier()
