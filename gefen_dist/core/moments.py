@@ -99,8 +99,8 @@ def moments_partials(m: torch.Tensor, v: torch.Tensor, lay: MomentsLayout) -> Tu
     replica that must not count twice), then pass them to :func:`state_from_moments`."""
     dev, slab = m.device, lay.slab
     empty64, empty32 = torch.zeros(0, dtype=torch.float64, device=dev), torch.zeros(0, device=dev)
-    v64 = v.detach().reshape(lay.nrows, slab).double()
     if lay.mode == "factored":
+        v64 = v.detach().reshape(lay.nrows, slab).double()
         G = int(lay.row_blocks)
         out = torch.zeros(G, slab, dtype=torch.float64, device=dev)
         block = torch.div(torch.arange(lay.row0, lay.row0 + lay.nrows, device=dev), int(lay.shape[0]) // G,

@@ -121,9 +121,11 @@ def import_adamw(opt, items: List[Tuple[torch.Tensor, dict, dict, str]], spec_of
         pc = piece_of(p, comm.rank, comm.world_size > 1)
         m, v, why = _moments(p, saved, name, pc)
         bad.append(why)
-        todo.append((p, saved, group, name, m, v, replace(pc, grad=v.clamp(min=0).sqrt()), spec_of(p, group, None)))
+        # the piece's "gradient" is sqrt(v): the period rule reads g^2 (NaN where v < 0: refused next)
+        todo.append((p, saved, group, name, m, v, replace(pc, grad=v.sqrt()), spec_of(p, group, None)))
     _refuse_bad_values(comm, [t[3] for t in todo], bad)
-    live = learning.live_pieces(comm, [replace(pc, grad=torch.maximum(m.abs(), pc.grad)) for *_, m, _, pc, _ in todo])
+    # learned where AdamW saw a gradient: v > 0 somewhere (m != 0 only where v > 0)
+    live = learning.live_pieces(comm, [t[6] for t in todo])
     detect = [(i, t) for i, t in enumerate(todo) if live[i]]
     periods = learning.learn_periods(comm, [t[6] for _, t in detect],
                                      [t[7].geometry.period if t[7].mode == MODE_SPAN
