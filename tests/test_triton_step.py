@@ -1333,6 +1333,25 @@ def test_flat_segments_with_triton_kernels(second_moment, device):
 
 
 @interp
+@pytest.mark.parametrize("second_moment", ["factored", "shared"])
+def test_flat_batch_equals_the_per_segment_step_triton(monkeypatch, second_moment):
+    """DeepSpeed's flat-buffer step batched (engine/flat_batch.py: a fixed number of launches) equals
+    its per-segment step bitwise on the Triton kernels (tests/test_flat_batch.py: the native ones);
+    factored with rows and scale blocks cut by partition edges and row blocks."""
+    from test_flat_batch import assert_same, flat_run
+
+    from gefen_dist.kernels import dispatch
+
+    segs = ([("a", (32, 64), 37, 32 * 64 - 37), ("qkv", (96, 64), 0, 96 * 64), ("few", (2, 2048), 0, 4096),
+             ("bias", (64,), 0, 64)] if second_moment == "factored" else
+            [("a", (64, 64), 0, 64 * 64), ("c", (32, 200), 0, 6400), ("bias", (64,), 0, 64)])
+    impl = dispatch._triton()
+    batched = flat_run(impl, second_moment, True, steps=3, segments=segs)
+    assert batched[2].__dict__["_flat_batch"] is not None
+    assert_same(batched, flat_run(impl, second_moment, False, steps=3, segments=segs, monkeypatch=monkeypatch))
+
+
+@interp
 def test_factored_errors():
     cb = random_codebook()
     rows, S = 8, 64

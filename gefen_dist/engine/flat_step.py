@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -13,6 +13,7 @@ from ..core import span as _span
 from ..core.step import (adamw_step_, apply_, block_column_sumsq, column_factors, decay_only_, ema_,
                         first_moment, inv_rms_, quantize)
 from ..kernels import dispatch as _dispatch
+from .flat_batch import FlatBatch, batch_key, batch_kernels
 from .flat_layout import LayoutError, _slots, _split
 from .layout import is_exact
 from .state import MODE_FACTORED, quantized_mode
@@ -44,20 +45,40 @@ class SegmentStepMixin:
                                  span=self._span_fn(factored))
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
         learned = _learned_segments(layout, st, fv, gv)
-        fact = self._factored_stats(st, hp, [w for w in learned if w[0].factored], rbr, flat.device,
-                                    impl.column_sumsq) if factored else None
+        ctx = self._factored_catalog(st, rbr) if factored else None
+        batch = self._batch(impl, flat, gv, st, layout, ctx, factored, rbr)
+        fact = self._factored_stats(st, hp, [w for w in learned if w[0].factored], ctx, flat.device,
+                                    impl.column_sumsq, batch, gv) if factored else None
         span = self._span_stats(st, hp, [w for w in learned if w[0].span], impl) if st.get("span_keys") else None
         if check_overflow:
             _refuse_overflow(self.where, fact[1] if fact else None, span["sums"] if span else None)
-        _step_exact_and_decay(layout, st, fv, gv, hp)
+        _step_exact_and_decay(layout, st, fv, gv, hp, batch)
         if fact is not None:
-            self._factored_finish(*fact, st["codebook"], hp, impl.quantized_step_factored_)
+            if batch is not None:
+                batch.step_factored(fact[1], gv, st["codebook"], hp)
+            self._factored_finish(*fact, st["codebook"], hp, impl.quantized_step_factored_, batch is not None)
         # the shared second moment: every segment of a shared / elementwise buffer, the few-row
         # tensors of a factored one (D15, their v in st["v_row"])
+        if batch is not None:
+            batch.step_shared(gv, st["codebook"], hp)
         self._step_shared(st, hp, [w for w in learned if not w[0].factored and not w[0].span], impl,
-                          st["v_row"] if factored else st["v"], second_moment)
+                          st["v_row"] if factored else st["v"], second_moment,
+                          batch.shared_keys if batch is not None else ())
         if span is not None:
             self._span_finish(st, hp, span, impl)
+
+    def _batch(self, impl, flat, gv, st, layout, ctx, factored, rbr) -> Optional[FlatBatch]:
+        """The buffer's :class:`~gefen_dist.engine.flat_batch.FlatBatch` (built once and kept while its
+        key holds), or None where the per-segment path steps it (the eager reference, a gradient the
+        kernels cannot read)."""
+        kernels = batch_kernels(impl, flat, gv)
+        if kernels is None:
+            return None
+        key = batch_key(impl, flat, st, factored, rbr)
+        last = self.__dict__.get("_flat_batch")
+        if last is None or last.key != key:
+            last = self._flat_batch = FlatBatch(key, kernels, st, layout, ctx, flat)
+        return last
 
     def _refuse_overflow_before_learning(self, st, g, live, held, spans, second_moment) -> None:
         """The overflow refusal of :meth:`step` for the tensors about to learn (``live``; ``held``:
@@ -100,10 +121,11 @@ class SegmentStepMixin:
         _refuse_overflow(self.where, buf, None)
 
     def _step_shared(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl, v_all: torch.Tensor,
-                     second_moment: str) -> None:
+                     second_moment: str, batched=()) -> None:
         """The shared second moment's step of the learned segments ``items`` (``(slot, segment, param
-        view, grad view)``): whole blocks through ``impl``, then the blocks cut by partition edges
-        with the statistics of one all-gather (entered by every rank: the catalog is global)."""
+        view, grad view)``): whole blocks through ``impl`` (but those of the segments whose keys are in
+        ``batched``: a batch stepped them), then the blocks cut by partition edges with the statistics
+        of one all-gather (entered by every rank: the catalog is global)."""
         lr, beta1, beta2, eps, weight_decay, bc1, bc2, bound = (
             hp[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2", "bound"))
         cb = st["codebook"]
@@ -117,7 +139,7 @@ class SegmentStepMixin:
             sc = scale_all[sp.scale_off:sp.scale_off + sp.scale_n]
             vv = v_all[sp.v_off:sp.v_off + sp.v_n]
             lo, hi, parts = _split(a, e, B)
-            if hi > lo:  # whole blocks [lo, hi)
+            if hi > lo and s.key not in batched:  # whole blocks [lo, hi)
                 so, vo = lo // B - a // B, lo // P - a // P
                 impl.quantized_step_(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a], sc[so:so + (hi - lo) // B],
                                      vv[vo:vo + (hi - lo) // P], cb, period=P, scale_block=B, **hp)
@@ -160,8 +182,8 @@ class SegmentStepMixin:
 
 
     # ------------------------------------------------------------------ factored second moment
-    def _factored_stats(self, st: Dict[str, Any], hp: Dict[str, float], items: list, rbr, dev: torch.device,
-                        sumsq):
+    def _factored_stats(self, st: Dict[str, Any], hp: Dict[str, float], items: list, ctx: "_FactoredCatalog",
+                        dev: torch.device, sumsq, batch=None, gv=None):
         """The first phase of the factored (row x column) second moment (Adafactor's estimator);
         writes nothing. Returns the arguments of :meth:`_factored_finish` but the codebook, the scalars
         and the implementation (None when there is nothing to step).
@@ -174,13 +196,16 @@ class SegmentStepMixin:
         partition edges are reconciled (eager). One collective per buffer: a float64 SUM all-reduce
         of ``[column sums of every learned tensor | per-rank slots of cut-row partial sum g^2 and
         cut-block partial max |m|]`` (the slots are combined in rank order, so a cut row's ``v_row``
-        and a cut block's scale are identical on the ranks that share them).
+        and a cut block's scale are identical on the ranks that share them). ``ctx``: the buffer's
+        :meth:`_factored_catalog`; ``batch``: a :class:`~gefen_dist.engine.flat_batch.FlatBatch`, whose
+        one run gives the whole rows' column sums (of gradient ``gv``).
         """
-        ctx = self._factored_catalog(st, rbr)
         # the column sums stay on the buffer's device ``dev`` (no per-tensor copy on CUDA)
         cols = torch.zeros(ctx.nc, dtype=torch.float64, device=dev)
         slots = torch.zeros(ctx.nr + ctx.nb, dtype=torch.float64)
-        work = self._factored_local(items, st, ctx, hp, sumsq, cols, slots)
+        if batch is not None:
+            batch.column_sums_into(cols, gv)
+        work = self._factored_local(items, st, ctx, hp, None if batch is not None else sumsq, cols, slots)
         if not work and ctx.nc == 0:
             return None
         cols, rsum, bmax = self._reconcile_factored(cols, slots, ctx, dev)
@@ -209,8 +234,8 @@ class SegmentStepMixin:
 
     def _factored_local(self, items, st, ctx: "_FactoredCatalog", hp, sumsq, cols, slots) -> list:
         """Phase 1: this rank's statistics of the learned factored segments ``items`` (column sums into
-        ``cols``; cut rows' partial sums of ``g^2`` and cut blocks' partial max |m| into ``slots``).
-        Returns their work items for phase 2."""
+        ``cols``, the whole rows' with ``sumsq`` unless None: a batch added them; cut rows' partial sums
+        of ``g^2`` and cut blocks' partial max |m| into ``slots``). Returns their work items for phase 2."""
         work = []
         for sp, s, p, g in items:
             S, B, G = ctx.slab_of[s.key], sp.block, ctx.nblk_of[s.key]
@@ -219,7 +244,7 @@ class SegmentStepMixin:
             sc = st["scale"][sp.scale_off:sp.scale_off + sp.scale_n]
             co, rb = ctx.col_off[s.key], ctx.cat[s.key]["shape"][0] // G
             lo, hi, rparts = _split(a, e, S)
-            if hi > lo:
+            if hi > lo and sumsq is not None:
                 cols[co:co + G * S] += block_column_sumsq(g[lo - a:hi - a], S, lo // S, rb, G, sumsq).to(cols.device)
             pend = [self._cut_row_partials(s.key, r, ps, pe, a, S, B, rb, g, ix, sc, st["codebook"], hp["beta1"],
                                            ctx, cols[co:co + G * S], slots) for r, ps, pe in rparts]
@@ -273,36 +298,45 @@ class SegmentStepMixin:
 
 
     @staticmethod
-    def _factored_finish(work, cols, rsum, bmax, ctx: "_FactoredCatalog", cb, hp, whole_rows) -> None:
-        """Phase 2: ``v_col``, the whole rows through the implementation, then the cut rows with the
-        reconciled statistics (the reference's phase functions)."""
+    def _factored_finish(work, cols, rsum, bmax, ctx: "_FactoredCatalog", cb, hp, whole_rows, batched=False) -> None:
+        """Phase 2: ``v_col``, the whole rows through the implementation (``batched``: a batch did both),
+        then the cut rows with the reconciled statistics (the reference's phase functions)."""
         sqrt_bc2 = math.sqrt(hp["bc2"])
         for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb in work:
+            vcb = vc.view(G, S) if G > 1 else vc
+            if batched:
+                if pend:
+                    _finish_cut_rows(sp, p, ix, sc, vr, vcb, S, B, a, pend, G, rb, rsum, bmax, ctx, cb, hp, sqrt_bc2)
+                continue
             col_mean_sq = (cols[co:co + G * S] / rb).to(torch.float32).to(vc.device)
             so, ro = lo // B - a // B, lo // S - a // S
             nrow = (hi - lo) // S
-            vcb = vc.view(G, S) if G > 1 else vc
             # updates v_col (always) and steps the whole rows [lo, hi) (possibly none)
             whole_rows(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a], sc[so:so + nrow * (S // B)],
                        vr[ro:ro + nrow], vcb, cb, col_mean_sq, scale_block=B, row0=lo // S, row_block=rb, **hp)
-            if not pend:
-                continue
-            col_fb = column_factors(vcb)
-            for r, r0, r1, gp, m, bl, am, first, nblk, cut in pend:
-                col_f = col_fb[r // rb] if G > 1 else col_fb
-                ps = a + r0
-                tot = torch.tensor([float(rsum[ctx.row_pos[(sp.seg.key, r)]])], dtype=torch.float64).float() / S
-                v1 = vr[r - a // S:r - a // S + 1]
-                c0 = ps - r * S
-                sigma = inv_rms_(ema_(v1, tot.to(v1.device), hp["beta2"]).sqrt() * col_f[c0:c0 + (r1 - r0)],
-                                 hp["eps"], hp["bc1"], sqrt_bc2)
-                for b in cut:
-                    am[b - ps // B] = float(bmax[ctx.blk_pos[(sp.seg.key, b)]])
-                sc[first:first + nblk].copy_(am)
-                A = am[bl]
-                new = quantize(m, A, cb)
-                ix[r0:r1].copy_(new)
-                apply_(p[r0:r1], cb[new.long()] * A, sigma, hp["lr"], hp["weight_decay"], hp["bound"])
+            if pend:
+                _finish_cut_rows(sp, p, ix, sc, vr, vcb, S, B, a, pend, G, rb, rsum, bmax, ctx, cb, hp, sqrt_bc2)
+
+
+def _finish_cut_rows(sp, p, ix, sc, vr, vcb, S, B, a, pend, G, rb, rsum, bmax, ctx, cb, hp, sqrt_bc2) -> None:
+    """The rows of a factored segment cut by partition edges, with the reconciled statistics and the
+    segment's updated ``v_col`` (the reference's phase functions)."""
+    col_fb = column_factors(vcb)
+    for r, r0, r1, gp, m, bl, am, first, nblk, cut in pend:
+        col_f = col_fb[r // rb] if G > 1 else col_fb
+        ps = a + r0
+        tot = torch.tensor([float(rsum[ctx.row_pos[(sp.seg.key, r)]])], dtype=torch.float64).float() / S
+        v1 = vr[r - a // S:r - a // S + 1]
+        c0 = ps - r * S
+        sigma = inv_rms_(ema_(v1, tot.to(v1.device), hp["beta2"]).sqrt() * col_f[c0:c0 + (r1 - r0)],
+                         hp["eps"], hp["bc1"], sqrt_bc2)
+        for b in cut:
+            am[b - ps // B] = float(bmax[ctx.blk_pos[(sp.seg.key, b)]])
+        sc[first:first + nblk].copy_(am)
+        A = am[bl]
+        new = quantize(m, A, cb)
+        ix[r0:r1].copy_(new)
+        apply_(p[r0:r1], cb[new.long()] * A, sigma, hp["lr"], hp["weight_decay"], hp["bound"])
 
 
 def _learned_segments(layout, st, fv, gv) -> list:
@@ -313,12 +347,14 @@ def _learned_segments(layout, st, fv, gv) -> list:
             for sp, learned in zip(layout, st["learned"]) if sp.seg.numel and not sp.exact and learned]
 
 
-def _step_exact_and_decay(layout, st, fv, gv, hp) -> None:
-    """The exact segments' step (AdamW); quantized ones whose gradient has been globally zero so far
-    only decay."""
+def _step_exact_and_decay(layout, st, fv, gv, hp, batch=None) -> None:
+    """The exact segments' step (AdamW; ``batch``: in one foreach AdamW); quantized ones whose gradient
+    has been globally zero so far only decay."""
+    if batch is not None:
+        batch.step_exact(gv, hp)
     for sp, learned in zip(layout, st["learned"]):
         s = sp.seg
-        if not s.numel or (not sp.exact and learned):
+        if not s.numel or (not sp.exact and learned) or (sp.exact and batch is not None):
             continue
         p = fv[s.flat_offset:s.flat_offset + s.numel]
         if sp.exact:
