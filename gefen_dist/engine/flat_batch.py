@@ -80,6 +80,7 @@ class FlatBatch:
         tensors, col_index, fitems, franges = [], [], [], []
         sitems, sranges = [], []
         self.shared_keys = set()  # the shared segments whose whole blocks the batch steps
+        self.whole = set()  # the segments it steps whole (no row or block cut by a partition edge)
         v_all = st.get("v_row") if ctx is not None else st.get("v")
         for sp, learned in zip(layout, st["learned"]):
             s = sp.seg
@@ -91,7 +92,9 @@ class FlatBatch:
             if sp.factored:
                 S, B, G = ctx.slab_of[s.key], sp.block, ctx.nblk_of[s.key]
                 rb = ctx.cat[s.key]["shape"][0] // G
-                lo, hi, _ = _split(a, e, S)
+                lo, hi, cut = _split(a, e, S)
+                if not cut:
+                    self.whole.add(s.key)
                 vc = st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n]
                 # (v_col, the whole rows' column-sum spec, rows per row block, contributes)
                 tensors.append((vc.view(G, S) if G > 1 else vc, ((hi - lo) // S, S, lo // S, rb, G, flat.dtype), rb, True))
@@ -103,9 +106,11 @@ class FlatBatch:
                                vr[ro:ro + nrow], len(tensors) - 1, S, B, lo // S, rb))
             elif sp.period in (1, sp.block):
                 P, B = sp.period, sp.block
-                lo, hi, _ = _split(a, e, B)
+                lo, hi, cut = _split(a, e, B)
                 if hi <= lo:
                     continue
+                if not cut:
+                    self.whole.add(s.key)
                 so, vo = lo // B - a // B, lo // P - a // P
                 vv = v_all[sp.v_off:sp.v_off + sp.v_n]
                 sitems.append(kernels.StepItem(fv[s.flat_offset + lo - a:s.flat_offset + hi - a], ix[lo - a:hi - a],

@@ -41,12 +41,11 @@ class SegmentStepMixin:
         impl = impl or _dispatch.select(flat, fused=False)
         factored = second_moment == MODE_FACTORED
         rbr = st.get("row_blocks", 1) if factored else 1
-        layout, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, factored, rbr,
-                                 span=self._span_fn(factored))
+        layout, ctx = self._step_layout(st, factored, rbr)
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
-        learned = _learned_segments(layout, st, fv, gv)
-        ctx = self._factored_catalog(st, rbr) if factored else None
         batch = self._batch(impl, flat, gv, st, layout, ctx, factored, rbr)
+        # (the segments a batch steps whole need nothing of the per-segment phases)
+        learned = _learned_segments(layout, st, fv, gv, batch.whole if batch is not None else ())
         fact = self._factored_stats(st, hp, [w for w in learned if w[0].factored], ctx, flat.device,
                                     impl.column_sumsq, batch, gv) if factored else None
         span = self._span_stats(st, hp, [w for w in learned if w[0].span], impl) if st.get("span_keys") else None
@@ -66,6 +65,22 @@ class SegmentStepMixin:
                           batch.shared_keys if batch is not None else ())
         if span is not None:
             self._span_finish(st, hp, span, impl)
+
+    def _step_layout(self, st: Dict[str, Any], factored: bool, rbr) -> tuple:
+        """The buffer's slots (``_slots``) and, for a factored buffer, its :meth:`_factored_catalog`,
+        kept while what they are made of stays the same (the periods, which tensors have learned
+        here and in the catalog, the span tensors); neither changes after the first steps."""
+        gp = st.get("global_periods")
+        key = (tuple(st["periods"]), self.small_threshold, factored, rbr, self.narrow_rows,
+               tuple(st.get("global_learned", ())), None if gp is None else tuple(gp), tuple(st.get("span_keys", ())))
+        hit = self.__dict__.get("_layout_memo")
+        if hit is not None and hit[0] == key and gp is not None:
+            return hit[1]
+        layout = _slots(self.segments, st["periods"], self.small_threshold, factored, rbr, span=self._span_fn(factored))[0]
+        # (without "global_periods", an old state's, the catalog rebuilds it with a collective: not kept)
+        out = (layout, self._factored_catalog(st, rbr) if factored else None)
+        self._layout_memo = (key, out)
+        return out
 
     def _batch(self, impl, flat, gv, st, layout, ctx, factored, rbr) -> Optional[FlatBatch]:
         """The buffer's :class:`~gefen_dist.engine.flat_batch.FlatBatch` (built once and kept while its
@@ -339,12 +354,13 @@ def _finish_cut_rows(sp, p, ix, sc, vr, vcb, S, B, a, pend, G, rb, rsum, bmax, c
         apply_(p[r0:r1], cb[new.long()] * A, sigma, hp["lr"], hp["weight_decay"], hp["bound"])
 
 
-def _learned_segments(layout, st, fv, gv) -> list:
-    """The learned quantized segments of a flat buffer in order, as ``(slot, segment, param view,
-    grad view)`` for the caller's step."""
+def _learned_segments(layout, st, fv, gv, skip=()) -> list:
+    """The learned quantized segments of a flat buffer in order (but those whose keys are in
+    ``skip``), as ``(slot, segment, param view, grad view)`` for the caller's step."""
     return [(sp, sp.seg, fv[sp.seg.flat_offset:sp.seg.flat_offset + sp.seg.numel],
              gv[sp.seg.flat_offset:sp.seg.flat_offset + sp.seg.numel])
-            for sp, learned in zip(layout, st["learned"]) if sp.seg.numel and not sp.exact and learned]
+            for sp, learned in zip(layout, st["learned"])
+            if sp.seg.numel and not sp.exact and learned and sp.seg.key not in skip]
 
 
 def _step_exact_and_decay(layout, st, fv, gv, hp, batch=None) -> None:
