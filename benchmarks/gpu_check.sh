@@ -5,9 +5,11 @@
 #   2. benchmarks/cuda_graph_check.py: Gefen(capturable=True) captured in a CUDA graph replays bitwise the
 #      eager step (exit 1 otherwise), with no host synchronisation, and its time against fused AdamW;
 #   3. benchmarks/gpu_step.py: Gefen(...).step() against torch's fused AdamW on GPT-2 small and XL,
-#      then the kernel-level timings and the chunk-size sweep.
+#      then the kernel-level timings and the chunk-size sweep;
+#   4. benchmarks/flat_step.py --device cuda: DeepSpeed's flat-buffer step (GPT-2 small in one buffer),
+#      its segments batched and one by one, against fused AdamW.
 # Everything lands under $OUT (default /tmp/gpu_check): gpu.txt, pytest.log, graph.log, graph.json,
-# gpu_step.log, gpu_step.json.
+# gpu_step.log, gpu_step.json, flat_step.log, flat_step.json.
 #   usage: bash benchmarks/gpu_check.sh [extra gpu_step.py arguments]
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -23,5 +25,8 @@ timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider -o addopts=-
 echo "pytest rc ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
 timeout "${GRAPH_TIMEOUT:-90}" $PY benchmarks/cuda_graph_check.py --out "$OUT/graph.json" 2>&1 | tee "$OUT/graph.log"
 echo "cuda_graph_check rc ${PIPESTATUS[0]}" | tee -a "$OUT/graph.log"
-timeout "${BENCH_TIMEOUT:-280}" $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "$@" 2>&1 | tee "$OUT/gpu_step.log"
+timeout "${BENCH_TIMEOUT:-260}" $PY benchmarks/gpu_step.py --out "$OUT/gpu_step.json" "$@" 2>&1 | tee "$OUT/gpu_step.log"
 echo "gpu_step rc ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_step.log"
+timeout "${FLAT_TIMEOUT:-50}" $PY benchmarks/flat_step.py --device cuda --no-eager --rounds 10 \
+  --out "$OUT/flat_step.json" 2>&1 | tee "$OUT/flat_step.log"
+echo "flat_step rc ${PIPESTATUS[0]}" | tee -a "$OUT/flat_step.log"

@@ -40,7 +40,7 @@ class _FirstOfTwo(LocalComm):
 
 
 def flat_run(impl, second_moment: str, batched: bool, steps: int = 4, dtype=torch.float32, segments=WHOLE,
-             monkeypatch=None):
+             monkeypatch=None, device="cpu"):
     """Steps a flat buffer of ``segments`` with ``impl`` (per segment unless ``batched``); returns
     the buffer and its state."""
     if not batched:
@@ -50,20 +50,20 @@ def flat_run(impl, second_moment: str, batched: bool, steps: int = 4, dtype=torc
         segs.append(Segment(name, name, shape, start, off, n))
         off += n
     gen = torch.Generator().manual_seed(0)
-    flat = (torch.randn(off, generator=gen) * 0.02).to(dtype)
+    flat = (torch.randn(off, generator=gen) * 0.02).to(dtype=dtype, device=device)
     cut = any(start or len(shape) > 1 and n < shape[0] * shape[1] for _, shape, start, n in segments)
     fs = FlatSegments(segs, _FirstOfTwo(segments) if cut else LocalComm(), 4096)
     if cut:  # the cut blocks' one all-gather (torch.distributed), this rank's values
         fs._exchange = lambda sums, maxes: (sums, maxes)
     fs.narrow_rows = "auto"
-    st = fs.new_state(flat, torch.zeros(256), factored=second_moment == "factored")
+    st = fs.new_state(flat, torch.zeros(256, device=device), factored=second_moment == "factored")
     g0 = torch.Generator().manual_seed(1)
     group = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     for step in range(1, steps + 1):
-        grad = (torch.randn(off, generator=g0) * torch.rand(off, generator=g0) * 1e-2).to(dtype)
+        grad = (torch.randn(off, generator=g0) * torch.rand(off, generator=g0) * 1e-2).to(dtype=dtype, device=device)
         if step == 1:
             st["codebook"] = counts_to_codebook(fs.learn(st, grad, codebook_needed=True,
-                                                         second_moment=second_moment)).codebook.float()
+                                                         second_moment=second_moment)).codebook.float().to(device)
         st["step"] = step
         fs.step(flat, grad, st, second_moment=second_moment, impl=impl,
                 hp=hyperparameters(group, step, bounded=True))
