@@ -119,17 +119,22 @@ def exchange_bytes(comm: LocalComm, parts, sizes, to: Optional[int], device: tor
         return [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(W)]
     dev = getattr(comm, "_device", device) if W > 1 else device
     buf = torch.zeros(width, dtype=torch.uint8, device=dev)  # padding is zeros, not garbage
-    off, dst, src = 0, [], []
-    for t in parts:
-        b = (t.detach().view(-1) if t.is_contiguous() else t.detach().contiguous().reshape(-1)).view(torch.uint8)
-        if b.numel():
-            dst.append(buf[off:off + b.numel()])
-            src.append(b)
-        off += pad_bytes(b.numel())
+    # each part as raw bytes (one view for a contiguous 1-D tensor: most parts are), and its slot of
+    # the buffer from one split; a step packs hundreds of parts, and each torch call is host time
+    src = [_raw_bytes(t) for t in parts]
+    cuts = []
+    for b in src:
+        n = b.numel()
+        cuts += (n, pad_bytes(n) - n)
+    off = sum(cuts)
     if off != sizes[comm.rank]:
         raise RuntimeError(f"gefen_dist: internal error: this rank packed {off} bytes, the plan says {sizes[comm.rank]}")
-    if dst:
-        torch._foreach_copy_(dst, src)  # one multi-tensor copy for every part (a launch or two on a GPU)
+    if off:
+        slots = torch.split_with_sizes(buf[:off] if off < width else buf, cuts)[0::2]
+        dst = [d for d, b in zip(slots, src) if b.numel()]
+        src = [b for b in src if b.numel()]
+        if dst:
+            torch._foreach_copy_(dst, src)  # one multi-tensor copy for every part (a launch or two on a GPU)
     if W == 1:
         return [buf]
     import torch.distributed as dist
@@ -147,6 +152,17 @@ def exchange_bytes(comm: LocalComm, parts, sizes, to: Optional[int], device: tor
         return outs
     dist.gather(buf, None, dst=dst, group=group)
     return None
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of tensor ``t`` as a flat uint8 tensor (a view where ``t`` is contiguous)."""
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
 def take_bytes(chunk: torch.Tensor, off: int, n: int, dtype: torch.dtype):

@@ -41,7 +41,7 @@ from ..engine.layout import global_shape, is_dtensor
 from ..engine.nonfinite import any_overflow, device_flags
 from ..engine.state import MODE_EXACT, MODE_SPAN, step_of
 from .partition import MODE_COMPRESSED, MODE_FACTORED
-from .step import _STATE_HP
+from .step import _STATE_HP, _flat_range
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ class ZeroBatch:
         out = {}
         for members, sm in self._states:
             hp = hps[id(members[0])]
-            thirds = sm.run([grads[id(p)].view(-1)[slice(*opt._mine(p))] for p in members], cb,
+            thirds = sm.run([_flat_range(grads[id(p)], *opt._mine(p)) for p in members], cb,
                             **{k: hp[k] for k in _STATE_HP})
             for p, r, third in zip(members, sm.ranges, thirds):
                 out[id(p)] = [r[1], r[2], third]

@@ -25,6 +25,32 @@ def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
     return row_block_args(st["v_col"], global_shape(p)[0], s)
 
 
+def _flat_range(t: torch.Tensor, s: int, e: int) -> torch.Tensor:
+    """Elements ``[s, e)`` of contiguous ``t`` flattened, with no torch call where there is nothing to
+    cut (a whole 1-D tensor): a step takes such a range of every exact tensor."""
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    return t if s == 0 and e == t.numel() else t[s:e]
+
+
+def _dense_sources(chunks, parts: dict, dst: list) -> list:
+    """The owners' new values of the dense ranges as bytes (they travel in the parameter's dtype; the
+    destinations are byte views of the ranges), by destination index: ``parts[r]`` lists ``(byte
+    offset, bytes, index)`` in chunk ``r`` by increasing offset (the layout's order), cut out of
+    each chunk by one split."""
+    out = [None] * len(dst)
+    for r, ps in parts.items():
+        cuts, pos = [], 0
+        for off, nb, _ in ps:
+            cuts += (off - pos, nb)
+            pos = off + nb
+        ch = chunks[r]
+        cuts.append(ch.numel() - pos)
+        for (_, _, k), b in zip(ps, torch.split_with_sizes(ch, cuts)[1::2]):
+            out[k] = b.to(dst[k].device)
+    return out
+
+
 def _one_buffer(chunks) -> bool:
     """Whether the exchanged chunks are consecutive rows of one buffer (what an all-gather returns)."""
     return bool(chunks) and all(c.data_ptr() == chunks[0].data_ptr() + r * chunks[0].numel()
@@ -72,6 +98,21 @@ class ZeroStepMixin:
 
     def _hparams(self, group: dict, st: dict) -> dict:
         return hyperparameters(group, step_of(st), self.bound_updates)
+
+    def _param_range(self, p: torch.Tensor, s: int, e: int, raw: bool = False) -> torch.Tensor:
+        """Elements ``[s, e)`` of parameter ``p`` flattened (``raw``: as bytes): for a contiguous ``p``
+        a view, kept while its storage, shape and the range stay (every step writes the same ranges);
+        for another, a copy made now (written back by the caller)."""
+        if not p.is_contiguous():
+            t = p.detach().reshape(-1)[s:e]
+            return t.view(torch.uint8) if raw else t
+        views = self.__dict__.setdefault("_range_views", {})
+        key = (p.data_ptr(), tuple(p.shape), s, e, raw)
+        hit = views.get((id(p), raw))
+        if hit is None or hit[0] != key:
+            t = _flat_range(p.detach(), s, e)
+            hit = views[(id(p), raw)] = (key, t.view(torch.uint8) if raw else t)
+        return hit[1]
 
 
     def _zero_update(self, entries, partials=None, batch=None) -> None:
@@ -181,7 +222,7 @@ class ZeroStepMixin:
                 continue
             # (the items of a param group at a step count share one hyperparameter dict, _wire_items)
             b = buckets.setdefault(id(hp), (hp, []))[1]
-            b.append((p, p.detach().reshape(-1)[s:e], p.grad.reshape(-1)[s:e], st))
+            b.append((p, self._param_range(p, s, e), _flat_range(p.grad, s, e), st))
         out = {}
         for hp, members in buckets.values():
             adamw_foreach_([w for _, w, _, _ in members], [g for _, _, g, _ in members],
@@ -227,10 +268,14 @@ class ZeroStepMixin:
             self._apply_many(items, chunks, col_f, many)
         else:  # (an exchange gives its chunks as rows of one buffer; if not, each range on its own)
             rest = layout
-        works, dense = {}, ([], [])
+        works, dense, dense_src = {}, [], {}
         for r, i, s, e, offs in rest:
             p, st, hp, mode = items[i]
             n, ch = e - s, chunks[r]
+            if mode == MODE_DENSE and p.is_contiguous():  # (a cached byte view of the range, no torch call)
+                dense.append(self._param_range(p, s, e, raw=True))
+                dense_src.setdefault(r, []).append((offs[0], n * p.element_size(), len(dense) - 1))
+                continue
             if id(p) not in works:
                 works[id(p)] = p if p.is_contiguous() else p.detach().contiguous()
             flat, impl = works[id(p)].view(-1), self._impl(p)
@@ -251,10 +296,10 @@ class ZeroStepMixin:
                                              st["scale"], st["v_blk"], st["v_col"], st["codebook"],
                                              SpanPiece.of(global_shape(p), s, n), **hp)
             else:  # the owner's new values: copied below, all in one foreach copy
-                dense[0].append(flat[s:e])
-                dense[1].append(take_bytes(ch, offs[0], n, p.dtype)[0].to(p.device))
-        if dense[0]:
-            torch._foreach_copy_(*dense)
+                dense.append(flat[s:e].view(torch.uint8))
+                dense_src.setdefault(r, []).append((offs[0], n * p.element_size(), len(dense) - 1))
+        if dense:
+            torch._foreach_copy_(dense, _dense_sources(chunks, dense_src, dense))
         for p, st, hp, mode in items:
             w = works.get(id(p))
             if w is not None and w is not p:
