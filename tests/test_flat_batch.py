@@ -4,6 +4,8 @@ interpreter in ``tests/test_triton_step.py::test_flat_batch_equals_the_per_segme
 The multi-rank DeepSpeed runs (``tests/test_deepspeed.py``) take the batch too."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -140,12 +142,19 @@ def test_flat_batch_is_rebuilt_when_a_tensor_learns_late(monkeypatch):
     assert_same(*runs)
 
 
-def test_flat_batch_not_taken_by_the_eager_path_or_another_gradient_dtype():
+def test_flat_batch_not_taken_by_the_eager_path_or_another_gradient_dtype(caplog):
+    from gefen_dist.engine import flat_batch
     from gefen_dist.engine.flat_batch import batch_kernels
 
+    flat_batch._logged.clear()  # (once per reason and process)
     flat = torch.zeros(64)
-    assert batch_kernels(dispatch._eager(), flat, flat) is None
-    if _cpu.available():
-        assert batch_kernels(dispatch._native_cpu(), flat, flat) is not None
-        assert batch_kernels(dispatch._native_cpu(), flat, flat.to(torch.bfloat16)) is None
-        assert batch_kernels(dispatch._native_cpu(), flat, torch.zeros(2, 64)[:, 0]) is None
+    with caplog.at_level(logging.INFO, logger="gefen_dist.engine.flat_batch"):
+        assert batch_kernels(dispatch._eager(), flat, flat) is None
+        assert not caplog.records  # the eager path is stepped per segment by design: nothing to say
+        if _cpu.available():
+            assert batch_kernels(dispatch._native_cpu(), flat, flat) is not None
+            for _ in range(2):
+                assert batch_kernels(dispatch._native_cpu(), flat, flat.to(torch.bfloat16)) is None
+            assert batch_kernels(dispatch._native_cpu(), flat, torch.zeros(64, 2)[:, 0]) is None
+            msgs = [r.getMessage() for r in caplog.records]
+            assert len(msgs) == 2 and "torch.bfloat16" in msgs[0] and "not contiguous" in msgs[1], msgs

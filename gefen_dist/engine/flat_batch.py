@@ -50,12 +50,26 @@ def batch_kernels(impl, flat: torch.Tensor, grad: torch.Tensor):
     if impl is None or impl.name not in ("cpu", "triton") or flat.dtype not in (torch.float32, torch.bfloat16):
         return None
     if grad.dtype != flat.dtype or not grad.is_contiguous() or grad.device != flat.device:
+        _log_once(f"its gradient is {grad.dtype}{'' if grad.is_contiguous() else ', not contiguous,'} on {grad.device}, "
+                  f"the buffer {flat.dtype} on {flat.device}")
         return None
     if impl.name == "cpu":
         from ..kernels import cpu_multi as mod
     else:
         from ..kernels import triton_step as mod
     return mod if mod.available(flat.device if flat.device.type == "cuda" else None) else None
+
+
+_logged: set = set()
+
+
+def _log_once(why: str) -> None:
+    """One INFO line per reason and process: a flat buffer stepped segment by segment although its
+    implementation has multi-tensor kernels (the same results, more launches)."""
+    if why not in _logged:
+        _logged.add(why)
+        logger.info("Gefen (DeepSpeed): a flat buffer is stepped segment by segment: %s (the kernels read a "
+                    "contiguous gradient of the buffer's dtype and device); logged once per reason.", why)
 
 
 def batch_key(impl, flat: torch.Tensor, st: Dict[str, Any], factored: bool, rbr) -> tuple:
