@@ -326,6 +326,9 @@ def adamw_step_(
         param.copy_(p)
 
 
+ADAMW_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")  # adamw_foreach_'s scalars, of hyperparameters()
+
+
 def adamw_foreach_(
     params: list,
     grads: list,

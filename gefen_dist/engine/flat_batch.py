@@ -32,15 +32,13 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..core.step import adamw_foreach_, ema_foreach_
+from ..core.step import ADAMW_KEYS, adamw_foreach_, ema_foreach_
 from .column_stats import ColumnTable
 from .flat_layout import _split
 
 __all__ = ["FlatBatch", "batch_kernels", "batch_key"]
 
 logger = logging.getLogger(__name__)
-
-_ADAMW_HP = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")
 
 
 def batch_kernels(impl, flat: torch.Tensor, grad: torch.Tensor):
@@ -169,9 +167,10 @@ class FlatBatch:
             cols.index_copy_(0, self.col_index, sums.to(cols.device))
 
     def step_exact(self, gv: torch.Tensor, hp: Dict[str, Any]) -> None:
+        """The exact segments' AdamW step (the per-segment path's ``adamw_step_`` calls) in one foreach."""
         if self.exact is not None:
             ps, ms, vs, ranges = self.exact
-            adamw_foreach_(ps, [gv[a:b] for a, b in ranges], ms, vs, **{k: hp[k] for k in _ADAMW_HP})
+            adamw_foreach_(ps, [gv[a:b] for a, b in ranges], ms, vs, **{k: hp[k] for k in ADAMW_KEYS})
 
     def step_factored(self, cols: torch.Tensor, gv: torch.Tensor, codebook: torch.Tensor, hp: Dict[str, Any]) -> None:
         """Every factored segment's ``v_col`` from the (reduced) column sums ``cols``, then its whole

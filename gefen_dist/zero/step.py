@@ -8,7 +8,7 @@ import torch
 
 from ..engine.comm import pad_bytes, take_bytes
 from ..core.apply import update_v_col
-from ..core.step import adamw_foreach_, decay_only_, hyperparameters, row_block_args
+from ..core.step import ADAMW_KEYS, adamw_foreach_, decay_only_, hyperparameters, row_block_args
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import global_shape
 from ..core.span import SpanPiece
@@ -18,7 +18,6 @@ from .partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, 
                         step_wire_bytes)
 
 _STATE_HP = ("beta1", "beta2", "eps", "bc1", "bc2")  # what a state-only update needs of the hyperparameters
-_ADAMW_HP = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")  # adamw_foreach_'s keywords
 
 
 def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
@@ -227,7 +226,7 @@ class ZeroStepMixin:
         for hp, members in buckets.values():
             adamw_foreach_([w for _, w, _, _ in members], [g for _, _, g, _ in members],
                            [st["exp_avg"] for *_, st in members], [st["exp_avg_sq"] for *_, st in members],
-                           **{k: hp[k] for k in _ADAMW_HP})
+                           **{k: hp[k] for k in ADAMW_KEYS})
             out.update((id(p), w) for p, w, _, _ in members)
         return out
 
