@@ -39,7 +39,7 @@ from ..engine.column_stats import ColumnTable
 from ..engine.cuda_batch import quantized_layout_problem
 from ..engine.layout import global_shape, is_dtensor
 from ..engine.nonfinite import any_overflow, device_flags
-from ..engine.state import MODE_EXACT, MODE_SPAN, step_of
+from ..engine.state import MODE_EXACT, MODE_SPAN, step_of, steps_of
 from .partition import MODE_COMPRESSED, MODE_FACTORED
 from .step import _STATE_HP, _flat_range
 
@@ -53,15 +53,12 @@ def _key(opt, entries) -> Optional[tuple]:
     """What a batch is built for (None when a tensor has no state yet): the partition, the
     ``fused`` setting, each tensor, its storage, its state dict and its step count's offset (the
     batch keeps the partition, the tensors and the state dicts alive, so no id is reused meanwhile)."""
-    out, first = [], None
-    for _, p in entries:
-        st = opt.state.get(p)
-        if not st:
-            return None
-        step = step_of(st)
-        first = step if first is None else first
-        out.append((id(p), p.data_ptr(), id(st), step - first))
-    return id(opt._partition), opt.fused, tuple(out)
+    states = [opt.state.get(p) for _, p in entries]
+    if not all(states):
+        return None
+    steps = steps_of(states)  # (one read of every step count)
+    out = tuple((id(p), p.data_ptr(), id(st), step - steps[0]) for (_, p), st, step in zip(entries, states, steps))
+    return id(opt._partition), opt.fused, out
 
 
 class ZeroBatch:

@@ -12,7 +12,7 @@ from ..core.step import ADAMW_KEYS, adamw_foreach_, decay_only_, hyperparameters
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import global_shape
 from ..core.span import SpanPiece
-from ..engine.state import MODE_EXACT, step_of
+from ..engine.state import MODE_EXACT, steps_of
 from ..engine.state import MODE_SPAN as _STATE_SPAN
 from .partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, MODE_SPAN, factored_wire_compressed,
                         step_wire_bytes)
@@ -95,9 +95,6 @@ class ZeroStepMixin:
         but this rank's own rows of a contiguous parameter, which its phase updated in place)."""
         return r != self._rank or not p.is_contiguous()
 
-    def _hparams(self, group: dict, st: dict) -> dict:
-        return hyperparameters(group, step_of(st), self.bound_updates)
-
     def _param_range(self, p: torch.Tensor, s: int, e: int, raw: bool = False) -> torch.Tensor:
         """Elements ``[s, e)`` of parameter ``p`` flattened (``raw``: as bytes): for a contiguous ``p``
         a view, kept while its storage, shape and the range stay (every step writes the same ranges);
@@ -154,14 +151,14 @@ class ZeroStepMixin:
         """``(p, state, hyperparameters, wire mode)`` per entry, after advancing its step (tensors
         still unlearned only decay, on every rank)."""
         items, hps = [], {}
+        states = [self.state[p] for _, p in entries]
         if entries:  # (the 0-dim step tensors, engine.state.new_step: one call, not one per tensor)
-            torch._foreach_add_([self.state[p]["step"] for _, p in entries], 1.0)
-        for group, p in entries:
-            st = self.state[p]
-            key = (id(group), step_of(st))  # the scalars of a group at a step count, computed once
+            torch._foreach_add_([st["step"] for st in states], 1.0)
+        for (group, p), st, step in zip(entries, states, steps_of(states)):
+            key = (id(group), step)  # the scalars of a group at a step count, computed once
             hp = hps.get(key)
             if hp is None:
-                hp = hps[key] = self._hparams(group, st)
+                hp = hps[key] = hyperparameters(group, step, self.bound_updates)
             mode = self._wire_mode(p, st)
             if mode == MODE_LOCAL:
                 decay_only_(p, hp["lr"], hp["weight_decay"])  # on every rank
