@@ -80,6 +80,31 @@ def batch_key(impl, flat: torch.Tensor, st: Dict[str, Any], factored: bool, rbr)
             tuple(st.get("global_learned", ())), factored, rbr)
 
 
+class _Ranges:
+    """Fixed ranges ``[(start, end), ...]`` (increasing, disjoint) of flat tensors of ``total``
+    elements, cut out of a tensor by one ``split_with_sizes`` (one torch call, not one per range: a
+    step takes such ranges of every gradient)."""
+
+    def __init__(self, ranges, total: int):
+        self.ranges = list(ranges)
+        self.cuts, pos = [], 0
+        for a, b in self.ranges:
+            if a < pos:  # (not in increasing order: cut one by one)
+                self.cuts = None
+                break
+            self.cuts += (a - pos, b - a)
+            pos = b
+        else:
+            self.cuts.append(total - pos)
+
+    def of(self, t: torch.Tensor) -> list:
+        if not self.ranges:
+            return []
+        if self.cuts is None:
+            return [t[a:b] for a, b in self.ranges]
+        return list(torch.split_with_sizes(t, self.cuts)[1::2])
+
+
 class FlatBatch:
     """The batched phases of one flat buffer's step (module docstring). ``layout``: the buffer's
     slots (``_slots``); ``ctx``: the step's factored catalog (None for a shared buffer)."""
@@ -138,9 +163,9 @@ class FlatBatch:
             items = [kernels.StepItem(p, ix, sc, vr, self.table.factors.views[k], S, B, 2, row0, rb)
                      for p, ix, sc, vr, k, S, B, row0, rb in fitems]
             self.fmulti = kernels.MultiStep(items, dev) if any(it.param.numel() for it in items) else None
-        self.franges = franges
+        self.franges = _Ranges(franges, fv.numel())
         self.smulti = kernels.MultiStep(sitems, dev) if sitems else None
-        self.sranges = sranges
+        self.sranges = _Ranges(sranges, fv.numel())
         logger.debug("gefen_dist: flat batch (%s) of %d factored, %d shared and %d exact segments",
                      kernels.__name__.rsplit(".", 1)[-1], len(franges), len(sranges),
                      len(self.exact[0]) if self.exact else 0)
@@ -156,21 +181,21 @@ class FlatBatch:
                 ms.append(st["exact_m"][sp.exact_off:sp.exact_off + s.numel])
                 vs.append(st["exact_v"][sp.exact_off:sp.exact_off + s.numel])
                 ranges.append((s.flat_offset, s.flat_offset + s.numel))
-        return (ps, ms, vs, ranges) if ps else None
+        return (ps, ms, vs, _Ranges(ranges, fv.numel())) if ps else None
 
     # ------------------------------------------------------------------ the step's phases
     def column_sums_into(self, cols: torch.Tensor, gv: torch.Tensor) -> None:
         """The whole rows' column sums of every factored segment into ``cols`` (the buffer's zeroed
         float64 column statistics, the catalog's layout): what the per-segment path adds there first."""
         if self.table is not None:
-            sums = self.table.column_sums([gv[a:b] for a, b in self.franges])
+            sums = self.table.column_sums(self.franges.of(gv))
             cols.index_copy_(0, self.col_index, sums.to(cols.device))
 
     def step_exact(self, gv: torch.Tensor, hp: Dict[str, Any]) -> None:
         """The exact segments' AdamW step (the per-segment path's ``adamw_step_`` calls) in one foreach."""
         if self.exact is not None:
             ps, ms, vs, ranges = self.exact
-            adamw_foreach_(ps, [gv[a:b] for a, b in ranges], ms, vs, **{k: hp[k] for k in ADAMW_KEYS})
+            adamw_foreach_(ps, ranges.of(gv), ms, vs, **{k: hp[k] for k in ADAMW_KEYS})
 
     def step_factored(self, cols: torch.Tensor, gv: torch.Tensor, codebook: torch.Tensor, hp: Dict[str, Any]) -> None:
         """Every factored segment's ``v_col`` from the (reduced) column sums ``cols``, then its whole
@@ -181,9 +206,9 @@ class FlatBatch:
         ema_foreach_(self.table.vcols, self.table.views, hp["beta2"])
         self.table.factors.run()
         if self.fmulti is not None:
-            self.fmulti.run([gv[a:b] for a, b in self.franges], codebook, **hp)
+            self.fmulti.run(self.franges.of(gv), codebook, **hp)
 
     def step_shared(self, gv: torch.Tensor, codebook: torch.Tensor, hp: Dict[str, Any]) -> None:
         """The whole blocks of every shared segment of period 1 or its scale block."""
         if self.smulti is not None:
-            self.smulti.run([gv[a:b] for a, b in self.sranges], codebook, **hp)
+            self.smulti.run(self.sranges.of(gv), codebook, **hp)
