@@ -1,6 +1,6 @@
 """Host work of ZeroGefen's appliers on the Triton path (CUDA's), measured on CPU without a GPU.
 
-    python research/zero_apply_ops.py [--size small|xl] [--d 64] [--steps 30] [--phases]
+    python research/zero_apply_ops.py [--size small|xl] [--d 64] [--steps 30] [--phases]  # --phases: per phase
 
 Every rank applies every rank's range of every tensor (``zero/step.py``, ``_apply_all``). Before
 2026-12-05 each range of a factored or compressed tensor took a dozen torch operations (on a GPU,
@@ -96,12 +96,15 @@ def measure(opt, steps: int, per_range: bool) -> dict:
 
 
 def phases(opt, steps: int) -> dict:
-    """Median host milliseconds per step of each phase of ``ZeroGefen.step()`` (its methods wrapped
-    with a timer; nested phases count in their callers too)."""
+    """Per phase of ``ZeroGefen.step()`` (its methods wrapped; nested phases count in their callers
+    too): the median host milliseconds per step, and the torch operations it dispatches in one more
+    step (``(ms, ops)``)."""
     from gefen_dist.zero import batch as zbatch
     from gefen_dist.zero import optimizer as zopt
 
     times: dict = {}
+    ops: dict = {}
+    counting = []
     undo = []
 
     def wrap(owner, name, label):
@@ -109,6 +112,11 @@ def phases(opt, steps: int) -> dict:
         fn = orig.__func__ if isinstance(orig, (staticmethod, classmethod)) else orig
 
         def timed(*a, **k):
+            if counting:  # (a mode per phase: nested phases' operations reach their callers' modes too)
+                with _CountCompute() as c:
+                    out = fn(*a, **k)
+                ops[label] = c.n
+                return out
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
@@ -129,10 +137,12 @@ def phases(opt, steps: int) -> dict:
         times.clear()
         for _ in range(steps):
             opt.step()
+        counting.append(True)
+        opt.step()
     finally:
         for owner, name, orig in reversed(undo):
             setattr(owner, name, orig)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: (statistics.median(v), ops.get(k, 0)) for k, v in times.items()}
 
 
 def main(argv=None) -> None:
@@ -140,7 +150,7 @@ def main(argv=None) -> None:
     ap.add_argument("--size", default="small")
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--phases", action="store_true", help="also each phase's host time per step")
+    ap.add_argument("--phases", action="store_true", help="also each phase's host time and torch operations per step")
     args = ap.parse_args(argv)
     params, groups = setup(args.size, args.d)
     opt = ZeroGefen(groups, lr=1e-3, betas=(0.9, 0.95), small_threshold=0)
@@ -168,8 +178,8 @@ def main(argv=None) -> None:
     print(f"  the whole ZeroGefen.step(): host {statistics.median(ms):.2f} ms (median of {args.steps}; with the torch "
           "operations executed on CPU tensors of this width, the Triton launches stubbed)")
     if args.phases:
-        for k, v in sorted(phases(opt, args.steps).items(), key=lambda kv: -kv[1]):
-            print(f"    {k:28s} {v:7.2f} ms")
+        for k, (ms, n) in sorted(phases(opt, args.steps).items(), key=lambda kv: -kv[1][0]):
+            print(f"    {k:28s} {ms:7.2f} ms   {n:6d} torch ops")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from typing import Any, List, Optional
 
 import torch
 
+from .layout import Ranges
+
 logger = logging.getLogger(__name__)
 
 
@@ -122,19 +124,15 @@ def exchange_bytes(comm: LocalComm, parts, sizes, to: Optional[int], device: tor
     # each part as raw bytes (one view for a contiguous 1-D tensor: most parts are), and its slot of
     # the buffer from one split; a step packs hundreds of parts, and each torch call is host time
     src = [_raw_bytes(t) for t in parts]
-    cuts = []
+    slots, off = [], 0
     for b in src:
-        n = b.numel()
-        cuts += (n, pad_bytes(n) - n)
-    off = sum(cuts)
+        slots.append((off, off + b.numel()))
+        off += pad_bytes(b.numel())
     if off != sizes[comm.rank]:
         raise RuntimeError(f"gefen_dist: internal error: this rank packed {off} bytes, the plan says {sizes[comm.rank]}")
-    if off:
-        slots = torch.split_with_sizes(buf[:off] if off < width else buf, cuts)[0::2]
-        dst = [d for d, b in zip(slots, src) if b.numel()]
-        src = [b for b in src if b.numel()]
-        if dst:
-            torch._foreach_copy_(dst, src)  # one multi-tensor copy for every part (a launch or two on a GPU)
+    dst = [d for d, b in zip(Ranges(slots, width).of(buf), src) if b.numel()]
+    if dst:  # one multi-tensor copy for every part (a launch or two on a GPU)
+        torch._foreach_copy_(dst, [b for b in src if b.numel()])
     if W == 1:
         return [buf]
     import torch.distributed as dist

@@ -35,6 +35,7 @@ import torch
 from ..core.step import ADAMW_KEYS, adamw_foreach_, ema_foreach_
 from .column_stats import ColumnTable
 from .flat_layout import _split
+from .layout import Ranges
 
 __all__ = ["FlatBatch", "batch_kernels", "batch_key"]
 
@@ -78,31 +79,6 @@ def batch_key(impl, flat: torch.Tensor, st: Dict[str, Any], factored: bool, rbr)
                  for t in (st.get(k),) if isinstance(t, torch.Tensor))
     return (impl.name, flat.data_ptr(), flat.numel(), ptrs, tuple(st["periods"]), tuple(st["learned"]),
             tuple(st.get("global_learned", ())), factored, rbr)
-
-
-class _Ranges:
-    """Fixed ranges ``[(start, end), ...]`` (increasing, disjoint) of flat tensors of ``total``
-    elements, cut out of a tensor by one ``split_with_sizes`` (one torch call, not one per range: a
-    step takes such ranges of every gradient)."""
-
-    def __init__(self, ranges, total: int):
-        self.ranges = list(ranges)
-        self.cuts, pos = [], 0
-        for a, b in self.ranges:
-            if a < pos:  # (not in increasing order: cut one by one)
-                self.cuts = None
-                break
-            self.cuts += (a - pos, b - a)
-            pos = b
-        else:
-            self.cuts.append(total - pos)
-
-    def of(self, t: torch.Tensor) -> list:
-        if not self.ranges:
-            return []
-        if self.cuts is None:
-            return [t[a:b] for a, b in self.ranges]
-        return list(torch.split_with_sizes(t, self.cuts)[1::2])
 
 
 class FlatBatch:
@@ -163,9 +139,9 @@ class FlatBatch:
             items = [kernels.StepItem(p, ix, sc, vr, self.table.factors.views[k], S, B, 2, row0, rb)
                      for p, ix, sc, vr, k, S, B, row0, rb in fitems]
             self.fmulti = kernels.MultiStep(items, dev) if any(it.param.numel() for it in items) else None
-        self.franges = _Ranges(franges, fv.numel())
+        self.franges = Ranges(franges, fv.numel())
         self.smulti = kernels.MultiStep(sitems, dev) if sitems else None
-        self.sranges = _Ranges(sranges, fv.numel())
+        self.sranges = Ranges(sranges, fv.numel())
         logger.debug("gefen_dist: flat batch (%s) of %d factored, %d shared and %d exact segments",
                      kernels.__name__.rsplit(".", 1)[-1], len(franges), len(sranges),
                      len(self.exact[0]) if self.exact else 0)
@@ -181,7 +157,7 @@ class FlatBatch:
                 ms.append(st["exact_m"][sp.exact_off:sp.exact_off + s.numel])
                 vs.append(st["exact_v"][sp.exact_off:sp.exact_off + s.numel])
                 ranges.append((s.flat_offset, s.flat_offset + s.numel))
-        return (ps, ms, vs, _Ranges(ranges, fv.numel())) if ps else None
+        return (ps, ms, vs, Ranges(ranges, fv.numel())) if ps else None
 
     # ------------------------------------------------------------------ the step's phases
     def column_sums_into(self, cols: torch.Tensor, gv: torch.Tensor) -> None:

@@ -123,6 +123,32 @@ class Piece:
         return self.local.numel() // slab if len(self.shape) >= 2 else self.local.numel()
 
 
+class Ranges:
+    """Fixed ranges ``[(start, end), ...]`` of a flat tensor of ``total`` elements, cut out of such a
+    tensor by one ``split_with_sizes`` (one torch call, not a slice per range: a step cuts hundreds of
+    them); ranges not in increasing order are sliced one by one."""
+
+    def __init__(self, ranges: Sequence[Tuple[int, int]], total: int):
+        self.ranges = list(ranges)
+        self.cuts, pos = [], 0
+        for a, b in self.ranges:
+            if a < pos:
+                self.cuts = None
+                break
+            self.cuts += (a - pos, b - a)
+            pos = b
+        else:
+            self.cuts.append(total - pos)
+
+    def of(self, t: torch.Tensor) -> list:
+        """The ranges of flat tensor ``t`` (views)."""
+        if not self.ranges:
+            return []
+        if self.cuts is None:
+            return [t[a:b] for a, b in self.ranges]
+        return list(torch.split_with_sizes(t, self.cuts)[1::2])
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "_local_tensor")
 

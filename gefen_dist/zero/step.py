@@ -10,7 +10,7 @@ from ..engine.comm import pad_bytes, take_bytes
 from ..core.apply import update_v_col
 from ..core.step import ADAMW_KEYS, adamw_foreach_, decay_only_, hyperparameters, row_block_args
 from ..kernels import dispatch as _dispatch
-from ..engine.layout import global_shape
+from ..engine.layout import Ranges, global_shape
 from ..core.span import SpanPiece
 from ..engine.state import MODE_EXACT, steps_of
 from ..engine.state import MODE_SPAN as _STATE_SPAN
@@ -35,17 +35,11 @@ def _flat_range(t: torch.Tensor, s: int, e: int) -> torch.Tensor:
 def _dense_sources(chunks, parts: dict, dst: list) -> list:
     """The owners' new values of the dense ranges as bytes (they travel in the parameter's dtype; the
     destinations are byte views of the ranges), by destination index: ``parts[r]`` lists ``(byte
-    offset, bytes, index)`` in chunk ``r`` by increasing offset (the layout's order), cut out of
-    each chunk by one split."""
+    offset, bytes, index)`` in chunk ``r`` by increasing offset (the layout's order)."""
     out = [None] * len(dst)
     for r, ps in parts.items():
-        cuts, pos = [], 0
-        for off, nb, _ in ps:
-            cuts += (off - pos, nb)
-            pos = off + nb
         ch = chunks[r]
-        cuts.append(ch.numel() - pos)
-        for (_, _, k), b in zip(ps, torch.split_with_sizes(ch, cuts)[1::2]):
+        for (_, _, k), b in zip(ps, Ranges([(off, off + nb) for off, nb, _ in ps], ch.numel()).of(ch)):
             out[k] = b.to(dst[k].device)
     return out
 
