@@ -1,6 +1,7 @@
 """Training quality with tensors of narrow rows: AdamW and Gefen with ``narrow_rows="rows"`` (per-row
-state), ``"span"`` (D16, blocks of rows) and the default ``"auto"`` (D18: blocks of rows for rows of
-fewer than 22 elements, per row above), paired by seed.
+state), ``"span"`` (D16, blocks of rows), the default ``"auto"`` (D18: blocks of rows for rows of
+fewer than 22 elements, per row above) and ``"rows8"`` (D19: as ``"auto"``, with rows of 22-79 elements
+keeping their scale and second moment in one-byte codes), paired by seed.
 
     python benchmarks/narrow_quality.py [--seeds 0,1,2,3,4] [--out docs/results/narrow_quality.json] [--write]
 
@@ -47,7 +48,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 from _docs import output_args, run_meta, run_or_load  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 
-OPTS = ("adamw", "gefen_rows", "gefen_span", "gefen_auto")
+OPTS = ("adamw", "gefen_rows", "gefen_span", "gefen_auto", "gefen_rows8")
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -56,6 +57,8 @@ def make_opt(name, params, **kw):
         return torch.optim.AdamW(params, **kw)
     if name == "gefen_auto":  # the default (D18): span below 22 elements per row, per row above
         return Gefen(params, **kw)
+    if name == "gefen_rows8":  # D19: span below 22 elements, one-byte row codes for 22-79
+        return Gefen(params, narrow_rows="rows8", **kw)
     return Gefen(params, narrow_rows="span" if name == "gefen_span" else "rows", **kw)
 
 
@@ -171,7 +174,7 @@ def summary(res: dict) -> dict:
     for wl, runs in res["runs"].items():
         seeds = sorted(runs, key=int)
         row = {}
-        for name in OPTS[1:]:
+        for name in [o for o in OPTS[1:] if all(o in runs[s] for s in seeds)]:
             gaps = [100.0 * (runs[s][name]["loss"] / runs[s]["adamw"]["loss"] - 1.0) for s in seeds]
             m = statistics.fmean(gaps)
             half = T95.get(len(gaps) - 1, 2.0) * statistics.stdev(gaps) / math.sqrt(len(gaps)) if len(gaps) > 1 else float("nan")
@@ -190,12 +193,15 @@ def table(res: dict) -> str:
              f"(seeds {', '.join(map(str, res['seeds']))}), mean and 95% t-interval; state bytes per parameter "
              "of the whole model (exact 1-D tensors included).", "",
              "| workload | AdamW B/param | `rows` gap, per seed | B/param | `span` gap, per seed | B/param "
-             "| default (`auto`) gap, per seed | B/param |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| default (`auto`) gap, per seed | B/param | `rows8` gap, per seed | B/param |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for wl, row in res["summary"].items():
         cells = []
         for name in OPTS[1:]:
-            r = row[name]
+            r = row.get(name)
+            if r is None:  # a stored run from before the option
+                cells += ["(not run)", ""]
+                continue
             cells.append(f"**{r['mean']:+.2f}%** [{r['lo']:+.2f}%, {r['hi']:+.2f}%]; "
                          + ", ".join(f"{g:+.2f}%" for g in r["gaps"]))
             cells.append(f"{r['bytes']:.3f}")

@@ -1,5 +1,6 @@
 """State bytes per parameter and step time of tensors of every aspect ratio: AdamW and Gefen's default
-(``narrow_rows="auto"``, D18), per-row state (``"rows"``) and ``"span"`` (D16, blocks of rows), CPU.
+(``narrow_rows="auto"``, D18), per-row state (``"rows"``), ``"span"`` (D16, blocks of rows) and
+``"rows8"`` (D19, one-byte row codes for rows of 22-79), CPU.
 
     python benchmarks/narrow_rows.py [--threads 1] [--rounds 9] [--out docs/results/narrow_rows.json] [--write]
 
@@ -26,7 +27,8 @@ from gefen_dist import Gefen  # noqa: E402
 
 SHAPES = [(1_000_000, 1), (500_000, 2), (100_000, 10), (50_000, 21), (50_000, 22), (25_000, 40), (20_000, 79),
           (10_000, 128), (1, 1_000_000), (1000, 1000)]
-OPTS = ("torch_adamw_fused", "gefen_rows", "gefen_span", "gefen_auto")
+OPTS = ("torch_adamw_fused", "gefen_rows", "gefen_span", "gefen_auto", "gefen_rows8")
+GEFENS = ("gefen_auto", "gefen_rows", "gefen_span", "gefen_rows8")
 
 
 def _make(name, p):
@@ -34,6 +36,8 @@ def _make(name, p):
         return torch.optim.AdamW([p], lr=1e-3, fused=True)
     if name == "gefen_auto":  # the default (D18)
         return Gefen([p], lr=1e-3)
+    if name == "gefen_rows8":  # D19
+        return Gefen([p], lr=1e-3, narrow_rows="rows8")
     return Gefen([p], lr=1e-3, narrow_rows="span" if name == "gefen_span" else "rows")
 
 
@@ -77,14 +81,15 @@ def table(res: dict) -> str:
              "(the one 1 KiB codebook per job not counted); step time: median of "
              f"{res['rounds']} interleaved rounds, ratio to torch's fused AdamW in the same round.", "",
              "| shape | AdamW B/param | Gefen default (`auto`) B/param (mode) | `rows` B/param (mode) | "
-             "`span` B/param (mode) | fused AdamW ms | `auto` ms (x AdamW) | `rows` ms (x AdamW) | `span` ms (x AdamW) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "`span` B/param (mode) | `rows8` B/param (mode) | fused AdamW ms | `auto` ms (x AdamW) | `rows` ms (x AdamW) "
+             "| `span` ms (x AdamW) | `rows8` ms (x AdamW) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res["shapes"].items():
         b, ms, x = r["bytes_per_param"], r["median_ms"], r["ratio_to_adamw"]
         lines.append(f"| {name} | {b['torch_adamw_fused']:.2f} | "
-                     + " | ".join(f"{b[k]:.3f} ({r['mode'][k]})" for k in ("gefen_auto", "gefen_rows", "gefen_span"))
+                     + " | ".join(f"{b[k]:.3f} ({r['mode'][k]})" for k in GEFENS)
                      + f" | {ms['torch_adamw_fused']:.2f} | "
-                     + " | ".join(f"{ms[k]:.2f} ({x[k]:.2f}x)" for k in ("gefen_auto", "gefen_rows", "gefen_span")) + " |")
+                     + " | ".join(f"{ms[k]:.2f} ({x[k]:.2f}x)" for k in GEFENS) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .core.periods import factored_row_blocks, row_slab, shape_period
 from .core.span import span_blocks, span_period
 from .engine.layout import KIND_EXACT, KIND_QUANTIZED, Geometry, is_exact
-from .engine.state import DEFAULT_NARROW_ROWS, MODE_FACTORED, quantized_mode, span_mode
+from .engine.state import DEFAULT_NARROW_ROWS, MODE_FACTORED, MODE_ROWS8, narrow_layout, quantized_mode
 
 __all__ = [
     "TensorSpec", "ModelEstimate", "STRATEGIES", "PRECISIONS", "GPT2_SMALL_GEFEN_BYTES_PER_PARAM",
@@ -82,14 +82,17 @@ def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
     (fp32 per period of each row) or ``"elementwise"`` (fp32 per element); a factored tensor of
     few rows pays ``4 / rows`` B/param for its ``v_col`` (5.0 B/param in all for ``(1, N)``).
     ``narrow_rows``: a factored tensor of narrow rows kept per block of rows (D16, D18) holds a
-    scale and a ``v`` per block and a ``v_col`` per column."""
+    scale and a ``v`` per block and a ``v_col`` per column; under ``"rows8"`` (D19) rows of 22-79
+    elements add two one-byte codes per row."""
     shape = tuple(int(s) for s in shape)
     n = int(math.prod(shape))
     adamw = ADAMW_BYTES_PER_PARAM * n
-    if span_mode(shape, second_moment, narrow_rows, small_threshold):
+    narrow = narrow_layout(shape, second_moment, narrow_rows, small_threshold)
+    if narrow is not None:  # blocks of rows (D16), and two one-byte codes per row (D19)
         L = span_period(shape)
+        codes = 2 * shape[0] if narrow == MODE_ROWS8 else 0
         return dict(kind=KIND_QUANTIZED, period=L, scale_block=L,
-                    gefen_bytes=n + 8 * span_blocks(shape) + 4 * row_slab(shape), adamw_bytes=adamw)
+                    gefen_bytes=n + codes + 8 * span_blocks(shape) + 4 * row_slab(shape), adamw_bytes=adamw)
     if is_exact(shape, small_threshold):
         return dict(kind=KIND_EXACT, period=0, scale_block=0, gefen_bytes=8 * n, adamw_bytes=adamw)
     geo = Geometry.quantized(shape, 1 if second_moment == "elementwise" else estimated_period(shape))

@@ -425,25 +425,29 @@ def test_optimizer_cuda_path_through_interpreter(monkeypatch, second_moment):
 def test_optimizer_span_tensors_through_interpreter_equal_the_eager_path(monkeypatch):
     """narrow_rows="span" (D16) tensors on Gefen's CUDA code path (the Triton span kernels), through
     the interpreter, against Gefen with fused=False: parameters and state bitwise after 5 steps (a
-    (5000, 3) tensor of sparse rows, blocks of 342 rows; a float32 and a bfloat16 copy)."""
+    (5000, 3) tensor of sparse rows, blocks of 342 rows; a float32 and a bfloat16 copy); and
+    narrow_rows="rows8" (D19: the span kernels with blocks of one row, the row codes between the
+    phases) on a (120, 40) tensor, 3 steps."""
     from gefen_dist import Gefen
     from gefen_dist.kernels import dispatch
 
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, setting, (N, S), steps in ((torch.float32, "span", (5000, 3), 5), (torch.bfloat16, "span", (5000, 3), 5),
+                                          (torch.float32, "rows8", (120, 40), 3),
+                                          (torch.bfloat16, "rows8", (120, 40), 3)):
         gen = torch.Generator().manual_seed(3)
-        w0 = (torch.randn(5000, 3, generator=gen) * 0.1).to(dtype)
+        w0 = (torch.randn(N, S, generator=gen) * 0.1).to(dtype)
         a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
-        oa = Gefen([a], lr=1e-3, weight_decay=0.1, narrow_rows="span", fused=False)
-        ob = Gefen([b], lr=1e-3, weight_decay=0.1, narrow_rows="span")
+        oa = Gefen([a], lr=1e-3, weight_decay=0.1, narrow_rows=setting, fused=False)
+        ob = Gefen([b], lr=1e-3, weight_decay=0.1, narrow_rows=setting)
         monkeypatch.setattr(ob, "_impl", lambda t, p=None, group=None: dispatch._triton())
-        for _ in range(5):
-            g = torch.zeros(5000, 3)
-            rows = torch.randint(0, 5000, (400,), generator=gen)
-            g[rows] = torch.randn(400, 3, generator=gen)
+        for _ in range(steps):
+            g = torch.zeros(N, S)
+            rows = torch.randint(0, N, (N // 12,), generator=gen)
+            g[rows] = torch.randn(N // 12, S, generator=gen)
             a.grad, b.grad = g.to(dtype), g.to(dtype)
             oa.step()
             ob.step()
-        assert ob._mode(b) == "span"
+        assert ob._mode(b) == setting
         assert torch.equal(a, b), dtype
         for k, v in oa.state[a].items():
             if isinstance(v, torch.Tensor):

@@ -190,7 +190,7 @@ class CheckpointMismatchError(ValueError):
     names the checkpoint key, the option and the fix. Raised before anything is loaded."""
 
 
-_LEAVES = ("idx", "scale", "v", "v_row", "v_blk", "v_col", "exp_avg", "exp_avg_sq")
+_LEAVES = ("idx", "scale", "v", "v_row", "v_blk", "v_col", "row_codes", "exp_avg", "exp_avg_sq")
 
 
 def _state_index(keys: Iterable[str], prefix: Optional[str]) -> Dict[str, Dict[str, str]]:
@@ -217,16 +217,18 @@ def _saved_mode(leaves) -> str:
 
 def _span_mismatch(fqn: str, gi: int, shape, key: str, was: str, mode: str) -> str:
     """The message of a tensor saved per block of rows and kept otherwise here, or the reverse (D16, D18)."""
-    how = {"span": "per block of rows", "exact": "as exact AdamW state"}
+    how = {"span": "per block of rows", "exact": "as exact AdamW state", "rows8": "per row in one-byte codes"}
     if was == "span":
         nr = "'auto' (the default) or 'span'" if span_by_default(shape) else "'span'"
+    elif was == "rows8":
+        nr = "'rows8'"
     else:
         nr = "'rows'"
     if "exact" in (was, mode):
         nr += " (or the small_threshold it was saved with)"
     return (f"checkpoint entry {key!r} holds the state of parameter {fqn!r} (shape {shape}) {how.get(was, 'per row')}, "
             f"but param group {gi} of this optimizer keeps it {how.get(mode, 'per row')}: the narrow_rows settings "
-            f"differ (D16, D18). Build Gefen (or that param group) with narrow_rows={nr}, the setting the checkpoint "
+            f"differ (D16, D18, D19). Build Gefen (or that param group) with narrow_rows={nr}, the setting the checkpoint "
             "was saved with")
 
 
@@ -241,7 +243,7 @@ def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], size_
         got = size_of(key)
         return None if got == shape else (f"checkpoint entry {key!r} has shape {got}, parameter "
                                           f"{fqn!r} has shape {shape}: the model changed since the checkpoint was saved")
-    if was != mode and "span" in (was, mode):
+    if was != mode and {"span", "rows8"} & {was, mode}:
         return _span_mismatch(fqn, gi, shape, key, was, mode)
     if "exact" in (was, mode):
         held = "exact AdamW state" if was == "exact" else "quantized Gefen state"
@@ -610,9 +612,9 @@ def full_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
 
 def _span_period(optimizer, p) -> int:
     """The period (block of rows) of ``p`` when ``optimizer`` keeps its state per block of rows
-    (D16, ``narrow_rows="span"``), else 0."""
+    (D16, ``narrow_rows="span"``) or in row codes against blocks of rows (D19, ``"rows8"``), else 0."""
     mode = getattr(optimizer, "_mode", None)
-    if mode is None or mode(p) != "span":
+    if mode is None or mode(p) not in ("span", "rows8"):
         return 0
     return int(optimizer._spec(p).geometry.period)
 

@@ -26,6 +26,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from . import rows8 as _rows8
 from . import span as _span
 from .periods import row_slab
 from .quant import nearest_codeword
@@ -88,7 +89,9 @@ class MomentsLayout:
         return row_slab(self.shape)
 
     def span(self) -> "_span.SpanPiece":
-        return _span.SpanPiece.of(self.shape, self.row0 * self.slab, self.nrows * self.slab)
+        """The piece's blocks of the reduced statistics: blocks of rows (span), single rows (rows8, D19)."""
+        sp = _span.SpanPiece.of(self.shape, self.row0 * self.slab, self.nrows * self.slab)
+        return _rows8.kernel_piece(sp) if self.mode == "rows8" else sp
 
 
 def moments_partials(m: torch.Tensor, v: torch.Tensor, lay: MomentsLayout) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +109,7 @@ def moments_partials(m: torch.Tensor, v: torch.Tensor, lay: MomentsLayout) -> Tu
         block = torch.div(torch.arange(lay.row0, lay.row0 + lay.nrows, device=dev), int(lay.shape[0]) // G,
                           rounding_mode="floor")
         return out.index_add_(0, block, v64).reshape(-1), empty32
-    if lay.mode == "span":
+    if lay.mode in ("span", "rows8"):
         sp = lay.span()
         amax = torch.zeros(sp.nb, dtype=torch.float32, device=dev)
         if lay.nrows:
@@ -136,6 +139,14 @@ def state_from_moments(m: torch.Tensor, v: torch.Tensor, lay: MomentsLayout, cod
         idx = quantize(m32, scale.index_select(0, sp.block_ids(m.device)).unsqueeze(1), codebook, nearest)
         v_blk, v_col = _span_means(sums, sp)
         return {"idx": idx.view(local_shape), "scale": scale, "v_blk": v_blk, "v_col": v_col}
+    if lay.mode == "rows8":  # D19: the rows' maxima and means coded against blocks of rows (the draw of step 0)
+        whole = _span.SpanPiece.of(lay.shape)
+        sc, sref, s_dec = _rows8.encode_scale(maxima.to(m.device, torch.float32), whole)
+        v_row, v_col = _span_means(sums.to(m.device), lay.span())
+        vc, vref, _ = _rows8.encode_v(v_row, whole, 0, lay.shape)
+        a = s_dec[lay.row0:lay.row0 + rows].unsqueeze(1)
+        return {"idx": quantize(m32, a, codebook, nearest).view(local_shape), "scale": sref, "v_blk": vref,
+                "v_col": v_col, "row_codes": torch.stack([sc, vc], dim=1)}
     B = int(lay.scale_block)
     blocks = m32.view(rows, slab // B, B)
     scale = blocks.abs().amax(dim=2)

@@ -38,7 +38,7 @@ from .quant import nearest_codeword, scaled_histogram
 from .step import apply_, column_factors, ema_, first_moment, inv_rms_, quantize
 
 __all__ = ["SPAN_BELOW", "SPAN_AUTO_BELOW", "SPAN_TARGET", "span_eligible", "span_by_default", "span_rows", "span_period", "span_blocks", "SpanPiece",
-           "span_statistics", "span_state_", "span_update_", "span_grad_absmax", "span_histogram", "rows_reached", "span_apply_indices_", "span_square_sums"]
+           "span_statistics", "span_state_", "span_update_", "span_apply_", "span_grad_absmax", "span_histogram", "rows_reached", "span_apply_indices_", "span_square_sums"]
 
 SPAN_BELOW = 80  # rows narrower than this spend more than 0.1 B/param on per-row fp32 state
 SPAN_TARGET = 1024  # a block holds at least this many elements (the default's scale blocks reach ~1024)
@@ -214,13 +214,25 @@ def span_update_(param: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, v_
                  bid: Optional[torch.Tensor] = None, nearest=None) -> None:
     """The second phase, from the statistics summed (``col_sum``, ``blk_sum``) and maximised
     (``amax``) over every piece of the tensor: the replicated state of every block (``v_col``,
-    ``v_blk``, ``scale``), then this piece's indices and parameter (``param``, ``idx``: the piece,
-    in place; ``m`` as :func:`span_statistics` returns it, or flat). ``beta1`` is accepted so that
-    one hyperparameter dict serves every phase; ``bid`` (``sp.block_ids``) and ``nearest``
-    (:func:`~gefen_dist.core.step.quantize`'s; None: :func:`~gefen_dist.core.quant.nearest_codeword`)
-    may come from the caller."""
-    nearest = nearest_codeword if nearest is None else nearest
+    ``v_blk``, ``scale``: :func:`span_state_`), then this piece's indices and parameter
+    (:func:`span_apply_`; ``param``, ``idx``: the piece, in place; ``m`` as :func:`span_statistics`
+    returns it, or flat). ``beta1`` is accepted so that one hyperparameter dict serves every phase;
+    ``bid`` (``sp.block_ids``) and ``nearest`` (:func:`~gefen_dist.core.step.quantize`'s; None:
+    :func:`~gefen_dist.core.quant.nearest_codeword`) may come from the caller."""
     span_state_(scale, v_blk, v_col, col_sum, blk_sum, amax, sp, beta2)
+    span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp, lr=lr, eps=eps, weight_decay=weight_decay, bc1=bc1,
+                bc2=bc2, bound=bound, bid=bid, nearest=nearest)
+
+
+def span_apply_(param: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor, v_blk: torch.Tensor,
+                v_col: torch.Tensor, m: torch.Tensor, codebook: torch.Tensor, sp: SpanPiece, *, lr: float, eps: float,
+                weight_decay: float, bc1: float, bc2: float, bound=None, bid: Optional[torch.Tensor] = None,
+                nearest=None, **_) -> None:
+    """The second phase's per-element part from the updated block state (``scale``, ``v_blk``,
+    ``v_col``): this piece's new indices (``m / M_b`` to the nearest codeword) and its parameter, in
+    place. What :func:`span_update_` runs after :func:`span_state_`, and the update of a ``rows8``
+    tensor (D19: blocks of one row whose state is the decoded codes, :mod:`gefen_dist.core.rows8`)."""
+    nearest = nearest_codeword if nearest is None else nearest
     if sp.nrows == 0:
         return
     hp = dict(lr=lr, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound, nearest=nearest)

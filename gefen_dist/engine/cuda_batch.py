@@ -50,7 +50,7 @@ from .column_stats import ColumnTable
 from .device_step import DeviceStep
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .nonfinite import any_overflow, device_flags
-from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
+from .state import MODE_EXACT, MODE_FACTORED, SPAN_MODES, step_of
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class CudaBatch:
             return names.get(id(p), "?")
 
         types = _DEVICE_TYPES + (("cpu",) if _native_cpu() else ())
-        devices = {local_tensor(p).device for _, p in entries if opt._mode(p) != MODE_SPAN}
+        devices = {local_tensor(p).device for _, p in entries if opt._mode(p) not in SPAN_MODES}
         if not any(d.type in types for d in devices):
             return None, [], ""
         native = "cpu" in types and "cpu" not in _DEVICE_TYPES and all(d.type == "cpu" for d in devices)
@@ -263,7 +263,7 @@ class CudaBatch:
         beside, reasons, cb = [], [], None
         for group, p in entries:
             mode = opt._mode(p)
-            if mode == MODE_SPAN:
+            if mode in SPAN_MODES:
                 beside.append((group, p))
                 continue
             st = opt.state.get(p)

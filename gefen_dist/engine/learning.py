@@ -17,6 +17,7 @@ import torch
 
 from ..core import codebook as _codebook
 from ..core import periods as _periods
+from ..core import rows8 as _rows8
 from ..core import span as _span
 from ..core.quant import NUM_BINS
 from ..kernels import dispatch as _dispatch
@@ -78,14 +79,22 @@ def learn_periods_by_key(comm, tensors: Dict[Any, Tuple[Sequence[int], Optional[
     return out
 
 
+def _narrow_piece(pc, narrow) -> "_span.SpanPiece":
+    """The span piece whose blocks normalise a narrow-row piece's first gradient: blocks of rows for
+    ``"span"`` (D16), single rows for ``"rows8"`` (D19, each row its own scale)."""
+    sp = _span.SpanPiece.of(pc.shape, pc.start, pc.local.numel())
+    return _rows8.kernel_piece(sp) if narrow == "rows8" else sp
+
+
 def global_histogram(comm, items: Sequence[Tuple]) -> torch.Tensor:
     """The histogram (``NUM_BINS`` int64) of every quantized piece's gradient normalised by its
-    scale blocks' absmax (``items``: (piece, scale block) or (piece, scale block, span)), summed
+    scale blocks' absmax (``items``: (piece, scale block) or (piece, scale block, narrow)), summed
     over ranks (replicas counted once): what the codebook is learned from (D3). A span piece's
-    blocks of rows (D16, ``span`` True) may be cut by the shards: their absmax is reduced first (one
-    MAX all-reduce, entered whenever any span piece is listed, as on every rank)."""
+    blocks of rows (D16, ``narrow`` ``"span"``; ``"rows8"``: blocks of one row, D19) may be cut by the
+    shards: their absmax is reduced first (one MAX all-reduce, entered whenever any such piece is
+    listed, as on every rank)."""
     counts = torch.zeros(NUM_BINS, dtype=torch.int64)
-    spans = [(pc, _span.SpanPiece.of(pc.shape, pc.start, pc.local.numel())) for pc, _, *sp in items if sp and sp[0]]
+    spans = [(pc, _narrow_piece(pc, sp[0])) for pc, _, *sp in items if sp and sp[0]]
     amax = {}
     if spans:
         parts = [_span.span_grad_absmax(pc.grad if pc.grad is not None else torch.zeros(pc.local.shape), sp).cpu()

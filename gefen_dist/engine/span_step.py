@@ -10,12 +10,13 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..core import rows8 as _rows8
 from ..core.quant import nearest_codeword
 from ..core.span import SPAN_AUTO_BELOW, SpanPiece, rows_reached
 from ..core.step import decay_only_, hyperparameters
 from ..kernels import dispatch as _dispatch
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
-from .state import MODE_SPAN, narrow_rows_of, step_of
+from .state import MODE_ROWS8, MODE_SPAN, SPAN_MODES, narrow_rows_of, step_of
 
 logger = logging.getLogger(__name__)
 
@@ -28,18 +29,18 @@ def warn_dense(found, setting: str = "span") -> None:
     first gradient reaches at least :data:`DENSE_ROWS` of their rows: dense layers, where one second
     moment per block of rows measured worse than per-row state. A WARNING for a group that asked
     ``narrow_rows="span"`` (docs/algorithm.md D16: +9.6% on the digits classifier's ``(256, 64)``
-    input layer); an INFO line for the default ``"auto"``, which keeps only rows of fewer than 22
+    input layer); an INFO line for the default ``"auto"`` (and ``"rows8"``), which keeps only rows of fewer than 22
     elements per block (D18: +0.05% to +1.2% on dense layers of rows of 4-16). Rank-local (each rank
     judges its pieces), no collective; the decision stays the user's."""
     if not found:
         return
     dense = [f"{name!r} {tuple(shape)}: {reached:.0%} of rows" for name, shape, reached in found]
-    if setting == "auto":
+    if setting in ("auto", "rows8"):
         logger.info(
-            "Gefen: narrow_rows='auto' (the default) keeps %d dense layer(s) of rows narrower than %d elements per "
+            "Gefen: narrow_rows=%r keeps %d dense layer(s) of rows narrower than %d elements per "
             "block of rows (~1.01 B/param instead of 1 + 8 / S): %s. On dense layers of rows of 4-16 elements that "
             "measured 0.05-1.2%% worse than per-row state (docs/algorithm.md D18); narrow_rows='rows' for their param "
-            "group keeps them per row.", len(dense), SPAN_AUTO_BELOW,
+            "group keeps them per row.", setting, len(dense), SPAN_AUTO_BELOW,
             "; ".join(dense[:8]) + ("; ..." if len(dense) > 8 else ""))
         return
     logger.warning(
@@ -55,7 +56,7 @@ class SpanStepMixin:
     ``nonfinite``, ``bound_updates`` and ``_raise_column_overflow``)."""
 
     def _span_entries(self, entries):
-        return [(g, p) for g, p in entries if self.state.get(p) and self._mode(p) == MODE_SPAN]
+        return [(g, p) for g, p in entries if self.state.get(p) and self._mode(p) in SPAN_MODES]
 
     def _note_dense_span(self, live) -> None:
         """:func:`warn_dense` for the span tensors among ``live`` (``(param, piece)`` pairs learning
@@ -105,9 +106,13 @@ class SpanStepMixin:
             hp = hyperparameters(group, step_of(st) + 1, self.bound_updates)  # this step's
             start, param, grad, contributes = self._span_local(p)
             sp = SpanPiece.of(global_shape(p), start, param.numel())
+            scale = st["scale"]
+            if self._mode(p) == MODE_ROWS8:  # D19: the kernels step blocks of one row, scales decoded
+                scale = _rows8.decode_scale(st["row_codes"][:, 0], scale, sp)
+                sp = _rows8.kernel_piece(sp)
             cb = st["codebook"].to(param.device)
             impl = self._impl(param, p, group)
-            m, col, blk, amax = impl.span_statistics(grad, local_tensor(st["idx"]), st["scale"], cb, sp, hp["beta1"])
+            m, col, blk, amax = impl.span_statistics(grad, local_tensor(st["idx"]), scale, cb, sp, hp["beta1"])
             if sharded and not contributes:
                 col.zero_()
                 blk.zero_()
@@ -149,11 +154,19 @@ class SpanStepMixin:
             param = self._span_local(p)[1]
             target, write_back = self._span_target(param)
             nearest = _dispatch.nearest if self._fused(p) is not False else nearest_codeword
-            impl.span_update_(target, local_tensor(st["idx"]), st["scale"], st["v_blk"], st["v_col"], m, c, b, a, cb,
-                              sp, nearest=nearest, **hp)
+            if self._mode(p) == MODE_ROWS8:  # D19: the codes from the reduced statistics, then the update
+                shape = global_shape(p)
+                scale, v = _rows8.rows8_state_(st["row_codes"], st["scale"], st["v_blk"], st["v_col"], c, b, a,
+                                               SpanPiece.of(shape), hp["beta2"], step_of(st), shape)
+                impl.span_apply_(target, local_tensor(st["idx"]), scale, v, st["v_col"], m, cb, sp, nearest=nearest,
+                                 **hp)
+            else:
+                impl.span_update_(target, local_tensor(st["idx"]), st["scale"], st["v_blk"], st["v_col"], m, c, b, a,
+                                  cb, sp, nearest=nearest, **hp)
             if write_back:
                 param.copy_(target)
-            for t in (local_tensor(p), st["scale"], st["v_blk"], st["v_col"]):
+            for t in (local_tensor(p), st["scale"], st["v_blk"], st["v_col"]) + (
+                    (st["row_codes"],) if "row_codes" in st else ()):
                 torch.autograd.graph.increment_version(t)
 
     def _step_span(self, entries, work: Optional[Dict[torch.Tensor, tuple]] = None) -> None:

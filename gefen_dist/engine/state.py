@@ -16,6 +16,9 @@ factored       ``idx``, ``scale``, ``v_row`` [rows, 1], ``v_col`` [G, slab] or  
                [slab] (replicated: the same on every rank)
 span           ``idx``; ``scale``, ``v_blk`` [nb], ``v_col`` [slab], replicated     ~1 + 8/1024
                (``narrow_rows="span"``, rows of < 80 elements, blocks of rows, D16)
+rows8          as span, plus ``row_codes`` uint8 [rows, 2] (each row's scale and    1 + 2/S + ~0.01
+               ``v`` code against the blocks' ``scale``/``v_blk``), replicated
+               (``narrow_rows="rows8"``, rows of 22-79 elements, D19)
 =============  =================================================================  ==============
 
 A factored group's tensors of few rows are factored too (``v_col`` costs ``4 / rows`` B/param: 5.0 in all
@@ -32,19 +35,22 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..core import periods as _periods
+from ..core import rows8 as _rows8
 from ..core import span as _span
 from .layout import KIND_QUANTIZED, Geometry, few_rows, is_exact
 
 MODE_EXACT, MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE = "exact", "shared", "factored", "elementwise"
 MODE_SPAN = "span"  # a state mode, not a second_moment setting: narrow_rows="span" of a factored group (D16)
+MODE_ROWS8 = "rows8"  # narrow_rows="rows8": rows of 22-79 elements, scale and v per row in one-byte codes (D19)
+SPAN_MODES = (MODE_SPAN, MODE_ROWS8)  # the modes stepped in two phases by the span kernels
 SECOND_MOMENTS = (MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE)
-NARROW_ROWS = ("auto", "rows", "span")
+NARROW_ROWS = ("auto", "rows", "span", "rows8")
 DEFAULT_NARROW_ROWS = "auto"  # the constructors' default (D18); a group saved without the key was "rows"
 DEFAULT_SECOND_MOMENT = MODE_FACTORED  # Gefen's, ZeroGefen's and the DeepSpeed Gefen's constructor default
 
 __all__ = ["StateSpec", "SECOND_MOMENTS", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
-           "MODE_ELEMENTWISE", "MODE_SPAN", "NARROW_ROWS", "DEFAULT_NARROW_ROWS", "span_mode", "narrow_rows_of",
-           "narrow_layouts_differ", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of",
+           "MODE_ELEMENTWISE", "MODE_SPAN", "MODE_ROWS8", "SPAN_MODES", "NARROW_ROWS", "rows8_mode", "DEFAULT_NARROW_ROWS", "span_mode", "narrow_rows_of",
+           "narrow_layouts_differ", "narrow_layout", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of",
            "quantized_mode", "few_rows_shared_in"]
 
 
@@ -101,16 +107,33 @@ def span_mode(shape: Sequence[int], second_moment: str, narrow_rows: str, small_
         return False
     if narrow_rows == "span":
         return _span.span_eligible(shape)
-    return narrow_rows == "auto" and _span.span_by_default(shape)
+    return narrow_rows in ("auto", "rows8") and _span.span_by_default(shape)
+
+
+def rows8_mode(shape: Sequence[int], second_moment: str, narrow_rows: str, small_threshold: int) -> bool:
+    """Whether a tensor of global ``shape`` keeps its scale and second moment per row in one-byte codes
+    (D19): a group with the factored second moment and ``narrow_rows="rows8"``, rows of 22-79 elements
+    (:func:`gefen_dist.core.rows8.rows8_eligible`), at least ``small_threshold`` elements."""
+    shape = tuple(int(s) for s in shape)
+    n = math.prod(shape)
+    return (narrow_rows == "rows8" and second_moment == MODE_FACTORED and 0 < n and n >= small_threshold
+            and _rows8.rows8_eligible(shape))
+
+
+def narrow_layout(shape: Sequence[int], second_moment: str, narrow_rows: str, small_threshold: int) -> Optional[str]:
+    """:data:`MODE_SPAN` or :data:`MODE_ROWS8` for a tensor kept by one of the two-phase narrow-row
+    layouts under these settings, else None."""
+    if rows8_mode(shape, second_moment, narrow_rows, small_threshold):
+        return MODE_ROWS8
+    return MODE_SPAN if span_mode(shape, second_moment, narrow_rows, small_threshold) else None
 
 
 def narrow_layouts_differ(shapes, second_moment: str, a: str, b: str, small_threshold: int) -> bool:
     """Whether ``narrow_rows`` ``a`` and ``b`` keep some tensor of the global ``shapes`` differently
     (per block of rows under one, per row or exact under the other): whether a checkpoint saved
     under one loads under the other."""
-    return a != b and any(span_mode(s, second_moment, a, small_threshold) != span_mode(s, second_moment, b,
-                                                                                       small_threshold)
-                          for s in shapes)
+    return a != b and any(narrow_layout(s, second_moment, a, small_threshold)
+                          != narrow_layout(s, second_moment, b, small_threshold) for s in shapes)
 
 
 def mode_of(shape: Sequence[int], group: Mapping[str, Any], small_threshold: int) -> str:
@@ -119,9 +142,9 @@ def mode_of(shape: Sequence[int], group: Mapping[str, Any], small_threshold: int
     ``second_moment`` (the ``mode`` of :meth:`StateSpec.of`, which does not depend on the period).
     What live optimizer code asks instead of looking at the keys of a state dict. A group's own
     ``small_threshold`` (:class:`gefen_dist.Gefen` allows one per group) overrides the optimizer's."""
-    if span_mode(shape, second_moment_of(group), narrow_rows_of(group),
-                 threshold_of(group, small_threshold)):
-        return MODE_SPAN
+    narrow = narrow_layout(shape, second_moment_of(group), narrow_rows_of(group), threshold_of(group, small_threshold))
+    if narrow is not None:
+        return narrow
     if is_exact(tuple(int(s) for s in shape), threshold_of(group, small_threshold)):
         return MODE_EXACT
     return quantized_mode(shape, second_moment_of(group))
@@ -154,11 +177,13 @@ def mode_of_saved(entry: Mapping[str, Any]) -> Optional[str]:
     which ``small_threshold`` made the entry, so its keys are all there is. Live optimizer code
     asks :func:`mode_of` / :class:`StateSpec` instead.
 
-    Returns :data:`MODE_SPAN` (``idx`` with ``v_blk``), :data:`MODE_FACTORED` (``idx`` with ``v_row``/``v_col``), :data:`MODE_SHARED`
+    Returns :data:`MODE_ROWS8` (``idx`` with ``row_codes``), :data:`MODE_SPAN` (``idx`` with ``v_blk``), :data:`MODE_FACTORED` (``idx`` with ``v_row``/``v_col``), :data:`MODE_SHARED`
     (``idx`` with ``v``; ``elementwise`` state is shared state with period 1, the same keys, and
     cannot be told apart from it here), :data:`MODE_EXACT` (``exp_avg``) or None for an entry that
     holds none of Gefen's layouts (empty, or another optimizer's)."""
     if "idx" in entry:
+        if "row_codes" in entry:
+            return MODE_ROWS8
         if "v_blk" in entry:
             return MODE_SPAN
         return MODE_FACTORED if ("v_col" in entry or "v_row" in entry) else MODE_SHARED
@@ -173,6 +198,8 @@ def tensor_keys(mode: str) -> Tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
     if mode == MODE_SPAN:
         return ("idx", "scale", "v_blk", "v_col")
+    if mode == MODE_ROWS8:
+        return ("idx", "scale", "v_blk", "v_col", "row_codes")
     return ("idx", "scale", "v_row", "v_col") if mode == MODE_FACTORED else ("idx", "scale", "v")
 
 
@@ -208,9 +235,10 @@ class StateSpec:
         period yet (:func:`fixed_period`, else the row). A span tensor's (D16) period and scale block
         are its block of ``k`` rows, ``k * slab`` elements (the last block may be shorter)."""
         shape = tuple(int(s) for s in shape)
-        if span_mode(shape, second_moment, narrow_rows, small_threshold):
+        narrow = narrow_layout(shape, second_moment, narrow_rows, small_threshold)
+        if narrow is not None:
             L = _span.span_period(shape)
-            return cls(MODE_SPAN, Geometry(KIND_QUANTIZED, shape, L, L))
+            return cls(narrow, Geometry(KIND_QUANTIZED, shape, L, L))
         if is_exact(shape, small_threshold):
             return cls(MODE_EXACT, Geometry.exact(shape))
         if second_moment not in SECOND_MOMENTS:
@@ -247,10 +275,14 @@ class StateSpec:
             ls = tuple(local_shape)
             return {"exp_avg": (ls, gshape, torch.float32, True), "exp_avg_sq": (ls, gshape, torch.float32, True)}
         rows = int(local_shape[0])
-        if self.mode == MODE_SPAN:  # replicated block state (D16)
+        if self.mode in SPAN_MODES:  # replicated block state (D16), and per-row codes (D19)
             nb, S = (_span.span_blocks(gshape),), (geo.slab,)
-            return {"idx": (tuple(local_shape), gshape, torch.uint8, True), "scale": (nb, nb, torch.float32, False),
-                    "v_blk": (nb, nb, torch.float32, False), "v_col": (S, S, torch.float32, False)}
+            out = {"idx": (tuple(local_shape), gshape, torch.uint8, True), "scale": (nb, nb, torch.float32, False),
+                   "v_blk": (nb, nb, torch.float32, False), "v_col": (S, S, torch.float32, False)}
+            if self.mode == MODE_ROWS8:
+                rc = (gshape[0], 2)
+                out["row_codes"] = (rc, rc, torch.uint8, False)
+            return out
         loc, glo = geo.state_shapes(rows), geo.state_shapes(gshape[0])
         out = {"idx": (loc["idx"], glo["idx"], torch.uint8, True),
                "scale": (loc["scale"], glo["scale"], torch.float32, True)}
@@ -275,10 +307,14 @@ class StateSpec:
 
         if self.exact:
             return {"exp_avg": ((n,), torch.float32, True), "exp_avg_sq": ((n,), torch.float32, True)}
-        if self.mode == MODE_SPAN:  # idx of the range; the block state whole, replicated (D16)
-            nb, S = (_span.span_blocks(self.geometry.global_shape),), (self.geometry.slab,)
-            return {"idx": ((n,), torch.uint8, True), "scale": (nb, torch.float32, False),
-                    "v_blk": (nb, torch.float32, False), "v_col": (S, torch.float32, False)}
+        if self.mode in SPAN_MODES:  # idx of the range; the block state whole, replicated (D16, D19)
+            gshape = self.geometry.global_shape
+            nb, S = (_span.span_blocks(gshape),), (self.geometry.slab,)
+            out = {"idx": ((n,), torch.uint8, True), "scale": (nb, torch.float32, False),
+                   "v_blk": (nb, torch.float32, False), "v_col": (S, torch.float32, False)}
+            if self.mode == MODE_ROWS8:
+                out["row_codes"] = ((gshape[0], 2), torch.uint8, False)
+            return out
         geo = self.geometry
         out = {"idx": ((n,), torch.uint8, True), "scale": ((touched(geo.scale_block),), torch.float32, True)}
         if self.mode == MODE_FACTORED:

@@ -7,12 +7,13 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..core import rows8 as _rows8
 from ..core import span as _span
 from .column_stats import column_means, piece_column_sums
 from .cuda_batch import CudaBatch
 from ..core.step import adamw_foreach_, adamw_hyperparameters, adamw_step_, decay_only_, hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
-from .state import MODE_EXACT, MODE_FACTORED, MODE_SPAN, step_of
+from .state import MODE_EXACT, MODE_FACTORED, MODE_ROWS8, SPAN_MODES, step_of
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class GefenStepMixin:
         all-reduce when ``sharded`` (default: any piece is a DTensor's)."""
         if self.nonfinite == "ignore":
             return
-        todo = [(p, pc) for p, pc in live if self._mode(p) in (MODE_FACTORED, MODE_SPAN)]
+        todo = [(p, pc) for p, pc in live if self._mode(p) in (MODE_FACTORED,) + SPAN_MODES]
         if not todo:
             return
         if sharded is None:
@@ -94,8 +95,10 @@ class GefenStepMixin:
         sums = []
         for p, pc in todo:
             shape = global_shape(p)
-            if self._mode(p) == MODE_SPAN:
+            if self._mode(p) in SPAN_MODES:
                 sp = _span.SpanPiece.of(shape, pc.start, pc.grad.numel() if pc.grad is not None else 0)
+                if self._mode(p) == MODE_ROWS8:  # the sums of its step: per row (D19)
+                    sp = _rows8.kernel_piece(sp)
                 s = (_span.span_square_sums(pc.grad, sp) if pc.grad is not None and pc.grad.numel()
                      else torch.zeros(sp.slab + sp.nb, dtype=torch.float64))
                 if sharded and not pc.contributes:
@@ -154,8 +157,8 @@ class GefenStepMixin:
         batches, beside = plan
         if beside and self.nonfinite != "ignore" and self._nonfinite(beside):
             return True
-        span = [(g, p) for g, p in beside if self._mode(p) == MODE_SPAN]
-        other = [(g, p) for g, p in beside if self._mode(p) != MODE_SPAN]
+        span = [(g, p) for g, p in beside if self._mode(p) in SPAN_MODES]
+        other = [(g, p) for g, p in beside if self._mode(p) not in SPAN_MODES]
         # their statistics before the batches change anything: an overflow raises here (they write
         # nothing, so a skipped step discards them)
         work = self._span_statistics(span) if span else {}
@@ -214,7 +217,7 @@ class GefenStepMixin:
 
     def _update(self, group: dict, p: torch.Tensor, col_mean_sq: Optional[torch.Tensor] = None) -> None:
         st = self.state[p]
-        if self._mode(p) == MODE_SPAN:
+        if self._mode(p) in SPAN_MODES:
             return  # stepped by _step_span
         st["step"] += 1
         hp = hyperparameters(group, step_of(st), self.bound_updates)

@@ -67,6 +67,10 @@ class Gefen(_opt_mod.Gefen):
     """
 
     _group_rejected = GROUP_REJECTED_SHARDED  # flat buffers cut across groups: one implementation
+    # D19's one-byte row codes are stepped by gefen_dist.Gefen (single process, DDP, FSDP2/HSDP) only
+    _narrow_rows_refused = {"rows8": "its state is stepped by gefen_dist.Gefen (one process, DDP, FSDP2/HSDP) only. "
+                                     "Use narrow_rows='auto' (the default; rows of 22-79 elements keep fp32 state per "
+                                     "row, 1 + 8 / S B/param) for this optimizer"}
     _complex_ok = False
 
     def __init__(self, params, *args, **kwargs):

@@ -81,22 +81,30 @@ def _update_args(param, v_blk, v_col, codebook, sp, lr, beta1, beta2, eps, weigh
 
 def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp: _ref.SpanPiece,
                  **hp) -> None:
-    """:func:`gefen_dist.core.span.span_update_`, natively for a contiguous CPU float32/bfloat16
-    ``param`` (``hp``: its keyword arguments; ``nearest`` and ``bid`` are the reference's, unused here)."""
+    """:func:`gefen_dist.core.span.span_update_`: the replicated block state
+    (:func:`~gefen_dist.core.span.span_state_`), then :func:`span_apply_`."""
+    _ref.span_state_(scale, v_blk, v_col, col_sum, blk_sum, amax, sp, hp["beta2"])
+    span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp, **hp)
+
+
+def span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp: _ref.SpanPiece, **hp) -> None:
+    """:func:`gefen_dist.core.span.span_apply_` (the indices and the parameter from the updated block
+    state), natively for a contiguous CPU float32/bfloat16 ``param`` (``hp``: its keyword arguments;
+    ``nearest`` and ``bid`` are the reference's, unused here)."""
     lib = _usable(param, idx, scale, v_blk, v_col, m)
     if (lib is None or param.dtype not in _KERNEL_DTYPES or not param.is_contiguous() or not idx.is_contiguous()
             or m.dtype != torch.float32):
-        return _ref.span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp, **hp)
-    lr, beta2, eps, weight_decay, bc1, bc2 = (hp[k] for k in ("lr", "beta2", "eps", "weight_decay", "bc1", "bc2"))
-    bound, beta1 = hp.get("bound"), hp.get("beta1", 0.0)
-    _ref.span_state_(scale, v_blk, v_col, col_sum, blk_sum, amax, sp, beta2)
+        return _ref.span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp, **hp)
+    lr, eps, weight_decay, bc1, bc2 = (hp[k] for k in ("lr", "eps", "weight_decay", "bc1", "bc2"))
+    bound, beta1, beta2 = hp.get("bound"), hp.get("beta1", 0.0), hp.get("beta2", 0.0)
     n = sp.numel
     if n == 0:
         return
     a, tab, rms, colt, lim = _update_args(param, v_blk, v_col, codebook, sp, lr, beta1, beta2, eps,
                                           weight_decay, bc1, bc2, bound)
     mc = m.contiguous()
-    lib.gefen_span_update(ctypes.byref(a), param.data_ptr(), mc.data_ptr(), idx.data_ptr(), scale.data_ptr(),
+    sc = scale.contiguous()
+    lib.gefen_span_update(ctypes.byref(a), param.data_ptr(), mc.data_ptr(), idx.data_ptr(), sc.data_ptr(),
                           rms.data_ptr(), colt.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr(), n, sp.slab, sp.k,
                           sp.start, lim)
     for t in (param, idx):

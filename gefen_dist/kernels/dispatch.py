@@ -148,7 +148,9 @@ class StepImpl:
     implementation's own arithmetic, so state function + applier equal its full step bitwise.
     ``span_statistics`` / ``span_update_``: the two phases of a tensor kept per block of rows (D16),
     the contracts of :func:`gefen_dist.core.span.span_statistics` / :func:`~gefen_dist.core.span.span_update_`,
-    and ``span_apply_indices_`` the second phase's parameter update from given indices (ZeroGefen's
+    ``span_apply_`` the second phase's indices and parameter update from the updated state (what
+    ``span_update_`` runs after :func:`~gefen_dist.core.span.span_state_`; the update of a ``rows8``
+    tensor, D19), and ``span_apply_indices_`` the parameter update from given indices (ZeroGefen's
     other ranks; :func:`~gefen_dist.core.span.span_apply_indices_`).
     ``column_factors``: ``sqrt(v_col / mean(v_col))`` as this implementation's factored step computes
     it (what its ``apply_factored_`` must be given). Every implementation has them all (the Triton
@@ -173,6 +175,7 @@ class StepImpl:
     # device), then .run(gradients, codebook, **state hyperparameters)
     state_many: Optional[Callable] = None
     grad_in_param_dtype: bool = True  # the kernels read g in the parameter's dtype; the reference any dtype
+    span_apply_: Callable = _span.span_apply_  # span_update_'s per-element part from the updated state (D16, D19)
 
     def grad_for(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """The gradient as this implementation reads it next to ``param``."""
@@ -197,7 +200,8 @@ def _native_cpu() -> StepImpl:
 
     return StepImpl("cpu", cpu.quantized_step_, cpu.quantized_step_factored_, cpu.column_sumsq,
                     cpu.quantized_state_, cpu.factored_state_, cpu.apply_compressed_, cpu.apply_factored_,
-                    cpu_span.span_statistics, cpu_span.span_update_, cpu_span.span_apply_indices_)
+                    cpu_span.span_statistics, cpu_span.span_update_, cpu_span.span_apply_indices_,
+                    span_apply_=cpu_span.span_apply_)
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,7 +214,8 @@ def _triton() -> StepImpl:
     return StepImpl("triton", tri.quantized_step_, tri.quantized_step_factored_, column_sumsq,
                     zs.quantized_state_, zs.factored_state_, zs.apply_compressed_, zs.apply_factored_,
                     span_statistics=span.span_statistics, span_update_=span.span_update_,
-                    span_apply_indices_=span.span_apply_indices_, column_factors=zs.column_factors,
+                    span_apply_indices_=span.span_apply_indices_, span_apply_=span.span_apply_,
+                    column_factors=zs.column_factors,
                     apply_many=zs.ApplyMany, state_many=zs.StateMany)
 
 

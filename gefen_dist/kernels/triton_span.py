@@ -107,12 +107,19 @@ def _launch_update(param, m, idx, scale, v_blk, v_col, codebook, sp, *, apply, l
 
 def span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp: _ref.SpanPiece,
                  **hp) -> None:
-    """:func:`gefen_dist.core.span.span_update_`, by the Triton kernel for a contiguous float32/bfloat16
-    ``param`` (``hp``: its keyword arguments; ``nearest`` and ``bid`` are the reference's, unused here)."""
-    if (param.dtype not in (torch.float32, torch.bfloat16) or m.dtype != torch.float32
-            or not _usable(sp, param, idx, scale, v_blk, v_col, m)):
-        return _ref.span_update_(param, idx, scale, v_blk, v_col, m, col_sum, blk_sum, amax, codebook, sp, **hp)
+    """:func:`gefen_dist.core.span.span_update_`: the replicated block state
+    (:func:`~gefen_dist.core.span.span_state_`), then :func:`span_apply_`."""
     _ref.span_state_(scale, v_blk, v_col, col_sum, blk_sum, amax, sp, hp["beta2"])
+    span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp, **hp)
+
+
+def span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp: _ref.SpanPiece, **hp) -> None:
+    """:func:`gefen_dist.core.span.span_apply_` (the indices and the parameter from the updated block
+    state), by the Triton kernel for a contiguous float32/bfloat16 ``param`` (``hp``: its keyword
+    arguments; ``nearest`` and ``bid`` are the reference's, unused here)."""
+    if (param.dtype not in (torch.float32, torch.bfloat16) or m.dtype != torch.float32 or scale.dtype != torch.float32
+            or not _usable(sp, param, idx, scale, v_blk, v_col, m)):
+        return _ref.span_apply_(param, idx, scale, v_blk, v_col, m, codebook, sp, **hp)
     _launch_update(param, m.reshape(-1), idx, scale, v_blk, v_col, codebook, sp, apply=False,
                    **{k: hp.get(k) for k in ("lr", "eps", "weight_decay", "bc1", "bc2", "bound")})
 
@@ -130,4 +137,4 @@ def span_apply_indices_(param, idx, scale, v_blk, v_col, codebook, sp: _ref.Span
                    weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound)
 
 
-__all__ = ["span_statistics", "span_update_", "span_apply_indices_"]
+__all__ = ["span_statistics", "span_update_", "span_apply_", "span_apply_indices_"]

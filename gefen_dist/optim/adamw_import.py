@@ -37,7 +37,7 @@ from ..core.periods import row_slab
 from ..engine import learning
 from ..engine.comm import LocalComm
 from ..engine.layout import global_shape, is_dtensor, like_param, local_tensor, piece_of
-from ..engine.state import MODE_EXACT, MODE_SPAN, fixed_period, mode_of_saved
+from ..engine.state import MODE_EXACT, SPAN_MODES, fixed_period, mode_of_saved
 from ..kernels import dispatch as _dispatch
 
 logger = logging.getLogger(__name__)
@@ -128,11 +128,12 @@ def import_adamw(opt, items: List[Tuple[torch.Tensor, dict, dict, str]], spec_of
     live = learning.live_pieces(comm, [t[6] for t in todo])
     detect = [(i, t) for i, t in enumerate(todo) if live[i]]
     periods = learning.learn_periods(comm, [t[6] for _, t in detect],
-                                     [t[7].geometry.period if t[7].mode == MODE_SPAN
+                                     [t[7].geometry.period if t[7].mode in SPAN_MODES
                                       else fixed_period(t[6].shape, t[2]["second_moment"]) for _, t in detect])
     specs = {i: spec_of(t[0], t[2], per) for (i, t), per in zip(detect, periods)}
     counts = learning.global_histogram(comm, [(replace(t[6], grad=t[4]), specs[i].geometry.scale_block,
-                                               specs[i].mode == MODE_SPAN) for i, t in detect])
+                                               specs[i].mode if specs[i].mode in SPAN_MODES else None)
+                                              for i, t in detect])
     fit = learning.learn_codebook(counts, getattr(opt, "symmetric_codebook", True)) if int(counts.sum()) else None
     codebook = fit.codebook if fit is not None else None
     layouts = {i: _layout(specs[i], todo[i][6]) for i in specs}

@@ -26,7 +26,7 @@ from ..kernels import dispatch as _dispatch
 from ..engine.layout import Piece, check_supported, global_shape, like_param, local_tensor, piece_of
 from ..engine.nonfinite import NonfiniteChecks
 from ..engine.report import Report
-from ..engine.state import (MODE_EXACT, MODE_SPAN, StateSpec, fixed_period, mode_of, narrow_rows_of, second_moment_of,
+from ..engine.state import (MODE_EXACT, SPAN_MODES, StateSpec, fixed_period, mode_of, narrow_rows_of, second_moment_of,
                             threshold_of)
 
 logger = logging.getLogger(__name__)
@@ -289,11 +289,12 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
 
     def _learn_periods(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> List[int]:
         return learning.learn_periods(self._comm, [pc for _, pc in live],
-                                      [self._spec(p).geometry.period if self._mode(p) == MODE_SPAN else
+                                      [self._spec(p).geometry.period if self._mode(p) in SPAN_MODES else
                                        fixed_period(pc.shape, second_moment_of(self._group_of(p))) for p, pc in live])
 
     def _global_histogram(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> torch.Tensor:
-        return learning.global_histogram(self._comm, [(pc, self.state[p]["scale_block"], self._mode(p) == MODE_SPAN)
+        return learning.global_histogram(self._comm, [(pc, self.state[p]["scale_block"],
+                                                       self._mode(p) if self._mode(p) in SPAN_MODES else None)
                                                       for p, pc in live])
 
     def _learn_codebook(self, live: Sequence[Tuple[torch.Tensor, Piece]], t_periods: float) -> None:

@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from ..core.periods import row_slab
 from ..engine.layout import (FEW_ROWS, few_rows, global_shape, is_dtensor, like_param, local_tensor, one_element_rows,
                              piece_of)
-from ..engine.state import (MODE_EXACT, MODE_FACTORED, MODE_SHARED, MODE_SPAN, StateSpec, fixed_period, mode_of_saved,
+from ..engine.state import (MODE_EXACT, MODE_FACTORED, MODE_ROWS8, MODE_SHARED, MODE_SPAN, SPAN_MODES, StateSpec, fixed_period, mode_of_saved,
                             narrow_layouts_differ, narrow_rows_of, new_step, threshold_of)
 from .adamw_import import import_adamw, is_adamw_entry, is_adamw_state
 
@@ -94,6 +94,30 @@ def _check_entry_types(st: dict, keys, name: str) -> None:
                              f"tensor; {_FIX}")
 
 
+def _why_missing(st: dict, kind: str, exact: bool, shape, group: dict) -> str:
+    """Why a loaded entry lacks keys of the tensor's spec (``kind``): the likeliest cause, named."""
+    if not exact and {"exp_avg", "exp_avg_sq"} <= set(st):
+        what = ("it holds exact moments (exp_avg, exp_avg_sq) in a checkpoint whose other tensors hold Gefen "
+                "state (saved with another small_threshold?), but Gefen keeps this tensor quantized here. Build "
+                "Gefen with the small_threshold the checkpoint was saved with. (A whole torch.optim.AdamW state "
+                "dict, with no Gefen state in it, loads as a warm start: docs/checkpoints.md)")
+    elif exact and one_element_rows(shape) and mode_of_saved(st) not in (None, MODE_EXACT):
+        what = ("it holds quantized state, but its rows of one element keep exact AdamW state in this version "
+                "of gefen_dist (quantized, each element kept its own fp32 scale and second moment: 9 B/param "
+                "against AdamW's 8; docs/algorithm.md, D2), so the checkpoint's first and second moments of "
+                "this tensor cannot be used here")
+    elif {mode_of_saved(st), kind} & set(SPAN_MODES) and mode_of_saved(st) not in (None, MODE_EXACT):
+        lay = {MODE_SPAN: "per block of rows (narrow_rows='span', or 'auto' for rows under 22 elements)",
+               MODE_ROWS8: "per row in one-byte codes (narrow_rows='rows8')"}
+        what = (f"it was saved {lay.get(mode_of_saved(st), 'per row in float32')} and is kept "
+                f"{lay.get(kind, 'per row in float32')} here: build Gefen with the narrow_rows it was saved with "
+                "(docs/algorithm.md, D16, D19)")
+    else:
+        what = (f"it was saved from a different model, optimizer, small_threshold or second_moment (this tensor "
+                f"is {'exact' if exact else 'quantized, second_moment=' + repr(group['second_moment'])} here)")
+    return what
+
+
 def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None = None) -> None:
     """Raise a ``ValueError`` naming ``name``, the key and the fix when ``st`` is not a valid Gefen
     state for ``p`` (in ``group``, default: ``p``'s current group). ``st`` is not changed."""
@@ -108,21 +132,8 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
     keys = spec.keys
     missing = [k for k in keys if k not in st]
     if missing:
-        if not exact and {"exp_avg", "exp_avg_sq"} <= set(st):
-            what = ("it holds exact moments (exp_avg, exp_avg_sq) in a checkpoint whose other tensors hold Gefen "
-                    "state (saved with another small_threshold?), but Gefen keeps this tensor quantized here. Build "
-                    "Gefen with the small_threshold the checkpoint was saved with. (A whole torch.optim.AdamW state "
-                    "dict, with no Gefen state in it, loads as a warm start: docs/checkpoints.md)")
-        elif exact and one_element_rows(shape) and mode_of_saved(st) not in (None, MODE_EXACT):
-            what = ("it holds quantized state, but its rows of one element keep exact AdamW state in this version "
-                    "of gefen_dist (quantized, each element kept its own fp32 scale and second moment: 9 B/param "
-                    "against AdamW's 8; docs/algorithm.md, D2), so the checkpoint's first and second moments of "
-                    "this tensor cannot be used here")
-        else:
-            what = (f"it was saved from a different model, optimizer, small_threshold or second_moment (this tensor "
-                    f"is {'exact' if exact else 'quantized, second_moment=' + repr(group['second_moment'])} here)")
-        raise ValueError(f"checkpoint state for parameter {name!r} (shape {shape}) lacks {missing}: {what}; "
-                         f"{_FIX}")
+        raise ValueError(f"checkpoint state for parameter {name!r} (shape {shape}) lacks {missing}: "
+                         f"{_why_missing(st, kind, exact, shape, group)}; {_FIX}")
     _check_entry_types(st, keys, name)
     ref = st["exp_avg"] if exact else st["idx"]
     if tuple(ref.shape) != global_shape(p):
@@ -140,10 +151,11 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
                                  "expected a floating dtype (torch.float32)")
         return
     period = int(st["period"])
-    if kind == MODE_SPAN and period != spec.geometry.period:
-        raise ValueError(f"checkpoint state 'period' of parameter {name!r} is {period}; with narrow_rows='span' "
-                         f"its blocks hold {spec.geometry.period} elements (D16); {_FIX}")
-    if kind != MODE_SPAN and (period < 1 or int(math.prod(shape[1:])) % period):
+    if kind in SPAN_MODES and period != spec.geometry.period:
+        raise ValueError(f"checkpoint state 'period' of parameter {name!r} is {period}; with narrow_rows="
+                         f"{group.get('narrow_rows', 'auto')!r} its blocks hold {spec.geometry.period} elements (D16); "
+                         f"{_FIX}")
+    if kind not in SPAN_MODES and (period < 1 or int(math.prod(shape[1:])) % period):
         raise ValueError(f"checkpoint state 'period' of parameter {name!r} is {period}, which does not divide "
                          f"its rows of {int(math.prod(shape[1:]))} elements; {_FIX}")
     want = {k: ls for k, (ls, _, _, _) in _spec(opt, p, group, period).tensors(global_shape(p)).items()}
@@ -153,7 +165,11 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
         vc = tuple(st["v_col"].shape)
         if vc in ((slab,), (1, slab)) or (len(vc) == 2 and vc[1] == slab and vc[0] >= 1 and global_shape(p)[0] % vc[0] == 0):
             want["v_col"] = vc  # row blocks (D12): the state's own block count is kept
-    for k in ("scale", "v_row", "v_col") if factored else ("scale", "v_blk", "v_col") if kind == MODE_SPAN else ("scale", "v"):
+    if kind == MODE_ROWS8 and (tuple(st["row_codes"].shape) != want["row_codes"]
+                               or st["row_codes"].dtype != torch.uint8):
+        raise ValueError(f"checkpoint state 'row_codes' of parameter {name!r} has shape {tuple(st['row_codes'].shape)} "
+                         f"and dtype {st['row_codes'].dtype}, expected {want['row_codes']} torch.uint8 (D19); {_FIX}")
+    for k in ("scale", "v_row", "v_col") if factored else ("scale", "v_blk", "v_col") if kind in SPAN_MODES else ("scale", "v"):
         if tuple(st[k].shape) != want[k]:
             raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape "
                              f"{tuple(st[k].shape)}, expected {want[k]} for period {st['period']}")

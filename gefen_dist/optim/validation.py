@@ -156,7 +156,7 @@ def validate_row_blocks(rb, where: str = "") -> None:
 
 
 def validate_narrow_rows(nr, where: str = "") -> None:
-    """``narrow_rows`` is ``"auto"``, ``"rows"`` or ``"span"`` (D16, D18)."""
+    """``narrow_rows`` is ``"auto"``, ``"rows"``, ``"span"`` or ``"rows8"`` (D16, D18, D19)."""
     from ..engine.state import NARROW_ROWS
 
     if nr not in NARROW_ROWS:
@@ -178,6 +178,10 @@ def validate_param_group(opt, param_group) -> None:
                              f"{SECOND_MOMENTS})")
         validate_row_blocks(merged.get("row_blocks", "auto"), where)
         validate_narrow_rows(merged.get("narrow_rows", "auto"), where)
+        refused = getattr(opt, "_narrow_rows_refused", {}).get(merged.get("narrow_rows", "auto"))
+        if refused:
+            raise ValueError(f"narrow_rows={merged['narrow_rows']!r}{where} is not supported by {type(opt).__name__} "
+                             f"yet: {refused}")
         st = merged.get("small_threshold", 0)
         if isinstance(st, bool) or not isinstance(st, int) or st < 0:
             raise ValueError(f"Invalid small_threshold{where}: {st!r} (must be an int >= 0)")

@@ -116,6 +116,10 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     """
 
     _group_rejected = GROUP_REJECTED_SHARDED  # one implementation steps the partition of all groups
+    # D19's one-byte row codes are stepped by gefen_dist.Gefen (single process, DDP, FSDP2/HSDP) only
+    _narrow_rows_refused = {"rows8": "its state is stepped by gefen_dist.Gefen (one process, DDP, FSDP2/HSDP) only. "
+                                     "Use narrow_rows='auto' (the default; rows of 22-79 elements keep fp32 state per "
+                                     "row, 1 + 8 / S B/param) for this optimizer"}
     _complex_ok = False
 
 

@@ -68,14 +68,17 @@ class Net(nn.Module):
 
 def make_opt(m):
     """gefen_dist.integrations.fsdp.build_optimizer's groups, with ``narrow`` in a third group that
-    keeps its state per block of rows (narrow_rows="span")."""
+    keeps its state per block of rows (narrow_rows="span") and ``b.weight`` (rows of 33) in a fourth
+    with its scale and second moment per row in one-byte codes (narrow_rows="rows8", D19: replicated
+    codes against blocks of 32 rows, cut by the shards)."""
     opt = build_optimizer(m, lr=LR, weight_decay=WD)
     g0 = opt.param_groups[0]
-    i = next(j for j, n in enumerate(g0["param_names"]) if n.split(".")[-1] == "narrow")
-    p = g0["params"].pop(i)
-    name = g0["param_names"].pop(i)
-    opt.add_param_group({"params": [p], "param_names": [name], "weight_decay": WD, "narrow_rows": "span"})
-    assert opt._mode(p) == "span"
+    for leaf, setting, mode in (("narrow", "span", "span"), ("b.weight", "rows8", "rows8")):
+        i = next(j for j, n in enumerate(g0["param_names"]) if n.endswith(leaf))
+        p = g0["params"].pop(i)
+        name = g0["param_names"].pop(i)
+        opt.add_param_group({"params": [p], "param_names": [name], "weight_decay": WD, "narrow_rows": setting})
+        assert opt._mode(p) == mode, (name, opt._mode(p))
     return opt
 
 
@@ -204,7 +207,7 @@ def check_loaded(m, opt, saved, what):
                     assert got.dtype == v.dtype, f"{what}: {fqn}.{k} dtype {got.dtype} != saved {v.dtype}"
                     assert got.shape == v.shape, f"{what}: {fqn}.{k} shape {tuple(got.shape)} != {tuple(v.shape)}"
                     assert torch.equal(got, v), f"{what}: {fqn}.{k} differs from the saved state"
-                    replicated = ("codebook", "v_col", "step") + (("scale", "v_blk") if "v_blk" in st else ())
+                    replicated = ("codebook", "v_col", "step") + (("scale", "v_blk", "row_codes") if "v_blk" in st else ())
                     if k not in replicated and hasattr(p, "placements"):  # plain, replicated
                         assert st[k].placements == p.placements, (what, fqn, k, st[k].placements)
                 else:

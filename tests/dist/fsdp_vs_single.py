@@ -89,6 +89,9 @@ def parse(argv):
     ap.add_argument("--second-moment", default="shared")
     ap.add_argument("--narrow-span", action="store_true",
                     help="add (4999, 1) and (1501, 3) parameters and step with narrow_rows='span' (D16)")
+    ap.add_argument("--narrow-rows8", action="store_true",
+                    help="the --narrow-span model stepped with narrow_rows='rows8' (D19): b.weight's rows of 33 "
+                         "elements in one-byte codes against blocks of 32 rows, e1 and e3 per block of rows")
     ap.add_argument("--refusals", action="store_true", help="also check the clear refusals (Shard(1), FSDP1)")
     ap.add_argument("--nonfinite", action="store_true",
                     help="also check that a NaN/inf in one rank's shard makes every rank skip or raise")
@@ -107,10 +110,18 @@ def parse(argv):
     return ap.parse_args(argv)
 
 
+def _narrow_kw(args):
+    return dict(narrow_rows="rows8") if args.narrow_rows8 else dict(narrow_rows="span") if args.narrow_span else {}
+
+
+def _narrow_tag(args):
+    return " rows8" if args.narrow_rows8 else " span" if args.narrow_span else ""
+
+
 def check(args):
     """One configuration: the sharded run against the single-process oracle, and the extra checks it
     names; returns the mesh's groups (left together at the end of the launch)."""
-    narrow = args.narrow_span
+    narrow = args.narrow_span or args.narrow_rows8
     rank, ws = dist.get_rank(), dist.get_world_size()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -120,7 +131,7 @@ def check(args):
     else:
         mesh = init_device_mesh("cpu", (ws,))
     ref = model(narrow)
-    kw = dict(narrow_rows="span") if narrow else {}
+    kw = _narrow_kw(args)
     if args.capturable:
         kw.update(capturable=True, nonfinite="skip")
     ref_opt = Gefen(ref.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment, **kw)
@@ -182,8 +193,9 @@ def check(args):
         worst = max(worst, rel)
         st, rst = opt.state[p], ref_opt.state[q]
         assert st.get("period") == rst.get("period"), (name, st.get("period"), rst.get("period"))
-        span = opt._mode(p) == "span"
+        span = opt._mode(p) in ("span", "rows8")
         assert span == (narrow and name in ("b.weight", "e1", "e3")), (name, opt._mode(p))
+        assert (opt._mode(p) == "rows8") == (args.narrow_rows8 and name == "b.weight"), (name, opt._mode(p))
         for k in ("idx", "scale", "v", "v_row", "exp_avg", "exp_avg_sq"):
             if k in st and not (span and k == "scale"):
                 assert type(st[k]).__name__ == "DTensor", (name, k)
@@ -192,7 +204,9 @@ def check(args):
                 assert ful.shape == rst[k].shape, (name, k, ful.shape, rst[k].shape)
         if span:
             assert st["v_blk"].shape == rst["v_blk"].shape, (name, st["v_blk"].shape)
-            for k in ("scale", "v_blk", "v_col"):  # replicated (D16): the same full vector on every rank
+            for k in ("scale", "v_blk", "v_col", "row_codes"):  # replicated (D16, D19): the same on every rank
+                if k not in st:
+                    continue
                 assert type(st[k]).__name__ == "Tensor", (name, k, type(st[k]))
         if args.same_grads and args.capturable and "exp_avg" in st:
             # exact tensors under capturable: torch's fused AdamW, whose CPU kernel rounds an element
@@ -203,7 +217,7 @@ def check(args):
                 assert torch.allclose(st[k].full_tensor(), rst[k], rtol=1e-6, atol=1e-12), (name, k)
         elif args.same_grads:
             assert torch.equal(full, q), (name, rel)
-            for k in ("idx", "scale", "v", "v_row", "v_blk", "v_col", "exp_avg", "exp_avg_sq"):
+            for k in ("idx", "scale", "v", "v_row", "v_blk", "v_col", "row_codes", "exp_avg", "exp_avg_sq"):
                 if k in st:
                     a = st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k]
                     assert torch.equal(a, rst[k]), (name, k)
@@ -212,7 +226,7 @@ def check(args):
             # (a single codeword flip moves an element by lr*sigma*gap: ~1e-4 of the max)
             assert rel <= 1e-3, (name, rel)
     if rank == 0:
-        print(f"OK fsdp{'/hsdp' if args.hsdp else ''} {args.second_moment}{' span' if narrow else ''} same_grads={args.same_grads} ws={ws}: max relative param diff {worst:.3e}"
+        print(f"OK fsdp{'/hsdp' if args.hsdp else ''} {args.second_moment}{_narrow_tag(args)} same_grads={args.same_grads} ws={ws}: max relative param diff {worst:.3e}"
               + ("; quantized tensors bitwise" if args.capturable else ""), flush=True)
     if args.refusals:
         check_refusals(mesh, rank)
@@ -236,9 +250,8 @@ def check_adamw_import(mesh, args, rank, ws):
 
     from gefen_dist.engine.comm import LocalComm
 
-    narrow = args.narrow_span
-    kw = dict(lr=3e-3, weight_decay=0.1, second_moment=args.second_moment,
-              **(dict(narrow_rows="span") if narrow else {}))
+    narrow = args.narrow_span or args.narrow_rows8
+    kw = dict(lr=3e-3, weight_decay=0.1, second_moment=args.second_moment, **_narrow_kw(args))
     ref, m = model(narrow, seed=3), model(narrow, seed=3)
     for mod in (m.a, m.b, m.c):
         fully_shard(mod, mesh=mesh)
@@ -312,7 +325,7 @@ def check_adamw_import(mesh, args, rank, ws):
                 assert type(u) is type(t) and torch.equal(u.full_tensor() if hasattr(u, "full_tensor") else u,
                                                           t.full_tensor() if hasattr(t, "full_tensor") else t), (name, k)
     if rank == 0:
-        print(f"OK adamw import ws={ws}{' hsdp' if args.hsdp else ''}{' span' if narrow else ''}: DTensor and full "
+        print(f"OK adamw import ws={ws}{' hsdp' if args.hsdp else ''}{_narrow_tag(args)}: DTensor and full "
               "AdamW state dicts and an AdamW DCP checkpoint give the single-process warm start bitwise; a full Gefen state dict loads as the shards", flush=True)
 
 
