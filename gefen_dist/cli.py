@@ -241,7 +241,8 @@ def _inspect_file(path: str) -> Dict[str, Any]:
     return out
 
 
-_DS_STATE_KEYS = ("idx", "scale", "v", "v_row", "v_col", "span_scale", "span_vblk", "span_vcol", "exact_m", "exact_v")
+_DS_STATE_KEYS = ("idx", "scale", "v", "v_row", "v_col", "span_scale", "span_vblk", "span_vcol", "span_codes", "exact_m",
+                  "exact_v")
 
 
 def _inspect_deepspeed(files: Sequence[str], single_file: bool = False) -> Dict[str, Any]:

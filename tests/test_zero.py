@@ -192,11 +192,11 @@ def _mixed_groups(m, narrow_rows="rows"):
             {"params": [m.a.bias, m.b.bias, m.d.weight, m.d.bias, m.e.weight, m.e.bias]}]
 
 
-@pytest.mark.parametrize("fused,narrow_rows", [(False, "rows"), (None, "rows"), (None, "auto")])
+@pytest.mark.parametrize("fused,narrow_rows", [(False, "rows"), (None, "rows"), (None, "auto"), (None, "rows8")])
 def test_single_process_factored_equals_gefen(fused, narrow_rows):
     """second_moment="factored" (with a shared group beside it): bitwise Gefen, same state dict,
     cross-loading both ways continues bitwise; the bf16 ``(512, 8)`` tensor per row or (the default,
-    D18) per block of rows."""
+    D18) per block of rows; under ``"rows8"`` (D19) ``a.weight``'s rows of 64 in one-byte codes."""
     def make(cls, m):
         return cls(_mixed_groups(m, narrow_rows), lr=1e-2, weight_decay=0.1, fused=fused)
 
@@ -206,7 +206,8 @@ def test_single_process_factored_equals_gefen(fused, narrow_rows):
     _train(b, ob, 3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert "v_col" in ob.state[b.a.weight] and "v_col" in ob.state[b.c] and "v" in ob.state[b.b.weight]
-    assert ob._mode(b.c) == ("span" if narrow_rows == "auto" else "factored")
+    assert ob._mode(b.c) == ("factored" if narrow_rows == "rows" else "span")
+    assert ob._mode(b.a.weight) == ("rows8" if narrow_rows == "rows8" else "factored")
     if narrow_rows == "rows":
         assert not factored_wire_compressed(ob.state[b.c]["scale_block"], 8, 2)  # c travels dense
     assert oa.state_bytes() == ob.state_bytes()

@@ -32,6 +32,7 @@ state on four workloads (digits -0.06% against -0.08%). Pure math: torch operati
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence, Tuple
 
@@ -41,7 +42,7 @@ from .periods import row_slab
 from .span import SPAN_AUTO_BELOW, SPAN_BELOW, SpanPiece
 from .step import ema_
 
-__all__ = ["ROWS8_FROM", "ZERO_CODE", "rows8_eligible", "kernel_piece", "decode_scale", "decode_v", "encode_scale",
+__all__ = ["ROWS8_FROM", "ZERO_CODE", "rows8_eligible", "kernel_piece", "decode_scale", "decode_v", "decode_rows", "encode_scale",
            "encode_v", "row_uniform", "rows8_state_", "rows8_bytes"]
 
 ROWS8_FROM = SPAN_AUTO_BELOW  # rows narrower than this keep span's blocks of rows under "rows8" (2 / S > 0.1)
@@ -63,37 +64,52 @@ def kernel_piece(sp: SpanPiece) -> SpanPiece:
 
 
 def _table(steps: int, device) -> torch.Tensor:
+    """``fp32(2^(-c / steps))`` for the codes 0..254 and 0 for 255 (float32 ``[256]`` on ``device``)."""
+    return _table_on(steps, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _table_on(steps: int, device: str) -> torch.Tensor:
     t = torch.tensor([2.0 ** (-c / steps) for c in range(_MAX + 1)] + [0.0], dtype=torch.float64)
     return t.to(torch.float32).to(device)
 
 
-def _ref_per_row(ref: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
-    """The block reference of each row of the whole tensor (``sp.k`` rows per block)."""
-    bid = torch.div(torch.arange(sp.rows, device=ref.device), sp.k, rounding_mode="floor")
-    return ref.index_select(0, bid)
+def _per_row(ref: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
+    """Each row's value of its block (``ref`` ``[nb]``, ``sp.k`` rows per block): ``[rows]``."""
+    return ref.unsqueeze(1).expand(sp.nb, sp.k).reshape(-1)[:sp.rows]
+
+
+def _block_max(x: torch.Tensor, sp: SpanPiece) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The block maxima of the rows' ``x`` (>= 0) and each row's block maximum."""
+    pad = sp.nb * sp.k - sp.rows
+    xp = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    ref = xp.view(sp.nb, sp.k).amax(dim=1)
+    return ref, _per_row(ref, sp)
 
 
 def decode_scale(codes: torch.Tensor, ref: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
     """``M_i = M_b T_s[e_i]`` of every row (float32 ``[rows]``; ``codes`` uint8 ``[rows]``)."""
-    return _ref_per_row(ref, sp) * _table(SCALE_STEPS, ref.device).index_select(0, codes.long())
+    return _per_row(ref, sp) * _table(SCALE_STEPS, ref.device).index_select(0, codes.int())
 
 
 def decode_v(codes: torch.Tensor, ref: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
     """``v_i = V_b T_v[c_i]`` of every row (float32 ``[rows]``)."""
-    return _ref_per_row(ref, sp) * _table(V_STEPS, ref.device).index_select(0, codes.long())
+    return _per_row(ref, sp) * _table(V_STEPS, ref.device).index_select(0, codes.int())
 
 
-def _block_max(x: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
-    bid = torch.div(torch.arange(sp.rows, device=x.device), sp.k, rounding_mode="floor")
-    return torch.zeros(sp.nb, dtype=x.dtype, device=x.device).scatter_reduce_(0, bid, x, "amax")
+def decode_rows(st, shape: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(M_i, v_i)`` of every row of a ``rows8`` state entry ``st`` of a tensor of global ``shape``."""
+    sp = SpanPiece.of(shape)
+    return decode_scale(st["row_codes"][:, 0], st["scale"], sp), decode_v(st["row_codes"][:, 1], st["v_blk"], sp)
 
 
 def _log_codes(x: torch.Tensor, ref_row: torch.Tensor, steps: int) -> torch.Tensor:
-    """``-steps log2(x / ref)`` in float64 (0 where ``x`` or ``ref`` is not positive)."""
-    pos = (x > 0) & (ref_row > 0)
-    r = torch.where(pos, x.double() / torch.where(pos, ref_row.double(), torch.ones_like(ref_row, dtype=torch.float64)),
-                    torch.ones_like(x, dtype=torch.float64))
-    return -steps * torch.log2(r)
+    """``steps (log2 ref - log2 x)`` in float32 (0 where ``x`` is 0; ``0 < x <= ref`` elsewhere): a
+    difference of logarithms, so a ratio below float32's range does not underflow."""
+    pos = x > 0
+    lx = torch.log2(torch.where(pos, x, torch.ones_like(x)))
+    lr = torch.log2(torch.where(pos, ref_row, torch.ones_like(ref_row)))
+    return lr.sub_(lx).mul_(steps)
 
 
 def encode_scale(a: torch.Tensor, sp: SpanPiece) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,14 +117,14 @@ def encode_scale(a: torch.Tensor, sp: SpanPiece) -> Tuple[torch.Tensor, torch.Te
     block maxima and each code the largest ``e`` whose decoded ``M_b T_s[e]`` is at least the row's
     maximum (code 255 for a zero row: scale 0). Exact in float32: the estimate from ``log2`` is
     corrected by comparing the decoded products themselves."""
-    ref = _block_max(a, sp)
-    ref_row = _ref_per_row(ref, sp)
+    ref, ref_row = _block_max(a, sp)
     tab = _table(SCALE_STEPS, a.device)
-    e = _log_codes(a, ref_row, SCALE_STEPS).floor().clamp(0, _MAX).long()
-    for _ in range(2):  # the float64 estimate is at most one code off; two rounds each way
-        e = torch.where((ref_row * tab.index_select(0, e) < a) & (e > 0), e - 1, e)
-        up = (e + 1).clamp(max=_MAX)
-        e = torch.where((ref_row * tab.index_select(0, up) >= a) & (e < _MAX), up, e)
+    e = _log_codes(a, ref_row, SCALE_STEPS).floor_().clamp_(0, _MAX).int()
+    # the estimate is off by at most one code (float32 rounding at a code's edge): one step down
+    # where the decoded scale is below the maximum, one up where the next code still covers it
+    e = e - ((ref_row * tab.index_select(0, e) < a) & (e > 0)).int()
+    up = (e + 1).clamp_(max=_MAX)
+    e = torch.where((ref_row * tab.index_select(0, up) >= a) & (e < _MAX), up, e)
     e = torch.where(a > 0, e, torch.full_like(e, ZERO_CODE))
     return e.to(torch.uint8), ref, ref_row * tab.index_select(0, e)
 
@@ -128,17 +144,22 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def row_uniform(rows: torch.Tensor, step: int, shape: Sequence[int]) -> torch.Tensor:
-    """Uniform numbers in ``[0, 1)`` (float64, multiples of ``2^-24``) for the global rows ``rows``
-    (int64) at ``step`` of a tensor of ``shape``: a hash of the three, the same on every device and
-    rank."""
+def _key(step: int, shape: Sequence[int]) -> int:
+    """The hash of (step, shape) that every row's draw starts from (a Python int in ``[0, 2^32)``)."""
     salt = 0
     for s in tuple(int(x) for x in shape):
         salt = (salt * 0x01000193 + s + 0x9E3779B9) & 0xFFFFFFFF
-    key = _mix32(torch.tensor([(int(step) * 0x9E3779B1 + salt) & 0xFFFFFFFF], dtype=torch.int64, device=rows.device))
-    h = _mix32((rows & 0xFFFFFFFF) ^ key)
-    h = _mix32(h ^ ((rows >> 32) & 0xFFFFFFFF))
-    return (h >> 8).double() * (2.0 ** -24)
+    return int(_mix32(torch.tensor([(int(step) * 0x9E3779B1 + salt) & 0xFFFFFFFF], dtype=torch.int64)))
+
+
+def row_uniform(rows: torch.Tensor, step: int, shape: Sequence[int]) -> torch.Tensor:
+    """Uniform numbers in ``[0, 1)`` (float32, multiples of ``2^-24``) for the global rows ``rows``
+    (int64) at ``step`` of a tensor of ``shape``: a hash of the three, the same on every device and
+    rank (rows past ``2^32`` mix their high bits in a second round)."""
+    h = _mix32((rows & 0xFFFFFFFF) ^ _key(step, shape))
+    if int(shape[0]) > 1 << 32:
+        h = _mix32(h ^ ((rows >> 32) & 0xFFFFFFFF))
+    return (h >> 8).float().mul_(2.0 ** -24)
 
 
 def encode_v(v: torch.Tensor, sp: SpanPiece, step: int, shape: Sequence[int]
@@ -146,12 +167,11 @@ def encode_v(v: torch.Tensor, sp: SpanPiece, step: int, shape: Sequence[int]
     """The rows' second moments ``v`` (float32 ``[rows]``, >= 0) as stored: ``(codes, V_b, decoded)``
     with ``V_b`` the block maxima and each code rounded stochastically between its neighbours
     (:func:`row_uniform`), clamped to 254 (a ``v`` below ``2^-15.9 V_b`` is raised to it); 255 for 0."""
-    ref = _block_max(v, sp)
-    ref_row = _ref_per_row(ref, sp)
-    x = _log_codes(v, ref_row, V_STEPS).clamp(min=0.0)
+    ref, ref_row = _block_max(v, sp)
+    x = _log_codes(v, ref_row, V_STEPS).clamp_(min=0.0)
     lo = x.floor()
     u = row_uniform(torch.arange(sp.rows, device=v.device), step, shape)
-    c = (lo + (u < (x - lo)).double()).clamp(0, _MAX).long()
+    c = lo.add_((u < x.sub_(lo)).float()).clamp_(0, _MAX).int()
     c = torch.where(v > 0, c, torch.full_like(c, ZERO_CODE))
     return c.to(torch.uint8), ref, ref_row * _table(V_STEPS, v.device).index_select(0, c)
 

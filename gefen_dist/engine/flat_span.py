@@ -1,8 +1,9 @@
-"""The tensors of a flat buffer kept per block of rows (D16, ``narrow_rows="span"``): a mixin of
-:class:`gefen_dist.engine.flat.FlatSegments`. Their block state (``span_scale``, ``span_vblk``,
-``span_vcol``) is whole and replicated on every rank of the buffer's group, for every such tensor of
-the buffer's catalog; each rank's pieces add their statistics to one SUM and one MAX all-reduce per
-step (and one MAX for the codebook histogram), entered by every rank."""
+"""The tensors of a flat buffer kept per block of rows (D16, ``narrow_rows="span"``) or per row in
+one-byte codes (D19, ``"rows8"``): a mixin of :class:`gefen_dist.engine.flat.FlatSegments`. Their
+block state (``span_scale``, ``span_vblk``, ``span_vcol``; ``span_codes`` for the rows8 tensors' row
+codes) is whole and replicated on every rank of the buffer's group, for every such tensor of the
+buffer's catalog; each rank's pieces add their statistics (per block, or per row for rows8) to one SUM
+and one MAX all-reduce per step (and one MAX for the codebook histogram), entered by every rank."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
@@ -10,9 +11,10 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from ..core import periods as _periods
+from ..core import rows8 as _rows8
 from ..core import span as _span
 from .span_step import DENSE_ROWS, warn_dense
-from .state import MODE_FACTORED, span_mode
+from .state import MODE_FACTORED, narrow_layout, rows8_mode
 
 
 class FlatSpanMixin:
@@ -20,9 +22,33 @@ class FlatSpanMixin:
     ``second_moment``, ``narrow_rows`` and ``global_catalog`` of the buffer)."""
 
     def is_span(self, shape) -> bool:
-        """Whether a tensor of global ``shape`` keeps its state per block of rows here (D16): the
-        buffer's group asks ``narrow_rows="span"`` with the factored second moment."""
-        return span_mode(shape, self.second_moment or MODE_FACTORED, self.narrow_rows, self.small_threshold)
+        """Whether a tensor of global ``shape`` keeps its state in the buffer's span arrays: per block
+        of rows (D16) or per row in one-byte codes (D19), under the buffer's group's ``narrow_rows``
+        with the factored second moment."""
+        return narrow_layout(shape, self.second_moment or MODE_FACTORED, self.narrow_rows,
+                             self.small_threshold) is not None
+
+    def is_rows8(self, shape) -> bool:
+        """Whether a tensor of global ``shape`` keeps its rows' scale and ``v`` in one-byte codes (D19)."""
+        return rows8_mode(shape, self.second_moment or MODE_FACTORED, self.narrow_rows, self.small_threshold)
+
+    def _stat_piece(self, shape, start: int = 0, numel: int = -1) -> "_span.SpanPiece":
+        """The piece the span kernels step and whose statistics are reduced: blocks of rows (D16), or
+        rows (D19)."""
+        sp = _span.SpanPiece.of(shape, start, numel)
+        return _rows8.kernel_piece(sp) if self.is_rows8(shape) else sp
+
+    def rows8_layout(self, st: Dict[str, Any]) -> Dict[str, Tuple[int, int]]:
+        """key -> (first row in ``span_codes``, rows) of every rows8 tensor of the buffer (D19; all
+        ranks', in ``st["span_keys"]`` order)."""
+        cat = self.global_catalog()
+        out, ro = {}, 0
+        for k in st.get("span_keys", []):
+            shape = tuple(cat[k]["shape"])
+            if self.is_rows8(shape):
+                out[k] = (ro, int(shape[0]))
+                ro += int(shape[0])
+        return out
 
     def _span_fn(self, factored: bool):
         return self.is_span if factored and self.narrow_rows != "rows" else None
@@ -50,13 +76,13 @@ class FlatSpanMixin:
         their whole blocks (one MAX all-reduce over every key's blocks, entered by every rank)."""
         cat = self.global_catalog()
         local = {s.key: s for s in self.segments}
-        nbs = [_span.span_blocks(cat[k]["shape"]) for k in keys]
+        nbs = [self._stat_piece(cat[k]["shape"]).nb for k in keys]
         amax = torch.zeros(sum(nbs), dtype=torch.float32)
         held, o = [], 0
         for k, nb in zip(keys, nbs):
             s = local.get(k)
             if s is not None and s.numel:
-                sp = _span.SpanPiece.of(cat[k]["shape"], s.param_offset, s.numel)
+                sp = self._stat_piece(cat[k]["shape"], s.param_offset, s.numel)
                 gs = g[s.flat_offset:s.flat_offset + s.numel]
                 amax[o:o + nb] = _span.span_grad_absmax(gs, sp).cpu()
                 held.append((gs, sp, o, nb))
@@ -72,7 +98,7 @@ class FlatSpanMixin:
         cat = self.global_catalog()
         found = []
         for s in self.segments:
-            if s.key in keys and s.numel:
+            if s.key in keys and s.numel and not self.is_rows8(cat[s.key]["shape"]):  # rows8: per row (D19)
                 sp = _span.SpanPiece.of(cat[s.key]["shape"], s.param_offset, s.numel)
                 reached = _span.rows_reached(g[s.flat_offset:s.flat_offset + s.numel], sp)
                 if reached >= DENSE_ROWS:
@@ -80,56 +106,74 @@ class FlatSpanMixin:
         warn_dense(found, self.narrow_rows)
 
     def _span_stats(self, st: Dict[str, Any], hp: Dict[str, Any], items: list, impl=None):
-        """The first phase of the tensors kept per block of rows (D16) of this buffer: every learned
-        one, held here or not (the reductions are entered by every rank): each held piece's
-        statistics, one SUM (column and block sums of ``g^2``) and one MAX (block maxima of ``|m|``)
-        all-reduce over the whole catalog. Writes nothing; None when no such tensor is learned.
-        ``impl``: the implementation of the two phases (a
+        """The first phase of the tensors kept per block of rows (D16) or in row codes (D19) of this
+        buffer: every learned one, held here or not (the reductions are entered by every rank): each
+        held piece's statistics, one SUM (column sums of ``g^2`` and its sums per block, or per row)
+        and one MAX (maxima of ``|m|`` per block, or per row) all-reduce over the whole catalog. Writes
+        nothing; None when no such tensor is learned. ``impl``: the implementation of the two phases (a
         :class:`~gefen_dist.kernels.dispatch.StepImpl`; None: the reference's)."""
         stats = impl.span_statistics if impl is not None else _span.span_statistics
-        lay = self.span_layout(st)
+        lay, r8 = self.span_layout(st), self.rows8_layout(st)
         learned = {k for k, lrn in zip(st["global_keys"], st["global_learned"]) if lrn and k in lay}
         if not learned:
             return None
         held = {s.key: (s, p, g) for _, s, p, g in items}
-        nbt = sum(v[1] for v in lay.values())
+        nks = {k: (v[1] if k not in r8 else r8[k][1]) for k, v in lay.items()}  # statistic blocks per key
+        sbo, o = {}, 0
+        for k in lay:
+            sbo[k], o = o, o + nks[k]
         nct = sum(v[3] for v in lay.values())
-        sums = torch.zeros(nct + nbt, dtype=torch.float64)
-        maxs = torch.zeros(nbt, dtype=torch.float32)
+        sums = torch.zeros(nct + o, dtype=torch.float64)
+        maxs = torch.zeros(o, dtype=torch.float32)
         cb = st["codebook"]
         work = {}
         for key in learned:
             bo, nb, co, S, shape = lay[key]
+            so, nk = sbo[key], nks[key]
             seg, p, g = held.get(key, (None, None, None))
             a, n = (seg.param_offset, seg.numel) if seg is not None else (0, 0)
-            sp = _span.SpanPiece.of(shape, a, n)
+            sp = self._stat_piece(shape, a, n)
             if n:
                 ix = st["idx"][seg.flat_offset:seg.flat_offset + n]
-                m, col, blk, amax = stats(g, ix, st["span_scale"][bo:bo + nb], cb.to(g.device), sp, hp["beta1"])
+                scale = st["span_scale"][bo:bo + nb]
+                if key in r8:  # D19: the rows' decoded scales
+                    ro, rows = r8[key]
+                    scale = _rows8.decode_scale(st["span_codes"][ro:ro + rows, 0], scale, _span.SpanPiece.of(shape))
+                m, col, blk, amax = stats(g, ix, scale, cb.to(g.device), sp, hp["beta1"])
                 sums[co:co + S] += col.cpu()
-                sums[nct + bo:nct + bo + nb] += blk.cpu()
-                maxs[bo:bo + nb] = amax.cpu()
+                sums[nct + so:nct + so + nk] += blk.cpu()
+                maxs[so:so + nk] = amax.cpu()
                 work[key] = (sp, p, ix, m)
             else:
                 work[key] = (sp, None, None, None)
         if self.comm.world_size > 1:
             self.comm.all_reduce_sum_(sums)
             self.comm.all_reduce_max_(maxs)
-        return dict(lay=lay, learned=learned, work=work, sums=sums, maxs=maxs, nct=nct)
+        return dict(lay=lay, r8=r8, sbo=sbo, nks=nks, learned=learned, work=work, sums=sums, maxs=maxs, nct=nct)
 
     def _span_finish(self, st: Dict[str, Any], hp: Dict[str, Any], res, impl=None) -> None:
         """The second phase (:meth:`_span_stats`' result ``res``): every rank updates every such
-        tensor's replicated state and its own pieces."""
+        tensor's replicated state (D19: and its row codes) and its own pieces."""
         update = impl.span_update_ if impl is not None else _span.span_update_
+        apply = impl.span_apply_ if impl is not None else _span.span_apply_
         lay, work, sums, maxs, nct, cb = res["lay"], res["work"], res["sums"], res["maxs"], res["nct"], st["codebook"]
         for key in sorted(res["learned"]):
-            bo, nb, co, S, _ = lay[key]
+            bo, nb, co, S, shape = lay[key]
+            so, nk = res["sbo"][key], res["nks"][key]
             sp, p, ix, m = work[key]
             dev = st["span_vblk"].device
             if p is None:  # not held here: the replicated state only
                 p = torch.zeros(0, device=dev)
                 ix = torch.zeros(0, dtype=torch.uint8, device=dev)
                 m = torch.zeros(0, S, device=dev)
+            col, blk, amax = sums[co:co + S].to(dev), sums[nct + so:nct + so + nk].to(dev), maxs[so:so + nk].to(dev)
+            if key in res["r8"]:  # D19: the row codes from the reduced statistics, then the update
+                ro, rows = res["r8"][key]
+                scale, v = _rows8.rows8_state_(st["span_codes"][ro:ro + rows], st["span_scale"][bo:bo + nb],
+                                               st["span_vblk"][bo:bo + nb], st["span_vcol"][co:co + S], col, blk, amax,
+                                               _span.SpanPiece.of(shape), hp["beta2"], int(st["step"]) + 1, shape)  # this step's
+                if p.numel():
+                    apply(p, ix, scale, v, st["span_vcol"][co:co + S], m, cb.to(dev), sp, **hp)
+                continue
             update(p, ix, st["span_scale"][bo:bo + nb], st["span_vblk"][bo:bo + nb], st["span_vcol"][co:co + S], m,
-                   sums[co:co + S].to(dev), sums[nct + bo:nct + bo + nb].to(dev), maxs[bo:bo + nb].to(dev), cb.to(dev),
-                   sp, **hp)
+                   col, blk, amax, cb.to(dev), sp, **hp)

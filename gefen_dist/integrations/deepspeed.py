@@ -67,10 +67,6 @@ class Gefen(_opt_mod.Gefen):
     """
 
     _group_rejected = GROUP_REJECTED_SHARDED  # flat buffers cut across groups: one implementation
-    # D19's one-byte row codes are stepped by gefen_dist.Gefen (single process, DDP, FSDP2/HSDP) only
-    _narrow_rows_refused = {"rows8": "its state is stepped by gefen_dist.Gefen (one process, DDP, FSDP2/HSDP) only. "
-                                     "Use narrow_rows='auto' (the default; rows of 22-79 elements keep fp32 state per "
-                                     "row, 1 + 8 / S B/param) for this optimizer"}
     _complex_ok = False
 
     def __init__(self, params, *args, **kwargs):
@@ -265,7 +261,7 @@ class Gefen(_opt_mod.Gefen):
             second_moment = fs.second_moment or mode_of_saved(st)
             nb = sum(st[x].numel() * st[x].element_size()
                      for x in ("idx", "scale", "v", "v_row", "v_col", "exact_m", "exact_v", "span_scale", "span_vblk",
-                               "span_vcol") if x in st)
+                               "span_vcol", "span_codes") if x in st)
             for seg, per in zip(fs.segments, st["periods"]):
                 mode = "exact" if per == 0 else second_moment
                 rep.append(dict(name=seg.name, shape=seg.shape, numel=math.prod(seg.shape), local_numel=seg.numel,

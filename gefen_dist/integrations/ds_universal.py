@@ -312,6 +312,11 @@ def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
                     raise UniversalCheckpointError(f"{f!r}: two different learned codebooks in one checkpoint")
                 cb = c.float().clone()
             _add_partition(f, st, flat.reshape(-1).float(), tensors, order, keys)
+            if "span_codes" in st:
+                raise UniversalCheckpointError(
+                    f"{f!r}: the checkpoint holds narrow_rows='rows8' state (one-byte row codes, docs/algorithm.md "
+                    "D19), which universal checkpoints do not carry yet; resume it with DeepSpeed's own checkpoint "
+                    "(engine.load_checkpoint) at the same world size, or train with narrow_rows='auto'")
             if st.get("span_keys"):
                 span_states.append((f, {k: st[k] for k in ("span_keys", "span_scale", "span_vblk", "span_vcol")}))
         del obj

@@ -178,10 +178,6 @@ def validate_param_group(opt, param_group) -> None:
                              f"{SECOND_MOMENTS})")
         validate_row_blocks(merged.get("row_blocks", "auto"), where)
         validate_narrow_rows(merged.get("narrow_rows", "auto"), where)
-        refused = getattr(opt, "_narrow_rows_refused", {}).get(merged.get("narrow_rows", "auto"))
-        if refused:
-            raise ValueError(f"narrow_rows={merged['narrow_rows']!r}{where} is not supported by {type(opt).__name__} "
-                             f"yet: {refused}")
         st = merged.get("small_threshold", 0)
         if isinstance(st, bool) or not isinstance(st, int) or st < 0:
             raise ValueError(f"Invalid small_threshold{where}: {st!r} (must be an int >= 0)")

@@ -39,7 +39,7 @@ from ..engine.column_stats import ColumnTable
 from ..engine.cuda_batch import quantized_layout_problem
 from ..engine.layout import global_shape, is_dtensor
 from ..engine.nonfinite import any_overflow, device_flags
-from ..engine.state import MODE_EXACT, MODE_SPAN, step_of, steps_of
+from ..engine.state import MODE_EXACT, SPAN_MODES, step_of, steps_of
 from .partition import MODE_COMPRESSED, MODE_FACTORED
 from .step import _STATE_HP, _flat_range
 
@@ -74,7 +74,7 @@ class ZeroBatch:
         fset = set(self.fact)
         self.others = [e for e in range(len(entries)) if e not in fset]
         # the entries whose kernels read the gradient (contiguous, the parameter's dtype)
-        self._quantized = [e in fset or opt._mode(p) not in (MODE_EXACT, MODE_SPAN) for e, (_, p) in enumerate(entries)]
+        self._quantized = [e in fset or opt._mode(p) not in (MODE_EXACT,) + SPAN_MODES for e, (_, p) in enumerate(entries)]
         cols = []
         for e in self.fact:
             p = entries[e][1]
@@ -103,7 +103,7 @@ class ZeroBatch:
         groups: Dict[tuple, list] = {}
         for group, p in entries:
             st = opt.state[p]
-            if opt._mode(p) == MODE_SPAN:
+            if opt._mode(p) in SPAN_MODES:
                 continue
             mode = opt._wire_mode(p, st)
             s, e = opt._mine(p)
@@ -130,7 +130,7 @@ class ZeroBatch:
             return None
         # (the common CPU case first, in O(1): the native kernel has no state_many; on CUDA a tensor
         # without the Triton kernels is named by _survey below)
-        q = next((p for _, p in entries if opt.state.get(p) and opt._mode(p) not in (MODE_EXACT, MODE_SPAN)), None)
+        q = next((p for _, p in entries if opt.state.get(p) and opt._mode(p) not in (MODE_EXACT,) + SPAN_MODES), None)
         if q is None or (q.device.type == "cpu" and opt._impl(q).state_many is None):
             return None
         key = _key(opt, entries)
@@ -176,7 +176,7 @@ class ZeroBatch:
                 continue
             if not st.get("learned", 1):
                 return None, None, ""
-            if mode == MODE_SPAN:
+            if mode in SPAN_MODES:
                 continue
             why = quantized_layout_problem(name(p), p)
             if why:

@@ -15,7 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..engine.layout import Geometry, global_shape
-from ..engine.state import MODE_EXACT, MODE_SPAN, new_step
+from ..engine.state import MODE_EXACT, SPAN_MODES, new_step
 from ..optim.gefen import saved_param_map
 from ..optim.adamw_import import import_adamw, is_adamw_entry, is_adamw_state
 from ..optim.state_dict_io import continue_few_rows
@@ -55,11 +55,11 @@ class ZeroCheckpointMixin:
             f = full[id(p)]
             shape = global_shape(p)
             mode = self._mode(p)
-            if mode == MODE_SPAN:  # D16: idx gathered; the block state replicated (this rank's copy)
+            if mode in SPAN_MODES:  # D16: idx gathered; the block state (D19: row codes) replicated (this rank's copy)
                 out[index[id(p)]] = {
                     "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
                     "learned": st["learned"], "idx": f["idx"].view(shape),
-                    **{k: st[k].detach().clone() for k in ("scale", "v_blk", "v_col")},
+                    **{k: st[k].detach().clone() for k in ("scale", "v_blk", "v_col", "row_codes") if k in st},
                     "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
                 }
                 continue
@@ -155,9 +155,11 @@ class ZeroCheckpointMixin:
         for p, st in full.items():
             loc = self.state[p]
             mode = self._mode(p)  # the entry was validated against p's spec (_validate_loaded)
-            if mode == MODE_SPAN:  # D16: this rank's idx; the block state whole on every rank
+            if mode in SPAN_MODES:  # D16: this rank's idx; the block state (D19: row codes) whole on every rank
                 for k in ("scale", "v_blk", "v_col"):
                     loc[k] = st[k].detach().to(device=p.device, dtype=torch.float32).reshape(-1).clone()
+                if "row_codes" in st:  # D19 (validated against p's spec: present exactly for a rows8 tensor)
+                    loc["row_codes"] = st["row_codes"].detach().to(device=p.device, dtype=torch.uint8).clone()
                 self._set_from_full(p, {"idx": st["idx"]})
                 loc["codebook"] = self._codebook_for(p.device)
                 continue

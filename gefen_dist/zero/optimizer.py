@@ -116,10 +116,6 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     """
 
     _group_rejected = GROUP_REJECTED_SHARDED  # one implementation steps the partition of all groups
-    # D19's one-byte row codes are stepped by gefen_dist.Gefen (single process, DDP, FSDP2/HSDP) only
-    _narrow_rows_refused = {"rows8": "its state is stepped by gefen_dist.Gefen (one process, DDP, FSDP2/HSDP) only. "
-                                     "Use narrow_rows='auto' (the default; rows of 22-79 elements keep fp32 state per "
-                                     "row, 1 + 8 / S B/param) for this optimizer"}
     _complex_ok = False
 
 
@@ -162,7 +158,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         """(unit, cost) of ``p`` for the partition; a quantized tensor whose period is not known
         yet is cut only at rows (whole blocks for every period it can get)."""
         shape = global_shape(p)
-        if self._mode(p) == _state.MODE_SPAN:  # whole rows of idx bytes; the block state is replicated
+        if self._mode(p) in _state.SPAN_MODES:  # whole rows of idx bytes; the block state (D19: row codes) is replicated
             return _periods.row_slab(shape), _periods.row_slab(shape)
         if is_exact(shape, self.small_threshold):
             return unit_cost(True, 1, 1)
@@ -264,7 +260,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         sliced)."""
         st = self.state[p]
         mode = self._mode(p)
-        if mode == _state.MODE_SPAN:  # scale, v_blk, v_col: replicated
+        if mode in _state.SPAN_MODES:  # scale, v_blk, v_col (D19: row_codes): replicated
             return {"idx": 1}
         if mode == _state.MODE_FACTORED:
             return {"idx": 1, "scale": int(st["scale_block"]), "v_row": int(st["v_col"].shape[-1])}

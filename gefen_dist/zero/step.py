@@ -13,7 +13,9 @@ from ..kernels import dispatch as _dispatch
 from ..engine.layout import Ranges, global_shape
 from ..core.span import SpanPiece
 from ..engine.state import MODE_EXACT, steps_of
-from ..engine.state import MODE_SPAN as _STATE_SPAN
+from ..core import rows8 as _rows8
+from ..engine.state import MODE_ROWS8 as _STATE_ROWS8
+from ..engine.state import SPAN_MODES as _STATE_SPAN_MODES
 from .partition import (MODE_COMPRESSED, MODE_DENSE, MODE_FACTORED, MODE_LOCAL, MODE_SPAN, factored_wire_compressed,
                         step_wire_bytes)
 
@@ -112,7 +114,7 @@ class ZeroStepMixin:
         one MAX all-reduce), then travel as their new indices (``MODE_SPAN``). ``batch`` (a
         :class:`~gefen_dist.zero.batch.ZeroBatch` whose ``prepare`` passed) takes the column
         statistics, the owners' compressed state updates and the column factors."""
-        span = [(g, p) for g, p in entries if self._mode(p) == _STATE_SPAN and self.state[p]["learned"]]
+        span = [(g, p) for g, p in entries if self._mode(p) in _STATE_SPAN_MODES and self.state[p]["learned"]]
         span_work = self._span_statistics(span)  # may refuse an overflow: before anything changes
         ids = {id(p) for _, p in span}
         entries = [(g, p) for g, p in entries if id(p) not in ids]
@@ -258,7 +260,7 @@ class ZeroStepMixin:
             self._apply_many(items, chunks, col_f, many)
         else:  # (an exchange gives its chunks as rows of one buffer; if not, each range on its own)
             rest = layout
-        works, dense, dense_src = {}, [], {}
+        works, dense, dense_src, decoded = {}, [], {}, {}
         for r, i, s, e, offs in rest:
             p, st, hp, mode = items[i]
             n, ch = e - s, chunks[r]
@@ -282,9 +284,12 @@ class ZeroStepMixin:
                                      **_row_blocks_kw(p, st, s))
             elif mode == MODE_SPAN:
                 if self._span_applied_here(p, r):
+                    sp, scale, v = SpanPiece.of(global_shape(p), s, n), st["scale"], st["v_blk"]
+                    if self._mode(p) == _STATE_ROWS8:  # D19: the rows' decoded codes, blocks of one row
+                        scale, v = decoded.get(id(p)) or decoded.setdefault(id(p), _rows8.decode_rows(st, global_shape(p)))
+                        sp = _rows8.kernel_piece(sp)
                     impl.span_apply_indices_(flat[s:e], take_bytes(ch, offs[0], n, torch.uint8)[0].to(p.device),
-                                             st["scale"], st["v_blk"], st["v_col"], st["codebook"],
-                                             SpanPiece.of(global_shape(p), s, n), **hp)
+                                             scale, v, st["v_col"], st["codebook"], sp, **hp)
             else:  # the owner's new values: copied below, all in one foreach copy
                 dense.append(flat[s:e].view(torch.uint8))
                 dense_src.setdefault(r, []).append((offs[0], n * p.element_size(), len(dense) - 1))

@@ -33,6 +33,8 @@ FACTORED = {"optimizer.params.second_moment": "factored"}
 ELEMENTWISE = {"optimizer.params.second_moment": "elementwise"}
 # D16: b's rows of 67 elements kept per block of 16 rows (its 134 rows: 9 blocks, the last of 6 rows)
 SPAN = dict(FACTORED, **{"optimizer.params.narrow_rows": "span"})
+# D19: the same b.weight with its rows' scale and v in one-byte codes against blocks of 16 rows
+ROWS8 = dict(FACTORED, **{"optimizer.params.narrow_rows": "rows8"})
 COLS = torch.linspace(0.2, 3.0, 95)  # column scales: gives the weight gradients a period
 
 
@@ -220,7 +222,7 @@ def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="
         # an isolated codeword flip changes later gradients a little, and with them v (measured up to
         # 7.5e-6 relative after one flip in a.weight and one in b.weight under ZeRO-2 offload)
         check_factored_state(case, opt, ref_opt, tol=1e-6 if flips == 0 else 1e-4)
-    if narrow_rows == "span":
+    if narrow_rows in ("span", "rows8"):
         check_span_state(case, opt, ref_opt)
     log(f"OK {case}: codebook and periods {sorted(set(opt.periods().values()))} identical, max rel param diff "
         f"{worst:.2e} ({flips} isolated codeword flips)")
@@ -229,7 +231,9 @@ def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="
 
 def check_span_state(case, opt, ref_opt):
     """D16: every buffer holds the whole block state of b.weight, equal (1e-6 relative) to the
-    single-process optimizer's, and identical on every rank."""
+    single-process optimizer's, and identical on every rank; D19 (rows8): also its row codes, equal
+    to the single process's but for a few that rounding-level differences of ``v`` (DeepSpeed's
+    reduction order) sent to the neighbouring code."""
     ref_st = next(ref_opt.state[p] for g in ref_opt.param_groups for p in g["params"] if tuple(p.shape) == (134, 67))
     seen = []
     for k, st in opt.state.items():
@@ -241,6 +245,14 @@ def check_span_state(case, opt, ref_opt):
                 d = float((mine.cpu() - ref).abs().max() / ref.abs().max())
                 assert d <= 1e-6, (case, key, d)
             seen.append(torch.cat([st["span_scale"][bo:bo + nb], st["span_vblk"][bo:bo + nb]]).cpu())
+            r8 = fs.rows8_layout(st)
+            assert (key in r8) == ("row_codes" in ref_st), (case, key)
+            if key in r8:
+                ro, rows = r8[key]
+                codes = st["span_codes"][ro:ro + rows].cpu()
+                diff = (codes.int() - ref_st["row_codes"].int()).abs()
+                assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(1, rows // 50), (case, key, diff.sum())
+                seen.append(codes.float().reshape(-1))
     assert seen, (case, "no span tensor in the buffers")
     allr = [None] * dist.get_world_size()
     dist.all_gather_object(allr, [t.tolist() for t in seen])
@@ -659,6 +671,27 @@ def case_uc_save(name, ckdir):
         "3 more steps bit-identical")
 
 
+def case_uc_refuse_rows8(ckdir):
+    """A rigid checkpoint of narrow_rows="rows8" state (D19): ds-to-universal refuses it, naming the
+    setting, and writes nothing."""
+    from gefen_dist.integrations.ds_universal import UniversalCheckpointError, convert
+
+    rigid, univ = os.path.join(ckdir, "ucrows8"), os.path.join(ckdir, "ucrows8_u", "t2")
+    engine, *_ = make_engine(cfg_g("gefen_zero2.json", **ROWS8))
+    train_g(engine, 2)
+    engine.save_checkpoint(rigid, tag="t2")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        try:
+            convert(rigid, univ, tag="t2")
+        except UniversalCheckpointError as e:
+            assert "narrow_rows='rows8'" in str(e) and not os.path.exists(univ), (str(e), os.path.exists(univ))
+        else:
+            raise AssertionError("ds-to-universal converted rows8 state")
+    dist.barrier()
+    log("OK ucrows8: ds-to-universal refuses narrow_rows='rows8' state and writes nothing")
+
+
 def case_uc_load(name, ckdir):
     """Load the universal checkpoint at this world size: the full per-tensor state (idx, scale, v or
     v_row/v_col, exact moments, fp32 weights) equals the original's bitwise; 3 more steps match the
@@ -853,6 +886,13 @@ def main():
             case_exact("zero2 factored", "gefen_zero2.json", 2, gradient_clipping=0.0, **FACTORED)
         elif c == "z2span":  # narrow_rows="span" (D16): b's blocks of rows cut by the partition edge
             case_exact("zero2 narrow_rows=span", "gefen_zero2.json", 2, gradient_clipping=0.0, **SPAN)
+        elif c == "z2rows8":  # narrow_rows="rows8" (D19): b's rows in one-byte codes, rows cut by the edge
+            case_exact("zero2 narrow_rows=rows8", "gefen_zero2.json", 2, gradient_clipping=0.0, **ROWS8)
+        elif c == "z3rows8":
+            case_exact("zero3 narrow_rows=rows8+zero.Init+sub_group_size", "gefen_zero3.json", 3, zinit=True,
+                       **{"zero_optimization.sub_group_size": 7000}, **ROWS8)
+        elif c == "ck2rows8":  # a DeepSpeed checkpoint of rows8 state resumes bit-identically
+            case_ckpt("ckpt-zero2 narrow_rows=rows8", "gefen_zero2.json", 2, args.ckpt, **ROWS8)
         elif c == "z3span":
             case_exact("zero3 narrow_rows=span+zero.Init+sub_group_size", "gefen_zero3.json", 3, zinit=True,
                        **{"zero_optimization.sub_group_size": 7000}, **SPAN)
@@ -903,6 +943,8 @@ def main():
             case_uc_save(c.split(":")[1], args.ckpt)
         elif c.startswith("ucload:"):
             case_uc_load(c.split(":")[1], args.ckpt)
+        elif c == "ucrows8":
+            case_uc_refuse_rows8(args.ckpt)
         elif c == "wserr":
             case_ws_error(args.ckpt)
         elif c == "adamsave":

@@ -53,10 +53,13 @@ class Net(nn.Module):
         self.unused = nn.Parameter(torch.zeros(64))
         # rows of 3 elements with narrow_rows="span" (D16): cut at rows, blocks of 342 rows cut by the ranks
         self.narrow = nn.Parameter(torch.randn(1500, 3) * 0.05)
+        # rows of 30 with narrow_rows="rows8" (D19): cut at rows, the row codes' blocks of 35 rows cut by the ranks
+        self.narrow8 = nn.Parameter(torch.randn(400, 30) * 0.05)
         g = torch.Generator().manual_seed(7)
         self.register_buffer("R", torch.randn(512, 8, generator=g), persistent=False)
         self.register_buffer("S", torch.randn(256, 4, generator=g), persistent=False)
         self.register_buffer("N", torch.randn(4500, 4, generator=g), persistent=False)
+        self.register_buffer("N8", torch.randn(12000, 4, generator=g) / 30, persistent=False)
 
     def forward(self, x, y, step):
         return self.loss(x, y, step)
@@ -66,6 +69,7 @@ class Net(nn.Module):
         out = out + ((self.hb.float() @ self.R) ** 2).mean() * 0.1
         gate = 0.0 if step == 0 else 1.0
         out = out + ((self.narrow.reshape(1, -1) @ self.N).tanh() ** 2).mean()
+        out = out + ((self.narrow8.reshape(1, -1) @ self.N8).tanh() ** 2).mean()
         return out + gate * ((self.late @ self.S).tanh() ** 2).mean()
 
 
@@ -84,9 +88,10 @@ def groups(m, variant="a"):
     named = list(m.named_parameters())
     fact, elem = FACTORED[variant], ELEMENTWISE[variant]
     out = [
-        {"params": [p for n, p in named if p.ndim >= 2 and n not in fact and n not in elem and n != "narrow"],
+        {"params": [p for n, p in named if p.ndim >= 2 and n not in fact and n not in elem and n not in ("narrow", "narrow8")],
          "weight_decay": 0.1, "second_moment": "shared"},
         {"params": [p for n, p in named if n == "narrow"], "second_moment": "factored", "narrow_rows": "span"},
+        {"params": [p for n, p in named if n == "narrow8"], "second_moment": "factored", "narrow_rows": "rows8"},
         {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": 2e-3},
         {"params": [p for n, p in named if n in fact], "second_moment": "factored",
          "weight_decay": 0.1 if variant == "a" else 0.0},
@@ -197,13 +202,15 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
     # narrow_rows="span" (D16): partitioned at rows (this rank's idx), the block state replicated,
     # bitwise the oracle's state
     span = {n: p for n, p in zm.named_parameters() if "v_blk" in zo.state.get(p, {})}
-    assert sorted(span) == ["narrow"], sorted(span)
+    assert sorted(span) == ["narrow", "narrow8"], sorted(span)
+    assert zo._mode(span["narrow8"]) == "rows8" and zo._mode(span["narrow"]) == "span"
     for (n, p), (_, q) in zip(zm.named_parameters(), ref.named_parameters()):
         if n in span:
             s, e = zo.owned_range(p)
             assert torch.equal(zo.state[p]["idx"], ro.state[q]["idx"].reshape(-1)[s:e]), f"span {n}: idx differs"
-            for k in ("scale", "v_blk", "v_col"):
-                assert torch.equal(zo.state[p][k], ro.state[q][k]), f"span {n}: {k} differs from the oracle"
+            for k in ("scale", "v_blk", "v_col", "row_codes"):
+                if k in ro.state[q]:
+                    assert torch.equal(zo.state[p][k], ro.state[q][k]), f"span {n}: {k} differs from the oracle"
     span_cut = [None] * ws
     dist.all_gather_object(span_cut, [zo.owned_range(p) for p in span.values()])
     shapes = {n: tuple(p.shape) for n, p in zm.named_parameters()}
@@ -225,7 +232,7 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
     # codebook and the factored tensors' v_col, which every rank holds whole
     cb = zo.codebook.numel() * 4 + sum(4 * st["v_col"].numel() for st in fact.values()) + sum(
         t.numel() * t.element_size() for p in span.values() for k, t in zo.state[p].items()
-        if k in ("scale", "v_blk", "v_col"))
+        if k in ("scale", "v_blk", "v_col", "row_codes"))
     local = zo.state_bytes()
     locs = [None] * ws
     dist.all_gather_object(locs, local)
