@@ -177,7 +177,7 @@ def _inspect_state_dict(path: str, sd: Dict[str, Any]) -> Dict[str, Any]:
             continue
         mode = mode_of_saved(st)
         if mode not in (None, MODE_EXACT):
-            nb = sum(_nbytes(st[k]) for k in ("idx", "scale", "v", "v_row", "v_blk", "v_col", "row_codes")
+            nb = sum(_nbytes(st[k]) for k in ("idx", "scale", "v", "v_row", "v_blk", "v_col", "scale_code", "v_code")
                      if isinstance(st.get(k), torch.Tensor))
             c = st.get("codebook")
             if isinstance(c, torch.Tensor) and (cb is None or (float(cb[0]) != -1.0 and float(c[0]) == -1.0)):
@@ -372,7 +372,8 @@ def _inspect_dcp(path: str) -> Dict[str, Any]:
             slab = row_slab(shape)
             rec = dict(name=fqn, shape=shape, numel=int(math.prod(shape)), kind="quantized",
                        idx_dtype=str(d["idx"].properties.dtype).replace("torch.", ""),
-                       bytes=sum(nb(d[k]) for k in ("idx", "scale", "v", "v_row", "v_blk", "v_col", "row_codes") if k in d))
+                       bytes=sum(nb(d[k]) for k in ("idx", "scale", "v", "v_row", "v_blk", "v_col", "scale_code", "v_code")
+                                 if k in d))
             rec["scale_block"] = slab // int(d["scale"].size[-1]) if "scale" in d and d["scale"].size[-1] else 0
             v = d.get("v") if mode == MODE_SHARED else None
             # shared: period = slab / v's columns; factored: the saved shapes say only the scale block

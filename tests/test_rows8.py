@@ -253,9 +253,9 @@ def test_checkpoint_resumes_bitwise_and_refuses_other_layouts():
             opt3.load_state_dict(copy.deepcopy(sd))
         assert not opt3.state  # nothing loaded
     bad = copy.deepcopy(sd)
-    bad["state"][0]["row_codes"] = bad["state"][0]["row_codes"].float()
+    bad["state"][0]["v_code"] = bad["state"][0]["v_code"].float()
     w4, opt4 = make()
-    with pytest.raises(ValueError, match="row_codes"):
+    with pytest.raises(ValueError, match="v_code"):
         opt4.load_state_dict(bad)
     w5, opt5 = make("rows")  # the per-row float32 layout's state into rows8: refused, naming both layouts
     _steps(w5, opt5, 1)
@@ -278,9 +278,9 @@ def test_adamw_state_warm_starts_rows8():
     g = Gefen([w], lr=1e-2, narrow_rows="rows8")
     g.load_state_dict(copy.deepcopy(ad.state_dict()))
     st, sp = g.state[w], SpanPiece.of((500, 40))
-    v = R.decode_v(st["row_codes"][:, 1], st["v_blk"], sp)
+    v = R.decode_v(st["v_code"], st["v_blk"], sp)
     assert torch.all((v / ad.state[w]["exp_avg_sq"].mean(1) - 1).abs() < 0.045)
-    scale = R.decode_scale(st["row_codes"][:, 0], st["scale"], sp)
+    scale = R.decode_scale(st["scale_code"], st["scale"], sp)
     m = ad.state[w]["exp_avg"]
     assert torch.all(scale >= m.abs().amax(1)) and torch.all(scale <= m.abs().amax(1) * 2 ** (1 / 8) * 1.0001)
     deq = st["codebook"][st["idx"].long()] * scale[:, None]

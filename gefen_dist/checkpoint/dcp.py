@@ -190,7 +190,7 @@ class CheckpointMismatchError(ValueError):
     names the checkpoint key, the option and the fix. Raised before anything is loaded."""
 
 
-_LEAVES = ("idx", "scale", "v", "v_row", "v_blk", "v_col", "row_codes", "exp_avg", "exp_avg_sq")
+_LEAVES = ("idx", "scale", "v", "v_row", "v_blk", "v_col", "scale_code", "v_code", "exp_avg", "exp_avg_sq")
 
 
 def _state_index(keys: Iterable[str], prefix: Optional[str]) -> Dict[str, Dict[str, str]]:

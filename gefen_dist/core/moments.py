@@ -144,9 +144,9 @@ def state_from_moments(m: torch.Tensor, v: torch.Tensor, lay: MomentsLayout, cod
         sc, sref, s_dec = _rows8.encode_scale(maxima.to(m.device, torch.float32), whole)
         v_row, v_col = _span_means(sums.to(m.device), lay.span())
         vc, vref, _ = _rows8.encode_v(v_row, whole, 0, lay.shape)
-        a = s_dec[lay.row0:lay.row0 + rows].unsqueeze(1)
-        return {"idx": quantize(m32, a, codebook, nearest).view(local_shape), "scale": sref, "v_blk": vref,
-                "v_col": v_col, "row_codes": torch.stack([sc, vc], dim=1)}
+        r = slice(lay.row0, lay.row0 + rows)
+        return {"idx": quantize(m32, s_dec[r].unsqueeze(1), codebook, nearest).view(local_shape), "scale": sref,
+                "v_blk": vref, "v_col": v_col, "scale_code": sc[r], "v_code": vc[r]}
     B = int(lay.scale_block)
     blocks = m32.view(rows, slab // B, B)
     scale = blocks.abs().amax(dim=2)

@@ -42,7 +42,7 @@ from .periods import row_slab
 from .span import SPAN_AUTO_BELOW, SPAN_BELOW, SpanPiece
 from .step import ema_
 
-__all__ = ["ROWS8_FROM", "ZERO_CODE", "rows8_eligible", "kernel_piece", "decode_scale", "decode_v", "decode_rows", "encode_scale",
+__all__ = ["ROWS8_FROM", "ZERO_CODE", "rows8_eligible", "kernel_piece", "decode_scale", "decode_v", "encode_scale",
            "encode_v", "row_uniform", "rows8_state_", "rows8_bytes"]
 
 ROWS8_FROM = SPAN_AUTO_BELOW  # rows narrower than this keep span's blocks of rows under "rows8" (2 / S > 0.1)
@@ -75,8 +75,12 @@ def _table_on(steps: int, device: str) -> torch.Tensor:
 
 
 def _per_row(ref: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
-    """Each row's value of its block (``ref`` ``[nb]``, ``sp.k`` rows per block): ``[rows]``."""
-    return ref.unsqueeze(1).expand(sp.nb, sp.k).reshape(-1)[:sp.rows]
+    """The value of its block (``ref`` ``[nb]``, ``sp.k`` rows per block) of each row of the piece's
+    rows ``[sp.row0, sp.row0 + sp.nrows)``: ``[nrows]``."""
+    if sp.row0 == 0 and sp.nrows == sp.rows:
+        return ref.unsqueeze(1).expand(sp.nb, sp.k).reshape(-1)[:sp.rows]
+    bid = torch.div(torch.arange(sp.row0, sp.row0 + sp.nrows, device=ref.device), sp.k, rounding_mode="floor")
+    return ref.index_select(0, bid)
 
 
 def _block_max(x: torch.Tensor, sp: SpanPiece) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -88,19 +92,14 @@ def _block_max(x: torch.Tensor, sp: SpanPiece) -> Tuple[torch.Tensor, torch.Tens
 
 
 def decode_scale(codes: torch.Tensor, ref: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
-    """``M_i = M_b T_s[e_i]`` of every row (float32 ``[rows]``; ``codes`` uint8 ``[rows]``)."""
+    """``M_i = M_b T_s[e_i]`` of the rows of piece ``sp`` (float32 ``[nrows]``; ``codes`` uint8 ``[nrows]``,
+    the piece's; ``ref`` the whole tensor's block maxima)."""
     return _per_row(ref, sp) * _table(SCALE_STEPS, ref.device).index_select(0, codes.int())
 
 
 def decode_v(codes: torch.Tensor, ref: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
-    """``v_i = V_b T_v[c_i]`` of every row (float32 ``[rows]``)."""
+    """``v_i = V_b T_v[c_i]`` of the rows of piece ``sp`` (float32 ``[nrows]``)."""
     return _per_row(ref, sp) * _table(V_STEPS, ref.device).index_select(0, codes.int())
-
-
-def decode_rows(st, shape: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(M_i, v_i)`` of every row of a ``rows8`` state entry ``st`` of a tensor of global ``shape``."""
-    sp = SpanPiece.of(shape)
-    return decode_scale(st["row_codes"][:, 0], st["scale"], sp), decode_v(st["row_codes"][:, 1], st["v_blk"], sp)
 
 
 def _log_codes(x: torch.Tensor, ref_row: torch.Tensor, steps: int) -> torch.Tensor:
@@ -176,25 +175,24 @@ def encode_v(v: torch.Tensor, sp: SpanPiece, step: int, shape: Sequence[int]
     return c.to(torch.uint8), ref, ref_row * _table(V_STEPS, v.device).index_select(0, c)
 
 
-def rows8_state_(row_codes: torch.Tensor, scale: torch.Tensor, v_blk: torch.Tensor, v_col: torch.Tensor,
+def rows8_state_(v_old: torch.Tensor, scale: torch.Tensor, v_blk: torch.Tensor, v_col: torch.Tensor,
                  col_sum: torch.Tensor, row_sum: torch.Tensor, row_amax: torch.Tensor, sp: SpanPiece, beta2: float,
-                 step: int, shape: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The replicated state of a ``rows8`` tensor from the reduced statistics of this step (in place;
-    every rank the same): ``v_col`` and each row's ``v`` advance with the column and row means of
-    ``g^2`` (``col_sum``, ``row_sum``: float64 sums over the whole tensor), the row maxima of ``|m|``
-    (``row_amax``) become the rows' scales; both are coded again (``row_codes[:, 0]`` the scale
-    codes, ``[:, 1]`` the ``v`` codes; ``scale``, ``v_blk`` the blocks' references, ``sp.k`` rows per
-    block). Returns the decoded ``(M_i, v_i)`` (float32 ``[rows]``) that the update uses."""
+                 step: int, shape: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The state of a ``rows8`` tensor from the reduced statistics of this step, the same on every
+    rank: ``v_col`` and each row's ``v`` (``v_old``: every row's decoded ``v`` before the step, float32
+    ``[rows]``) advance with the column and row means of ``g^2`` (``col_sum``, ``row_sum``: float64 sums
+    over the whole tensor), the row maxima of ``|m|`` (``row_amax``) become the rows' scales, and both
+    are coded again against the blocks' new references (``scale``, ``v_blk``: written in place, like
+    ``v_col``; ``sp`` the whole tensor, ``sp.k`` rows per block). Returns ``(scale codes, v codes,
+    M_i, v_i)`` of every row (uint8 and float32 ``[rows]``): the caller keeps the codes of its rows,
+    and the update uses the decoded values."""
     ema_(v_col, (col_sum / sp.rows).to(torch.float32), beta2)
-    v = decode_v(row_codes[:, 1], v_blk, sp)
-    ema_(v, (row_sum / sp.slab).to(torch.float32), beta2)
+    v = ema_(v_old.to(torch.float32).clone(), (row_sum / sp.slab).to(torch.float32), beta2)
     vc, vref, v_dec = encode_v(v, sp, step, shape)
     sc, sref, s_dec = encode_scale(row_amax.to(torch.float32), sp)
-    row_codes[:, 0].copy_(sc)
-    row_codes[:, 1].copy_(vc)
     scale.copy_(sref)
     v_blk.copy_(vref)
-    return s_dec, v_dec
+    return sc, vc, s_dec, v_dec
 
 
 def rows8_bytes(shape: Sequence[int]) -> float:

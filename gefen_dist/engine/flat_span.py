@@ -169,9 +169,13 @@ class FlatSpanMixin:
             col, blk, amax = sums[co:co + S].to(dev), sums[nct + so:nct + so + nk].to(dev), maxs[so:so + nk].to(dev)
             if key in res["r8"]:  # D19: the row codes from the reduced statistics, then the update
                 ro, rows = res["r8"][key]
-                scale, v = _rows8.rows8_state_(st["span_codes"][ro:ro + rows], st["span_scale"][bo:bo + nb],
-                                               st["span_vblk"][bo:bo + nb], st["span_vcol"][co:co + S], col, blk, amax,
-                                               _span.SpanPiece.of(shape), hp["beta2"], int(st["step"]) + 1, shape)  # this step's
+                codes, whole = st["span_codes"][ro:ro + rows], _span.SpanPiece.of(shape)
+                v_old = _rows8.decode_v(codes[:, 1], st["span_vblk"][bo:bo + nb], whole)
+                sc, vc, scale, v = _rows8.rows8_state_(v_old, st["span_scale"][bo:bo + nb], st["span_vblk"][bo:bo + nb],
+                                                       st["span_vcol"][co:co + S], col, blk, amax, whole, hp["beta2"],
+                                                       int(st["step"]) + 1, shape)  # this step's
+                codes[:, 0].copy_(sc)
+                codes[:, 1].copy_(vc)
                 if p.numel():
                     apply(p, ix, scale, v, st["span_vcol"][co:co + S], m, cb.to(dev), sp, **hp)
                 continue

@@ -51,6 +51,32 @@ def warn_dense(found, setting: str = "span") -> None:
         len(dense), "; ".join(dense[:8]) + ("; ..." if len(dense) > 8 else ""))
 
 
+def _rows8_decoded(st, sp: SpanPiece):
+    """A rows8 tensor's (D19) decoded scales of every row (float32 ``[rows]``, this piece's rows filled,
+    zeros elsewhere: the span kernels with blocks of one row index them by row) and its rows' old
+    ``v`` in the same layout (float64, summed over the ranks with the statistics: every rank gets
+    every row's)."""
+    rows = SpanPiece(sp.rows, sp.slab, sp.k, sp.row0, sp.nrows)
+    sc, vc = local_tensor(st["scale_code"]), local_tensor(st["v_code"])
+    scale = torch.zeros(sp.rows, dtype=torch.float32, device=sc.device)
+    v_old = torch.zeros(sp.rows, dtype=torch.float64, device=sc.device)
+    if sp.nrows:
+        scale[sp.row0:sp.row0 + sp.nrows] = _rows8.decode_scale(sc, st["scale"], rows)
+        v_old[sp.row0:sp.row0 + sp.nrows] = _rows8.decode_v(vc, st["v_blk"], rows).double()
+    return scale, v_old
+
+
+def _rows8_update_(st, shape, sp: SpanPiece, v_old, col, row_sum, row_amax, beta2: float, step: int):
+    """The state update of a rows8 tensor (D19) from the reduced statistics (every rank the same; this
+    piece ``sp`` keeps the codes of its rows); returns every row's decoded ``(M_i, v_i)``."""
+    sc, vc, scale, v = _rows8.rows8_state_(v_old, st["scale"], st["v_blk"], st["v_col"], col, row_sum, row_amax,
+                                           SpanPiece.of(shape), beta2, step, shape)
+    if sp.nrows:
+        local_tensor(st["scale_code"]).copy_(sc[sp.row0:sp.row0 + sp.nrows])
+        local_tensor(st["v_code"]).copy_(vc[sp.row0:sp.row0 + sp.nrows])
+    return scale, v
+
+
 class SpanStepMixin:
     """D16's step (uses the optimizer's ``state``, ``_mode``, ``_impl``, ``_fused``, ``_comm``,
     ``nonfinite``, ``bound_updates`` and ``_raise_column_overflow``)."""
@@ -106,9 +132,9 @@ class SpanStepMixin:
             hp = hyperparameters(group, step_of(st) + 1, self.bound_updates)  # this step's
             start, param, grad, contributes = self._span_local(p)
             sp = SpanPiece.of(global_shape(p), start, param.numel())
-            scale = st["scale"]
+            scale, v_old = st["scale"], torch.zeros(0, dtype=torch.float64)
             if self._mode(p) == MODE_ROWS8:  # D19: the kernels step blocks of one row, scales decoded
-                scale = _rows8.decode_scale(st["row_codes"][:, 0], scale, sp)
+                scale, v_old = _rows8_decoded(st, sp)
                 sp = _rows8.kernel_piece(sp)
             cb = st["codebook"].to(param.device)
             impl = self._impl(param, p, group)
@@ -116,22 +142,24 @@ class SpanStepMixin:
             if sharded and not contributes:
                 col.zero_()
                 blk.zero_()
-            work.append((p, hp, sp, cb, m, col, blk, amax, impl))
+                v_old.zero_()
+            work.append((p, hp, sp, cb, m, col, blk, amax, impl, v_old))
         if not work:
             return {}
         dev = work[0][4].device  # one buffer per reduction (tensors on several devices: on the first one's)
-        sums = torch.cat([t.to(dev) for w in work for t in (w[5], w[6])])
+        sums = torch.cat([t.to(dev) for w in work for t in (w[5], w[6], w[9])])
         maxs = torch.cat([w[7].to(dev) for w in work])
         if sharded:
             self._comm.all_reduce_sum_(sums)
             self._comm.all_reduce_max_(maxs)
         out, so, mo = {}, 0, 0
-        for p, hp, sp, cb, m, _, _, _, impl in work:
+        for p, hp, sp, cb, m, _, _, _, impl, vo in work:
             c, b = sums[so:so + sp.slab].to(m.device), sums[so + sp.slab:so + sp.slab + sp.nb].to(m.device)
             so += sp.slab + sp.nb
+            vo, so = sums[so:so + vo.numel()].to(m.device), so + vo.numel()  # rows8: every row's old v (D19)
             a = maxs[mo:mo + sp.nb].to(m.device)
             mo += sp.nb
-            out[p] = (hp, sp, cb, m, c, b, a, impl)
+            out[p] = (hp, sp, cb, m, c, b, a, impl, vo)
         if self.nonfinite != "ignore" and bool(torch.isinf(sums.to(torch.float32)).any()):
             # g*g above float32's range (a finite gradient): v would be inf and the update NaN
             self._raise_column_overflow({p: torch.cat([w[4], w[5]]).to(torch.float32) for p, w in out.items()})
@@ -150,14 +178,13 @@ class SpanStepMixin:
                     hp = hyperparameters(group, step_of(st), self.bound_updates)
                     decay_only_(local_tensor(p), hp["lr"], hp["weight_decay"])
                 continue
-            hp, sp, cb, m, c, b, a, impl = work[p]
+            hp, sp, cb, m, c, b, a, impl, vo = work[p]
             param = self._span_local(p)[1]
             target, write_back = self._span_target(param)
             nearest = _dispatch.nearest if self._fused(p) is not False else nearest_codeword
             if self._mode(p) == MODE_ROWS8:  # D19: the codes from the reduced statistics, then the update
-                shape = global_shape(p)
-                scale, v = _rows8.rows8_state_(st["row_codes"], st["scale"], st["v_blk"], st["v_col"], c, b, a,
-                                               SpanPiece.of(shape), hp["beta2"], step_of(st), shape)
+                scale, v = _rows8_update_(st, global_shape(p), sp, vo, c, b, a, hp["beta2"], step_of(st))
+                self.__dict__.setdefault("_rows8_rows", {})[id(p)] = (scale, v)  # ZeroGefen's appliers read them
                 impl.span_apply_(target, local_tensor(st["idx"]), scale, v, st["v_col"], m, cb, sp, nearest=nearest,
                                  **hp)
             else:
@@ -165,8 +192,8 @@ class SpanStepMixin:
                                   cb, sp, nearest=nearest, **hp)
             if write_back:
                 param.copy_(target)
-            for t in (local_tensor(p), st["scale"], st["v_blk"], st["v_col"]) + (
-                    (st["row_codes"],) if "row_codes" in st else ()):
+            for t in (local_tensor(p), st["scale"], st["v_blk"], st["v_col"]) + tuple(
+                    local_tensor(st[k]) for k in ("scale_code", "v_code") if k in st):
                 torch.autograd.graph.increment_version(t)
 
     def _step_span(self, entries, work: Optional[Dict[torch.Tensor, tuple]] = None) -> None:

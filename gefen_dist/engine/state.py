@@ -16,9 +16,9 @@ factored       ``idx``, ``scale``, ``v_row`` [rows, 1], ``v_col`` [G, slab] or  
                [slab] (replicated: the same on every rank)
 span           ``idx``; ``scale``, ``v_blk`` [nb], ``v_col`` [slab], replicated     ~1 + 8/1024
                (``narrow_rows="span"``, rows of < 80 elements, blocks of rows, D16)
-rows8          as span, plus ``row_codes`` uint8 [rows, 2] (each row's scale and    1 + 2/S + ~0.01
-               ``v`` code against the blocks' ``scale``/``v_blk``), replicated
-               (``narrow_rows="rows8"``, rows of 22-79 elements, D19)
+rows8          as span, plus ``scale_code``, ``v_code`` uint8 [rows] (each row's     1 + 2/S + ~0.01
+               scale and ``v`` against the blocks' ``scale``/``v_blk``), sharded
+               with the rows (``narrow_rows="rows8"``, rows of 22-79, D19)
 =============  =================================================================  ==============
 
 A factored group's tensors of few rows are factored too (``v_col`` costs ``4 / rows`` B/param: 5.0 in all
@@ -177,12 +177,12 @@ def mode_of_saved(entry: Mapping[str, Any]) -> Optional[str]:
     which ``small_threshold`` made the entry, so its keys are all there is. Live optimizer code
     asks :func:`mode_of` / :class:`StateSpec` instead.
 
-    Returns :data:`MODE_ROWS8` (``idx`` with ``row_codes``), :data:`MODE_SPAN` (``idx`` with ``v_blk``), :data:`MODE_FACTORED` (``idx`` with ``v_row``/``v_col``), :data:`MODE_SHARED`
+    Returns :data:`MODE_ROWS8` (``idx`` with ``v_code``), :data:`MODE_SPAN` (``idx`` with ``v_blk``), :data:`MODE_FACTORED` (``idx`` with ``v_row``/``v_col``), :data:`MODE_SHARED`
     (``idx`` with ``v``; ``elementwise`` state is shared state with period 1, the same keys, and
     cannot be told apart from it here), :data:`MODE_EXACT` (``exp_avg``) or None for an entry that
     holds none of Gefen's layouts (empty, or another optimizer's)."""
     if "idx" in entry:
-        if "row_codes" in entry:
+        if "v_code" in entry:
             return MODE_ROWS8
         if "v_blk" in entry:
             return MODE_SPAN
@@ -199,7 +199,7 @@ def tensor_keys(mode: str) -> Tuple[str, ...]:
     if mode == MODE_SPAN:
         return ("idx", "scale", "v_blk", "v_col")
     if mode == MODE_ROWS8:
-        return ("idx", "scale", "v_blk", "v_col", "row_codes")
+        return ("idx", "scale", "v_blk", "v_col", "scale_code", "v_code")
     return ("idx", "scale", "v_row", "v_col") if mode == MODE_FACTORED else ("idx", "scale", "v")
 
 
@@ -279,9 +279,9 @@ class StateSpec:
             nb, S = (_span.span_blocks(gshape),), (geo.slab,)
             out = {"idx": (tuple(local_shape), gshape, torch.uint8, True), "scale": (nb, nb, torch.float32, False),
                    "v_blk": (nb, nb, torch.float32, False), "v_col": (S, S, torch.float32, False)}
-            if self.mode == MODE_ROWS8:
-                rc = (gshape[0], 2)
-                out["row_codes"] = (rc, rc, torch.uint8, False)
+            if self.mode == MODE_ROWS8:  # one byte each per row, sharded with the rows (D19)
+                for k in ("scale_code", "v_code"):
+                    out[k] = ((rows,), (gshape[0],), torch.uint8, True)
             return out
         loc, glo = geo.state_shapes(rows), geo.state_shapes(gshape[0])
         out = {"idx": (loc["idx"], glo["idx"], torch.uint8, True),
@@ -312,8 +312,9 @@ class StateSpec:
             nb, S = (_span.span_blocks(gshape),), (self.geometry.slab,)
             out = {"idx": ((n,), torch.uint8, True), "scale": (nb, torch.float32, False),
                    "v_blk": (nb, torch.float32, False), "v_col": (S, torch.float32, False)}
-            if self.mode == MODE_ROWS8:
-                out["row_codes"] = ((gshape[0], 2), torch.uint8, False)
+            if self.mode == MODE_ROWS8:  # the codes of the rows the range touches (D19)
+                for k in ("scale_code", "v_code"):
+                    out[k] = ((touched(self.geometry.slab),), torch.uint8, True)
             return out
         geo = self.geometry
         out = {"idx": ((n,), torch.uint8, True), "scale": ((touched(geo.scale_block),), torch.float32, True)}

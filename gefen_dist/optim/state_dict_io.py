@@ -165,10 +165,10 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
         vc = tuple(st["v_col"].shape)
         if vc in ((slab,), (1, slab)) or (len(vc) == 2 and vc[1] == slab and vc[0] >= 1 and global_shape(p)[0] % vc[0] == 0):
             want["v_col"] = vc  # row blocks (D12): the state's own block count is kept
-    if kind == MODE_ROWS8 and (tuple(st["row_codes"].shape) != want["row_codes"]
-                               or st["row_codes"].dtype != torch.uint8):
-        raise ValueError(f"checkpoint state 'row_codes' of parameter {name!r} has shape {tuple(st['row_codes'].shape)} "
-                         f"and dtype {st['row_codes'].dtype}, expected {want['row_codes']} torch.uint8 (D19); {_FIX}")
+    for k in ("scale_code", "v_code") if kind == MODE_ROWS8 else ():
+        if tuple(st[k].shape) != want[k] or st[k].dtype != torch.uint8:
+            raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape {tuple(st[k].shape)} and dtype "
+                             f"{st[k].dtype}, expected {want[k]} torch.uint8 (D19); {_FIX}")
     for k in ("scale", "v_row", "v_col") if factored else ("scale", "v_blk", "v_col") if kind in SPAN_MODES else ("scale", "v"):
         if tuple(st[k].shape) != want[k]:
             raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape "

@@ -59,7 +59,8 @@ class ZeroCheckpointMixin:
                 out[index[id(p)]] = {
                     "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
                     "learned": st["learned"], "idx": f["idx"].view(shape),
-                    **{k: st[k].detach().clone() for k in ("scale", "v_blk", "v_col", "row_codes") if k in st},
+                    **{k: st[k].detach().clone() for k in ("scale", "v_blk", "v_col")},
+                    **{k: f[k].view(shape[0]) for k in ("scale_code", "v_code") if k in f},  # D19: gathered by rows
                     "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
                 }
                 continue
@@ -158,9 +159,7 @@ class ZeroCheckpointMixin:
             if mode in SPAN_MODES:  # D16: this rank's idx; the block state (D19: row codes) whole on every rank
                 for k in ("scale", "v_blk", "v_col"):
                     loc[k] = st[k].detach().to(device=p.device, dtype=torch.float32).reshape(-1).clone()
-                if "row_codes" in st:  # D19 (validated against p's spec: present exactly for a rows8 tensor)
-                    loc["row_codes"] = st["row_codes"].detach().to(device=p.device, dtype=torch.uint8).clone()
-                self._set_from_full(p, {"idx": st["idx"]})
+                self._set_from_full(p, {k: st[k] for k in ("idx", "scale_code", "v_code") if k in st})  # D19: codes
                 loc["codebook"] = self._codebook_for(p.device)
                 continue
             keys = _E_KEYS if mode == MODE_EXACT else _F_KEYS if self._is_factored(p) else _Q_KEYS

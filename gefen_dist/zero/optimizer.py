@@ -260,8 +260,9 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         sliced)."""
         st = self.state[p]
         mode = self._mode(p)
-        if mode in _state.SPAN_MODES:  # scale, v_blk, v_col (D19: row_codes): replicated
-            return {"idx": 1}
+        if mode in _state.SPAN_MODES:  # scale, v_blk, v_col: replicated; D19's codes: one byte each per row
+            slab = _periods.row_slab(global_shape(p))
+            return {"idx": 1, **({"scale_code": slab, "v_code": slab} if mode == _state.MODE_ROWS8 else {})}
         if mode == _state.MODE_FACTORED:
             return {"idx": 1, "scale": int(st["scale_block"]), "v_row": int(st["v_col"].shape[-1])}
         if mode != _state.MODE_EXACT:

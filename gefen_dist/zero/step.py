@@ -260,7 +260,7 @@ class ZeroStepMixin:
             self._apply_many(items, chunks, col_f, many)
         else:  # (an exchange gives its chunks as rows of one buffer; if not, each range on its own)
             rest = layout
-        works, dense, dense_src, decoded = {}, [], {}, {}
+        works, dense, dense_src = {}, [], {}
         for r, i, s, e, offs in rest:
             p, st, hp, mode = items[i]
             n, ch = e - s, chunks[r]
@@ -286,7 +286,7 @@ class ZeroStepMixin:
                 if self._span_applied_here(p, r):
                     sp, scale, v = SpanPiece.of(global_shape(p), s, n), st["scale"], st["v_blk"]
                     if self._mode(p) == _STATE_ROWS8:  # D19: the rows' decoded codes, blocks of one row
-                        scale, v = decoded.get(id(p)) or decoded.setdefault(id(p), _rows8.decode_rows(st, global_shape(p)))
+                        scale, v = self._rows8_rows[id(p)]  # every row's, decoded by this step's _span_update
                         sp = _rows8.kernel_piece(sp)
                     impl.span_apply_indices_(flat[s:e], take_bytes(ch, offs[0], n, torch.uint8)[0].to(p.device),
                                              scale, v, st["v_col"], st["codebook"], sp, **hp)

@@ -207,7 +207,7 @@ def check_loaded(m, opt, saved, what):
                     assert got.dtype == v.dtype, f"{what}: {fqn}.{k} dtype {got.dtype} != saved {v.dtype}"
                     assert got.shape == v.shape, f"{what}: {fqn}.{k} shape {tuple(got.shape)} != {tuple(v.shape)}"
                     assert torch.equal(got, v), f"{what}: {fqn}.{k} differs from the saved state"
-                    replicated = ("codebook", "v_col", "step") + (("scale", "v_blk", "row_codes") if "v_blk" in st else ())
+                    replicated = ("codebook", "v_col", "step") + (("scale", "v_blk") if "v_blk" in st else ())
                     if k not in replicated and hasattr(p, "placements"):  # plain, replicated
                         assert st[k].placements == p.placements, (what, fqn, k, st[k].placements)
                 else:

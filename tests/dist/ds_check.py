@@ -246,11 +246,11 @@ def check_span_state(case, opt, ref_opt):
                 assert d <= 1e-6, (case, key, d)
             seen.append(torch.cat([st["span_scale"][bo:bo + nb], st["span_vblk"][bo:bo + nb]]).cpu())
             r8 = fs.rows8_layout(st)
-            assert (key in r8) == ("row_codes" in ref_st), (case, key)
+            assert (key in r8) == ("v_code" in ref_st), (case, key)
             if key in r8:
                 ro, rows = r8[key]
                 codes = st["span_codes"][ro:ro + rows].cpu()
-                diff = (codes.int() - ref_st["row_codes"].int()).abs()
+                diff = (codes.int() - torch.stack([ref_st["scale_code"], ref_st["v_code"]], dim=1).int()).abs()
                 assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(1, rows // 50), (case, key, diff.sum())
                 seen.append(codes.float().reshape(-1))
     assert seen, (case, "no span tensor in the buffers")

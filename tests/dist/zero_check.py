@@ -208,9 +208,12 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
         if n in span:
             s, e = zo.owned_range(p)
             assert torch.equal(zo.state[p]["idx"], ro.state[q]["idx"].reshape(-1)[s:e]), f"span {n}: idx differs"
-            for k in ("scale", "v_blk", "v_col", "row_codes"):
+            for k in ("scale", "v_blk", "v_col"):
+                assert torch.equal(zo.state[p][k], ro.state[q][k]), f"span {n}: {k} differs from the oracle"
+            for k in ("scale_code", "v_code"):  # D19: this rank's rows
                 if k in ro.state[q]:
-                    assert torch.equal(zo.state[p][k], ro.state[q][k]), f"span {n}: {k} differs from the oracle"
+                    S = p.shape[1]
+                    assert torch.equal(zo.state[p][k], ro.state[q][k][s // S:e // S]), f"span {n}: {k} differs"
     span_cut = [None] * ws
     dist.all_gather_object(span_cut, [zo.owned_range(p) for p in span.values()])
     shapes = {n: tuple(p.shape) for n, p in zm.named_parameters()}
@@ -232,7 +235,7 @@ def compare_run(fused, ckpt_dir=None, variant="a"):
     # codebook and the factored tensors' v_col, which every rank holds whole
     cb = zo.codebook.numel() * 4 + sum(4 * st["v_col"].numel() for st in fact.values()) + sum(
         t.numel() * t.element_size() for p in span.values() for k, t in zo.state[p].items()
-        if k in ("scale", "v_blk", "v_col", "row_codes"))
+        if k in ("scale", "v_blk", "v_col"))
     local = zo.state_bytes()
     locs = [None] * ws
     dist.all_gather_object(locs, local)
