@@ -459,8 +459,9 @@ def test_zerogefen_on_the_triton_path_equals_gefen(monkeypatch):
     """ZeroGefen with the Triton kernels (CUDA's implementation, through the interpreter): the owners'
     state-only updates and the appliers of kernels/triton_state.py give single-process Gefen's Triton
     parameters and state bitwise after 4 steps, for a factored group (row blocks: a (128, 64) weight
-    of two 64-row blocks; a bfloat16 (512, 8) tensor that travels dense), a shared group, a span group
-    and exact tensors; the state-only steps in chunks of a few rows or blocks."""
+    of two 64-row blocks; a bfloat16 (512, 8) tensor that travels dense), a shared group, a span group,
+    a rows8 group (D19: a (60, 70) weight, rows of 70 in one-byte codes) and exact tensors; the
+    state-only steps in chunks of a few rows or blocks."""
     from torch import nn
 
     from gefen_dist import Gefen, ZeroGefen
@@ -471,18 +472,21 @@ def test_zerogefen_on_the_triton_path_equals_gefen(monkeypatch):
         m = nn.ModuleDict(dict(a=nn.Linear(64, 128), b=nn.Linear(128, 96), e=nn.Linear(96, 16)))
         m.c = nn.Parameter((torch.randn(512, 8) * 0.05).to(torch.bfloat16))
         m.s = nn.Parameter(torch.randn(3000, 4) * 0.05)
+        m.r = nn.Parameter(torch.randn(60, 70) * 0.05)
         return m
 
     def groups(m):
         return [{"params": [m.a.weight, m.c], "second_moment": "factored", "narrow_rows": "rows"},  # c per row
                 {"params": [m.b.weight], "weight_decay": 0.0, "second_moment": "shared"},
                 {"params": [m.s], "narrow_rows": "span"},
+                {"params": [m.r], "narrow_rows": "rows8"},
                 {"params": [m.a.bias, m.b.bias, m.e.weight, m.e.bias]}]
 
     def loss(m, x, w):
         h = torch.tanh(m.a(x))
         out = m.e(torch.tanh(m.b(h))) + h.repeat(1, 4) @ m.c.float()[:, :1]
-        return ((out - torch.tanh(x @ w)) ** 2).mean() + (m.s[torch.arange(0, 3000, 7)] ** 2).sum() * 1e-3
+        return ((out - torch.tanh(x @ w)) ** 2).mean() + (m.s[torch.arange(0, 3000, 7)] ** 2).sum() * 1e-3 \
+            + (torch.tanh(x[:, :60] @ m.r) ** 2).mean()
 
     from gefen_dist.kernels import triton_state
 
@@ -502,6 +506,7 @@ def test_zerogefen_on_the_triton_path_equals_gefen(monkeypatch):
             loss(m, x, w).backward()
             o.step()
     assert ob._mode(b.s) == "span" and ob._mode(b.b.weight) == "shared" and ob._mode(b.a.weight) == "factored"
+    assert ob._mode(b.r) == "rows8" and "v_code" in ob.state[b.r]
     batch = ob._zero_batch  # the batched phases (zero/batch.py) took steps 2-4: the owners' state in StateMany
     assert batch is not None and len(batch.fact) == 2 and {L["mode"] for _, sm in batch._states
                                                            for L in sm.multi._launches} == {0, 2}

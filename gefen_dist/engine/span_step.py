@@ -81,6 +81,10 @@ class SpanStepMixin:
     """D16's step (uses the optimizer's ``state``, ``_mode``, ``_impl``, ``_fused``, ``_comm``,
     ``nonfinite``, ``bound_updates`` and ``_raise_column_overflow``)."""
 
+    def _keep_rows8(self, p: torch.Tensor, scale: torch.Tensor, v: torch.Tensor) -> None:
+        """Every row's decoded ``(M_i, v_i)`` of rows8 tensor ``p`` in this step (D19): nothing to keep
+        here; ZeroGefen keeps them for its appliers until the end of the step."""
+
     def _span_entries(self, entries):
         return [(g, p) for g, p in entries if self.state.get(p) and self._mode(p) in SPAN_MODES]
 
@@ -184,7 +188,7 @@ class SpanStepMixin:
             nearest = _dispatch.nearest if self._fused(p) is not False else nearest_codeword
             if self._mode(p) == MODE_ROWS8:  # D19: the codes from the reduced statistics, then the update
                 scale, v = _rows8_update_(st, global_shape(p), sp, vo, c, b, a, hp["beta2"], step_of(st))
-                self.__dict__.setdefault("_rows8_rows", {})[id(p)] = (scale, v)  # ZeroGefen's appliers read them
+                self._keep_rows8(p, scale, v)
                 impl.span_apply_(target, local_tensor(st["idx"]), scale, v, st["v_col"], m, cb, sp, nearest=nearest,
                                  **hp)
             else:

@@ -72,6 +72,11 @@ class ZeroStepMixin:
     # MAX all-reduce (blocks cut by the partition), updating their own rows of the parameter; their
     # new indices travel and every other rank applies those rows with the second phase's operations
     # (the implementation's span_apply_indices_: the native kernel or the reference, bitwise the same).
+    def _keep_rows8(self, p: torch.Tensor, scale: torch.Tensor, v: torch.Tensor) -> None:
+        """Every row's decoded scale and ``v`` of rows8 tensor ``p`` (D19), for :meth:`_apply_all` in the
+        same step (dropped at the step's end: they are O(rows) floats)."""
+        self.__dict__.setdefault("_rows8_rows", {})[id(p)] = (scale, v)
+
     def _span_sharded(self, todo) -> bool:
         return self._world > 1
 
@@ -137,6 +142,7 @@ class ZeroStepMixin:
             if self._is_factored(p) and mode != MODE_LOCAL}
         dev = items[0][0].device if items else torch.device("cpu")
         self._apply_all(items, self._exchange(parts, sizes, None, dev), col_f)
+        self.__dict__.pop("_rows8_rows", None)
         width = max(sizes) if sizes else 0
         self.last_wire = dict(world_size=self._world, bytes_per_rank=sizes, padded_bytes_per_rank=width,
                               gathered_bytes=self._world * width,
