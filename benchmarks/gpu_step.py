@@ -35,7 +35,8 @@ steps, then the median of ``--iters``):
 
 **Span** (``--no-span`` skips it): a ``(4,000,000, 16)`` embedding kept per block of rows
 (``narrow_rows="span"``, D16): ``Gefen(...).step()`` with the Triton span kernels, with the span
-phases as torch operations, and torch's fused AdamW on the same tensor.
+phases as torch operations, and torch's fused AdamW on the same tensor; then a ``(1,000,000, 64)``
+one per row in float32 (the default) and in one-byte row codes (``narrow_rows="rows8"``, D19).
 
 Also: a correctness check of the kernel against the eager path on three tensors (idx mismatch
 fraction, parameter difference; any index mismatch makes the script exit 1 after writing the
@@ -441,6 +442,38 @@ def run_span(dev, args, rows: int = 4_000_000, width: int = 16) -> dict:
     return dict(shape=[rows, width], ms=res, ratios=_ratios(res))
 
 
+def run_rows8(dev, args, rows: int = 1_000_000, width: int = 64) -> dict:
+    """A ``(rows, width)`` fp32 embedding with rows of 64 elements: per row in float32 (the default,
+    ``narrow_rows="auto"``, stepped by the multi-tensor batch), in one-byte row codes
+    (``narrow_rows="rows8"``, D19: the Triton span kernels with blocks of one row and the codes' torch
+    operations) and torch's fused AdamW; ms per step and ratios (not yet run on a GPU: the span
+    kernels take one program per row here)."""
+    from gefen_dist import Gefen
+
+    gen = torch.Generator(device=dev).manual_seed(4)
+    w0 = torch.randn(rows, width, device=dev, generator=gen) * 0.02
+    grad = torch.randn(rows, width, device=dev, generator=gen) * 1e-3
+    hp = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
+    res = {}
+    print(f"\n== rows8 tensor ({rows:,} x {width}, fp32) ==")
+    for name in ("torch_adamw_fused", "gefen_auto", "gefen_rows8"):
+        p = torch.nn.Parameter(w0.clone())
+        p.grad = grad.clone()
+        opt = (torch.optim.AdamW([p], fused=True, **hp) if name == "torch_adamw_fused"
+               else Gefen([{"params": [p], "narrow_rows": "rows8" if name == "gefen_rows8" else "auto"}], **hp))
+        try:
+            opt.step()  # the first step (learning) untimed
+            res[name] = cuda_time(opt.step, min(args.warmup, 2), args.iters)
+            print(f"  {name:22s} {res[name]['median_ms']:8.3f} ms  (min {res[name]['min_ms']:.3f})")
+        except Exception as e:  # recorded, the rest of the run goes on
+            res[name] = dict(error=repr(e)[:300])
+            print(f"  {name:22s} failed: {res[name]['error']}")
+        del opt, p
+        torch.cuda.empty_cache()
+    ok = {k: v for k, v in res.items() if "median_ms" in v}
+    return dict(shape=[rows, width], ms=res, ratios=_ratios(ok) if "torch_adamw_fused" in ok else {})
+
+
 TUNE_CONFIGS = [(r, bs, w) for bs in (128, 256, 512, 1024) for r in (1, 2, 4, 8, 16)
                 for w in (4, 8) if 512 <= r * bs <= 4096]
 
@@ -642,6 +675,8 @@ def main() -> int:
 
     if args.span:
         info["span"] = run_span(dev, args)
+        save()
+        info["rows8"] = run_rows8(dev, args)
         save()
 
     if args.tune:
