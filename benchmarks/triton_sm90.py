@@ -152,18 +152,30 @@ def compile_apply(mode: int, bf16: bool, rows: int, block: int, warps: int = 8,
 
 
 SPAN_SLABS = (1, 4, 16, 64, 79)  # row lengths of tensors kept per block of rows (D16: below 80)
+ROWS_SLABS = (22, 40, 79)  # row lengths of rows8 tensors (D19: blocks of one row, 22-79)
 
 
 @_memo
 def compile_span(kernel: str, bf16: bool, slab: int, apply: bool = False, disasm: bool = True) -> Dict[str, object]:
-    """Compile a span kernel (``"span_stats"`` or ``"span_update"``, kernels/triton_span.py) for rows of
-    ``slab`` elements, with the tile and launch options that module uses."""
+    """Compile a span kernel (``"span_stats"`` or ``"span_update"``, kernels/triton_span.py; with the
+    prefix ``"span_rows"`` the variants for blocks of one row, D19) for rows of ``slab`` elements, with
+    the tile and launch options that module uses."""
     from gefen_dist.kernels import triton_kernels as tk, triton_multi as tm, triton_span as ts
 
     SP = 1 << max(0, (slab - 1).bit_length())
     R = max(1, ts._TILE // SP)
     g = "*i16" if bf16 else "*fp32"
-    if kernel == "span_stats":
+    if kernel == "span_rows_stats":
+        fn, ints = tk._span_rows_stats_kernel, ("nrows", "S", "row0", "lead", "count")
+        ptr = {"g_ptr": g, "idx_ptr": "*u8", "scale_ptr": "*fp32", "cb_ptr": "*fp32", "m_ptr": "*fp32",
+               "part_ptr": "*fp64", "blk_ptr": "*fp64", "amax_ptr": "*fp32"}
+        consts = dict(LERP_SMALL=True, FUSED_LERP=True, IS_BF16=bf16, R=R, SP=SP)
+    elif kernel == "span_rows_update":
+        fn, ints = tk._span_rows_update_kernel, ("nrows", "S", "row0", "lead", "count", "scan_steps")
+        ptr = {"p_ptr": g, "m_ptr": "*fp32", "idx_ptr": "*u8", "scale_ptr": "*fp32", "rms_ptr": "*fp32",
+               "cf_ptr": "*fp32", "cb_ptr": "*fp32", "tab_ptr": "*fp32"}
+        consts = dict(APPLY=apply, HAS_WD=True, LUT_FAST=True, IS_BF16=bf16, R=R, SP=SP)
+    elif kernel == "span_stats":
         fn, ints = tk._span_stats_kernel, ("nrows", "S", "k", "row0", "b_first", "lead", "count")
         ptr = {"g_ptr": g, "idx_ptr": "*u8", "scale_ptr": "*fp32", "cb_ptr": "*fp32", "m_ptr": "*fp32",
                "part_ptr": "*fp64", "blk_ptr": "*fp64", "amax_ptr": "*fp32"}
@@ -193,7 +205,9 @@ def shipped(aligned=(False, True)) -> List[Dict[str, object]]:
 
 def shipped_span(disasm: bool = True) -> List[Dict[str, object]]:
     kernels = (("span_stats", False), ("span_update", False), ("span_update", True))
-    return [compile_span(k, bf, s, ap, disasm) for k, ap in kernels for bf in (False, True) for s in SPAN_SLABS]
+    rows = (("span_rows_stats", False), ("span_rows_update", False), ("span_rows_update", True))
+    return ([compile_span(k, bf, s, ap, disasm) for k, ap in kernels for bf in (False, True) for s in SPAN_SLABS]
+            + [compile_span(k, bf, s, ap, disasm) for k, ap in rows for bf in (False, True) for s in ROWS_SLABS])
 
 
 def main(argv=None) -> int:

@@ -12,21 +12,26 @@ import torch
 PIECES = [((5000, 1), 0, 5000), ((4999, 2), 0, 9998), ((3001, 10), 2050, 13330), ((1000, 79), 237, 39500),
           ((700, 3, 3), 0, 6300), ((999, 40), 1040, 40), ((3001, 10), 2047, 13339), ((1000, 79), 5, 70),
           ((4999, 2), 2047, 3)]
+# blocks of one row (D19, narrow_rows="rows8": the span kernels with a scale and v per row): whole
+# rows, and rows cut at both ends
+PIECES_ROWS = [((1000, 40), 0, 40000), ((999, 22), 1043, 4000), ((300, 79), 0, 23700)]
 DTYPES = [torch.float32, torch.bfloat16]
 BOUND_WD = [(None, 0.0), (1.5, 0.1), (0.01, 0.0)]
 
 
-def check_phases_equal_the_reference(impl, shape, start, n, dtype, bound, wd) -> None:
+def check_phases_equal_the_reference(impl, shape, start, n, dtype, bound, wd, rows: bool = False) -> None:
     """``impl``'s ``span_statistics`` / ``span_update_`` against the reference's on one piece: the
     first moment, the block maxima, indices, scales, ``v`` and the parameter bitwise (some blocks
     with a zero scale); the float64 sums of ``g^2`` to 1e-13 (added in another order). On whole rows,
     the update alone from the new indices and state (``span_apply_indices_``, ZeroGefen's other
-    ranks) of both gives the phase's parameter bitwise."""
+    ranks) of both gives the phase's parameter bitwise. ``rows``: blocks of one row (D19)."""
+    from gefen_dist.core import rows8
     from gefen_dist.core import span as ref
 
     gen = torch.Generator().manual_seed(n + start)
     S = math.prod(shape[1:])
     sp = ref.SpanPiece.of(shape, start, n)
+    sp = rows8.kernel_piece(sp) if rows else sp
     nrows = -(-n // S)
     cb = torch.sort(torch.cat([torch.tensor([-1.0, 0.0, 1.0]), torch.rand(253, generator=gen) * 2 - 1]))[0]
     g = (torch.randn(nrows, S, generator=gen) * torch.exp(torch.randn(nrows, 1, generator=gen))).to(dtype).view(-1)[:n]

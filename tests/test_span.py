@@ -132,6 +132,17 @@ def test_native_phases_equal_the_reference(shape, start, n, dtype, bound, wd):
     _span_phases.check_phases_equal_the_reference(nat, shape, start, n, dtype, bound, wd)
 
 
+@pytest.mark.parametrize("shape,start,n", _span_phases.PIECES_ROWS)
+@pytest.mark.parametrize("dtype", _span_phases.DTYPES)
+@pytest.mark.parametrize("bound,wd", _span_phases.BOUND_WD[:2])
+def test_native_phases_with_blocks_of_one_row_equal_the_reference(shape, start, n, dtype, bound, wd):
+    """The same with blocks of one row (D19, ``narrow_rows="rows8"``: a scale and ``v`` per row)."""
+    _native_or_skip()
+    from gefen_dist.kernels import cpu_span as nat
+
+    _span_phases.check_phases_equal_the_reference(nat, shape, start, n, dtype, bound, wd, rows=True)
+
+
 def test_native_phases_do_not_depend_on_the_thread_count():
     """The native phases run blocks in parallel; the column sums use fixed segments of blocks, so one
     and two threads give the same bits (a tensor large enough for several threads, a piece cut mid-row)."""

@@ -62,10 +62,11 @@ def test_unaligned_fallback_builds():
 def test_span_kernels_compile_without_spills():
     """The span kernels (D16, kernels/triton_span.py: statistics, update, update from given indices)
     compile for sm_90 for float32 and bfloat16 rows of 1 to 79 elements, with no register spills and
-    at most 64 registers (8 warps, 4 elements per thread; pieces that cut rows included). Spills read
-    from the stack frame, without disassembling the 30 kernels (test_a_spilling_kernel_has_a_stack_frame)."""
+    at most 64 registers (8 warps, 4 elements per thread; pieces that cut rows included); so do their
+    variants for blocks of one row (D19, rows of 22-79). Spills read from the stack frame, without
+    disassembling the 48 kernels (test_a_spilling_kernel_has_a_stack_frame)."""
     rows = sm90.shipped_span(disasm=False)
-    assert len(rows) == 3 * 2 * len(sm90.SPAN_SLABS)
+    assert len(rows) == 3 * 2 * (len(sm90.SPAN_SLABS) + len(sm90.ROWS_SLABS))
     for r in rows:
         assert r["stack"] == 0 and r["registers"] <= 64, r
 

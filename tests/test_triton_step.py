@@ -1181,6 +1181,18 @@ def test_span_phases_equal_the_reference(shape, start, n, dtype, bound, wd):
 
 
 @interp
+@pytest.mark.parametrize("shape,start,n", _span_phases.PIECES_ROWS)
+@pytest.mark.parametrize("dtype", _span_phases.DTYPES)
+def test_span_phases_with_blocks_of_one_row_equal_the_reference(shape, start, n, dtype):
+    """The Triton span phases with blocks of one row (D19: ``_span_rows_stats_kernel`` and
+    ``_span_rows_update_kernel``, a tile of rows per program, each row its own scale and ``v``)
+    against core/span.py's, as above (with the bound and weight decay)."""
+    from gefen_dist.kernels import triton_span as tri
+
+    _span_phases.check_phases_equal_the_reference(tri, shape, start, n, dtype, 1.5, 0.1, rows=True)
+
+
+@interp
 def test_cuda_batch_mixed_step_counts_and_logged_fallbacks(monkeypatch, caplog):
     """A tensor that missed steps (no gradient at step 2: an expert without tokens) keeps the batch:
     its own launches with its own bias corrections, bitwise equal to the per-tensor path. A model

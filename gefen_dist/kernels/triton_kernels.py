@@ -538,6 +538,69 @@ def _span_update_kernel(p_ptr, m_ptr, idx_ptr, scale_ptr, rms_ptr, cf_ptr, cb_pt
         _update_param_jit(p_ptr, offs, mask, u * lr, decay, HAS_WD, IS_BF16)
 
 
+def _span_rows_stats_kernel(g_ptr, idx_ptr, scale_ptr, cb_ptr, m_ptr, part_ptr, blk_ptr, amax_ptr,
+                            nrows, S, row0, lead, count, lerp_c,
+                            LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, IS_BF16: tl.constexpr,
+                            R: tl.constexpr, SP: tl.constexpr):
+    """:func:`_span_stats_kernel` for blocks of one row (D19, ``narrow_rows="rows8"``): program ``i``
+    takes the piece's local rows ``i R ..`` (each its own block, at global row ``row0 + r``) in one
+    tile, so a program is not one short row: per row its scale ``M_r``, ``m`` (stored), the float64
+    sum of its float32 squares (``blk``) and the NaN-propagating maximum of ``|m|`` (``amax``); the
+    tile's column sums (row ``i`` of ``part``)."""
+    i = tl.program_id(0)
+    rows = i * R + tl.arange(0, R)
+    rmask = rows < nrows
+    cols = tl.arange(0, SP)
+    offs = rows.to(tl.int64)[:, None] * S + cols[None, :] - lead
+    mask = rmask[:, None] & (cols < S)[None, :] & (offs >= 0) & (offs < count)
+    M = tl.load(scale_ptr + row0 + rows, mask=rmask, other=0.0)
+    g = _load_f32_jit(g_ptr, offs, mask, IS_BF16)
+    m = _ema_m_jit(g, idx_ptr, offs, mask, cb_ptr, M[:, None], lerp_c, LERP_SMALL, FUSED_LERP)
+    tl.store(m_ptr + offs, m, mask=mask)
+    sq = (g * g).to(tl.float64)  # masked lanes load g = 0
+    tl.store(part_ptr + i.to(tl.int64) * S + cols, tl.sum(sq, axis=0), mask=cols < S)
+    tl.store(blk_ptr + row0 + rows, tl.sum(sq, axis=1), mask=rmask)
+    am = tl.where(mask, tl.abs(m), 0.0)
+    bad = am != am
+    A = tl.max(tl.where(bad, 0.0, am), axis=1)
+    nan_sum = tl.sum(tl.where(bad, am, 0.0), axis=1)  # NaN where any m of the row is NaN
+    tl.store(amax_ptr + row0 + rows, tl.where(nan_sum != nan_sum, nan_sum, A), mask=rmask)
+
+
+def _span_rows_update_kernel(p_ptr, m_ptr, idx_ptr, scale_ptr, rms_ptr, cf_ptr, cb_ptr, tab_ptr,
+                             nrows, S, row0, lead, count, scan_steps,
+                             sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
+                             APPLY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
+                             IS_BF16: tl.constexpr, R: tl.constexpr, SP: tl.constexpr):
+    """:func:`_span_update_kernel` for blocks of one row (D19): program ``i`` takes the piece's local
+    rows ``i R ..``, each with its own ``M_r`` and ``rms_r``; the same float32 operations in the same
+    order, per row."""
+    i = tl.program_id(0)
+    rows = i * R + tl.arange(0, R)
+    rmask = rows < nrows
+    cols = tl.arange(0, SP)
+    cmask = cols < S
+    offs = rows.to(tl.int64)[:, None] * S + cols[None, :] - lead
+    mask = rmask[:, None] & cmask[None, :] & (offs >= 0) & (offs < count)
+    M = tl.load(scale_ptr + row0 + rows, mask=rmask, other=0.0)[:, None]
+    pos = M > 0.0
+    Md = tl.where(pos, M, 1.0)
+    rb = tl.load(rms_ptr + row0 + rows, mask=rmask, other=0.0)[:, None]
+    x = tl.div_rn(rb * tl.load(cf_ptr + cols, mask=cmask, other=0.0)[None, :], sqrt_bc2)
+    sg = tl.div_rn(1.0, x + eps) * inv_bc1
+    if APPLY:
+        j = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
+        cq = tl.load(cb_ptr + j)
+    else:
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        z = tl.where(pos, tl.div_rn(m, Md), 0.0)
+        j, cq = _nearest_jit(z, cb_ptr, tab_ptr, lut_h, lut_nbm1, scan_steps, 2, LUT_FAST, R, SP)
+        tl.store(idx_ptr + offs, j.to(tl.uint8), mask=mask)
+    u = (cq * M) * sg
+    u = tl.where(u > ubound, ubound, tl.where(u < -ubound, -ubound, u))  # NaN stays NaN
+    _update_param_jit(p_ptr, offs, mask, u * lr, decay, HAS_WD, IS_BF16)
+
+
 def _apply_multi_kernel(meta_ptr, prog_ptr, hp_ptr, cf_ptr, cb_ptr, base, MODE: tl.constexpr,
                         IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """ZeroGefen's appliers in one launch (:class:`~gefen_dist.kernels.triton_state.ApplyMany`): program
@@ -630,6 +693,7 @@ def _kernel(name: str = "step"):
             fn = {"step": _gefen_step_kernel, "multi": _gefen_multi_kernel, "colsum": _colsum_kernel,
                   "reduce": _colsum_reduce_kernel, "colfactor": _colfactor_kernel,
                   "span_stats": _span_stats_kernel, "span_update": _span_update_kernel,
+                  "span_rows_stats": _span_rows_stats_kernel, "span_rows_update": _span_rows_update_kernel,
                   "apply": _apply_multi_kernel}[name]
             k = _kernels[(interp, name)] = triton.jit(fn)
     return k

@@ -41,11 +41,15 @@ def _usable(sp: _ref.SpanPiece, *ts: torch.Tensor) -> bool:
 
 
 def _geometry(sp: _ref.SpanPiece):
-    """(first block, blocks touched, tile rows R, tile columns SP) of a piece."""
+    """(first block, programs, tile rows R, tile columns SP) of a piece: a program per block touched,
+    or (blocks of one row, D19) per tile of ``R`` rows."""
     b0 = sp.row0 // sp.k
-    nbp = (sp.row0 + sp.nrows - 1) // sp.k - b0 + 1 if sp.nrows else 0
     SP = 1 << max(0, (sp.slab - 1).bit_length())
-    return b0, nbp, max(1, _TILE // SP), SP
+    R = max(1, _TILE // SP)
+    if sp.k == 1:
+        return b0, -(-sp.nrows // R), R, SP
+    nbp = (sp.row0 + sp.nrows - 1) // sp.k - b0 + 1 if sp.nrows else 0
+    return b0, nbp, R, SP
 
 
 def _ctx(device: torch.device):
@@ -72,9 +76,10 @@ def span_statistics(grad, idx, scale, codebook, sp: _ref.SpanPiece, beta1: float
     amax = torch.zeros(sp.nb, dtype=torch.float32, device=dev)
     if nbp:
         sc = scale if scale.dtype == torch.float32 else scale.float()
+        geo = (sp.nrows, sp.slab, sp.row0) if sp.k == 1 else (sp.nrows, sp.slab, sp.k, sp.row0, b0)
         with _ctx(dev):
-            _kernel("span_stats")[(nbp,)](
-                _bits(grad), idx, sc, tab.cb, m, part, blk, amax, sp.nrows, sp.slab, sp.k, sp.row0, b0, sp.lead,
+            _kernel("span_rows_stats" if sp.k == 1 else "span_stats")[(nbp,)](
+                _bits(grad), idx, sc, tab.cb, m, part, blk, amax, *geo, sp.lead,
                 sp.numel, scalars[0], LERP_SMALL=consts["LERP_SMALL"], FUSED_LERP=consts["FUSED_LERP"],
                 IS_BF16=grad.dtype == torch.bfloat16, R=R, SP=SP, num_warps=_WARPS, enable_fp_fusion=False,
                 **multi_launch_options())
@@ -93,10 +98,11 @@ def _launch_update(param, m, idx, scale, v_blk, v_col, codebook, sp, *, apply, l
     _, _, _, sqrt_bc2, eps32, inv_bc1, lr32, decay, lut_h, lut_nbm1, ubound = scalars
     rms = v_blk.sqrt()  # float32, as the reference's sqrt per block
     cf = column_factors(v_col).contiguous()
+    geo = (sp.nrows, sp.slab, sp.row0) if sp.k == 1 else (sp.nrows, sp.slab, sp.k, sp.row0, b0)
     with _ctx(dev):
-        _kernel("span_update")[(nbp,)](
+        _kernel("span_rows_update" if sp.k == 1 else "span_update")[(nbp,)](
             _bits(param), m if m is not None else rms, idx, scale, rms, cf, tab.cb, tab.kernel_table(2),
-            sp.nrows, sp.slab, sp.k, sp.row0, b0, sp.lead, sp.numel, tab.scan_steps,
+            *geo, sp.lead, sp.numel, tab.scan_steps,
             sqrt_bc2, eps32, inv_bc1, lr32, decay, lut_h, lut_nbm1, ubound,
             APPLY=apply, HAS_WD=consts["HAS_WD"], LUT_FAST=consts["LUT_FAST"],
             IS_BF16=param.dtype == torch.bfloat16, R=R, SP=SP, num_warps=_WARPS, enable_fp_fusion=False,
