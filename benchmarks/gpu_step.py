@@ -446,8 +446,7 @@ def run_rows8(dev, args, rows: int = 1_000_000, width: int = 64) -> dict:
     """A ``(rows, width)`` fp32 embedding with rows of 64 elements: per row in float32 (the default,
     ``narrow_rows="auto"``, stepped by the multi-tensor batch), in one-byte row codes
     (``narrow_rows="rows8"``, D19: the Triton span kernels with blocks of one row and the codes' torch
-    operations) and torch's fused AdamW; ms per step and ratios (not yet run on a GPU: the span
-    kernels take one program per row here)."""
+    operations) and torch's fused AdamW; ms per step and ratios (not yet run on a GPU)."""
     from gefen_dist import Gefen
 
     gen = torch.Generator(device=dev).manual_seed(4)
