@@ -62,6 +62,9 @@
 #define GEFEN_AVX2 1 /* 8-lane intrinsics path with gathers (CPUs without AVX-512 VBMI) */
 #include <immintrin.h>
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(GEFEN_NO_SIMD)
+#define GEFEN_SPAN_AVX2 1 /* the span update's 8-lane loops: AVX2 builds and AVX-512 VBMI builds alike */
+#endif
 
 #define GEFEN_STEP_ABI 12
 
@@ -841,14 +844,9 @@ ALWAYS_INLINE void simd_block(const gefen_step_args *restrict a, void *restrict 
 }
 #endif /* GEFEN_VBMI */
 
-#ifdef GEFEN_AVX2
-/* ------------------------------------------------------------------------------------ */
-/* AVX2 + FMA path (x86-64 CPUs without AVX-512 VBMI, e.g. AMD Zen 2/3, Intel before Ice Lake): */
-/* the portable loops' float operations on 8 lanes in the same order, with the codebook and  */
-/* the nearest-codeword table read by gathers. Bitwise identical to the portable path (tested */
-/* through the simd switch); lanes past the last multiple of 8 run the portable scalar code.  */
-/* ------------------------------------------------------------------------------------ */
-
+#ifdef GEFEN_SPAN_AVX2
+/* The 8-lane (AVX2) pieces that the span update uses on every x86-64 build with AVX2 (the AVX-512
+ * VBMI build too: its own paths have no span update, so the portable loop ran there before). */
 /* One bucket of the two-candidate table (core.quant.bucket_entries, built once per codebook in
  * Python): the two candidate codewords c0 = cb[k], c1 = cb[k + 1], the pair's flip point thr (the
  * smallest z the two-candidate rule of nearest_fast sends to c1, so that for every non-NaN z,
@@ -857,6 +855,25 @@ typedef struct {
     float c0, c1, thr;
     int32_t k;
 } avx2_entry;
+
+/* eight int32 in [0, 255] -> eight bytes at out */
+ALWAYS_INLINE void v8store_bytes(uint8_t *out, __m256i j)
+{
+    const __m256i sel = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i b = _mm256_shuffle_epi8(j, sel);
+    _mm_storel_epi64((__m128i *)out, _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+#endif /* GEFEN_SPAN_AVX2 */
+
+#ifdef GEFEN_AVX2
+/* ------------------------------------------------------------------------------------ */
+/* AVX2 + FMA path (x86-64 CPUs without AVX-512 VBMI, e.g. AMD Zen 2/3, Intel before Ice Lake): */
+/* the portable loops' float operations on 8 lanes in the same order, with the codebook and  */
+/* the nearest-codeword table read by gathers. Bitwise identical to the portable path (tested */
+/* through the simd switch); lanes past the last multiple of 8 run the portable scalar code.  */
+/* ------------------------------------------------------------------------------------ */
+
 
 typedef struct {
     const avx2_entry *ent; /* simd 1: per bucket its candidates (a->ent; 16-byte loads, no gathers), or NULL */
@@ -915,14 +932,6 @@ ALWAYS_INLINE __m256 v8cb(const float *cb, const uint8_t *ix, int gather)
     return _mm256_setr_ps(cb[ix[0]], cb[ix[1]], cb[ix[2]], cb[ix[3]], cb[ix[4]], cb[ix[5]], cb[ix[6]], cb[ix[7]]);
 }
 
-/* eight int32 in [0, 255] -> eight bytes at out */
-ALWAYS_INLINE void v8store_bytes(uint8_t *out, __m256i j)
-{
-    const __m256i sel = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    __m256i b = _mm256_shuffle_epi8(j, sel);
-    _mm_storel_epi64((__m128i *)out, _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-}
 
 ALWAYS_INLINE float hmax8(__m256 x)
 {
@@ -2097,7 +2106,7 @@ ALWAYS_INLINE float span_u(float cq, float M, float rb, float c, float sb, float
     return u * lr;
 }
 
-#ifdef GEFEN_AVX2
+#ifdef GEFEN_SPAN_AVX2
 /* The fast-table (lut_mode 1) float32 update of span elements [e0, e8) (a multiple of 8) of one block
  * whose scale M is finite and > 0 (so every m is finite and so is z), on 8 lanes with the per-bucket
  * entries T (a->simd == 1): gefen_span_update's portable loop in the same float32 operations and
@@ -2142,6 +2151,94 @@ ALWAYS_INLINE void span_update_avx2(const gefen_step_args *restrict a, float *re
 }
 #endif
 
+#ifdef GEFEN_SPAN_AVX2
+/* The fast-table float32 update of the piece's elements [i0, i1) (piece-local; element i is global
+ * element es + i) when every block is one row of S >= 8 elements (D19, narrow_rows="rows8"): 8 lanes
+ * at a time across row boundaries (a group of 8 spans at most two rows: M and rms blended from the two
+ * rows', the column factors read from ct2, the row's factors tiled twice), so rows of 22 are not cut
+ * into 16 vector lanes and 6 scalar ones. A group whose rows are not both finite and > 0, and the
+ * last elements, take the portable code. The same float32 operations per element as
+ * span_update_avx2 and the portable loop, so bitwise the same. */
+static void span_rows_update_avx2(const gefen_step_args *restrict a, float *restrict pf, const float *restrict m,
+                                  uint8_t *restrict idx, const float *restrict scale, const float *restrict rms,
+                                  const float *restrict ct2, const float *restrict cb, const int32_t *restrict lut,
+                                  int64_t i0, int64_t i1, int64_t S, int64_t es, float bound)
+{
+    const avx2_entry *restrict T = (const avx2_entry *)a->ent;
+    const float h = a->lut_h, nbm1 = (float)(a->lut_n - 1), sb = a->sqrt_bc2, eps = a->eps, ib = a->inv_bc1;
+    const float lr = a->lr, decay = a->decay;
+    const int wd = a->has_wd;
+    const __m256 hv = _mm256_set1_ps(h), zero = _mm256_setzero_ps(), nbv = _mm256_set1_ps(nbm1);
+    const __m256 one = _mm256_set1_ps(1.0f), sbv = _mm256_set1_ps(sb), epsv = _mm256_set1_ps(eps);
+    const __m256 ibv = _mm256_set1_ps(ib), ub = _mm256_set1_ps(bound), lb = _mm256_set1_ps(-bound);
+    const __m256 lrv = _mm256_set1_ps(lr), dv = _mm256_set1_ps(a->decay);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int32_t k[8];
+    int64_t r = (es + i0) / S, c0 = (es + i0) - r * S; /* the row of element i0 and its column */
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) {
+        const float Ma = scale[r], Mb = c0 + 8 > S ? scale[r + 1] : Ma;
+        const float ra = rms[r], rb2 = c0 + 8 > S ? rms[r + 1] : ra;
+        if (Ma > 0.0f && Ma < INFINITY && Mb > 0.0f && Mb < INFINITY) {
+            const __m256 nx = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32((int)c0)),
+                                                                   _mm256_set1_epi32((int)S - 1)));
+            const __m256 Mv = _mm256_blendv_ps(_mm256_set1_ps(Ma), _mm256_set1_ps(Mb), nx);
+            const __m256 rbv = _mm256_blendv_ps(_mm256_set1_ps(ra), _mm256_set1_ps(rb2), nx);
+            const __m256 z = _mm256_div_ps(_mm256_loadu_ps(m + i), Mv);
+            __m256 t = _mm256_add_ps(_mm256_mul_ps(z, hv), hv);
+            t = _mm256_min_ps(_mm256_max_ps(t, zero), nbv);
+            _mm256_storeu_si256((__m256i *)k, _mm256_cvttps_epi32(t));
+#define GEFEN_ROW(u, w) _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(&T[k[u]].c0)), _mm_loadu_ps(&T[k[w]].c0), 1)
+            const __m256 r0 = GEFEN_ROW(0, 4), r1 = GEFEN_ROW(1, 5), r2 = GEFEN_ROW(2, 6), r3 = GEFEN_ROW(3, 7);
+#undef GEFEN_ROW
+            const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)), t2 = _mm256_castps_pd(_mm256_unpacklo_ps(r2, r3));
+            const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));
+            const __m256 q0 = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2)), q1 = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
+            const __m256 thr = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3));
+            const __m256i jl = _mm256_castpd_si256(_mm256_unpackhi_pd(t1, t3));
+            const __m256 sel = _mm256_cmp_ps(z, thr, _CMP_GE_OQ);
+            const __m256 cq = _mm256_blendv_ps(q0, q1, sel);
+            v8store_bytes(idx + i, _mm256_sub_epi32(jl, _mm256_castps_si256(sel))); /* + 1 where sel */
+            __m256 sg = _mm256_div_ps(_mm256_mul_ps(rbv, _mm256_loadu_ps(ct2 + c0)), sbv);
+            sg = _mm256_div_ps(one, _mm256_add_ps(sg, epsv));
+            __m256 u = _mm256_mul_ps(_mm256_mul_ps(cq, Mv), _mm256_mul_ps(sg, ibv));
+            u = _mm256_mul_ps(_mm256_min_ps(ub, _mm256_max_ps(lb, u)), lrv);
+            __m256 pv = _mm256_loadu_ps(pf + i);
+            if (wd) pv = _mm256_mul_ps(pv, dv);
+            _mm256_storeu_ps(pf + i, _mm256_sub_ps(pv, u));
+        } else {
+            for (int l = 0; l < 8; ++l) {
+                const int second = c0 + l >= S;
+                const float M = second ? Mb : Ma, rb = second ? rb2 : ra;
+                const int pos = M > 0.0f;
+                float cq;
+                const int q = nearest_fast(pos ? m[i + l] / M : 0.0f, cb, lut, h, nbm1, &cq);
+                idx[i + l] = (uint8_t)q;
+                pf[i + l] = (wd ? pf[i + l] * decay : pf[i + l]) -
+                            span_u(cq, M, rb, ct2[c0 + l], sb, eps, ib, bound, lr);
+            }
+        }
+        c0 += 8;
+        if (c0 >= S) {
+            c0 -= S;
+            ++r;
+        }
+    }
+    for (; i < i1; ++i) {
+        const float M = scale[r], rb = rms[r];
+        const int pos = M > 0.0f;
+        float cq;
+        const int q = nearest_fast(pos ? m[i] / M : 0.0f, cb, lut, h, nbm1, &cq);
+        idx[i] = (uint8_t)q;
+        pf[i] = (wd ? pf[i] * decay : pf[i]) - span_u(cq, M, rb, ct2[c0], sb, eps, ib, bound, lr);
+        if (++c0 == S) {
+            c0 = 0;
+            ++r;
+        }
+    }
+}
+#endif
+
 /* The second phase's per-element part of gefen_dist.core.span.span_update_, once the block state
  * is updated (scale: the new M of every block; rms: sqrt(v_blk) per block; colt: the column
  * factors sqrt(v_col / mean v_col) tiled over a block, k S floats): idx <- nearest(m / M_b) (0
@@ -2161,6 +2258,23 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
     const int64_t KS = k * S, bf = es / KS, bl = (es + n - 1) / KS;
     const int nt = span_threads(a, n, bl - bf + 1);
     (void)nt;
+#ifdef GEFEN_SPAN_AVX2
+    if (k == 1 && S >= 8 && S <= 256 && m && mode && dt == 0 && a->simd == 1 && a->ent) {
+        /* blocks of one row (D19): groups of 8 across row boundaries, chunks of whole rows per thread */
+        float ct2[512];
+        for (int64_t j = 0; j < 2 * S; ++j) ct2[j] = colt[j % S];
+        const int64_t CH = 64 * S; /* elements per chunk: its first element starts a row (but the first chunk's) */
+        const int64_t first = (es / S + 1) * S - es < n ? (es / S + 1) * S - es : n; /* the first row start */
+        const int64_t nch = first >= n ? 0 : (n - first + CH - 1) / CH;
+        span_rows_update_avx2(a, (float *)param, m, idx, scale, rms, ct2, cb, lut, 0, first, S, es, bound);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+        for (int64_t c = 0; c < nch; ++c) {
+            const int64_t i0 = first + c * CH, i1 = i0 + CH < n ? i0 + CH : n;
+            span_rows_update_avx2(a, (float *)param, m, idx, scale, rms, ct2, cb, lut, i0, i1, S, es, bound);
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t b = bf; b <= bl; ++b) {
         SPAN_BLOCK_RANGE(b, e0, e1, t0);
@@ -2182,7 +2296,7 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
         if (mode && dt == 0) {
             float *restrict pf = (float *)param;
             int64_t es0 = e0;
-#ifdef GEFEN_AVX2
+#ifdef GEFEN_SPAN_AVX2
             if (a->simd == 1 && a->ent && pos && M < INFINITY) {
                 es0 = e0 + ((e1 - e0) & ~(int64_t)7);
                 span_update_avx2(a, pf, m, idx, ct, (const avx2_entry *)a->ent, e0, es0, M, rb, sb, eps, ib, bound,
