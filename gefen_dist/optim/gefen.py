@@ -76,8 +76,9 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         narrow_rows: where a factored tensor whose rows hold few elements keeps its scales and second
             moment (also per param group): ``"auto"`` (default; per block of rows, ~1.01 B/param, for
             rows of fewer than 22 elements, ``(N, 1)`` included; per row, ``1 + 8 / S`` B/param, for
-            rows of 22-79; D18), ``"rows"`` (per row below 80, ``(N, 1)`` exact) or ``"span"`` (per
-            block of rows below 80; D16).
+            rows of 22-79; D18), ``"rows"`` (per row below 80, ``(N, 1)`` exact), ``"span"`` (per
+            block of rows below 80; D16) or ``"rows8"`` (as ``"auto"``, with rows of 22-79 per row in
+            one-byte codes, ``1 + 2 / S`` B/param; D19).
         bound_updates: a factor ``c >= 1`` (default ``2.0``) clamps every quantized element's
             normalised update to ``c (1 + beta1^(t-1))`` times AdamW's own bound ``K_t``
             (:func:`gefen_dist.core.step.clamp_bound`; D13): no gradient sequence moves a weight by
