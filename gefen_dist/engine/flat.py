@@ -202,9 +202,9 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
         nbt, nct = sum(v[1] for v in lay.values()), sum(v[3] for v in lay.values())
         for key, n in (("span_scale", nbt), ("span_vblk", nbt), ("span_vcol", nct)):
             st[key] = torch.zeros(n, dtype=torch.float32, device=dev)  # replicated, every span tensor (D16)
-        r8 = self.rows8_layout(st)
-        if r8:  # D19: two one-byte codes per row of every rows8 tensor, replicated
-            st["span_codes"] = torch.zeros(sum(rows for _, rows in r8.values()), 2, dtype=torch.uint8, device=dev)
+        if self.rows8_keys(st):  # D19: two one-byte codes per row the rank's rows8 pieces touch
+            st["span_codes"] = torch.zeros(sum(r1 - r0 for _, r0, r1 in self.rows8_layout(st).values()), 2,
+                                           dtype=torch.uint8, device=dev)
         st.update({
             "exact_m": torch.zeros(ne, dtype=torch.float32, device=dev),
             "exact_v": torch.zeros(ne, dtype=torch.float32, device=dev),

@@ -1,9 +1,10 @@
 """The tensors of a flat buffer kept per block of rows (D16, ``narrow_rows="span"``) or per row in
 one-byte codes (D19, ``"rows8"``): a mixin of :class:`gefen_dist.engine.flat.FlatSegments`. Their
-block state (``span_scale``, ``span_vblk``, ``span_vcol``; ``span_codes`` for the rows8 tensors' row
-codes) is whole and replicated on every rank of the buffer's group, for every such tensor of the
-buffer's catalog; each rank's pieces add their statistics (per block, or per row for rows8) to one SUM
-and one MAX all-reduce per step (and one MAX for the codebook histogram), entered by every rank."""
+block state (``span_scale``, ``span_vblk``, ``span_vcol``) is whole and replicated on every rank of the
+buffer's group, for every such tensor of the buffer's catalog; a rows8 tensor's row codes
+(``span_codes``) are kept by the ranks whose pieces touch the rows. Each rank's pieces add their
+statistics (per block, or per row for rows8, with the rows' old ``v``) to one SUM and one MAX
+all-reduce per step (and one MAX for the codebook histogram), entered by every rank."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
@@ -38,16 +39,25 @@ class FlatSpanMixin:
         sp = _span.SpanPiece.of(shape, start, numel)
         return _rows8.kernel_piece(sp) if self.is_rows8(shape) else sp
 
-    def rows8_layout(self, st: Dict[str, Any]) -> Dict[str, Tuple[int, int]]:
-        """key -> (first row in ``span_codes``, rows) of every rows8 tensor of the buffer (D19; all
-        ranks', in ``st["span_keys"]`` order)."""
+    def rows8_keys(self, st: Dict[str, Any]) -> Dict[str, int]:
+        """key -> rows of every rows8 tensor of the buffer's catalog (D19; all ranks', in
+        ``st["span_keys"]`` order)."""
         cat = self.global_catalog()
+        return {k: int(cat[k]["shape"][0]) for k in st.get("span_keys", []) if self.is_rows8(tuple(cat[k]["shape"]))}
+
+    def rows8_layout(self, st: Dict[str, Any]) -> Dict[str, Tuple[int, int, int]]:
+        """key -> (first row in ``span_codes``, first row, end row) of the rows8 tensors whose pieces
+        this rank holds (D19): ``span_codes`` keeps the codes of the rows those pieces touch (a row a
+        partition edge cuts is kept by both ranks, with the same codes)."""
+        cat = self.global_catalog()
+        r8 = self.rows8_keys(st)
         out, ro = {}, 0
-        for k in st.get("span_keys", []):
-            shape = tuple(cat[k]["shape"])
-            if self.is_rows8(shape):
-                out[k] = (ro, int(shape[0]))
-                ro += int(shape[0])
+        for s in self.segments:
+            if s.key in r8 and s.numel:
+                S = _periods.row_slab(cat[s.key]["shape"])
+                r0, r1 = s.param_offset // S, -(-(s.param_offset + s.numel) // S)
+                out[s.key] = (ro, r0, r1)
+                ro += r1 - r0
         return out
 
     def _span_fn(self, factored: bool):
@@ -113,17 +123,20 @@ class FlatSpanMixin:
         nothing; None when no such tensor is learned. ``impl``: the implementation of the two phases (a
         :class:`~gefen_dist.kernels.dispatch.StepImpl`; None: the reference's)."""
         stats = impl.span_statistics if impl is not None else _span.span_statistics
-        lay, r8 = self.span_layout(st), self.rows8_layout(st)
+        lay, r8, mine = self.span_layout(st), self.rows8_keys(st), self.rows8_layout(st)
         learned = {k for k, lrn in zip(st["global_keys"], st["global_learned"]) if lrn and k in lay}
         if not learned:
             return None
         held = {s.key: (s, p, g) for _, s, p, g in items}
-        nks = {k: (v[1] if k not in r8 else r8[k][1]) for k, v in lay.items()}  # statistic blocks per key
+        nks = {k: (v[1] if k not in r8 else r8[k]) for k, v in lay.items()}  # statistic blocks per key
         sbo, o = {}, 0
         for k in lay:
             sbo[k], o = o, o + nks[k]
+        vbo, ov = {}, 0  # D19: every row's old v, added by the rank whose piece holds the row's start
+        for k, rows in r8.items():
+            vbo[k], ov = ov, ov + rows
         nct = sum(v[3] for v in lay.values())
-        sums = torch.zeros(nct + o, dtype=torch.float64)
+        sums = torch.zeros(nct + o + ov, dtype=torch.float64)
         maxs = torch.zeros(o, dtype=torch.float32)
         cb = st["codebook"]
         work = {}
@@ -136,9 +149,9 @@ class FlatSpanMixin:
             if n:
                 ix = st["idx"][seg.flat_offset:seg.flat_offset + n]
                 scale = st["span_scale"][bo:bo + nb]
-                if key in r8:  # D19: the rows' decoded scales
-                    ro, rows = r8[key]
-                    scale = _rows8.decode_scale(st["span_codes"][ro:ro + rows, 0], scale, _span.SpanPiece.of(shape))
+                if key in r8:  # D19: the rows' decoded scales; the old v of the rows that start here
+                    scale, vo = self._rows8_decoded(st, key, shape, seg, mine[key], bo, nb)
+                    sums[nct + o + vbo[key]:nct + o + vbo[key] + r8[key]] += vo.cpu()
                 m, col, blk, amax = stats(g, ix, scale, cb.to(g.device), sp, hp["beta1"])
                 sums[co:co + S] += col.cpu()
                 sums[nct + so:nct + so + nk] += blk.cpu()
@@ -149,7 +162,24 @@ class FlatSpanMixin:
         if self.comm.world_size > 1:
             self.comm.all_reduce_sum_(sums)
             self.comm.all_reduce_max_(maxs)
-        return dict(lay=lay, r8=r8, sbo=sbo, nks=nks, learned=learned, work=work, sums=sums, maxs=maxs, nct=nct)
+        return dict(lay=lay, r8=r8, mine=mine, sbo=sbo, nks=nks, vbo=vbo, no=o, learned=learned, work=work, sums=sums,
+                    maxs=maxs, nct=nct)
+
+    def _rows8_decoded(self, st, key, shape, seg, mine, bo: int, nb: int):
+        """The decoded scales of the rows of a held rows8 piece (float32 ``[rows]``, zeros elsewhere:
+        the kernels index them by row) and the old ``v`` of the rows that start in it (float64
+        ``[rows]``): each row's counted once over the ranks."""
+        ro, r0, r1 = mine
+        S = _periods.row_slab(shape)
+        rows = _span.SpanPiece(int(shape[0]), S, _span.span_rows(shape), r0, r1 - r0)
+        codes = st["span_codes"][ro:ro + r1 - r0]
+        dev = codes.device
+        scale = torch.zeros(int(shape[0]), dtype=torch.float32, device=dev)
+        scale[r0:r1] = _rows8.decode_scale(codes[:, 0], st["span_scale"][bo:bo + nb], rows)
+        vo = torch.zeros(int(shape[0]), dtype=torch.float64, device=dev)
+        first = -(-seg.param_offset // S)  # the first row whose first element is in this piece
+        vo[first:r1] = _rows8.decode_v(codes[:, 1], st["span_vblk"][bo:bo + nb], rows).double()[first - r0:]
+        return scale, vo
 
     def _span_finish(self, st: Dict[str, Any], hp: Dict[str, Any], res, impl=None) -> None:
         """The second phase (:meth:`_span_stats`' result ``res``): every rank updates every such
@@ -167,15 +197,16 @@ class FlatSpanMixin:
                 ix = torch.zeros(0, dtype=torch.uint8, device=dev)
                 m = torch.zeros(0, S, device=dev)
             col, blk, amax = sums[co:co + S].to(dev), sums[nct + so:nct + so + nk].to(dev), maxs[so:so + nk].to(dev)
-            if key in res["r8"]:  # D19: the row codes from the reduced statistics, then the update
-                ro, rows = res["r8"][key]
-                codes, whole = st["span_codes"][ro:ro + rows], _span.SpanPiece.of(shape)
-                v_old = _rows8.decode_v(codes[:, 1], st["span_vblk"][bo:bo + nb], whole)
-                sc, vc, scale, v = _rows8.rows8_state_(v_old, st["span_scale"][bo:bo + nb], st["span_vblk"][bo:bo + nb],
-                                                       st["span_vcol"][co:co + S], col, blk, amax, whole, hp["beta2"],
+            if key in res["r8"]:  # D19: every row's codes from the reduced statistics, this rank's kept
+                vo = res["nct"] + res["no"] + res["vbo"][key]
+                sc, vc, scale, v = _rows8.rows8_state_(sums[vo:vo + res["r8"][key]].to(dev), st["span_scale"][bo:bo + nb],
+                                                       st["span_vblk"][bo:bo + nb], st["span_vcol"][co:co + S], col,
+                                                       blk, amax, _span.SpanPiece.of(shape), hp["beta2"],
                                                        int(st["step"]) + 1, shape)  # this step's
-                codes[:, 0].copy_(sc)
-                codes[:, 1].copy_(vc)
+                if key in res["mine"]:
+                    ro, r0, r1 = res["mine"][key]
+                    st["span_codes"][ro:ro + r1 - r0, 0].copy_(sc[r0:r1])
+                    st["span_codes"][ro:ro + r1 - r0, 1].copy_(vc[r0:r1])
                 if p.numel():
                     apply(p, ix, scale, v, st["span_vcol"][co:co + S], m, cb.to(dev), sp, **hp)
                 continue
