@@ -422,24 +422,42 @@ def run_span(dev, args, rows: int = 4_000_000, width: int = 16) -> dict:
     grad = torch.randn(rows, width, device=dev, generator=gen) * 1e-3
     grad *= (torch.rand(rows, 1, device=dev, generator=gen) < 0.2)  # a sparse embedding's gradient
     hp = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
-    res = {}
     print(f"\n== span tensor ({rows:,} x {width}, fp32) ==")
-    for name in ("torch_adamw_fused", "gefen_span_triton", "gefen_span_torch_ops"):
-        p = torch.nn.Parameter(w0.clone())
-        p.grad = grad.clone()
-        opt = (torch.optim.AdamW([p], fused=True, **hp) if name == "torch_adamw_fused"
-               else Gefen([{"params": [p], "narrow_rows": "span"}], **hp))
+
+    def make(name, p):
+        if name == "torch_adamw_fused":
+            return torch.optim.AdamW([p], fused=True, **hp)
+        opt = Gefen([{"params": [p], "narrow_rows": "span"}], **hp)
         if name == "gefen_span_torch_ops":
             impl = dispatch._triton()
             opt._impl = lambda t, q=None, group=None, _i=dispatch.StepImpl(
                 impl.name, impl.quantized_step_, impl.quantized_step_factored_, impl.column_sumsq,
                 span_statistics=ref.span_statistics, span_update_=ref.span_update_): _i
-        opt.step()  # the first step (learning) untimed
-        res[name] = cuda_time(opt.step, min(args.warmup, 2), args.iters)
-        print(f"  {name:22s} {res[name]['median_ms']:8.3f} ms  (min {res[name]['min_ms']:.3f})")
+        return opt
+
+    res = _time_steps(args, w0, grad, ("torch_adamw_fused", "gefen_span_triton", "gefen_span_torch_ops"), make)
+    ok = {k: v for k, v in res.items() if "median_ms" in v}
+    return dict(shape=[rows, width], ms=res, ratios=_ratios(ok) if "torch_adamw_fused" in ok else {})
+
+
+def _time_steps(args, w0, grad, names, make) -> dict:
+    """ms per step of ``make(name, p)`` for each name, each on a fresh parameter ``w0`` with gradient
+    ``grad`` (the first step, which learns, untimed); a failure is recorded and the others go on."""
+    res = {}
+    for name in names:
+        p = torch.nn.Parameter(w0.clone())
+        p.grad = grad.clone()
+        opt = make(name, p)
+        try:
+            opt.step()
+            res[name] = cuda_time(opt.step, min(args.warmup, 2), args.iters)
+            print(f"  {name:22s} {res[name]['median_ms']:8.3f} ms  (min {res[name]['min_ms']:.3f})")
+        except Exception as e:  # recorded, the rest of the run goes on
+            res[name] = dict(error=repr(e)[:300])
+            print(f"  {name:22s} failed: {res[name]['error']}")
         del opt, p
         torch.cuda.empty_cache()
-    return dict(shape=[rows, width], ms=res, ratios=_ratios(res))
+    return res
 
 
 def run_rows8(dev, args, rows: int = 1_000_000, width: int = 64) -> dict:
@@ -453,22 +471,10 @@ def run_rows8(dev, args, rows: int = 1_000_000, width: int = 64) -> dict:
     w0 = torch.randn(rows, width, device=dev, generator=gen) * 0.02
     grad = torch.randn(rows, width, device=dev, generator=gen) * 1e-3
     hp = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
-    res = {}
     print(f"\n== rows8 tensor ({rows:,} x {width}, fp32) ==")
-    for name in ("torch_adamw_fused", "gefen_auto", "gefen_rows8"):
-        p = torch.nn.Parameter(w0.clone())
-        p.grad = grad.clone()
-        opt = (torch.optim.AdamW([p], fused=True, **hp) if name == "torch_adamw_fused"
-               else Gefen([{"params": [p], "narrow_rows": "rows8" if name == "gefen_rows8" else "auto"}], **hp))
-        try:
-            opt.step()  # the first step (learning) untimed
-            res[name] = cuda_time(opt.step, min(args.warmup, 2), args.iters)
-            print(f"  {name:22s} {res[name]['median_ms']:8.3f} ms  (min {res[name]['min_ms']:.3f})")
-        except Exception as e:  # recorded, the rest of the run goes on
-            res[name] = dict(error=repr(e)[:300])
-            print(f"  {name:22s} failed: {res[name]['error']}")
-        del opt, p
-        torch.cuda.empty_cache()
+    res = _time_steps(args, w0, grad, ("torch_adamw_fused", "gefen_auto", "gefen_rows8"),
+                      lambda name, p: torch.optim.AdamW([p], fused=True, **hp) if name == "torch_adamw_fused" else
+                      Gefen([{"params": [p], "narrow_rows": "rows8" if name == "gefen_rows8" else "auto"}], **hp))
     ok = {k: v for k, v in res.items() if "median_ms" in v}
     return dict(shape=[rows, width], ms=res, ratios=_ratios(ok) if "torch_adamw_fused" in ok else {})
 

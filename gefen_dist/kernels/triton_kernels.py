@@ -460,6 +460,26 @@ def _span_rows(b, k, row0, nrows):
     return tl.maximum(b * k - row0, 0), tl.minimum((b + 1) * k - row0, nrows)
 
 
+def _span_tile(p_ptr, m_ptr, idx_ptr, cb_ptr, tab_ptr, offs, mask, M, Md, pos, sg, scan_steps, lr, decay, lut_h,
+               lut_nbm1, ubound, APPLY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
+               IS_BF16: tl.constexpr, R: tl.constexpr, SP: tl.constexpr):
+    """The span update of one tile (both span update kernels): ``idx <- nearest(m / M)`` (0 where ``M`` is
+    not > 0; ``APPLY``: the given ``idx``), then ``p <- p decay - clamp(C[idx] M sg, +-bound) lr``, the
+    reference's float32 operations in its order (``M``, ``Md``, ``pos``: per block or per row; ``sg``:
+    the step size of each element)."""
+    if APPLY:
+        j = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
+        cq = tl.load(cb_ptr + j)
+    else:
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        z = tl.where(pos, tl.div_rn(m, Md), 0.0)
+        j, cq = _nearest_jit(z, cb_ptr, tab_ptr, lut_h, lut_nbm1, scan_steps, 2, LUT_FAST, R, SP)
+        tl.store(idx_ptr + offs, j.to(tl.uint8), mask=mask)
+    u = (cq * M) * sg
+    u = tl.where(u > ubound, ubound, tl.where(u < -ubound, -ubound, u))  # NaN stays NaN
+    _update_param_jit(p_ptr, offs, mask, u * lr, decay, HAS_WD, IS_BF16)
+
+
 def _span_stats_kernel(g_ptr, idx_ptr, scale_ptr, cb_ptr, m_ptr, part_ptr, blk_ptr, amax_ptr,
                        nrows, S, k, row0, b_first, lead, count, lerp_c,
                        LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, IS_BF16: tl.constexpr,
@@ -525,17 +545,8 @@ def _span_update_kernel(p_ptr, m_ptr, idx_ptr, scale_ptr, rms_ptr, cf_ptr, cb_pt
         rows = r0 + tl.arange(0, R)
         offs = rows.to(tl.int64)[:, None] * S + cols[None, :] - lead
         mask = (rows < hi)[:, None] & cmask[None, :] & (offs >= 0) & (offs < count)
-        if APPLY:
-            j = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
-            cq = tl.load(cb_ptr + j)
-        else:
-            m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-            z = tl.where(pos, tl.div_rn(m, Md), 0.0)
-            j, cq = _nearest_jit(z, cb_ptr, tab_ptr, lut_h, lut_nbm1, scan_steps, 2, LUT_FAST, R, SP)
-            tl.store(idx_ptr + offs, j.to(tl.uint8), mask=mask)
-        u = (cq * M) * sg
-        u = tl.where(u > ubound, ubound, tl.where(u < -ubound, -ubound, u))  # NaN stays NaN
-        _update_param_jit(p_ptr, offs, mask, u * lr, decay, HAS_WD, IS_BF16)
+        _span_tile_jit(p_ptr, m_ptr, idx_ptr, cb_ptr, tab_ptr, offs, mask, M, Md, pos, sg, scan_steps, lr, decay,
+                       lut_h, lut_nbm1, ubound, APPLY, HAS_WD, LUT_FAST, IS_BF16, R, SP)
 
 
 def _span_rows_stats_kernel(g_ptr, idx_ptr, scale_ptr, cb_ptr, m_ptr, part_ptr, blk_ptr, amax_ptr,
@@ -588,17 +599,8 @@ def _span_rows_update_kernel(p_ptr, m_ptr, idx_ptr, scale_ptr, rms_ptr, cf_ptr, 
     rb = tl.load(rms_ptr + row0 + rows, mask=rmask, other=0.0)[:, None]
     x = tl.div_rn(rb * tl.load(cf_ptr + cols, mask=cmask, other=0.0)[None, :], sqrt_bc2)
     sg = tl.div_rn(1.0, x + eps) * inv_bc1
-    if APPLY:
-        j = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int32)
-        cq = tl.load(cb_ptr + j)
-    else:
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        z = tl.where(pos, tl.div_rn(m, Md), 0.0)
-        j, cq = _nearest_jit(z, cb_ptr, tab_ptr, lut_h, lut_nbm1, scan_steps, 2, LUT_FAST, R, SP)
-        tl.store(idx_ptr + offs, j.to(tl.uint8), mask=mask)
-    u = (cq * M) * sg
-    u = tl.where(u > ubound, ubound, tl.where(u < -ubound, -ubound, u))  # NaN stays NaN
-    _update_param_jit(p_ptr, offs, mask, u * lr, decay, HAS_WD, IS_BF16)
+    _span_tile_jit(p_ptr, m_ptr, idx_ptr, cb_ptr, tab_ptr, offs, mask, M, Md, pos, sg, scan_steps, lr, decay,
+                   lut_h, lut_nbm1, ubound, APPLY, HAS_WD, LUT_FAST, IS_BF16, R, SP)
 
 
 def _apply_multi_kernel(meta_ptr, prog_ptr, hp_ptr, cf_ptr, cb_ptr, base, MODE: tl.constexpr,
@@ -672,8 +674,9 @@ _kernels: Dict[Tuple[bool, str], object] = {}
 _kernels_lock = threading.Lock()
 # the helpers the kernels call, by these module-level names (jit-wrapped on first use)
 _HELPERS = {"_step_rows_jit": _step_rows, "_load_f32_jit": _load_f32, "_ema_m_jit": _ema_m,
-            "_nearest_jit": _nearest, "_update_param_jit": _update_param, "_span_rows_jit": _span_rows}
-_step_rows_jit = _load_f32_jit = _ema_m_jit = _nearest_jit = _update_param_jit = _span_rows_jit = None
+            "_nearest_jit": _nearest, "_update_param_jit": _update_param, "_span_rows_jit": _span_rows,
+            "_span_tile_jit": _span_tile}
+_step_rows_jit = _load_f32_jit = _ema_m_jit = _nearest_jit = _update_param_jit = _span_rows_jit = _span_tile_jit = None
 
 
 def _kernel(name: str = "step"):

@@ -2112,42 +2112,60 @@ ALWAYS_INLINE float span_u(float cq, float M, float rb, float c, float sb, float
  * entries T (a->simd == 1): gefen_span_update's portable loop in the same float32 operations and
  * order (z = m / M, its bucket, the nearest codeword by the pair's flip point, span_u, the parameter),
  * so bitwise the same. */
+/* The span update's constants on 8 lanes (gefen_span_update's scalars broadcast). */
+typedef struct {
+    __m256 h, zero, nbm1, one, sb, eps, ib, ub, lb, lr, decay;
+} span8_consts;
+
+ALWAYS_INLINE span8_consts span8_make(const gefen_step_args *restrict a, float bound)
+{
+    span8_consts c;
+    c.h = _mm256_set1_ps(a->lut_h), c.zero = _mm256_setzero_ps(), c.nbm1 = _mm256_set1_ps((float)(a->lut_n - 1));
+    c.one = _mm256_set1_ps(1.0f), c.sb = _mm256_set1_ps(a->sqrt_bc2), c.eps = _mm256_set1_ps(a->eps);
+    c.ib = _mm256_set1_ps(a->inv_bc1), c.ub = _mm256_set1_ps(bound), c.lb = _mm256_set1_ps(-bound);
+    c.lr = _mm256_set1_ps(a->lr), c.decay = _mm256_set1_ps(a->decay);
+    return c;
+}
+
+/* One group of 8 lanes (M > 0 finite on every lane, so z is finite): z = m / M, its bucket, the nearest
+ * codeword by the pair's flip point (indices' bytes to ix), then span_u's float32 operations (s = (rb c)
+ * / sb; s = 1 / (s + eps); u = (cq M) (s ib), clamped (NaN stays), times lr) and the parameter at pf. */
+ALWAYS_INLINE void span8_group(const span8_consts *restrict c, const avx2_entry *restrict T, __m256 mv, __m256 Mv,
+                               __m256 rbv, __m256 cv, uint8_t *restrict ix, float *restrict pf, int wd)
+{
+    int32_t k[8];
+    const __m256 z = _mm256_div_ps(mv, Mv);
+    __m256 t = _mm256_add_ps(_mm256_mul_ps(z, c->h), c->h);
+    t = _mm256_min_ps(_mm256_max_ps(t, c->zero), c->nbm1);
+    _mm256_storeu_si256((__m256i *)k, _mm256_cvttps_epi32(t));
+#define GEFEN_ROW(u, w) _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(&T[k[u]].c0)), _mm_loadu_ps(&T[k[w]].c0), 1)
+    const __m256 r0 = GEFEN_ROW(0, 4), r1 = GEFEN_ROW(1, 5), r2 = GEFEN_ROW(2, 6), r3 = GEFEN_ROW(3, 7);
+#undef GEFEN_ROW
+    const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)), t2 = _mm256_castps_pd(_mm256_unpacklo_ps(r2, r3));
+    const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));
+    const __m256 c0 = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2)), c1 = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
+    const __m256 thr = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3));
+    const __m256i jl = _mm256_castpd_si256(_mm256_unpackhi_pd(t1, t3));
+    const __m256 sel = _mm256_cmp_ps(z, thr, _CMP_GE_OQ);
+    const __m256 cq = _mm256_blendv_ps(c0, c1, sel);
+    v8store_bytes(ix, _mm256_sub_epi32(jl, _mm256_castps_si256(sel))); /* + 1 where sel */
+    __m256 sg = _mm256_div_ps(_mm256_mul_ps(rbv, cv), c->sb);
+    sg = _mm256_div_ps(c->one, _mm256_add_ps(sg, c->eps));
+    __m256 u = _mm256_mul_ps(_mm256_mul_ps(cq, Mv), _mm256_mul_ps(sg, c->ib));
+    u = _mm256_mul_ps(_mm256_min_ps(c->ub, _mm256_max_ps(c->lb, u)), c->lr);
+    __m256 pv = _mm256_loadu_ps(pf);
+    if (wd) pv = _mm256_mul_ps(pv, c->decay);
+    _mm256_storeu_ps(pf, _mm256_sub_ps(pv, u));
+}
+
 ALWAYS_INLINE void span_update_avx2(const gefen_step_args *restrict a, float *restrict pf, const float *restrict m,
                                     uint8_t *restrict idx, const float *restrict ct, const avx2_entry *restrict T,
-                                    int64_t e0, int64_t e8, float M, float rb, float sb, float eps, float ib,
-                                    float bound, float lr, int wd)
+                                    int64_t e0, int64_t e8, float M, float rb, float bound, int wd)
 {
-    const __m256 Mv = _mm256_set1_ps(M), hv = _mm256_set1_ps(a->lut_h), zero = _mm256_setzero_ps();
-    const __m256 nbv = _mm256_set1_ps((float)(a->lut_n - 1)), one = _mm256_set1_ps(1.0f);
-    const __m256 rbv = _mm256_set1_ps(rb), sbv = _mm256_set1_ps(sb), epsv = _mm256_set1_ps(eps);
-    const __m256 ibv = _mm256_set1_ps(ib), ub = _mm256_set1_ps(bound), lb = _mm256_set1_ps(-bound);
-    const __m256 lrv = _mm256_set1_ps(lr), dv = _mm256_set1_ps(a->decay);
-    int32_t k[8];
-    for (int64_t e = e0; e < e8; e += 8) {
-        const __m256 z = _mm256_div_ps(_mm256_loadu_ps(m + e), Mv);
-        __m256 t = _mm256_add_ps(_mm256_mul_ps(z, hv), hv);
-        t = _mm256_min_ps(_mm256_max_ps(t, zero), nbv);
-        _mm256_storeu_si256((__m256i *)k, _mm256_cvttps_epi32(t));
-#define GEFEN_ROW(u, w) _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(&T[k[u]].c0)), _mm_loadu_ps(&T[k[w]].c0), 1)
-        const __m256 r0 = GEFEN_ROW(0, 4), r1 = GEFEN_ROW(1, 5), r2 = GEFEN_ROW(2, 6), r3 = GEFEN_ROW(3, 7);
-#undef GEFEN_ROW
-        const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)), t2 = _mm256_castps_pd(_mm256_unpacklo_ps(r2, r3));
-        const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));
-        const __m256 c0 = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2)), c1 = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
-        const __m256 thr = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3));
-        const __m256i jl = _mm256_castpd_si256(_mm256_unpackhi_pd(t1, t3));
-        const __m256 sel = _mm256_cmp_ps(z, thr, _CMP_GE_OQ);
-        const __m256 cq = _mm256_blendv_ps(c0, c1, sel);
-        v8store_bytes(idx + e, _mm256_sub_epi32(jl, _mm256_castps_si256(sel))); /* + 1 where sel */
-        /* span_u: s = (rb c) / sb; s = 1 / (s + eps); u = (cq M) (s ib), clamped (NaN stays), times lr */
-        __m256 sg = _mm256_div_ps(_mm256_mul_ps(rbv, _mm256_loadu_ps(ct + e)), sbv);
-        sg = _mm256_div_ps(one, _mm256_add_ps(sg, epsv));
-        __m256 u = _mm256_mul_ps(_mm256_mul_ps(cq, Mv), _mm256_mul_ps(sg, ibv));
-        u = _mm256_mul_ps(_mm256_min_ps(ub, _mm256_max_ps(lb, u)), lrv);
-        __m256 pv = _mm256_loadu_ps(pf + e);
-        if (wd) pv = _mm256_mul_ps(pv, dv);
-        _mm256_storeu_ps(pf + e, _mm256_sub_ps(pv, u));
-    }
+    const span8_consts c = span8_make(a, bound);
+    const __m256 Mv = _mm256_set1_ps(M), rbv = _mm256_set1_ps(rb);
+    for (int64_t e = e0; e < e8; e += 8)
+        span8_group(&c, T, _mm256_loadu_ps(m + e), Mv, rbv, _mm256_loadu_ps(ct + e), idx + e, pf + e, wd);
 }
 #endif
 
@@ -2159,21 +2177,27 @@ ALWAYS_INLINE void span_update_avx2(const gefen_step_args *restrict a, float *re
  * into 16 vector lanes and 6 scalar ones. A group whose rows are not both finite and > 0, and the
  * last elements, take the portable code. The same float32 operations per element as
  * span_update_avx2 and the portable loop, so bitwise the same. */
+/* One element of the portable update (gefen_span_update's fast-table loop): its row's M and rms, its
+ * column factor c. */
+ALWAYS_INLINE void span1(const gefen_step_args *restrict a, float *restrict pf, const float *restrict m,
+                         uint8_t *restrict idx, const float *restrict cb, const int32_t *restrict lut, int64_t i,
+                         float M, float rb, float c, float bound)
+{
+    float cq;
+    const int q = nearest_fast(M > 0.0f ? m[i] / M : 0.0f, cb, lut, a->lut_h, (float)(a->lut_n - 1), &cq);
+    idx[i] = (uint8_t)q;
+    pf[i] = (a->has_wd ? pf[i] * a->decay : pf[i]) - span_u(cq, M, rb, c, a->sqrt_bc2, a->eps, a->inv_bc1, bound, a->lr);
+}
+
 static void span_rows_update_avx2(const gefen_step_args *restrict a, float *restrict pf, const float *restrict m,
                                   uint8_t *restrict idx, const float *restrict scale, const float *restrict rms,
                                   const float *restrict ct2, const float *restrict cb, const int32_t *restrict lut,
                                   int64_t i0, int64_t i1, int64_t S, int64_t es, float bound)
 {
     const avx2_entry *restrict T = (const avx2_entry *)a->ent;
-    const float h = a->lut_h, nbm1 = (float)(a->lut_n - 1), sb = a->sqrt_bc2, eps = a->eps, ib = a->inv_bc1;
-    const float lr = a->lr, decay = a->decay;
     const int wd = a->has_wd;
-    const __m256 hv = _mm256_set1_ps(h), zero = _mm256_setzero_ps(), nbv = _mm256_set1_ps(nbm1);
-    const __m256 one = _mm256_set1_ps(1.0f), sbv = _mm256_set1_ps(sb), epsv = _mm256_set1_ps(eps);
-    const __m256 ibv = _mm256_set1_ps(ib), ub = _mm256_set1_ps(bound), lb = _mm256_set1_ps(-bound);
-    const __m256 lrv = _mm256_set1_ps(lr), dv = _mm256_set1_ps(a->decay);
+    const span8_consts c = span8_make(a, bound);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    int32_t k[8];
     int64_t r = (es + i0) / S, c0 = (es + i0) - r * S; /* the row of element i0 and its column */
     int64_t i = i0;
     for (; i + 8 <= i1; i += 8) {
@@ -2184,38 +2208,11 @@ static void span_rows_update_avx2(const gefen_step_args *restrict a, float *rest
                                                                    _mm256_set1_epi32((int)S - 1)));
             const __m256 Mv = _mm256_blendv_ps(_mm256_set1_ps(Ma), _mm256_set1_ps(Mb), nx);
             const __m256 rbv = _mm256_blendv_ps(_mm256_set1_ps(ra), _mm256_set1_ps(rb2), nx);
-            const __m256 z = _mm256_div_ps(_mm256_loadu_ps(m + i), Mv);
-            __m256 t = _mm256_add_ps(_mm256_mul_ps(z, hv), hv);
-            t = _mm256_min_ps(_mm256_max_ps(t, zero), nbv);
-            _mm256_storeu_si256((__m256i *)k, _mm256_cvttps_epi32(t));
-#define GEFEN_ROW(u, w) _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(&T[k[u]].c0)), _mm_loadu_ps(&T[k[w]].c0), 1)
-            const __m256 r0 = GEFEN_ROW(0, 4), r1 = GEFEN_ROW(1, 5), r2 = GEFEN_ROW(2, 6), r3 = GEFEN_ROW(3, 7);
-#undef GEFEN_ROW
-            const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)), t2 = _mm256_castps_pd(_mm256_unpacklo_ps(r2, r3));
-            const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));
-            const __m256 q0 = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2)), q1 = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
-            const __m256 thr = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3));
-            const __m256i jl = _mm256_castpd_si256(_mm256_unpackhi_pd(t1, t3));
-            const __m256 sel = _mm256_cmp_ps(z, thr, _CMP_GE_OQ);
-            const __m256 cq = _mm256_blendv_ps(q0, q1, sel);
-            v8store_bytes(idx + i, _mm256_sub_epi32(jl, _mm256_castps_si256(sel))); /* + 1 where sel */
-            __m256 sg = _mm256_div_ps(_mm256_mul_ps(rbv, _mm256_loadu_ps(ct2 + c0)), sbv);
-            sg = _mm256_div_ps(one, _mm256_add_ps(sg, epsv));
-            __m256 u = _mm256_mul_ps(_mm256_mul_ps(cq, Mv), _mm256_mul_ps(sg, ibv));
-            u = _mm256_mul_ps(_mm256_min_ps(ub, _mm256_max_ps(lb, u)), lrv);
-            __m256 pv = _mm256_loadu_ps(pf + i);
-            if (wd) pv = _mm256_mul_ps(pv, dv);
-            _mm256_storeu_ps(pf + i, _mm256_sub_ps(pv, u));
+            span8_group(&c, T, _mm256_loadu_ps(m + i), Mv, rbv, _mm256_loadu_ps(ct2 + c0), idx + i, pf + i, wd);
         } else {
             for (int l = 0; l < 8; ++l) {
                 const int second = c0 + l >= S;
-                const float M = second ? Mb : Ma, rb = second ? rb2 : ra;
-                const int pos = M > 0.0f;
-                float cq;
-                const int q = nearest_fast(pos ? m[i + l] / M : 0.0f, cb, lut, h, nbm1, &cq);
-                idx[i + l] = (uint8_t)q;
-                pf[i + l] = (wd ? pf[i + l] * decay : pf[i + l]) -
-                            span_u(cq, M, rb, ct2[c0 + l], sb, eps, ib, bound, lr);
+                span1(a, pf, m, idx, cb, lut, i + l, second ? Mb : Ma, second ? rb2 : ra, ct2[c0 + l], bound);
             }
         }
         c0 += 8;
@@ -2225,12 +2222,7 @@ static void span_rows_update_avx2(const gefen_step_args *restrict a, float *rest
         }
     }
     for (; i < i1; ++i) {
-        const float M = scale[r], rb = rms[r];
-        const int pos = M > 0.0f;
-        float cq;
-        const int q = nearest_fast(pos ? m[i] / M : 0.0f, cb, lut, h, nbm1, &cq);
-        idx[i] = (uint8_t)q;
-        pf[i] = (wd ? pf[i] * decay : pf[i]) - span_u(cq, M, rb, ct2[c0], sb, eps, ib, bound, lr);
+        span1(a, pf, m, idx, cb, lut, i, scale[r], rms[r], ct2[c0], bound);
         if (++c0 == S) {
             c0 = 0;
             ++r;
@@ -2299,8 +2291,7 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
 #ifdef GEFEN_SPAN_AVX2
             if (a->simd == 1 && a->ent && pos && M < INFINITY) {
                 es0 = e0 + ((e1 - e0) & ~(int64_t)7);
-                span_update_avx2(a, pf, m, idx, ct, (const avx2_entry *)a->ent, e0, es0, M, rb, sb, eps, ib, bound,
-                                 lr, wd);
+                span_update_avx2(a, pf, m, idx, ct, (const avx2_entry *)a->ent, e0, es0, M, rb, bound, wd);
             }
 #endif
 #pragma omp simd
