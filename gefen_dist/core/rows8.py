@@ -33,16 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Sequence, Tuple
 
 import torch
 
 from .periods import row_slab
-from .span import SPAN_AUTO_BELOW, SPAN_BELOW, SpanPiece
+from .span import SPAN_AUTO_BELOW, SPAN_BELOW, SpanPiece, span_blocks
 from .step import ema_
 
-__all__ = ["ROWS8_FROM", "ZERO_CODE", "rows8_eligible", "kernel_piece", "decode_scale", "decode_v", "encode_scale",
+__all__ = ["ROWS8_FROM", "ZERO_CODE", "rows8_eligible", "kernel_piece", "decode_scale", "decode_v", "decode_piece", "encode_scale",
            "encode_v", "row_uniform", "rows8_state_", "rows8_bytes"]
 
 ROWS8_FROM = SPAN_AUTO_BELOW  # rows narrower than this keep span's blocks of rows under "rows8" (2 / S > 0.1)
@@ -100,6 +99,21 @@ def decode_scale(codes: torch.Tensor, ref: torch.Tensor, sp: SpanPiece) -> torch
 def decode_v(codes: torch.Tensor, ref: torch.Tensor, sp: SpanPiece) -> torch.Tensor:
     """``v_i = V_b T_v[c_i]`` of the rows of piece ``sp`` (float32 ``[nrows]``)."""
     return _per_row(ref, sp) * _table(V_STEPS, ref.device).index_select(0, codes.int())
+
+
+def decode_piece(scale_code: torch.Tensor, v_code: torch.Tensor, scale: torch.Tensor, v_blk: torch.Tensor,
+                 sp: SpanPiece, v_from: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rows of piece ``sp`` (its codes; ``scale``, ``v_blk``: the whole tensor's block maxima) placed
+    among every row of the tensor, zeros elsewhere: the decoded scales (float32 ``[rows]``, what the
+    span kernels with blocks of one row index by row) and the decoded ``v`` of the rows from global
+    row ``v_from`` on (float64 ``[rows]``: what a rank adds to the SUM over the ranks, each row once)."""
+    full_scale = torch.zeros(sp.rows, dtype=torch.float32, device=scale.device)
+    full_v = torch.zeros(sp.rows, dtype=torch.float64, device=scale.device)
+    r0, r1 = sp.row0, sp.row0 + sp.nrows
+    if sp.nrows:
+        full_scale[r0:r1] = decode_scale(scale_code, scale, sp)
+        full_v[v_from:r1] = decode_v(v_code, v_blk, sp).double()[v_from - r0:]
+    return full_scale, full_v
 
 
 def _log_codes(x: torch.Tensor, ref_row: torch.Tensor, steps: int) -> torch.Tensor:
@@ -200,5 +214,4 @@ def rows8_bytes(shape: Sequence[int]) -> float:
     two float32 references per block, the float32 column profile)."""
     rows, S = int(shape[0]), row_slab(shape)
     n = rows * S
-    nb = -(-rows // max(1, math.ceil(1024 / S)))
-    return (n + 2 * rows + 8 * nb + 4 * S) / n
+    return (n + 2 * rows + 8 * span_blocks(shape) + 4 * S) / n

@@ -171,15 +171,10 @@ class FlatSpanMixin:
         ``[rows]``): each row's counted once over the ranks."""
         ro, r0, r1 = mine
         S = _periods.row_slab(shape)
-        rows = _span.SpanPiece(int(shape[0]), S, _span.span_rows(shape), r0, r1 - r0)
         codes = st["span_codes"][ro:ro + r1 - r0]
-        dev = codes.device
-        scale = torch.zeros(int(shape[0]), dtype=torch.float32, device=dev)
-        scale[r0:r1] = _rows8.decode_scale(codes[:, 0], st["span_scale"][bo:bo + nb], rows)
-        vo = torch.zeros(int(shape[0]), dtype=torch.float64, device=dev)
-        first = -(-seg.param_offset // S)  # the first row whose first element is in this piece
-        vo[first:r1] = _rows8.decode_v(codes[:, 1], st["span_vblk"][bo:bo + nb], rows).double()[first - r0:]
-        return scale, vo
+        return _rows8.decode_piece(codes[:, 0], codes[:, 1], st["span_scale"][bo:bo + nb], st["span_vblk"][bo:bo + nb],
+                                   _span.SpanPiece(int(shape[0]), S, _span.span_rows(shape), r0, r1 - r0),
+                                   -(-seg.param_offset // S))  # v from the first row that starts in this piece
 
     def _span_finish(self, st: Dict[str, Any], hp: Dict[str, Any], res, impl=None) -> None:
         """The second phase (:meth:`_span_stats`' result ``res``): every rank updates every such

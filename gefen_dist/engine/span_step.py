@@ -56,14 +56,8 @@ def _rows8_decoded(st, sp: SpanPiece):
     zeros elsewhere: the span kernels with blocks of one row index them by row) and its rows' old
     ``v`` in the same layout (float64, summed over the ranks with the statistics: every rank gets
     every row's)."""
-    rows = SpanPiece(sp.rows, sp.slab, sp.k, sp.row0, sp.nrows)
-    sc, vc = local_tensor(st["scale_code"]), local_tensor(st["v_code"])
-    scale = torch.zeros(sp.rows, dtype=torch.float32, device=sc.device)
-    v_old = torch.zeros(sp.rows, dtype=torch.float64, device=sc.device)
-    if sp.nrows:
-        scale[sp.row0:sp.row0 + sp.nrows] = _rows8.decode_scale(sc, st["scale"], rows)
-        v_old[sp.row0:sp.row0 + sp.nrows] = _rows8.decode_v(vc, st["v_blk"], rows).double()
-    return scale, v_old
+    return _rows8.decode_piece(local_tensor(st["scale_code"]), local_tensor(st["v_code"]), st["scale"], st["v_blk"],
+                               SpanPiece(sp.rows, sp.slab, sp.k, sp.row0, sp.nrows), sp.row0)
 
 
 def _rows8_update_(st, shape, sp: SpanPiece, v_old, col, row_sum, row_amax, beta2: float, step: int):
