@@ -9,7 +9,7 @@ the bytes, the update bound, checkpoints and their refusals, the AdamW warm star
 digits classifier whose first layer has rows of 64. FSDP2 shards: tests/test_fsdp2.py
 (``--narrow-rows8``, bitwise against one process); ZeroGefen: tests/test_zero.py (one process and
 tests/dist/zero_check.py's ``narrow8`` at 2 and 3 ranks); DeepSpeed: tests/test_deepspeed.py
-(``z2rows8``, ``z3rows8``, ``ck2rows8``, ``ucrows8``); the Triton span kernels:
+(``z2rows8``, ``z3rows8``, ``ck2rows8``; universal checkpoints ``ucz2rows8`` and ``ucx``); the Triton span kernels:
 tests/test_triton_step.py (interpreter).
 """
 from __future__ import annotations
@@ -299,3 +299,46 @@ def test_digits_classifier_with_rows8_like_per_row_state():
         loss_d, _ = _train_digits(Gefen, seed)
         loss_r, _ = _train_digits(lambda params, **kw: Gefen(params, narrow_rows="rows8", **kw), seed)
         assert abs(loss_r / loss_d - 1) < 0.02, (seed, loss_r, loss_d)
+
+
+def test_universal_conversion_reads_row_codes_and_refuses_ranks_that_disagree():
+    """``gefen-dist ds-to-universal`` reads a rows8 tensor's row codes from the rank files whose pieces
+    touch the rows (a row a partition edge cuts is in both: the copies must agree) and dequantises with
+    the decoded rows (the round trip at 1, 2 and 3 ranks: tests/dist/ds_check.py ``ucz2rows8``, ``ucx``)."""
+    from gefen_dist.engine.flat_layout import Segment
+    from gefen_dist.integrations import ds_universal as U
+
+    shape, S = (134, 67), 67
+    cut = 50 * S + 10  # inside row 50: both ranks keep its codes
+    sp = SpanPiece.of(shape)
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 200, (134, 2), generator=g, dtype=torch.uint8)
+    idx = torch.randint(0, 256, (134 * S,), generator=g, dtype=torch.uint8)
+
+    def rank_state(a, n, row_codes):
+        seg = Segment("p1", "b.weight", shape, a, 0, n)
+        return {"segments": [seg.as_dict()], "periods": [sp.k * S], "learned": [1], "idx": idx[a:a + n].clone(),
+                "step": torch.tensor(3.0), "v_row": torch.zeros(0), "v_col": torch.zeros(0), "scale": torch.zeros(0),
+                "row_blocks": 1, "few_rows": 0, "narrow_rows": "rows8", "span_keys": ["p1"], "span_codes": row_codes}
+
+    tensors, order, keys = {}, [], {}
+    U._add_partition("rank0.pt", rank_state(0, cut, codes[:51].clone()), torch.zeros(cut), tensors, order, keys)
+    U._add_partition("rank1.pt", rank_state(cut, 134 * S - cut, codes[50:].clone()), torch.zeros(134 * S - cut),
+                     tensors, order, keys)
+    t = tensors["b.weight"]
+    assert t.rows8 and torch.equal(t.codes, codes) and bool(t.codes_read.all()) and torch.equal(t.idx, idx)
+    t.scale.fill_(2.0)
+    t.v_blk.fill_(4.0)
+    t.v_col.fill_(1.0)
+    cb = torch.linspace(-1, 1, 256)
+    m, v = t.dequantized(cb)
+    M, vr = R.decode_scale(codes[:, 0], t.scale, sp), R.decode_v(codes[:, 1], t.v_blk, sp)
+    assert torch.equal(m.view(134, S), cb[idx.long()].view(134, S) * M.view(-1, 1))
+    assert torch.allclose(v.view(134, S), vr.view(-1, 1).expand(134, S))
+    bad = codes[50:].clone()
+    bad[0, 1] += 1  # the cut row's v code differs from rank 0's copy
+    tensors, order, keys = {}, [], {}
+    U._add_partition("rank0.pt", rank_state(0, cut, codes[:51].clone()), torch.zeros(cut), tensors, order, keys)
+    with pytest.raises(U.UniversalCheckpointError, match="rank1.pt.*disagree on the row codes of 'b.weight'"):
+        U._add_partition("rank1.pt", rank_state(cut, 134 * S - cut, bad), torch.zeros(134 * S - cut), tensors, order,
+                         keys)

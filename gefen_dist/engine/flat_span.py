@@ -18,6 +18,20 @@ from .span_step import DENSE_ROWS, warn_dense
 from .state import MODE_FACTORED, narrow_layout, rows8_mode
 
 
+def rows8_rows(segments: Sequence[Any], rows8_keys) -> Dict[str, Tuple[int, int, int]]:
+    """key -> (first row in ``span_codes``, first row, end row) for the pieces among ``segments`` (a
+    buffer's, in order) of the tensors ``rows8_keys``: the rows each piece touches, in segment order
+    (what a rank's ``span_codes`` holds, D19)."""
+    out, ro = {}, 0
+    for s in segments:
+        if s.key in rows8_keys and s.numel:
+            S = _periods.row_slab(s.shape)
+            r0, r1 = s.param_offset // S, -(-(s.param_offset + s.numel) // S)
+            out[s.key] = (ro, r0, r1)
+            ro += r1 - r0
+    return out
+
+
 class FlatSpanMixin:
     """Span tensors of a flat buffer (uses ``segments``, ``comm``, ``small_threshold``,
     ``second_moment``, ``narrow_rows`` and ``global_catalog`` of the buffer)."""
@@ -49,16 +63,7 @@ class FlatSpanMixin:
         """key -> (first row in ``span_codes``, first row, end row) of the rows8 tensors whose pieces
         this rank holds (D19): ``span_codes`` keeps the codes of the rows those pieces touch (a row a
         partition edge cuts is kept by both ranks, with the same codes)."""
-        cat = self.global_catalog()
-        r8 = self.rows8_keys(st)
-        out, ro = {}, 0
-        for s in self.segments:
-            if s.key in r8 and s.numel:
-                S = _periods.row_slab(cat[s.key]["shape"])
-                r0, r1 = s.param_offset // S, -(-(s.param_offset + s.numel) // S)
-                out[s.key] = (ro, r0, r1)
-                ro += r1 - r0
-        return out
+        return rows8_rows(self.segments, self.rows8_keys(st))
 
     def _span_fn(self, factored: bool):
         return self.is_span if factored and self.narrow_rows != "rows" else None

@@ -11,8 +11,10 @@ data-parallel size. This module makes Gefen speak that format:
   to elements (shared: ``v`` of the element's period block; factored:
   ``v_row[i] * v_col[j] / mean(v_col)``), ``fp32`` the master weights. ``gefen_universal.pt``
   beside ``zero/`` records what the Adam-shaped tensors cannot: the codebook, every tensor's
-  period, scale block and learned flag, ``v_row``/``v_col`` of factored tensors, the step. The
-  output is written to a temporary folder and renamed into place.
+  period, scale block and learned flag, ``v_row``/``v_col`` of factored tensors, the block state of
+  tensors kept per block of rows (D16) and the row codes with their block references of
+  ``narrow_rows="rows8"`` tensors (D19; ``exp_avg`` / ``exp_avg_sq`` hold their decoded rows), the
+  step. The output is written to a temporary folder and renamed into place.
 * :func:`load_into_engine` (reached through
   :func:`gefen_dist.integrations.deepspeed.load_universal` or DeepSpeed's
   ``"checkpoint": {"load_universal": true}`` + ``engine.load_checkpoint``) requantizes the
@@ -20,7 +22,10 @@ data-parallel size. This module makes Gefen speak that format:
   trip is exact: the absmax of a dequantized scale block is ``scale * max|codebook| = scale``
   (the element that set the scale is quantized to the pinned codeword +-1), so scales and
   indices come back bitwise, ``v`` is the block mean of identical values (exact in float64) and
-  ``v_row``/``v_col`` are taken from the metadata. Without metadata (an AdamW checkpoint converted
+  ``v_row``/``v_col`` are taken from the metadata (rows8: the codes and references, and the
+  indices requantized against the decoded row scales). A tensor saved in one layout and loaded in
+  another (per row in float32 and in codes, say) takes the loading job's layout and settings: its
+  moments are read from ``exp_avg`` / ``exp_avg_sq`` (``v`` of a row within one code). Without metadata (an AdamW checkpoint converted
   by DeepSpeed's own ``ds_to_universal``) Gefen is *warm-started*: periods are chosen from
   ``exp_avg_sq`` (the paper's score on ``ln(exp_avg_sq)`` instead of ``ln(g^2)`` of the first
   gradient), the codebook from the histogram of ``exp_avg`` normalised by its block absmax,
@@ -45,6 +50,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..core import periods as _periods
+from ..core import rows8 as _rows8
 from ..core import span as _span
 from ..core.moments import block_means, factored_means, span_means
 from ..core.quant import NUM_BINS, nearest_codeword
@@ -55,6 +61,7 @@ from ..engine.layout import is_exact
 from ..engine.state import (MODE_FACTORED, few_rows_shared_in, fixed_period, mode_of_saved, narrow_rows_of, new_step,
                             second_moment_of)
 from ..engine.flat import Segment, _slots
+from ..engine.flat_span import rows8_rows
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +75,8 @@ _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_state
 _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups", "fp32_flat_groups",
             "optimizer_state_dict")
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+# the settings the state was laid out with at load: the loading job's, never the checkpoint's
+_LAYOUT_KEYS = ("params", "param_names", "second_moment", "narrow_rows", "row_blocks", "small_threshold")
 
 
 class UniversalCheckpointError(ValueError):
@@ -123,8 +132,8 @@ class _Tensor:
     """Full-tensor view of one parameter's Gefen state, assembled from all ranks' pieces."""
 
     def __init__(self, name: str, shape: Tuple[int, ...], period: int, factored: bool, col_blocks: int = 1,
-                 span: bool = False):
-        self.name, self.shape, self.factored, self.span = name, shape, factored, span
+                 span: bool = False, rows8: bool = False):
+        self.name, self.shape, self.factored, self.span, self.rows8 = name, shape, factored, span, rows8
         self.col_blocks = int(col_blocks)  # row blocks of the factored v_col (D12)
         self.numel = int(math.prod(shape))
         self.exact = period == 0
@@ -146,6 +155,9 @@ class _Tensor:
             self.scale = torch.zeros(nb, dtype=torch.float32)
             self.v_blk = torch.zeros(nb, dtype=torch.float32)
             self.v_col = torch.zeros(self.slab, dtype=torch.float32)
+            if rows8:  # D19: scale and v per row in one-byte codes against those block references
+                self.codes = torch.zeros(self.numel // self.slab, 2, dtype=torch.uint8)
+                self.codes_read = torch.zeros(self.numel // self.slab, dtype=torch.bool)
             return
         self.scale = torch.zeros(self.numel // self.block, dtype=torch.float32)
         if factored:
@@ -161,6 +173,12 @@ class _Tensor:
         if not self.learned or codebook is None:
             z = torch.zeros(self.numel, dtype=torch.float32)
             return z, z.clone()
+        if self.rows8:  # the rows' decoded scale and v, the column's ratio (D19)
+            sp = _span.SpanPiece.of(self.shape)
+            M = _rows8.decode_scale(self.codes[:, 0], self.scale, sp)
+            v = _rows8.decode_v(self.codes[:, 1], self.v_blk, sp)
+            m = (codebook[self.idx.long()].view(-1, self.slab) * M.view(-1, 1)).reshape(-1)
+            return m, (v.view(-1, 1) * column_ratios(self.v_col).view(1, -1)).reshape(-1)
         if self.span:  # v = v_blk of the row's block times the column's ratio (D16)
             bid = _span.SpanPiece.of(self.shape).block_ids("cpu")
             m = (codebook[self.idx.long()].view(-1, self.slab) * self.scale[bid].view(-1, 1)).reshape(-1)
@@ -215,6 +233,8 @@ def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict
     keys.update((s.key, s) for s in segs)
     span_keys = set(st.get("span_keys", []))
     span_shapes = {s.shape for s in segs if s.key in span_keys}  # D16 is decided by shape within a buffer
+    r8 = {s.key for s in segs if s.key in span_keys and st.get("narrow_rows") == "rows8"
+          and _rows8.rows8_eligible(s.shape)}  # D19: what FlatSegments.is_rows8 decides under that setting
     slots, _, _, _ = _slots(segs, st["periods"], None, factored, st.get("row_blocks", 1),
                             few_rows_shared=few_rows_shared_in(st),  # D15's versions (withdrawn) kept them shared
                             span=(lambda shape: tuple(shape) in span_shapes) if span_shapes else None)
@@ -224,9 +244,9 @@ def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict
         if t is None:
             G = sp.vcol_n // _periods.row_slab(s.shape) if (sp.factored and sp.vcol_n) else 1
             t = tensors[s.name] = _Tensor(s.name, s.shape, 0 if sp.exact else sp.period, sp.factored or sp.span,
-                                          col_blocks=G, span=sp.span)
+                                          col_blocks=G, span=sp.span, rows8=s.key in r8)
             order.append(s.name)
-        elif (t.shape != s.shape or t.exact != sp.exact or t.span != sp.span
+        elif (t.shape != s.shape or t.exact != sp.exact or t.span != sp.span or t.rows8 != (s.key in r8)
               or (not sp.exact and t.period != sp.period)):
             raise UniversalCheckpointError(f"{f!r}: ranks disagree on tensor {s.name!r} (shape/period)")
         t.step = int(st["step"])
@@ -254,6 +274,14 @@ def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict
         else:  # shared; in a factored buffer a few-row tensor's v lives in v_row (D15)
             P = sp.period
             t.v[a // P:a // P + sp.v_n] = st["v_row" if factored else "v"][sp.v_off:sp.v_off + sp.v_n].float()
+    for key, (ro, r0, r1) in rows8_rows(segs, r8).items():  # D19: the codes of the rows the pieces touch
+        t = tensors[keys[key].name]
+        codes = st["span_codes"][ro:ro + r1 - r0].cpu()
+        seen = t.codes_read[r0:r1]
+        if not torch.equal(t.codes[r0:r1][seen], codes[seen]):  # a row cut by a partition edge: both ranks keep it
+            raise UniversalCheckpointError(f"{f!r}: ranks disagree on the row codes of {t.name!r}")
+        t.codes[r0:r1] = codes
+        t.codes_read[r0:r1] = True
 
 
 def _add_span_state(f: str, sst: Dict[str, Any], tensors: Dict[str, "_Tensor"], keys: Dict[str, Segment]) -> None:
@@ -312,11 +340,6 @@ def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
                     raise UniversalCheckpointError(f"{f!r}: two different learned codebooks in one checkpoint")
                 cb = c.float().clone()
             _add_partition(f, st, flat.reshape(-1).float(), tensors, order, keys)
-            if "span_codes" in st:
-                raise UniversalCheckpointError(
-                    f"{f!r}: the checkpoint holds narrow_rows='rows8' state (one-byte row codes, docs/algorithm.md "
-                    "D19), which universal checkpoints do not carry yet; resume it with DeepSpeed's own checkpoint "
-                    "(engine.load_checkpoint) at the same world size, or train with narrow_rows='auto'")
             if st.get("span_keys"):
                 span_states.append((f, {k: st[k] for k in ("span_keys", "span_scale", "span_vblk", "span_vcol")}))
         del obj
@@ -376,7 +399,11 @@ def convert(ckpt_dir: str, out_dir: str, tag: Optional[str] = None) -> Dict[str,
             torch.save(torch.tensor(float(t.step)), os.path.join(d, "step.pt"))
             rec = dict(shape=list(t.shape), kind="exact" if t.exact else "quantized", period=t.period,
                        scale_block=t.block, learned=bool(t.learned))
-            if not t.exact and t.span:  # D16: scale is the block absmax of exp_avg; v per block and column
+            if not t.exact and t.rows8:  # D19: the codes and their block references (exp_avg's row maxima
+                # are not the scales: a row's scale is its maximum rounded up to a code)
+                rec.update(span=True, rows8=True, scale=t.scale.clone(), v_blk=t.v_blk.clone(), v_col=t.v_col.clone(),
+                           codes=t.codes.clone())
+            elif not t.exact and t.span:  # D16: scale is the block absmax of exp_avg; v per block and column
                 rec.update(span=True, v_blk=t.v_blk.clone(), v_col=t.v_col.clone())
             elif not t.exact and t.factored:
                 rec.update(v_row=t.v_row.clone(), v_col=t.v_col.clone())
@@ -531,7 +558,7 @@ def _load_state(opt, entries, params, zero: str, meta: Optional[Dict[str, Any]],
     key_name = {k: n for n, k, _ in params}
     opt.state.clear()
     for flat, fs, group in entries:
-        st = _flat_state(opt, flat, fs, group, info, key_name, zero, meta)
+        st = _flat_state(opt, flat, fs, group, info, key_name, zero, meta, step)
         st["step"] = new_step(step)
         opt.state[flat] = st
     _set_hparams(opt, optim_sd, meta is not None)
@@ -581,7 +608,7 @@ def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]]) -> Dic
     return info
 
 
-def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[str, Any]:
+def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta, step: int) -> Dict[str, Any]:
     """The Gefen state of one flat buffer of the new layout, filled from the universal files."""
     small = opt.small_threshold
     factored = second_moment_of(group) == MODE_FACTORED
@@ -610,6 +637,7 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta) -> Dict[s
     slots, _, _, _ = _slots(fs.segments, st["periods"], small, factored, st.get("row_blocks", 1), span=spanf)
     if spans:
         _fill_span(st, fs, info, key_name, zero, opt.codebook)
+        _fill_rows8(st, fs, info, key_name, zero, opt.codebook, step)
     for sp, lrn in zip(slots, learned):
         s = sp.seg
         if not s.numel:
@@ -631,17 +659,19 @@ def _fill_span(st, fs, info, key_name, zero: str, codebook) -> None:
     metadata, else the block and column means of ``exp_avg_sq`` (a warm start)."""
     local = {s.key: s for s in fs.segments if s.numel}
     dev = st["idx"].device
+    r8 = fs.rows8_keys(st)
     for key, (bo, nb, co, S, shape) in fs.span_layout(st).items():
         name = key_name[key]
         li = info[name]
-        if not li.learned:
+        if not li.learned or key in r8:
             continue
         sp = _span.SpanPiece.of(shape)
         m = _read_param(zero, name, "exp_avg")
         A = _span.span_grad_absmax(m, sp)  # the block absmax (of m here)
         st["span_scale"][bo:bo + nb] = A.to(dev)
         rec = li.meta
-        if rec is not None and rec.get("span") and rec["v_blk"].numel() == nb and rec["v_col"].numel() == S:
+        if (rec is not None and rec.get("span") and not rec.get("rows8") and rec["v_blk"].numel() == nb
+                and rec["v_col"].numel() == S):
             vb, vc = rec["v_blk"].float(), rec["v_col"].float()
         else:
             vb, vc = span_means(_read_param(zero, name, "exp_avg_sq"), sp)
@@ -653,6 +683,44 @@ def _fill_span(st, fs, info, key_name, zero: str, codebook) -> None:
             # element by element: a partition edge may cut a row
             Ar = A.index_select(0, _span.SpanPiece.of(shape, a, n).element_blocks("cpu"))
             st["idx"][seg.flat_offset:seg.flat_offset + n] = quantize(m[a:a + n], Ar, codebook.cpu()).to(dev)
+
+
+def _fill_rows8(st, fs, info, key_name, zero: str, codebook, step: int) -> None:
+    """The state of every tensor the buffer keeps per row in one-byte codes (D19): its block
+    references and column profile (replicated), the codes of the rows this rank's pieces touch and
+    their indices. From Gefen's rows8 metadata bitwise; otherwise (Adam state, or Gefen state of
+    another layout) the rows' maxima of ``exp_avg`` and the row / column means of ``exp_avg_sq`` (or a
+    per-row record's ``v_row`` / ``v_col``) coded as a step does (the ``v`` codes drawn at ``step``)."""
+    local = {s.key: s for s in fs.segments if s.numel}
+    mine, r8 = fs.rows8_layout(st), fs.rows8_keys(st)
+    dev = st["idx"].device
+    for key, (bo, nb, co, S, shape) in fs.span_layout(st).items():
+        name = key_name[key]
+        if key not in r8 or not info[name].learned:
+            continue
+        rec, sp = info[name].meta, _span.SpanPiece.of(shape)
+        m = _read_param(zero, name, "exp_avg")
+        if rec is not None and rec.get("rows8") and rec["codes"].shape[0] == sp.rows and rec["v_col"].numel() == S:
+            codes, sref, vref, vc = rec["codes"], rec["scale"].float(), rec["v_blk"].float(), rec["v_col"].float()
+        else:
+            if rec is not None and rec.get("v_row") is not None and rec["v_col"].numel() == S:
+                vr, vc = rec["v_row"].float(), rec["v_col"].float()  # Gefen's per-row float32 state (D10)
+            else:
+                vr, vc = factored_means(_read_param(zero, name, "exp_avg_sq"), S)
+            sc, sref, _ = _rows8.encode_scale(m.view(sp.rows, S).abs().amax(dim=1), sp)
+            vcode, vref, _ = _rows8.encode_v(vr, sp, step, shape)
+            codes = torch.stack([sc, vcode], dim=1)
+        st["span_scale"][bo:bo + nb] = sref.to(dev)
+        st["span_vblk"][bo:bo + nb] = vref.to(dev)
+        st["span_vcol"][co:co + S] = vc.to(dev)
+        seg = local.get(key)
+        if seg is not None:
+            ro, r0, r1 = mine[key]
+            st["span_codes"][ro:ro + r1 - r0] = codes[r0:r1].to(dev)
+            a, n = seg.param_offset, seg.numel
+            M = _rows8.decode_scale(codes[:, 0], sref, sp)
+            Me = M.index_select(0, torch.div(torch.arange(a, a + n), S, rounding_mode="floor"))
+            st["idx"][seg.flat_offset:seg.flat_offset + n] = quantize(m[a:a + n], Me, codebook.cpu()).to(dev)
 
 
 def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, factored: bool, meta) -> None:
@@ -700,7 +768,7 @@ def _set_hparams(opt, optim_sd: Dict[str, Any], from_gefen: bool) -> None:
                                        f"{len(opt.param_groups)}: build the optimizer with the same param groups")
     for sg, g in zip(saved, opt.param_groups):
         for k, v in sg.items():
-            if k in ("params", "param_names", "second_moment"):
+            if k in _LAYOUT_KEYS:
                 continue
             if (from_gefen and k in g) or k in _ADAM_KEYS:
                 g[k] = tuple(v) if k == "betas" else v

@@ -554,6 +554,7 @@ UC = {  # case -> (config, stage, zero.Init, overrides)
     "ucz2": ("gefen_zero2.json", 2, False, {"zero_optimization.round_robin_gradients": True}),
     "ucz3f": ("gefen_zero3.json", 3, True, dict({"zero_optimization.sub_group_size": 7000}, **FACTORED)),
     "ucz2span": ("gefen_zero2.json", 2, False, dict(SPAN)),  # D16 blocks of rows, cut by the partition edges
+    "ucz2rows8": ("gefen_zero2.json", 2, False, dict(ROWS8)),  # D19 row codes; at 3 ranks an edge cuts a row
 }
 
 
@@ -622,9 +623,9 @@ def same_tensors(case, a, b):
     for name, ta in a["tensors"].items():
         tb = b["tensors"][name]
         assert (ta.exact, ta.period, ta.block, ta.learned) == (tb.exact, tb.period, tb.block, tb.learned), (case, name)
-        assert ta.span == tb.span, (case, name)
+        assert (ta.span, ta.rows8) == (tb.span, tb.rows8), (case, name)
         keys = ["fp32"] + (["exp_avg", "exp_avg_sq"] if ta.exact else
-                           ["idx", "scale"] + (["v_blk", "v_col"] if ta.span else
+                           ["idx", "scale"] + (["v_blk", "v_col"] + ["codes"] * ta.rows8 if ta.span else
                                                ["v_row", "v_col"] if ta.factored else ["v"]))
         for k in keys:
             assert torch.equal(getattr(ta, k), getattr(tb, k)), (case, name, k)
@@ -673,25 +674,49 @@ def case_uc_save(name, ckdir):
         "3 more steps bit-identical")
 
 
-def case_uc_refuse_rows8(ckdir):
-    """A rigid checkpoint of narrow_rows="rows8" state (D19): ds-to-universal refuses it, naming the
-    setting, and writes nothing."""
-    from gefen_dist.integrations.ds_universal import UniversalCheckpointError, convert
+def case_uc_cross(ckdir):
+    """Universal checkpoints between the row codes (D19) and the per-row float32 layout: ``ucz2rows8``'s
+    into a ``narrow_rows="rows"`` engine, whose resave (converted again) into a ``"rows8"`` engine. Each
+    keeps the loading job's setting and layout; b.weight's rows carry the saved moments (``v`` within
+    one code, ``m`` requantized against the coded scales); 3 more steps stay close to the
+    uninterrupted run."""
+    from gefen_dist.integrations.ds_universal import convert, read_gefen_checkpoint
 
-    rigid, univ = os.path.join(ckdir, "ucrows8"), os.path.join(ckdir, "ucrows8_u", "t2")
-    engine, *_ = make_engine(cfg_g("gefen_zero2.json", **ROWS8))
-    train_g(engine, 2)
-    engine.save_checkpoint(rigid, tag="t2")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        try:
-            convert(rigid, univ, tag="t2")
-        except UniversalCheckpointError as e:
-            assert "narrow_rows='rows8'" in str(e) and not os.path.exists(univ), (str(e), os.path.exists(univ))
-        else:
-            raise AssertionError("ds-to-universal converted rows8 state")
-    dist.barrier()
-    log("OK ucrows8: ds-to-universal refuses narrow_rows='rows8' state and writes nothing")
+    ws = dist.get_world_size()
+    _, univ, final = uc_paths(ckdir, "ucz2rows8")
+    rows = dict(FACTORED, **{"optimizer.params.narrow_rows": "rows"})
+    for leg, over, want in ((0, rows, "rows"), (1, ROWS8, "rows8")):
+        src = univ if leg == 0 else os.path.join(ckdir, f"ucx_ws{ws}_u", "r")
+        engine, *_ = make_engine(cfg_g("gefen_zero2.json", **over))
+        gds.load_universal(engine, src)
+        opt = engine.basic_optimizer
+        assert all(g["narrow_rows"] == want for g in opt.param_groups), [g["narrow_rows"] for g in opt.param_groups]
+        assert any("span_codes" in st for st in opt.state.values()) == (want == "rows8"), want
+        resaved = os.path.join(ckdir, f"ucx_ws{ws}_{want}")
+        engine.save_checkpoint(resaved, tag="r")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            before = os.path.join(ckdir, "ucz2rows8", "t3") if leg == 0 else os.path.join(ckdir, f"ucx_ws{ws}_rows", "r")
+            a = read_gefen_checkpoint(before)["tensors"]["b.weight"]
+            b = read_gefen_checkpoint(os.path.join(resaved, "r"))["tensors"]["b.weight"]
+            assert (a.rows8, b.rows8) == (want == "rows", want == "rows8"), want
+            cb = torch.load(os.path.join(univ, "gefen_universal.pt"), weights_only=False)["codebook"]
+            (ma, va), (mb, vb) = a.dequantized(cb), b.dequantized(cb)
+            r = vb.view(134, 67).mean(1) / va.view(134, 67).mean(1)
+            assert 2 ** (-1 / 16) - 1e-6 <= float(r.min()) and float(r.max()) <= 2 ** (1 / 16) + 1e-6, (want, r.min(), r.max())
+            dm = float(((mb - ma).view(134, 67).abs().amax(1) / ma.view(134, 67).abs().amax(1).clamp(min=1e-30)).max())
+            assert dm <= 0.1, (want, dm)
+            if leg == 0:
+                convert(resaved, os.path.join(ckdir, f"ucx_ws{ws}_u", "r"), tag="r")
+        dist.barrier()
+        train_g(engine, 3, start=3)
+        got, ref = full_params(engine, 2), torch.load(final)
+        rel = max(float((got[n] - ref[n]).abs().max() / ref[n].abs().max()) for n in ref)
+        assert rel <= 5e-3, (want, rel)
+        log(f"OK ucx-{want}-ws{ws}: a rows8 universal checkpoint {'(through a per-row one) ' * leg}loaded into "
+            f"narrow_rows={want!r}: its setting and layout kept, b's rows' v within one code, m within "
+            f"{dm if dist.get_rank() == 0 else 0:.1e} of its row maximum; 3 more steps within {rel:.1e} of the run")
+        del engine
 
 
 def case_uc_load(name, ckdir):
@@ -945,8 +970,8 @@ def main():
             case_uc_save(c.split(":")[1], args.ckpt)
         elif c.startswith("ucload:"):
             case_uc_load(c.split(":")[1], args.ckpt)
-        elif c == "ucrows8":
-            case_uc_refuse_rows8(args.ckpt)
+        elif c == "ucx":
+            case_uc_cross(args.ckpt)
         elif c == "wserr":
             case_ws_error(args.ckpt)
         elif c == "adamsave":
