@@ -157,6 +157,18 @@ def _lowbit_split(m_bits: int, v_bits: int, q4_zero: int):
 
 
 # name -> (description, factory); the letters are the ablation families of research/quality-log.md
+def _rows8_steps(scale_steps: int, v_steps: int):
+    """narrow_rows="rows8" with ``scale_steps`` / ``v_steps`` codes per octave (the library: 8 and 16)."""
+    inner = _gefen(second_moment="factored", row_blocks="auto", narrow_rows="rows8")
+
+    def make(groups, lr, betas, seed):
+        from gefen_dist.core import rows8
+
+        rows8.SCALE_STEPS, rows8.V_STEPS = scale_steps, v_steps
+        return inner(groups, lr, betas, seed)
+    return make
+
+
 RESEARCH_VARIANTS = {
     # (a) unquantized first moment
     "a_fp32m_shared": ("(a) fp32 first moment, shared second moment", _variant(first_moment="fp32")),
@@ -319,6 +331,24 @@ RESEARCH_VARIANTS = {
     "v_default_bound2": ("(v) gefen_dist Gefen, defaults but bound_updates=2.0 (every normalised update clamped "
                          "to 2 K_t instead of K_t)", _gefen(second_moment="factored", row_blocks="auto",
                                                             bound_updates=2.0)),
+    # (w) D19/D20 on the tiny LM (d_model 64: every weight but the MLP's c_proj has rows of 64): the per-row
+    # float32 layout ("auto") with one column profile, to separate the one-byte row codes from the loss of
+    # D12's row-block profiles (the row codes keep one profile per tensor)
+    "gefen_auto": ("gefen_dist Gefen, narrow_rows='auto' (D18: rows of 22-79 elements per row in float32), the other "
+                   "settings the default's", _gefen(second_moment="factored", row_blocks="auto", narrow_rows="auto")),
+    "w_rows8": ("(w) gefen_dist Gefen, narrow_rows='rows8' (D19: rows of 22-79 elements with their scale and v in "
+                "one-byte codes, one column profile per tensor), the other settings the default's",
+                _gefen(second_moment="factored", row_blocks="auto", narrow_rows="rows8")),
+    # (w) the row codes' resolution: the scale in 16 codes per octave (rounded up by at most 4.4%, not 9%),
+    # and v in 32 (2.2% a code; its range from the block maximum shrinks to 2^-7.9). Format experiments: the
+    # constants of gefen_dist.core.rows8 are set for the run (a state of one setting does not decode under
+    # the other)
+    "w_rows8_s16": ("(w) narrow_rows='rows8' with the scale in 16 codes per octave",
+                    _rows8_steps(16, 16)),
+    "w_rows8_v32": ("(w) narrow_rows='rows8' with v in 32 codes per octave", _rows8_steps(8, 32)),
+    "w_auto_rb1": ("(w) gefen_dist Gefen, narrow_rows='auto' (per row in float32) with row_blocks=1 (one column "
+                   "profile, as narrow_rows='rows8' keeps)",
+                   _gefen(second_moment="factored", row_blocks=1, narrow_rows="auto")),
 }
 LR_SCALE = {"g_shared_lr1.5": 1.5, "g_shared_lr0.7": 0.7, "g_factored_lr1.5": 1.5, "g_adamw_lr1.5": 1.5,
             "g_default_lr1.5": 1.5, "g_default_lr0.75": 0.75, "g_adamw_lr0.75": 0.75}

@@ -37,7 +37,7 @@ CASES = ("z1,z2,z2clip,z2off,z2client,z3,z2f,z3f,ck2,ck3,ck3f,bf16,bf16opt,refus
          "nanz3,nanbf16,ovz3,ovz3span")
 CASES_WS1 = "ucload:ucz2,ucload:ucz3f,ucload:ucz2span,ucload:ucz2rows8,ucx,wserr,adamwarm:shared,adamwarm:factored"
 # z2rows8 at 3 ranks: a partition edge cuts one of b's rows (D19: both ranks keep its codes, one adds its old v)
-CASES_WS3 = "ucload:ucz2,ucload:ucz3f,ucload:ucz2span,ucload:ucz2rows8,wserr,adamwarm:factored,z2rows8"
+CASES_WS3 = "ucload:ucz2,ucload:ucz3f,ucload:ucz2span,ucload:ucz2rows8,wserr,adamwarm:factored,adamwarm:rows8,z2rows8"
 
 
 def _launch(ranks, cases, ckpt, keep):

@@ -359,6 +359,21 @@ def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
 
 
 # ============================================================================ convert
+def _record(t: "_Tensor") -> Dict[str, Any]:
+    """A tensor's entry in the metadata: what its Adam-shaped files cannot say."""
+    rec = dict(shape=list(t.shape), kind="exact" if t.exact else "quantized", period=t.period,
+               scale_block=t.block, learned=bool(t.learned))
+    if not t.exact and t.rows8:  # D19: the codes and their block references (exp_avg's row maxima are
+        # not the scales: a row's scale is its maximum rounded up to a code)
+        rec.update(span=True, rows8=True, scale=t.scale.clone(), v_blk=t.v_blk.clone(), v_col=t.v_col.clone(),
+                   codes=t.codes.clone())
+    elif not t.exact and t.span:  # D16: scale is the block absmax of exp_avg; v per block and column
+        rec.update(span=True, v_blk=t.v_blk.clone(), v_col=t.v_col.clone())
+    elif not t.exact and t.factored:
+        rec.update(v_row=t.v_row.clone(), v_col=t.v_col.clone())
+    return rec
+
+
 def convert(ckpt_dir: str, out_dir: str, tag: Optional[str] = None) -> Dict[str, Any]:
     """Write the universal form of a rigid Gefen DeepSpeed checkpoint to ``out_dir`` (must not exist).
 
@@ -397,17 +412,7 @@ def convert(ckpt_dir: str, out_dir: str, tag: Optional[str] = None) -> Dict[str,
             torch.save({"param": m.view(t.shape)}, os.path.join(d, "exp_avg.pt"))
             torch.save({"param": v.view(t.shape)}, os.path.join(d, "exp_avg_sq.pt"))
             torch.save(torch.tensor(float(t.step)), os.path.join(d, "step.pt"))
-            rec = dict(shape=list(t.shape), kind="exact" if t.exact else "quantized", period=t.period,
-                       scale_block=t.block, learned=bool(t.learned))
-            if not t.exact and t.rows8:  # D19: the codes and their block references (exp_avg's row maxima
-                # are not the scales: a row's scale is its maximum rounded up to a code)
-                rec.update(span=True, rows8=True, scale=t.scale.clone(), v_blk=t.v_blk.clone(), v_col=t.v_col.clone(),
-                           codes=t.codes.clone())
-            elif not t.exact and t.span:  # D16: scale is the block absmax of exp_avg; v per block and column
-                rec.update(span=True, v_blk=t.v_blk.clone(), v_col=t.v_col.clone())
-            elif not t.exact and t.factored:
-                rec.update(v_row=t.v_row.clone(), v_col=t.v_col.clone())
-            meta_t[name] = rec
+            meta_t[name] = _record(t)
         ms0 = _load(model_files[0])
         gs = dict(info["global_state"])
         gs.setdefault("ds_version", ms0.get("ds_version", "0.0.0") if isinstance(ms0, dict) else "0.0.0")

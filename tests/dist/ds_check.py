@@ -23,6 +23,7 @@ import deepspeed  # noqa: E402
 import gefen_dist.integrations.deepspeed as gds  # noqa: E402  (registers torch.optim.Gefen)
 from gefen_dist import Gefen as PlainGefen  # noqa: E402
 from gefen_dist.engine.comm import LocalComm  # noqa: E402
+from gefen_dist.engine.state import DEFAULT_NARROW_ROWS  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _teardown import leave  # noqa: E402
@@ -116,7 +117,7 @@ def train(engine, steps, ga, start=0, dtype=torch.float32):
     return losses
 
 
-def reference(steps, ga, lrs, clip, per_micro=False, second_moment="shared", narrow_rows="rows"):
+def reference(steps, ga, lrs, clip, per_micro=False, second_moment="shared", narrow_rows=DEFAULT_NARROW_ROWS):
     torch.manual_seed(0)
     m = Net()
     kw = dict(second_moment="factored", fused=False) if second_moment == "factored" else dict(second_moment=second_moment)
@@ -181,7 +182,8 @@ def make_engine(cfg, zinit=False, client=False):
     return deepspeed.initialize(model=m, model_parameters=groups(m), config=cfg)
 
 
-def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="shared", narrow_rows="rows"):
+def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="shared",
+            narrow_rows=DEFAULT_NARROW_ROWS):
     opt = engine.basic_optimizer if hasattr(engine, "basic_optimizer") else engine.optimizer
     assert isinstance(opt, gds.Gefen), type(opt)
     if second_moment == "elementwise":  # period 1 everywhere, no detection
@@ -222,7 +224,7 @@ def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="
         # an isolated codeword flip changes later gradients a little, and with them v (measured up to
         # 7.5e-6 relative after one flip in a.weight and one in b.weight under ZeRO-2 offload)
         check_factored_state(case, opt, ref_opt, tol=1e-6 if flips == 0 else 1e-4)
-    if narrow_rows in ("span", "rows8"):
+    if second_moment == "factored" and narrow_rows in ("span", "rows8"):
         check_span_state(case, opt, ref_opt)
     log(f"OK {case}: codebook and periods {sorted(set(opt.periods().values()))} identical, max rel param diff "
         f"{worst:.2e} ({flips} isolated codeword flips)")
@@ -343,7 +345,8 @@ def case_exact(case, cfg_name, stage, steps=int(os.environ.get("DS_STEPS", 10)),
     assert len(set(lrs)) > 1 or steps < 2 or "scheduler" not in cfg, f"{case}: lr schedule not applied {lrs}"
     params = cfg.get("optimizer", {}).get("params", {})
     compare(case, engine, stage, steps, ga, lrs, cfg.get("gradient_clipping", 0.0),
-            second_moment=params.get("second_moment", "shared"), narrow_rows=params.get("narrow_rows", "rows"))
+            second_moment=params.get("second_moment", "shared"),
+            narrow_rows=params.get("narrow_rows", DEFAULT_NARROW_ROWS))
     return engine
 
 
@@ -685,6 +688,7 @@ def case_uc_cross(ckdir):
     ws = dist.get_world_size()
     _, univ, final = uc_paths(ckdir, "ucz2rows8")
     rows = dict(FACTORED, **{"optimizer.params.narrow_rows": "rows"})
+    said = []
     for leg, over, want in ((0, rows, "rows"), (1, ROWS8, "rows8")):
         src = univ if leg == 0 else os.path.join(ckdir, f"ucx_ws{ws}_u", "r")
         engine, *_ = make_engine(cfg_g("gefen_zero2.json", **over))
@@ -713,10 +717,11 @@ def case_uc_cross(ckdir):
         got, ref = full_params(engine, 2), torch.load(final)
         rel = max(float((got[n] - ref[n]).abs().max() / ref[n].abs().max()) for n in ref)
         assert rel <= 5e-3, (want, rel)
-        log(f"OK ucx-{want}-ws{ws}: a rows8 universal checkpoint {'(through a per-row one) ' * leg}loaded into "
-            f"narrow_rows={want!r}: its setting and layout kept, b's rows' v within one code, m within "
-            f"{dm if dist.get_rank() == 0 else 0:.1e} of its row maximum; 3 more steps within {rel:.1e} of the run")
+        said.append(f"into narrow_rows={want!r}{' (through the per-row one)' * leg}: m within "
+                    f"{dm if dist.get_rank() == 0 else 0:.1e} of its row maximum, 3 more steps within {rel:.1e}")
         del engine
+    log(f"OK ucx-ws{ws}: a rows8 universal checkpoint loaded under other layouts keeps the loading job's setting and "
+        f"layout, b's rows' v within one code; " + "; ".join(said))
 
 
 def case_uc_load(name, ckdir):
@@ -793,14 +798,19 @@ def case_adam_save(ckdir):
     log("OK adam-save: AdamW ZeRO-2 ws 2 checkpoint converted by DeepSpeed's ds_to_universal")
 
 
-def case_adam_warm(ckdir, second_moment):
-    """Warm start of Gefen from the AdamW universal checkpoint at this world size."""
+def case_adam_warm(ckdir, variant):
+    """Warm start of Gefen from the AdamW universal checkpoint at this world size. ``variant``: a
+    ``second_moment``, or ``rows8`` (factored, b.weight's rows of 67 in one-byte codes, D19)."""
+    from gefen_dist.core import rows8 as R
     from gefen_dist.core.periods import row_slab, scale_block_for
+    from gefen_dist.core.span import SpanPiece
     from gefen_dist.integrations.ds_universal import read_gefen_checkpoint
 
     ws = dist.get_world_size()
     univ = os.path.join(ckdir, "adam_u", "t3")
-    engine, *_ = make_engine(cfg_g("gefen_zero2.json", **{"optimizer.params.second_moment": second_moment}))
+    over = dict(ROWS8) if variant == "rows8" else {"optimizer.params.second_moment": variant}
+    second_moment = "factored" if variant == "rows8" else variant
+    engine, *_ = make_engine(cfg_g("gefen_zero2.json", **over))
     gds.load_universal(engine, univ)
     opt = engine.basic_optimizer
     cb = opt.codebook
@@ -817,7 +827,7 @@ def case_adam_warm(ckdir, second_moment):
     ref = torch.load(os.path.join(ckdir, "adam_params.pt"))
     for n in ref:
         assert torch.equal(got[n], ref[n]), ("adam weights", n)
-    d = os.path.join(ckdir, f"adamwarm_{second_moment}_ws{ws}")
+    d = os.path.join(ckdir, f"adamwarm_{variant}_ws{ws}")
     engine.save_checkpoint(d, tag="w")
     dist.barrier()
     if dist.get_rank() == 0:
@@ -832,6 +842,18 @@ def case_adam_warm(ckdir, second_moment):
                 assert torch.equal(t.exp_avg, mo) and torch.equal(t.exp_avg_sq, vo), name
                 continue
             nq += 1
+            assert t.rows8 == (variant == "rows8" and name == "b.weight"), name
+            if t.rows8:  # each row's scale and v in one-byte codes: the row maxima of exp_avg coded, v within one code
+                sp, rows = SpanPiece.of(t.shape), t.shape[0]
+                codes, sref, dec = R.encode_scale(mo.view(rows, -1).abs().amax(dim=1), sp)
+                assert torch.equal(t.codes[:, 0], codes) and torch.equal(t.scale, sref), name
+                deq, _ = t.dequantized(cb)
+                assert bool(((deq - mo).abs() <= 0.5 * gap * dec.repeat_interleave(t.slab) * (1 + 1e-5) + 1e-30).all())
+                vv = vo.double().view(rows, -1)
+                r = R.decode_v(t.codes[:, 1], t.v_blk, sp).double() / vv.mean(dim=1)
+                assert 2 ** (-1 / 16) - 1e-6 <= float(r.min()) and float(r.max()) <= 2 ** (1 / 16) + 1e-6, name
+                assert torch.equal(t.v_col, vv.mean(dim=0).float()), name
+                continue
             assert t.learned and row_slab(t.shape) % t.period == 0, (name, t.period)
             assert t.block == scale_block_for(t.period, row_slab(t.shape))
             deq, _ = t.dequantized(cb)
@@ -863,7 +885,7 @@ def case_adam_warm(ckdir, second_moment):
     lrs = [g["lr"] for g in engine.basic_optimizer.param_groups]
     cos = cosines(engine)
     del engine
-    cold, *_ = make_engine(cfg_g("gefen_zero2.json", **{"optimizer.params.second_moment": second_moment}))
+    cold, *_ = make_engine(cfg_g("gefen_zero2.json", **over))
     gds.load_universal(cold, univ, load_optimizer_states=False)  # weights (and schedule) only: a cold start
     assert not cold.basic_optimizer.state and torch.equal(full_params(cold, 2)["a.weight"], ref["a.weight"])
     for g, lr in zip(cold.basic_optimizer.param_groups, lrs):  # hyperparameters are optimizer state: not loaded
@@ -871,7 +893,7 @@ def case_adam_warm(ckdir, second_moment):
     cos_cold = cosines(cold)
     fine = list(cos.values())  # every tensor, the 47-row d.weight too (factored: D15 withdrawn)
     assert min(fine) > 0.9 and min(fine) > max(cos_cold.values()) + 0.2, (cos, cos_cold)
-    log(f"OK adamwarm-{second_moment}-ws{ws}: Gefen warm-started from DeepSpeed's AdamW universal checkpoint: "
+    log(f"OK adamwarm-{variant}-ws{ws}: Gefen warm-started from DeepSpeed's AdamW universal checkpoint: "
         f"periods {sorted(set(merged.values()))}, codebook learned from exp_avg, m within half a codeword "
         f"gap, v = block means of exp_avg_sq, weights bitwise; first update vs AdamW's: cosine >= "
         f"{min(fine):.3f} "
