@@ -169,6 +169,49 @@ def _rows8_steps(scale_steps: int, v_steps: int):
     return make
 
 
+def _rows8_exact(part: str):
+    """narrow_rows="rows8" with one of its two per-row quantities kept exact in float32 beside the codes
+    (research only, one process): ``"v"`` (the second moment's EMA runs on float32 values, the scale
+    stays coded) or ``"scale"`` (each row's scale is its maximum, ``v`` stays coded). Separates the two
+    codes' costs on the tiny LM. Patches ``gefen_dist.engine.span_step``'s two rows8 hooks for the
+    process (run these variants in a process of their own); the exact values live in the state dict
+    (``_exact_v`` / ``_exact_scale``), so the state bytes printed for this variant count them."""
+    inner = _gefen(second_moment="factored", row_blocks="auto", narrow_rows="rows8")
+
+    def make(groups, lr, betas, seed):
+        import math
+
+        import torch
+
+        from gefen_dist.core.step import ema_
+        from gefen_dist.engine import span_step as ss
+
+        decoded, update = getattr(ss, "_orig_rows8", (ss._rows8_decoded, ss._rows8_update_))
+        ss._orig_rows8 = (decoded, update)
+
+        def _decoded(st, sp):
+            scale, v_old = decoded(st, sp)
+            if part == "v" and "_exact_v" in st:
+                v_old = st["_exact_v"].double()
+            if part == "scale" and "_exact_scale" in st:
+                scale = st["_exact_scale"].clone()
+            return scale, v_old
+
+        def _update(st, shape, sp, v_old, col, row_sum, row_amax, beta2, step):
+            scale, v = update(st, shape, sp, v_old, col, row_sum, row_amax, beta2, step)
+            if part == "v":  # the EMA of this step from the exact old value, not rounded
+                v = ema_(v_old.to(torch.float32).clone(), (row_sum / math.prod(shape[1:])).to(torch.float32), beta2)
+                st["_exact_v"] = v.clone()
+            else:  # the rows' maxima themselves
+                scale = row_amax.to(torch.float32).clone()
+                st["_exact_scale"] = scale.clone()
+            return scale, v
+
+        ss._rows8_decoded, ss._rows8_update_ = _decoded, _update
+        return inner(groups, lr, betas, seed)
+    return make
+
+
 RESEARCH_VARIANTS = {
     # (a) unquantized first moment
     "a_fp32m_shared": ("(a) fp32 first moment, shared second moment", _variant(first_moment="fp32")),
@@ -346,6 +389,10 @@ RESEARCH_VARIANTS = {
     "w_rows8_s16": ("(w) narrow_rows='rows8' with the scale in 16 codes per octave",
                     _rows8_steps(16, 16)),
     "w_rows8_v32": ("(w) narrow_rows='rows8' with v in 32 codes per octave", _rows8_steps(8, 32)),
+    "w_rows8_exact_v": ("(w) narrow_rows='rows8' with each row's v in float32 beside the codes (the scale coded)",
+                        _rows8_exact("v")),
+    "w_rows8_exact_scale": ("(w) narrow_rows='rows8' with each row's scale its maximum in float32 (v coded)",
+                            _rows8_exact("scale")),
     "w_auto_rb1": ("(w) gefen_dist Gefen, narrow_rows='auto' (per row in float32) with row_blocks=1 (one column "
                    "profile, as narrow_rows='rows8' keeps)",
                    _gefen(second_moment="factored", row_blocks=1, narrow_rows="auto")),

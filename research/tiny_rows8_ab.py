@@ -14,6 +14,8 @@ t-interval. The runs:
         --runs-file research/results/tiny_rows8_ab/runs_format.jsonl
     python research/quality_variants.py --only gefen_auto,adamw --seeds 3,4,5,6,7 ... --runs-file .../runs_a.jsonl
     python research/quality_variants.py --only w_rows8 --seeds 3,4,5,6,7 ... --runs-file .../runs_b.jsonl
+    python research/quality_variants.py --only w_rows8_exact_v --seeds 0,1,2 ... --runs-file .../runs_w_rows8_exact_v.jsonl
+    (and w_rows8_exact_scale into runs_w_rows8_exact_scale.jsonl; one process each: they patch the step's hooks)
 
 AdamW's runs of seeds 0-2 are docs/results/quality_runs.jsonl's (the same harness); a setting is
 shown on the seeds where it has runs.
@@ -39,6 +41,8 @@ SETTINGS = [
     ("w_rows8", "`rows8` (one-byte row codes: scale 8 codes per octave, v 16; one column profile)"),
     ("w_rows8_s16", "`rows8`, scale in 16 codes per octave (format experiment)"),
     ("w_rows8_v32", "`rows8`, v in 32 codes per octave (format experiment)"),
+    ("w_rows8_exact_v", "`rows8`, each row's v in float32 beside the codes (control: only the scale coded)"),
+    ("w_rows8_exact_scale", "`rows8`, each row's scale its maximum in float32 (control: only v coded)"),
 ]
 
 

@@ -25,8 +25,9 @@ data-parallel size. This module makes Gefen speak that format:
   ``v_row``/``v_col`` are taken from the metadata (rows8: the codes and references, and the
   indices requantized against the decoded row scales). A tensor saved in one layout and loaded in
   another (per row in float32 and in codes, say) takes the loading job's layout and settings: its
-  moments are read from ``exp_avg`` / ``exp_avg_sq`` (``v`` of a row within one code). Without metadata (an AdamW checkpoint converted
-  by DeepSpeed's own ``ds_to_universal``) Gefen is *warm-started*: periods are chosen from
+  moments are read from ``exp_avg`` / ``exp_avg_sq`` (``v`` of a row within one code). Without
+  metadata (an AdamW checkpoint converted by DeepSpeed's own ``ds_to_universal``) Gefen is
+  *warm-started*: periods are chosen from
   ``exp_avg_sq`` (the paper's score on ``ln(exp_avg_sq)`` instead of ``ln(g^2)`` of the first
   gradient), the codebook from the histogram of ``exp_avg`` normalised by its block absmax,
   ``m`` is quantized, ``v`` is the block mean of ``exp_avg_sq`` (factored: its row and column
