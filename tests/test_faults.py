@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -271,7 +272,9 @@ def test_rank_killed_restarts_from_checkpoint_bit_identical(tmp_path, ddp_uninte
     out = tmp_path / strategy
     log = _torchrun(out, strategy, KILL)
     assert f"FAULT: rank 1 killing itself before step {KILL}" in log, log[-4000:]
-    assert "exitcode: -9" in log, log[-4000:]  # the elastic agent saw the SIGKILL ...
+    # the elastic agent saw a worker fail: rank 1's SIGKILL (exitcode -9), or its peer's abort when rank 0
+    # noticed the broken connection first (a loaded 2-core host, 2026-12-06: exitcode -6 of local_rank 0) ...
+    assert re.search(r"failed \(exitcode: -?\d+\) local_rank: [01]", log), log[-4000:]
     want = (KILL // EVERY) * EVERY
     assert log.count("resumed from") == 1 and f"at step {want}" in log, log[-4000:]  # ... and restarted once
     assert log.count("FAULT:") == 1
