@@ -374,11 +374,10 @@ RESEARCH_VARIANTS = {
     "v_default_bound2": ("(v) gefen_dist Gefen, defaults but bound_updates=2.0 (every normalised update clamped "
                          "to 2 K_t instead of K_t)", _gefen(second_moment="factored", row_blocks="auto",
                                                             bound_updates=2.0)),
-    # (w) D19/D20 on the tiny LM (d_model 64: every weight but the MLP's c_proj has rows of 64): the per-row
-    # float32 layout ("auto") with one column profile, to separate the one-byte row codes from the loss of
-    # D12's row-block profiles (the row codes keep one profile per tensor)
-    "gefen_auto": ("gefen_dist Gefen, narrow_rows='auto' (D18: rows of 22-79 elements per row in float32), the other "
-                   "settings the default's", _gefen(second_moment="factored", row_blocks="auto", narrow_rows="auto")),
+    # (w) D19 on the tiny LM (d_model 64: every weight but the MLP's c_proj has rows of 64): rows8 against the
+    # default ("auto", named explicitly so that its runs stay its own if the default changes), with controls
+    "gefen_auto": ("gefen_dist Gefen, the default named explicitly: narrow_rows='auto' (D18: rows of 22-79 elements "
+                   "per row in float32)", _gefen(second_moment="factored", row_blocks="auto", narrow_rows="auto")),
     "w_rows8": ("(w) gefen_dist Gefen, narrow_rows='rows8' (D19: rows of 22-79 elements with their scale and v in "
                 "one-byte codes, one column profile per tensor), the other settings the default's",
                 _gefen(second_moment="factored", row_blocks="auto", narrow_rows="rows8")),

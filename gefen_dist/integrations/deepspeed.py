@@ -477,7 +477,7 @@ def _install_engine_hook() -> None:
         if not isinstance(getattr(self, "basic_optimizer", None), Gefen):
             return orig(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
         if self.load_universal_checkpoint():
-            from .ds_universal import load_into_engine
+            from .ds_universal_load import load_into_engine
 
             load_into_engine(self, os.path.join(load_dir, str(tag)), load_optimizer_states=load_optimizer_states)
             return True
@@ -507,7 +507,7 @@ def load_universal(engine, path: str, tag: Optional[str] = None, load_optimizer_
     ``exp_avg_sq``), or its parent with ``tag`` / a ``latest_universal`` file. Goes through
     ``engine.load_checkpoint`` with DeepSpeed's ``load_universal_checkpoint`` switched on for the
     call, so the lr scheduler, global step and client state are restored by DeepSpeed and the
-    weights and optimizer state by Gefen (:func:`gefen_dist.integrations.ds_universal.load_into_engine`).
+    weights and optimizer state by Gefen (:func:`gefen_dist.integrations.ds_universal_load.load_into_engine`).
     Call it on every rank. Returns ``engine.load_checkpoint``'s ``(load_path, client_state)``.
     """
     if not isinstance(getattr(engine, "basic_optimizer", None), Gefen):
