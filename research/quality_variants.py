@@ -23,6 +23,7 @@ for _p in (ROOT / "research", ROOT / "benchmarks", ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import quality  # noqa: E402
@@ -73,6 +74,82 @@ def _variant_named(mode: str, substrings, **kw):
         over = {id(p): mode for name, p in model.named_parameters() if any(s in name for s in substrings)}
         assert over, f"no parameter name contains any of {substrings}"
         return GefenVariant(groups, lr=lr, betas=betas, eps=1e-8, seed=seed, v_override=over, **kw)
+    make.needs_model = True
+    return make
+
+
+def _gefen_named(mode: str, substrings, **kw):
+    """gefen_dist Gefen (the library, native CPU step) with the parameters whose name contains one of
+    ``substrings`` in a param group of their own with ``second_moment=mode``; every other tensor as
+    ``kw`` says: the library-path counterpart of :func:`_variant_named`."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        from gefen_dist import Gefen
+        mine_ids = {id(p) for name, p in model.named_parameters() if any(s in name for s in substrings)}
+        assert mine_ids, f"no parameter name contains any of {substrings}"
+        out = []
+        for g in groups:
+            rest = [p for p in g["params"] if id(p) not in mine_ids]
+            mine = [p for p in g["params"] if id(p) in mine_ids]
+            if rest:
+                out.append({**g, "params": rest})
+            if mine:
+                out.append({**g, "params": mine, "second_moment": mode})
+        return Gefen(out, lr=lr, betas=betas, eps=1e-8, **dict(dict(fused=None), **kw))
+    make.needs_model = True
+    return make
+
+
+def _code_v8(v: torch.Tensor, gen: torch.Generator, steps: float = 16, levels: int = 256) -> torch.Tensor:
+    """``v`` as stored in one byte per element: ``R_b 2^(-c / steps)``, ``c`` in 0..254 (``levels - 2`` with
+    fewer levels: 4 bits are ``levels=16``), ``R_b`` the largest
+    ``v`` of each block of 256 elements (flattened), rounded stochastically between the two nearest codes
+    (unbiased in the code; research/head_vshare.py's ``adamw_code16x256``); 0 stays 0."""
+    flat = v.reshape(-1)
+    pad = (-flat.numel()) % 256
+    vb = torch.cat([flat, flat.new_zeros(pad)]).view(-1, 256)
+    ref = vb.amax(1, keepdim=True)
+    x = (-steps * torch.log2(vb / ref.clamp_min(1e-38))).clamp(0, levels - 2)
+    lo = x.floor()
+    c = lo + (torch.rand(x.shape, generator=gen) < x - lo).to(x.dtype)
+    out = torch.where(vb > 0, ref * torch.exp2(-c / steps), torch.zeros_like(vb))
+    return out.view(-1)[:flat.numel()].view_as(v)
+
+
+def _code_v_fac(v: torch.Tensor, gen: torch.Generator, steps: float = 2, levels: int = 16) -> torch.Tensor:
+    """``v`` (2-D) as ``levels`` codes of its ratio to its own rank-1 (factored) estimate
+    ``fac = r c / mean(c)`` (``r``, ``c`` the row and column means of ``v``: what fp32 ``v_row`` / ``v_col``
+    EMAs of ``g^2`` hold): ``v = fac 2^((k - levels / 2) / steps)``, ``k`` in ``0 .. levels - 1``, rounded
+    stochastically in ``k``; 0 where ``fac`` is 0."""
+    r, c = v.mean(1, keepdim=True), v.mean(0, keepdim=True)
+    fac = r * c / c.mean().clamp_min(1e-38)
+    x = (steps * torch.log2(v.clamp_min(1e-38) / fac.clamp_min(1e-38)) + levels // 2).clamp(0, levels - 1)
+    lo = x.floor()
+    k = lo + (torch.rand(x.shape, generator=gen) < x - lo).to(x.dtype)
+    return torch.where(fac > 0, fac * torch.exp2((k - levels // 2) / steps), torch.zeros_like(v))
+
+
+def _gefen_named_v8(substrings, steps: float = 16, levels: int = 256, coder=None, **kw):
+    """:func:`_gefen_named` with ``second_moment="elementwise"``, the group's per-element ``v`` re-coded
+    after every step to what a one-byte log code per element (:func:`_code_v8`) would hold: an emulation
+    of an 8-bit per-element second moment (~2 B/param with the 8-bit first moment) on the library's
+    elementwise path (the D13 bound, row blocks and the native step as the default)."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        opt = _gefen_named("elementwise", substrings, **kw)(groups, lr, betas, seed, model=model)
+        gen = torch.Generator().manual_seed(1_000_003 + seed)
+        coded = [p for g in opt.param_groups if g.get("second_moment") == "elementwise" for p in g["params"]]
+        inner = opt.step
+
+        def step(closure=None):
+            out = inner(closure)
+            with torch.no_grad():
+                for p in coded:
+                    st = opt.state.get(p)
+                    if st and "v" in st:
+                        code = coder if (coder and st["v"].dim() == 2) else _code_v8
+                        st["v"].copy_(code(st["v"], gen, steps, levels))
+            return out
+        opt.step = step
+        return opt
     make.needs_model = True
     return make
 
@@ -371,6 +448,43 @@ RESEARCH_VARIANTS = {
                                 "\"elementwise\", native CPU step",
                                 quality._gefen_emb("elementwise", second_moment="factored", row_blocks="auto",
                                                    fused=None)),
+    # (v) which non-embedding tensors carry the current default's gap on `small`: the attention input
+    # projections or the MLP weights in a param group of their own with second_moment="elementwise" (fp32 v
+    # per element, D11), the rest the default; paired with v_default_fused and v_emb_elementwise_fused
+    "v_attn_elementwise_fused": ("(v) the default (D17), with the attention input projections (attn.c_attn) in a "
+                                 "param group with second_moment=\"elementwise\", native CPU step",
+                                 _gefen_named("elementwise", ("attn.c_attn",), second_moment="factored",
+                                              row_blocks="auto")),
+    "v_mlp_elementwise_fused": ("(v) the default (D17), with the MLP weights (mlp.c_fc, mlp.c_proj) in a param "
+                                "group with second_moment=\"elementwise\", native CPU step",
+                                _gefen_named("elementwise", ("mlp.c_fc", "mlp.c_proj"), second_moment="factored",
+                                             row_blocks="auto")),
+    # (v) a per-element v in one byte (log codes, 16 per octave, stochastic; emulated on the elementwise path):
+    # does it keep what the per-element fp32 v gains? (research/head_vshare.py: neutral on a dense head)
+    "v_all_elementwise_fused": ("(v) the default (D17), with every weight in a param group with second_moment="
+                                "\"elementwise\" (fp32 v per element, ~5 B/param), native CPU step",
+                                _gefen_named("elementwise", ("weight",), second_moment="factored", row_blocks="auto")),
+    "v_all_v8_fused": ("(v) as v_all_elementwise_fused with every per-element v re-coded after each step to a one-byte "
+                       "log code (16 per octave, stochastic, per-256 references): ~2.0 B/param",
+                       _gefen_named_v8(("weight",), second_moment="factored", row_blocks="auto")),
+    # (v) the same for the embeddings (wte, tied to the LM head, and wpe) and the attention input projections only,
+    # the two classes whose per-element fp32 v gained on seed 6: ~1.5 B/param on GPT-2 small with one byte of v
+    "v_embattn_elementwise_fused": ("(v) the default (D17), with wte, wpe and attn.c_attn in a param group with "
+                                    "second_moment=\"elementwise\" (fp32 v per element), native CPU step",
+                                    _gefen_named("elementwise", ("wte.", "wpe.", "attn.c_attn"),
+                                                 second_moment="factored", row_blocks="auto")),
+    "v_embattn_v8_fused": ("(v) as v_embattn_elementwise_fused with their per-element v re-coded after each step to a "
+                           "one-byte log code (as v_all_v8_fused)",
+                           _gefen_named_v8(("wte.", "wpe.", "attn.c_attn"), second_moment="factored",
+                                           row_blocks="auto")),
+    # (v) half a byte: 16 levels, one per octave (a 15-octave range: research/head_vshare.py's dense head needs the
+    # range more than the resolution); ~1.52 B/param, inside issue 26's 1.6 for a quality setting
+    "v_all_v4_fused": ("(v) as v_all_v8_fused with 4-bit codes, one per octave (16 levels, per-256 references): "
+                       "~1.52 B/param", _gefen_named_v8(("weight",), 1, 16, second_moment="factored", row_blocks="auto")),
+    "v_all_v4fac_fused": ("(v) as v_all_v4_fused, but each 2-D tensor's 4-bit codes relative to its factored estimate "
+                          "(two per octave, 2^-4 .. 2^3.5 of it; fp32 row and column means beside them): ~1.5 B/param",
+                          _gefen_named_v8(("weight",), 2, 16, coder=_code_v_fac, second_moment="factored",
+                                          row_blocks="auto")),
     "v_default_bound2": ("(v) gefen_dist Gefen, defaults but bound_updates=2.0 (every normalised update clamped "
                          "to 2 K_t instead of K_t)", _gefen(second_moment="factored", row_blocks="auto",
                                                             bound_updates=2.0)),

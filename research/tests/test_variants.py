@@ -566,3 +566,42 @@ def test_li4_variant_tracks_the_per_element_second_moment():
     print(f"li4: mean |log2(stored / v)| {float(err):.2f} (factored {float(err_fact):.2f}); "
           f"{100 * float((below > 1.001).float().mean()):.1f}% more than half a level below, at most {float(below.max()):.1f}")
     assert 0.01 < float((below > 1.001).float().mean()) < 0.2 and float(below.max()) < 10
+
+
+def test_coded_v_emulation_is_on_its_grid_and_unbiased_in_the_code():
+    """quality_variants' emulated per-element v codes (the v_all_v8 / v_all_v4 / v_all_v4fac variants):
+    every stored value is a reference times a power of two on the code grid, the rounding is unbiased in
+    the code (the mean code over many draws is the exact one), zeros stay zero, and a variant's step
+    leaves its elementwise group's v on the grid."""
+    _variants()
+    import quality_variants as qv
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.rand(8, 256, generator=g) ** 6
+    v[0, :7] = 0
+    for steps, levels in ((16, 256), (1, 16)):
+        c = qv._code_v8(v, g, steps, levels)
+        ref = c.view(-1, 256).amax(1, keepdim=True)
+        k = -steps * torch.log2(c.view(-1, 256) / ref)
+        live = c.view(-1, 256) > 0
+        assert ((k[live] - k[live].round()).abs() < 1e-3).all() and k[live].max() <= levels - 2
+        assert (c[0, :7] == 0).all() and bool(live.view(-1)[7:].all())
+    x = torch.full((256,), 0.3)
+    x[0] = 1.0  # reference 1: exact code -16 log2(0.3) = 27.79
+    draws = torch.stack([qv._code_v8(x, g)[1:] for _ in range(400)])
+    assert abs(float((-16 * torch.log2(draws)).mean()) - (-16 * torch.log2(torch.tensor(0.3))).item()) < 0.02
+    f = qv._code_v_fac(v[1:], g)
+    r, cc = v[1:].mean(1, keepdim=True), v[1:].mean(0, keepdim=True)
+    kf = 2 * torch.log2(f / (r * cc / cc.mean())) + 8
+    assert ((kf - kf.round()).abs() < 1e-3).all() and kf.min() >= 0 and kf.max() <= 15
+
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    make = qv.quality.VARIANTS["v_all_v8_fused"][1]
+    opt = make([{"params": list(model.parameters()), "weight_decay": 0.0}], 1e-3, (0.9, 0.95), 0, model=model)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(16, 64, generator=g)).pow(2).mean().backward()
+        opt.step()
+    w = opt.state[model[0].weight]["v"].view(-1, 256)
+    k = -16 * torch.log2(w / w.amax(1, keepdim=True))
+    assert ((k - k.round()).abs() < 1e-3).all()

@@ -1,0 +1,140 @@
+"""The per-element second moment in one byte or half a byte on the `small` LM (research/quality-log.md,
+"A per-element v in a byte"): every stored run of the ``v_*`` variants of research/quality_variants.py
+that emulate coded per-element ``v`` on the library's elementwise path, paired by seed with the stored
+AdamW runs and with the shipped default (``v_default_fused``) on the same seeds, plus the state each
+layout would hold (bytes per parameter on this model and on GPT-2 small).
+
+    python research/v_codes_table.py [--md]      # reads research/results/{v8_small,nonemb_elementwise_small,...}
+
+The emulation stores fp32 ``v`` (its runs record ~5 B/param); the bytes printed here are the layout's:
+per element one byte of first moment plus the code (8 or 4 bits), an fp32 reference per 256 elements
+(block-maximum codes) or an fp32 row and column mean (codes relative to the factored estimate), and
+the default's scale blocks; tensors outside the coded set keep the default's layout.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+R = ROOT / "research" / "results"
+RUNS = ([ROOT / "docs/results/quality_runs.jsonl"] + sorted(Path(p) for p in glob.glob(str(R / "d17_small/runs_v_default_fused*.jsonl")))
+        + sorted(Path(p) for p in glob.glob(str(R / "v8_small/runs_*.jsonl")))
+        + sorted(Path(p) for p in glob.glob(str(R / "nonemb_elementwise_small/runs_*.jsonl")))
+        + [R / "emb_elementwise_small/runs.jsonl"])
+# variant -> (which weights are coded: name substrings, code bits, "block" | "fac" | None for fp32)
+LAYOUTS = {
+    "v_all_elementwise_fused": (("weight",), 32, None),
+    "v_all_v8_fused": (("weight",), 8, "block"),
+    "v_all_v4_fused": (("weight",), 4, "block"),
+    "v_all_v4fac_fused": (("weight",), 4, "fac"),
+    "v_embattn_v8_fused": (("wte", "wpe", "attn.c_attn"), 8, "block"),
+    "v_emb_elementwise_fused": (("wte", "wpe"), 32, None),
+    "v_attn_elementwise_fused": (("attn.c_attn",), 32, None),
+    "v_mlp_elementwise_fused": (("mlp.c_fc", "mlp.c_proj"), 32, None),
+}
+
+
+def finals(variant):
+    out = {}
+    for f in RUNS:
+        if not f.exists():
+            continue
+        for line in open(f):
+            r = json.loads(line)
+            c = r["config"]
+            if (r["workload"] == "lm" and r["variant"] == variant and c.get("preset") == "small"
+                    and c.get("steps") == 800):
+                out[r["seed"]] = r["result"]["val_loss"]  # the newest record of a seed
+    return out
+
+
+def layout_bytes(shapes, coded, bits, ref):
+    """Bytes per parameter of the layout over ``shapes`` ((name, shape) pairs)."""
+    from gefen_dist.plan import tensor_state
+
+    total = n_all = 0
+    for name, shape in shapes:
+        n = math.prod(shape)
+        n_all += n
+        if len(shape) >= 2 and any(s in name for s in coded):
+            st = tensor_state(shape, second_moment="elementwise")
+            if st["kind"] == "exact":
+                total += st["gefen_bytes"]
+                continue
+            b = st["gefen_bytes"] - 4 * n + bits / 8 * n  # the scale blocks and the first moment stay
+            b += 0 if ref is None else (4 * n / 256 if ref == "block" else 4 * (shape[0] + n // shape[0]))
+            total += b
+        else:
+            total += tensor_state(shape)["gefen_bytes"]
+    return total / n_all
+
+
+def small_shapes():
+    import torch  # noqa: F401
+
+    from launch.gpt import GPT, PRESETS
+    model = GPT(PRESETS["small"]) if not isinstance(PRESETS["small"], dict) else GPT(**PRESETS["small"])
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+def gpt2_small_shapes():
+    from _gpt2 import gpt2_shapes
+    return [(n if n not in ("wte", "wpe") else n + ".weight", s) for n, s in gpt2_shapes("small")]
+
+
+def ci95(x):
+    if len(x) < 2:
+        return (float("nan"), float("nan"))
+    from scipy import stats
+    h = stats.t.ppf(0.975, len(x) - 1) * statistics.stdev(x) / math.sqrt(len(x))
+    return statistics.fmean(x) - h, statistics.fmean(x) + h
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--md", action="store_true", help="print a markdown table")
+    args = ap.parse_args(argv)
+    adamw, default = finals("adamw"), finals("v_default_fused")
+    try:
+        sm = small_shapes()
+    except Exception as e:  # the table still prints the gaps
+        print("(small model shapes unavailable:", e, ")")
+        sm = None
+    g2 = gpt2_small_shapes()
+    rows = []
+    for v, (coded, bits, ref) in LAYOUTS.items():
+        f = finals(v)
+        seeds = sorted(s for s in f if s in adamw)
+        if not seeds:
+            continue
+        gaps = [100 * (f[s] / adamw[s] - 1) for s in seeds]
+        dgaps = [100 * (default[s] / adamw[s] - 1) for s in seeds if s in default]
+        rows.append(dict(variant=v, seeds=seeds, gaps=gaps, mean=statistics.fmean(gaps), ci=ci95(gaps),
+                         default_gaps=dgaps, default_mean=statistics.fmean(dgaps) if dgaps else float("nan"),
+                         bpp_small=layout_bytes(sm, coded, bits, ref) if sm else float("nan"),
+                         bpp_gpt2=layout_bytes(g2, coded, bits, ref)))
+    head = ("| variant | v of the coded weights | B/param, `small` / GPT-2 small | seeds | vs AdamW per seed | mean [95%] "
+            "| the default on those seeds (mean) |")
+    print(head)
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        coded, bits, ref = LAYOUTS[r["variant"]]
+        what = ("fp32" if ref is None else f"{bits}-bit codes, " + ("per-256 maxima" if ref == "block" else "vs factored"))
+        print(f"| `{r['variant']}` | {what} ({', '.join(coded)}) | {r['bpp_small']:.2f} / {r['bpp_gpt2']:.2f} | "
+              f"{', '.join(map(str, r['seeds']))} | " + ", ".join(f"{g:+.2f}%" for g in r["gaps"])
+              + f" | {r['mean']:+.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] | "
+              + ", ".join(f"{g:+.2f}%" for g in r["default_gaps"]) + f" ({r['default_mean']:+.2f}%) |")
+    if not args.md:
+        print(json.dumps({"default_bpp_gpt2": layout_bytes(g2, (), 0, None)}, indent=None))
+
+
+if __name__ == "__main__":
+    main()
