@@ -82,25 +82,31 @@ def _gefen(**kw):
     return make
 
 
-def _gefen_emb(mode: str, **kw):
-    """gefen_dist Gefen with the nn.Embedding weights (wte, tied to the LM head, and wpe) in a param
-    group of their own with ``second_moment=mode``, every other tensor as ``kw`` says."""
+def _gefen_group(select, mode: str, **kw):
+    """gefen_dist Gefen with the parameters ``select(model)`` returns (a set of ids) in a param group of
+    their own with ``second_moment=mode``, every other tensor as ``kw`` says (native step by default)."""
     def make(groups, lr, betas, seed, *, model, **_):
         from gefen_dist import Gefen
-        emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        chosen = select(model)
         out = []
         for g in groups:
-            rest = [p for p in g["params"] if id(p) not in emb]
-            mine = [p for p in g["params"] if id(p) in emb]
+            rest = [p for p in g["params"] if id(p) not in chosen]
+            mine = [p for p in g["params"] if id(p) in chosen]
             if rest:
                 out.append({**g, "params": rest})
             if mine:
                 out.append({**g, "params": mine, "second_moment": mode})
-        kw.setdefault("fused", None)
-        kw.setdefault("row_blocks", 1)  # as recorded before D12
-        return Gefen(out, lr=lr, betas=betas, eps=1e-8, **kw)
+        return Gefen(out, lr=lr, betas=betas, eps=1e-8, **dict(dict(fused=None), **kw))
     make.needs_model = True
     return make
+
+
+def _gefen_emb(mode: str, **kw):
+    """gefen_dist Gefen with the nn.Embedding weights (wte, tied to the LM head, and wpe) in a param
+    group of their own with ``second_moment=mode``, every other tensor as ``kw`` says."""
+    kw.setdefault("row_blocks", 1)  # as recorded before D12
+    return _gefen_group(lambda model: {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)},
+                        mode, **kw)
 
 
 def _adamw(groups, lr, betas, seed):

@@ -82,21 +82,11 @@ def _gefen_named(mode: str, substrings, **kw):
     """gefen_dist Gefen (the library, native CPU step) with the parameters whose name contains one of
     ``substrings`` in a param group of their own with ``second_moment=mode``; every other tensor as
     ``kw`` says: the library-path counterpart of :func:`_variant_named`."""
-    def make(groups, lr, betas, seed, *, model, **_):
-        from gefen_dist import Gefen
-        mine_ids = {id(p) for name, p in model.named_parameters() if any(s in name for s in substrings)}
-        assert mine_ids, f"no parameter name contains any of {substrings}"
-        out = []
-        for g in groups:
-            rest = [p for p in g["params"] if id(p) not in mine_ids]
-            mine = [p for p in g["params"] if id(p) in mine_ids]
-            if rest:
-                out.append({**g, "params": rest})
-            if mine:
-                out.append({**g, "params": mine, "second_moment": mode})
-        return Gefen(out, lr=lr, betas=betas, eps=1e-8, **dict(dict(fused=None), **kw))
-    make.needs_model = True
-    return make
+    def select(model):
+        chosen = {id(p) for name, p in model.named_parameters() if any(s in name for s in substrings)}
+        assert chosen, f"no parameter name contains any of {substrings}"
+        return chosen
+    return quality._gefen_group(select, mode, **kw)
 
 
 def _code_v8(v: torch.Tensor, gen: torch.Generator, steps: float = 16, levels: int = 256) -> torch.Tensor:

@@ -28,7 +28,9 @@ R = ROOT / "research" / "results"
 RUNS = ([ROOT / "docs/results/quality_runs.jsonl"] + sorted(Path(p) for p in glob.glob(str(R / "d17_small/runs_v_default_fused*.jsonl")))
         + sorted(Path(p) for p in glob.glob(str(R / "v8_small/runs_*.jsonl")))
         + sorted(Path(p) for p in glob.glob(str(R / "nonemb_elementwise_small/runs_*.jsonl")))
-        + [R / "emb_elementwise_small/runs.jsonl"])
+        + [R / "emb_elementwise_small/runs.jsonl"]
+        + [R / "default_base/runs_adamw.jsonl", R / "d17_base/runs_v_default_fused.jsonl", R / "emb_elementwise_base/runs.jsonl"]
+        + sorted(Path(p) for p in glob.glob(str(R / "v8_base/runs_*.jsonl"))))
 # variant -> (which weights are coded: name substrings, code bits, "block" | "fac" | None for fp32)
 LAYOUTS = {
     "v_all_elementwise_fused": (("weight",), 32, None),
@@ -42,7 +44,7 @@ LAYOUTS = {
 }
 
 
-def finals(variant):
+def finals(variant, preset="small"):
     out = {}
     for f in RUNS:
         if not f.exists():
@@ -50,7 +52,7 @@ def finals(variant):
         for line in open(f):
             r = json.loads(line)
             c = r["config"]
-            if (r["workload"] == "lm" and r["variant"] == variant and c.get("preset") == "small"
+            if (r["workload"] == "lm" and r["variant"] == variant and c.get("preset") == preset
                     and c.get("steps") == 800):
                 out[r["seed"]] = r["result"]["val_loss"]  # the newest record of a seed
     return out
@@ -102,16 +104,21 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--md", action="store_true", help="print a markdown table")
     args = ap.parse_args(argv)
-    adamw, default = finals("adamw"), finals("v_default_fused")
+    for preset in ("small", "base"):
+        table(preset, args)
+
+
+def table(preset, args):
+    adamw, default = finals("adamw", preset), finals("v_default_fused", preset)
     try:
-        sm = small_shapes()
+        sm = small_shapes()  # the bytes column is for the `small` model and GPT-2 small on both tables
     except Exception as e:  # the table still prints the gaps
         print("(small model shapes unavailable:", e, ")")
         sm = None
     g2 = gpt2_small_shapes()
     rows = []
     for v, (coded, bits, ref) in LAYOUTS.items():
-        f = finals(v)
+        f = finals(v, preset)
         seeds = sorted(s for s in f if s in adamw)
         if not seeds:
             continue
@@ -121,6 +128,7 @@ def main(argv=None):
                          default_gaps=dgaps, default_mean=statistics.fmean(dgaps) if dgaps else float("nan"),
                          bpp_small=layout_bytes(sm, coded, bits, ref) if sm else float("nan"),
                          bpp_gpt2=layout_bytes(g2, coded, bits, ref)))
+    print(f"\n`{preset}` preset, 800 steps:\n")
     head = ("| variant | v of the coded weights | B/param, `small` / GPT-2 small | seeds | vs AdamW per seed | mean [95%] "
             "| the default on those seeds (mean) |")
     print(head)
@@ -130,9 +138,10 @@ def main(argv=None):
         what = ("fp32" if ref is None else f"{bits}-bit codes, " + ("per-256 maxima" if ref == "block" else "vs factored"))
         print(f"| `{r['variant']}` | {what} ({', '.join(coded)}) | {r['bpp_small']:.2f} / {r['bpp_gpt2']:.2f} | "
               f"{', '.join(map(str, r['seeds']))} | " + ", ".join(f"{g:+.2f}%" for g in r["gaps"])
-              + f" | {r['mean']:+.2f}% [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}] | "
+              + f" | {r['mean']:+.2f}% " + (f"[{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]" if len(r["gaps"]) > 1 else "(one seed)")
+              + " | "
               + ", ".join(f"{g:+.2f}%" for g in r["default_gaps"]) + f" ({r['default_mean']:+.2f}%) |")
-    if not args.md:
+    if not args.md and preset == "small":
         print(json.dumps({"default_bpp_gpt2": layout_bytes(g2, (), 0, None)}, indent=None))
 
 
