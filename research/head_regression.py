@@ -86,15 +86,20 @@ CONFIGS = {
 }
 
 
+def head_state_bytes(opt: Gefen, head: torch.Tensor) -> float:
+    """Bytes per parameter of Gefen's state for ``head`` (everything but the step count and the codebook)."""
+    st = opt.state[head]
+    return sum(t.numel() * t.element_size() for k, t in st.items()
+               if isinstance(t, torch.Tensor) and k not in ("step", "codebook")) / head.numel()
+
+
 def run(make, seed):
     """``tests/_workloads.py``'s ``head_regression`` with the optimizer ``make(model)`` builds: the
     held-out MSE and, for Gefen, the head's state bytes per parameter and negative codewords."""
     loss, opt, model = head_regression(make, seed=seed)
     extra = {}
     if isinstance(opt, Gefen):
-        st = opt.state[model[2].weight]
-        extra["head_bytes_per_param"] = sum(t.numel() * t.element_size() for k, t in st.items()
-                                            if isinstance(t, torch.Tensor) and k not in ("step", "codebook")) / model[2].weight.numel()
+        extra["head_bytes_per_param"] = head_state_bytes(opt, model[2].weight)
         extra["negative_codewords"] = int((opt.codebook < 0).sum()) if opt.codebook is not None else None
     return loss, extra
 

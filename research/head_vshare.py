@@ -41,9 +41,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "research")]
 
 from _workloads import head_regression  # noqa: E402
+from head_regression import head_state_bytes  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 
 KW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
@@ -114,13 +115,11 @@ CONFIGS["gefen_factored"] = _gefen("factored")
 CONFIGS.update({f"adamw_code{S}x{L}": _reference(code=(S, L)) for S, L in ((16, 256), (8, 256), (4, 16), (2, 16))})
 
 
-def head_bytes(name, opt, head) -> float:
+def head_bytes(opt, head) -> float:
     """Bytes per parameter of the head's state (Gefen: everything but the step and codebook; the
     reference: what its layout would store, ``v`` only)."""
     if isinstance(opt, Gefen):
-        st = opt.state[head]
-        return sum(t.numel() * t.element_size() for k, t in st.items()
-                   if isinstance(t, torch.Tensor) and k not in ("step", "codebook")) / head.numel()
+        return head_state_bytes(opt, head)
     if opt.code:
         return math.log2(opt.code[1]) / 8 + 4 / 256
     return 4 / opt.share
@@ -142,7 +141,7 @@ def main(argv=None):
         torch_loss = head_regression(lambda m: torch.optim.AdamW(m.parameters(), weight_decay=0.0, **KW), seed=seed)[0]
         for name in names:
             loss, opt, model = head_regression(lambda m, n=name: CONFIGS[n](m, seed), seed=seed)
-            runs.setdefault(name, {})[seed] = dict(loss=loss, head_bytes_per_param=head_bytes(name, opt, model[2].weight))
+            runs.setdefault(name, {})[seed] = dict(loss=loss, head_bytes_per_param=head_bytes(opt, model[2].weight))
             print(f"{name:18s} seed {seed}: held-out MSE {loss:.5f}", flush=True)
         ref = runs["adamw"][seed]["loss"]
         assert abs(ref / torch_loss - 1) < 1e-3, (ref, torch_loss)  # the reference is AdamW

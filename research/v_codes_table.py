@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from seed_gaps import load_finals, summarize  # noqa: E402
 
 R = ROOT / "research" / "results"
 RUNS = ([ROOT / "docs/results/quality_runs.jsonl"] + sorted(Path(p) for p in glob.glob(str(R / "d17_small/runs_v_default_fused*.jsonl")))
@@ -45,17 +46,9 @@ LAYOUTS = {
 
 
 def finals(variant, preset="small"):
-    out = {}
-    for f in RUNS:
-        if not f.exists():
-            continue
-        for line in open(f):
-            r = json.loads(line)
-            c = r["config"]
-            if (r["workload"] == "lm" and r["variant"] == variant and c.get("preset") == preset
-                    and c.get("steps") == 800):
-                out[r["seed"]] = r["result"]["val_loss"]  # the newest record of a seed
-    return out
+    """``{seed: final validation loss}`` of ``variant``'s stored runs (benchmarks/seed_gaps.load_finals)."""
+    runs = load_finals([f for f in RUNS if f.exists()], preset)
+    return {seed: r["val"] for (v, seed), r in runs.items() if v == variant}
 
 
 def layout_bytes(shapes, coded, bits, ref):
@@ -80,24 +73,13 @@ def layout_bytes(shapes, coded, bits, ref):
 
 
 def small_shapes():
-    import torch  # noqa: F401
-
     from launch.gpt import GPT, PRESETS
-    model = GPT(PRESETS["small"]) if not isinstance(PRESETS["small"], dict) else GPT(**PRESETS["small"])
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    return [(n, tuple(p.shape)) for n, p in GPT(PRESETS["small"]).named_parameters()]
 
 
 def gpt2_small_shapes():
     from _gpt2 import gpt2_shapes
     return [(n if n not in ("wte", "wpe") else n + ".weight", s) for n, s in gpt2_shapes("small")]
-
-
-def ci95(x):
-    if len(x) < 2:
-        return (float("nan"), float("nan"))
-    from scipy import stats
-    h = stats.t.ppf(0.975, len(x) - 1) * statistics.stdev(x) / math.sqrt(len(x))
-    return statistics.fmean(x) - h, statistics.fmean(x) + h
 
 
 def main(argv=None):
@@ -110,12 +92,7 @@ def main(argv=None):
 
 def table(preset, args):
     adamw, default = finals("adamw", preset), finals("v_default_fused", preset)
-    try:
-        sm = small_shapes()  # the bytes column is for the `small` model and GPT-2 small on both tables
-    except Exception as e:  # the table still prints the gaps
-        print("(small model shapes unavailable:", e, ")")
-        sm = None
-    g2 = gpt2_small_shapes()
+    sm, g2 = small_shapes(), gpt2_small_shapes()  # the bytes column: the `small` model and GPT-2 small
     rows = []
     for v, (coded, bits, ref) in LAYOUTS.items():
         f = finals(v, preset)
@@ -124,10 +101,10 @@ def table(preset, args):
             continue
         gaps = [100 * (f[s] / adamw[s] - 1) for s in seeds]
         dgaps = [100 * (default[s] / adamw[s] - 1) for s in seeds if s in default]
-        rows.append(dict(variant=v, seeds=seeds, gaps=gaps, mean=statistics.fmean(gaps), ci=ci95(gaps),
+        sg = summarize(gaps)
+        rows.append(dict(variant=v, seeds=seeds, gaps=gaps, mean=sg["mean"], ci=sg.get("ci95"),
                          default_gaps=dgaps, default_mean=statistics.fmean(dgaps) if dgaps else float("nan"),
-                         bpp_small=layout_bytes(sm, coded, bits, ref) if sm else float("nan"),
-                         bpp_gpt2=layout_bytes(g2, coded, bits, ref)))
+                         bpp_small=layout_bytes(sm, coded, bits, ref), bpp_gpt2=layout_bytes(g2, coded, bits, ref)))
     print(f"\n`{preset}` preset, 800 steps:\n")
     head = ("| variant | v of the coded weights | B/param, `small` / GPT-2 small | seeds | vs AdamW per seed | mean [95%] "
             "| the default on those seeds (mean) |")
