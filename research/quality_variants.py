@@ -118,7 +118,43 @@ def _code_v_fac(v: torch.Tensor, gen: torch.Generator, steps: float = 2, levels:
     return torch.where(fac > 0, fac * torch.exp2((k - levels // 2) / steps), torch.zeros_like(v))
 
 
-def _gefen_named_v8(substrings, steps: float = 16, levels: int = 256, coder=None, **kw):
+def _code_v_mm(v: torch.Tensor, gen: torch.Generator, steps: float = 0, levels: int = 16) -> torch.Tensor:
+    """``v`` as ``levels`` log codes spread over each 256-block's own range: ``c = (log2 R_b - log2 v) / s_b``,
+    ``s_b = (log2 R_b - log2 r_b) / (levels - 1)`` (``R_b``, ``r_b`` the block's largest and smallest nonzero
+    ``v``; two fp32 per block), rounded stochastically in ``c``: a block of narrow range gets fine steps, a
+    wide one coarse steps and no clamping (``steps`` unused: the resolution is the block's); 0 stays 0."""
+    flat = v.reshape(-1)
+    pad = (-flat.numel()) % 256
+    vb = torch.cat([flat, flat.new_zeros(pad)]).view(-1, 256)
+    hi = vb.amax(1, keepdim=True).clamp_min(1e-38)
+    lo = torch.where(vb > 0, vb, torch.full_like(vb, float("inf"))).amin(1, keepdim=True)
+    lo = torch.where(torch.isfinite(lo), lo, hi)
+    s = ((torch.log2(hi) - torch.log2(lo)) / (levels - 1)).clamp_min(1e-6)
+    x = ((torch.log2(hi) - torch.log2(vb.clamp_min(1e-38))) / s).clamp(0, levels - 1)
+    f = x.floor()
+    c = f + (torch.rand(x.shape, generator=gen) < x - f).to(x.dtype)
+    out = torch.where(vb > 0, hi * torch.exp2(-c * s), torch.zeros_like(vb))
+    return out.view(-1)[:flat.numel()].view_as(v)
+
+
+def _m_subset_table(opt, k: int) -> torch.Tensor:
+    """A map of the 256 codeword indices onto ``k`` of them: the exact DP (core/codebook.dp_segments) on
+    the learned codewords weighted by how many first-moment indices use each now, each segment's
+    representative the member nearest its weighted mean, then every codeword to its nearest representative:
+    a ``k``-entry first-moment codebook (``k = 16``: 4 bits) emulated inside the 256-entry one."""
+    import numpy as np
+    from gefen_dist.core.codebook import dp_segments
+    sts = [st for st in opt.state.values() if st and "idx" in st and st.get("learned", True)]
+    cb = sts[0]["codebook"].float().cpu()
+    counts = torch.zeros(256, dtype=torch.float64)
+    for st in sts:
+        counts += torch.bincount(st["idx"].reshape(-1).long(), minlength=256).double()
+    means, _, _, _ = dp_segments(cb.numpy().astype(np.float64), counts.numpy() + 1e-3, k)
+    reps = torch.tensor([int((cb - float(m)).abs().argmin()) for m in means])
+    return reps[(cb[:, None] - cb[reps][None, :]).abs().argmin(1)].to(torch.uint8)
+
+
+def _gefen_named_v8(substrings, steps: float = 16, levels: int = 256, coder=None, m_levels=None, **kw):
     """:func:`_gefen_named` with ``second_moment="elementwise"``, the group's per-element ``v`` re-coded
     after every step to what a one-byte log code per element (:func:`_code_v8`) would hold: an emulation
     of an 8-bit per-element second moment (~2 B/param with the 8-bit first moment) on the library's
@@ -128,6 +164,7 @@ def _gefen_named_v8(substrings, steps: float = 16, levels: int = 256, coder=None
         gen = torch.Generator().manual_seed(1_000_003 + seed)
         coded = [p for g in opt.param_groups if g.get("second_moment") == "elementwise" for p in g["params"]]
         inner = opt.step
+        table = [None]
 
         def step(closure=None):
             out = inner(closure)
@@ -135,8 +172,14 @@ def _gefen_named_v8(substrings, steps: float = 16, levels: int = 256, coder=None
                 for p in coded:
                     st = opt.state.get(p)
                     if st and "v" in st:
-                        code = coder if (coder and st["v"].dim() == 2) else _code_v8
+                        code = coder if (coder and (coder is not _code_v_fac or st["v"].dim() == 2)) else _code_v8
                         st["v"].copy_(code(st["v"], gen, steps, levels))
+                if m_levels:
+                    if table[0] is None:
+                        table[0] = _m_subset_table(opt, m_levels)
+                    for st in opt.state.values():
+                        if st and "idx" in st:
+                            st["idx"].copy_(table[0][st["idx"].long()])
             return out
         opt.step = step
         return opt
@@ -475,6 +518,18 @@ RESEARCH_VARIANTS = {
                           "(two per octave, 2^-4 .. 2^3.5 of it; fp32 row and column means beside them): ~1.5 B/param",
                           _gefen_named_v8(("weight",), 2, 16, coder=_code_v_fac, second_moment="factored",
                                           row_blocks="auto")),
+    # (v) the range of half a byte: 16 levels over each 256-block's own (min, max) of v, and a 4-bit first moment (16
+    # of the 256 learned codewords, chosen by the same DP): 4 + 4 bits ~ 1.03 B/param, inside the default's 1.1
+    "v_all_v4mm_fused": ("(v) as v_all_v4_fused with the 16 levels spread over each 256-block's own log range "
+                         "(min and max nonzero v): ~1.55 B/param",
+                         _gefen_named_v8(("weight",), 0, 16, coder=_code_v_mm, second_moment="factored",
+                                         row_blocks="auto")),
+    "v_all_m4v4_fused": ("(v) as v_all_v4_fused with a 4-bit first moment too (16 of the learned codewords, by the DP "
+                         "on their use after step 1): ~1.03 B/param", _gefen_named_v8(
+                             ("weight",), 1, 16, m_levels=16, second_moment="factored", row_blocks="auto")),
+    "v_all_m4v4mm_fused": ("(v) v_all_v4mm_fused with the 4-bit first moment of v_all_m4v4_fused: ~1.05 B/param",
+                           _gefen_named_v8(("weight",), 0, 16, coder=_code_v_mm, m_levels=16,
+                                           second_moment="factored", row_blocks="auto")),
     "v_default_bound2": ("(v) gefen_dist Gefen, defaults but bound_updates=2.0 (every normalised update clamped "
                          "to 2 K_t instead of K_t)", _gefen(second_moment="factored", row_blocks="auto",
                                                             bound_updates=2.0)),

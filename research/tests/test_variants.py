@@ -605,3 +605,38 @@ def test_coded_v_emulation_is_on_its_grid_and_unbiased_in_the_code():
     w = opt.state[model[0].weight]["v"].view(-1, 256)
     k = -16 * torch.log2(w / w.amax(1, keepdim=True))
     assert ((k - k.round()).abs() < 1e-3).all()
+
+
+def test_range_coded_v_and_the_4bit_first_moment_emulation():
+    """quality_variants' v_all_v4mm (16 log levels over each 256-block's own nonzero range) and the 4-bit
+    first moment of v_all_m4v4 (16 of the 256 learned codewords): every stored v is the block's max times a
+    power of two on that block's grid with its min and max kept, zeros stay zero, and after a step of the
+    m4 variants every tensor's indices use at most 16 codewords, -1 and +1 among those possible."""
+    _variants()
+    import quality_variants as qv
+
+    g = torch.Generator().manual_seed(1)
+    v = torch.rand(4, 256, generator=g) ** 8
+    v[2, :5] = 0
+    c = qv._code_v_mm(v, g)
+    live = v > 0
+    assert (c[~live] == 0).all() and (c[live] > 0).all()
+    for row in range(4):
+        vr, cr = v[row][live[row]], c[row][live[row]]
+        hi, lo = vr.max(), vr.min()
+        assert torch.isclose(cr.max(), hi) and torch.isclose(cr.min(), lo, rtol=1e-4)
+        k = (torch.log2(hi) - torch.log2(cr)) / ((torch.log2(hi) - torch.log2(lo)) / 15)
+        assert ((k - k.round()).abs() < 1e-3).all() and k.min() > -1e-3 and k.max() < 15 + 1e-3
+
+    model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
+    make = qv.quality.VARIANTS["v_all_m4v4mm_fused"][1]
+    opt = make([{"params": list(model.parameters()), "weight_decay": 0.0}], 1e-3, (0.9, 0.95), 0, model=model)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(16, 64, generator=g)).pow(2).mean().backward()
+        opt.step()
+    used = torch.cat([st["idx"].reshape(-1) for st in opt.state.values() if "idx" in st]).unique()
+    assert 2 < used.numel() <= 16
+    table = qv._m_subset_table(opt, 16)
+    assert table.unique().numel() == 16 and int(table[0]) == 0 and int(table[255]) == 255
+    assert bool((table[1:].long() >= table[:-1].long()).all())  # nearest representative: monotone in the codeword
