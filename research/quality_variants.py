@@ -154,7 +154,19 @@ def _m_subset_table(opt, k: int) -> torch.Tensor:
     return reps[(cb[:, None] - cb[reps][None, :]).abs().argmin(1)].to(torch.uint8)
 
 
-def _gefen_named_v8(substrings, steps: float = 16, levels: int = 256, coder=None, m_levels=None, **kw):
+def _m_subset_stochastic(table: torch.Tensor, cb: torch.Tensor):
+    """For :func:`_m_subset_table`'s representatives, each codeword's two bracketing representatives and the
+    probability of the upper one that makes the choice unbiased in the codeword's value: ``(lo, hi, p_hi)``."""
+    reps = table.long().unique()  # ascending codeword indices (the codebook ascends)
+    c = cb.float()
+    pos = torch.searchsorted(c[reps], c, right=True).clamp(1, reps.numel() - 1)
+    lo, hi = reps[pos - 1], reps[pos]
+    p = ((c - c[lo]) / (c[hi] - c[lo])).clamp(0, 1)
+    return lo.to(torch.uint8), hi.to(torch.uint8), p
+
+
+def _gefen_named_v8(substrings, steps: float = 16, levels: int = 256, coder=None, m_levels=None,
+                    m_stochastic=False, **kw):
     """:func:`_gefen_named` with ``second_moment="elementwise"``, the group's per-element ``v`` re-coded
     after every step to what a one-byte log code per element (:func:`_code_v8`) would hold: an emulation
     of an 8-bit per-element second moment (~2 B/param with the 8-bit first moment) on the library's
@@ -177,9 +189,17 @@ def _gefen_named_v8(substrings, steps: float = 16, levels: int = 256, coder=None
                 if m_levels:
                     if table[0] is None:
                         table[0] = _m_subset_table(opt, m_levels)
+                        cb = next(st["codebook"] for st in opt.state.values() if st and "idx" in st)
+                        table.append(_m_subset_stochastic(table[0], cb.cpu()))
                     for st in opt.state.values():
                         if st and "idx" in st:
-                            st["idx"].copy_(table[0][st["idx"].long()])
+                            ix = st["idx"].long()
+                            if m_stochastic:  # between the two representatives around the codeword, unbiased
+                                lo, hi, p = table[1]
+                                up = torch.rand(ix.shape, generator=gen) < p[ix]
+                                st["idx"].copy_(torch.where(up, hi[ix], lo[ix]))
+                            else:
+                                st["idx"].copy_(table[0][ix])
             return out
         opt.step = step
         return opt
@@ -530,6 +550,27 @@ RESEARCH_VARIANTS = {
     "v_all_m4v4mm_fused": ("(v) v_all_v4mm_fused with the 4-bit first moment of v_all_m4v4_fused: ~1.05 B/param",
                            _gefen_named_v8(("weight",), 0, 16, coder=_code_v_mm, m_levels=16,
                                            second_moment="factored", row_blocks="auto")),
+    "v_all_m4sv4_fused": ("(v) as v_all_m4v4_fused with the 4-bit first moment rounded stochastically between its two "
+                          "nearest representatives (unbiased in the value): ~1.03 B/param", _gefen_named_v8(
+                              ("weight",), 1, 16, m_levels=16, m_stochastic=True, second_moment="factored",
+                              row_blocks="auto")),
+    # (v) one byte per element for both moments (the default's bytes, ~1.02 B/param): k bits of first moment (2^k of the
+    # learned codewords) and 8 - k bits of v relative to the factored estimate the default's v_row / v_col already hold
+    "v_all_m6v2fac_fused": ("(v) one byte per element: a 6-bit first moment (64 learned codewords, nearest) and a 2-bit v "
+                            "vs the factored estimate (2^-2 .. 2^1, one per octave, stochastic): ~1.02 B/param",
+                            _gefen_named_v8(("weight",), 1, 4, coder=_code_v_fac, m_levels=64,
+                                            second_moment="factored", row_blocks="auto")),
+    "v_all_m6sv2fac_fused": ("(v) v_all_m6v2fac_fused with the first moment rounded stochastically: ~1.02 B/param",
+                             _gefen_named_v8(("weight",), 1, 4, coder=_code_v_fac, m_levels=64, m_stochastic=True,
+                                             second_moment="factored", row_blocks="auto")),
+    "v_all_m5sv3fac_fused": ("(v) one byte per element: a 5-bit first moment (32 codewords, stochastic) and a 3-bit v vs "
+                             "the factored estimate (2^-4 .. 2^3, one per octave): ~1.02 B/param",
+                             _gefen_named_v8(("weight",), 1, 8, coder=_code_v_fac, m_levels=32, m_stochastic=True,
+                                             second_moment="factored", row_blocks="auto")),
+    "v_all_m4sv4fac_fused": ("(v) one byte per element: a 4-bit first moment (16 codewords, stochastic) and a 4-bit v vs "
+                             "the factored estimate (2^-4 .. 2^3.5, two per octave): ~1.02 B/param",
+                             _gefen_named_v8(("weight",), 2, 16, coder=_code_v_fac, m_levels=16, m_stochastic=True,
+                                             second_moment="factored", row_blocks="auto")),
     "v_default_bound2": ("(v) gefen_dist Gefen, defaults but bound_updates=2.0 (every normalised update clamped "
                          "to 2 K_t instead of K_t)", _gefen(second_moment="factored", row_blocks="auto",
                                                             bound_updates=2.0)),

@@ -28,16 +28,26 @@ from seed_gaps import load_finals, summarize  # noqa: E402
 R = ROOT / "research" / "results"
 RUNS = ([ROOT / "docs/results/quality_runs.jsonl"] + sorted(Path(p) for p in glob.glob(str(R / "d17_small/runs_v_default_fused*.jsonl")))
         + sorted(Path(p) for p in glob.glob(str(R / "v8_small/runs_*.jsonl")))
+        + sorted(Path(p) for p in glob.glob(str(R / "m4v4_small/runs_*.jsonl")))
         + sorted(Path(p) for p in glob.glob(str(R / "nonemb_elementwise_small/runs_*.jsonl")))
         + [R / "emb_elementwise_small/runs.jsonl"]
         + [R / "default_base/runs_adamw.jsonl", R / "d17_base/runs_v_default_fused.jsonl", R / "emb_elementwise_base/runs.jsonl"]
         + sorted(Path(p) for p in glob.glob(str(R / "v8_base/runs_*.jsonl"))))
-# variant -> (which weights are coded: name substrings, code bits, "block" | "fac" | None for fp32)
+# variant -> (which weights are coded: name substrings, code bits, "block" | "minmax" | "fac" | None for fp32[,
+# the first moment's bits when not 8])
 LAYOUTS = {
     "v_all_elementwise_fused": (("weight",), 32, None),
     "v_all_v8_fused": (("weight",), 8, "block"),
     "v_all_v4_fused": (("weight",), 4, "block"),
     "v_all_v4fac_fused": (("weight",), 4, "fac"),
+    "v_all_v4mm_fused": (("weight",), 4, "minmax"),
+    "v_all_m4v4_fused": (("weight",), 4, "block", 4),
+    "v_all_m4sv4_fused": (("weight",), 4, "block", 4),
+    "v_all_m4v4mm_fused": (("weight",), 4, "minmax", 4),
+    "v_all_m6v2fac_fused": (("weight",), 2, "fac", 6),
+    "v_all_m6sv2fac_fused": (("weight",), 2, "fac", 6),
+    "v_all_m5sv3fac_fused": (("weight",), 3, "fac", 5),
+    "v_all_m4sv4fac_fused": (("weight",), 4, "fac", 4),
     "v_embattn_v8_fused": (("wte", "wpe", "attn.c_attn"), 8, "block"),
     "v_emb_elementwise_fused": (("wte", "wpe"), 32, None),
     "v_attn_elementwise_fused": (("attn.c_attn",), 32, None),
@@ -51,7 +61,7 @@ def finals(variant, preset="small"):
     return {seed: r["val"] for (v, seed), r in runs.items() if v == variant}
 
 
-def layout_bytes(shapes, coded, bits, ref):
+def layout_bytes(shapes, coded, bits, ref, m_bits=8):
     """Bytes per parameter of the layout over ``shapes`` ((name, shape) pairs)."""
     from gefen_dist.plan import tensor_state
 
@@ -64,8 +74,9 @@ def layout_bytes(shapes, coded, bits, ref):
             if st["kind"] == "exact":
                 total += st["gefen_bytes"]
                 continue
-            b = st["gefen_bytes"] - 4 * n + bits / 8 * n  # the scale blocks and the first moment stay
-            b += 0 if ref is None else (4 * n / 256 if ref == "block" else 4 * (shape[0] + n // shape[0]))
+            b = st["gefen_bytes"] - 4 * n + bits / 8 * n - (8 - m_bits) / 8 * n  # the scale blocks stay
+            b += 0 if ref is None else {"block": 4 * n / 256, "minmax": 8 * n / 256}.get(
+                ref, 4 * (shape[0] + n // shape[0]))
             total += b
         else:
             total += tensor_state(shape)["gefen_bytes"]
@@ -94,7 +105,7 @@ def table(preset, args):
     adamw, default = finals("adamw", preset), finals("v_default_fused", preset)
     sm, g2 = small_shapes(), gpt2_small_shapes()  # the bytes column: the `small` model and GPT-2 small
     rows = []
-    for v, (coded, bits, ref) in LAYOUTS.items():
+    for v, (coded, bits, ref, *m_bits) in LAYOUTS.items():
         f = finals(v, preset)
         seeds = sorted(s for s in f if s in adamw)
         if not seeds:
@@ -104,15 +115,17 @@ def table(preset, args):
         sg = summarize(gaps)
         rows.append(dict(variant=v, seeds=seeds, gaps=gaps, mean=sg["mean"], ci=sg.get("ci95"),
                          default_gaps=dgaps, default_mean=statistics.fmean(dgaps) if dgaps else float("nan"),
-                         bpp_small=layout_bytes(sm, coded, bits, ref), bpp_gpt2=layout_bytes(g2, coded, bits, ref)))
+                         bpp_small=layout_bytes(sm, coded, bits, ref, *m_bits),
+                         bpp_gpt2=layout_bytes(g2, coded, bits, ref, *m_bits)))
     print(f"\n`{preset}` preset, 800 steps:\n")
     head = ("| variant | v of the coded weights | B/param, `small` / GPT-2 small | seeds | vs AdamW per seed | mean [95%] "
             "| the default on those seeds (mean) |")
     print(head)
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        coded, bits, ref = LAYOUTS[r["variant"]]
-        what = ("fp32" if ref is None else f"{bits}-bit codes, " + ("per-256 maxima" if ref == "block" else "vs factored"))
+        coded, bits, ref, *m_bits = LAYOUTS[r["variant"]]
+        what = ("fp32" if ref is None else f"{bits}-bit codes, " + {"block": "per-256 maxima", "minmax": "per-256 ranges"}
+                .get(ref, "vs factored")) + (f"; {m_bits[0]}-bit first moment" if m_bits else "")
         print(f"| `{r['variant']}` | {what} ({', '.join(coded)}) | {r['bpp_small']:.2f} / {r['bpp_gpt2']:.2f} | "
               f"{', '.join(map(str, r['seeds']))} | " + ", ".join(f"{g:+.2f}%" for g in r["gaps"])
               + f" | {r['mean']:+.2f}% " + (f"[{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]" if len(r["gaps"]) > 1 else "(one seed)")

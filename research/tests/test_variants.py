@@ -640,3 +640,9 @@ def test_range_coded_v_and_the_4bit_first_moment_emulation():
     table = qv._m_subset_table(opt, 16)
     assert table.unique().numel() == 16 and int(table[0]) == 0 and int(table[255]) == 255
     assert bool((table[1:].long() >= table[:-1].long()).all())  # nearest representative: monotone in the codeword
+    cb = next(st["codebook"] for st in opt.state.values() if "idx" in st).float()
+    lo, hi, p = qv._m_subset_stochastic(table, cb)  # v_all_m4sv4: unbiased between the two representatives
+    reps = set(table.long().tolist())
+    assert reps >= set(lo.long().tolist()) | set(hi.long().tolist())
+    assert torch.allclose(cb[lo.long()] * (1 - p) + cb[hi.long()] * p, cb, atol=1e-6)
+    assert bool((cb[lo.long()] <= cb).all() and (cb <= cb[hi.long()]).all())
