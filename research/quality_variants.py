@@ -165,6 +165,13 @@ def _m_subset_stochastic(table: torch.Tensor, cb: torch.Tensor):
     return lo.to(torch.uint8), hi.to(torch.uint8), p
 
 
+def _byte_moments(ref: str):
+    def make(groups, lr, betas, seed, **kw):
+        from byte_moments import make_variant
+        return make_variant(ref)(groups, lr, betas, seed, **kw)
+    return make
+
+
 def _gefen_named_v8(substrings, steps: float = 16, levels: int = 256, coder=None, m_levels=None,
                     m_stochastic=False, **kw):
     """:func:`_gefen_named` with ``second_moment="elementwise"``, the group's per-element ``v`` re-coded
@@ -571,6 +578,12 @@ RESEARCH_VARIANTS = {
                              "the factored estimate (2^-4 .. 2^3.5, two per octave): ~1.02 B/param",
                              _gefen_named_v8(("weight",), 2, 16, coder=_code_v_fac, m_levels=16, m_stochastic=True,
                                              second_moment="factored", row_blocks="auto")),
+    # (v) the prototype optimizer of that layout (research/byte_moments.py: 16-entry codebook by the DP, stochastic
+    # rounding keyed by element index, v's codes against the factored EMAs or per-256 maxima, one uint8 per element)
+    "v_bytes_fac_proto": ("(v) research/byte_moments.py, ref='fac': one byte per element (4-bit m, 4-bit v vs the "
+                          "factored estimate), plain torch: ~1.02 B/param", _byte_moments("fac")),
+    "v_bytes_block_proto": ("(v) research/byte_moments.py, ref='block': 4-bit v vs per-256 maxima: ~1.03 B/param",
+                            _byte_moments("block")),
     "v_default_bound2": ("(v) gefen_dist Gefen, defaults but bound_updates=2.0 (every normalised update clamped "
                          "to 2 K_t instead of K_t)", _gefen(second_moment="factored", row_blocks="auto",
                                                             bound_updates=2.0)),
