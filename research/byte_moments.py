@@ -65,18 +65,19 @@ def _key(seed: int, step: int, tensor: int, stream: int) -> int:
     return (seed * 0x9E3779B1 + step * 0x85EBCA77 + tensor * 0xC2B2AE3D + stream * 0x27D4EB2F) & _M32
 
 
-def fit_codebook16(zs) -> torch.Tensor:
-    """The 16-entry codebook: the exact DP (K = 16) on the histogram of the normalised values ``zs`` (a list
-    of float32 tensors in [-1, 1]) plus its mirror image; with fewer than 16 active bins, 16 even levels."""
+def fit_codebook16(zs, k: int = 16) -> torch.Tensor:
+    """The ``k``-entry codebook (16 here; 256 is the default's): the exact DP (K = k) on the histogram of
+    the normalised values ``zs`` (a list of float32 tensors in [-1, 1]) plus its mirror image; with fewer
+    than ``k`` active bins, ``k`` even levels."""
     counts = torch.zeros(NUM_BINS, dtype=torch.int64)
     for z in zs:
         j = ((z.reshape(-1).double() + 1.0) * (NUM_BINS / 2)).floor().clamp(0, NUM_BINS - 1).long()
         counts += torch.bincount(j, minlength=NUM_BINS)
     w = mirrored_counts(counts.numpy()).astype(np.float64)
     live = w > 0
-    if int(live.sum()) < 16:
-        return torch.linspace(-1, 1, 16)
-    cb, _, _, _ = dp_segments(bin_centres().astype(np.float64)[live], w[live], 16)
+    if int(live.sum()) < k:
+        return torch.linspace(-1, 1, k)
+    cb, _, _, _ = dp_segments(bin_centres().astype(np.float64)[live], w[live], k)
     return torch.from_numpy(np.asarray(cb, dtype=np.float32))
 
 
@@ -84,11 +85,17 @@ class ByteMoments(torch.optim.Optimizer):
     """AdamW with one byte per element for both moments on large tensors (see the module's text)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, ref: str = "fac",
-                 seed: int = 0, small_threshold: int = 4096, bound: Optional[float] = DEFAULT_BOUND_UPDATES):
-        if ref not in ("fac", "block"):
-            raise ValueError(f"ref must be 'fac' or 'block', got {ref!r}")
+                 seed: int = 0, small_threshold: int = 4096, bound: Optional[float] = DEFAULT_BOUND_UPDATES,
+                 m_round: str = "stochastic"):
+        if ref not in ("fac", "block", "none"):
+            raise ValueError(f"ref must be 'fac', 'block' or 'none', got {ref!r}")
+        if m_round not in ("stochastic", "nearest"):
+            raise ValueError(f"m_round must be 'stochastic' or 'nearest', got {m_round!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.ref, self.seed, self.small_threshold, self.bound = ref, seed, small_threshold, bound
+        # ref="none": no per-element v (the factored estimate itself, as the default), the whole byte the
+        # first moment's index into 256 codewords: the default's layout with this prototype's rounding
+        self.m_round, self.k = m_round, 256 if ref == "none" else 16
         self.codebook: Optional[torch.Tensor] = None
 
     def _coded(self, p) -> bool:
@@ -104,7 +111,8 @@ class ByteMoments(torch.optim.Optimizer):
                  if p.grad is not None and self._coded(p)]
         if self.codebook is None and coded:  # the first step's m = (1 - beta1) g, normalised per block
             ms = [(1 - g["betas"][0]) * p.grad.float().reshape(p.shape[0], -1) for g, _, p in coded]
-            self.codebook = fit_codebook16([m / _expand(_block_absmax(m), m.shape[1]).clamp_min(1e-38) for m in ms])
+            self.codebook = fit_codebook16([m / _expand(_block_absmax(m), m.shape[1]).clamp_min(1e-38) for m in ms],
+                                           self.k)
         for n, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
@@ -139,7 +147,7 @@ class ByteMoments(torch.optim.Optimizer):
             st["step"] = 0
             st["code"] = torch.zeros(rows, cols, dtype=torch.uint8)
             st["scale"] = torch.zeros(rows, nb)
-            if self.ref == "fac":
+            if self.ref != "block":
                 st["v_row"], st["v_col"] = torch.zeros(rows), torch.zeros(cols)
             else:
                 st["vmax"] = torch.zeros(rows, nb)
@@ -152,15 +160,15 @@ class ByteMoments(torch.optim.Optimizer):
             m_prev, v_prev = self._decode(st, rows, cols)
         g2 = g * g
         m = b1 * m_prev + (1 - b1) * g
-        v = b2 * v_prev + (1 - b2) * g2
+        if self.ref != "block":  # after decoding (v's codes are against the previous estimate)
+            st["v_row"].mul_(b2).add_(g2.mean(1), alpha=1 - b2)
+            st["v_col"].mul_(b2).add_(g2.mean(0), alpha=1 - b2)
+        v = self._factored(st) if self.ref == "none" else b2 * v_prev + (1 - b2) * g2
         u = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
         if self.bound:
             k = clamp_bound(self.bound, b1, b2, t)
             u.clamp_(-k, k)
         p.mul_(1 - group["lr"] * group["weight_decay"]).add_(u.view_as(p).to(p.dtype), alpha=-group["lr"])
-        if self.ref == "fac":
-            st["v_row"].mul_(b2).add_(g2.mean(1), alpha=1 - b2)
-            st["v_col"].mul_(b2).add_(g2.mean(0), alpha=1 - b2)
         st["step"] = t
         self._encode(st, m, v, rows, cols, (self.seed, t, tensor))
 
@@ -170,6 +178,8 @@ class ByteMoments(torch.optim.Optimizer):
 
     def _decode(self, st, rows, cols):
         code = st["code"].long()
+        if self.ref == "none":
+            return self.codebook[code] * _expand(st["scale"], cols), None
         m = self.codebook[code >> 4] * _expand(st["scale"], cols)
         c = (code & 15).float()
         if self.ref == "fac":
@@ -187,9 +197,12 @@ class ByteMoments(torch.optim.Optimizer):
         st["scale"].copy_(a)
         z = m / _expand(a, cols).clamp_min(1e-38)
         cb = self.codebook
-        lo = (torch.searchsorted(cb, z.contiguous(), right=True) - 1).clamp(0, 14)
+        lo = (torch.searchsorted(cb, z.contiguous(), right=True) - 1).clamp(0, self.k - 2)
         frac = ((z - cb[lo]) / (cb[lo + 1] - cb[lo])).clamp(0, 1)
-        mc = lo + (u1 < frac).long()
+        mc = lo + ((u1 < frac) if self.m_round == "stochastic" else (frac > 0.5)).long()  # nearest: ties low
+        if self.ref == "none":
+            st["code"].copy_(mc.to(torch.uint8))
+            return
         if self.ref == "fac":
             fac = self._factored(st)
             x = (2 * torch.log2(v.clamp_min(1e-38) / fac.clamp_min(1e-38)) + 8).clamp(0, 15)
@@ -224,10 +237,10 @@ def state_bytes_per_param(opt: ByteMoments) -> float:
     return b / max(n, 1)
 
 
-def make_variant(ref: str):
+def make_variant(ref: str, **kw):
     """A research/quality_variants.py factory ``(groups, lr, betas, seed) -> ByteMoments``."""
     def make(groups, lr, betas, seed, **_):
-        return ByteMoments(groups, lr=lr, betas=betas, eps=1e-8, ref=ref, seed=seed)
+        return ByteMoments(groups, lr=lr, betas=betas, eps=1e-8, ref=ref, seed=seed, **kw)
     return make
 
 

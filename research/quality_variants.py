@@ -165,10 +165,10 @@ def _m_subset_stochastic(table: torch.Tensor, cb: torch.Tensor):
     return lo.to(torch.uint8), hi.to(torch.uint8), p
 
 
-def _byte_moments(ref: str):
+def _byte_moments(ref: str, **opts):
     def make(groups, lr, betas, seed, **kw):
         from byte_moments import make_variant
-        return make_variant(ref)(groups, lr, betas, seed, **kw)
+        return make_variant(ref, **opts)(groups, lr, betas, seed, **kw)
     return make
 
 
@@ -584,6 +584,12 @@ RESEARCH_VARIANTS = {
                           "factored estimate), plain torch: ~1.02 B/param", _byte_moments("fac")),
     "v_bytes_block_proto": ("(v) research/byte_moments.py, ref='block': 4-bit v vs per-256 maxima: ~1.03 B/param",
                             _byte_moments("block")),
+    # its ref="none": the default's layout (8-bit first moment, the factored v) with the first moment rounded to
+    # the nearest codeword (as the library) or stochastically: is stochastic rounding what the byte layouts gain?
+    "v_bytes_m8_nearest_proto": ("(v) research/byte_moments.py, ref='none', m_round='nearest': the default's layout "
+                                 "in plain torch (~1.02 B/param)", _byte_moments("none", m_round="nearest")),
+    "v_bytes_m8_stoch_proto": ("(v) as v_bytes_m8_nearest_proto with the first moment rounded stochastically",
+                               _byte_moments("none")),
     "v_default_bound2": ("(v) gefen_dist Gefen, defaults but bound_updates=2.0 (every normalised update clamped "
                          "to 2 K_t instead of K_t)", _gefen(second_moment="factored", row_blocks="auto",
                                                             bound_updates=2.0)),

@@ -48,6 +48,8 @@ LAYOUTS = {
     "v_all_m6sv2fac_fused": (("weight",), 2, "fac", 6),
     "v_all_m5sv3fac_fused": (("weight",), 3, "fac", 5),
     "v_all_m4sv4fac_fused": (("weight",), 4, "fac", 4),
+    "v_bytes_fac_proto": (("weight",), 4, "fac", 4),
+    "v_bytes_block_proto": (("weight",), 4, "block", 4),
     "v_embattn_v8_fused": (("wte", "wpe", "attn.c_attn"), 8, "block"),
     "v_emb_elementwise_fused": (("wte", "wpe"), 32, None),
     "v_attn_elementwise_fused": (("attn.c_attn",), 32, None),

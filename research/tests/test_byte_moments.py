@@ -114,3 +114,22 @@ def test_prototype_trains_a_regression_as_adamw_does():
     for ref in ("fac", "block"):
         got = run(lambda n: bm.ByteMoments(n.parameters(), lr=3e-3, ref=ref))
         assert np.isfinite(got) and got < 1.25 * adamw, (ref, got, adamw)
+
+
+def test_nearest_rounding_draws_nothing_and_stochastic_does():
+    """ref="none" (the default's layout: 8-bit first moment, factored v): with m_round="nearest" the seed
+    changes nothing; stochastic rounding depends on it; every stored index is a codeword of 256."""
+    def run(seed, m_round):
+        torch.manual_seed(0)
+        net = nn.Linear(128, 64)
+        opt = bm.ByteMoments(net.parameters(), lr=1e-2, ref="none", seed=seed, m_round=m_round)
+        g = torch.Generator().manual_seed(2)
+        for _ in range(5):
+            opt.zero_grad()
+            net(torch.randn(16, 128, generator=g)).pow(2).mean().backward()
+            opt.step()
+        assert opt.codebook.numel() == 256 and opt.state[net.weight]["code"].dtype == torch.uint8
+        return net.weight.detach().clone()
+
+    assert torch.equal(run(0, "nearest"), run(1, "nearest"))
+    assert not torch.equal(run(0, "stochastic"), run(1, "stochastic"))
