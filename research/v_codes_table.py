@@ -32,7 +32,8 @@ RUNS = ([ROOT / "docs/results/quality_runs.jsonl"] + sorted(Path(p) for p in glo
         + sorted(Path(p) for p in glob.glob(str(R / "nonemb_elementwise_small/runs_*.jsonl")))
         + [R / "emb_elementwise_small/runs.jsonl"]
         + [R / "default_base/runs_adamw.jsonl", R / "d17_base/runs_v_default_fused.jsonl", R / "emb_elementwise_base/runs.jsonl"]
-        + sorted(Path(p) for p in glob.glob(str(R / "v8_base/runs_*.jsonl"))))
+        + sorted(Path(p) for p in glob.glob(str(R / "v8_base/runs_*.jsonl")))
+        + sorted(Path(p) for p in glob.glob(str(R / "m4v4_base/runs_*.jsonl"))))
 # variant -> (which weights are coded: name substrings, code bits, "block" | "minmax" | "fac" | None for fp32[,
 # the first moment's bits when not 8])
 LAYOUTS = {
@@ -50,6 +51,8 @@ LAYOUTS = {
     "v_all_m4sv4fac_fused": (("weight",), 4, "fac", 4),
     "v_bytes_fac_proto": (("weight",), 4, "fac", 4),
     "v_bytes_block_proto": (("weight",), 4, "block", 4),
+    "v_bytes_m8_nearest_proto": (("weight",), 0, "fac", 8),
+    "v_bytes_m8_stoch_proto": (("weight",), 0, "fac", 8),
     "v_embattn_v8_fused": (("wte", "wpe", "attn.c_attn"), 8, "block"),
     "v_emb_elementwise_fused": (("wte", "wpe"), 32, None),
     "v_attn_elementwise_fused": (("attn.c_attn",), 32, None),
@@ -126,8 +129,10 @@ def table(preset, args):
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         coded, bits, ref, *m_bits = LAYOUTS[r["variant"]]
-        what = ("fp32" if ref is None else f"{bits}-bit codes, " + {"block": "per-256 maxima", "minmax": "per-256 ranges"}
-                .get(ref, "vs factored")) + (f"; {m_bits[0]}-bit first moment" if m_bits else "")
+        what = ("prototype: " if r["variant"].endswith("_proto") else "") + (
+            "fp32" if ref is None else "the factored estimate" if not bits else f"{bits}-bit codes, "
+            + {"block": "per-256 maxima", "minmax": "per-256 ranges"}.get(ref, "vs factored")) + (
+            f"; {m_bits[0]}-bit first moment" if m_bits else "")
         print(f"| `{r['variant']}` | {what} ({', '.join(coded)}) | {r['bpp_small']:.2f} / {r['bpp_gpt2']:.2f} | "
               f"{', '.join(map(str, r['seeds']))} | " + ", ".join(f"{g:+.2f}%" for g in r["gaps"])
               + f" | {r['mean']:+.2f}% " + (f"[{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]" if len(r["gaps"]) > 1 else "(one seed)")
