@@ -86,7 +86,7 @@ class ByteMoments(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, ref: str = "fac",
                  seed: int = 0, small_threshold: int = 4096, bound: Optional[float] = DEFAULT_BOUND_UPDATES,
-                 m_round: str = "stochastic"):
+                 m_round: str = "stochastic", only=None):
         if ref not in ("fac", "block", "none"):
             raise ValueError(f"ref must be 'fac', 'block' or 'none', got {ref!r}")
         if m_round not in ("stochastic", "nearest"):
@@ -96,10 +96,11 @@ class ByteMoments(torch.optim.Optimizer):
         # ref="none": no per-element v (the factored estimate itself, as the default), the whole byte the
         # first moment's index into 256 codewords: the default's layout with this prototype's rounding
         self.m_round, self.k = m_round, 256 if ref == "none" else 16
+        self.only = None if only is None else {id(p) for p in only}  # code these tensors only (others: AdamW)
         self.codebook: Optional[torch.Tensor] = None
 
     def _coded(self, p) -> bool:
-        return p.dim() >= 2 and p.numel() >= self.small_threshold
+        return p.dim() >= 2 and p.numel() >= self.small_threshold and (self.only is None or id(p) in self.only)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -16,9 +16,15 @@ step); every other tensor as the library's default. Configurations:
   against each 256-block's largest ``v``, stochastic; 8-bit first moment (~2.0 / ~1.5 B/param);
 * ``m4v4``: ``v4`` with a 4-bit first moment (16 of the learned codewords by the DP on their use after
   the first step), nearest rounding; ``m4sv4``: the same rounded stochastically between the two nearest
-  of those codewords (unbiased in the value): one byte per element for both moments (~1.03 B/param).
+  of those codewords (unbiased in the value): one byte per element for both moments (~1.03 B/param);
+* ``proto_fac`` / ``proto_block``: research/byte_moments.py's prototype of that layout on the head, every
+  other tensor with AdamW's state (the rows above keep the library's default there: the input weight's
+  ``v`` per block of 1,024 rows, D18); ``v``'s codes against the factored estimate, whose ``v_col`` keeps
+  the head at ~5 B/param, or against per-256 maxima, ~1.03 B/param.
 
-Prints each configuration's held-out MSE per seed and the geometric mean of its ratio to AdamW's.
+Prints each configuration's held-out MSE per seed and the geometric mean of its ratio to AdamW's. Read
+the emulation rows against ``fp32_v`` (the same input layer: the library's, which alone puts the head
+at 0.86x AdamW), the prototype rows against ``adamw`` (the same input layer: AdamW's).
 """
 from __future__ import annotations
 
@@ -51,6 +57,13 @@ def _library(factory):
     return per_seed
 
 
+def _proto(seed, ref):
+    """research/byte_moments.py's prototype coding the head only (the other tensors AdamW's state)."""
+    from byte_moments import ByteMoments
+    return lambda model: ByteMoments(model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0, ref=ref,
+                                     seed=seed, only=[model[2].weight])
+
+
 CONFIGS = {
     "adamw": lambda seed: (lambda model: torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=0.0)),
     "fp32_v": _library(qv._gefen_named("elementwise", HEAD, **DEFAULT)),
@@ -58,7 +71,19 @@ CONFIGS = {
     "v4": _library(qv._gefen_named_v8(HEAD, 1, 16, **DEFAULT)),
     "m4v4": _library(qv._gefen_named_v8(HEAD, 1, 16, m_levels=16, **DEFAULT)),
     "m4sv4": _library(qv._gefen_named_v8(HEAD, 1, 16, m_levels=16, m_stochastic=True, **DEFAULT)),
+    "proto_fac": lambda seed: _proto(seed, "fac"),
+    "proto_block": lambda seed: _proto(seed, "block"),
 }
+
+
+def _head_bytes(name):
+    """The head's state bytes per parameter in the layout ``name`` stands for (counted, not measured: the
+    emulations hold float32 ``v``)."""
+    n, nb = 4096, 16  # (1, 4096): 16 scale blocks of 256
+    first = {"m4v4": 0.5, "m4sv4": 0.5, "proto_fac": 0.5, "proto_block": 0.5}.get(name, 1.0) * n + 4 * nb
+    v = {"adamw": None, "fp32_v": 4 * n, "v8": n + 4 * nb, "v4": n / 2 + 4 * nb, "m4v4": n / 2 + 4 * nb,
+         "m4sv4": n / 2 + 4 * nb, "proto_fac": n / 2 + 4 + 4 * n, "proto_block": n / 2 + 4 * nb}[name]
+    return 8.0 if v is None else (first + v) / n
 
 
 def main(argv=None):
@@ -72,11 +97,12 @@ def main(argv=None):
     for name, per_seed in CONFIGS.items():
         losses[name] = [head_regression(per_seed(seed), seed=seed)[0] for seed in seeds]
         ratios = [x / a for x, a in zip(losses[name], losses["adamw"])]
-        summary[name] = dict(losses=losses[name], ratios=ratios,
+        summary[name] = dict(losses=losses[name], ratios=ratios, head_bytes_per_param=_head_bytes(name),
                              geomean_ratio=math.exp(statistics.fmean(math.log(r) for r in ratios)))
         print(f"{name:8s} held-out MSE " + ", ".join(f"{x:.5f}" for x in losses[name])
               + f" | ratio to AdamW " + ", ".join(f"{r:.2f}x" for r in ratios)
-              + f" | geometric mean {summary[name]['geomean_ratio']:.2f}x", flush=True)
+              + f" | geometric mean {summary[name]['geomean_ratio']:.2f}x | {summary[name]['head_bytes_per_param']:.2f} B/param",
+              flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     Path(args.out).write_text(json.dumps(dict(seeds=seeds, commit=commit, results=summary), indent=1) + "\n")
