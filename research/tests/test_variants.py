@@ -568,6 +568,17 @@ def test_li4_variant_tracks_the_per_element_second_moment():
     assert 0.01 < float((below > 1.001).float().mean()) < 0.2 and float(below.max()) < 10
 
 
+def _train_variant(qv, name, model, g, steps=3):
+    """Three steps of quality variant ``name`` on ``model`` (inputs of 64 features from ``g``); the optimizer."""
+    opt = qv.quality.VARIANTS[name][1]([{"params": list(model.parameters()), "weight_decay": 0.0}], 1e-3,
+                                       (0.9, 0.95), 0, model=model)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 64, generator=g)).pow(2).mean().backward()
+        opt.step()
+    return opt
+
+
 def test_coded_v_emulation_is_on_its_grid_and_unbiased_in_the_code():
     """quality_variants' emulated per-element v codes (the v_all_v8 / v_all_v4 / v_all_v4fac variants):
     every stored value is a reference times a power of two on the code grid, the rounding is unbiased in
@@ -596,12 +607,7 @@ def test_coded_v_emulation_is_on_its_grid_and_unbiased_in_the_code():
     assert ((kf - kf.round()).abs() < 1e-3).all() and kf.min() >= 0 and kf.max() <= 15
 
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
-    make = qv.quality.VARIANTS["v_all_v8_fused"][1]
-    opt = make([{"params": list(model.parameters()), "weight_decay": 0.0}], 1e-3, (0.9, 0.95), 0, model=model)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(16, 64, generator=g)).pow(2).mean().backward()
-        opt.step()
+    opt = _train_variant(qv, "v_all_v8_fused", model, g)
     w = opt.state[model[0].weight]["v"].view(-1, 256)
     k = -16 * torch.log2(w / w.amax(1, keepdim=True))
     assert ((k - k.round()).abs() < 1e-3).all()
@@ -629,12 +635,7 @@ def test_range_coded_v_and_the_4bit_first_moment_emulation():
         assert ((k - k.round()).abs() < 1e-3).all() and k.min() > -1e-3 and k.max() < 15 + 1e-3
 
     model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
-    make = qv.quality.VARIANTS["v_all_m4v4mm_fused"][1]
-    opt = make([{"params": list(model.parameters()), "weight_decay": 0.0}], 1e-3, (0.9, 0.95), 0, model=model)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(16, 64, generator=g)).pow(2).mean().backward()
-        opt.step()
+    opt = _train_variant(qv, "v_all_m4v4mm_fused", model, g)
     used = torch.cat([st["idx"].reshape(-1) for st in opt.state.values() if "idx" in st]).unique()
     assert 2 < used.numel() <= 16
     table = qv._m_subset_table(opt, 16)
