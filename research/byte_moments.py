@@ -232,12 +232,6 @@ def _block_absmax(x: torch.Tensor) -> torch.Tensor:
     return xp.view(rows, -1, BLOCK).amax(2)
 
 
-def state_bytes_per_param(opt: ByteMoments) -> float:
-    n = sum(p.numel() for p in opt.state)
-    b = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
-    return b / max(n, 1)
-
-
 def make_variant(ref: str, **kw):
     """A research/quality_variants.py factory ``(groups, lr, betas, seed) -> ByteMoments``."""
     def make(groups, lr, betas, seed, **_):
@@ -254,5 +248,7 @@ if __name__ == "__main__":  # a smoke run: a small MLP, the state's bytes
         loss = net(torch.randn(64, 256)).pow(2).mean()
         loss.backward()
         opt.step()
+    from launch.peers import state_bytes  # the benchmarks' count (run from the repository root)
+
     print(f"loss {loss.item():.4f}; codebook {[round(c, 4) for c in opt.codebook.tolist()]}; "
-          f"state {state_bytes_per_param(opt):.3f} B/param")
+          f"state {state_bytes(opt) / sum(p.numel() for p in net.parameters()):.3f} B/param")

@@ -183,7 +183,21 @@ def _gefen_named_v8(substrings, steps: float = 16, levels: int = 256, coder=None
         gen = torch.Generator().manual_seed(1_000_003 + seed)
         coded = [p for g in opt.param_groups if g.get("second_moment") == "elementwise" for p in g["params"]]
         inner = opt.step
-        table = [None]
+        maps = {}  # the first moment's maps onto m_levels codewords, made once the codebook is learned
+
+        def recode_m():
+            if not maps:
+                maps["nearest"] = _m_subset_table(opt, m_levels)
+                cb = next(st["codebook"] for st in opt.state.values() if st and "idx" in st)
+                maps["lo"], maps["hi"], maps["p_hi"] = _m_subset_stochastic(maps["nearest"], cb.cpu())
+            for st in opt.state.values():
+                if st and "idx" in st:
+                    ix = st["idx"].long()
+                    if m_stochastic:  # between the two representatives around the codeword, unbiased
+                        up = torch.rand(ix.shape, generator=gen) < maps["p_hi"][ix]
+                        st["idx"].copy_(torch.where(up, maps["hi"][ix], maps["lo"][ix]))
+                    else:
+                        st["idx"].copy_(maps["nearest"][ix])
 
         def step(closure=None):
             out = inner(closure)
@@ -194,19 +208,7 @@ def _gefen_named_v8(substrings, steps: float = 16, levels: int = 256, coder=None
                         code = coder if (coder and (coder is not _code_v_fac or st["v"].dim() == 2)) else _code_v8
                         st["v"].copy_(code(st["v"], gen, steps, levels))
                 if m_levels:
-                    if table[0] is None:
-                        table[0] = _m_subset_table(opt, m_levels)
-                        cb = next(st["codebook"] for st in opt.state.values() if st and "idx" in st)
-                        table.append(_m_subset_stochastic(table[0], cb.cpu()))
-                    for st in opt.state.values():
-                        if st and "idx" in st:
-                            ix = st["idx"].long()
-                            if m_stochastic:  # between the two representatives around the codeword, unbiased
-                                lo, hi, p = table[1]
-                                up = torch.rand(ix.shape, generator=gen) < p[ix]
-                                st["idx"].copy_(torch.where(up, hi[ix], lo[ix]))
-                            else:
-                                st["idx"].copy_(table[0][ix])
+                    recode_m()
             return out
         opt.step = step
         return opt

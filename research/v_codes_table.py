@@ -101,9 +101,29 @@ def gpt2_small_shapes():
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--md", action="store_true", help="print a markdown table")
+    ap.add_argument("--paired", action="store_true",
+                    help="also each variant's gap minus the default's, per seed, with its mean and 95%% interval")
+    ap.add_argument("--digits", default=None, metavar="RUNS_JSONL",
+                    help="also the digits runs of this file: each variant's held-out loss against AdamW's in it")
     args = ap.parse_args(argv)
     for preset in ("small", "base"):
         table(preset, args)
+    if args.digits:
+        digits(Path(args.digits))
+
+
+def digits(path):
+    """Each variant's held-out loss on digits against the AdamW run of the same seed in ``path``."""
+    runs = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("workload") == "digits":
+            runs.setdefault(r["variant"], {})[r["seed"]] = r["result"]["val_loss"]
+    adamw = runs.pop("adamw")
+    print(f"\ndigits ({path.name}), held-out loss against AdamW's in the same file:\n")
+    for v, f in runs.items():
+        gaps = [100 * (f[s] / adamw[s] - 1) for s in sorted(f) if s in adamw]
+        print(f"* `{v}`: " + ", ".join(f"{g:+.2f}%" for g in gaps) + f" (mean {statistics.fmean(gaps):+.2f}%)")
 
 
 def table(preset, args):
@@ -138,6 +158,15 @@ def table(preset, args):
               + f" | {r['mean']:+.2f}% " + (f"[{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]" if len(r["gaps"]) > 1 else "(one seed)")
               + " | "
               + ", ".join(f"{g:+.2f}%" for g in r["default_gaps"]) + f" ({r['default_mean']:+.2f}%) |")
+    if args.paired:
+        print("\nPaired with the default (the variant's gap minus the default's, points):\n")
+        for r in rows:
+            same = len(r["default_gaps"]) == len(r["gaps"])  # the default ran on every one of the seeds
+            d = [g - dg for g, dg in zip(r["gaps"], r["default_gaps"])] if same else []
+            if len(d) > 1:
+                sd = summarize(d)
+                print(f"* `{r['variant']}`: {sd['mean']:+.2f} [{sd['ci95'][0]:+.2f}, {sd['ci95'][1]:+.2f}], "
+                      f"better on {sum(x < 0 for x in d)} of {len(d)}")
     if not args.md and preset == "small":
         print(json.dumps({"default_bpp_gpt2": layout_bytes(g2, (), 0, None)}, indent=None))
 
