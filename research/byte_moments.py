@@ -35,8 +35,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from gefen_dist.core.codebook import NUM_BINS, bin_centres, dp_segments, mirrored_counts
-from gefen_dist.core.step import DEFAULT_BOUND_UPDATES, clamp_bound
+from gefen_dist.core.codebook import NUM_BINS, bin_centres, dp_segments, mirrored_counts, solve_codebook
+from gefen_dist.core.nibbles import NIBBLE_CODEWORDS, nibble_step_factored_eager_, step_key
+from gefen_dist.core.periods import factored_row_blocks, scale_block_for
+from gefen_dist.core.quant import block_histogram_eager
+from gefen_dist.core.step import DEFAULT_BOUND_UPDATES, clamp_bound, hyperparameters
 
 BLOCK = 256
 _M32 = 0xFFFFFFFF
@@ -86,12 +89,18 @@ class ByteMoments(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, ref: str = "fac",
                  seed: int = 0, small_threshold: int = 4096, bound: Optional[float] = DEFAULT_BOUND_UPDATES,
-                 m_round: str = "stochastic", only=None):
-        if ref not in ("fac", "block", "none"):
-            raise ValueError(f"ref must be 'fac', 'block' or 'none', got {ref!r}")
+                 m_round: str = "stochastic", update: str = "fp32", only=None):
+        if ref not in ("fac", "block", "none", "core"):
+            raise ValueError(f"ref must be 'fac', 'block', 'none' or 'core', got {ref!r}")
         if m_round not in ("stochastic", "nearest"):
             raise ValueError(f"m_round must be 'stochastic' or 'nearest', got {m_round!r}")
+        if update not in ("fp32", "decoded"):
+            raise ValueError(f"update must be 'fp32' or 'decoded', got {update!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        # "fp32": the update from the float32 moments before they are stored; "decoded": from the stored codes
+        # (what the library's default does with its first moment, and what a ZeRO-1 rank that receives only
+        # the compressed state can compute)
+        self.update = update
         self.ref, self.seed, self.small_threshold, self.bound = ref, seed, small_threshold, bound
         # ref="none": no per-element v (the factored estimate itself, as the default), the whole byte the
         # first moment's index into 256 codewords: the default's layout with this prototype's rounding
@@ -110,7 +119,9 @@ class ByteMoments(torch.optim.Optimizer):
                 loss = closure()
         coded = [(g, i, p) for g in self.param_groups for i, p in enumerate(g["params"])
                  if p.grad is not None and self._coded(p)]
-        if self.codebook is None and coded:  # the first step's m = (1 - beta1) g, normalised per block
+        if self.codebook is None and coded and self.ref == "core":
+            self.codebook = _core_codebook([p.grad for _, _, p in coded])
+        elif self.codebook is None and coded:  # the first step's m = (1 - beta1) g, normalised per block
             ms = [(1 - g["betas"][0]) * p.grad.float().reshape(p.shape[0], -1) for g, _, p in coded]
             self.codebook = fit_codebook16([m / _expand(_block_absmax(m), m.shape[1]).clamp_min(1e-38) for m in ms],
                                            self.k)
@@ -118,7 +129,9 @@ class ByteMoments(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                if self._coded(p):
+                if self._coded(p) and self.ref == "core":
+                    self._step_core(p, group, tensor=1000 * n + i)
+                elif self._coded(p):
                     self._step_coded(p, group, tensor=1000 * n + i)
                 else:
                     self._step_adamw(p, group)
@@ -165,13 +178,41 @@ class ByteMoments(torch.optim.Optimizer):
             st["v_row"].mul_(b2).add_(g2.mean(1), alpha=1 - b2)
             st["v_col"].mul_(b2).add_(g2.mean(0), alpha=1 - b2)
         v = self._factored(st) if self.ref == "none" else b2 * v_prev + (1 - b2) * g2
+        st["step"] = t
+        if self.update == "decoded":
+            self._encode(st, m, v, rows, cols, (self.seed, t, tensor))
+            m, v_dec = self._decode(st, rows, cols)
+            v = v if v_dec is None else v_dec
         u = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
         if self.bound:
             k = clamp_bound(self.bound, b1, b2, t)
             u.clamp_(-k, k)
         p.mul_(1 - group["lr"] * group["weight_decay"]).add_(u.view_as(p).to(p.dtype), alpha=-group["lr"])
-        st["step"] = t
-        self._encode(st, m, v, rows, cols, (self.seed, t, tensor))
+        if self.update == "fp32":
+            self._encode(st, m, v, rows, cols, (self.seed, t, tensor))
+
+    def _step_core(self, p, group, tensor: int):
+        """ref="core": the library's function (gefen_dist.core.nibbles) with the library's blocks: scale
+        blocks of the largest divisor of the row <= 256, D12's row blocks of ``v_col`` (``"auto"``)."""
+        st = self.state[p]
+        g = p.grad.reshape(p.shape[0], -1)
+        rows, slab = g.shape
+        G = factored_row_blocks(tuple(p.shape), "auto")
+        if not st:
+            st["step"] = 0
+            st["B"] = scale_block_for(slab, slab)
+            st["code"] = torch.zeros(rows, slab, dtype=torch.uint8)
+            st["scale"] = torch.zeros(rows, slab // st["B"])
+            st["v_row"] = torch.zeros(rows)
+            st["v_col"] = torch.zeros(G, slab) if G > 1 else torch.zeros(slab)
+        st["step"] += 1
+        t = st["step"]
+        g2 = g.float().square()
+        col = g2.view(G, rows // G, slab).mean(1) if G > 1 else g2.mean(0)
+        nibble_step_factored_eager_(p.data.view(-1), g.reshape(-1), st["code"], st["scale"], st["v_row"], st["v_col"],
+                                    self.codebook, col, scale_block=st["B"], key=step_key(self.seed, t, tensor),
+                                    row_block=rows // G, update=self.update,
+                                    **hyperparameters(group, t, self.bound if self.bound else False))
 
     def _factored(self, st):
         vc = st["v_col"]
@@ -217,6 +258,16 @@ class ByteMoments(torch.optim.Optimizer):
             f = x.floor()
             vc = torch.where(v > 0, (f + (u2 < x - f).float()).long(), torch.full_like(f, 15).long())
         st["code"].copy_((mc << 4 | vc).to(torch.uint8))
+
+
+def _core_codebook(grads) -> torch.Tensor:
+    """ref="core": the 16-entry codebook of the first step's gradients normalised per scale block (the
+    library's histogram, core.quant.block_histogram_eager, mirrored as D17) by core.codebook.solve_codebook."""
+    counts = torch.zeros(NUM_BINS, dtype=torch.int64)
+    for g in grads:
+        slab = g.reshape(g.shape[0], -1).shape[1]
+        block_histogram_eager(g.detach().float().reshape(-1), scale_block_for(slab, slab), out=counts)
+    return solve_codebook(mirrored_counts(counts), k=NIBBLE_CODEWORDS).codebook
 
 
 def _expand(blocks: torch.Tensor, cols: int) -> torch.Tensor:

@@ -588,6 +588,15 @@ RESEARCH_VARIANTS = {
                             _byte_moments("block")),
     # its ref="none": the default's layout (8-bit first moment, the factored v) with the first moment rounded to
     # the nearest codeword (as the library) or stochastically: is stochastic rounding what the byte layouts gain?
+    # the update from the stored (stochastically rounded) codes instead of the float32 moments: what the build must
+    # do where a rank applies an update it did not compute (ZeroGefen and DeepSpeed move only the compressed state)
+    "v_bytes_fac_dec_proto": ("(v) v_bytes_fac_proto with the update from the decoded codes (both moments as stored)",
+                              _byte_moments("fac", update="decoded")),
+    # the library's function of that layout (gefen_dist.core.nibbles, the prototype's ref="core"): the library's
+    # scale blocks and D12 row blocks, v rounded unbiased in its value (not its code), one hash for both draws
+    "v_nib_core": ("(v) gefen_dist.core.nibbles through research/byte_moments.py (ref='core'): one byte per element, "
+                   "the update from the float32 moments: ~1.02 B/param", _byte_moments("core")),
+    "v_nib_core_dec": ("(v) v_nib_core with the update from the stored codes", _byte_moments("core", update="decoded")),
     "v_bytes_m8_nearest_proto": ("(v) research/byte_moments.py, ref='none', m_round='nearest': the default's layout "
                                  "in plain torch (~1.02 B/param)", _byte_moments("none", m_round="nearest")),
     "v_bytes_m8_stoch_proto": ("(v) as v_bytes_m8_nearest_proto with the first moment rounded stochastically",

@@ -247,17 +247,20 @@ def mirrored_counts(counts) -> np.ndarray:
     return cnt + cnt[::-1]
 
 
-def solve_codebook(counts, dp: Optional[DPSolver] = None) -> CodebookResult:
-    """Optimal codebook for a ``NUM_BINS`` histogram (int64 numpy array or torch tensor). ``dp``:
-    as for :func:`dp_segments` (:func:`gefen_dist.kernels.dispatch.solve_codebook` passes the native
-    solver when it builds; both give the same codebook bit for bit)."""
+def solve_codebook(counts, dp: Optional[DPSolver] = None, k: int = NUM_CODEWORDS) -> CodebookResult:
+    """Optimal ``k``-entry codebook (256 by default; 16 for the one-byte layout's first moment,
+    :mod:`gefen_dist.core.nibbles`) for a ``NUM_BINS`` histogram (int64 numpy array or torch tensor).
+    ``dp``: as for :func:`dp_segments` (:func:`gefen_dist.kernels.dispatch.solve_codebook` passes the
+    native solver when it builds; both give the same codebook bit for bit)."""
     t0 = time.perf_counter()
     cnt = _to_counts(counts)
     idx = np.flatnonzero(cnt)
     n = int(idx.size)
     centres = bin_centres()[idx]
     weights = cnt[idx].astype(np.float64)
-    K = NUM_CODEWORDS
+    K = int(k)
+    if K < 2:
+        raise ValueError(f"solve_codebook needs k >= 2 codewords, got {k!r}")
     if n >= K:
         cb, starts, sse, method = dp_segments(centres, weights, K, dp=dp)
         assignment = np.repeat(np.arange(K, dtype=np.int64), np.diff(np.append(starts, n + 1)))

@@ -111,7 +111,7 @@ def test_prototype_trains_a_regression_as_adamw_does():
         return loss.item()
 
     adamw = run(lambda n: torch.optim.AdamW(n.parameters(), lr=3e-3, weight_decay=0.0))
-    for ref in ("fac", "block"):
+    for ref in ("fac", "block", "core"):
         got = run(lambda n: bm.ByteMoments(n.parameters(), lr=3e-3, ref=ref))
         assert np.isfinite(got) and got < 1.25 * adamw, (ref, got, adamw)
 
@@ -133,3 +133,29 @@ def test_nearest_rounding_draws_nothing_and_stochastic_does():
 
     assert torch.equal(run(0, "nearest"), run(1, "nearest"))
     assert not torch.equal(run(0, "stochastic"), run(1, "stochastic"))
+
+
+def test_decoded_update_is_adamws_update_of_the_stored_codes():
+    """update="decoded": the step moves each weight by AdamW's (clamped) update of the moments decoded from
+    the state the step stored, not of the float32 ones; update="fp32" does not."""
+    def stepped(update):
+        torch.manual_seed(0)
+        net = nn.Linear(256, 48, bias=False)
+        opt = bm.ByteMoments(net.parameters(), lr=1e-2, betas=(0.9, 0.99), ref="fac", update=update)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            opt.zero_grad()
+            net(torch.randn(16, 256, generator=g)).pow(2).mean().backward()
+            before = net.weight.detach().clone()
+            opt.step()
+        st = opt.state[net.weight]
+        m, v = opt._decode(st, 48, 256)
+        t = st["step"]
+        u = (m / (1 - 0.9 ** t)) / ((v / (1 - 0.99 ** t)).sqrt() + 1e-8)
+        k = bm.clamp_bound(opt.bound, 0.9, 0.99, t)
+        return (before - net.weight.detach()) / 1e-2, u.clamp(-k, k)
+
+    moved, want = stepped("decoded")
+    assert torch.allclose(moved, want, rtol=1e-4, atol=1e-5)
+    moved, want = stepped("fp32")
+    assert not torch.allclose(moved, want, rtol=1e-4, atol=1e-5)

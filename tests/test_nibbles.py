@@ -1,0 +1,268 @@
+"""gefen_dist.core.nibbles, both moments in one byte per element: its random numbers, its stochastic
+rounding, its 16-entry codebook and its step, against independent statements of what they must be
+(plain-integer lowbias32, exact expectations over every draw, torch's AdamW, the whole tensor for a
+shard)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gefen_dist.core import nibbles as nb
+from gefen_dist.core import step as core_step
+from gefen_dist.core.codebook import NUM_BINS, bin_centres, mirrored_counts, solve_codebook
+
+
+def _lowbias32(x):
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_hash_and_uniforms_are_keyed_by_the_global_index():
+    xs = [0, 1, 2, 12345, 0xFFFFFFFF, 0x9E3779B1, 2 ** 31 + 7, 2 ** 40 + 3]
+    assert nb.hash32(torch.tensor(xs, dtype=torch.int64)).tolist() == [_lowbias32(x) for x in xs]
+    assert [nb.hash32_int(x) for x in xs] == [_lowbias32(x) for x in xs]
+    key = nb.step_key(3, 17, 5)
+    um, uv = nb.uniforms(0, 20_000, key)
+    # element i: h = lowbias32(i ^ lowbias32(key)); the first moment's draw h >> 16, v's h & 0xFFFF, over 2^16
+    for i in (0, 1, 777, 19_999):
+        h = _lowbias32(i ^ _lowbias32(key))
+        assert (float(um[i]), float(uv[i])) == ((h >> 16) / 65536.0, (h & 0xFFFF) / 65536.0)
+    sm, sv = nb.uniforms(7_000, 5_000, key)  # a shard draws what the whole tensor draws there
+    assert torch.equal(sm, um[7_000:12_000]) and torch.equal(sv, uv[7_000:12_000])
+    for u in (um, uv):
+        assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+        assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.003
+    assert float((um - uv).abs().mean()) > 0.2  # two different draws, not one
+    assert not torch.equal(nb.uniforms(0, 100, nb.step_key(3, 18, 5))[0], um[:100])
+    # past 2^32 elements the high word enters the key; a range across the boundary is its two halves
+    a = nb.uniforms(2 ** 32 - 5, 10, key)[0]
+    assert torch.equal(a, torch.cat([nb.uniforms(2 ** 32 - 5, 5, key)[0], nb.uniforms(2 ** 32, 5, key)[0]]))
+    h = _lowbias32((2 ** 32 + 1) & 0xFFFFFFFF ^ _lowbias32((key + 0x9E3779B1) & 0xFFFFFFFF))
+    assert float(a[6]) == (h >> 16) / 65536.0
+
+
+def test_v_levels_are_two_per_octave_around_the_estimate():
+    lv = torch.tensor(nb.V_LEVELS, dtype=torch.float32)
+    assert lv.numel() == 16 and lv[8] == 1.0 and lv[0] == 2.0 ** -4 and lv[15] == np.float32(2.0 ** 3.5)
+    assert torch.allclose(lv[1:] / lv[:-1], torch.full((15,), math.sqrt(2.0)))
+
+
+def test_stochastic_rounding_is_unbiased_over_every_draw():
+    """Over all 2^16 draws the mean of the rounded value is x (to the draws' 2^-16 resolution) inside
+    the levels, the nearer end outside them; a level maps to itself; NaN to code 0."""
+    levels = torch.tensor([-1.0, -0.4, -0.05, 0.0, 0.1, 0.7, 1.0])
+    u = torch.arange(65536, dtype=torch.float32) / 65536.0
+    for x in (-1.0, -0.9, -0.4, -0.01, 0.0, 0.03, 0.5, 0.99, 1.0):
+        codes = nb.round_stochastic(torch.full_like(u, x), levels, u)
+        got = float(levels[codes].double().mean())
+        assert abs(got - x) <= 2e-5, (x, got)
+        lo = int((levels <= x).sum()) - 1
+        assert set(codes.unique().tolist()) <= {max(lo, 0), min(lo + 1, 6)}
+    for x, want in ((-3.0, 0), (1.5, 6), (float("nan"), 0)):
+        assert set(nb.round_stochastic(torch.full_like(u, x), levels, u).unique().tolist()) == {want}
+    for j in range(7):
+        assert set(nb.round_stochastic(levels[j].expand(65536), levels, u).unique().tolist()) == {j}
+
+
+def test_sixteen_codewords_by_the_dp():
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(50_000, generator=g) * 0.3).clamp(-1, 1)
+    counts = torch.bincount(((z.double() + 1) * (NUM_BINS / 2)).floor().clamp(0, NUM_BINS - 1).long(),
+                            minlength=NUM_BINS)
+    cb = solve_codebook(mirrored_counts(counts), k=nb.NIBBLE_CODEWORDS).codebook
+    assert cb.shape == (16,) and cb[0] == -1 and cb[-1] == 1 and bool((cb[1:] > cb[:-1]).all())
+    assert torch.allclose(cb, -cb.flip(0), atol=1e-6)
+    w = torch.from_numpy(mirrored_counts(counts)).double()
+    c = torch.from_numpy(bin_centres()).double()
+
+    def sse(book):
+        return float((w * (c[:, None] - book.double()[None, :]).abs().min(1).values ** 2).sum())
+
+    assert sse(cb) < sse(torch.linspace(-1, 1, 16))
+    with pytest.raises(ValueError, match="k >= 2"):
+        solve_codebook(counts, k=1)
+
+
+def _problem(rows=24, slab=96, G=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    steps = [torch.randn(rows, slab, generator=g) * torch.rand(rows, 1, generator=g) * 1e-2 for _ in range(4)]
+    p = torch.randn(rows, slab, generator=g)
+    cb = solve_codebook(mirrored_counts(torch.randint(0, 50, (NUM_BINS,), generator=g)), k=16).codebook
+    return steps, p, cb
+
+
+def _run(steps, p, cb, *, G=1, B=32, rows=None, update="fp32", bound=None, hp=None):
+    """Steps whole rows ``rows`` (default all) of the tensor through nibble_step_factored_eager_."""
+    R, slab = p.shape
+    r0, r1 = rows or (0, R)
+    st = dict(code=torch.zeros(r1 - r0, slab, dtype=torch.uint8), scale=torch.zeros(r1 - r0, slab // B),
+              v_row=torch.zeros(r1 - r0), v_col=torch.zeros(G, slab) if G > 1 else torch.zeros(slab))
+    p = p[r0:r1].clone()
+    for t, g in enumerate(steps, 1):
+        col = (g * g).view(G, R // G, slab).mean(1) if G > 1 else (g * g).mean(0)  # over all global rows
+        h = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, bc1=1 - 0.9 ** t, bc2=1 - 0.99 ** t)
+        h.update(hp or {})
+        nb.nibble_step_factored_eager_(p.view(-1), g[r0:r1].reshape(-1), st["code"], st["scale"], st["v_row"],
+                                       st["v_col"], cb, col, scale_block=B, key=nb.step_key(0, t, 3), row0=r0,
+                                       row_block=R // G, bound=bound, update=update, **h)
+    return p, st
+
+
+def test_first_step_is_adamws():
+    steps, p, cb = _problem()
+    got, _ = _run(steps[:1], p, cb)
+    q = p.clone().requires_grad_()
+    q.grad = steps[0].clone()
+    torch.optim.AdamW([q], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1).step()
+    assert torch.allclose(got, q.detach(), rtol=0, atol=2e-7)
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_a_shard_of_rows_steps_as_the_whole_tensor_does(G, monkeypatch):
+    """Rows 5..17 stepped alone (their global row 5 given) end bit for bit where the whole tensor's
+    rows 5..17 end, across a row block's boundary (G = 3: blocks of 8 rows), and in chunks of 2 rows."""
+    steps, p, cb = _problem(G=G)
+    whole, ws = _run(steps, p, cb, G=G)
+    part, ps = _run(steps, p, cb, G=G, rows=(5, 17))
+    assert torch.equal(part, whole[5:17])
+    for k in ("code", "scale", "v_row"):
+        assert torch.equal(ps[k], ws[k][5:17]), k
+    assert torch.equal(ps["v_col"], ws["v_col"])
+    monkeypatch.setattr(nb, "_EAGER_CHUNK_ELEMS", 2 * 96)
+    chunked, cs = _run(steps, p, cb, G=G)
+    assert torch.equal(chunked, whole) and torch.equal(cs["code"], ws["code"])
+
+
+def test_the_state_decodes_to_unbiased_moments():
+    """Over many keys the stored codes decode to the float32 moments on average (unbiased
+    rounding); the decoded v is on its grid of the estimate."""
+    g = torch.Generator().manual_seed(1)
+    rows, slab, B = 16, 64, 32
+    cb = solve_codebook(mirrored_counts(torch.randint(0, 50, (NUM_BINS,), generator=g)), k=16).codebook
+    m = torch.randn(rows, slab, generator=g) * torch.rand(rows, 1, generator=g)
+    fac = torch.rand(rows, 1, generator=g) * torch.rand(1, slab, generator=g) + 0.1
+    v = fac * torch.exp2(torch.rand(rows, slab, generator=g) * 6 - 3.5)  # inside 2^-3.5 .. 2^2.5 of fac
+    accm, accv, n = torch.zeros_like(m), torch.zeros_like(v), 400
+    for k in range(n):
+        um, uv = nb.uniforms(0, rows * slab, k)
+        code, a = nb.encode(m, v, fac, cb, B, um.view(rows, slab), uv.view(rows, slab))
+        dm, dv = nb.decode(code, a, fac, cb, B)
+        accm += dm
+        accv += dv
+        k2 = dv / fac
+        assert bool(torch.isin(k2, torch.tensor(nb.V_LEVELS)).all() | torch.isclose(
+            k2[..., None], torch.tensor(nb.V_LEVELS)).any(-1).all())
+    M = a.repeat_interleave(B, 1)
+    assert float(((accm / n - m).abs() / M).mean()) < 0.01
+    assert float(((accv / n - v).abs() / v).mean()) < 0.03
+
+
+def test_decoded_update_is_adamws_of_the_stored_state():
+    steps, p, cb = _problem()
+    for update in ("decoded", "fp32"):
+        before, _ = _run(steps[:3], p, cb, update=update, bound=5.0, hp=dict(weight_decay=0.0))
+        after, st = _run(steps, p, cb, update=update, bound=5.0, hp=dict(weight_decay=0.0))
+        t = 4
+        vc = st["v_col"]
+        fac = st["v_row"][:, None] * (vc / vc.mean())[None, :]
+        m, v = nb.decode(st["code"], st["scale"], fac, cb, 32)
+        u = ((m / (1 - 0.9 ** t)) / ((v / (1 - 0.99 ** t)).sqrt() + 1e-8)).clamp(-5.0, 5.0)
+        close = torch.allclose((before - after) / 1e-2, u, rtol=1e-4, atol=1e-4)
+        assert close == (update == "decoded"), update
+
+
+def test_bad_arguments_raise_before_anything_changes():
+    steps, p, cb = _problem()
+    st = dict(code=torch.zeros(24, 96, dtype=torch.uint8), scale=torch.zeros(24, 3), v_row=torch.ones(24),
+              v_col=torch.ones(2, 96))
+    snap = {k: v.clone() for k, v in st.items()}
+    h = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, bc1=0.1, bc2=0.01, key=1)
+    cases = [(dict(update="stored", scale_block=32, row_block=12), "update must be"),
+             (dict(scale_block=40, row_block=12), "scale_block 40"),
+             (dict(scale_block=32), "row_block >= 1")]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            nb.nibble_step_factored_eager_(p.reshape(-1), steps[0].reshape(-1), st["code"], st["scale"], st["v_row"],
+                                           st["v_col"], cb, torch.ones(2, 96), **h, **kw)
+        assert all(torch.equal(st[k], snap[k]) for k in st)
+
+
+def test_trains_a_regression_as_adamw_does():
+    """A two-layer regression, 300 steps: the one-byte layout's loss within 25% of AdamW's (both update
+    rules), state one byte per element plus the factored and scale vectors."""
+    def run(opt_of):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False), torch.nn.GELU(),
+                                  torch.nn.Linear(256, 64, bias=False))
+        step = opt_of(net)
+        g = torch.Generator().manual_seed(5)
+        w = torch.randn(64, 64, generator=g) / 8
+        for _ in range(300):
+            x = torch.randn(64, 64, generator=g)
+            for q in net.parameters():
+                q.grad = None
+            loss = (net(x) - x @ w).pow(2).mean()
+            loss.backward()
+            step()
+        return loss.item()
+
+    def nibble(update):
+        def make(net):
+            ps = list(net.parameters())
+            sts = [dict(code=torch.zeros(q.shape, dtype=torch.uint8), scale=torch.zeros(q.shape[0], 1),
+                        v_row=torch.zeros(q.shape[0]), v_col=torch.zeros(q.shape[1]), t=0) for q in ps]
+            cb = torch.linspace(-1, 1, 16)
+
+            def step():
+                for i, (q, st) in enumerate(zip(ps, sts)):
+                    st["t"] += 1
+                    t, gr = st["t"], q.grad
+                    hp = core_step.hyperparameters(dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0), t)
+                    nb.nibble_step_factored_eager_(q.data.view(-1), gr.reshape(-1), st["code"], st["scale"],
+                                                   st["v_row"], st["v_col"], cb, (gr * gr).mean(0),
+                                                   scale_block=q.shape[1], key=nb.step_key(0, t, i),
+                                                   update=update, **hp)
+            return step
+        return make
+
+    adamw = run(lambda net: torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.0).step)
+    for update in ("fp32", "decoded"):
+        got = run(nibble(update))
+        assert np.isfinite(got) and got < 1.25 * adamw, (update, got, adamw)
+
+
+def test_steps_match_the_layout_written_out_plainly():
+    """Four steps against the module's formulas written out in the test, whole tensor, no chunks: every
+    stored code, scale and statistic equal, the parameters to rounding."""
+    steps, p0, cb = _problem(rows=12, slab=64)
+    B, (b1, b2, lr, wd, eps) = 32, (0.9, 0.99, 1e-2, 0.1, 1e-8)
+    lv = torch.tensor(nb.V_LEVELS)
+    code = torch.zeros(12, 64, dtype=torch.long)
+    M, vr, vc, p = torch.zeros(12, 2), torch.zeros(12), torch.zeros(64), p0.clone()
+
+    def codes(x, levels, u):  # lower neighbour by counting, then the draw
+        j = ((levels[None, None, :] <= x[..., None]).sum(-1) - 1).clamp(0, levels.numel() - 2)
+        frac = ((x - levels[j]) / (levels[j + 1] - levels[j])).clamp(0, 1)
+        return j + (u < frac).long()
+
+    for t, g in enumerate(steps, 1):
+        fac = vr[:, None] * torch.where(vc.mean() > 0, vc / vc.mean(), torch.zeros(()))[None, :]
+        m = torch.lerp(cb[code >> 4] * M.repeat_interleave(B, 1), g, 1 - b1)
+        v = (fac * lv[code & 15]).mul_(b2).add_(g * g, alpha=1 - b2)
+        vr.mul_(b2).add_((g * g).mean(1), alpha=1 - b2)
+        vc.mul_(b2).add_((g * g).mean(0), alpha=1 - b2)
+        fac = vr[:, None] * (vc / vc.mean())[None, :]
+        M = m.view(12, 2, B).abs().amax(2)
+        um, uv = (u.view(12, 64) for u in nb.uniforms(0, 12 * 64, nb.step_key(0, t, 3)))
+        code = codes(m / M.repeat_interleave(B, 1), cb, um) << 4 | codes(v / fac, lv, uv)
+        sigma = 1 / ((v.sqrt() / math.sqrt(1 - b2 ** t)) + eps) / (1 - b1 ** t)
+        p = p * (1 - lr * wd) - lr * m * sigma
+    got, st = _run(steps, p0, cb)
+    assert torch.equal(st["code"].long(), code) and torch.equal(st["scale"], M)
+    assert torch.equal(st["v_row"], vr) and torch.equal(st["v_col"], vc)
+    assert torch.allclose(got, p, rtol=0, atol=1e-6)
