@@ -594,6 +594,9 @@ RESEARCH_VARIANTS = {
                               _byte_moments("fac", update="decoded")),
     # the library's function of that layout (gefen_dist.core.nibbles, the prototype's ref="core"): the library's
     # scale blocks and D12 row blocks, v rounded unbiased in its value (not its code), one hash for both draws
+    # the library's Gefen(second_moment="nibbles") (D20): what v_nib_core steps, through the engine
+    "v_nibbles": ("(v) gefen_dist Gefen(second_moment='nibbles'): one byte per element for both moments (D20), "
+                  "~1.02 B/param", _gefen(second_moment="nibbles", row_blocks="auto", fused=None)),
     "v_nib_core": ("(v) gefen_dist.core.nibbles through research/byte_moments.py (ref='core'): one byte per element, "
                    "the update from the float32 moments: ~1.02 B/param", _byte_moments("core")),
     "v_nib_core_dec": ("(v) v_nib_core with the update from the stored codes", _byte_moments("core", update="decoded")),

@@ -53,6 +53,7 @@ LAYOUTS = {
     "v_bytes_block_proto": (("weight",), 4, "block", 4),
     "v_bytes_fac_dec_proto": (("weight",), 4, "fac", 4),
     "v_nib_core": (("weight",), 4, "fac", 4),
+    "v_nibbles": (("weight",), 4, "fac", 4),
     "v_nib_core_dec": (("weight",), 4, "fac", 4),
     "v_bytes_m8_nearest_proto": (("weight",), 0, "fac", 8),
     "v_bytes_m8_stoch_proto": (("weight",), 0, "fac", 8),

@@ -26,6 +26,8 @@ from _launch import run_torchrun  # noqa: E402
          ["--same-grads", "--second-moment", "factored", "--nonfinite", "--narrow-span", "--adamw-import"],
          # narrow_rows="rows8" (D19): b.weight's row codes replicated, its reference blocks cut by the shards
          ["--same-grads", "--second-moment", "factored", "--narrow-rows8", "--adamw-import", "--steps", "6"],
+         # second_moment="nibbles" (D20): b's row blocks cut by the shards, the draws keyed by global rows
+         ["--same-grads", "--second-moment", "nibbles", "--nonfinite", "--steps", "6"],
          # the multi-tensor CUDA batch (gefen_dist.engine.cuda_batch) on DTensor shards, through the
          # Triton interpreter: pieces that cut row blocks, the non-finite protocol
          ["--same-grads", "--second-moment", "factored", "--nonfinite", "--cuda-batch", "--steps", "5"],
@@ -35,6 +37,7 @@ from _launch import run_torchrun  # noqa: E402
          ["--hsdp"],
          ["--same-grads", "--hsdp", "--second-moment", "factored", "--narrow-span"],
          ["--same-grads", "--hsdp", "--second-moment", "factored", "--narrow-rows8", "--steps", "4"],
+         ["--same-grads", "--hsdp", "--second-moment", "nibbles", "--steps", "4"],
          # the batch under HSDP: the replica mask
          ["--same-grads", "--hsdp", "--second-moment", "factored", "--cuda-batch", "--steps", "4"]]),
 ], ids=["ws2", "ws3", "ws4_hsdp"])

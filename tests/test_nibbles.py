@@ -266,3 +266,135 @@ def test_steps_match_the_layout_written_out_plainly():
     assert torch.equal(st["code"].long(), code) and torch.equal(st["scale"], M)
     assert torch.equal(st["v_row"], vr) and torch.equal(st["v_col"], vc)
     assert torch.allclose(got, p, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ Gefen(second_moment="nibbles")
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+
+def _train(net, opt, steps, seed=5, start=0):
+    g = torch.Generator().manual_seed(seed)
+    for s in range(start + steps):
+        x = torch.randn(32, 64, generator=g)
+        if s < start:
+            continue
+        opt.zero_grad()
+        (net(x) - x.flip(1)).pow(2).mean().backward()
+        opt.step()
+
+
+def test_gefen_nibbles_steps_through_the_core_with_its_keys(monkeypatch):
+    """Each quantized tensor's step is core.nibbles' function on its whole rows, keyed by the step and the
+    tensor's place in the optimizer; the codebook has 16 entries; the state is the default's tensors, byte
+    for byte the same sizes."""
+    from gefen_dist import Gefen
+    from gefen_dist.kernels import dispatch
+
+    calls = []
+    real = nb.nibble_step_factored_eager_
+
+    def spy(param, grad, code, *a, key, row0, **kw):
+        calls.append((param.shape, key, row0, code.dtype))
+        return real(param, grad, code, *a, key=key, row0=row0, **kw)
+
+    monkeypatch.setattr(dispatch, "_eager", dispatch._eager.__wrapped__)
+    monkeypatch.setattr(nb, "nibble_step_factored_eager_", spy)
+    net = _mlp()
+    opt = Gefen(net.parameters(), lr=3e-3, second_moment="nibbles")
+    _train(net, opt, 3)
+    assert opt.codebook.shape == (16,) and opt.codebook[0] == -1 and opt.codebook[-1] == 1
+    # two quantized weights (params 0 and 2 of the optimizer), three steps
+    assert sorted((tuple(s), k, r) for s, k, r, _ in calls) == sorted(
+        (tuple(w.shape), nb.step_key(0, t, i), 0) for t in (1, 2, 3) for i, w in ((0, net[0].weight),
+                                                                                (2, net[2].weight)))
+    ref = _mlp()
+    dopt = Gefen(ref.parameters(), lr=3e-3)
+    _train(ref, dopt, 1)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        a, b = opt.state[p], dopt.state[q]
+        assert {k: (v.shape, v.dtype) for k, v in a.items() if isinstance(v, torch.Tensor) and k != "codebook"} == \
+            {k: (v.shape, v.dtype) for k, v in b.items() if isinstance(v, torch.Tensor) and k != "codebook"}
+    from gefen_dist.optim.introspect import describe_step
+
+    assert describe_step(opt, opt.report()).endswith("kernel: eager (second_moment='nibbles')")
+
+
+def test_gefen_nibbles_resumes_bitwise_and_refuses_the_other_layout():
+    from gefen_dist import Gefen
+
+    net, again = _mlp(), _mlp()
+    opt = Gefen(net.parameters(), lr=3e-3, second_moment="nibbles")
+    _train(net, opt, 5)
+    opt2 = Gefen(again.parameters(), lr=3e-3, second_moment="nibbles")
+    _train(again, opt2, 3)
+    sd = opt2.state_dict()
+    resumed = Gefen(again.parameters(), lr=3e-3, second_moment="nibbles")
+    resumed.load_state_dict(sd)
+    _train(again, resumed, 2, start=3)
+    for p, q in zip(net.parameters(), again.parameters()):
+        assert torch.equal(p, q)
+    for k in ("idx", "scale", "v_row", "v_col"):
+        assert torch.equal(opt.state[net[0].weight][k], resumed.state[again[0].weight][k]), k
+    with pytest.raises(ValueError, match="second_moment='nibbles'"):
+        Gefen(again.parameters(), lr=3e-3).load_state_dict(sd)
+    fact = _mlp()
+    fopt = Gefen(fact.parameters(), lr=3e-3)
+    _train(fact, fopt, 2)
+    fresh = Gefen(fact.parameters(), lr=3e-3, second_moment="nibbles")
+    with pytest.raises(ValueError, match="second_moment='factored'"):
+        fresh.load_state_dict(fopt.state_dict())
+    assert not fresh.state
+    # a saved entry whose codebook is not 16 codewords (a state dict edited by hand) is refused by name
+    bad = opt2.state_dict()
+    for st in bad["state"].values():
+        if "codebook" in st:
+            st["codebook"] = torch.linspace(-1, 1, 256)
+    with pytest.raises(ValueError, match="expected 16 floats"):
+        Gefen(again.parameters(), lr=3e-3, second_moment="nibbles").load_state_dict(bad)
+    adamw = torch.optim.AdamW(fact.parameters(), lr=3e-3)
+    _train(fact, adamw, 1)
+    with pytest.raises(ValueError, match="AdamW state dict into Gefen\\(second_moment='nibbles'\\)"):
+        Gefen(fact.parameters(), lr=3e-3, second_moment="nibbles").load_state_dict(adamw.state_dict())
+
+
+def test_gefen_nibbles_refusals_name_the_fix():
+    from gefen_dist import Gefen, ZeroGefen
+
+    net = _mlp()
+    for kw, msg in ((dict(fused=True), "no fused kernel"), (dict(capturable=True, nonfinite="skip"), "capturable")):
+        with pytest.raises(ValueError, match=msg):
+            Gefen(net.parameters(), second_moment="nibbles", **kw)
+    with pytest.raises(ValueError, match="every group must use 'nibbles' or none"):
+        Gefen([{"params": [net[0].weight], "second_moment": "nibbles"}, {"params": [net[2].weight]}])
+    opt = Gefen([net[0].weight], second_moment="nibbles")
+    with pytest.raises(ValueError, match="every group must use 'nibbles' or none"):
+        opt.add_param_group({"params": [net[2].weight], "second_moment": "factored"})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match="ZeroGefen does not step second_moment='nibbles'"):
+        ZeroGefen(net.parameters(), second_moment="nibbles")
+    with pytest.raises(ValueError, match="Invalid second_moment"):
+        Gefen(net.parameters(), second_moment="nibble")
+
+
+def test_gefen_nibbles_trains_like_adamw():
+    """The MLP regression, 200 steps: Gefen(second_moment='nibbles') within 15% of AdamW's final loss."""
+    from gefen_dist import Gefen
+
+    def final(make):
+        net = _mlp()
+        opt = make(net.parameters())
+        g = torch.Generator().manual_seed(1)
+        w = torch.randn(64, 64, generator=g) / 8
+        for _ in range(200):
+            x = torch.randn(64, 64, generator=g)
+            opt.zero_grad()
+            loss = (net(x) - x @ w).pow(2).mean()
+            loss.backward()
+            opt.step()
+        return loss.item()
+
+    adamw = final(lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.0))
+    got = final(lambda ps: Gefen(ps, lr=3e-3, weight_decay=0.0, second_moment="nibbles"))
+    assert np.isfinite(got) and got < 1.15 * adamw, (got, adamw)

@@ -50,7 +50,7 @@ from .column_stats import ColumnTable
 from .device_step import DeviceStep
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .nonfinite import any_overflow, device_flags
-from .state import MODE_EXACT, MODE_FACTORED, SPAN_MODES, step_of
+from .state import MODE_EXACT, MODE_FACTORED, SPAN_MODES, nibbles_in, step_of
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +303,8 @@ class CudaBatch:
         """``(batches, beside)`` for this step's ``entries`` (:meth:`split`; the last plan, and each
         device's batch, reused while the tensors, their storage and their state dicts stay the same, so
         a step does not re-examine every tensor), or None when the per-tensor path must take the step."""
-        if (opt.fused is False or not entries or any(g.get("fused") is False for g in opt.param_groups)):
+        if (opt.fused is False or not entries or any(g.get("fused") is False for g in opt.param_groups)
+                or nibbles_in(opt.param_groups)):  # D20's step has no multi-tensor kernel yet
             return None
         key = _key(opt, entries)
         last = opt.__dict__.get("_cuda_plan")

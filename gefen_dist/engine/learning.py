@@ -120,14 +120,15 @@ class CodebookFit:
     info: Dict[str, Any]
 
 
-def learn_codebook(counts: torch.Tensor, symmetric: bool = True) -> CodebookFit:
+def learn_codebook(counts: torch.Tensor, symmetric: bool = True, k: int = 256) -> CodebookFit:
     """The job's codebook from the global histogram (the exact DP, native when it builds), with its
     summary: active bins, SSE, method, values, RMS error (normalised units), the DP's time and
     whether it was fitted to the histogram and its mirror image (``symmetric``, D17: the default of
     every optimizer; False is the paper's codebook). The SSE and RMS error are the fitted
-    histogram's (for ``symmetric``, twice the values)."""
+    histogram's (for ``symmetric``, twice the values). ``k``: the number of codewords (16 for
+    ``second_moment="nibbles"``, D20)."""
     fitted = _codebook.mirrored_counts(counts) if symmetric else counts.numpy()
-    res = _dispatch.solve_codebook(fitted)
+    res = _dispatch.solve_codebook(fitted, k=k)
     total = int(fitted.sum())
     info = dict(active_bins=res.active_bins, sse=res.sse, method=res.method, values=int(counts.sum()),
                 rms_error=math.sqrt(res.sse / max(1, total)), seconds_dp=res.seconds, symmetric=bool(symmetric))

@@ -44,11 +44,16 @@ MODE_SPAN = "span"  # a state mode, not a second_moment setting: narrow_rows="sp
 MODE_ROWS8 = "rows8"  # narrow_rows="rows8": rows of 22-79 elements, scale and v per row in one-byte codes (D19)
 SPAN_MODES = (MODE_SPAN, MODE_ROWS8)  # the modes stepped in two phases by the span kernels
 SECOND_MOMENTS = (MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE)
+# second_moment="nibbles" (D20): a factored group whose state bytes hold both moments, each in four bits
+# (core/nibbles.py). Its state is the factored mode's, tensor for tensor; only the step's math and the
+# codebook's size (16) differ. gefen_dist.Gefen steps it (ZeroGefen and the DeepSpeed optimizer refuse it)
+NIBBLES = "nibbles"
+SECOND_MOMENT_SETTINGS = SECOND_MOMENTS + (NIBBLES,)
 NARROW_ROWS = ("auto", "rows", "span", "rows8")
 DEFAULT_NARROW_ROWS = "auto"  # the constructors' default (D18); a group saved without the key was "rows"
 DEFAULT_SECOND_MOMENT = MODE_FACTORED  # Gefen's, ZeroGefen's and the DeepSpeed Gefen's constructor default
 
-__all__ = ["StateSpec", "SECOND_MOMENTS", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
+__all__ = ["StateSpec", "SECOND_MOMENTS", "NIBBLES", "SECOND_MOMENT_SETTINGS", "codebook_size", "nibbles_in", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
            "MODE_ELEMENTWISE", "MODE_SPAN", "MODE_ROWS8", "SPAN_MODES", "NARROW_ROWS", "rows8_mode", "DEFAULT_NARROW_ROWS", "span_mode", "narrow_rows_of",
            "narrow_layouts_differ", "narrow_layout", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of",
            "quantized_mode", "few_rows_shared_in"]
@@ -83,6 +88,17 @@ def second_moment_of(group: Mapping[str, Any]) -> str:
     """The ``second_moment`` of a live param group (:data:`DEFAULT_SECOND_MOMENT` where the group
     has none, as the optimizers' constructors default)."""
     return group.get("second_moment", DEFAULT_SECOND_MOMENT)
+
+
+def nibbles_in(groups) -> bool:
+    """Whether the param ``groups`` keep both moments in four bits each (``second_moment="nibbles"``;
+    the codebook is the optimizer's, so its groups all do or none does)."""
+    return any(second_moment_of(g) == NIBBLES for g in groups)
+
+
+def codebook_size(groups) -> int:
+    """The number of codewords of the optimizer with param ``groups``: 16 for ``"nibbles"``, else 256."""
+    return 16 if nibbles_in(groups) else 256
 
 
 def threshold_of(group: Mapping[str, Any], small_threshold: int) -> int:
@@ -157,7 +173,7 @@ def quantized_mode(shape: Sequence[int], second_moment: str, few_rows_shared: bo
     shape period; only for reading the state those versions saved (:func:`few_rows_shared_in`)."""
     if few_rows_shared and second_moment == MODE_FACTORED and few_rows(shape):
         return MODE_SHARED
-    return second_moment
+    return MODE_FACTORED if second_moment == NIBBLES else second_moment
 
 
 def few_rows_shared_in(st: Mapping[str, Any]) -> bool:
@@ -212,7 +228,7 @@ def fixed_period(shape: Sequence[int], second_moment: str) -> Optional[int]:
     generic ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict`` resume works)."""
     if second_moment == MODE_ELEMENTWISE:
         return 1
-    if second_moment == MODE_FACTORED:
+    if second_moment in (MODE_FACTORED, NIBBLES):
         return _periods.shape_period(shape)
     return None
 
@@ -241,8 +257,8 @@ class StateSpec:
             return cls(narrow, Geometry(KIND_QUANTIZED, shape, L, L))
         if is_exact(shape, small_threshold):
             return cls(MODE_EXACT, Geometry.exact(shape))
-        if second_moment not in SECOND_MOMENTS:
-            raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENTS})")
+        if second_moment not in SECOND_MOMENT_SETTINGS:
+            raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENT_SETTINGS})")
         if period is None:  # placeholder: the fixed period, or the row until one is detected
             period = fixed_period(shape, second_moment) or _periods.row_slab(shape)
         per = int(period)

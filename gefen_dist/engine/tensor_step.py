@@ -13,7 +13,9 @@ from .column_stats import column_means, piece_column_sums
 from .cuda_batch import CudaBatch
 from ..core.step import adamw_foreach_, adamw_hyperparameters, adamw_step_, decay_only_, hyperparameters, row_block_args
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
-from .state import MODE_EXACT, MODE_FACTORED, MODE_ROWS8, SPAN_MODES, step_of
+from ..core.nibbles import step_key
+from ..kernels import dispatch as _dispatch
+from .state import MODE_EXACT, MODE_FACTORED, MODE_ROWS8, NIBBLES, SPAN_MODES, step_of
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +239,9 @@ class GefenStepMixin:
         impl = self._impl(work, p, group)
         g = impl.grad_for(grad.contiguous(), work)
         cb = st["codebook"].to(work.device)
-        if mode == MODE_FACTORED:
+        if mode == MODE_FACTORED and group.get("second_moment") == NIBBLES:
+            self._step_nibbles(group, p, work, grad, col_mean_sq, hp)
+        elif mode == MODE_FACTORED:
             rkw = {}
             if st["v_col"].dim() > 1:  # row blocks (D12): this piece's first global row, rows per block
                 rkw = row_block_args(st["v_col"], global_shape(p)[0],
@@ -250,3 +254,29 @@ class GefenStepMixin:
                                  cb, period=st["period"], scale_block=st["scale_block"], **hp)
         if not contiguous:
             param.copy_(work)
+
+    def _step_nibbles(self, group: dict, p: torch.Tensor, work: torch.Tensor, grad: torch.Tensor,
+                      col_mean_sq: torch.Tensor, hp: dict) -> None:
+        """One factored tensor of a ``second_moment="nibbles"`` group (D20): the implementation of
+        :func:`gefen_dist.kernels.dispatch.select_nibbles` on this piece of whole rows, its random
+        numbers keyed by the tensor's place in the optimizer and the piece's first global row."""
+        st = self.state[p]
+        slab = st["v_col"].shape[-1]
+        row0 = piece_of(p, self._comm.rank, self._comm.world_size > 1).start // slab
+        G = st["v_col"].shape[0] if st["v_col"].dim() > 1 else 1
+        impl = _dispatch.select_nibbles(work)
+        impl.nibble_step_factored_(work, impl.grad_for(grad.contiguous(), work), local_tensor(st["idx"]),
+                                   local_tensor(st["scale"]), local_tensor(st["v_row"]), st["v_col"],
+                                   st["codebook"].to(work.device), col_mean_sq, scale_block=st["scale_block"],
+                                   key=step_key(0, step_of(st), self._tensor_index(p)), row0=row0,
+                                   row_block=global_shape(p)[0] // G, **hp)
+
+    def _tensor_index(self, p: torch.Tensor) -> int:
+        """``p``'s place in the optimizer's parameters (group by group): the same on every rank and
+        after a reload, so it keys a tensor's random numbers (D20)."""
+        sig = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
+        table = self.__dict__.get("_tensor_indices")
+        if table is None or table[0] != sig:
+            table = self._tensor_indices = (sig, {id(q): i for i, q in enumerate(
+                q for g in self.param_groups for q in g["params"])})
+        return table[1][id(p)]

@@ -67,7 +67,7 @@ class Gefen(_opt_mod.Gefen):
     """
 
     _group_rejected = GROUP_REJECTED_SHARDED  # flat buffers cut across groups: one implementation
-    _complex_ok = False
+    _complex_ok = _nibbles_ok = False  # flat buffers; second_moment="nibbles" not stepped here yet (D20)
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)

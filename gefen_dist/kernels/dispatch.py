@@ -31,7 +31,7 @@ from . import cpu as _cpu
 logger = logging.getLogger(__name__)
 
 __all__ = ["log_sq", "period_partials", "grad_period_partials", "paper_period", "block_histogram",
-           "solve_codebook", "dp_segments", "StepImpl", "select", "native_cpu_usable", "triton_usable"]
+           "solve_codebook", "dp_segments", "StepImpl", "select", "select_nibbles", "native_cpu_usable", "triton_usable"]
 
 
 def _first_step():
@@ -124,10 +124,10 @@ def dp_segments(centres: np.ndarray, weights: np.ndarray, K: int = _codebook.NUM
     return _codebook.dp_segments(centres, weights, K, dp=_dp_solver(backend))
 
 
-def solve_codebook(counts, backend: str = "auto") -> _codebook.CodebookResult:
-    """:func:`gefen_dist.core.codebook.solve_codebook` with the DP solver of ``backend`` (as
-    :func:`dp_segments`); the same codebook bit for bit whichever solver runs."""
-    return _codebook.solve_codebook(counts, dp=_dp_solver(backend))
+def solve_codebook(counts, backend: str = "auto", k: int = _codebook.NUM_CODEWORDS) -> _codebook.CodebookResult:
+    """:func:`gefen_dist.core.codebook.solve_codebook` (``k`` codewords) with the DP solver of ``backend``
+    (as :func:`dp_segments`); the same codebook bit for bit whichever solver runs."""
+    return _codebook.solve_codebook(counts, dp=_dp_solver(backend), k=k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +175,8 @@ class StepImpl:
     # device), then .run(gradients, codebook, **state hyperparameters)
     state_many: Optional[Callable] = None
     grad_in_param_dtype: bool = True  # the kernels read g in the parameter's dtype; the reference any dtype
+    # second_moment="nibbles" (D20): the contract of gefen_dist.core.nibbles.nibble_step_factored_eager_
+    nibble_step_factored_: Optional[Callable] = None
     span_apply_: Callable = _span.span_apply_  # span_update_'s per-element part from the updated state (D16, D19)
 
     def grad_for(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -185,11 +187,12 @@ class StepImpl:
 @functools.lru_cache(maxsize=None)
 def _eager() -> StepImpl:
     from ..core import apply as ap
+    from ..core import nibbles as nb
     from ..core import step as s
 
     return StepImpl("eager", s.quantized_step_eager_, s.quantized_step_factored_eager_, s.column_sumsq,
                     s.quantized_state_eager_, s.factored_state_eager_, ap.apply_compressed, ap.apply_factored,
-                    grad_in_param_dtype=False)
+                    grad_in_param_dtype=False, nibble_step_factored_=nb.nibble_step_factored_eager_)
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,6 +254,22 @@ def native_cpu_usable(t: torch.Tensor) -> bool:
     if t.device.type != "cpu" or t.dtype not in _KERNEL_DTYPES:
         return False
     return _cpu.available()
+
+
+@functools.lru_cache(maxsize=None)
+def _note_nibbles_eager(device_type: str) -> None:
+    logger.info("Gefen(second_moment='nibbles'): no fused kernel steps the one-byte layout yet, so its %s tensors "
+                "step with the eager reference (gefen_dist.core.nibbles; several times slower than the fused "
+                "default)", device_type)
+
+
+def select_nibbles(t: torch.Tensor) -> StepImpl:
+    """The implementation that steps tensor ``t`` under ``second_moment="nibbles"`` (D20): the first whose
+    ``nibble_step_factored_`` exists, today the eager reference on every device (logged once per device
+    type where a fused kernel would step the default)."""
+    if native_cpu_usable(t) or (t.device.type == "cuda" and t.dtype in _KERNEL_DTYPES):
+        _note_nibbles_eager(t.device.type)
+    return _eager()
 
 
 def select(t: torch.Tensor, fused: Optional[bool] = None) -> StepImpl:

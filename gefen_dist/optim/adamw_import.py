@@ -37,7 +37,7 @@ from ..core.periods import row_slab
 from ..engine import learning
 from ..engine.comm import LocalComm
 from ..engine.layout import global_shape, is_dtensor, like_param, local_tensor, piece_of
-from ..engine.state import MODE_EXACT, SPAN_MODES, fixed_period, mode_of_saved
+from ..engine.state import MODE_EXACT, SPAN_MODES, fixed_period, mode_of_saved, nibbles_in
 from ..kernels import dispatch as _dispatch
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,10 @@ def import_adamw(opt, items: List[Tuple[torch.Tensor, dict, dict, str]], spec_of
     pieces of their tensors: the period, codebook and column statistics are reduced over the
     optimizer's process group, so every rank must load (as ``set_optimizer_state_dict`` does);
     otherwise nothing is communicated."""
+    if nibbles_in(opt.param_groups):
+        raise ValueError("loading a torch.optim.AdamW state dict into Gefen(second_moment='nibbles') is not supported "
+                         "yet (its moments would need the one-byte layout's codes, D20): start that optimizer fresh, or "
+                         "warm-start Gefen(second_moment='factored') from it")
     sharded = any(is_dtensor(p) for p, *_ in items)
     comm = opt._comm if sharded else LocalComm()
     todo, bad = [], []

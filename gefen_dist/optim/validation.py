@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..engine.layout import global_shape, local_tensor, piece_of
-from ..engine.state import MODE_EXACT, SECOND_MOMENTS, tensor_keys
+from ..engine.state import MODE_EXACT, NIBBLES, SECOND_MOMENT_SETTINGS, nibbles_in, tensor_keys
 
 NONFINITE = ("raise", "skip", "ignore")  # Gefen's nonfinite policies (re-exported by gefen_dist.optim.gefen)
 
@@ -119,8 +119,12 @@ def validate_options(*, second_moment, small_threshold, nonfinite, fused, symmet
                      row_blocks, narrow_rows) -> None:
     """Gefen's constructor options other than the AdamW hyperparameters: each refused with a
     ``ValueError`` naming the value and what is expected."""
-    if second_moment not in SECOND_MOMENTS:
-        raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENTS})")
+    if second_moment not in SECOND_MOMENT_SETTINGS:
+        raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENT_SETTINGS})")
+    if second_moment == NIBBLES and (fused is True or capturable):
+        raise ValueError(f"Gefen(second_moment='nibbles') has no fused kernel yet (its step is the eager reference, "
+                         f"gefen_dist.core.nibbles), so it cannot take {'fused=True' if fused is True else 'capturable=True'}"
+                         "; pass fused=None (default) and capturable=False, or second_moment='factored'")
     if isinstance(small_threshold, bool) or not isinstance(small_threshold, int) or small_threshold < 0:
         raise ValueError(f"Invalid small_threshold: {small_threshold!r} (must be an int >= 0)")
     if nonfinite not in NONFINITE:
@@ -163,6 +167,23 @@ def validate_narrow_rows(nr, where: str = "") -> None:
         raise ValueError(f"Invalid narrow_rows{where}: {nr!r} (expected one of {NARROW_ROWS})")
 
 
+def validate_nibbles(opt, merged: Dict[str, Any], where: str) -> None:
+    """``second_moment="nibbles"`` (D20) in a param group (``merged`` with the optimizer's defaults): only
+    :class:`gefen_dist.Gefen` steps it (``opt._nibbles_ok``), without a fused kernel yet, and the
+    optimizer's one codebook has 16 codewords for it and 256 otherwise, so all its groups use it or none."""
+    nib = merged["second_moment"] == NIBBLES
+    if nib and not getattr(opt, "_nibbles_ok", False):
+        raise ValueError(f"{type(opt).__name__} does not step second_moment='nibbles'{where} yet (gefen_dist.Gefen "
+                         "does: single process, DDP and FSDP2); use second_moment='factored'")
+    if nib and (merged.get("fused", getattr(opt, "fused", None)) is True or getattr(opt, "capturable", False)):
+        raise ValueError(f"second_moment='nibbles'{where} has no fused kernel yet, so it cannot take fused=True or "
+                         "capturable=True; pass fused=None and capturable=False")
+    if opt.param_groups and nib != nibbles_in(opt.param_groups):
+        raise ValueError(f"second_moment={merged['second_moment']!r}{where}, but the optimizer's other groups "
+                         f"{'do not use' if nib else 'use'} 'nibbles': its first-moment codebook is one for all groups "
+                         "(16 codewords with 'nibbles', 256 otherwise), so every group must use 'nibbles' or none")
+
+
 def validate_param_group(opt, param_group) -> None:
     """The checks of ``opt.add_param_group(param_group)`` before anything changes: optimizer-wide
     keys (``opt._group_rejected``), hyperparameters, ``second_moment``, ``row_blocks``,
@@ -173,9 +194,10 @@ def validate_param_group(opt, param_group) -> None:
         validate_group_keys(param_group, len(opt.param_groups), opt._group_rejected)
         merged = {**opt.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         validate_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], where)
-        if merged["second_moment"] not in SECOND_MOMENTS:
+        if merged["second_moment"] not in SECOND_MOMENT_SETTINGS:
             raise ValueError(f"Invalid second_moment{where}: {merged['second_moment']!r} (expected one of "
-                             f"{SECOND_MOMENTS})")
+                             f"{SECOND_MOMENT_SETTINGS})")
+        validate_nibbles(opt, merged, where)
         validate_row_blocks(merged.get("row_blocks", "auto"), where)
         validate_narrow_rows(merged.get("narrow_rows", "auto"), where)
         st = merged.get("small_threshold", 0)

@@ -159,10 +159,44 @@ def run_adamw_import(rank, ws):
         "after 2 more steps")
 
 
+def run_nibbles(rank, ws):
+    """second_moment="nibbles" (D20) under DDP: a single-process Gefen stepped with DDP's (all-reduced)
+    gradients ends bitwise where every replica ends (parameters, codes, scales, statistics), the
+    codebook has 16 codewords, and the replicas' digests agree."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gefen_dist.engine.comm import LocalComm
+
+    model, ref = DDP(net()), net()
+    opt = Gefen(model.parameters(), lr=LR, weight_decay=WD, second_moment="nibbles")
+    ropt = Gefen(ref.parameters(), lr=LR, weight_decay=WD, second_moment="nibbles")
+    ropt._comm = LocalComm()
+    for s in range(4):
+        x, y = local_batch(s, rank, ws)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        for p, q in zip(model.module.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        opt.step()
+        ropt.step()
+    quantized = 0
+    for (name, p), q in zip(model.module.named_parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach()), f"nibbles ddp: {name} differs from single process"
+        for k, v in ropt.state[q].items():
+            assert torch.equal(opt.state[p][k], v) if isinstance(v, torch.Tensor) else opt.state[p][k] == v, (name, k)
+        quantized += "idx" in opt.state[p]
+    assert quantized and opt.codebook.numel() == 16 and torch.equal(opt.codebook, ropt.codebook)
+    ds = [None] * ws
+    dist.all_gather_object(ds, digest(model.module, opt))
+    assert len(set(ds)) == 1, f"nibbles: ddp replicas differ: {ds}"
+    log(f"OK nibbles ddp ws={ws}: 4 steps, {quantized} quantized tensors, replicas and single process bitwise")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mismatch", action="store_true")
     ap.add_argument("--adamw-import", action="store_true")
+    ap.add_argument("--nibbles", action="store_true")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     torch.set_num_threads(1)
@@ -170,6 +204,8 @@ def main():
     run_ddp(rank, ws)
     if args.adamw_import:
         run_adamw_import(rank, ws)
+    if args.nibbles:
+        run_nibbles(rank, ws)
     if args.mismatch:
         run_mismatch(rank, ws)
     dist.barrier()
