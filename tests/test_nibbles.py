@@ -96,20 +96,23 @@ def _problem(rows=24, slab=96, G=1, seed=0):
     return steps, p, cb
 
 
-def _run(steps, p, cb, *, G=1, B=32, rows=None, update="fp32", bound=None, hp=None):
-    """Steps whole rows ``rows`` (default all) of the tensor through nibble_step_factored_eager_."""
+def _run(steps, p, cb, *, G=1, B=32, rows=None, update="fp32", bound=None, hp=None, fn=None, dtype=None):
+    """Steps whole rows ``rows`` (default all) of the tensor through ``fn`` (nibble_step_factored_eager_),
+    the parameter and gradients in ``dtype`` (default float32)."""
     R, slab = p.shape
     r0, r1 = rows or (0, R)
+    fn = fn or nb.nibble_step_factored_eager_
     st = dict(code=torch.zeros(r1 - r0, slab, dtype=torch.uint8), scale=torch.zeros(r1 - r0, slab // B),
               v_row=torch.zeros(r1 - r0), v_col=torch.zeros(G, slab) if G > 1 else torch.zeros(slab))
-    p = p[r0:r1].clone()
+    p = p[r0:r1].clone().to(dtype or torch.float32)
     for t, g in enumerate(steps, 1):
-        col = (g * g).view(G, R // G, slab).mean(1) if G > 1 else (g * g).mean(0)  # over all global rows
+        g = g.to(p.dtype)
+        gf = g.float()
+        col = (gf * gf).view(G, R // G, slab).mean(1) if G > 1 else (gf * gf).mean(0)  # over all global rows
         h = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, bc1=1 - 0.9 ** t, bc2=1 - 0.99 ** t)
         h.update(hp or {})
-        nb.nibble_step_factored_eager_(p.view(-1), g[r0:r1].reshape(-1), st["code"], st["scale"], st["v_row"],
-                                       st["v_col"], cb, col, scale_block=B, key=nb.step_key(0, t, 3), row0=r0,
-                                       row_block=R // G, bound=bound, update=update, **h)
+        fn(p.view(-1), g[r0:r1].reshape(-1), st["code"], st["scale"], st["v_row"], st["v_col"], cb, col,
+           scale_block=B, key=nb.step_key(0, t, 3), row0=r0, row_block=R // G, bound=bound, update=update, **h)
     return p, st
 
 
@@ -260,7 +263,7 @@ def test_steps_match_the_layout_written_out_plainly():
         M = m.view(12, 2, B).abs().amax(2)
         um, uv = (u.view(12, 64) for u in nb.uniforms(0, 12 * 64, nb.step_key(0, t, 3)))
         code = codes(m / M.repeat_interleave(B, 1), cb, um) << 4 | codes(v / fac, lv, uv)
-        sigma = 1 / ((v.sqrt() / math.sqrt(1 - b2 ** t)) + eps) / (1 - b1 ** t)
+        sigma = 1 / ((v.double().sqrt().float() / math.sqrt(1 - b2 ** t)) + eps) / (1 - b1 ** t)
         p = p * (1 - lr * wd) - lr * m * sigma
     got, st = _run(steps, p0, cb)
     assert torch.equal(st["code"].long(), code) and torch.equal(st["scale"], M)
@@ -302,7 +305,7 @@ def test_gefen_nibbles_steps_through_the_core_with_its_keys(monkeypatch):
     monkeypatch.setattr(dispatch, "_eager", dispatch._eager.__wrapped__)
     monkeypatch.setattr(nb, "nibble_step_factored_eager_", spy)
     net = _mlp()
-    opt = Gefen(net.parameters(), lr=3e-3, second_moment="nibbles")
+    opt = Gefen(net.parameters(), lr=3e-3, second_moment="nibbles", fused=False)
     _train(net, opt, 3)
     assert opt.codebook.shape == (16,) and opt.codebook[0] == -1 and opt.codebook[-1] == 1
     # two quantized weights (params 0 and 2 of the optimizer), three steps
@@ -318,7 +321,21 @@ def test_gefen_nibbles_steps_through_the_core_with_its_keys(monkeypatch):
             {k: (v.shape, v.dtype) for k, v in b.items() if isinstance(v, torch.Tensor) and k != "codebook"}
     from gefen_dist.optim.introspect import describe_step
 
-    assert describe_step(opt, opt.report()).endswith("kernel: eager (second_moment='nibbles')")
+    assert describe_step(opt, opt.report()).endswith("kernel: eager")
+    # the default (fused=None) steps them with the native kernel where it builds, to the same bits
+    fast, slow = _mlp(), _mlp()
+    fo, so = (Gefen(m.parameters(), lr=3e-3, second_moment="nibbles", fused=f) for m, f in ((fast, None),
+                                                                                          (slow, False)))
+    _train(fast, fo, 4)
+    _train(slow, so, 4)
+    from gefen_dist.kernels import cpu
+
+    assert describe_step(fo, fo.report()).endswith("kernel: cpu (portable C)" if cpu.available() else "kernel: eager")
+    for p, q in zip(fast.parameters(), slow.parameters()):
+        assert torch.equal(p, q)
+        for k in ("idx", "scale", "v_row", "v_col"):
+            if k in fo.state[p]:
+                assert torch.equal(fo.state[p][k], so.state[q][k]), k
 
 
 def test_gefen_nibbles_resumes_bitwise_and_refuses_the_other_layout():
@@ -363,9 +380,8 @@ def test_gefen_nibbles_refusals_name_the_fix():
     from gefen_dist import Gefen, ZeroGefen
 
     net = _mlp()
-    for kw, msg in ((dict(fused=True), "no fused kernel"), (dict(capturable=True, nonfinite="skip"), "capturable")):
-        with pytest.raises(ValueError, match=msg):
-            Gefen(net.parameters(), second_moment="nibbles", **kw)
+    with pytest.raises(ValueError, match="capturable"):
+        Gefen(net.parameters(), second_moment="nibbles", capturable=True, nonfinite="skip")
     with pytest.raises(ValueError, match="every group must use 'nibbles' or none"):
         Gefen([{"params": [net[0].weight], "second_moment": "nibbles"}, {"params": [net[2].weight]}])
     opt = Gefen([net[0].weight], second_moment="nibbles")
@@ -398,3 +414,37 @@ def test_gefen_nibbles_trains_like_adamw():
     adamw = final(lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.0))
     got = final(lambda ps: Gefen(ps, lr=3e-3, weight_decay=0.0, second_moment="nibbles"))
     assert np.isfinite(got) and got < 1.15 * adamw, (got, adamw)
+
+
+@pytest.mark.skipif(not __import__("gefen_dist.kernels.cpu", fromlist=["available"]).available(),
+                    reason="needs the native CPU library")
+@pytest.mark.parametrize("G,update,bound,dtype,threads", [
+    (1, "fp32", None, torch.float32, 1), (3, "fp32", 2.0, torch.float32, 2), (1, "decoded", 2.0, torch.float32, 1),
+    (3, "decoded", None, torch.bfloat16, 2), (1, "fp32", 2.0, torch.bfloat16, 1)])
+def test_native_kernel_is_the_eager_reference_bit_for_bit(G, update, bound, dtype, threads):
+    """kernels/cpu.nibble_step_factored_ against the eager reference: every code, scale, statistic and
+    parameter equal, with row blocks, both update rules, the bound, bf16 parameters, a NaN and an inf in
+    the gradients (their blocks: NaN scales, codes 0), zero rows, weight decay, one or two threads."""
+    from gefen_dist.kernels import cpu
+
+    steps, p, cb = _problem(rows=36, slab=192)
+    steps[1][4, 7] = float("nan")
+    steps[2][9, 100] = float("inf")
+    steps[2][20:22] = 0.0
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kw = dict(G=G, B=64, update=update, bound=bound, dtype=dtype)
+        want, ws = _run(steps, p, cb, **kw)
+        got, gs = _run(steps, p, cb, fn=cpu.nibble_step_factored_, **kw)
+        part, ps = _run(steps, p, cb, fn=cpu.nibble_step_factored_, rows=(6, 30), **kw)
+    finally:
+        torch.set_num_threads(old)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    nan = torch.isnan(want)  # (a NaN's sign bit is not specified: torch's bf16 keeps it, the kernel's not)
+    assert torch.equal(torch.isnan(got), nan) and bool(nan.any())
+    assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
+    for k in ("code", "scale", "v_row", "v_col"):
+        assert torch.equal(gs[k].view(torch.uint8), ws[k].view(torch.uint8)), k
+        assert torch.equal(ps[k].view(torch.uint8), (ws[k] if k == "v_col" else ws[k][6:30]).view(torch.uint8)), k
+    assert bool(torch.isnan(ws["scale"]).any())  # the NaN reached a scale: its block was coded as such

@@ -23,7 +23,8 @@ Reproducible by construction, so that every kernel can match this reference bit 
   the *global* tensor, keyed by (seed, step, tensor): any sharding draws the same bits; one hash per
   element gives both uniforms (16 bits each);
 * a code's two candidates come from comparisons, its rounding probability from one subtraction and one
-  division, and the draw from one comparison: no ``log2`` or ``exp2`` of data, no fused operations.
+  division, and the draw from one comparison: no ``log2`` or ``exp2`` of data, no fused operations;
+* the update's square root is correctly rounded (torch's float32 ``sqrt`` on CPU is not on every build).
 """
 from __future__ import annotations
 
@@ -195,5 +196,7 @@ def nibble_step_factored_eager_(
         s_all[r0:r1] = a
         if update == "decoded":
             m, v = decode(new, a, fac, codebook, B)
-        sigma = inv_rms_(v.sqrt_(), eps, bc1, sqrt_bc2)
+        # sqrt correctly rounded (through float64: torch's float32 sqrt on CPU is not, on some builds), as
+        # every kernel's sqrtf / sqrt_rn, so that the update is the same bits everywhere
+        sigma = inv_rms_(v.double().sqrt_().float(), eps, bc1, sqrt_bc2)
         apply_(p_all[r0:r1], m, sigma, lr, weight_decay, bound)

@@ -264,7 +264,7 @@ class GefenStepMixin:
         slab = st["v_col"].shape[-1]
         row0 = piece_of(p, self._comm.rank, self._comm.world_size > 1).start // slab
         G = st["v_col"].shape[0] if st["v_col"].dim() > 1 else 1
-        impl = _dispatch.select_nibbles(work)
+        impl = _dispatch.select_nibbles(work, self._fused(p, group))
         impl.nibble_step_factored_(work, impl.grad_for(grad.contiguous(), work), local_tensor(st["idx"]),
                                    local_tensor(st["scale"]), local_tensor(st["v_row"]), st["v_col"],
                                    st["codebook"].to(work.device), col_mean_sq, scale_block=st["scale_block"],

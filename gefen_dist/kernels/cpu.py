@@ -113,6 +113,7 @@ import logging
 import math
 import os
 import threading
+import types
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -130,7 +131,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["available", "simd_compiled", "simd_isa", "quantized_step_", "quantized_step_factored_", "apply_compressed_",
            "apply_factored_", "numerics", "nearest_lut", "nearest_sweep", "CodebookTable", "codebook_table"]
 
-_ABI = 12
+_ABI = 13
 _LIB_NAME = "gefen_step"
 _SOURCES = ["gefen_step.c"]
 _BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together
@@ -170,6 +171,21 @@ class _Args(ctypes.Structure):
         ("lut_h", ctypes.c_float),
         ("ulim", ctypes.c_float),
         ("ent", ctypes.c_void_p),
+    ]
+
+
+class _NibbleArgs(ctypes.Structure):
+    """gefen_nibble_args (csrc/gefen_step.c): the one-byte layout's arguments beside _Args (D20)."""
+    _fields_ = [
+        ("ratio_old", ctypes.c_void_p),
+        ("ratio_new", ctypes.c_void_p),
+        ("cb", ctypes.c_void_p),
+        ("lv", ctypes.c_void_p),
+        ("row0", ctypes.c_int64),
+        ("rb", ctypes.c_int64),
+        ("bound", ctypes.c_float),
+        ("key", ctypes.c_uint32),
+        ("decoded", ctypes.c_int32),
     ]
 
 
@@ -228,6 +244,12 @@ def _lib() -> Optional[ctypes.CDLL]:
             lib.gefen_multi_column_sumsq.argtypes = [vp, i64, i32]
             lib.gefen_multi_item_size.restype = ctypes.c_int
             lib.gefen_colsum_item_size.restype = ctypes.c_int
+            lib.gefen_nibble_step.restype = ctypes.c_int  # second_moment="nibbles" (D20)
+            lib.gefen_nibble_step.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_NibbleArgs)] + [vp] * 5
+            lib.gefen_nibble_args_size.restype = ctypes.c_int
+            if lib.gefen_nibble_args_size() != ctypes.sizeof(_NibbleArgs):
+                logger.warning("gefen_dist: %s has an unexpected ABI; using the eager path", _LIB_NAME)
+                return None
             lib.gefen_two_level_table.restype = ctypes.c_int
             lib.gefen_two_level_table.argtypes = [vp, i32]
             _configured.add(id(lib))
@@ -568,6 +590,62 @@ def quantized_step_factored_(
     if rc != 0:
         raise RuntimeError(f"gefen_quantized_step_factored failed with code {rc}")
     for t in (param, idx, scale, v_row):
+        torch.autograd.graph.increment_version(t)
+
+
+# the nearest-codeword table fields of _Args, which the one-byte layout's kernel does not read
+_NO_TABLE = types.SimpleNamespace(mode=0, nb=1, h=1.0, ent=None)
+
+
+def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_mean_sq, *, lr, beta1, beta2, eps,
+                          weight_decay, bc1, bc2, scale_block, key, row0=0, row_block=0, bound=None,
+                          update="fp32") -> None:
+    """:func:`gefen_dist.core.nibbles.nibble_step_factored_eager_` (same contract, bitwise the same
+    results: tests/test_nibbles.py) with the rows in the native kernel (D20); ``v_col``'s EMA and the
+    column ratios before and after it in the eager path's torch operations. Falls back to the eager path
+    when the native library is unavailable, or for scale blocks over 256 elements."""
+    from gefen_dist.core import nibbles as _nb
+    from gefen_dist.core.step import column_ratios
+
+    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
+              scale_block=scale_block, key=key, row0=row0, row_block=row_block, bound=bound, update=update)
+    lib = _lib()
+    n, S, B = param.numel(), v_col.shape[-1], int(scale_block)
+    if lib is None or B > 256 or param.dtype not in (torch.float32, torch.bfloat16):
+        _nb.nibble_step_factored_eager_(param, grad, code, scale, v_row, v_col, codebook, col_mean_sq, **kw)
+        return
+    if update not in ("fp32", "decoded"):
+        raise ValueError(f"update must be 'fp32' or 'decoded', got {update!r}")
+    if B < 1 or S % B or n % S:
+        raise ValueError(f"scale_block {B} does not divide the row length {S}, or {n} elements are not whole rows")
+    G = v_col.numel() // S
+    if G > 1 and row_block < 1:
+        raise ValueError(f"a v_col of shape {tuple(v_col.shape)} (row blocks) needs row_block >= 1")
+    _check("v_col", v_col, torch.float32, G * S)
+    _check("col_mean_sq", col_mean_sq, torch.float32, G * S)
+    if n:
+        _check("param", param, None, n)
+        _check("grad", grad, param.dtype, n)
+        _check("code", code, torch.uint8, n)
+        _check("scale", scale, torch.float32, n // B)
+        _check("v_row", v_row, torch.float32, n // S)
+    ratio_old = column_ratios(v_col).contiguous()
+    v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
+    if n == 0:
+        return
+    ratio_new = column_ratios(v_col).contiguous()
+    a = _make_args(param, n, S, B, _NO_TABLE, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                   bc1=bc1, bc2=bc2, bound=bound, simd=1)
+    cb = codebook.to(torch.float32).contiguous()
+    lv = torch.tensor(_nb.V_LEVELS, dtype=torch.float32)
+    na = _NibbleArgs(ratio_old.data_ptr(), ratio_new.data_ptr(), cb.data_ptr(), lv.data_ptr(), int(row0),
+                     int(row_block) if G > 1 else int(row0) + n // S + 1, math.inf if bound is None else bound,
+                     int(key) & 0xFFFFFFFF, int(update == "decoded"))
+    rc = lib.gefen_nibble_step(ctypes.byref(a), ctypes.byref(na), param.data_ptr(), grad.data_ptr(),
+                               code.data_ptr(), scale.data_ptr(), v_row.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"gefen_nibble_step failed with code {rc}")
+    for t in (param, code, scale, v_row):
         torch.autograd.graph.increment_version(t)
 
 

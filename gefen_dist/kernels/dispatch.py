@@ -204,7 +204,7 @@ def _native_cpu() -> StepImpl:
     return StepImpl("cpu", cpu.quantized_step_, cpu.quantized_step_factored_, cpu.column_sumsq,
                     cpu.quantized_state_, cpu.factored_state_, cpu.apply_compressed_, cpu.apply_factored_,
                     cpu_span.span_statistics, cpu_span.span_update_, cpu_span.span_apply_indices_,
-                    span_apply_=cpu_span.span_apply_)
+                    span_apply_=cpu_span.span_apply_, nibble_step_factored_=cpu.nibble_step_factored_)
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,16 +258,18 @@ def native_cpu_usable(t: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _note_nibbles_eager(device_type: str) -> None:
-    logger.info("Gefen(second_moment='nibbles'): no fused kernel steps the one-byte layout yet, so its %s tensors "
-                "step with the eager reference (gefen_dist.core.nibbles; several times slower than the fused "
+    logger.info("Gefen(second_moment='nibbles'): no fused kernel steps the one-byte layout on %s yet, so its "
+                "tensors step with the eager reference (gefen_dist.core.nibbles; many times slower than the fused "
                 "default)", device_type)
 
 
-def select_nibbles(t: torch.Tensor) -> StepImpl:
-    """The implementation that steps tensor ``t`` under ``second_moment="nibbles"`` (D20): the first whose
-    ``nibble_step_factored_`` exists, today the eager reference on every device (logged once per device
-    type where a fused kernel would step the default)."""
-    if native_cpu_usable(t) or (t.device.type == "cuda" and t.dtype in _KERNEL_DTYPES):
+def select_nibbles(t: torch.Tensor, fused: Optional[bool] = None) -> StepImpl:
+    """The implementation that steps tensor ``t`` under ``second_moment="nibbles"`` (D20): with ``fused``
+    not False, the native CPU kernel for CPU float32/bfloat16 tensors; the eager reference otherwise
+    (on CUDA for now, logged once)."""
+    if fused is not False and native_cpu_usable(t):
+        return _native_cpu()
+    if fused is not False and t.device.type == "cuda" and t.dtype in _KERNEL_DTYPES:
         _note_nibbles_eager(t.device.type)
     return _eager()
 

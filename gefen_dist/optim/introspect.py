@@ -24,6 +24,7 @@ from ..engine.flat_layout import LayoutError
 from ..engine.layout import is_dtensor, local_tensor
 from ..engine.report import Report, build_report, state_bytes
 from ..engine.state import MODE_SHARED, nibbles_in
+from ..kernels import dispatch as _dispatch
 
 logger = logging.getLogger("gefen_dist.optim.gefen")
 
@@ -109,9 +110,10 @@ class Introspection:
     def _kernel_name(self) -> str:
         """The implementations stepping this optimizer's tensors; the native CPU kernel with the
         instruction set its intrinsics path was built for (a 2-5x difference on one CPU)."""
-        if nibbles_in(self.param_groups):  # no fused kernel for D20's layout yet (kernels.dispatch.select_nibbles)
-            return "eager (second_moment='nibbles')"
         ps = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if nibbles_in(self.param_groups):  # D20's layout (kernels.dispatch.select_nibbles): no intrinsics path
+            names = sorted({_dispatch.select_nibbles(local_tensor(p), self._fused(p)).name for p in ps})
+            return ", ".join("cpu (portable C)" if n == "cpu" else n for n in names) if names else "none"
         names = sorted({self._impl(local_tensor(p), p).name for p in ps})
         if "cpu" in names:
             from ..kernels import cpu

@@ -121,10 +121,9 @@ def validate_options(*, second_moment, small_threshold, nonfinite, fused, symmet
     ``ValueError`` naming the value and what is expected."""
     if second_moment not in SECOND_MOMENT_SETTINGS:
         raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENT_SETTINGS})")
-    if second_moment == NIBBLES and (fused is True or capturable):
-        raise ValueError(f"Gefen(second_moment='nibbles') has no fused kernel yet (its step is the eager reference, "
-                         f"gefen_dist.core.nibbles), so it cannot take {'fused=True' if fused is True else 'capturable=True'}"
-                         "; pass fused=None (default) and capturable=False, or second_moment='factored'")
+    if second_moment == NIBBLES and capturable:
+        raise ValueError("Gefen(second_moment='nibbles') has no device-side (capturable) step yet: pass "
+                         "capturable=False, or second_moment='factored' for a CUDA-graph-capturable step")
     if isinstance(small_threshold, bool) or not isinstance(small_threshold, int) or small_threshold < 0:
         raise ValueError(f"Invalid small_threshold: {small_threshold!r} (must be an int >= 0)")
     if nonfinite not in NONFINITE:
@@ -175,9 +174,9 @@ def validate_nibbles(opt, merged: Dict[str, Any], where: str) -> None:
     if nib and not getattr(opt, "_nibbles_ok", False):
         raise ValueError(f"{type(opt).__name__} does not step second_moment='nibbles'{where} yet (gefen_dist.Gefen "
                          "does: single process, DDP and FSDP2); use second_moment='factored'")
-    if nib and (merged.get("fused", getattr(opt, "fused", None)) is True or getattr(opt, "capturable", False)):
-        raise ValueError(f"second_moment='nibbles'{where} has no fused kernel yet, so it cannot take fused=True or "
-                         "capturable=True; pass fused=None and capturable=False")
+    if nib and getattr(opt, "capturable", False):
+        raise ValueError(f"second_moment='nibbles'{where} has no device-side (capturable) step yet; pass "
+                         "capturable=False")
     if opt.param_groups and nib != nibbles_in(opt.param_groups):
         raise ValueError(f"second_moment={merged['second_moment']!r}{where}, but the optimizer's other groups "
                          f"{'do not use' if nib else 'use'} 'nibbles': its first-moment codebook is one for all groups "
@@ -265,6 +264,10 @@ def require_fused_kernels(opt, groups=None) -> None:
                 "Gefen(fused=True): the native CPU kernel could not be built (no C compiler?). "
                 "Install gcc/clang or set CC, or pass fused=None to fall back to the eager path.")
     cuda = [t for t in params if t.is_cuda and t.dtype in (torch.float32, torch.bfloat16)]
+    if cuda and nibbles_in(opt.param_groups):
+        raise RuntimeError("Gefen(second_moment='nibbles', fused=True): CUDA parameters, and no GPU kernel steps the "
+                           "one-byte layout yet (D20; the native CPU kernel does). Pass fused=None to step them with "
+                           "the eager reference, or second_moment='factored'")
     if cuda and not _dispatch.triton_usable(cuda[0]):
         raise RuntimeError(
             "Gefen(fused=True): CUDA parameters, but the Triton kernels are not usable (is triton "

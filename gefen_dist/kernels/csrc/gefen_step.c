@@ -66,7 +66,7 @@
 #define GEFEN_SPAN_AVX2 1 /* the span update's 8-lane loops: AVX2 builds and AVX-512 VBMI builds alike */
 #endif
 
-#define GEFEN_STEP_ABI 12
+#define GEFEN_STEP_ABI 13
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -2313,4 +2313,148 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
             }
         }
     }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* second_moment="nibbles" (D20): both moments in one byte per element                   */
+/* ------------------------------------------------------------------------------------ */
+/* gefen_dist.core.nibbles.nibble_step_factored_eager_, operation by operation (bitwise: the same
+ * float32 operations in the same order, with torch's lerp / add(alpha) forms and its cascade row sum
+ * as the rest of this file replays them). Per row r of S elements (global row row0 + r, row block
+ * (row0 + r) / rb of the column ratios ro / rn = v_col / mean(v_col) before / after this step's
+ * column EMA, computed by the caller): v_row's EMA of the row mean of g^2; per scale block of B
+ * elements, sweep 1 decodes m = cb[code >> 4] M and v = (v_row_old ro) lv[code & 15] and advances them
+ * (m = lerp(m, g, 1 - beta1), v = beta2 v + (1 - beta2) g^2); M = max |m| (NaN if any); sweep 2 stores
+ * the codes of m / M over cb and of v / (v_row_new rn) over lv, each rounded up where the element's
+ * uniform is below its fraction between the two neighbouring levels, and updates the parameter by
+ * clamp(m sigma, +-bound) lr with sigma = (1 / (sqrt(v) / sqrt(bc2) + eps)) (1 / bc1) (decoded: of
+ * the stored codes instead). The uniforms: h = lowbias32(i_lo ^ lowbias32(key + i_hi 0x9E3779B1)) of
+ * the global element index i, h >> 16 and h & 0xFFFF over 2^16. Rows run in parallel. */
+typedef struct {
+    const float *ratio_old, *ratio_new; /* [G][S] */
+    const float *cb, *lv;               /* [16] each: the codebook, v's levels */
+    int64_t row0, rb;
+    float bound;                        /* +inf: unbounded */
+    uint32_t key;
+    int32_t decoded;
+} gefen_nibble_args;
+
+int gefen_nibble_args_size(void) { return (int)sizeof(gefen_nibble_args); }
+
+ALWAYS_INLINE uint32_t lowbias32(uint32_t x)
+{
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* The code of x over 16 ascending levels: the lower neighbour j (#{k in 1..14 : lv[k] <= x}, so 0
+ * below the levels and for NaN, 14 above), plus one where u < (x - lv[j]) / (lv[j + 1] - lv[j]),
+ * that fraction clamped to [0, 1] (a NaN fraction never rounds up). */
+ALWAYS_INLINE int round16(float x, const float *restrict lv, float u)
+{
+    int j = 0;
+    for (int k = 1; k < 15; ++k) j += lv[k] <= x;
+    const float lo = lv[j];
+    float f = (x - lo) / (lv[j + 1] - lo);
+    f = f < 0.0f ? 0.0f : f;
+    f = f > 1.0f ? 1.0f : f;
+    return j + (u < f);
+}
+
+#define GEFEN_NIBBLE_BMAX 256
+
+ALWAYS_INLINE void nibble_row(const gefen_step_args *restrict a, const gefen_nibble_args *restrict nb,
+                              void *restrict param, const void *restrict grad, uint8_t *restrict code,
+                              float *restrict scale, float *restrict vrow, int64_t r, const int DT,
+                              const int FL, const int WD, const int DEC)
+{
+    const int64_t S = a->period, B = a->block, per = S / B, o = r * S;
+    const int64_t blk = (nb->row0 + r) / nb->rb;
+    const float *restrict ro = nb->ratio_old + blk * S, *restrict rn = nb->ratio_new + blk * S;
+    const float *restrict cb = nb->cb, *restrict lv = nb->lv;
+    const float lc = a->lerp_c, beta2 = a->beta2, alpha2 = a->alpha2, decay = a->decay, lr = a->lr;
+    const float bnd = nb->bound;
+    const int small = a->lerp_small, fa = a->fused_axpy;
+    const float vr_old = vrow[r];
+    const float vr_new = vupd(vr_old, sumsq(grad, o, S, a->sum_lanes, DT, a->simd) / (float)S, beta2, alpha2, fa);
+    vrow[r] = vr_new;
+    const int64_t gi0 = (nb->row0 + r) * S; /* the row's first global element */
+    float mb[GEFEN_NIBBLE_BMAX], vb[GEFEN_NIBBLE_BMAX];
+    for (int64_t q = 0; q < per; ++q) {
+        const int64_t ob = o + q * B, c0 = q * B;
+        const float Mo = scale[r * per + q];
+        float amax = 0.0f;
+        int isn = 0;
+        for (int64_t i = 0; i < B; ++i) {
+            const uint8_t c = code[ob + i];
+            const float g = load_g(grad, ob + i, DT);
+            const float m = lerp_t(cb[c >> 4] * Mo, g, lc, small, FL);
+            const float v = vupd((vr_old * ro[c0 + i]) * lv[c & 15], g * g, beta2, alpha2, fa);
+            mb[i] = m;
+            vb[i] = v;
+            const float am = fabsf(m);
+            amax = am > amax ? am : amax;
+            isn |= m != m;
+        }
+        const float A = isn ? NAN : amax;
+        scale[r * per + q] = A;
+        const int pos = A > 0.0f;
+        const float Ad = pos ? A : 1.0f;
+        uint32_t hi0 = (uint32_t)((uint64_t)(gi0 + c0) >> 32), k0 = lowbias32(nb->key + hi0 * 0x9E3779B1u);
+        for (int64_t i = 0; i < B; ++i) {
+            const int64_t gi = gi0 + c0 + i;
+            const uint32_t hi = (uint32_t)((uint64_t)gi >> 32);
+            if (hi != hi0) { /* a row across a multiple of 2^32 elements */
+                hi0 = hi;
+                k0 = lowbias32(nb->key + hi * 0x9E3779B1u);
+            }
+            const uint32_t h = lowbias32((uint32_t)gi ^ k0);
+            const float um = (float)(h >> 16) * (1.0f / 65536.0f), uv = (float)(h & 0xFFFFu) * (1.0f / 65536.0f);
+            float m = mb[i], v = vb[i];
+            const float fn = vr_new * rn[c0 + i];
+            const int mc = round16(pos ? m / Ad : 0.0f, cb, um);
+            const int vc = round16(fn > 0.0f ? v / fn : 0.0f, lv, uv);
+            code[ob + i] = (uint8_t)(mc << 4 | vc);
+            if (DEC) {
+                m = cb[mc] * A;
+                v = fn * lv[vc];
+            }
+            float u = m * sigma_of(v, a);
+            u = u > bnd ? bnd : (u < -bnd ? -bnd : u);
+            update_param(param, ob + i, u * lr, decay, DT, WD);
+        }
+    }
+}
+
+/* n elements (whole rows of a->period), scale blocks of a->block <= 256; a's lerp, add(alpha),
+ * cascade and update fields as for gefen_quantized_step_factored. Returns 0, or 1 for bad sizes. */
+int gefen_nibble_step(const gefen_step_args *a, const gefen_nibble_args *nb, void *param, const void *grad,
+                      uint8_t *code, float *scale, float *vrow)
+{
+    const int64_t S = a->period, B = a->block;
+    if (S < 1 || B < 1 || B > GEFEN_NIBBLE_BMAX || S % B || a->n % S || nb->rb < 1) return 1;
+    const int64_t rows = a->n / S;
+    int nt = a->nthreads > 0 ? a->nthreads : 1;
+    const int64_t wu = a->n / 32768 + 1;
+    if ((int64_t)nt > wu) nt = (int)wu;
+    if ((int64_t)nt > rows) nt = (int)rows;
+    (void)nt;
+    const int DT = a->dtype, FL = a->fused_lerp, WD = a->has_wd, DEC = nb->decoded != 0;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        /* constant arguments to the inlined row, so each combination compiles to its own loop */
+        if (DT == 0 && !DEC) {
+            if (FL) { if (WD) nibble_row(a, nb, param, grad, code, scale, vrow, r, 0, 1, 1, 0);
+                      else nibble_row(a, nb, param, grad, code, scale, vrow, r, 0, 1, 0, 0); }
+            else { if (WD) nibble_row(a, nb, param, grad, code, scale, vrow, r, 0, 0, 1, 0);
+                   else nibble_row(a, nb, param, grad, code, scale, vrow, r, 0, 0, 0, 0); }
+        } else {
+            nibble_row(a, nb, param, grad, code, scale, vrow, r, DT, FL, WD, DEC);
+        }
+    }
+    return 0;
 }
