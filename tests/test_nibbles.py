@@ -448,3 +448,21 @@ def test_native_kernel_is_the_eager_reference_bit_for_bit(G, update, bound, dtyp
         assert torch.equal(gs[k].view(torch.uint8), ws[k].view(torch.uint8)), k
         assert torch.equal(ps[k].view(torch.uint8), (ws[k] if k == "v_col" else ws[k][6:30]).view(torch.uint8)), k
     assert bool(torch.isnan(ws["scale"]).any())  # the NaN reached a scale: its block was coded as such
+
+
+@pytest.mark.skipif(not __import__("gefen_dist.kernels.cpu", fromlist=["available"]).available(),
+                    reason="needs the native CPU library")
+def test_native_kernel_with_scale_blocks_over_256_and_the_nibbles_period():
+    """Rows of 514 = 2 x 257 elements: the nibbles period (core.periods.nibble_period) keeps the row as the
+    scale block (its largest divisor under 256 is 2), and the kernel steps blocks of 514 as the reference."""
+    from gefen_dist.core.periods import nibble_period
+    from gefen_dist.kernels import cpu
+
+    assert [nibble_period(s) for s in ((2304, 768), (768, 3072), (192, 576), (12, 514), (5, 300))] == \
+        [256, 256, 192, 514, 150]
+    steps, p, cb = _problem(rows=12, slab=514)
+    want, ws = _run(steps, p, cb, B=514)
+    got, gs = _run(steps, p, cb, B=514, fn=cpu.nibble_step_factored_)
+    assert torch.equal(got, want)
+    for k in ("code", "scale", "v_row", "v_col"):
+        assert torch.equal(gs[k], ws[k]), k

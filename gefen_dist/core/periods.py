@@ -276,6 +276,16 @@ def shape_period(shape: Sequence[int]) -> int:
     return next(d for d in divisors(row) if d > PERIOD_CAP)
 
 
+def nibble_period(shape: Sequence[int]) -> int:
+    """``second_moment="nibbles"`` (D20): the period of a tensor, which there too sets only the
+    first moment's absmax-scale block: the largest divisor of the row that is at most 256 (a
+    four-bit first moment wants a finer scale than the row), or :func:`shape_period` where that
+    divisor is under 32 (rows of a large prime length)."""
+    row = row_slab(shape)
+    d = max(x for x in divisors(row) if x <= SCALE_BLOCK_MAX)
+    return d if d >= 32 or d == row else shape_period(shape)
+
+
 def scale_block_for(period: int, slab: int) -> int:
     """Absmax-scale block: the period itself, or for period 1 the largest divisor of the row
     that is at most 256 (row-aligned, D1)."""

@@ -228,8 +228,10 @@ def fixed_period(shape: Sequence[int], second_moment: str) -> Optional[int]:
     generic ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict`` resume works)."""
     if second_moment == MODE_ELEMENTWISE:
         return 1
-    if second_moment in (MODE_FACTORED, NIBBLES):
+    if second_moment == MODE_FACTORED:
         return _periods.shape_period(shape)
+    if second_moment == NIBBLES:  # blocks of at most 256 for the four-bit first moment (D20)
+        return _periods.nibble_period(shape)
     return None
 
 

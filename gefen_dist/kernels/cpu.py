@@ -603,7 +603,7 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
     """:func:`gefen_dist.core.nibbles.nibble_step_factored_eager_` (same contract, bitwise the same
     results: tests/test_nibbles.py) with the rows in the native kernel (D20); ``v_col``'s EMA and the
     column ratios before and after it in the eager path's torch operations. Falls back to the eager path
-    when the native library is unavailable, or for scale blocks over 256 elements."""
+    when the native library is unavailable."""
     from gefen_dist.core import nibbles as _nb
     from gefen_dist.core.step import column_ratios
 
@@ -611,7 +611,7 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
               scale_block=scale_block, key=key, row0=row0, row_block=row_block, bound=bound, update=update)
     lib = _lib()
     n, S, B = param.numel(), v_col.shape[-1], int(scale_block)
-    if lib is None or B > 256 or param.dtype not in (torch.float32, torch.bfloat16):
+    if lib is None or param.dtype not in (torch.float32, torch.bfloat16):
         _nb.nibble_step_factored_eager_(param, grad, code, scale, v_row, v_col, codebook, col_mean_sq, **kw)
         return
     if update not in ("fp32", "decoded"):
@@ -643,8 +643,8 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
                      int(key) & 0xFFFFFFFF, int(update == "decoded"))
     rc = lib.gefen_nibble_step(ctypes.byref(a), ctypes.byref(na), param.data_ptr(), grad.data_ptr(),
                                code.data_ptr(), scale.data_ptr(), v_row.data_ptr())
-    if rc != 0:
-        raise RuntimeError(f"gefen_nibble_step failed with code {rc}")
+    if rc != 0:  # (the sizes are checked above: 2 is out of memory, before anything was written)
+        raise RuntimeError(f"gefen_nibble_step failed with code {rc}" + (" (out of memory)" if rc == 2 else ""))
     for t in (param, code, scale, v_row):
         torch.autograd.graph.increment_version(t)
 

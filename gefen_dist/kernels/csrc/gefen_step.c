@@ -2365,37 +2365,55 @@ ALWAYS_INLINE int round16(float x, const float *restrict lv, float u)
     return j + (u < f);
 }
 
-#define GEFEN_NIBBLE_BMAX 256
+/* Sweep 2 of one element: its codes from m, v and its uniforms' hash h, then the parameter update. */
+ALWAYS_INLINE void nibble_el(const gefen_step_args *restrict a, const gefen_nibble_args *restrict nb,
+                             void *restrict param, uint8_t *restrict code, int64_t e, float m, float v,
+                             float fn, float A, float Ad, int pos, uint32_t h, const int DT, const int WD,
+                             const int DEC)
+{
+    const float *restrict cb = nb->cb, *restrict lv = nb->lv;
+    const float um = (float)(h >> 16) * (1.0f / 65536.0f), uv = (float)(h & 0xFFFFu) * (1.0f / 65536.0f);
+    const int mc = round16(pos ? m / Ad : 0.0f, cb, um);
+    const int vc = round16(fn > 0.0f ? v / fn : 0.0f, lv, uv);
+    code[e] = (uint8_t)(mc << 4 | vc);
+    if (DEC) {
+        m = cb[mc] * A;
+        v = fn * lv[vc];
+    }
+    float u = m * sigma_of(v, a);
+    const float bnd = nb->bound;
+    u = u > bnd ? bnd : (u < -bnd ? -bnd : u);
+    update_param(param, e, u * a->lr, a->decay, DT, WD);
+}
 
+/* One row; mb, vb: scratch of a->block floats each (the block's m and v between the sweeps). */
 ALWAYS_INLINE void nibble_row(const gefen_step_args *restrict a, const gefen_nibble_args *restrict nb,
                               void *restrict param, const void *restrict grad, uint8_t *restrict code,
-                              float *restrict scale, float *restrict vrow, int64_t r, const int DT,
-                              const int FL, const int WD, const int DEC)
+                              float *restrict scale, float *restrict vrow, int64_t r, float *restrict mb,
+                              float *restrict vb, const int DT, const int FL, const int WD, const int DEC)
 {
     const int64_t S = a->period, B = a->block, per = S / B, o = r * S;
     const int64_t blk = (nb->row0 + r) / nb->rb;
     const float *restrict ro = nb->ratio_old + blk * S, *restrict rn = nb->ratio_new + blk * S;
     const float *restrict cb = nb->cb, *restrict lv = nb->lv;
-    const float lc = a->lerp_c, beta2 = a->beta2, alpha2 = a->alpha2, decay = a->decay, lr = a->lr;
-    const float bnd = nb->bound;
+    const float lc = a->lerp_c, beta2 = a->beta2, alpha2 = a->alpha2;
     const int small = a->lerp_small, fa = a->fused_axpy;
     const float vr_old = vrow[r];
     const float vr_new = vupd(vr_old, sumsq(grad, o, S, a->sum_lanes, DT, a->simd) / (float)S, beta2, alpha2, fa);
     vrow[r] = vr_new;
     const int64_t gi0 = (nb->row0 + r) * S; /* the row's first global element */
-    float mb[GEFEN_NIBBLE_BMAX], vb[GEFEN_NIBBLE_BMAX];
     for (int64_t q = 0; q < per; ++q) {
         const int64_t ob = o + q * B, c0 = q * B;
         const float Mo = scale[r * per + q];
         float amax = 0.0f;
         int isn = 0;
+#pragma omp simd reduction(max : amax) reduction(| : isn)
         for (int64_t i = 0; i < B; ++i) {
             const uint8_t c = code[ob + i];
             const float g = load_g(grad, ob + i, DT);
             const float m = lerp_t(cb[c >> 4] * Mo, g, lc, small, FL);
-            const float v = vupd((vr_old * ro[c0 + i]) * lv[c & 15], g * g, beta2, alpha2, fa);
             mb[i] = m;
-            vb[i] = v;
+            vb[i] = vupd((vr_old * ro[c0 + i]) * lv[c & 15], g * g, beta2, alpha2, fa);
             const float am = fabsf(m);
             amax = am > amax ? am : amax;
             isn |= m != m;
@@ -2404,39 +2422,31 @@ ALWAYS_INLINE void nibble_row(const gefen_step_args *restrict a, const gefen_nib
         scale[r * per + q] = A;
         const int pos = A > 0.0f;
         const float Ad = pos ? A : 1.0f;
-        uint32_t hi0 = (uint32_t)((uint64_t)(gi0 + c0) >> 32), k0 = lowbias32(nb->key + hi0 * 0x9E3779B1u);
-        for (int64_t i = 0; i < B; ++i) {
-            const int64_t gi = gi0 + c0 + i;
-            const uint32_t hi = (uint32_t)((uint64_t)gi >> 32);
-            if (hi != hi0) { /* a row across a multiple of 2^32 elements */
-                hi0 = hi;
-                k0 = lowbias32(nb->key + hi * 0x9E3779B1u);
+        const uint64_t g_first = (uint64_t)(gi0 + c0), g_last = g_first + (uint64_t)B - 1;
+        if (g_first >> 32 == g_last >> 32) { /* one high word (always below 2^32 elements) */
+            const uint32_t k0 = lowbias32(nb->key + (uint32_t)(g_first >> 32) * 0x9E3779B1u), lo0 = (uint32_t)g_first;
+#pragma omp simd
+            for (int64_t i = 0; i < B; ++i)
+                nibble_el(a, nb, param, code, ob + i, mb[i], vb[i], vr_new * rn[c0 + i], A, Ad, pos,
+                          lowbias32((lo0 + (uint32_t)i) ^ k0), DT, WD, DEC);
+        } else { /* a block across a multiple of 2^32 elements */
+            for (int64_t i = 0; i < B; ++i) {
+                const uint64_t gi = g_first + (uint64_t)i;
+                const uint32_t k = lowbias32(nb->key + (uint32_t)(gi >> 32) * 0x9E3779B1u);
+                nibble_el(a, nb, param, code, ob + i, mb[i], vb[i], vr_new * rn[c0 + i], A, Ad, pos,
+                          lowbias32((uint32_t)gi ^ k), DT, WD, DEC);
             }
-            const uint32_t h = lowbias32((uint32_t)gi ^ k0);
-            const float um = (float)(h >> 16) * (1.0f / 65536.0f), uv = (float)(h & 0xFFFFu) * (1.0f / 65536.0f);
-            float m = mb[i], v = vb[i];
-            const float fn = vr_new * rn[c0 + i];
-            const int mc = round16(pos ? m / Ad : 0.0f, cb, um);
-            const int vc = round16(fn > 0.0f ? v / fn : 0.0f, lv, uv);
-            code[ob + i] = (uint8_t)(mc << 4 | vc);
-            if (DEC) {
-                m = cb[mc] * A;
-                v = fn * lv[vc];
-            }
-            float u = m * sigma_of(v, a);
-            u = u > bnd ? bnd : (u < -bnd ? -bnd : u);
-            update_param(param, ob + i, u * lr, decay, DT, WD);
         }
     }
 }
 
-/* n elements (whole rows of a->period), scale blocks of a->block <= 256; a's lerp, add(alpha),
- * cascade and update fields as for gefen_quantized_step_factored. Returns 0, or 1 for bad sizes. */
+/* n elements (whole rows of a->period), scale blocks of a->block; a's lerp, add(alpha), cascade and
+ * update fields as for gefen_quantized_step_factored. Returns 0, 1 for bad sizes, 2 when out of memory. */
 int gefen_nibble_step(const gefen_step_args *a, const gefen_nibble_args *nb, void *param, const void *grad,
                       uint8_t *code, float *scale, float *vrow)
 {
     const int64_t S = a->period, B = a->block;
-    if (S < 1 || B < 1 || B > GEFEN_NIBBLE_BMAX || S % B || a->n % S || nb->rb < 1) return 1;
+    if (S < 1 || B < 1 || S % B || a->n % S || nb->rb < 1) return 1;
     const int64_t rows = a->n / S;
     int nt = a->nthreads > 0 ? a->nthreads : 1;
     const int64_t wu = a->n / 32768 + 1;
@@ -2444,17 +2454,29 @@ int gefen_nibble_step(const gefen_step_args *a, const gefen_nibble_args *nb, voi
     if ((int64_t)nt > rows) nt = (int)rows;
     (void)nt;
     const int DT = a->dtype, FL = a->fused_lerp, WD = a->has_wd, DEC = nb->decoded != 0;
-#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        /* constant arguments to the inlined row, so each combination compiles to its own loop */
-        if (DT == 0 && !DEC) {
-            if (FL) { if (WD) nibble_row(a, nb, param, grad, code, scale, vrow, r, 0, 1, 1, 0);
-                      else nibble_row(a, nb, param, grad, code, scale, vrow, r, 0, 1, 0, 0); }
-            else { if (WD) nibble_row(a, nb, param, grad, code, scale, vrow, r, 0, 0, 1, 0);
-                   else nibble_row(a, nb, param, grad, code, scale, vrow, r, 0, 0, 0, 0); }
-        } else {
-            nibble_row(a, nb, param, grad, code, scale, vrow, r, DT, FL, WD, DEC);
+    /* every thread's scratch first, so that running out of memory changes nothing */
+    float *scratch = (float *)malloc((size_t)nt * (size_t)(2 * B) * sizeof(float));
+    if (!scratch) return 2;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *mb = scratch + (size_t)tid * (size_t)(2 * B), *vb = mb + B;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            /* constant arguments to the inlined row, so each combination compiles to its own loop */
+            if (DT == 0 && !DEC) {
+                if (FL) { if (WD) nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, vb, 0, 1, 1, 0);
+                          else nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, vb, 0, 1, 0, 0); }
+                else { if (WD) nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, vb, 0, 0, 1, 0);
+                       else nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, vb, 0, 0, 0, 0); }
+            } else {
+                nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, vb, DT, FL, WD, DEC);
+            }
         }
     }
+    free(scratch);
     return 0;
 }

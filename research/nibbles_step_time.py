@@ -1,0 +1,84 @@
+"""Process CPU time of one optimizer step on GPT-2 small's transformer block 0 (its 12 tensors, 7,087,872
+parameters, synthetic gradients with row structure): torch's fused AdamW, Gefen's default and
+Gefen(second_moment="nibbles") (D20) on the native kernel, and the nibbles eager reference, in interleaved
+rounds; medians and ratios to AdamW of the same rounds (research/speed-log.md, "The one-byte layout's step").
+
+    python research/nibbles_step_time.py [--rounds 7] [--threads 1] [--no-eager]
+
+Every optimizer steps its own copy of the same tensors with the same gradients; two untimed steps first
+(the first learns the codebook). Process CPU time, so a descheduled thread on a shared machine does not count.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gefen_dist import Gefen  # noqa: E402
+
+D = 768
+BLOCK0 = [(3 * D, D), (3 * D,), (D, D), (D,), (4 * D, D), (4 * D,), (D, 4 * D), (D,), (D,), (D,), (D,), (D,)]
+
+
+def tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ps, gs = [], []
+    for shape in BLOCK0:
+        p = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)
+        rs = 0.1 + 2 * torch.rand(shape[0], *([1] * (len(shape) - 1)), generator=g)
+        ps.append(p)
+        gs.append(torch.randn(shape, generator=g) * 1e-3 * rs)
+    return ps, gs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round and optimizer")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-eager", action="store_true", help="leave out the eager reference (slow)")
+    args = ap.parse_args(argv)
+    logging.getLogger("gefen_dist").setLevel(logging.ERROR)
+    torch.set_num_threads(args.threads)
+    makers = {
+        "torch_adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        "gefen_default": lambda ps: Gefen(ps, lr=1e-3),
+        "gefen_nibbles": lambda ps: Gefen(ps, lr=1e-3, second_moment="nibbles"),
+    }
+    if not args.no_eager:
+        makers["gefen_nibbles_eager"] = lambda ps: Gefen(ps, lr=1e-3, second_moment="nibbles", fused=False)
+    opts = {}
+    for name, make in makers.items():
+        ps, gs = tensors()
+        for p, g in zip(ps, gs):
+            p.grad = g
+        opts[name] = make(ps)
+        for _ in range(2):
+            opts[name].step()
+    times = {k: [] for k in opts}
+    t_start = time.time()
+    for r in range(args.rounds):
+        for name, opt in (list(opts.items()) if r % 2 == 0 else list(opts.items())[::-1]):
+            t0 = time.process_time()
+            for _ in range(args.steps):
+                opt.step()
+            times[name].append((time.process_time() - t0) / args.steps)
+    base = statistics.median(times["torch_adamw_fused"])
+    n = sum(p.numel() for p in tensors()[0])
+    print(f"GPT-2 small block 0 ({n:,} parameters), {args.threads} thread(s), {args.rounds} interleaved rounds of "
+          f"{args.steps} steps, process CPU time, torch {torch.__version__}, {time.time() - t_start:.0f} s")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        ratios = sorted(t / a for t, a in zip(ts, times["torch_adamw_fused"]))
+        print(f"  {name:22s} {1e3 * med:8.2f} ms  {med / base:6.2f}x AdamW (per-round ratios {ratios[0]:.2f}-"
+              f"{ratios[-1]:.2f})")
+
+
+if __name__ == "__main__":
+    main()
