@@ -74,6 +74,8 @@ def optim_inputs_func_gefen(device, dtype=None):
                        desc="quantized, Tensor lr, one row block"),
         OptimizerInput(params=None, kwargs={**q, "narrow_rows": "span", "weight_decay": 0.01},
                        desc="quantized, narrow rows in blocks of rows (D16)"),
+        OptimizerInput(params=None, kwargs={**q, "second_moment": "nibbles", "weight_decay": 0.01},
+                       desc="quantized, both moments in one byte (D20)"),
     ]
 
 

@@ -382,12 +382,14 @@ def test_gefen_nibbles_refusals_name_the_fix():
     net = _mlp()
     with pytest.raises(ValueError, match="capturable"):
         Gefen(net.parameters(), second_moment="nibbles", capturable=True, nonfinite="skip")
-    with pytest.raises(ValueError, match="every group must use 'nibbles' or none"):
+    with pytest.raises(ValueError, match="every group that quantizes a tensor must use 'nibbles' or none"):
         Gefen([{"params": [net[0].weight], "second_moment": "nibbles"}, {"params": [net[2].weight]}])
     opt = Gefen([net[0].weight], second_moment="nibbles")
-    with pytest.raises(ValueError, match="every group must use 'nibbles' or none"):
+    with pytest.raises(ValueError, match="every group that quantizes a tensor must use 'nibbles' or none"):
         opt.add_param_group({"params": [net[2].weight], "second_moment": "factored"})
     assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [net[2].bias], "second_moment": "factored"})  # exact only: moot
+    assert opt.codebook is None and len(opt.param_groups) == 2
     with pytest.raises(ValueError, match="ZeroGefen does not step second_moment='nibbles'"):
         ZeroGefen(net.parameters(), second_moment="nibbles")
     with pytest.raises(ValueError, match="Invalid second_moment"):

@@ -37,7 +37,7 @@ import torch
 from ..core import periods as _periods
 from ..core import rows8 as _rows8
 from ..core import span as _span
-from .layout import KIND_QUANTIZED, Geometry, few_rows, is_exact
+from .layout import KIND_QUANTIZED, Geometry, few_rows, global_shape, is_exact
 
 MODE_EXACT, MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE = "exact", "shared", "factored", "elementwise"
 MODE_SPAN = "span"  # a state mode, not a second_moment setting: narrow_rows="span" of a factored group (D16)
@@ -53,7 +53,7 @@ NARROW_ROWS = ("auto", "rows", "span", "rows8")
 DEFAULT_NARROW_ROWS = "auto"  # the constructors' default (D18); a group saved without the key was "rows"
 DEFAULT_SECOND_MOMENT = MODE_FACTORED  # Gefen's, ZeroGefen's and the DeepSpeed Gefen's constructor default
 
-__all__ = ["StateSpec", "SECOND_MOMENTS", "NIBBLES", "SECOND_MOMENT_SETTINGS", "codebook_size", "nibbles_in", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
+__all__ = ["StateSpec", "SECOND_MOMENTS", "NIBBLES", "SECOND_MOMENT_SETTINGS", "codebook_size", "codebook_size_of", "nibbles_in", "quantizes", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
            "MODE_ELEMENTWISE", "MODE_SPAN", "MODE_ROWS8", "SPAN_MODES", "NARROW_ROWS", "rows8_mode", "DEFAULT_NARROW_ROWS", "span_mode", "narrow_rows_of",
            "narrow_layouts_differ", "narrow_layout", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of",
            "quantized_mode", "few_rows_shared_in"]
@@ -90,15 +90,30 @@ def second_moment_of(group: Mapping[str, Any]) -> str:
     return group.get("second_moment", DEFAULT_SECOND_MOMENT)
 
 
-def nibbles_in(groups) -> bool:
-    """Whether the param ``groups`` keep both moments in four bits each (``second_moment="nibbles"``;
-    the codebook is the optimizer's, so its groups all do or none does)."""
-    return any(second_moment_of(g) == NIBBLES for g in groups)
+def quantizes(group: Mapping[str, Any], small_threshold: int) -> bool:
+    """Whether param ``group`` (of an optimizer with ``small_threshold``) holds a tensor whose first
+    moment is quantized, i.e. one that reads the optimizer's codebook."""
+    return any(mode_of(global_shape(p), group, small_threshold) != MODE_EXACT for p in group["params"])
 
 
-def codebook_size(groups) -> int:
-    """The number of codewords of the optimizer with param ``groups``: 16 for ``"nibbles"``, else 256."""
-    return 16 if nibbles_in(groups) else 256
+def nibbles_in(groups, small_threshold: Optional[int] = None) -> bool:
+    """Whether the param ``groups`` keep both moments in four bits each (``second_moment="nibbles"``,
+    D20). The codebook is the optimizer's (16 codewords for it, 256 otherwise), so every group that
+    quantizes a tensor uses it or none does; with ``small_threshold`` given, groups that quantize
+    nothing do not count (their ``second_moment`` is moot)."""
+    return any(second_moment_of(g) == NIBBLES and (small_threshold is None or quantizes(g, small_threshold))
+               for g in groups)
+
+
+def codebook_size(groups, small_threshold: Optional[int] = None) -> int:
+    """The number of codewords of the optimizer with param ``groups``: 16 for ``"nibbles"``, else 256
+    (``small_threshold``: as :func:`nibbles_in`)."""
+    return 16 if nibbles_in(groups, small_threshold) else 256
+
+
+def codebook_size_of(opt) -> int:
+    """:func:`codebook_size` of an optimizer (its ``param_groups`` and ``small_threshold``)."""
+    return codebook_size(opt.param_groups, opt.small_threshold)
 
 
 def threshold_of(group: Mapping[str, Any], small_threshold: int) -> int:

@@ -113,7 +113,7 @@ def import_adamw(opt, items: List[Tuple[torch.Tensor, dict, dict, str]], spec_of
     pieces of their tensors: the period, codebook and column statistics are reduced over the
     optimizer's process group, so every rank must load (as ``set_optimizer_state_dict`` does);
     otherwise nothing is communicated."""
-    if nibbles_in(opt.param_groups):
+    if nibbles_in(opt.param_groups, opt.small_threshold):
         raise ValueError("loading a torch.optim.AdamW state dict into Gefen(second_moment='nibbles') is not supported "
                          "yet (its moments would need the one-byte layout's codes, D20): start that optimizer fresh, or "
                          "warm-start Gefen(second_moment='factored') from it")

@@ -26,7 +26,7 @@ from ..kernels import dispatch as _dispatch
 from ..engine.layout import Piece, check_supported, global_shape, like_param, local_tensor, piece_of
 from ..engine.nonfinite import NonfiniteChecks
 from ..engine.report import Report
-from ..engine.state import (MODE_EXACT, SPAN_MODES, StateSpec, codebook_size, fixed_period, mode_of, narrow_rows_of,
+from ..engine.state import (MODE_EXACT, SPAN_MODES, StateSpec, codebook_size_of, fixed_period, mode_of, narrow_rows_of,
                             second_moment_of, threshold_of)
 
 logger = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         if self.codebook is None:
             # Placeholder until learned: zeros (never a valid codebook, whose first entry is -1).
             if not hasattr(self, "_placeholder_cb"):
-                self._placeholder_cb = torch.zeros(codebook_size(self.param_groups), dtype=torch.float32, device=device)
+                self._placeholder_cb = torch.zeros(codebook_size_of(self), dtype=torch.float32, device=device)
             return self._placeholder_cb
         if self.codebook.device != device:
             return self.codebook.to(device)
@@ -302,7 +302,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         t0 = time.perf_counter()
         counts = self._global_histogram(live)
         t_hist = time.perf_counter() - t0
-        fit = learning.learn_codebook(counts, self.symmetric_codebook, codebook_size(self.param_groups))
+        fit = learning.learn_codebook(counts, self.symmetric_codebook, codebook_size_of(self))  # 16: D20
         self.codebook = fit.codebook.to(device=live[0][1].local.device)
         for st in self.state.values():
             if "codebook" in st:

@@ -111,7 +111,7 @@ class Introspection:
         """The implementations stepping this optimizer's tensors; the native CPU kernel with the
         instruction set its intrinsics path was built for (a 2-5x difference on one CPU)."""
         ps = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        if nibbles_in(self.param_groups):  # D20's layout (kernels.dispatch.select_nibbles): no intrinsics path
+        if nibbles_in(self.param_groups, self.small_threshold):  # D20 (kernels.dispatch.select_nibbles)
             names = sorted({_dispatch.select_nibbles(local_tensor(p), self._fused(p)).name for p in ps})
             return ", ".join("cpu (portable C)" if n == "cpu" else n for n in names) if names else "none"
         names = sorted({self._impl(local_tensor(p), p).name for p in ps})

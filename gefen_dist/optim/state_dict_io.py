@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from ..core.periods import row_slab
 from ..engine.layout import (FEW_ROWS, few_rows, global_shape, is_dtensor, like_param, local_tensor, one_element_rows,
                              piece_of)
-from ..engine.state import (MODE_EXACT, MODE_FACTORED, codebook_size, MODE_ROWS8, MODE_SHARED, MODE_SPAN, SPAN_MODES, StateSpec, fixed_period, mode_of_saved,
+from ..engine.state import (MODE_EXACT, MODE_FACTORED, codebook_size_of, MODE_ROWS8, MODE_SHARED, MODE_SPAN, SPAN_MODES, StateSpec, fixed_period, mode_of_saved,
                             narrow_layouts_differ, narrow_rows_of, new_step, threshold_of)
 from .adamw_import import import_adamw, is_adamw_entry, is_adamw_state
 
@@ -180,7 +180,7 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
         raise ValueError(f"checkpoint state 'idx' of {name!r} has dtype {st['idx'].dtype}, expected "
                          "torch.uint8 (was the state dict passed through torch.optim.Optimizer."
                          "load_state_dict, which casts state to the parameter dtype?)")
-    cb, k = st["codebook"], codebook_size(opt.param_groups)
+    cb, k = st["codebook"], codebook_size_of(opt)
     if tuple(cb.shape) != (k,) or not cb.is_floating_point():
         raise ValueError(f"checkpoint state 'codebook' of parameter {name!r} has shape {tuple(cb.shape)} and "
                          f"dtype {cb.dtype}, expected {k} floats (second_moment='nibbles' keeps 16, the others 256); "

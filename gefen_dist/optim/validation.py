@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..engine.layout import global_shape, local_tensor, piece_of
-from ..engine.state import MODE_EXACT, NIBBLES, SECOND_MOMENT_SETTINGS, nibbles_in, tensor_keys
+from ..engine.state import MODE_EXACT, NIBBLES, SECOND_MOMENT_SETTINGS, nibbles_in, quantizes, second_moment_of, tensor_keys
 
 NONFINITE = ("raise", "skip", "ignore")  # Gefen's nonfinite policies (re-exported by gefen_dist.optim.gefen)
 
@@ -177,10 +177,13 @@ def validate_nibbles(opt, merged: Dict[str, Any], where: str) -> None:
     if nib and getattr(opt, "capturable", False):
         raise ValueError(f"second_moment='nibbles'{where} has no device-side (capturable) step yet; pass "
                          "capturable=False")
-    if opt.param_groups and nib != nibbles_in(opt.param_groups):
+    th = opt.__dict__.get("small_threshold", 0)
+    others = {second_moment_of(g) == NIBBLES for g in opt.param_groups if quantizes(g, th)}
+    if others and others != {nib} and quantizes(merged, th):
         raise ValueError(f"second_moment={merged['second_moment']!r}{where}, but the optimizer's other groups "
                          f"{'do not use' if nib else 'use'} 'nibbles': its first-moment codebook is one for all groups "
-                         "(16 codewords with 'nibbles', 256 otherwise), so every group must use 'nibbles' or none")
+                         "(16 codewords with 'nibbles', 256 otherwise), so every group that quantizes a tensor must "
+                         "use 'nibbles' or none (groups of small and 1-D tensors only may say either)")
 
 
 def validate_param_group(opt, param_group) -> None:
@@ -196,7 +199,11 @@ def validate_param_group(opt, param_group) -> None:
         if merged["second_moment"] not in SECOND_MOMENT_SETTINGS:
             raise ValueError(f"Invalid second_moment{where}: {merged['second_moment']!r} (expected one of "
                              f"{SECOND_MOMENT_SETTINGS})")
-        validate_nibbles(opt, merged, where)
+        ps = param_group.get("params")
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps) if isinstance(ps, (list, tuple)) else []
+        validate_nibbles(opt, {**merged, "params": [p[1] if isinstance(p, tuple) else p for p in ps
+                                                   if isinstance(p[1] if isinstance(p, tuple) else p, torch.Tensor)]},
+                         where)
         validate_row_blocks(merged.get("row_blocks", "auto"), where)
         validate_narrow_rows(merged.get("narrow_rows", "auto"), where)
         st = merged.get("small_threshold", 0)
@@ -264,7 +271,7 @@ def require_fused_kernels(opt, groups=None) -> None:
                 "Gefen(fused=True): the native CPU kernel could not be built (no C compiler?). "
                 "Install gcc/clang or set CC, or pass fused=None to fall back to the eager path.")
     cuda = [t for t in params if t.is_cuda and t.dtype in (torch.float32, torch.bfloat16)]
-    if cuda and nibbles_in(opt.param_groups):
+    if cuda and nibbles_in(opt.param_groups, opt.small_threshold):
         raise RuntimeError("Gefen(second_moment='nibbles', fused=True): CUDA parameters, and no GPU kernel steps the "
                            "one-byte layout yet (D20; the native CPU kernel does). Pass fused=None to step them with "
                            "the eager reference, or second_moment='factored'")
