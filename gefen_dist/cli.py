@@ -540,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "largest micro-batch that fits")
     p.add_argument("--reserve", default="0", help="bytes kept free on the device (context, allocator), e.g. 2GiB")
     p.add_argument("--small-threshold", type=int, default=4096, help="Gefen's small_threshold (default 4096)")
-    p.add_argument("--second-moment", choices=("factored", "shared", "elementwise"), default="factored",
+    p.add_argument("--second-moment", choices=("factored", "shared", "elementwise", "nibbles"), default="factored",
                    help="Gefen's second_moment (default factored)")
     p.add_argument("--per-tensor", action="store_true", help="also list every tensor")
     p.add_argument("--json", action="store_true", help="machine-readable output")

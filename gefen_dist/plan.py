@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .core.periods import factored_row_blocks, row_slab, shape_period
 from .core.span import span_blocks, span_period
 from .engine.layout import KIND_EXACT, KIND_QUANTIZED, Geometry, is_exact
-from .engine.state import DEFAULT_NARROW_ROWS, MODE_FACTORED, MODE_ROWS8, narrow_layout, quantized_mode
+from .engine.state import DEFAULT_NARROW_ROWS, MODE_FACTORED, MODE_ROWS8, fixed_period, narrow_layout, quantized_mode
 
 __all__ = [
     "TensorSpec", "ModelEstimate", "STRATEGIES", "PRECISIONS", "GPT2_SMALL_GEFEN_BYTES_PER_PARAM",
@@ -79,7 +79,8 @@ def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
                  second_moment: str = "factored", narrow_rows: str = DEFAULT_NARROW_ROWS) -> Dict[str, Any]:
     """Kind, period, scale block and exact state bytes of one tensor (Gefen) and AdamW's bytes.
     ``second_moment``: ``"factored"`` (default: fp32 per row and per column), ``"shared"``
-    (fp32 per period of each row) or ``"elementwise"`` (fp32 per element); a factored tensor of
+    (fp32 per period of each row), ``"elementwise"`` (fp32 per element) or ``"nibbles"`` (the factored
+    state with scale blocks of at most 256, both moments in the one byte, D20); a factored tensor of
     few rows pays ``4 / rows`` B/param for its ``v_col`` (5.0 B/param in all for ``(1, N)``).
     ``narrow_rows``: a factored tensor of narrow rows kept per block of rows (D16, D18) holds a
     scale and a ``v`` per block and a ``v_col`` per column; under ``"rows8"`` (D19) rows of 22-79
@@ -95,7 +96,8 @@ def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
                     gefen_bytes=n + codes + 8 * span_blocks(shape) + 4 * row_slab(shape), adamw_bytes=adamw)
     if is_exact(shape, small_threshold):
         return dict(kind=KIND_EXACT, period=0, scale_block=0, gefen_bytes=8 * n, adamw_bytes=adamw)
-    geo = Geometry.quantized(shape, 1 if second_moment == "elementwise" else estimated_period(shape))
+    per = 1 if second_moment == "elementwise" else (fixed_period(shape, second_moment) or estimated_period(shape))
+    geo = Geometry.quantized(shape, per)
     rows = shape[0]
     s = geo.state_shapes(rows)
     if quantized_mode(shape, second_moment) == MODE_FACTORED:

@@ -75,6 +75,26 @@ def test_factored_default_resumes_through_the_plain_flow_bitwise(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
 
 
+def test_nibbles_resume_through_the_plain_flow_bitwise(tmp_path):
+    """second_moment="nibbles" (D20): its periods are fixed by the shape too (core.periods.nibble_period), so
+    a fresh optimizer's placeholder state (a 16-entry codebook) has the saved shapes and the plain flow
+    resumes it bitwise, including the 16-codeword codebook."""
+    from gefen_dist.core.periods import nibble_period
+
+    m, opt = _save("nibbles", str(tmp_path))
+    assert [opt.state[p]["period"] for p in m.parameters()] == [nibble_period(p.shape) for p in m.parameters()]
+    assert opt.codebook.shape == (16,)
+    m2, opt2 = _plain_resume("nibbles", str(tmp_path))
+    assert torch.equal(opt2.codebook, opt.codebook)
+    for p, q in zip(m.parameters(), m2.parameters()):
+        for k, v in opt.state[p].items():
+            w = opt2.state[q][k]
+            assert (torch.equal(v, w) and v.dtype == w.dtype) if torch.is_tensor(v) else v == w, k
+    _train(m, opt, 2, 7)
+    _train(m2, opt2, 2, 7)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+
+
 def test_shared_needs_prepare_for_load(tmp_path, caplog):
     """The paper's scheme keeps ``v`` per detected period: the plain flow cannot size it, and DCP says
     so (a CheckpointException naming the size mismatch), after Gefen's warning naming the fix;

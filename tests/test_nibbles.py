@@ -468,3 +468,22 @@ def test_native_kernel_with_scale_blocks_over_256_and_the_nibbles_period():
     assert torch.equal(got, want)
     for k in ("code", "scale", "v_row", "v_col"):
         assert torch.equal(gs[k], ws[k]), k
+
+
+def test_plan_counts_the_nibbles_state_that_gefen_allocates():
+    """gefen_dist.plan's bytes for second_moment='nibbles' equal the state a live optimizer holds (scale
+    blocks of core.periods.nibble_period, so a little more than the factored default's per-row blocks)."""
+    from gefen_dist import Gefen
+    from gefen_dist.plan import tensor_state
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(768, 96), torch.nn.Linear(96, 3072), torch.nn.Linear(514, 16))
+    for mode in ("nibbles", "factored"):
+        opt = Gefen(net.parameters(), lr=1e-3, second_moment=mode)
+        opt.init_state()
+        for p in net.parameters():
+            held = sum(t.numel() * t.element_size() for k, t in opt.state[p].items()
+                       if torch.is_tensor(t) and k not in ("step", "codebook"))
+            assert held == tensor_state(tuple(p.shape), second_moment=mode)["gefen_bytes"], (mode, tuple(p.shape))
+    assert tensor_state((768, 3072), second_moment="nibbles")["scale_block"] == 256
+    assert tensor_state((768, 3072), second_moment="factored")["scale_block"] == 1536
