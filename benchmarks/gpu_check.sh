@@ -1,7 +1,7 @@
 #!/bin/bash
 # The checks for a session that is lent a CUDA GPU, as one prepared run (a few minutes on an H200):
-#   1. the CUDA tests: the compiled Triton kernels (shared, per-element and factored second moment)
-#      against the eager path, and Gefen on a CUDA model against the eager path on CPU;
+#   1. the CUDA tests: the compiled Triton kernels (shared, per-element, factored second moment and
+#      second_moment="nibbles") against the eager path, and Gefen on a CUDA model against the eager path on CPU;
 #   2. benchmarks/cuda_graph_check.py: Gefen(capturable=True) captured in a CUDA graph replays bitwise the
 #      eager step (exit 1 otherwise), with no host synchronisation, and its time against fused AdamW;
 #   3. benchmarks/gpu_step.py: Gefen(...).step() against torch's fused AdamW on GPT-2 small and XL,
@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
   2>&1 | tee -a "$OUT/gpu.txt"
 timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider -o addopts=-ra \
-  tests/test_triton_step.py tests/test_optimizer.py -k cuda 2>&1 | tee "$OUT/pytest.log"
+  tests/test_triton_step.py tests/test_triton_nibbles.py tests/test_optimizer.py -k cuda 2>&1 | tee "$OUT/pytest.log"
 echo "pytest rc ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
 timeout "${GRAPH_TIMEOUT:-90}" $PY benchmarks/cuda_graph_check.py --out "$OUT/graph.json" 2>&1 | tee "$OUT/graph.log"
 echo "cuda_graph_check rc ${PIPESTATUS[0]}" | tee -a "$OUT/graph.log"

@@ -64,7 +64,7 @@ def available() -> str:
 
 
 def _compile(name: str, fn, ptr: Dict[str, str], ints, consts: Dict[str, object], options: Dict[str, object],
-             disasm: bool = True):
+             disasm: bool = True, kern=None):
     """Compile kernel ``name`` (its plain function ``fn``) for sm_90: ``ptr`` the pointer arguments'
     types (16-byte aligned, as the launcher marks tensor arguments), ``ints`` the int32 scalars (the
     other scalars float32); its registers and stack frame (``cuobjdump -res-usage``), and with ``disasm``
@@ -75,7 +75,7 @@ def _compile(name: str, fn, ptr: Dict[str, str], ints, consts: Dict[str, object]
 
     from gefen_dist.kernels import triton_kernels as tk
 
-    kern = tk._kernel(name)
+    kern = tk._kernel(name) if kern is None else kern
     names = list(inspect.signature(fn).parameters)
     sig = {n: ptr.get(n, "i32" if n in ints else "fp32") for n in names}
     sig.update({c: "constexpr" for c in consts})
@@ -149,6 +149,23 @@ def compile_apply(mode: int, bf16: bool, rows: int, block: int, warps: int = 8,
                    dict(num_warps=warps, enable_fp_fusion=False, **(tm.multi_launch_options() if ceiling else {})))
     return dict(mode=MODES[mode], dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps,
                 aligned=False, device_hp=False, ceiling=ceiling, **out)
+
+
+@_memo
+def compile_nibbles(bf16: bool, rows: int, block: int, warps: int = 4, disasm: bool = True) -> Dict[str, object]:
+    """Compile one configuration of the ``second_moment="nibbles"`` kernel (D20, kernels/triton_nibbles.py)
+    for sm_90 with its launch options (``triton_tables._config``'s tiles)."""
+    from gefen_dist.kernels import triton_nibbles as tn
+
+    g = "*i16" if bf16 else "*fp32"
+    ptr = {"p_ptr": g, "g_ptr": g, "code_ptr": "*u8", "scale_ptr": "*fp32", "vrow_ptr": "*fp32", "ro_ptr": "*fp32",
+           "rn_ptr": "*fp32", "cb_ptr": "*fp32", "lv_ptr": "*fp32"}
+    ints = ("nrows", "S", "B", "NBLK", "row0", "row_block", "key")
+    consts = dict(LERP_SMALL=True, FUSED_LERP=True, FUSED_AXPY=True, HAS_WD=True, IS_BF16=bf16, DECODED=False,
+                  ROWS=rows, BLOCK_SIZE=block)
+    out = _compile("nibbles", tn._nibble_kernel, ptr, ints, consts, dict(num_warps=warps, enable_fp_fusion=False),
+                   disasm, kern=tn._kernel())
+    return dict(kernel="nibbles", dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps, **out)
 
 
 SPAN_SLABS = (1, 4, 16, 64, 79)  # row lengths of tensors kept per block of rows (D16: below 80)

@@ -214,12 +214,15 @@ def _triton() -> StepImpl:
     from . import triton_state as zs
     from . import triton_step as tri
 
+    from . import triton_nibbles as nib
+
     return StepImpl("triton", tri.quantized_step_, tri.quantized_step_factored_, column_sumsq,
                     zs.quantized_state_, zs.factored_state_, zs.apply_compressed_, zs.apply_factored_,
                     span_statistics=span.span_statistics, span_update_=span.span_update_,
                     span_apply_indices_=span.span_apply_indices_, span_apply_=span.span_apply_,
                     column_factors=zs.column_factors,
-                    apply_many=zs.ApplyMany, state_many=zs.StateMany)
+                    apply_many=zs.ApplyMany, state_many=zs.StateMany,
+                    nibble_step_factored_=nib.nibble_step_factored_)
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -256,22 +259,11 @@ def native_cpu_usable(t: torch.Tensor) -> bool:
     return _cpu.available()
 
 
-@functools.lru_cache(maxsize=None)
-def _note_nibbles_eager(device_type: str) -> None:
-    logger.info("Gefen(second_moment='nibbles'): no fused kernel steps the one-byte layout on %s yet, so its "
-                "tensors step with the eager reference (gefen_dist.core.nibbles; many times slower than the fused "
-                "default)", device_type)
-
-
 def select_nibbles(t: torch.Tensor, fused: Optional[bool] = None) -> StepImpl:
-    """The implementation that steps tensor ``t`` under ``second_moment="nibbles"`` (D20): with ``fused``
-    not False, the native CPU kernel for CPU float32/bfloat16 tensors; the eager reference otherwise
-    (on CUDA for now, logged once)."""
-    if fused is not False and native_cpu_usable(t):
-        return _native_cpu()
-    if fused is not False and t.device.type == "cuda" and t.dtype in _KERNEL_DTYPES:
-        _note_nibbles_eager(t.device.type)
-    return _eager()
+    """The implementation that steps tensor ``t`` under ``second_moment="nibbles"`` (D20): as
+    :func:`select` (the native CPU kernel, the Triton kernel, else the eager reference), one tensor per
+    call (no multi-tensor batch for it yet)."""
+    return select(t, fused)
 
 
 def select(t: torch.Tensor, fused: Optional[bool] = None) -> StepImpl:

@@ -69,7 +69,8 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         second_moment: how quantized tensors keep the second moment (also per param group):
             ``"factored"`` (default): fp32 per row and per column (Adafactor's estimator; ~1.02
             B/param on GPT-2 small); ``"shared"``: the paper's, one fp32 value per period of each
-            row; ``"elementwise"``: one fp32 value per element (~5 B/param), the first moment 8-bit.
+            row; ``"elementwise"``: one fp32 value per element (~5 B/param), the first moment 8-bit;
+            ``"nibbles"`` (D20): the factored state with both moments in 4 bits each of the byte.
         row_blocks: factored tensors of ``k x C`` rows of ``C`` elements keep one column profile per
             block of ``C`` rows (``"auto"``, default; D12); an int asks for that many blocks, ``1`` is
             Adafactor's single profile. Also per param group.

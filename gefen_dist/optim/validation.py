@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..engine.layout import global_shape, local_tensor, piece_of
-from ..engine.state import MODE_EXACT, NIBBLES, SECOND_MOMENT_SETTINGS, nibbles_in, quantizes, second_moment_of, tensor_keys
+from ..engine.state import MODE_EXACT, NIBBLES, SECOND_MOMENT_SETTINGS, quantizes, second_moment_of, tensor_keys
 
 NONFINITE = ("raise", "skip", "ignore")  # Gefen's nonfinite policies (re-exported by gefen_dist.optim.gefen)
 
@@ -271,10 +271,6 @@ def require_fused_kernels(opt, groups=None) -> None:
                 "Gefen(fused=True): the native CPU kernel could not be built (no C compiler?). "
                 "Install gcc/clang or set CC, or pass fused=None to fall back to the eager path.")
     cuda = [t for t in params if t.is_cuda and t.dtype in (torch.float32, torch.bfloat16)]
-    if cuda and nibbles_in(opt.param_groups, opt.small_threshold):
-        raise RuntimeError("Gefen(second_moment='nibbles', fused=True): CUDA parameters, and no GPU kernel steps the "
-                           "one-byte layout yet (D20; the native CPU kernel does). Pass fused=None to step them with "
-                           "the eager reference, or second_moment='factored'")
     if cuda and not _dispatch.triton_usable(cuda[0]):
         raise RuntimeError(
             "Gefen(fused=True): CUDA parameters, but the Triton kernels are not usable (is triton "

@@ -1,0 +1,245 @@
+"""The GPU step of ``second_moment="nibbles"`` (D20; Triton): the math of
+:func:`gefen_dist.core.nibbles.nibble_step_factored_eager_` in one launch per tensor, ``ROWS`` rows per
+program, each row swept in power-of-two column chunks (any row length and scale block):
+
+* sweep 0: the row's mean of ``g^2`` -> ``v_row`` (the old value kept for decoding);
+* per scale block, sweep 1: ``m = lerp(C[code >> 4] M, g, 1 - beta1)``, its absmax (NaN-propagating);
+* sweep 2: ``m`` again (the same operations, so the same bits), ``v = beta2 (v_row_old r_old) L[code & 15]
+  + (1 - beta2) g^2``, both codes rounded stochastically with the uniforms of the element's global index
+  (``lowbias32`` in 64-bit integer arithmetic masked to 32 bits, as the reference), the parameter.
+
+Numerics as :mod:`gefen_dist.kernels.triton_kernels` (``enable_fp_fusion=False``; ``tl.fma`` where torch
+fuses lerp and add(alpha); correctly rounded ``div_rn`` / ``sqrt_rn``). The row mean of ``g^2`` is summed
+in another order than torch's reduction, so ``v_row`` can differ from the reference's in its last bit,
+and with it, rarely, a second-moment code whose draw lies within an ulp of its fraction; scales and the
+first moment's codes never depend on it (tests/test_triton_nibbles.py, through the interpreter).
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import nullcontext as _nullcontext
+from typing import Optional
+
+import torch
+
+from . import triton_kernels as _tk
+from .triton_kernels import _HAVE_TRITON, _interpret, tl, triton
+from .triton_tables import _check, _fma_flags, update_scalars
+
+__all__ = ["nibble_step_factored_"]
+
+
+def _hash32(x):
+    """lowbias32 of int64 ``x`` (values in [0, 2^32)), in int64 arithmetic masked to 32 bits."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _round16(x, lv_ptr, u):
+    """The code of ``x`` over the 16 ascending levels at ``lv_ptr`` (core.nibbles.round_stochastic)."""
+    j = tl.zeros(x.shape, dtype=tl.int32)
+    for k in tl.static_range(1, 15):
+        j += (tl.load(lv_ptr + k) <= x).to(tl.int32)
+    lo = tl.load(lv_ptr + j)
+    f = tl.div_rn(x - lo, tl.load(lv_ptr + j + 1) - lo)
+    f = tl.where(f < 0.0, 0.0, f)  # comparisons are false for NaN: a NaN fraction stays NaN
+    f = tl.where(f > 1.0, 1.0, f)
+    return j + (u < f).to(tl.int32)
+
+
+def _m_of(g, c, cb_ptr, Mb, lerp_c, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr):
+    """``lerp(C[c >> 4] * M, g, 1 - beta1)`` as torch computes it."""
+    m0 = tl.load(cb_ptr + (c >> 4)) * Mb
+    d = g - m0
+    base = m0 if LERP_SMALL else g
+    if FUSED_LERP:
+        return tl.fma(d, lerp_c, base)
+    return base + d * lerp_c
+
+
+def _nibble_kernel(
+    p_ptr, g_ptr, code_ptr, scale_ptr, vrow_ptr, ro_ptr, rn_ptr, cb_ptr, lv_ptr,
+    nrows, S, B, NBLK, S_f, row0, row_block, key,
+    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
+    LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr,
+    IS_BF16: tl.constexpr, DECODED: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < nrows
+    rbase = rows.to(tl.int64) * S
+    grow = (rows + row0).to(tl.int64)  # global rows: the random numbers' index and the row block
+    cols0 = tl.arange(0, BLOCK_SIZE)
+
+    # ---- sweep 0: the row's mean of g^2 -> v_row --------------------------------------------
+    ss = tl.zeros([ROWS, BLOCK_SIZE], dtype=tl.float32)
+    for c0 in range(0, S, BLOCK_SIZE):
+        cols = c0 + cols0
+        mask = rmask[:, None] & (cols < S)[None, :]
+        g = _tk._load_f32_jit(g_ptr, rbase[:, None] + cols[None, :], mask, IS_BF16)
+        ss += g * g
+    r = tl.div_rn(tl.sum(ss, axis=1), S_f)
+    vr_old = tl.load(vrow_ptr + rows, mask=rmask, other=0.0)
+    vt = vr_old * beta2
+    if FUSED_AXPY:
+        vr_new = tl.fma(r, alpha2, vt)
+    else:
+        vr_new = vt + r * alpha2
+    tl.store(vrow_ptr + rows, vr_new, mask=rmask)
+    cfbase = (grow // row_block) * S  # this row's block of rows (D12) in the column ratios
+
+    for kb in range(0, NBLK):
+        bbase = rbase + kb * B
+        srow = rows.to(tl.int64) * NBLK + kb
+        Mb = tl.load(scale_ptr + srow, mask=rmask, other=0.0)[:, None]
+
+        # ---- sweep 1: the absmax of m (NaN-propagating) -----------------------------------
+        amax = tl.zeros([ROWS, BLOCK_SIZE], dtype=tl.float32)
+        for c0 in range(0, B, BLOCK_SIZE):
+            cols = c0 + cols0
+            mask = rmask[:, None] & (cols < B)[None, :]
+            offs = bbase[:, None] + cols[None, :]
+            g = _tk._load_f32_jit(g_ptr, offs, mask, IS_BF16)
+            c = tl.load(code_ptr + offs, mask=mask, other=0).to(tl.int32)
+            m = _m_of_jit(g, c, cb_ptr, Mb, lerp_c, LERP_SMALL, FUSED_LERP)
+            am = tl.where(mask, tl.abs(m), 0.0)
+            amax = tl.where((am > amax) | (am != am), am, amax)
+        bad = amax != amax
+        A = tl.max(tl.where(bad, 0.0, amax), axis=1)
+        nan_sum = tl.sum(tl.where(bad, amax, 0.0), axis=1)  # NaN where any m is NaN, else 0
+        A = tl.where(nan_sum != nan_sum, nan_sum, A)
+        tl.store(scale_ptr + srow, A, mask=rmask)
+        pos = (A > 0.0)[:, None]
+        Ad = tl.where(A > 0.0, A, 1.0)[:, None]
+        Ab = A[:, None]
+
+        # ---- sweep 2: both codes, the parameter --------------------------------------------
+        for c0 in range(0, B, BLOCK_SIZE):
+            cols = c0 + cols0
+            mask = rmask[:, None] & (cols < B)[None, :]
+            offs = bbase[:, None] + cols[None, :]
+            g = _tk._load_f32_jit(g_ptr, offs, mask, IS_BF16)
+            c = tl.load(code_ptr + offs, mask=mask, other=0).to(tl.int32)
+            m = _m_of_jit(g, c, cb_ptr, Mb, lerp_c, LERP_SMALL, FUSED_LERP)
+            ccol = kb * B + cols
+            ro = tl.load(ro_ptr + cfbase[:, None] + ccol[None, :], mask=mask, other=0.0)
+            rn = tl.load(rn_ptr + cfbase[:, None] + ccol[None, :], mask=mask, other=0.0)
+            v0 = (vr_old[:, None] * ro) * tl.load(lv_ptr + (c & 15))
+            if FUSED_AXPY:
+                v = tl.fma(g * g, alpha2, v0 * beta2)
+            else:
+                v = v0 * beta2 + (g * g) * alpha2
+            gi = grow[:, None] * S + ccol[None, :]  # the element's global index (int64)
+            k = _hash32_jit((key + (gi >> 32) * 0x9E3779B1) & 0xFFFFFFFF)
+            h = _hash32_jit((gi & 0xFFFFFFFF) ^ k)
+            um = (h >> 16).to(tl.float32) * (1.0 / 65536.0)
+            uv = (h & 0xFFFF).to(tl.float32) * (1.0 / 65536.0)
+            mc = _round16_jit(tl.where(pos, tl.div_rn(m, Ad), 0.0), cb_ptr, um)
+            fn = vr_new[:, None] * rn
+            vc = _round16_jit(tl.where(fn > 0.0, tl.div_rn(v, tl.where(fn > 0.0, fn, 1.0)), 0.0), lv_ptr, uv)
+            tl.store(code_ptr + offs, ((mc << 4) | vc).to(tl.uint8), mask=mask)
+            if DECODED:
+                m = tl.load(cb_ptr + mc) * Ab
+                v = fn * tl.load(lv_ptr + vc)
+            sg = tl.div_rn(1.0, tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps) * inv_bc1
+            u = m * sg
+            u = tl.where(u > ubound, ubound, tl.where(u < -ubound, -ubound, u))  # NaN stays NaN
+            _tk._update_param_jit(p_ptr, offs, mask, u * lr, decay, HAS_WD, IS_BF16)
+
+
+def nibble_config(B: int, block_size: Optional[int] = None):
+    """(ROWS, BLOCK_SIZE, num_warps) of a launch over scale blocks of ``B``: column chunks of the power
+    of two at or above ``B`` up to 256, rows filling 128 elements (one row of a 256 chunk), 4 warps. Larger
+    tiles spill on sm_90 (8 x 256: 255 registers and 120 spill stores; 8 x 32 and 4 x 64: one each); the
+    shipped ones do not (tests/test_triton_sm90.py)."""
+    bs = block_size or min(1 << max(0, int(B) - 1).bit_length(), 256)
+    return max(1, 128 // bs), bs, 4
+
+
+_lock = threading.Lock()
+_cache = {}
+_hash32_jit = _round16_jit = _m_of_jit = None
+
+
+def _kernel():
+    """The jit-wrapped kernel (compiled, or interpreted under TRITON_INTERPRET=1), with the helpers it
+    calls bound to their module-level names (triton_kernels' own helpers bound there first)."""
+    interp = _interpret()
+    _tk._kernel("step")  # binds _load_f32_jit / _update_param_jit in triton_kernels for this mode
+    with _lock:
+        hit = _cache.get(interp)
+        if hit is None:
+            hit = _cache[interp] = (triton.jit(_hash32), triton.jit(_round16), triton.jit(_m_of),
+                                    triton.jit(_nibble_kernel))
+        g = globals()
+        g["_hash32_jit"], g["_round16_jit"], g["_m_of_jit"] = hit[:3]
+        return hit[3]
+
+
+def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_mean_sq, *, lr, beta1, beta2, eps,
+                          weight_decay, bc1, bc2, scale_block, key, row0=0, row_block=0, bound=None,
+                          update="fp32", block_size: Optional[int] = None) -> None:
+    """:func:`gefen_dist.core.nibbles.nibble_step_factored_eager_` on CUDA tensors (or CPU tensors under
+    ``TRITON_INTERPRET=1``), one launch; ``v_col``'s EMA and the column ratios before and after it in the
+    reference's torch operations on the device, with no host synchronisation."""
+    from ..core import nibbles as _nb
+    from ..core.step import column_ratios
+
+    if not _HAVE_TRITON:
+        raise RuntimeError("triton is not importable")
+    if update not in ("fp32", "decoded"):
+        raise ValueError(f"update must be 'fp32' or 'decoded', got {update!r}")
+    n, S, B = param.numel(), v_col.shape[-1], int(scale_block)
+    device = param.device
+    if device.type != "cuda" and not _interpret():
+        raise ValueError(f"the Triton step needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
+    if param.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"param dtype {param.dtype} not supported (float32, bfloat16)")
+    if B < 1 or S % B or n % S:
+        raise ValueError(f"scale_block {B} does not divide the row length {S}, or {n} elements are not whole rows")
+    G = v_col.numel() // S
+    if G > 1 and row_block < 1:
+        raise ValueError(f"a v_col of shape {tuple(v_col.shape)} (row blocks) needs row_block >= 1")
+    _check("v_col", v_col, device, torch.float32, G * S)
+    _check("col_mean_sq", col_mean_sq, device, torch.float32, G * S)
+    if n:
+        _check("param", param, device, None, n)
+        _check("grad", grad, device, param.dtype, n)
+        _check("code", code, device, torch.uint8, n)
+        _check("scale", scale, device, torch.float32, n // B)
+        _check("v_row", v_row, device, torch.float32, n // S)
+    ratio_old = column_ratios(v_col).contiguous()
+    v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
+    if n == 0:
+        return
+    ratio_new = column_ratios(v_col).contiguous()
+    w = 1.0 - beta1
+    small = abs(w) < 0.5
+    import numpy as np
+
+    wf = np.float32(w)
+    fused_lerp, fused_axpy = _fma_flags(device, small)
+    sqrt_bc2, eps32, inv_bc1, lr32, decay, ubound = update_scalars(lr=lr, eps=eps, weight_decay=weight_decay,
+                                                                   bc1=bc1, bc2=bc2, bound=bound)
+    cb = codebook.to(device=device, dtype=torch.float32).contiguous()
+    lv = torch.tensor(_nb.V_LEVELS, dtype=torch.float32, device=device)
+    nrows = n // S
+    rows, bs, warps = nibble_config(B, block_size)
+    rb = int(row_block) if G > 1 else int(row0) + nrows + 1
+    bf16 = param.dtype == torch.bfloat16
+    pk, gk = (param.view(torch.int16), grad.view(torch.int16)) if bf16 else (param, grad)
+    ctx = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
+    with ctx:
+        _kernel()[(triton.cdiv(nrows, rows),)](
+            pk, gk, code, scale, v_row, ratio_old, ratio_new, cb, lv,
+            nrows, S, B, S // B, float(S), int(row0), rb, int(key) & 0xFFFFFFFF,
+            float(wf) if small else float(wf - np.float32(1.0)), float(np.float32(beta2)),
+            float(np.float32(1.0 - beta2)), sqrt_bc2, eps32, inv_bc1, lr32, decay, ubound,
+            LERP_SMALL=small, FUSED_LERP=fused_lerp, FUSED_AXPY=fused_axpy, HAS_WD=(weight_decay != 0.0),
+            IS_BF16=bf16, DECODED=(update == "decoded"), ROWS=rows, BLOCK_SIZE=bs, num_warps=warps,
+            enable_fp_fusion=False,
+        )
+    for t in (param, code, scale, v_row):
+        torch.autograd.graph.increment_version(t)
