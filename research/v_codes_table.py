@@ -26,14 +26,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from seed_gaps import load_finals, summarize  # noqa: E402
 
 R = ROOT / "research" / "results"
-RUNS = ([ROOT / "docs/results/quality_runs.jsonl"] + sorted(Path(p) for p in glob.glob(str(R / "d17_small/runs_v_default_fused*.jsonl")))
+RUNS = ([ROOT / "docs/results/quality_runs.jsonl", ROOT / "docs/results/quality_runs_r15.jsonl"] + sorted(Path(p) for p in glob.glob(str(R / "d17_small/runs_v_default_fused*.jsonl")))
         + sorted(Path(p) for p in glob.glob(str(R / "v8_small/runs_*.jsonl")))
         + sorted(Path(p) for p in glob.glob(str(R / "m4v4_small/runs_*.jsonl")))
         + sorted(Path(p) for p in glob.glob(str(R / "nonemb_elementwise_small/runs_*.jsonl")))
         + [R / "emb_elementwise_small/runs.jsonl"]
         + [R / "default_base/runs_adamw.jsonl", R / "d17_base/runs_v_default_fused.jsonl", R / "emb_elementwise_base/runs.jsonl"]
         + sorted(Path(p) for p in glob.glob(str(R / "v8_base/runs_*.jsonl")))
-        + sorted(Path(p) for p in glob.glob(str(R / "m4v4_base/runs_*.jsonl"))))
+        + sorted(Path(p) for p in glob.glob(str(R / "m4v4_base/runs_*.jsonl")))
+        + sorted(Path(p) for p in glob.glob(str(R / "nibbles_*/runs_*.jsonl"))))
 # variant -> (which weights are coded: name substrings, code bits, "block" | "minmax" | "fac" | None for fp32[,
 # the first moment's bits when not 8])
 LAYOUTS = {
@@ -53,7 +54,7 @@ LAYOUTS = {
     "v_bytes_block_proto": (("weight",), 4, "block", 4),
     "v_bytes_fac_dec_proto": (("weight",), 4, "fac", 4),
     "v_nib_core": (("weight",), 4, "fac", 4),
-    "v_nibbles": (("weight",), 4, "fac", 4),
+    "v_nibbles": ("library", 4, "fac", 4),  # the library's own layout (plan.tensor_state, "nibbles")
     "v_nib_core_dec": (("weight",), 4, "fac", 4),
     "v_bytes_m8_nearest_proto": (("weight",), 0, "fac", 8),
     "v_bytes_m8_stoch_proto": (("weight",), 0, "fac", 8),
@@ -75,6 +76,9 @@ def layout_bytes(shapes, coded, bits, ref, m_bits=8):
     from gefen_dist.plan import tensor_state
 
     total = n_all = 0
+    if coded == "library":  # the library's second_moment="nibbles" (D20): gefen_dist.plan counts its state
+        n_all = sum(math.prod(s) for _, s in shapes)
+        return sum(tensor_state(s, second_moment="nibbles")["gefen_bytes"] for _, s in shapes) / n_all
     for name, shape in shapes:
         n = math.prod(shape)
         n_all += n
@@ -153,11 +157,12 @@ def table(preset, args):
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         coded, bits, ref, *m_bits = LAYOUTS[r["variant"]]
-        what = ("prototype: " if r["variant"].endswith("_proto") else "") + (
+        what = "library: 4-bit codes vs factored; 4-bit first moment" if coded == "library" else (
+            "prototype: " if r["variant"].endswith("_proto") else "") + (
             "fp32" if ref is None else "the factored estimate" if not bits else f"{bits}-bit codes, "
             + {"block": "per-256 maxima", "minmax": "per-256 ranges"}.get(ref, "vs factored")) + (
             f"; {m_bits[0]}-bit first moment" if m_bits else "")
-        print(f"| `{r['variant']}` | {what} ({', '.join(coded)}) | {r['bpp_small']:.2f} / {r['bpp_gpt2']:.2f} | "
+        print(f"| `{r['variant']}` | {what} ({'every weight' if coded == 'library' else ', '.join(coded)}) | {r['bpp_small']:.2f} / {r['bpp_gpt2']:.2f} | "
               f"{', '.join(map(str, r['seeds']))} | " + ", ".join(f"{g:+.2f}%" for g in r["gaps"])
               + f" | {r['mean']:+.2f}% " + (f"[{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]" if len(r["gaps"]) > 1 else "(one seed)")
               + " | "
