@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Gefen's second_moment for the embeddings' param group (wte, tied to the LM head, and "
                         "wpe); default: the same as every other tensor (factored). 'elementwise' (~5 B/param for "
                         "those tensors) helped on the small preset and hurt the base one (docs/quality.md)")
+    p.add_argument("--gefen-second-moment", default=None, choices=("factored", "shared", "elementwise", "nibbles"),
+                   help="Gefen's second_moment for every param group (default: Gefen's, factored); 'nibbles' keeps "
+                        "both moments in one byte per element (docs/algorithm.md, D20; strategies single, ddp, fsdp)")
     p.add_argument("--strategy", default=None, choices=STRATEGIES,
                    help="parallelism: 'single' (one process), or under torchrun 'ddp' (DDP), "
                         "'zero1' (DDP + ZeroGefen / ZeroRedundancyOptimizer), 'fsdp' (FSDP2), "
@@ -567,7 +570,11 @@ def param_groups(model: nn.Module, weight_decay: float, embeddings: str | None =
 
 
 def _gefen_groups(model: nn.Module, args) -> list[dict]:
-    return param_groups(model, args.weight_decay, getattr(args, "gefen_embeddings", None))
+    groups = param_groups(model, args.weight_decay, getattr(args, "gefen_embeddings", None))
+    sm = getattr(args, "gefen_second_moment", None)
+    for g in groups if sm else ():
+        g.setdefault("second_moment", sm)  # (the embeddings' own group keeps --gefen-embeddings')
+    return groups
 
 
 class GefenUnavailable(RuntimeError):

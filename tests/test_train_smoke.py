@@ -76,6 +76,25 @@ def test_gefen_embeddings_elementwise(tmp_path):
     assert run["evals"][-1]["val_loss"] < run["evals"][0]["val_loss"]
 
 
+@pytest.mark.skipif(_GEFEN_ERR is not None, reason="gefen_dist.Gefen not importable")
+def test_gefen_second_moment_nibbles(tmp_path):
+    """--gefen-second-moment nibbles (D20): every group's second_moment; the state within 10% of the default's
+    (finer scale blocks, no blocks of narrow rows), it trains, and ZeroGefen refuses it before anything runs."""
+    base = _run(tmp_path / "a", "gefen", "--steps", "10", "--no-plot")["summary"]["gefen"]
+    nib = _run(tmp_path / "b", "gefen", "--steps", "10", "--no-plot", "--gefen-second-moment", "nibbles")
+    s = nib["summary"]["gefen"]
+    assert 0.9 * base["state_bytes"] < s["state_bytes"] < 1.1 * base["state_bytes"]
+    run = json.loads((tmp_path / "b" / "metrics.json").read_text())["runs"]["gefen"]
+    assert run["evals"][-1]["val_loss"] < run["evals"][0]["val_loss"] - 0.3
+    from gefen_dist import ZeroGefen
+
+    groups = train._gefen_groups(GPT(get_config("tiny")), train.build_parser().parse_args(
+        ["--gefen-second-moment", "nibbles"]))
+    assert {g["second_moment"] for g in groups} == {"nibbles"}
+    with pytest.raises(ValueError, match="ZeroGefen does not step second_moment='nibbles'"):
+        ZeroGefen(groups)
+
+
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_checkpoint_resume_bit_identical(tmp_path, opt):
     straight, split = tmp_path / "straight", tmp_path / "split"
