@@ -487,3 +487,28 @@ def test_plan_counts_the_nibbles_state_that_gefen_allocates():
             assert held == tensor_state(tuple(p.shape), second_moment=mode)["gefen_bytes"], (mode, tuple(p.shape))
     assert tensor_state((768, 3072), second_moment="nibbles")["scale_block"] == 256
     assert tensor_state((768, 3072), second_moment="factored")["scale_block"] == 1536
+
+
+@pytest.mark.skipif(not __import__("gefen_dist.kernels.cpu", fromlist=["available"]).available(),
+                    reason="needs the native CPU library")
+def test_native_kernel_over_a_wide_range_of_ratios():
+    """Gradients whose elements span 10^-30 .. 10^8 (subnormal squares, ratios v / fac far outside the
+    levels, exact zeros): the kernel's codes (its v levels built from exponent bits, not a table) equal the
+    reference's."""
+    from gefen_dist.kernels import cpu
+
+    g = torch.Generator().manual_seed(9)
+    steps = [torch.randn(24, 128, generator=g) * torch.pow(10.0, torch.randint(-30, 9, (24, 128), generator=g).float())
+             for _ in range(5)]
+    steps[3][5] = 0.0
+    steps[4][:, 7] = 0.0
+    p = torch.randn(24, 128, generator=g)
+    cb = solve_codebook(mirrored_counts(torch.randint(0, 50, (NUM_BINS,), generator=g)), k=16).codebook
+    for update in ("fp32", "decoded"):
+        want, ws = _run(steps, p, cb, B=64, update=update, bound=2.0)
+        got, gs = _run(steps, p, cb, B=64, update=update, bound=2.0, fn=cpu.nibble_step_factored_)
+        codes = ws["code"] & 15
+        assert len(codes.unique()) == 16  # every v level met
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        for k in ("code", "scale", "v_row", "v_col"):
+            torch.testing.assert_close(gs[k], ws[k], rtol=0, atol=0, equal_nan=True)

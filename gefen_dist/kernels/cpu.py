@@ -180,7 +180,6 @@ class _NibbleArgs(ctypes.Structure):
         ("ratio_old", ctypes.c_void_p),
         ("ratio_new", ctypes.c_void_p),
         ("cb", ctypes.c_void_p),
-        ("lv", ctypes.c_void_p),
         ("row0", ctypes.c_int64),
         ("rb", ctypes.c_int64),
         ("bound", ctypes.c_float),
@@ -637,8 +636,7 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
     a = _make_args(param, n, S, B, _NO_TABLE, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                    bc1=bc1, bc2=bc2, bound=bound, simd=1)
     cb = codebook.to(torch.float32).contiguous()
-    lv = torch.tensor(_nb.V_LEVELS, dtype=torch.float32)
-    na = _NibbleArgs(ratio_old.data_ptr(), ratio_new.data_ptr(), cb.data_ptr(), lv.data_ptr(), int(row0),
+    na = _NibbleArgs(ratio_old.data_ptr(), ratio_new.data_ptr(), cb.data_ptr(), int(row0),
                      int(row_block) if G > 1 else int(row0) + n // S + 1, math.inf if bound is None else bound,
                      int(key) & 0xFFFFFFFF, int(update == "decoded"))
     rc = lib.gefen_nibble_step(ctypes.byref(a), ctypes.byref(na), param.data_ptr(), grad.data_ptr(),

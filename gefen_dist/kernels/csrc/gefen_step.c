@@ -2329,10 +2329,12 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
  * uniform is below its fraction between the two neighbouring levels, and updates the parameter by
  * clamp(m sigma, +-bound) lr with sigma = (1 / (sqrt(v) / sqrt(bc2) + eps)) (1 / bc1) (decoded: of
  * the stored codes instead). The uniforms: h = lowbias32(i_lo ^ lowbias32(key + i_hi 0x9E3779B1)) of
- * the global element index i, h >> 16 and h & 0xFFFF over 2^16. Rows run in parallel. */
+ * the global element index i, h >> 16 and h & 0xFFFF over 2^16. v's levels are built from their bits
+ * (vlevel, round_v16: the same values and neighbours as the reference's table and comparisons). Rows
+ * run in parallel. */
 typedef struct {
     const float *ratio_old, *ratio_new; /* [G][S] */
-    const float *cb, *lv;               /* [16] each: the codebook, v's levels */
+    const float *cb;                    /* [16]: the first moment's codebook */
     int64_t row0, rb;
     float bound;                        /* +inf: unbounded */
     uint32_t key;
@@ -2351,9 +2353,9 @@ ALWAYS_INLINE uint32_t lowbias32(uint32_t x)
     return x;
 }
 
-/* The code of x over 16 ascending levels: the lower neighbour j (#{k in 1..14 : lv[k] <= x}, so 0
- * below the levels and for NaN, 14 above), plus one where u < (x - lv[j]) / (lv[j + 1] - lv[j]),
- * that fraction clamped to [0, 1] (a NaN fraction never rounds up). */
+/* The code of x over 16 ascending levels (the first moment's codebook): the lower neighbour j
+ * (#{k in 1..14 : lv[k] <= x}, so 0 below the levels and for NaN, 14 above), plus one where
+ * u < (x - lv[j]) / (lv[j + 1] - lv[j]), that fraction clamped to [0, 1] (a NaN fraction never rounds up). */
 ALWAYS_INLINE int round16(float x, const float *restrict lv, float u)
 {
     int j = 0;
@@ -2365,20 +2367,46 @@ ALWAYS_INLINE int round16(float x, const float *restrict lv, float u)
     return j + (u < f);
 }
 
+/* v's level c (core.nibbles.V_LEVELS[c] = float32 of 2^((c - 8) / 2)) from its bits: 2^floor((c - 8) / 2),
+ * times float32(sqrt(2)) (mantissa 0x3504F3) for odd c; exact, no table. */
+ALWAYS_INLINE float vlevel(int c)
+{
+    union { uint32_t u; float f; } b;
+    b.u = ((uint32_t)(127 + ((c - 8) >> 1)) << 23) | ((c & 1) ? 0x3504F3u : 0u);
+    return b.f;
+}
+
+/* round16 over v's levels without the comparisons: the lower neighbour from x's exponent and mantissa
+ * (the same j: 2 (e + 4) + (x >= 2^e sqrt(2)), clamped to 0..14, 0 for x <= 0 and NaN), then the same
+ * fraction and draw. */
+ALWAYS_INLINE int round_v16(float x, float u)
+{
+    union { float f; uint32_t u; } b;
+    b.f = x;
+    int j = 2 * ((int)(b.u >> 23) - 127 + 4) + ((b.u & 0x7FFFFFu) >= 0x3504F3u);
+    j = j < 0 ? 0 : (j > 14 ? 14 : j);
+    j = x > 0.0f ? j : 0;
+    const float lo = vlevel(j);
+    float f = (x - lo) / (vlevel(j + 1) - lo);
+    f = f < 0.0f ? 0.0f : f;
+    f = f > 1.0f ? 1.0f : f;
+    return j + (u < f);
+}
+
 /* Sweep 2 of one element: its codes from m, v and its uniforms' hash h, then the parameter update. */
 ALWAYS_INLINE void nibble_el(const gefen_step_args *restrict a, const gefen_nibble_args *restrict nb,
                              void *restrict param, uint8_t *restrict code, int64_t e, float m, float v,
                              float fn, float A, float Ad, int pos, uint32_t h, const int DT, const int WD,
                              const int DEC)
 {
-    const float *restrict cb = nb->cb, *restrict lv = nb->lv;
+    const float *restrict cb = nb->cb;
     const float um = (float)(h >> 16) * (1.0f / 65536.0f), uv = (float)(h & 0xFFFFu) * (1.0f / 65536.0f);
     const int mc = round16(pos ? m / Ad : 0.0f, cb, um);
-    const int vc = round16(fn > 0.0f ? v / fn : 0.0f, lv, uv);
+    const int vc = round_v16(fn > 0.0f ? v / fn : 0.0f, uv);
     code[e] = (uint8_t)(mc << 4 | vc);
     if (DEC) {
         m = cb[mc] * A;
-        v = fn * lv[vc];
+        v = fn * vlevel(vc);
     }
     float u = m * sigma_of(v, a);
     const float bnd = nb->bound;
@@ -2395,7 +2423,7 @@ ALWAYS_INLINE void nibble_row(const gefen_step_args *restrict a, const gefen_nib
     const int64_t S = a->period, B = a->block, per = S / B, o = r * S;
     const int64_t blk = (nb->row0 + r) / nb->rb;
     const float *restrict ro = nb->ratio_old + blk * S, *restrict rn = nb->ratio_new + blk * S;
-    const float *restrict cb = nb->cb, *restrict lv = nb->lv;
+    const float *restrict cb = nb->cb;
     const float lc = a->lerp_c, beta2 = a->beta2, alpha2 = a->alpha2;
     const int small = a->lerp_small, fa = a->fused_axpy;
     const float vr_old = vrow[r];
@@ -2413,7 +2441,7 @@ ALWAYS_INLINE void nibble_row(const gefen_step_args *restrict a, const gefen_nib
             const float g = load_g(grad, ob + i, DT);
             const float m = lerp_t(cb[c >> 4] * Mo, g, lc, small, FL);
             mb[i] = m;
-            vb[i] = vupd((vr_old * ro[c0 + i]) * lv[c & 15], g * g, beta2, alpha2, fa);
+            vb[i] = vupd((vr_old * ro[c0 + i]) * vlevel(c & 15), g * g, beta2, alpha2, fa);
             const float am = fabsf(m);
             amax = am > amax ? am : amax;
             isn |= m != m;
