@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "those tensors) helped on the small preset and hurt the base one (docs/quality.md)")
     p.add_argument("--gefen-second-moment", default=None, choices=("factored", "shared", "elementwise", "nibbles"),
                    help="Gefen's second_moment for every param group (default: Gefen's, factored); 'nibbles' keeps "
-                        "both moments in one byte per element (docs/algorithm.md, D20; strategies single, ddp, fsdp)")
+                        "both moments in one byte per element (docs/algorithm.md, D20; every strategy but deepspeed)")
     p.add_argument("--strategy", default=None, choices=STRATEGIES,
                    help="parallelism: 'single' (one process), or under torchrun 'ddp' (DDP), "
                         "'zero1' (DDP + ZeroGefen / ZeroRedundancyOptimizer), 'fsdp' (FSDP2), "

@@ -329,8 +329,10 @@ def test_prestep_checks_as_gefen():
 def test_zero_distributed(tmp_path):
     out2 = _run_torchrun(CHECK, 2, "--phase", 2, "--ckpt", tmp_path, timeout=150)
     assert "ZERO_CHECK_OK phase=2" in out2, out2[-4000:]
+    assert "ws=2: nibbles ZeroGefen bitwise equal to a single process" in out2, out2[-4000:]
     out3 = _run_torchrun(CHECK, 3, "--phase", 3, "--ckpt", tmp_path, timeout=150)
     assert "ZERO_CHECK_OK phase=3" in out3, out3[-4000:]
+    assert "ws=3: nibbles ZeroGefen bitwise equal to a single process" in out3, out3[-4000:]
 
 
 

@@ -39,7 +39,7 @@ from ..engine.column_stats import ColumnTable
 from ..engine.cuda_batch import quantized_layout_problem
 from ..engine.layout import global_shape, is_dtensor
 from ..engine.nonfinite import any_overflow, device_flags
-from ..engine.state import MODE_EXACT, SPAN_MODES, step_of, steps_of
+from ..engine.state import MODE_EXACT, SPAN_MODES, nibbles_in, step_of, steps_of
 from .partition import MODE_COMPRESSED, MODE_FACTORED
 from .step import _STATE_HP, _flat_range
 
@@ -126,8 +126,8 @@ class ZeroBatch:
         without ``state_many`` (the native CPU kernel, the eager reference: in O(1)), or
         (:meth:`_survey`, one WARNING per reason) a DTensor, a quantized parameter that is not
         contiguous float32/bfloat16, another implementation, or parameters on several devices."""
-        if opt.fused is False or not entries or opt._partition is None:
-            return None
+        if opt.fused is False or not entries or opt._partition is None or nibbles_in(opt.param_groups):
+            return None  # (second_moment="nibbles", D20: its owners' dense steps, per tensor)
         # (the common CPU case first, in O(1): the native kernel has no state_many; on CUDA a tensor
         # without the Triton kernels is named by _survey below)
         q = next((p for _, p in entries if opt.state.get(p) and opt._mode(p) not in (MODE_EXACT,) + SPAN_MODES), None)

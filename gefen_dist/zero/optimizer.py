@@ -116,7 +116,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
     """
 
     _group_rejected = GROUP_REJECTED_SHARDED  # one implementation steps the partition of all groups
-    _complex_ok = _nibbles_ok = False  # flat partitions; second_moment="nibbles" not stepped here yet (D20)
+    _complex_ok = False  # flat partitions (second_moment="nibbles", D20: its new values travel dense)
 
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),

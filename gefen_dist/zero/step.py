@@ -12,7 +12,8 @@ from ..core.step import ADAMW_KEYS, adamw_foreach_, decay_only_, hyperparameters
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import Ranges, global_shape
 from ..core.span import SpanPiece
-from ..engine.state import MODE_EXACT, steps_of
+from ..engine.state import MODE_EXACT, NIBBLES, step_of, steps_of
+from ..core.nibbles import step_key
 from ..core import rows8 as _rows8
 from ..engine.state import MODE_ROWS8 as _STATE_ROWS8
 from ..engine.state import SPAN_MODES as _STATE_SPAN_MODES
@@ -177,6 +178,8 @@ class ZeroStepMixin:
             return MODE_DENSE
         if not st["learned"]:
             return MODE_LOCAL
+        if self._is_factored(p) and self._group_of(p).get("second_moment") == NIBBLES:
+            return MODE_DENSE  # D20: the update comes from float32 moments the other ranks do not hold
         if self._is_factored(p):
             return (MODE_FACTORED if factored_wire_compressed(st["scale_block"], st["v_col"].shape[-1], p.element_size())
                     else MODE_DENSE)
@@ -373,7 +376,16 @@ class ZeroStepMixin:
         g = p.grad.reshape(-1)[s:e].contiguous()
         impl = self._impl(work)
         gk = impl.grad_for(g, work)
-        if self._is_factored(p):
+        nib = self._group_of(p).get("second_moment") == NIBBLES
+        if nib:  # D20 on this rank's rows (global rows from s // slab), a copy of the old v_col as below
+            impl = _dispatch.select_nibbles(work, self._fused(p))
+            slab = st["v_col"].shape[-1]
+            G = st["v_col"].shape[0] if st["v_col"].dim() > 1 else 1
+            impl.nibble_step_factored_(work, impl.grad_for(g, work), st["idx"], st["scale"], st["v_row"],
+                                       st["v_col"].clone(), st["codebook"], col_mean_sq, scale_block=st["scale_block"],
+                                       key=step_key(0, step_of(st), self._tensor_index(p)), row0=s // slab,
+                                       row_block=global_shape(p)[0] // G, **hp)
+        elif self._is_factored(p):
             # Gefen's factored step on this rank's rows; it updates a copy of the (old) v_col,
             # every rank updates its own v_col afterwards (update_v_col).
             impl.quantized_step_factored_(work, gk, st["idx"], st["scale"], st["v_row"], st["v_col"].clone(),
