@@ -27,6 +27,19 @@ def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
     return row_block_args(st["v_col"], global_shape(p)[0], s)
 
 
+def _owner_nibbles(opt, p, st, hp, s, work, g, col_mean_sq) -> None:
+    """A ``second_moment="nibbles"`` (D20) owner's step of its rows of ``p`` (flat elements from ``s``, whole
+    rows: the global rows key the random numbers) into ``work``, with a copy of the old ``v_col`` (every
+    rank advances its own afterwards, as for the factored default's dense path)."""
+    impl = _dispatch.select_nibbles(work, opt._fused(p))
+    slab = st["v_col"].shape[-1]
+    G = st["v_col"].shape[0] if st["v_col"].dim() > 1 else 1
+    impl.nibble_step_factored_(work, impl.grad_for(g, work), st["idx"], st["scale"], st["v_row"], st["v_col"].clone(),
+                               st["codebook"], col_mean_sq, scale_block=st["scale_block"],
+                               key=step_key(0, step_of(st), opt._tensor_index(p)), row0=s // slab,
+                               row_block=global_shape(p)[0] // G, **hp)
+
+
 def _flat_range(t: torch.Tensor, s: int, e: int) -> torch.Tensor:
     """Elements ``[s, e)`` of contiguous ``t`` flattened, with no torch call where there is nothing to
     cut (a whole 1-D tensor): a step takes such a range of every exact tensor."""
@@ -178,11 +191,9 @@ class ZeroStepMixin:
             return MODE_DENSE
         if not st["learned"]:
             return MODE_LOCAL
-        if self._is_factored(p) and self._group_of(p).get("second_moment") == NIBBLES:
-            return MODE_DENSE  # D20: the update comes from float32 moments the other ranks do not hold
-        if self._is_factored(p):
+        if self._is_factored(p):  # D20 ("nibbles"): dense, its update is of float32 moments only the owner holds
             return (MODE_FACTORED if factored_wire_compressed(st["scale_block"], st["v_col"].shape[-1], p.element_size())
-                    else MODE_DENSE)
+                    and self._group_of(p).get("second_moment") != NIBBLES else MODE_DENSE)
         return MODE_COMPRESSED if st["period"] > 1 else MODE_DENSE
 
 
@@ -376,15 +387,8 @@ class ZeroStepMixin:
         g = p.grad.reshape(-1)[s:e].contiguous()
         impl = self._impl(work)
         gk = impl.grad_for(g, work)
-        nib = self._group_of(p).get("second_moment") == NIBBLES
-        if nib:  # D20 on this rank's rows (global rows from s // slab), a copy of the old v_col as below
-            impl = _dispatch.select_nibbles(work, self._fused(p))
-            slab = st["v_col"].shape[-1]
-            G = st["v_col"].shape[0] if st["v_col"].dim() > 1 else 1
-            impl.nibble_step_factored_(work, impl.grad_for(g, work), st["idx"], st["scale"], st["v_row"],
-                                       st["v_col"].clone(), st["codebook"], col_mean_sq, scale_block=st["scale_block"],
-                                       key=step_key(0, step_of(st), self._tensor_index(p)), row0=s // slab,
-                                       row_block=global_shape(p)[0] // G, **hp)
+        if self._group_of(p).get("second_moment") == NIBBLES:
+            _owner_nibbles(self, p, st, hp, s, work, g, col_mean_sq)
         elif self._is_factored(p):
             # Gefen's factored step on this rank's rows; it updates a copy of the (old) v_col,
             # every rank updates its own v_col afterwards (update_v_col).
