@@ -36,24 +36,13 @@ import numpy as np
 import torch
 
 from gefen_dist.core.codebook import NUM_BINS, bin_centres, dp_segments, mirrored_counts, solve_codebook
-from gefen_dist.core.nibbles import NIBBLE_CODEWORDS, nibble_step_factored_eager_, step_key
+from gefen_dist.core.nibbles import NIBBLE_CODEWORDS, hash32, nibble_step_factored_eager_, step_key
 from gefen_dist.core.periods import factored_row_blocks, scale_block_for
 from gefen_dist.core.quant import block_histogram_eager
 from gefen_dist.core.step import DEFAULT_BOUND_UPDATES, clamp_bound, hyperparameters
 
 BLOCK = 256
 _M32 = 0xFFFFFFFF
-
-
-def hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (the "lowbias32" mix: xorshift-multiply, two rounds) of int64 ``x``'s low 32
-    bits, computed in int64 with masks: the same bits as the uint32 C or Triton expression."""
-    x = x & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
 
 
 def uniforms(numel: int, key: int, start: int = 0) -> torch.Tensor:
