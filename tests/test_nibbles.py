@@ -397,6 +397,8 @@ def test_gefen_nibbles_refusals_name_the_fix():
         ds_gefen.Gefen(net.parameters(), second_moment="nibbles")
     with pytest.raises(ValueError, match="Invalid second_moment"):
         Gefen(net.parameters(), second_moment="nibble")
+    with pytest.raises(ValueError, match="narrow_rows='span' in param group 0 is a layout of second_moment='factored'"):
+        Gefen(net.parameters(), second_moment="nibbles", narrow_rows="span")
 
 
 def test_gefen_nibbles_trains_like_adamw():

@@ -176,6 +176,10 @@ def validate_nibbles(opt, merged: Dict[str, Any], where: str) -> None:
         raise ValueError(f"{type(opt).__module__}.{type(opt).__name__} does not step second_moment='nibbles'{where} "
                          "yet (gefen_dist.Gefen does, single process, DDP and FSDP2, and gefen_dist.ZeroGefen); use "
                          "second_moment='factored'")
+    if nib and merged.get("narrow_rows", "auto") in ("span", "rows8"):
+        raise ValueError(f"narrow_rows={merged['narrow_rows']!r}{where} is a layout of second_moment='factored'; "
+                         "'nibbles' keeps every quantized row's scale and v_row per row: leave narrow_rows at its "
+                         "default ('auto') or pass second_moment='factored'")
     if nib and getattr(opt, "capturable", False):
         raise ValueError(f"second_moment='nibbles'{where} has no device-side (capturable) step yet; pass "
                          "capturable=False")
