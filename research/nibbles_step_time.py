@@ -1,9 +1,9 @@
 """Process CPU time of one optimizer step on GPT-2 small's transformer block 0 (its 12 tensors, 7,087,872
-parameters, synthetic gradients with row structure): torch's fused AdamW, Gefen's default and
+parameters; ``--set small``: the quality runs' `small` LM), synthetic gradients with row structure: torch's fused AdamW, Gefen's default and
 Gefen(second_moment="nibbles") (D20) on the native kernel, and the nibbles eager reference, in interleaved
 rounds; medians and ratios to AdamW of the same rounds (research/speed-log.md, "The one-byte layout's step").
 
-    python research/nibbles_step_time.py [--rounds 7] [--threads 1] [--no-eager]
+    python research/nibbles_step_time.py [--rounds 7] [--threads 1] [--no-eager] [--set block0|small|base]
 
 Every optimizer steps its own copy of the same tensors with the same gradients; two untimed steps first
 (the first learns the codebook). Process CPU time, so a descheduled thread on a shared machine does not count.
@@ -26,10 +26,19 @@ D = 768
 BLOCK0 = [(3 * D, D), (3 * D,), (D, D), (D,), (4 * D, D), (4 * D,), (D, 4 * D), (D,), (D,), (D,), (D,), (D,)]
 
 
-def tensors(seed=0):
+def shapes_of(name: str):
+    """GPT-2 small's block 0, or the parameter shapes of a launch/gpt.py preset (the quality runs' models)."""
+    if name == "block0":
+        return BLOCK0
+    from launch.gpt import GPT, get_config
+
+    return [tuple(p.shape) for p in GPT(get_config(name)).parameters()]
+
+
+def tensors(seed=0, name="block0"):
     g = torch.Generator().manual_seed(seed)
     ps, gs = [], []
-    for shape in BLOCK0:
+    for shape in shapes_of(name):
         p = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.02)
         rs = 0.1 + 2 * torch.rand(shape[0], *([1] * (len(shape) - 1)), generator=g)
         ps.append(p)
@@ -43,6 +52,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round and optimizer")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-eager", action="store_true", help="leave out the eager reference (slow)")
+    ap.add_argument("--set", default="block0", help="'block0' (GPT-2 small's first block) or a launch/gpt.py preset "
+                                                   "(tiny, small, base: the quality runs' models)")
     args = ap.parse_args(argv)
     logging.getLogger("gefen_dist").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
@@ -55,7 +66,7 @@ def main(argv=None):
         makers["gefen_nibbles_eager"] = lambda ps: Gefen(ps, lr=1e-3, second_moment="nibbles", fused=False)
     opts = {}
     for name, make in makers.items():
-        ps, gs = tensors()
+        ps, gs = tensors(name=args.set)
         for p, g in zip(ps, gs):
             p.grad = g
         opts[name] = make(ps)
@@ -70,8 +81,10 @@ def main(argv=None):
                 opt.step()
             times[name].append((time.process_time() - t0) / args.steps)
     base = statistics.median(times["torch_adamw_fused"])
-    n = sum(p.numel() for p in tensors()[0])
-    print(f"GPT-2 small block 0 ({n:,} parameters), {args.threads} thread(s), {args.rounds} interleaved rounds of "
+    ts = tensors(name=args.set)[0]
+    n = sum(p.numel() for p in ts)
+    what = "GPT-2 small block 0" if args.set == "block0" else f"the `{args.set}` LM"
+    print(f"{what} ({n:,} parameters in {len(ts)} tensors), {args.threads} thread(s), {args.rounds} interleaved rounds of "
           f"{args.steps} steps, process CPU time, torch {torch.__version__}, {time.time() - t_start:.0f} s")
     for name, ts in times.items():
         med = statistics.median(ts)
