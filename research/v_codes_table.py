@@ -4,7 +4,7 @@ that emulate coded per-element ``v`` on the library's elementwise path, paired b
 AdamW runs and with the shipped default (``v_default_fused``) on the same seeds, plus the state each
 layout would hold (bytes per parameter on this model and on GPT-2 small).
 
-    python research/v_codes_table.py [--md]      # reads research/results/{v8_small,nonemb_elementwise_small,...}
+    python research/v_codes_table.py [--md] [--paired] [--tiny]   # reads research/results/{v8_small,nibbles_*,...}
 
 The emulation stores fp32 ``v`` (its runs record ~5 B/param); the bytes printed here are the layout's:
 per element one byte of first moment plus the code (8 or 4 bits), an fp32 reference per 256 elements
@@ -111,13 +111,42 @@ def main(argv=None):
     ap.add_argument("--md", action="store_true", help="print a markdown table")
     ap.add_argument("--paired", action="store_true",
                     help="also each variant's gap minus the default's, per seed, with its mean and 95%% interval")
+    ap.add_argument("--tiny", action="store_true",
+                    help="also the `tiny` preset at 3,000 steps (context 64): v_nibbles and the default (gefen_auto) "
+                         "against the stored AdamW runs of the same seeds")
     ap.add_argument("--digits", default=None, metavar="RUNS_JSONL",
                     help="also the digits runs of this file: each variant's held-out loss against AdamW's in it")
     args = ap.parse_args(argv)
     for preset in ("small", "base"):
         table(preset, args)
+    if args.tiny:
+        tiny3000()
     if args.digits:
         digits(Path(args.digits))
+
+
+TINY_RUNS = ["docs/results/quality_runs.jsonl", "research/results/tiny_rows8_ab/runs_a.jsonl",
+             "research/results/tiny_rows8_ab/runs.jsonl", "research/results/nibbles_tiny/runs_v_nibbles_0-3.jsonl"]
+
+
+def tiny3000():
+    """`tiny` at 3,000 steps, context 64 (the issue's long tiny run): final validation against AdamW's."""
+    runs = {}
+    for f in TINY_RUNS:
+        for line in (ROOT / f).read_text().splitlines():
+            r = json.loads(line)
+            c = r.get("config", {})
+            if c.get("preset") == "tiny" and c.get("steps") == 3000 and c.get("context") == 64:
+                runs.setdefault(r["variant"], {})[r["seed"]] = r["result"]["val_loss"]
+    adamw = runs["adamw"]
+    print("\n`tiny` preset, 3,000 steps, context 64, against AdamW's final validation:\n")
+    for v in ("v_nibbles", "gefen_auto"):
+        seeds = sorted(s for s in runs.get(v, {}) if s in adamw and s in runs["v_nibbles"])
+        gaps = [100 * (runs[v][s] / adamw[s] - 1) for s in seeds]
+        sg = summarize(gaps)
+        print(f"* `{v}`{' (the default)' if v == 'gefen_auto' else ''}, seeds {', '.join(map(str, seeds))}: "
+              + ", ".join(f"{g:+.2f}%" for g in gaps)
+              + f"; mean {sg['mean']:+.2f}% [{sg['ci95'][0]:+.2f}, {sg['ci95'][1]:+.2f}]")
 
 
 def digits(path):
