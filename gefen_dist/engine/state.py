@@ -46,7 +46,7 @@ SPAN_MODES = (MODE_SPAN, MODE_ROWS8)  # the modes stepped in two phases by the s
 SECOND_MOMENTS = (MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE)
 # second_moment="nibbles" (D20): a factored group whose state bytes hold both moments, each in four bits
 # (core/nibbles.py). Its state is the factored mode's, tensor for tensor; only the step's math and the
-# codebook's size (16) differ. gefen_dist.Gefen steps it (ZeroGefen and the DeepSpeed optimizer refuse it)
+# codebook's size (16) differ. gefen_dist.Gefen and ZeroGefen step it (the DeepSpeed optimizer refuses it)
 NIBBLES = "nibbles"
 SECOND_MOMENT_SETTINGS = SECOND_MOMENTS + (NIBBLES,)
 NARROW_ROWS = ("auto", "rows", "span", "rows8")
@@ -112,8 +112,13 @@ def codebook_size(groups, small_threshold: Optional[int] = None) -> int:
 
 
 def codebook_size_of(opt) -> int:
-    """:func:`codebook_size` of an optimizer (its ``param_groups`` and ``small_threshold``)."""
-    return codebook_size(opt.param_groups, opt.small_threshold)
+    """:func:`codebook_size` of an optimizer (its ``param_groups``, read through its cached table of modes,
+    ``opt._mode``); 256 at once where no group names ``"nibbles"`` (a load calls this for every entry)."""
+    groups = opt.param_groups
+    if not nibbles_in(groups):
+        return 256
+    return 16 if any(second_moment_of(g) == NIBBLES and any(opt._mode(p) != MODE_EXACT for p in g["params"])
+                     for g in groups) else 256
 
 
 def threshold_of(group: Mapping[str, Any], small_threshold: int) -> int:
