@@ -131,6 +131,36 @@ def encode(m: torch.Tensor, v: torch.Tensor, fac: torch.Tensor, codebook: torch.
     return (mc << 4 | vc).to(torch.uint8), a.view(rows, slab // B)
 
 
+def check_piece(param, grad, code, scale, v_row, v_col, col_mean_sq, *, scale_block: int, row_block: int,
+                update: str, grad_like_param: bool = False) -> int:
+    """The checks of every implementation of :func:`nibble_step_factored_eager_`, before anything changes:
+    ``update``, whole rows of whole scale blocks, ``row_block`` for a 2-D ``v_col``, and each tensor's device,
+    layout, dtype and size (``grad_like_param``: the kernels read the gradient in the parameter's dtype).
+    Each error names the tensor and what it should be. Returns the number of row blocks of ``v_col``."""
+    if update not in ("fp32", "decoded"):
+        raise ValueError(f"update must be 'fp32' or 'decoded', got {update!r}")
+    n, S, B = param.numel(), v_col.shape[-1], int(scale_block)
+    if B < 1 or S < 1 or S % B or n % S:
+        raise ValueError(f"scale_block {B} does not divide the row length {S}, or {n} elements are not whole rows")
+    G = v_col.numel() // S
+    if v_col.dim() > 1 and row_block < 1:
+        raise ValueError(f"a v_col of shape {tuple(v_col.shape)} (row blocks) needs row_block >= 1")
+    want = [("v_col", v_col, torch.float32, G * S), ("col_mean_sq", col_mean_sq, torch.float32, G * S)]
+    if n:
+        want += [("grad", grad, param.dtype if grad_like_param else None, n), ("code", code, torch.uint8, n),
+                 ("scale", scale, torch.float32, n // B), ("v_row", v_row, torch.float32, n // S)]
+    for name, t, dtype, numel in want:
+        if t.device != param.device:
+            raise ValueError(f"{name} is on {t.device}, the parameter on {param.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if dtype is not None and t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+        if t.numel() != numel:
+            raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
+    return G
+
+
 def nibble_step_factored_eager_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -163,14 +193,9 @@ def nibble_step_factored_eager_(
     global element index ``row0 * slab + ...``); ``row_block``: global rows per block of a 2-D
     ``v_col``. ``key``: :func:`step_key` of this tensor at this step. ``bound``: D13's clamp, or None.
     ``update``: ``"fp32"`` (AdamW's update of the float32 moments) or ``"decoded"`` (of the stored)."""
-    if update not in ("fp32", "decoded"):
-        raise ValueError(f"update must be 'fp32' or 'decoded', got {update!r}")
-    slab = v_col.shape[-1]
-    B = scale_block
-    if slab % B:
-        raise ValueError(f"scale_block {B} does not divide the row length {slab}")
-    if v_col.dim() > 1 and row_block < 1:
-        raise ValueError(f"a v_col of shape {tuple(v_col.shape)} (row blocks) needs row_block >= 1")
+    check_piece(param, grad, code, scale, v_row, v_col, col_mean_sq, scale_block=scale_block, row_block=row_block,
+                update=update)
+    slab, B = v_col.shape[-1], int(scale_block)
     ratio_old = column_ratios(v_col)  # the estimate the stored codes are relative to
     ema_(v_col, col_mean_sq.view_as(v_col), beta2)
     if param.numel() == 0:

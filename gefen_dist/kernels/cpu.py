@@ -613,21 +613,10 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
     if lib is None or param.dtype not in (torch.float32, torch.bfloat16):
         _nb.nibble_step_factored_eager_(param, grad, code, scale, v_row, v_col, codebook, col_mean_sq, **kw)
         return
-    if update not in ("fp32", "decoded"):
-        raise ValueError(f"update must be 'fp32' or 'decoded', got {update!r}")
-    if B < 1 or S % B or n % S:
-        raise ValueError(f"scale_block {B} does not divide the row length {S}, or {n} elements are not whole rows")
-    G = v_col.numel() // S
-    if G > 1 and row_block < 1:
-        raise ValueError(f"a v_col of shape {tuple(v_col.shape)} (row blocks) needs row_block >= 1")
-    _check("v_col", v_col, torch.float32, G * S)
-    _check("col_mean_sq", col_mean_sq, torch.float32, G * S)
     if n:
         _check("param", param, None, n)
-        _check("grad", grad, param.dtype, n)
-        _check("code", code, torch.uint8, n)
-        _check("scale", scale, torch.float32, n // B)
-        _check("v_row", v_row, torch.float32, n // S)
+    G = _nb.check_piece(param, grad, code, scale, v_row, v_col, col_mean_sq, scale_block=B, row_block=row_block,
+                        update=update, grad_like_param=True)
     ratio_old = column_ratios(v_col).contiguous()
     v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
     if n == 0:

@@ -189,27 +189,16 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
 
     if not _HAVE_TRITON:
         raise RuntimeError("triton is not importable")
-    if update not in ("fp32", "decoded"):
-        raise ValueError(f"update must be 'fp32' or 'decoded', got {update!r}")
     n, S, B = param.numel(), v_col.shape[-1], int(scale_block)
     device = param.device
     if device.type != "cuda" and not _interpret():
         raise ValueError(f"the Triton step needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
     if param.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"param dtype {param.dtype} not supported (float32, bfloat16)")
-    if B < 1 or S % B or n % S:
-        raise ValueError(f"scale_block {B} does not divide the row length {S}, or {n} elements are not whole rows")
-    G = v_col.numel() // S
-    if G > 1 and row_block < 1:
-        raise ValueError(f"a v_col of shape {tuple(v_col.shape)} (row blocks) needs row_block >= 1")
-    _check("v_col", v_col, device, torch.float32, G * S)
-    _check("col_mean_sq", col_mean_sq, device, torch.float32, G * S)
     if n:
         _check("param", param, device, None, n)
-        _check("grad", grad, device, param.dtype, n)
-        _check("code", code, device, torch.uint8, n)
-        _check("scale", scale, device, torch.float32, n // B)
-        _check("v_row", v_row, device, torch.float32, n // S)
+    G = _nb.check_piece(param, grad, code, scale, v_row, v_col, col_mean_sq, scale_block=B, row_block=row_block,
+                        update=update, grad_like_param=True)
     ratio_old = column_ratios(v_col).contiguous()
     v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
     if n == 0:
