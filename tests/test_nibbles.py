@@ -328,7 +328,7 @@ def test_gefen_nibbles_steps_through_the_core_with_its_keys(monkeypatch):
                                                                                           (slow, False)))
     _train(fast, fo, 4)
     _train(slow, so, 4)
-    from gefen_dist.kernels import cpu
+    from gefen_dist.kernels import cpu, cpu_nibbles  # noqa: F401
 
     assert describe_step(fo, fo.report()).endswith("kernel: cpu (portable C)" if cpu.available() else "kernel: eager")
     for p, q in zip(fast.parameters(), slow.parameters()):
@@ -429,10 +429,10 @@ def test_gefen_nibbles_trains_like_adamw():
     (1, "fp32", None, torch.float32, 1), (3, "fp32", 2.0, torch.float32, 2), (1, "decoded", 2.0, torch.float32, 1),
     (3, "decoded", None, torch.bfloat16, 2), (1, "fp32", 2.0, torch.bfloat16, 1)])
 def test_native_kernel_is_the_eager_reference_bit_for_bit(G, update, bound, dtype, threads):
-    """kernels/cpu.nibble_step_factored_ against the eager reference: every code, scale, statistic and
+    """kernels/cpu_nibbles.nibble_step_factored_ against the eager reference: every code, scale, statistic and
     parameter equal, with row blocks, both update rules, the bound, bf16 parameters, a NaN and an inf in
     the gradients (their blocks: NaN scales, codes 0), zero rows, weight decay, one or two threads."""
-    from gefen_dist.kernels import cpu
+    from gefen_dist.kernels import cpu, cpu_nibbles  # noqa: F401
 
     steps, p, cb = _problem(rows=36, slab=192)
     steps[1][4, 7] = float("nan")
@@ -443,8 +443,8 @@ def test_native_kernel_is_the_eager_reference_bit_for_bit(G, update, bound, dtyp
     try:
         kw = dict(G=G, B=64, update=update, bound=bound, dtype=dtype)
         want, ws = _run(steps, p, cb, **kw)
-        got, gs = _run(steps, p, cb, fn=cpu.nibble_step_factored_, **kw)
-        part, ps = _run(steps, p, cb, fn=cpu.nibble_step_factored_, rows=(6, 30), **kw)
+        got, gs = _run(steps, p, cb, fn=cpu_nibbles.nibble_step_factored_, **kw)
+        part, ps = _run(steps, p, cb, fn=cpu_nibbles.nibble_step_factored_, rows=(6, 30), **kw)
     finally:
         torch.set_num_threads(old)
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
@@ -463,13 +463,13 @@ def test_native_kernel_with_scale_blocks_over_256_and_the_nibbles_period():
     """Rows of 514 = 2 x 257 elements: the nibbles period (core.periods.nibble_period) keeps the row as the
     scale block (its largest divisor under 256 is 2), and the kernel steps blocks of 514 as the reference."""
     from gefen_dist.core.periods import nibble_period
-    from gefen_dist.kernels import cpu
+    from gefen_dist.kernels import cpu, cpu_nibbles  # noqa: F401
 
     assert [nibble_period(s) for s in ((2304, 768), (768, 3072), (192, 576), (12, 514), (5, 300))] == \
         [256, 256, 192, 514, 150]
     steps, p, cb = _problem(rows=12, slab=514)
     want, ws = _run(steps, p, cb, B=514)
-    got, gs = _run(steps, p, cb, B=514, fn=cpu.nibble_step_factored_)
+    got, gs = _run(steps, p, cb, B=514, fn=cpu_nibbles.nibble_step_factored_)
     assert torch.equal(got, want)
     for k in ("code", "scale", "v_row", "v_col"):
         assert torch.equal(gs[k], ws[k]), k
@@ -500,7 +500,7 @@ def test_native_kernel_over_a_wide_range_of_ratios():
     """Gradients whose elements span 10^-30 .. 10^8 (subnormal squares, ratios v / fac far outside the
     levels, exact zeros): the kernel's codes (its v levels built from exponent bits, not a table) equal the
     reference's."""
-    from gefen_dist.kernels import cpu
+    from gefen_dist.kernels import cpu, cpu_nibbles  # noqa: F401
 
     g = torch.Generator().manual_seed(9)
     steps = [torch.randn(24, 128, generator=g) * torch.pow(10.0, torch.randint(-30, 9, (24, 128), generator=g).float())
@@ -511,7 +511,7 @@ def test_native_kernel_over_a_wide_range_of_ratios():
     cb = solve_codebook(mirrored_counts(torch.randint(0, 50, (NUM_BINS,), generator=g)), k=16).codebook
     for update in ("fp32", "decoded"):
         want, ws = _run(steps, p, cb, B=64, update=update, bound=2.0)
-        got, gs = _run(steps, p, cb, B=64, update=update, bound=2.0, fn=cpu.nibble_step_factored_)
+        got, gs = _run(steps, p, cb, B=64, update=update, bound=2.0, fn=cpu_nibbles.nibble_step_factored_)
         codes = ws["code"] & 15
         assert len(codes.unique()) == 16  # every v level met
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

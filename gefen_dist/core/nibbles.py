@@ -161,6 +161,15 @@ def check_piece(param, grad, code, scale, v_row, v_col, col_mean_sq, *, scale_bl
     return G
 
 
+def ratios_around_ema_(v_col: torch.Tensor, col_mean_sq: torch.Tensor, beta2: float):
+    """``v_col``'s EMA by ``col_mean_sq``, in place, with the column ratios ``v_col / mean(v_col)`` from
+    before it (what the stored codes are relative to) and after it (what the new ones will be), both
+    contiguous: the step's only work on the replicated column statistics, shared by every implementation."""
+    ratio_old = column_ratios(v_col).contiguous()
+    ema_(v_col, col_mean_sq.view_as(v_col), beta2)
+    return ratio_old, column_ratios(v_col).contiguous()
+
+
 def nibble_step_factored_eager_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -196,11 +205,9 @@ def nibble_step_factored_eager_(
     check_piece(param, grad, code, scale, v_row, v_col, col_mean_sq, scale_block=scale_block, row_block=row_block,
                 update=update)
     slab, B = v_col.shape[-1], int(scale_block)
-    ratio_old = column_ratios(v_col)  # the estimate the stored codes are relative to
-    ema_(v_col, col_mean_sq.view_as(v_col), beta2)
+    ratio_old, ratio_new = ratios_around_ema_(v_col, col_mean_sq, beta2)
     if param.numel() == 0:
         return
-    ratio_new = column_ratios(v_col)
     sqrt_bc2 = math.sqrt(bc2)
     p_all, g_all = param.view(-1, slab), grad.reshape(-1, slab)
     c_all, s_all, vr_all = code.view(-1, slab), scale.view(-1, slab // B), v_row.view(-1)

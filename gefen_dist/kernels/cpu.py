@@ -113,7 +113,6 @@ import logging
 import math
 import os
 import threading
-import types
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -589,50 +588,6 @@ def quantized_step_factored_(
     if rc != 0:
         raise RuntimeError(f"gefen_quantized_step_factored failed with code {rc}")
     for t in (param, idx, scale, v_row):
-        torch.autograd.graph.increment_version(t)
-
-
-# the nearest-codeword table fields of _Args, which the one-byte layout's kernel does not read
-_NO_TABLE = types.SimpleNamespace(mode=0, nb=1, h=1.0, ent=None)
-
-
-def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_mean_sq, *, lr, beta1, beta2, eps,
-                          weight_decay, bc1, bc2, scale_block, key, row0=0, row_block=0, bound=None,
-                          update="fp32") -> None:
-    """:func:`gefen_dist.core.nibbles.nibble_step_factored_eager_` (same contract, bitwise the same
-    results: tests/test_nibbles.py) with the rows in the native kernel (D20); ``v_col``'s EMA and the
-    column ratios before and after it in the eager path's torch operations. Falls back to the eager path
-    when the native library is unavailable."""
-    from gefen_dist.core import nibbles as _nb
-    from gefen_dist.core.step import column_ratios
-
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
-              scale_block=scale_block, key=key, row0=row0, row_block=row_block, bound=bound, update=update)
-    lib = _lib()
-    n, S, B = param.numel(), v_col.shape[-1], int(scale_block)
-    if lib is None or param.dtype not in (torch.float32, torch.bfloat16):
-        _nb.nibble_step_factored_eager_(param, grad, code, scale, v_row, v_col, codebook, col_mean_sq, **kw)
-        return
-    if n:
-        _check("param", param, None, n)
-    G = _nb.check_piece(param, grad, code, scale, v_row, v_col, col_mean_sq, scale_block=B, row_block=row_block,
-                        update=update, grad_like_param=True)
-    ratio_old = column_ratios(v_col).contiguous()
-    v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
-    if n == 0:
-        return
-    ratio_new = column_ratios(v_col).contiguous()
-    a = _make_args(param, n, S, B, _NO_TABLE, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                   bc1=bc1, bc2=bc2, bound=bound, simd=1)
-    cb = codebook.to(torch.float32).contiguous()
-    na = _NibbleArgs(ratio_old.data_ptr(), ratio_new.data_ptr(), cb.data_ptr(), int(row0),
-                     int(row_block) if G > 1 else int(row0) + n // S + 1, math.inf if bound is None else bound,
-                     int(key) & 0xFFFFFFFF, int(update == "decoded"))
-    rc = lib.gefen_nibble_step(ctypes.byref(a), ctypes.byref(na), param.data_ptr(), grad.data_ptr(),
-                               code.data_ptr(), scale.data_ptr(), v_row.data_ptr())
-    if rc != 0:  # (the sizes are checked above: 2 is out of memory, before anything was written)
-        raise RuntimeError(f"gefen_nibble_step failed with code {rc}" + (" (out of memory)" if rc == 2 else ""))
-    for t in (param, code, scale, v_row):
         torch.autograd.graph.increment_version(t)
 
 

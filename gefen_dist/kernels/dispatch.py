@@ -197,14 +197,12 @@ def _eager() -> StepImpl:
 
 @functools.lru_cache(maxsize=None)
 def _native_cpu() -> StepImpl:
-    from . import cpu
-
-    from . import cpu_span
+    from . import cpu, cpu_nibbles, cpu_span
 
     return StepImpl("cpu", cpu.quantized_step_, cpu.quantized_step_factored_, cpu.column_sumsq,
                     cpu.quantized_state_, cpu.factored_state_, cpu.apply_compressed_, cpu.apply_factored_,
                     cpu_span.span_statistics, cpu_span.span_update_, cpu_span.span_apply_indices_,
-                    span_apply_=cpu_span.span_apply_, nibble_step_factored_=cpu.nibble_step_factored_)
+                    span_apply_=cpu_span.span_apply_, nibble_step_factored_=cpu_nibbles.nibble_step_factored_)
 
 
 @functools.lru_cache(maxsize=None)

@@ -185,7 +185,6 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
     ``TRITON_INTERPRET=1``), one launch; ``v_col``'s EMA and the column ratios before and after it in the
     reference's torch operations on the device, with no host synchronisation."""
     from ..core import nibbles as _nb
-    from ..core.step import column_ratios
 
     if not _HAVE_TRITON:
         raise RuntimeError("triton is not importable")
@@ -199,11 +198,9 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
         _check("param", param, device, None, n)
     G = _nb.check_piece(param, grad, code, scale, v_row, v_col, col_mean_sq, scale_block=B, row_block=row_block,
                         update=update, grad_like_param=True)
-    ratio_old = column_ratios(v_col).contiguous()
-    v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
+    ratio_old, ratio_new = _nb.ratios_around_ema_(v_col, col_mean_sq, beta2)
     if n == 0:
         return
-    ratio_new = column_ratios(v_col).contiguous()
     w = 1.0 - beta1
     small = abs(w) < 0.5
     import numpy as np
