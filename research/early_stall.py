@@ -1,6 +1,8 @@
-"""How often each optimizer stays on the `base` LM's early plateau: AdamW against the Gefen default.
+"""How often each optimizer stays on the `base` LM's early plateau: AdamW against the Gefen default
+(and any variant of `research/quality_variants.py`, e.g. ``v_nibbles``).
 
     python research/early_stall.py --seeds 6-13 [--steps 150] [--jobs 2]     # ~9 min per run, 1 thread
+    python research/early_stall.py --variants v_nibbles --seeds 2,4-8,10,11  # one more variant
 
 On the quality benchmark's `base` byte-level GPT (4.84M parameters; `benchmarks/quality.py`'s
 recipe: batch 32 x 128, lr 2e-3, 50 warm-up steps then a cosine over 800 steps to 10%, betas
@@ -36,13 +38,15 @@ for _p in (ROOT / "benchmarks", ROOT):
         sys.path.insert(0, str(_p))
 
 OUT = ROOT / "research" / "results" / "early_stall" / "runs.jsonl"
-FULL = {  # the stored 800-step base runs of the two optimizers (seed -> record), newest file last
+FULL = {  # the stored 800-step base runs of each optimizer (seed -> record), newest file last
     "adamw": [ROOT / "docs/results/quality_runs.jsonl", ROOT / "research/results/default_base/runs_adamw.jsonl"],
     "gefen_default": [ROOT / "research/results/default_base/runs.jsonl"],  # docs/results' are an earlier default
+    "v_nibbles": sorted((ROOT / "research/results/nibbles_base").glob("runs_v_nibbles_*.jsonl")),
 }
 WINDOW = (100, 150)  # steps 101..150 (0-based indices 100..149 of train_loss)
 FULL_STALL_VAL = 1.65  # an 800-step base run ending above this stayed on the plateau (stored runs: <= 1.53 or >= 1.74, except AdamW seed 5 at 1.614, which leaves the plateau late)
-VARIANTS = ("adamw", "gefen_default")
+VARIANTS = ("adamw", "gefen_default")  # the study's default pair; --variants may add any registered name
+NAMES = {"adamw": "AdamW", "gefen_default": "Gefen default", "v_nibbles": 'second_moment="nibbles"'}
 
 
 def window_mean(train_loss):
@@ -52,7 +56,7 @@ def window_mean(train_loss):
 
 
 def full_runs() -> dict:
-    """(variant, seed) -> the stored 800-step base record of the current default and AdamW."""
+    """(variant, seed) -> the stored 800-step base record of each variant of :data:`FULL`."""
     out = {}
     for v, files in FULL.items():
         for f in files:
@@ -88,6 +92,9 @@ def train(variant: str, seed: int, steps: int) -> dict:
 
     import quality
 
+    if variant not in quality.VARIANTS:
+        sys.path.insert(0, str(ROOT / "research"))
+        import quality_variants  # noqa: F401  (registers the research variants)
     cfg = quality.lm_config(argparse.Namespace(quick=False, lm_preset="base", lm_batch=None, lm_context=None,
                                                lm_steps=None))
     r = quality.run_lm(variant, seed, cfg, stop_at=steps)
@@ -110,7 +117,8 @@ def wilson(k: int, n: int, z: float = 1.96):
 
 
 def report(threshold: float) -> str:
-    """Stall per (variant, seed): from the 800-step runs where stored, else from this study's runs."""
+    """Stall per (variant, seed): from the 800-step runs where stored, else from this study's runs;
+    each variant's rate beside AdamW's on the seeds both have."""
     stall, src = {}, {}
     for (v, s), r in full_runs().items():
         stall[(v, s)] = r["result"]["val_loss"] > FULL_STALL_VAL
@@ -123,23 +131,24 @@ def report(threshold: float) -> str:
                 stall[key] = r["window_mean"] > threshold
                 src[key] = str(r["steps"])
     seeds = sorted({s for _, s in stall})
-    lines = ["| seed | AdamW | Gefen default |", "|---|---|---|"]
+    names = list(VARIANTS) + sorted({v for v, _ in stall} - set(VARIANTS))
+    lines = ["| seed | " + " | ".join(NAMES.get(v, v) for v in names) + " |", "|---" * (len(names) + 1) + "|"]
     for s in seeds:
-        cell = []
-        for v in VARIANTS:
-            cell.append("—" if (v, s) not in stall else
-                        ("**plateau**" if stall[(v, s)] else "leaves it") + f" ({src[(v, s)]} steps)")
+        cell = ["—" if (v, s) not in stall else ("**plateau**" if stall[(v, s)] else "leaves it") + f" ({src[(v, s)]} steps)"
+                for v in names]
         lines.append(f"| {s} | " + " | ".join(cell) + " |")
-    both = [s for s in seeds if all((v, s) in stall for v in VARIANTS)]
     lines.append("")
-    for v in VARIANTS:
-        k = sum(stall[(v, s)] for s in both)
-        lo, hi = wilson(k, len(both))
-        lines.append(f"* {v}: stays on the plateau on {k} of {len(both)} seeds "
-                     f"({100 * k / max(1, len(both)):.0f}%, 95% Wilson interval {100 * lo:.0f}%-{100 * hi:.0f}%)")
-    only = {v: [s for s in both if stall[(v, s)] and not stall[(VARIANTS[1 - i], s)]] for i, v in enumerate(VARIANTS)}
-    lines.append(f"* seeds where only AdamW stays: {only['adamw']}; only the Gefen default: {only['gefen_default']}; "
-                 f"both: {[s for s in both if all(stall[(v, s)] for v in VARIANTS)]}")
+    for v in names[1:]:
+        both = [s for s in seeds if ("adamw", s) in stall and (v, s) in stall]
+        for w in ("adamw", v):
+            k = sum(stall[(w, s)] for s in both)
+            lo, hi = wilson(k, len(both))
+            lines.append(f"* {NAMES.get(w, w)}: stays on the plateau on {k} of {len(both)} seeds "
+                         f"({100 * k / max(1, len(both)):.0f}%, 95% Wilson interval {100 * lo:.0f}%-{100 * hi:.0f}%)")
+        only_a = [s for s in both if stall[("adamw", s)] and not stall[(v, s)]]
+        only_v = [s for s in both if stall[(v, s)] and not stall[("adamw", s)]]
+        lines.append(f"* seeds where only AdamW stays: {only_a}; only {NAMES.get(v, v)}: {only_v}; "
+                     f"both: {[s for s in both if stall[('adamw', s)] and stall[(v, s)]]}")
     return "\n".join(lines)
 
 
