@@ -107,28 +107,61 @@ def decode(code: torch.Tensor, scale: torch.Tensor, fac: torch.Tensor, codebook:
            scale_block: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(m, v)`` float32 of ``code`` (``[rows, slab]`` uint8) with its scales ``[rows, slab / B]`` and
     the factored estimate ``fac`` (broadcasting to ``[rows, slab]``)."""
-    c = code.long()
-    rows, slab = c.shape
+    rows, slab = code.shape
     M = scale.reshape(rows, -1, 1).expand(rows, slab // scale_block, scale_block).reshape(rows, slab)
-    lv = torch.tensor(V_LEVELS, dtype=torch.float32, device=code.device)
-    return codebook[c >> 4] * M, fac * lv[c & 15]
+    return decode_with(code, M, fac, codebook)
 
 
 def encode(m: torch.Tensor, v: torch.Tensor, fac: torch.Tensor, codebook: torch.Tensor, scale_block: int,
            u_m: torch.Tensor, u_v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(code uint8 [rows, slab], scale float32 [rows, slab / B])`` of float32 ``m``, ``v``
-    (``[rows, slab]``) against ``fac``: ``M`` the absmax per scale block, the first moment's code of
-    ``m / M`` (0 where ``M == 0``) over ``codebook``, v's of ``v / fac`` (0 where ``fac`` is not
-    positive) over :data:`V_LEVELS`, both by :func:`round_stochastic`."""
+    (``[rows, slab]``) against ``fac``: ``M`` the absmax per scale block, then :func:`encode_with`."""
     rows, slab = m.shape
     B = scale_block
     a = _block_absmax(m, B).view(rows, slab // B, 1)
-    z = torch.where(a > 0, m.view(rows, slab // B, B) / a, torch.zeros((), device=m.device)).view(rows, slab)
-    mc = round_stochastic(z, codebook, u_m)
-    fac = fac.expand(rows, slab)
-    r = torch.where(fac > 0, v / fac, torch.zeros((), device=v.device))
-    vc = round_stochastic(r, torch.tensor(V_LEVELS, dtype=torch.float32, device=v.device), u_v)
-    return (mc << 4 | vc).to(torch.uint8), a.view(rows, slab // B)
+    code = encode_with(m.view(rows, slab // B, B), v.view(rows, slab // B, B), fac.expand(rows, slab).reshape(
+        rows, slab // B, B), a, codebook, u_m.view(rows, slab // B, B), u_v.view(rows, slab // B, B))
+    return code.view(rows, slab), a.view(rows, slab // B)
+
+
+def encode_with(m: torch.Tensor, v: torch.Tensor, fac: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor,
+                u_m: torch.Tensor, u_v: torch.Tensor) -> torch.Tensor:
+    """The codes (uint8, ``m``'s shape) of float32 ``m``, ``v`` given each element's scale ``absmax``
+    and factored estimate ``fac`` (both broadcasting to ``m``): the first moment's code of ``m / M``
+    (0 where ``M == 0``) over ``codebook``, v's of ``v / fac`` (0 where ``fac`` is not positive) over
+    :data:`V_LEVELS`, both by :func:`round_stochastic`. The pieces of a row that a partition edge cuts
+    (the DeepSpeed flat buffers) call it with their reconciled scales."""
+    zero = torch.zeros((), device=m.device)
+    mc = round_stochastic(torch.where(absmax > 0, m / absmax, zero), codebook, u_m)
+    fac = fac.expand_as(v)
+    vc = round_stochastic(torch.where(fac > 0, v / fac, zero), torch.tensor(V_LEVELS, dtype=torch.float32,
+                                                                           device=v.device), u_v)
+    return (mc << 4 | vc).to(torch.uint8)
+
+
+def decode_with(code: torch.Tensor, absmax: torch.Tensor, fac: torch.Tensor,
+                codebook: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(m, v)`` float32 of ``code`` with each element's scale ``absmax`` and estimate ``fac``
+    (broadcasting to ``code``): :func:`decode` for any piece of a row."""
+    c = code.long()
+    lv = torch.tensor(V_LEVELS, dtype=torch.float32, device=code.device)
+    return codebook[c >> 4] * absmax, fac * lv[c & 15]
+
+
+def first_moment(code: torch.Tensor, absmax: torch.Tensor, g: torch.Tensor, codebook: torch.Tensor,
+                 beta1: float) -> torch.Tensor:
+    """The new first moment ``lerp(C[code >> 4] * M, g, 1 - beta1)`` in float32 of a piece of a row
+    (``absmax``: each element's old scale): what the step computes before the scale blocks' new
+    absmax, which a block cut by a partition edge reconciles over the ranks first."""
+    return torch.lerp(codebook[code.long() >> 4] * absmax, g, 1.0 - beta1)
+
+
+def update_(param: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, weight_decay: float, eps: float,
+            bc1: float, sqrt_bc2: float, bound) -> None:
+    """AdamW's update of ``param`` from float32 ``m``, ``v``, clamped as D13; the square root correctly
+    rounded (through float64: torch's float32 ``sqrt`` on CPU is not, on some builds), as every
+    kernel's ``sqrtf`` / ``sqrt_rn``, so that the update is the same bits everywhere."""
+    apply_(param, m, inv_rms_(v.double().sqrt_().float(), eps, bc1, sqrt_bc2), lr, weight_decay, bound)
 
 
 def check_piece(param, grad, code, scale, v_row, v_col, col_mean_sq, *, scale_block: int, row_block: int,
@@ -228,7 +261,5 @@ def nibble_step_factored_eager_(
         s_all[r0:r1] = a
         if update == "decoded":
             m, v = decode(new, a, fac, codebook, B)
-        # sqrt correctly rounded (through float64: torch's float32 sqrt on CPU is not, on some builds), as
-        # every kernel's sqrtf / sqrt_rn, so that the update is the same bits everywhere
-        sigma = inv_rms_(v.double().sqrt_().float(), eps, bc1, sqrt_bc2)
-        apply_(p_all[r0:r1], m, sigma, lr, weight_decay, bound)
+        update_(p_all[r0:r1], m, v, lr=lr, weight_decay=weight_decay, eps=eps, bc1=bc1, sqrt_bc2=sqrt_bc2,
+                bound=bound)

@@ -60,7 +60,8 @@ from ..core.quant import NUM_BINS
 from . import learning
 from ..kernels import dispatch as _dispatch
 from .layout import FEW_ROWS, Piece, few_rows, is_exact
-from .state import DEFAULT_NARROW_ROWS, MODE_FACTORED, few_rows_shared_in, fixed_period, mode_of_saved, new_step
+from .state import (DEFAULT_NARROW_ROWS, MODE_FACTORED, NIBBLES, few_rows_shared_in, fixed_period, mode_of_saved,
+                    new_step)
 from .flat_layout import LayoutError, Segment, _slots, _split, verify_segments  # noqa: F401  (re-exported)
 from .flat_span import FlatSpanMixin
 from .flat_step import SegmentStepMixin
@@ -82,6 +83,7 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
         self.where = where
         self.second_moment: Optional[str] = None  # the mode of the group that last stepped it (set by its owner)
         self.narrow_rows = DEFAULT_NARROW_ROWS  # the buffer's param group's (set by its owner before new_state / learn / step)
+        self.tensor_index: Optional[Dict[str, int]] = None  # key -> place in the owner's optimizer (keys D20's draws)
         keys = [s.key for s in self.segments]
         if len(set(keys)) != len(keys):
             raise LayoutError(f"{where}: a tensor appears twice in one flat buffer ({keys})")
@@ -175,11 +177,13 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
     # ------------------------------------------------------------------ state
     def new_state(self, flat: torch.Tensor, codebook: torch.Tensor, factored: bool = False,
                   row_blocks="auto") -> Dict[str, Any]:
-        # placeholders: the period the mode fixes (factored), else the row until one is detected
+        # placeholders: the period the mode fixes (factored; "nibbles", D20: the owner's second_moment),
+        # else the row until one is detected
         spanf = self._span_fn(factored)
+        fixed = _periods.nibble_period if self.second_moment == NIBBLES else _periods.shape_period
         periods = [_span.span_period(s.shape) if spanf and spanf(s.shape) else
                    0 if is_exact(s.shape, self.small_threshold) else
-                   (_periods.shape_period(s.shape) if factored else _periods.row_slab(s.shape))
+                   (fixed(s.shape) if factored else _periods.row_slab(s.shape))
                    for s in self.segments]
         slots, ns, nv, ne = _slots(self.segments, periods, self.small_threshold, factored, row_blocks, span=spanf)
         dev = flat.device
@@ -332,7 +336,7 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
         for i, s in enumerate(self.segments):
             if s.key in new_period:
                 periods[i] = new_period[s.key]
-        self._reslot(st, periods, second_moment == MODE_FACTORED)
+        self._reslot(st, periods, second_moment in (MODE_FACTORED, NIBBLES))
         for i, s in enumerate(self.segments):
             if s.key in new_period:
                 st["learned"][i] = 1

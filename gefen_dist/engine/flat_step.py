@@ -8,15 +8,16 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from ..core import nibbles as _nb
 from ..core import periods as _periods
 from ..core import span as _span
-from ..core.step import (adamw_step_, apply_, block_column_sumsq, column_factors, decay_only_, ema_,
+from ..core.step import (adamw_step_, apply_, block_column_sumsq, column_factors, column_ratios, decay_only_, ema_,
                         first_moment, inv_rms_, quantize)
 from ..kernels import dispatch as _dispatch
 from .flat_batch import FlatBatch, batch_key, batch_kernels
 from .flat_layout import LayoutError, _slots, _split
 from .layout import is_exact
-from .state import MODE_FACTORED, quantized_mode
+from .state import MODE_FACTORED, NIBBLES, quantized_mode
 
 
 class SegmentStepMixin:
@@ -27,7 +28,7 @@ class SegmentStepMixin:
 
     # ------------------------------------------------------------------ the step
     def step(self, flat: torch.Tensor, grad: torch.Tensor, st: Dict[str, Any], *, second_moment: str,
-             hp: Dict[str, Any], impl=None, check_overflow: bool = True) -> None:
+             hp: Dict[str, Any], impl=None, check_overflow: bool = True, step: Optional[int] = None) -> None:
         """One Gefen step of every segment (``hp`` at the step it takes; the caller counts it when
         this returns). ``second_moment``: the buffer's param group's (the mode of its quantized
         segments; the state was made for it). ``hp``: the step's scalars,
@@ -37,22 +38,27 @@ class SegmentStepMixin:
         eager reference); cut blocks and rows are finished with the reference's phase functions.
         First the statistics that the factored and span tensors reduce over the ranks (they write
         nothing): with ``check_overflow``, a squared gradient that overflows float32 raises there, on
-        every rank (the sums are reduced), before anything of the buffer changes."""
+        every rank (the sums are reduced), before anything of the buffer changes. ``second_moment="nibbles"``
+        (D20): the factored layout's statistics and reconciliation, the one-byte codes' step (no batch);
+        ``step`` (the step taken, as ``hp``'s) keys its random numbers with :attr:`tensor_index`."""
         impl = impl or _dispatch.select(flat, fused=False)
-        factored = second_moment == MODE_FACTORED
+        nib = second_moment == NIBBLES
+        factored = second_moment == MODE_FACTORED or nib
         rbr = st.get("row_blocks", 1) if factored else 1
         layout, ctx = self._step_layout(st, factored, rbr)
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
-        batch = self._batch(impl, flat, gv, st, layout, ctx, factored, rbr)
+        batch = None if nib else self._batch(impl, flat, gv, st, layout, ctx, factored, rbr)
         # (the segments a batch steps whole need nothing of the per-segment phases)
         learned = _learned_segments(layout, st, fv, gv, batch.whole if batch is not None else ())
         fact = self._factored_stats(st, hp, [w for w in learned if w[0].factored], ctx, flat.device,
-                                    impl.column_sumsq, batch, gv) if factored else None
+                                    impl.column_sumsq, batch, gv, nib) if factored else None
         span = self._span_stats(st, hp, [w for w in learned if w[0].span], impl) if st.get("span_keys") else None
         if check_overflow:
             _refuse_overflow(self.where, fact[1] if fact else None, span["sums"] if span else None)
         _step_exact_and_decay(layout, st, fv, gv, hp, batch)
-        if fact is not None:
+        if fact is not None and nib:
+            self._nibbles_finish(*fact, st["codebook"], hp, impl, self._nibble_keys(step))
+        elif fact is not None:
             if batch is not None:
                 batch.step_factored(fact[1], gv, st["codebook"], hp)
             self._factored_finish(*fact, st["codebook"], hp, impl.quantized_step_factored_, batch is not None)
@@ -109,7 +115,7 @@ class SegmentStepMixin:
             if k in spans:
                 keys.append((k, "span"))
                 sizes.append(_periods.row_slab(shape) + _span.span_blocks(shape))
-            elif second_moment == MODE_FACTORED and quantized_mode(shape, MODE_FACTORED) == MODE_FACTORED:
+            elif second_moment in (MODE_FACTORED, NIBBLES) and quantized_mode(shape, MODE_FACTORED) == MODE_FACTORED:
                 keys.append((k, "factored"))
                 sizes.append(_periods.row_slab(shape) * _periods.factored_row_blocks(shape, st.get("row_blocks", 1)))
         if not keys:
@@ -198,7 +204,7 @@ class SegmentStepMixin:
 
     # ------------------------------------------------------------------ factored second moment
     def _factored_stats(self, st: Dict[str, Any], hp: Dict[str, float], items: list, ctx: "_FactoredCatalog",
-                        dev: torch.device, sumsq, batch=None, gv=None):
+                        dev: torch.device, sumsq, batch=None, gv=None, nib: bool = False):
         """The first phase of the factored (row x column) second moment (Adafactor's estimator);
         writes nothing. Returns the arguments of :meth:`_factored_finish` but the codebook, the scalars
         and the implementation (None when there is nothing to step).
@@ -213,14 +219,15 @@ class SegmentStepMixin:
         cut-block partial max |m|]`` (the slots are combined in rank order, so a cut row's ``v_row``
         and a cut block's scale are identical on the ranks that share them). ``ctx``: the buffer's
         :meth:`_factored_catalog`; ``batch``: a :class:`~gefen_dist.engine.flat_batch.FlatBatch`, whose
-        one run gives the whole rows' column sums (of gradient ``gv``).
+        one run gives the whole rows' column sums (of gradient ``gv``); ``nib``: the first moment of cut
+        rows from the one-byte codes' high nibble (D20).
         """
         # the column sums stay on the buffer's device ``dev`` (no per-tensor copy on CUDA)
         cols = torch.zeros(ctx.nc, dtype=torch.float64, device=dev)
         slots = torch.zeros(ctx.nr + ctx.nb, dtype=torch.float64)
         if batch is not None:
             batch.column_sums_into(cols, gv)
-        work = self._factored_local(items, st, ctx, hp, None if batch is not None else sumsq, cols, slots)
+        work = self._factored_local(items, st, ctx, hp, None if batch is not None else sumsq, cols, slots, nib)
         if not work and ctx.nc == 0:
             return None
         cols, rsum, bmax = self._reconcile_factored(cols, slots, ctx, dev)
@@ -247,7 +254,7 @@ class SegmentStepMixin:
         return ctx
 
 
-    def _factored_local(self, items, st, ctx: "_FactoredCatalog", hp, sumsq, cols, slots) -> list:
+    def _factored_local(self, items, st, ctx: "_FactoredCatalog", hp, sumsq, cols, slots, nib=False) -> list:
         """Phase 1: this rank's statistics of the learned factored segments ``items`` (column sums into
         ``cols``, the whole rows' with ``sumsq`` unless None: a batch added them; cut rows' partial sums
         of ``g^2`` and cut blocks' partial max |m| into ``slots``). Returns their work items for phase 2."""
@@ -262,16 +269,17 @@ class SegmentStepMixin:
             if hi > lo and sumsq is not None:
                 cols[co:co + G * S] += block_column_sumsq(g[lo - a:hi - a], S, lo // S, rb, G, sumsq).to(cols.device)
             pend = [self._cut_row_partials(s.key, r, ps, pe, a, S, B, rb, g, ix, sc, st["codebook"], hp["beta1"],
-                                           ctx, cols[co:co + G * S], slots) for r, ps, pe in rparts]
+                                           ctx, cols[co:co + G * S], slots, nib) for r, ps, pe in rparts]
             work.append((sp, p, g, ix, sc, st["v_row"][sp.v_off:sp.v_off + sp.v_n],
                          st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n], co, S, B, a, lo, hi, pend, G, rb))
         return work
 
 
     @staticmethod
-    def _cut_row_partials(key, r, ps, pe, a, S, B, rb, g, ix, sc, cb, beta1, ctx, tcols, slots) -> tuple:
+    def _cut_row_partials(key, r, ps, pe, a, S, B, rb, g, ix, sc, cb, beta1, ctx, tcols, slots, nib=False) -> tuple:
         """A row cut by a partition edge: its column sums (into ``tcols``, the tensor's), its partial
-        sum of ``g^2`` and its cut blocks' partial max |m| (into ``slots``), and its first moment."""
+        sum of ``g^2`` and its cut blocks' partial max |m| (into ``slots``), and its first moment
+        (``nib``: of the one-byte codes, D20)."""
         r0, r1 = ps - a, pe - a
         gp = g[r0:r1].float()
         g2 = gp.double() ** 2
@@ -282,7 +290,7 @@ class SegmentStepMixin:
         first = ps // B - a // B
         nblk = (pe - 1) // B - ps // B + 1
         bl = (torch.arange(ps, pe, device=ix.device) // B) - ps // B
-        m = first_moment(ix[r0:r1], sc[first:first + nblk][bl], gp, cb, beta1)
+        m = (_nb.first_moment if nib else first_moment)(ix[r0:r1], sc[first:first + nblk][bl], gp, cb, beta1)
         lead = ps - (ps // B) * B  # pad to whole blocks with zeros (neutral for max |m|)
         am = torch.nn.functional.pad(m.abs(), (lead, nblk * B - lead - (pe - ps))).view(nblk, B).amax(dim=1)
         _, _, bparts = _split(ps, pe, B)
@@ -331,6 +339,62 @@ class SegmentStepMixin:
                        vr[ro:ro + nrow], vcb, cb, col_mean_sq, scale_block=B, row0=lo // S, row_block=rb, **hp)
             if pend:
                 _finish_cut_rows(sp, p, ix, sc, vr, vcb, S, B, a, pend, G, rb, rsum, bmax, ctx, cb, hp, sqrt_bc2)
+
+
+    def _nibble_keys(self, step: Optional[int]):
+        """key -> the 32-bit key of that tensor's random numbers at ``step`` (D20): its place in the
+        optimizer (:attr:`tensor_index`, set by the owner), as :class:`gefen_dist.Gefen` keys it."""
+        index = getattr(self, "tensor_index", None)
+        if step is None or index is None:
+            raise RuntimeError(f"{self.where}: second_moment='nibbles' needs the step number and the owner's "
+                               "tensor_index (internal error)")
+        return lambda key: _nb.step_key(0, step, index[key])
+
+    @staticmethod
+    def _nibbles_finish(work, cols, rsum, bmax, ctx: "_FactoredCatalog", cb, hp, impl, key_of) -> None:
+        """Phase 2 of the one-byte layout (D20): per segment, the whole rows and ``v_col`` through the
+        implementation's :func:`~gefen_dist.core.nibbles.nibble_step_factored_eager_` (keyed by the
+        tensor, its first global row), then the cut rows with the reconciled statistics."""
+        for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb in work:
+            vcb = vc.view(G, S) if G > 1 else vc
+            col_mean_sq = (cols[co:co + G * S] / rb).to(torch.float32).to(vc.device)
+            ratio_old = column_ratios(vcb).clone() if pend else None  # what the cut rows' codes are against
+            so, ro = lo // B - a // B, lo // S - a // S
+            nrow = (hi - lo) // S
+            key = key_of(sp.seg.key)
+            impl.nibble_step_factored_(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a],
+                                       sc[so:so + nrow * (S // B)], vr[ro:ro + nrow], vcb, cb, col_mean_sq,
+                                       scale_block=B, key=key, row0=lo // S, row_block=rb, **hp)
+            if pend:
+                _finish_cut_rows_nibbles(sp, p, ix, sc, vr, vcb, ratio_old, S, a, pend, G, rb, rsum, bmax, ctx, cb,
+                                         hp, key)
+
+
+def _finish_cut_rows_nibbles(sp, p, ix, sc, vr, vcb, ratio_old, S, a, pend, G, rb, rsum, bmax, ctx, cb, hp,
+                             key) -> None:
+    """:func:`_finish_cut_rows` of the one-byte layout (D20): each cut row's ``v`` decoded against the
+    estimate before this step (``ratio_old``: the column ratios before ``v_col``'s EMA), advanced,
+    coded against the new one with the row's reconciled ``v_row`` and the blocks' reconciled scales,
+    its random numbers those of the same global elements (:func:`gefen_dist.core.nibbles.uniforms`)."""
+    ratio_new = column_ratios(vcb)
+    sqrt_bc2 = math.sqrt(hp["bc2"])
+    for r, r0, r1, gp, m, bl, am, first, nblk, cut in pend:
+        ps, n = a + r0, r1 - r0
+        c0 = ps - r * S
+        ro, rn = (ratio_old[r // rb], ratio_new[r // rb]) if G > 1 else (ratio_old, ratio_new)
+        v1 = vr[r - a // S:r - a // S + 1]
+        _, v = _nb.decode_with(ix[r0:r1], 1.0, v1 * ro[c0:c0 + n], cb)
+        v = ema_(v, gp * gp, hp["beta2"])
+        tot = torch.tensor([float(rsum[ctx.row_pos[(sp.seg.key, r)]])], dtype=torch.float64).float() / S
+        ema_(v1, tot.to(v1.device), hp["beta2"])
+        for b in cut:
+            am[b - ps // sp.block] = float(bmax[ctx.blk_pos[(sp.seg.key, b)]])
+        sc[first:first + nblk].copy_(am)
+        u_m, u_v = _nb.uniforms(ps, n, key, device=gp.device)
+        new = _nb.encode_with(m, v, v1 * rn[c0:c0 + n], am[bl], cb, u_m, u_v)
+        ix[r0:r1].copy_(new)
+        _nb.update_(p[r0:r1], m, v, lr=hp["lr"], weight_decay=hp["weight_decay"], eps=hp["eps"], bc1=hp["bc1"],
+                    sqrt_bc2=sqrt_bc2, bound=hp["bound"])
 
 
 def _finish_cut_rows(sp, p, ix, sc, vr, vcb, S, B, a, pend, G, rb, rsum, bmax, ctx, cb, hp, sqrt_bc2) -> None:

@@ -39,7 +39,7 @@ from ..optim.validation import GROUP_REJECTED_SHARDED, refuse_compile
 from ..engine.comm import LocalComm, ProcessGroupComm
 from ..core.step import hyperparameters
 from ..engine.flat import FlatSegments, LayoutError, Segment, verify_segments
-from ..engine.state import MODE_FACTORED, MODE_SHARED, mode_of_saved, narrow_rows_of, second_moment_of
+from ..engine.state import MODE_FACTORED, MODE_SHARED, NIBBLES, mode_of_saved, narrow_rows_of, second_moment_of
 from ..engine.report import Report
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ class Gefen(_opt_mod.Gefen):
     """
 
     _group_rejected = GROUP_REJECTED_SHARDED  # flat buffers cut across groups: one implementation
-    _complex_ok = _nibbles_ok = False  # flat buffers; second_moment="nibbles" not stepped here yet (D20)
+    _complex_ok = False  # flat buffers
+    _nibbles_ok = True  # second_moment="nibbles" (D20): the factored layout's reconciliation, one-byte codes
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
@@ -79,6 +80,7 @@ class Gefen(_opt_mod.Gefen):
                 self._ds_names[id(p)] = pn[pi] if pn is not None else f"param{len(self._ds_orig)}"
                 self._ds_orig.append(p)
         self._ds_orig_ids = {id(p) for p in self._ds_orig}
+        self._ds_index = {f"p{i}": i for i in range(len(self._ds_orig))}  # _key_of's keys -> place (D20)
         self._ds_flats: Dict[int, FlatSegments] = {}
         self._ds_tensors: Dict[int, torch.Tensor] = {}
         self._ds_wrapper = None
@@ -194,7 +196,9 @@ class Gefen(_opt_mod.Gefen):
         second_moment = second_moment_of(group)  # the buffer's mode (the constructor's default where unset)
         fs.second_moment = second_moment  # for report(): ZeRO-3 empties the param groups between steps
         fs.narrow_rows = narrow_rows_of(group)  # D16, D18: the buffer's group's
-        factored = second_moment == MODE_FACTORED
+        fs.tensor_index = self._ds_index  # keys the random numbers of second_moment="nibbles" (D20)
+        factored = second_moment in (MODE_FACTORED, NIBBLES)
+        k = 16 if second_moment == NIBBLES else 256  # the codebook's codewords (D20)
         # state that exists was loaded (or put there by DeepSpeed): checked as a saved entry
         saved = mode_of_saved(st) if st else None
         if st and saved not in (MODE_SHARED, MODE_FACTORED):
@@ -205,13 +209,16 @@ class Gefen(_opt_mod.Gefen):
                 "gefen_dist.integrations.deepspeed before deepspeed.initialize so that engine.load_checkpoint with "
                 '"load_universal": true goes through Gefen\'s loader.')
         if not st:
-            st = self.state[flat] = fs.new_state(flat, self._codebook_for(flat.device), factored=factored,
+            cb = self._codebook_for(flat.device) if self.codebook is not None else torch.zeros(
+                k, dtype=torch.float32, device=flat.device)  # (zeros: the placeholder until learned)
+            st = self.state[flat] = fs.new_state(flat, cb, factored=factored,
                                                  row_blocks=group.get("row_blocks", "auto"))
-        elif (saved == MODE_FACTORED) != factored:
+        elif (saved == MODE_FACTORED) != factored or st["codebook"].numel() != k:
+            held = NIBBLES if saved == MODE_FACTORED and st["codebook"].numel() == 16 else saved
             raise ValueError(
-                f"{fs.where}: the optimizer state holds a {saved} second "
-                f"moment but the param group asks for second_moment={second_moment!r}; "
-                "resume with the setting the checkpoint was saved with")
+                f"{fs.where}: the optimizer state holds a {held} second "
+                f"moment ({st['codebook'].numel()} codewords) but the param group asks for "
+                f"second_moment={second_moment!r}; resume with the setting the checkpoint was saved with")
         else:
             _check_narrow_rows(fs, st, factored)
             fs.continue_few_rows(st)  # a factored state saved before D15 or by its versions
@@ -222,7 +229,7 @@ class Gefen(_opt_mod.Gefen):
             counts = fs.learn(st, grad, codebook_needed=self.codebook is None, second_moment=second_moment,
                               check_overflow=self.nonfinite != "ignore")
             if counts is not None:
-                fit = learning.learn_codebook(counts, self.symmetric_codebook)
+                fit = learning.learn_codebook(counts, self.symmetric_codebook, k)
                 self.codebook = fit.codebook.to(device=flat.device)
                 for s in self.state.values():
                     if "codebook" in s:
@@ -233,7 +240,7 @@ class Gefen(_opt_mod.Gefen):
         # counted once the step went through (an overflowing squared gradient raises before)
         fs.step(flat, grad, st, second_moment=second_moment, impl=self._impl(flat),
                 hp=hyperparameters(group, int(st["step"]) + 1, self.bound_updates),
-                check_overflow=self.nonfinite != "ignore")
+                check_overflow=self.nonfinite != "ignore", step=int(st["step"]) + 1)
         st["step"] += 1
 
     # ------------------------------------------------------------------ introspection
@@ -298,8 +305,9 @@ class Gefen(_opt_mod.Gefen):
             if fs is not None:
                 fs.check_state(st, p)
         self.codebook = cb
-        for st in self.state.values():
-            st["codebook"] = self._codebook_for(st["idx"].device)
+        if cb is not None:  # (else each buffer keeps its saved placeholder: 16 or 256 zeros, D20)
+            for st in self.state.values():
+                st["codebook"] = self._codebook_for(st["idx"].device)
 
 
 def _check_narrow_rows(fs, st: Dict[str, Any], factored: bool) -> None:

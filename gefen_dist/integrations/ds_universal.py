@@ -50,11 +50,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..core import nibbles as _nb
 from ..core import periods as _periods
 from ..core import rows8 as _rows8
 from ..core import span as _span
 from ..core.step import column_ratios
-from ..engine.state import MODE_FACTORED, few_rows_shared_in, mode_of_saved
+from ..engine.state import MODE_FACTORED, NIBBLES, few_rows_shared_in, mode_of_saved
 from ..engine.flat import Segment, _slots
 from ..engine.flat_span import rows8_rows
 
@@ -174,12 +175,16 @@ class _Tensor:
             bid = _span.SpanPiece.of(self.shape).block_ids("cpu")
             m = (codebook[self.idx.long()].view(-1, self.slab) * self.scale[bid].view(-1, 1)).reshape(-1)
             return m, (self.v_blk[bid].view(-1, 1) * column_ratios(self.v_col).view(1, -1)).reshape(-1)
-        m = (codebook[self.idx.long()].view(-1, self.block) * self.scale.view(-1, 1)).reshape(-1)
+        nib = codebook.numel() == _nb.NIBBLE_CODEWORDS  # both moments in one byte (D20)
+        m = (codebook[self.idx.long() >> 4 if nib else self.idx.long()].view(-1, self.block)
+             * self.scale.view(-1, 1)).reshape(-1)
         if self.factored:
             G = self.col_blocks
             col = column_ratios(self.v_col.view(G, self.slab))  # per row block (D12)
             rows = self.v_row.numel()
             v = (self.v_row.view(G, rows // G, 1) * col.view(G, 1, -1)).reshape(-1)
+            if nib:  # the low nibble: v against the factored estimate
+                v = _nb.decode_with(self.idx, 1.0, v, codebook)[1]
         else:
             v = self.v.repeat_interleave(self.period)
         return m, v
@@ -310,7 +315,7 @@ def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
     files = _optim_files(tag_dir)
     tensors: Dict[str, _Tensor] = {}
     order: List[str] = []
-    cb, steps, modes, stage = None, set(), set(), None
+    cb, steps, modes, stage, nib = None, set(), set(), None, False
     global_state, param_groups = None, None
     keys: Dict[str, Segment] = {}
     span_states = []  # (file, the replicated D16 block state of a buffer)
@@ -326,6 +331,7 @@ def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
             modes.add(mode_of_saved(st))  # factored or shared (a flat buffer's state always has idx)
             steps.add(int(st["step"]))
             c = st.get("codebook")
+            nib |= isinstance(c, torch.Tensor) and c.numel() == _nb.NIBBLE_CODEWORDS  # one byte, two codes (D20)
             if isinstance(c, torch.Tensor) and c.numel() and float(c[0]) == -1.0:
                 if cb is not None and not torch.equal(cb, c.float()):
                     raise UniversalCheckpointError(f"{f!r}: two different learned codebooks in one checkpoint")
@@ -342,8 +348,10 @@ def read_gefen_checkpoint(tag_dir: str) -> Dict[str, Any]:
                                        f"{missing[:4]} (missing ranks?)")
     if len(steps) > 1:
         raise UniversalCheckpointError(f"{tag_dir!r}: partitions at different steps {sorted(steps)}")
-    if len(modes) > 1:
-        raise UniversalCheckpointError(f"{tag_dir!r}: both shared and factored second moments in one checkpoint")
+    if nib and modes == {MODE_FACTORED}:  # the factored layout's tensors, read as two codes per byte
+        modes = {NIBBLES}
+    if len(modes) > 1 or (nib and modes != {NIBBLES}):
+        raise UniversalCheckpointError(f"{tag_dir!r}: several second moments in one checkpoint ({sorted(modes)})")
     return dict(tensors={n: tensors[n] for n in order}, codebook=cb, second_moment=modes.pop(),
                 step=steps.pop(), world_size=len(files), zero_stage=stage, global_state=global_state or {},
                 param_groups=param_groups or [])

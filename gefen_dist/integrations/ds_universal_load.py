@@ -9,16 +9,17 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..core import nibbles as _nb
 from ..core import periods as _periods
 from ..core import rows8 as _rows8
 from ..core import span as _span
 from ..core.moments import block_means, factored_means, span_means
 from ..core.quant import NUM_BINS, nearest_codeword
-from ..core.step import quantize
+from ..core.step import column_ratios, quantize
 from ..engine import learning
 from ..engine.flat import _slots
 from ..engine.layout import is_exact
-from ..engine.state import MODE_FACTORED, fixed_period, narrow_rows_of, new_step, second_moment_of
+from ..engine.state import MODE_FACTORED, NIBBLES, fixed_period, narrow_rows_of, new_step, second_moment_of
 from ..kernels import dispatch as _dispatch
 from .ds_universal import FORMAT, META_FILE, VERSION, UniversalCheckpointError, _load
 
@@ -97,6 +98,8 @@ def load_into_engine(engine, folder: str, load_optimizer_states: bool = True) ->
         if int(meta.get("version", 0)) > VERSION:
             raise UniversalCheckpointError(f"{mpath!r} has format version {meta['version']}; this gefen_dist reads up "
                                            f"to {VERSION}: upgrade gefen_dist")
+    if load_optimizer_states:
+        _check_nibbles(opt, meta)
     optim_sd = _load(os.path.join(zero, "optimizer_state.pt"))
     if hasattr(wrapper, "_load_global_state_stage3"):
         wrapper._load_global_state_stage3(optim_sd)
@@ -166,6 +169,10 @@ def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]]) -> Dic
             info[name] = _Learned(per, bool(rec["learned"]), rec)
         else:
             generic.append((name, shape))
+    if generic and any(second_moment_of(g) == NIBBLES for g in opt.param_groups):
+        raise UniversalCheckpointError(
+            f"second_moment='nibbles' has no warm start from Adam-shaped state, and {generic[0][0]!r} has no Gefen record "
+            "in the checkpoint's metadata; load it with second_moment='factored', or start the nibbles run afresh")
     counts = torch.zeros(NUM_BINS, dtype=torch.int64)
     modes = {second_moment_of(g) for g in opt.param_groups}
     mode = modes.pop() if len(modes) == 1 else None  # the period a mode fixes (D14), when one mode holds
@@ -193,10 +200,29 @@ def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]]) -> Dic
     return info
 
 
+def _check_nibbles(opt, meta: Optional[Dict[str, Any]]) -> None:
+    """A universal checkpoint of ``second_moment="nibbles"`` (D20: a 16-entry codebook) loads into an
+    engine whose param groups use it, and only there: the codebook is one per optimizer, of 16 or 256
+    codewords; nor is there a warm start of it from Adam-shaped state (no Gefen metadata). Raised
+    before anything changes, naming both settings."""
+    want = any(second_moment_of(g) == NIBBLES for g in opt.param_groups)
+    saved = meta is not None and meta.get("second_moment") == NIBBLES
+    if want and meta is None:
+        raise UniversalCheckpointError(
+            "second_moment='nibbles' has no warm start from Adam-shaped state (its 16-codeword codebook and codes "
+            "are not learned from exp_avg); load it with second_moment='factored', or start the nibbles run afresh")
+    if meta is not None and want != saved:
+        raise UniversalCheckpointError(
+            f"the universal checkpoint holds second_moment={meta.get('second_moment')!r} and the engine's param groups "
+            f"ask for {sorted({second_moment_of(g) for g in opt.param_groups})}: 'nibbles' keeps a 16-codeword "
+            "codebook and both moments in each byte, the other settings 256 codewords; load it with the setting it "
+            "was saved with")
+
+
 def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta, step: int) -> Dict[str, Any]:
     """The Gefen state of one flat buffer of the new layout, filled from the universal files."""
     small = opt.small_threshold
-    factored = second_moment_of(group) == MODE_FACTORED
+    factored = second_moment_of(group) in (MODE_FACTORED, NIBBLES)
     fs.second_moment = second_moment_of(group)  # the buffer's group's, as the step sets them
     fs.narrow_rows = narrow_rows_of(group)  # D16, D18
     st = fs.new_state(flat, opt._codebook_for(flat.device), factored=factored, row_blocks=group.get("row_blocks", "auto"))
@@ -320,7 +346,11 @@ def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, fac
     z = torch.where(A.view(-1, 1) > 0, mb / torch.where(A > 0, A, torch.ones_like(A)).view(-1, 1),
                     torch.zeros_like(mb)).reshape(-1)
     dev = st["idx"].device
-    st["idx"][s.flat_offset:s.flat_offset + n] = nearest_codeword(z[a - b0 * B:e - b0 * B], codebook.cpu()).to(dev)
+    nib = codebook.numel() == _nb.NIBBLE_CODEWORDS  # both moments in one byte (D20)
+    z = z[a - b0 * B:e - b0 * B]
+    # (D20: the codes decoded exactly onto their levels, so the nearest level gives each code back)
+    codes = _nb.round_stochastic(z, codebook.cpu(), torch.full_like(z, 0.5)) if nib else nearest_codeword(
+        z, codebook.cpu())
     st["scale"][sp.scale_off:sp.scale_off + sp.scale_n] = A.to(dev)
     S = _periods.row_slab(s.shape)
     rec = li.meta
@@ -328,7 +358,7 @@ def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, fac
         r0, r1 = a // S, (e - 1) // S + 1
         G = sp.vcol_n // S  # row blocks (D12)
         # the metadata of a factored checkpoint holds each quantized tensor's v_row / v_col
-        if (rec is not None and meta.get("second_moment") == MODE_FACTORED and rec.get("v_row") is not None
+        if (rec is not None and meta.get("second_moment") in (MODE_FACTORED, NIBBLES) and rec.get("v_row") is not None
                 and rec["v_col"].numel() == sp.vcol_n):
             vr, vc = rec["v_row"].float(), rec["v_col"].float().reshape(-1)
         else:  # from the element-wise second moment: row and per-block column means (float64)
@@ -336,12 +366,19 @@ def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, fac
             vc = vc.reshape(-1)
         st["v_row"][sp.v_off:sp.v_off + sp.v_n] = vr[r0:r1].to(dev)
         st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n] = vc.to(dev)
+        if nib:  # the low nibble: v's level against the estimate from those statistics, as the writer's
+            fac = (vr.view(G, -1, 1) * column_ratios(vc.view(G, S)).view(G, 1, S)).reshape(-1)[a:e]
+            v = _read_param(zero, s.name, "exp_avg_sq").reshape(-1)[a:e].float()
+            lv = torch.tensor(_nb.V_LEVELS, dtype=torch.float32)
+            r = torch.where(fac > 0, v / fac, torch.zeros(()))
+            codes = codes << 4 | _nb.round_stochastic(r, lv, torch.full_like(r, 0.5))
     else:
         P = sp.period
         v = _read_param(zero, s.name, "exp_avg_sq")
         k0, k1 = a // P, (e - 1) // P + 1
         # a few-row tensor of a factored buffer keeps its shared v in v_row (D15)
         st["v_row" if factored else "v"][sp.v_off:sp.v_off + sp.v_n] = block_means(v[k0 * P:k1 * P], P).to(dev)
+    st["idx"][s.flat_offset:s.flat_offset + n] = codes.to(torch.uint8).to(dev)
 
 
 def _set_hparams(opt, optim_sd: Dict[str, Any], from_gefen: bool) -> None:

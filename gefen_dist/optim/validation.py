@@ -168,13 +168,14 @@ def validate_narrow_rows(nr, where: str = "") -> None:
 
 def validate_nibbles(opt, merged: Dict[str, Any], where: str) -> None:
     """``second_moment="nibbles"`` (D20) in a param group (``merged`` with the optimizer's defaults and the
-    group's parameters): :class:`gefen_dist.Gefen` and ``ZeroGefen`` step it (``opt._nibbles_ok``; not the
-    DeepSpeed optimizer yet), without a device-side (capturable) step, and the
+    group's parameters): :class:`gefen_dist.Gefen`, ``ZeroGefen`` and the DeepSpeed optimizer step it
+    (``opt._nibbles_ok``), without a device-side (capturable) step, and the
     optimizer's one codebook has 16 codewords for it and 256 otherwise, so all its groups use it or none."""
     nib = merged["second_moment"] == NIBBLES
     if nib and not getattr(opt, "_nibbles_ok", False):
         raise ValueError(f"{type(opt).__module__}.{type(opt).__name__} does not step second_moment='nibbles'{where} "
-                         "yet (gefen_dist.Gefen does, single process, DDP and FSDP2, and gefen_dist.ZeroGefen); use "
+                         "yet (gefen_dist.Gefen does, single process, DDP and FSDP2, gefen_dist.ZeroGefen and "
+                         "gefen_dist.integrations.deepspeed.Gefen); use "
                          "second_moment='factored'")
     if nib and merged.get("narrow_rows", "auto") in ("span", "rows8"):
         raise ValueError(f"narrow_rows={merged['narrow_rows']!r}{where} is a layout of second_moment='factored'; "

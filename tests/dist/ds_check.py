@@ -32,6 +32,7 @@ CFG_DIR = os.path.join(REPO, "integrations", "deepspeed")
 MB = 4  # micro batch per rank
 FACTORED = {"optimizer.params.second_moment": "factored"}
 ELEMENTWISE = {"optimizer.params.second_moment": "elementwise"}
+NIBBLES = {"optimizer.params.second_moment": "nibbles"}  # D20: both moments in one byte per element
 # D16: b's rows of 67 elements kept per block of 16 rows (its 134 rows: 9 blocks, the last of 6 rows)
 SPAN = dict(FACTORED, **{"optimizer.params.narrow_rows": "span"})
 # D19: the same b.weight with its rows' scale and v in one-byte codes against blocks of 16 rows
@@ -120,7 +121,8 @@ def train(engine, steps, ga, start=0, dtype=torch.float32):
 def reference(steps, ga, lrs, clip, per_micro=False, second_moment="shared", narrow_rows=DEFAULT_NARROW_ROWS):
     torch.manual_seed(0)
     m = Net()
-    kw = dict(second_moment="factored", fused=False) if second_moment == "factored" else dict(second_moment=second_moment)
+    kw = dict(second_moment=second_moment, fused=False) if second_moment in ("factored", "nibbles") else \
+        dict(second_moment=second_moment)
     kw["narrow_rows"] = narrow_rows
     opt = PlainGefen(groups(m), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, **kw)
     opt._comm = LocalComm()  # single-process oracle
@@ -219,8 +221,10 @@ def compare(case, engine, stage, steps, ga, lrs, clip, tol=1e-6, second_moment="
     # state is ~1 byte/param: uint8 indices
     for st in opt.state.values():
         assert st["idx"].dtype == torch.uint8
-        assert ("v_col" in st) == (second_moment == "factored") and ("v" in st) != ("v_col" in st), (case, list(st))
-    if second_moment == "factored":
+        assert ("v_col" in st) == (second_moment in ("factored", "nibbles")) and ("v" in st) != ("v_col" in st), \
+            (case, list(st))
+        assert st["codebook"].numel() == (16 if second_moment == "nibbles" else 256), (case, st["codebook"].numel())
+    if second_moment in ("factored", "nibbles"):
         # an isolated codeword flip changes later gradients a little, and with them v (measured up to
         # 7.5e-6 relative after one flip in a.weight and one in b.weight under ZeRO-2 offload)
         check_factored_state(case, opt, ref_opt, tol=1e-6 if flips == 0 else 1e-4)
@@ -266,9 +270,13 @@ def check_span_state(case, opt, ref_opt):
 def check_factored_state(case, opt, ref_opt, tol=1e-6):
     """v_col of every held tensor and v_row of every row match the reference's (``tol`` relative:
     1e-6, or 1e-4 after an isolated codeword flip of the parameters), and a row cut by a partition
-    edge has a bit-identical v_row on the ranks that share it."""
+    edge has a bit-identical v_row on the ranks that share it. With 16 codewords (second_moment="nibbles",
+    D20) the one-byte codes too: the same on all but isolated elements (<= 0.5%: a rounding-level
+    difference of the reduced gradient moves a stochastic rounding across its draw)."""
     from gefen_dist.engine.flat import _slots
 
+    nib = ref_opt.codebook.numel() == 16
+    codes_diff, codes_n = 0, 0
     ref_by_shape = {}
     for g in ref_opt.param_groups:
         for p in g["params"]:
@@ -291,6 +299,10 @@ def check_factored_state(case, opt, ref_opt, tol=1e-6):
             cdiff = max(cdiff, float((vc - rvc).abs().max() / rvc.abs().max()))
             S = rst["v_col"].shape[-1]
             a, e = sp.seg.param_offset, sp.seg.param_offset + sp.seg.numel
+            if nib:
+                mine = st["idx"][sp.seg.flat_offset:sp.seg.flat_offset + sp.seg.numel].cpu()
+                codes_diff += int((mine != rst["idx"].reshape(-1)[a:e]).sum())
+                codes_n += mine.numel()
             for j in range(sp.v_n):
                 r = a // S + j
                 val = st["v_row"][sp.v_off + j].cpu()
@@ -308,6 +320,8 @@ def check_factored_state(case, opt, ref_opt, tol=1e-6):
         n_cut += len(vals) > 1
     assert n_cut >= 1, (case, "no row was cut by a partition edge")
     assert vdiff <= tol and cdiff <= tol, (case, vdiff, cdiff, tol)
+    if nib:
+        assert codes_n and codes_diff <= codes_n // 200, (case, "one-byte codes differ", codes_diff, codes_n)
     log(f"   {case}: {n_cut} cut row(s) with identical v_row on the ranks sharing them; max rel diff to the "
         f"reference: v_row {vdiff:.1e} (the 47-row d.weight's included), "
         f"v_col {cdiff:.1e}")
@@ -453,6 +467,46 @@ def case_ckpt(case, cfg_name, stage, ckdir, zinit=False, **over):
     log(f"OK {case}: resume bit-identical ({len(l2)} steps), zero_to_fp32 works")
 
 
+def case_nibbles_refusals(d):
+    """A second_moment="nibbles" DeepSpeed checkpoint (D20): converted to the universal form, it does not
+    load into a factored engine (one codebook of 16 or 256 codewords): an error on every rank, naming both
+    settings, before anything of the engine changes. Loaded rigidly, its param groups say "nibbles" (the
+    checkpoint's, as torch's load_state_dict restores them); set to "factored" after the load, the first
+    step raises on every rank, naming both settings, and changes no parameter."""
+    from gefen_dist.integrations.ds_universal import UniversalCheckpointError, convert
+
+    univ = d + "_u"
+    if dist.get_rank() == 0:
+        shutil.rmtree(univ, ignore_errors=True)
+        convert(d, univ, tag="t3")
+    dist.barrier()
+    engine, *_ = make_engine(load_cfg("gefen_zero2.json", **FACTORED))
+    before = full_params(engine, 2)
+    try:
+        gds.load_universal(engine, univ)
+    except UniversalCheckpointError as e:
+        assert "holds second_moment='nibbles'" in str(e) and "'factored'" in str(e), str(e)
+    else:
+        raise AssertionError("a nibbles universal checkpoint loaded into a factored engine")
+    assert not engine.basic_optimizer.state and all(torch.equal(before[n], p) for n, p in full_params(engine, 2).items())
+    engine.load_checkpoint(d, tag="t3")
+    opt = engine.basic_optimizer
+    assert {g["second_moment"] for g in opt.param_groups} == {"nibbles"}, [g["second_moment"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["second_moment"] = "factored"
+    before = full_params(engine, 2)
+    try:
+        train(engine, 1, 1, start=3)
+    except ValueError as e:
+        assert "holds a nibbles second moment" in str(e) and "'factored'" in str(e), str(e)
+    else:
+        raise AssertionError("a nibbles checkpoint stepped under second_moment='factored'")
+    after = full_params(engine, 2)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    dist.barrier()
+    log("   the nibbles checkpoint into a factored engine: universal load and rigid resume refused, naming the fix")
+
+
 def case_fp16(case):
     # initial scale 2^32 overflows the first steps (about ten, halving each time): step() must not
     # be called for them, and it must be for the rest (24 steps in all; with 8 steps from 2^40, as
@@ -558,6 +612,7 @@ UC = {  # case -> (config, stage, zero.Init, overrides)
     "ucz3f": ("gefen_zero3.json", 3, True, dict({"zero_optimization.sub_group_size": 7000}, **FACTORED)),
     "ucz2span": ("gefen_zero2.json", 2, False, dict(SPAN)),  # D16 blocks of rows, cut by the partition edges
     "ucz2rows8": ("gefen_zero2.json", 2, False, dict(ROWS8)),  # D19 row codes; at 3 ranks an edge cuts a row
+    "ucz2nib": ("gefen_zero2.json", 2, False, dict(NIBBLES)),  # D20 one-byte codes; rows cut at 2 and 3 ranks
 }
 
 
@@ -945,6 +1000,14 @@ def main():
         elif c == "z3span":
             case_exact("zero3 narrow_rows=span+zero.Init+sub_group_size", "gefen_zero3.json", 3, zinit=True,
                        **{"zero_optimization.sub_group_size": 7000}, **SPAN)
+        elif c == "z2nib":  # second_moment="nibbles" (D20): rows and scale blocks cut by the partition edge
+            case_exact("zero2 nibbles", "gefen_zero2.json", 2, gradient_clipping=0.0, **NIBBLES)
+        elif c == "z3nib":
+            case_exact("zero3 nibbles+zero.Init+sub_group_size", "gefen_zero3.json", 3, zinit=True,
+                       **{"zero_optimization.sub_group_size": 7000}, **NIBBLES)
+        elif c == "ck2nib":  # resumes bit-identically; refused by a factored engine, naming the way
+            case_ckpt("ckpt-zero2 nibbles", "gefen_zero2.json", 2, args.ckpt, **NIBBLES)
+            case_nibbles_refusals(os.path.join(args.ckpt, "ckpt-zero2 nibbles"))
         elif c == "z2e":  # per-element second moment (period 1 in the shared layout)
             case_exact("zero2 elementwise", "gefen_zero2.json", 2, gradient_clipping=0.0, **ELEMENTWISE)
         elif c == "z3f":
