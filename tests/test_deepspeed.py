@@ -10,7 +10,7 @@ refused at its first step under ZeRO-1/2/3); the factored second moment
 ``Gefen(second_moment="factored", fused=False)``, with cut rows' ``v_row`` identical on both ranks;
 the per-element second moment (``second_moment="elementwise"``: period 1 everywhere) under ZeRO-2;
 bit-identical resume and ``zero_to_fp32`` for ZeRO-2 and ZeRO-3 (and ZeRO-3 factored); the one-byte layout
-(``second_moment="nibbles"``, D20) under ZeRO-2 (2 and 3 ranks) and ZeRO-3 against single-process
+(``second_moment="nibbles"``, D20) under ZeRO-1, ZeRO-2 (2 and 3 ranks) and ZeRO-3 against single-process
 ``Gefen(second_moment="nibbles")`` (codes, ``v_row``, ``v_col``, parameters), its bit-identical resume, its
 universal checkpoint (state bitwise at 1, 2 and 3 ranks) and its refusal by a factored engine; bf16 through
 ZeRO-2 and the BF16_Optimizer (shared and factored); the refusals. fp16 loss-scale skips are tested
@@ -37,7 +37,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("z1,z2,z2clip,z2off,z2client,z3,z2f,z3f,ck2,ck3,ck3f,bf16,bf16opt,refuse,fp16,"
          "z1f,z2offf,bf16optf,z2e,z2span,z3span,ck2span,z2rows8,z3rows8,ck2rows8,plainclient,ucsave:ucz2,ucsave:ucz3f,ucsave:ucz2span,ucsave:ucz2rows8,adamsave,"
-         "nanz3,nanbf16,ovz3,ovz3span,z2nib,z3nib,ck2nib,ucsave:ucz2nib")
+         "nanz3,nanbf16,ovz3,ovz3span,z1nib,z2nib,z3nib,ck2nib,ucsave:ucz2nib")
 CASES_WS1 = ("ucload:ucz2,ucload:ucz3f,ucload:ucz2span,ucload:ucz2rows8,ucx,wserr,adamwarm:shared,adamwarm:factored,"
              "ucload:ucz2nib")
 # z2rows8 at 3 ranks: a partition edge cuts one of b's rows (D19: both ranks keep its codes, one adds its old v)

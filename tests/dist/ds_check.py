@@ -1002,6 +1002,8 @@ def main():
                        **{"zero_optimization.sub_group_size": 7000}, **SPAN)
         elif c == "z2nib":  # second_moment="nibbles" (D20): rows and scale blocks cut by the partition edge
             case_exact("zero2 nibbles", "gefen_zero2.json", 2, gradient_clipping=0.0, **NIBBLES)
+        elif c == "z1nib":
+            case_exact("zero1 nibbles", "gefen_zero1.json", 1, gradient_clipping=0.0, **NIBBLES)
         elif c == "z3nib":
             case_exact("zero3 nibbles+zero.Init+sub_group_size", "gefen_zero3.json", 3, zinit=True,
                        **{"zero_optimization.sub_group_size": 7000}, **NIBBLES)
