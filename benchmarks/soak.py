@@ -5,6 +5,9 @@ and the process RSS, to show that nothing drifts, leaks or blows up over many st
     nice -n 10 python benchmarks/soak.py                      # 20,000 steps each; writes the docs
     python benchmarks/soak.py --steps 200 --out /tmp/soak     # short check, writes under /tmp/soak
     nice -n 10 python benchmarks/soak.py --run gefen          # Gefen again; AdamW from its records
+    mkdir -p /tmp/soak_nib/results && cp docs/results/soak.json /tmp/soak_nib/results/ && \
+    nice -n 10 python benchmarks/soak.py --run gefen --gefen-second-moment nibbles --out /tmp/soak_nib \
+        --records /tmp/soak_nib/records                      # second_moment="nibbles" against the same AdamW run
 
 Workload: the byte-level GPT of the training job (``launch.gpt``, ``--model tiny`` by default: 2 layers,
 d_model 64, context 64, 120,576 parameters) on the Python stdlib sources (``launch.corpus``), batch 16,
@@ -56,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--every", type=int, default=None, help="record every K steps (default: steps/200)")
     p.add_argument("--optimizers", default="gefen,adamw")
+    p.add_argument("--gefen-second-moment", default="factored",
+                   help="Gefen's second_moment (e.g. nibbles, D20; with --out elsewhere than docs, AdamW restored "
+                        "from a copy of docs/results/soak.json there)")
     p.add_argument("--model", default="tiny")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -120,7 +126,7 @@ def run_worker(args) -> None:
     kw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     if name == "gefen":
         from gefen_dist import Gefen
-        opt = Gefen(groups, nonfinite="skip", **kw)
+        opt = Gefen(groups, nonfinite="skip", second_moment=args.gefen_second_moment, **kw)
     elif name == "adamw":
         opt = torch.optim.AdamW(groups, **kw)
     else:
@@ -441,7 +447,7 @@ def main(argv=None) -> int:
         for name in ran:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--records", str(rec_dir)]
             for k in ("steps", "every", "model", "batch_size", "lr", "warmup", "eval_every", "eval_batches",
-                      "seed", "threads"):
+                      "seed", "threads", "gefen_second_moment"):
                 cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             print(f"[soak] {name}: {args.steps} steps, records in {rec_dir / f'soak_{name}.jsonl'}", flush=True)
             r = subprocess.run(cmd, cwd=ROOT)
