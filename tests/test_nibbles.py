@@ -516,3 +516,23 @@ def test_native_kernel_over_a_wide_range_of_ratios():
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
         for k in ("code", "scale", "v_row", "v_col"):
             torch.testing.assert_close(gs[k], ws[k], rtol=0, atol=0, equal_nan=True)
+
+
+def test_nibbles_on_a_gpu_says_once_that_it_steps_tensor_by_tensor(monkeypatch, caplog):
+    """No silent cliff (issue 27): the multi-tensor batch does not take ``"nibbles"`` yet, and where that
+    costs (CUDA tensors; CPU ones judged as CUDA here) it is logged once, with the reason."""
+    import logging
+
+    from gefen_dist import Gefen
+    from gefen_dist.engine import cuda_batch
+
+    net = _mlp()
+    opt = Gefen(net.parameters(), lr=3e-3, second_moment="nibbles")
+    with caplog.at_level(logging.INFO, logger="gefen_dist.engine.cuda_batch"):
+        _train(net, opt, 2)
+    assert not [r for r in caplog.records if "nibbles" in r.getMessage()]  # CPU: its usual path, nothing said
+    monkeypatch.setattr(cuda_batch, "_DEVICE_TYPES", ("cuda", "cpu"))  # judge CPU tensors as CUDA ones
+    with caplog.at_level(logging.INFO, logger="gefen_dist.engine.cuda_batch"):
+        _train(net, opt, 3)
+    said = [r.getMessage() for r in caplog.records if "nibbles" in r.getMessage()]
+    assert len(said) == 1 and "no multi-tensor kernel yet" in said[0], said

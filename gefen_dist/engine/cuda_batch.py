@@ -303,8 +303,14 @@ class CudaBatch:
         """``(batches, beside)`` for this step's ``entries`` (:meth:`split`; the last plan, and each
         device's batch, reused while the tensors, their storage and their state dicts stay the same, so
         a step does not re-examine every tensor), or None when the per-tensor path must take the step."""
-        if (opt.fused is False or not entries or any(g.get("fused") is False for g in opt.param_groups)
-                or nibbles_in(opt.param_groups)):  # D20's step has no multi-tensor kernel yet
+        if opt.fused is False or not entries or any(g.get("fused") is False for g in opt.param_groups):
+            return None
+        if nibbles_in(opt.param_groups):  # D20's step has no multi-tensor kernel yet: said once where it costs
+            if any(p.device.type in _DEVICE_TYPES for g in opt.param_groups for p in g["params"]) \
+                    and _once(opt, "_cuda_beside", "nibbles"):
+                logger.info("Gefen: second_moment='nibbles' (D20) has no multi-tensor kernel yet: each tensor is "
+                            "stepped on its own, a few kernel launches per tensor on a GPU (the same results); "
+                            "logged once.")
             return None
         key = _key(opt, entries)
         last = opt.__dict__.get("_cuda_plan")
