@@ -2353,19 +2353,6 @@ ALWAYS_INLINE uint32_t lowbias32(uint32_t x)
     return x;
 }
 
-/* The code of x over 16 ascending levels (the first moment's codebook): the lower neighbour j
- * (#{k in 1..14 : lv[k] <= x}, so 0 below the levels and for NaN, 14 above), plus one where
- * u < (x - lv[j]) / (lv[j + 1] - lv[j]), that fraction clamped to [0, 1] (a NaN fraction never rounds up). */
-ALWAYS_INLINE int round16(float x, const float *restrict lv, float u)
-{
-    int j = 0;
-    for (int k = 1; k < 15; ++k) j += lv[k] <= x;
-    const float lo = lv[j];
-    float f = (x - lo) / (lv[j + 1] - lo);
-    f = f < 0.0f ? 0.0f : f;
-    f = f > 1.0f ? 1.0f : f;
-    return j + (u < f);
-}
 
 /* v's level c (core.nibbles.V_LEVELS[c] = float32 of 2^((c - 8) / 2)) from its bits: 2^floor((c - 8) / 2),
  * times float32(sqrt(2)) (mantissa 0x3504F3) for odd c; exact, no table. */
@@ -2376,7 +2363,7 @@ ALWAYS_INLINE float vlevel(int c)
     return b.f;
 }
 
-/* round16 over v's levels without the comparisons: the lower neighbour from x's exponent and mantissa
+/* round16_at over v's levels without the comparisons or lookups: the lower neighbour from x's exponent and mantissa
  * (the same j: 2 (e + 4) + (x >= 2^e sqrt(2)), clamped to 0..14, 0 for x <= 0 and NaN), then the same
  * fraction and draw. */
 ALWAYS_INLINE int round_v16(float x, float u)
@@ -2393,16 +2380,54 @@ ALWAYS_INLINE int round_v16(float x, float u)
     return j + (u < f);
 }
 
-/* Sweep 2 of one element: its codes from m, v and its uniforms' hash h, then the parameter update. */
+/* out[i] = t[idx[i]] for a 16-entry table t and indices 0..15: one in-register permute per 16 (AVX-512) or
+ * 8 (AVX2) lanes instead of a gather (a quarter of the one-byte step's time in gathers before,
+ * research/speed-log.md); the same values. */
+static void lookup16(const float *restrict t, const int32_t *restrict idx, float *restrict out, int64_t n)
+{
+    int64_t i = 0;
+#if defined(GEFEN_VBMI)
+    const __m512 tv = _mm512_loadu_ps(t);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)(idx + i)), tv));
+#elif defined(GEFEN_AVX2)
+    const __m256 t0 = _mm256_loadu_ps(t), t1 = _mm256_loadu_ps(t + 8);
+    const __m256i seven = _mm256_set1_epi32(7);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i k = _mm256_loadu_si256((const __m256i *)(idx + i));
+        const __m256 hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(k, seven));
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, k), _mm256_permutevar8x32_ps(t1, k), hi));
+    }
+#endif
+    for (; i < n; ++i) out[i] = t[idx[i]];
+}
+
+/* The code of x over 16 ascending levels lv (the first moment's codebook): the lower neighbour j
+ * (#{k in 1..14 : lv[k] <= x}, so 0 below the levels and for NaN, 14 above; counted by the caller, which
+ * looks up lo = lv[j] and hi = lv[j + 1]), plus one where u < (x - lo) / (hi - lo), that fraction clamped
+ * to [0, 1] (a NaN fraction never rounds up). */
+ALWAYS_INLINE int round16_at(float x, int j, float lo, float hi, float u)
+{
+    float f = (x - lo) / (hi - lo);
+    f = f < 0.0f ? 0.0f : f;
+    f = f > 1.0f ? 1.0f : f;
+    return j + (u < f);
+}
+
+/* Sweep 2 of one element: its codes from m (as x = m / Ad, with its neighbours j, lo, hi among the
+ * codewords), v and its uniforms' hash h, then the parameter update. */
 ALWAYS_INLINE void nibble_el(const gefen_step_args *restrict a, const gefen_nibble_args *restrict nb,
                              void *restrict param, uint8_t *restrict code, int64_t e, float m, float v,
-                             float fn, float A, float Ad, int pos, uint32_t h, const int DT, const int WD,
-                             const int DEC)
+                             float fn, float A, float x, int j, float lo, float hi, uint32_t h, const int DT,
+                             const int WD, const int DEC)
 {
     const float *restrict cb = nb->cb;
     const float um = (float)(h >> 16) * (1.0f / 65536.0f), uv = (float)(h & 0xFFFFu) * (1.0f / 65536.0f);
-    const int mc = round16(pos ? m / Ad : 0.0f, cb, um);
-    const int vc = round_v16(fn > 0.0f ? v / fn : 0.0f, uv);
+    const int mc = round16_at(x, j, lo, hi, um);
+    /* (divisions outside the selects: an AVX2 loop cannot mask a division, and a conditional one stops
+     * it from vectorizing) */
+    const float rv = v / (fn > 0.0f ? fn : 1.0f);
+    const int vc = round_v16(fn > 0.0f ? rv : 0.0f, uv);
     code[e] = (uint8_t)(mc << 4 | vc);
     if (DEC) {
         m = cb[mc] * A;
@@ -2414,12 +2439,18 @@ ALWAYS_INLINE void nibble_el(const gefen_step_args *restrict a, const gefen_nibb
     update_param(param, e, u * a->lr, a->decay, DT, WD);
 }
 
-/* One row; mb, vb: scratch of a->block floats each (the block's m and v between the sweeps). */
+/* One row; mb: scratch of NIB_SCRATCH * a->block floats (the block's m, v, x = m / A, the codewords below and
+ * above x, their indices, the old codewords' values and indices between the loops). */
+#define NIB_SCRATCH 8
 ALWAYS_INLINE void nibble_row(const gefen_step_args *restrict a, const gefen_nibble_args *restrict nb,
                               void *restrict param, const void *restrict grad, uint8_t *restrict code,
                               float *restrict scale, float *restrict vrow, int64_t r, float *restrict mb,
-                              float *restrict vb, const int DT, const int FL, const int WD, const int DEC)
+                              const int DT, const int FL, const int WD, const int DEC)
 {
+    const int64_t Bs = a->block;
+    float *restrict vb = mb + Bs, *restrict xb = vb + Bs, *restrict lob = xb + Bs, *restrict hib = lob + Bs,
+          *restrict cbo = hib + Bs;
+    int32_t *restrict jb = (int32_t *)(cbo + Bs), *restrict kb = jb + Bs;
     const int64_t S = a->period, B = a->block, per = S / B, o = r * S;
     const int64_t blk = (nb->row0 + r) / nb->rb;
     const float *restrict ro = nb->ratio_old + blk * S, *restrict rn = nb->ratio_new + blk * S;
@@ -2435,11 +2466,14 @@ ALWAYS_INLINE void nibble_row(const gefen_step_args *restrict a, const gefen_nib
         const float Mo = scale[r * per + q];
         float amax = 0.0f;
         int isn = 0;
+#pragma omp simd
+        for (int64_t i = 0; i < B; ++i) kb[i] = code[ob + i] >> 4;
+        lookup16(cb, kb, cbo, B); /* the old first moments' codewords */
 #pragma omp simd reduction(max : amax) reduction(| : isn)
         for (int64_t i = 0; i < B; ++i) {
             const uint8_t c = code[ob + i];
             const float g = load_g(grad, ob + i, DT);
-            const float m = lerp_t(cb[c >> 4] * Mo, g, lc, small, FL);
+            const float m = lerp_t(cbo[i] * Mo, g, lc, small, FL);
             mb[i] = m;
             vb[i] = vupd((vr_old * ro[c0 + i]) * vlevel(c & 15), g * g, beta2, alpha2, fa);
             const float am = fabsf(m);
@@ -2450,19 +2484,33 @@ ALWAYS_INLINE void nibble_row(const gefen_step_args *restrict a, const gefen_nib
         scale[r * per + q] = A;
         const int pos = A > 0.0f;
         const float Ad = pos ? A : 1.0f;
+        /* x = m / A and its lower neighbour j among the codewords (round16_at's count), then the two
+         * neighbours by table lookups */
+#pragma omp simd
+        for (int64_t i = 0; i < B; ++i) {
+            const float q = mb[i] / Ad;
+            const float x = pos ? q : 0.0f;
+            int j = 0;
+            for (int k = 1; k < 15; ++k) j += cb[k] <= x;
+            xb[i] = x;
+            jb[i] = j;
+            kb[i] = j + 1;
+        }
+        lookup16(cb, jb, lob, B);
+        lookup16(cb, kb, hib, B);
         const uint64_t g_first = (uint64_t)(gi0 + c0), g_last = g_first + (uint64_t)B - 1;
         if (g_first >> 32 == g_last >> 32) { /* one high word (always below 2^32 elements) */
             const uint32_t k0 = lowbias32(nb->key + (uint32_t)(g_first >> 32) * 0x9E3779B1u), lo0 = (uint32_t)g_first;
 #pragma omp simd
             for (int64_t i = 0; i < B; ++i)
-                nibble_el(a, nb, param, code, ob + i, mb[i], vb[i], vr_new * rn[c0 + i], A, Ad, pos,
-                          lowbias32((lo0 + (uint32_t)i) ^ k0), DT, WD, DEC);
+                nibble_el(a, nb, param, code, ob + i, mb[i], vb[i], vr_new * rn[c0 + i], A, xb[i], jb[i], lob[i],
+                          hib[i], lowbias32((lo0 + (uint32_t)i) ^ k0), DT, WD, DEC);
         } else { /* a block across a multiple of 2^32 elements */
             for (int64_t i = 0; i < B; ++i) {
                 const uint64_t gi = g_first + (uint64_t)i;
                 const uint32_t k = lowbias32(nb->key + (uint32_t)(gi >> 32) * 0x9E3779B1u);
-                nibble_el(a, nb, param, code, ob + i, mb[i], vb[i], vr_new * rn[c0 + i], A, Ad, pos,
-                          lowbias32((uint32_t)gi ^ k), DT, WD, DEC);
+                nibble_el(a, nb, param, code, ob + i, mb[i], vb[i], vr_new * rn[c0 + i], A, xb[i], jb[i], lob[i],
+                          hib[i], lowbias32((uint32_t)gi ^ k), DT, WD, DEC);
             }
         }
     }
@@ -2483,7 +2531,7 @@ int gefen_nibble_step(const gefen_step_args *a, const gefen_nibble_args *nb, voi
     (void)nt;
     const int DT = a->dtype, FL = a->fused_lerp, WD = a->has_wd, DEC = nb->decoded != 0;
     /* every thread's scratch first, so that running out of memory changes nothing */
-    float *scratch = (float *)malloc((size_t)nt * (size_t)(2 * B) * sizeof(float));
+    float *scratch = (float *)malloc((size_t)nt * (size_t)(NIB_SCRATCH * B) * sizeof(float));
     if (!scratch) return 2;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -2491,17 +2539,17 @@ int gefen_nibble_step(const gefen_step_args *a, const gefen_nibble_args *nb, voi
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        float *mb = scratch + (size_t)tid * (size_t)(2 * B), *vb = mb + B;
+        float *mb = scratch + (size_t)tid * (size_t)(NIB_SCRATCH * B);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
             /* constant arguments to the inlined row, so each combination compiles to its own loop */
             if (DT == 0 && !DEC) {
-                if (FL) { if (WD) nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, vb, 0, 1, 1, 0);
-                          else nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, vb, 0, 1, 0, 0); }
-                else { if (WD) nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, vb, 0, 0, 1, 0);
-                       else nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, vb, 0, 0, 0, 0); }
+                if (FL) { if (WD) nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, 0, 1, 1, 0);
+                          else nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, 0, 1, 0, 0); }
+                else { if (WD) nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, 0, 0, 1, 0);
+                       else nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, 0, 0, 0, 0); }
             } else {
-                nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, vb, DT, FL, WD, DEC);
+                nibble_row(a, nb, param, grad, code, scale, vrow, r, mb, DT, FL, WD, DEC);
             }
         }
     }
