@@ -547,6 +547,14 @@ RESEARCH_VARIANTS = {
                           "(two per octave, 2^-4 .. 2^3.5 of it; fp32 row and column means beside them): ~1.5 B/param",
                           _gefen_named_v8(("weight",), 2, 16, coder=_code_v_fac, second_moment="factored",
                                           row_blocks="auto")),
+    # (v) finer steps against the factored estimate (2026-12-07: two per octave delay the early-plateau escape on
+    # `base` seed 6, 16 per octave do not): four per octave over 4 octaves (4 bits), or over 8 (5 bits)
+    "v_all_v4fac4_fused": ("(v) as v_all_v4fac_fused with four codes per octave (2^-2 .. 2^1.75 of the estimate)",
+                           _gefen_named_v8(("weight",), 4, 16, coder=_code_v_fac, second_moment="factored",
+                                           row_blocks="auto")),
+    "v_all_v5fac4_fused": ("(v) 5-bit codes against the factored estimate, four per octave (2^-4 .. 2^3.75 of it)",
+                           _gefen_named_v8(("weight",), 4, 32, coder=_code_v_fac, second_moment="factored",
+                                           row_blocks="auto")),
     # (v) the range of half a byte: 16 levels over each 256-block's own (min, max) of v, and a 4-bit first moment (16
     # of the 256 learned codewords, chosen by the same DP): 4 + 4 bits ~ 1.03 B/param, inside the default's 1.1
     "v_all_v4mm_fused": ("(v) as v_all_v4_fused with the 16 levels spread over each 256-block's own log range "
