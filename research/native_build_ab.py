@@ -6,13 +6,16 @@ tensors with each, interleaved; process CPU time, one thread, medians and ratios
     python research/native_build_ab.py --a HEAD --b HEAD --march haswell \\
         --flags-a="-fno-math-errno" --flags-b="-fno-math-errno -fno-trapping-math"   # an AVX2 build, two flag sets
     python research/native_build_ab.py --second-moment factored,nibbles --set block0 --rounds 9
+    python research/native_build_ab.py --a WORK --b WORK --march-b haswell --second-moment factored --set gpt2
 
 ``--a`` / ``--b``: a git revision, or ``WORK`` for the working tree's file. ``--march``: ``native`` (the
-library's), or e.g. ``haswell`` for an AVX2 build on an AVX-512 host. Flags default to the library's
+library's), or e.g. ``haswell`` for an AVX2 build on an AVX-512 host (``--march-a`` / ``--march-b``: per
+build). Flags default to the library's
 (``gefen_dist.kernels.native._BASE_FLAGS``). Each build is checked against the other on two steps of the
 tensor set before timing (``--no-check`` skips it): the builds must give the same parameters and state
 bit for bit, else the script says so and stops (a speed-up that changes numbers is not this tool's
-business). Tensors: ``research/nibbles_step_time.py``'s (GPT-2 small's block 0 by default).
+business). Tensors: ``research/nibbles_step_time.py``'s (GPT-2 small's block 0 by default; ``--set gpt2``:
+all of GPT-2 small).
 """
 from __future__ import annotations
 
@@ -66,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--flags-a", default=base)
     ap.add_argument("--flags-b", default=base)
     ap.add_argument("--march", default="native")
+    ap.add_argument("--march-a", default=None, help="build A's -march (default: --march)")
+    ap.add_argument("--march-b", default=None, help="build B's -march (default: --march)")
     ap.add_argument("--second-moment", default="factored,nibbles")
     ap.add_argument("--set", default="block0")
     ap.add_argument("--rounds", type=int, default=9)
@@ -76,7 +81,8 @@ def main(argv=None) -> int:
 
     ps, gs = nst.tensors(0, a.set)
     tmp = Path(tempfile.mkdtemp(prefix="gefen_ab_"))
-    libs = {"A": build(a.a, a.flags_a, a.march, tmp / "a.so"), "B": build(a.b, a.flags_b, a.march, tmp / "b.so")}
+    ma, mb = a.march_a or a.march, a.march_b or a.march
+    libs = {"A": build(a.a, a.flags_a, ma, tmp / "a.so"), "B": build(a.b, a.flags_b, mb, tmp / "b.so")}
     modes = a.second_moment.split(",")
     opts = {}
     for name, lib in libs.items():
@@ -107,7 +113,8 @@ def main(argv=None) -> int:
             t0 = time.process_time()
             o.step()
             times[name, sm].append(time.process_time() - t0)
-    print(f"A = {a.a} [{a.flags_a}], B = {a.b} [{a.flags_b}], -march={a.march}; {a.set}, {a.rounds} rounds, 1 thread"
+    print(f"A = {a.a} [{a.flags_a} -march={ma}], B = {a.b} [{a.flags_b} -march={mb}]; {a.set}, {a.rounds} rounds, "
+          "1 thread"
           + ("" if a.no_check else "; results bitwise equal"))
     for sm in modes:
         ma, mb = (statistics.median(times[n, sm]) * 1e3 for n in ("A", "B"))

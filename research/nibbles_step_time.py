@@ -30,6 +30,11 @@ def shapes_of(name: str):
     """GPT-2 small's block 0, or the parameter shapes of a launch/gpt.py preset (the quality runs' models)."""
     if name == "block0":
         return BLOCK0
+    if name == "gpt2":  # all of GPT-2 small (benchmarks/_gpt2.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        from _gpt2 import gpt2_shapes
+
+        return [shape for _, shape in gpt2_shapes("small")]
     from launch.gpt import GPT, get_config
 
     return [tuple(p.shape) for p in GPT(get_config(name)).parameters()]
