@@ -555,6 +555,12 @@ RESEARCH_VARIANTS = {
     "v_all_v5fac4_fused": ("(v) 5-bit codes against the factored estimate, four per octave (2^-4 .. 2^3.75 of it)",
                            _gefen_named_v8(("weight",), 4, 32, coder=_code_v_fac, second_moment="factored",
                                            row_blocks="auto")),
+    # (v) v_all_v8_fused's one-byte codes of v (on time on `base` seeds 3, 6, 10 where 4-bit codes are late) with
+    # the 4-bit stochastic first moment of the one-byte layout: 12 bits per element, ~1.5 B/param
+    "v_all_m4sv8_fused": ("(v) v_all_v8_fused (8-bit codes of v, 16 per octave, per-256 maxima) with a 4-bit first "
+                          "moment rounded stochastically (16 codewords): ~1.5 B/param",
+                          _gefen_named_v8(("weight",), m_levels=16, m_stochastic=True, second_moment="factored",
+                                          row_blocks="auto")),
     # (v) the range of half a byte: 16 levels over each 256-block's own (min, max) of v, and a 4-bit first moment (16
     # of the 256 learned codewords, chosen by the same DP): 4 + 4 bits ~ 1.03 B/param, inside the default's 1.1
     "v_all_v4mm_fused": ("(v) as v_all_v4_fused with the 16 levels spread over each 256-block's own log range "
