@@ -561,6 +561,14 @@ RESEARCH_VARIANTS = {
                           "moment rounded stochastically (16 codewords): ~1.5 B/param",
                           _gefen_named_v8(("weight",), m_levels=16, m_stochastic=True, second_moment="factored",
                                           row_blocks="auto")),
+    # (v) 12 bits per element split evenly (~1.5 B/param, inside issue 26's 1.6 for a quality setting): a 6-bit first
+    # moment (64 of the learned codewords) and 6-bit codes of v, 8 per octave over 8 octaves below each 256-block's maximum
+    "v_all_m6v6_fused": ("(v) a 6-bit first moment (64 codewords, nearest) and 6-bit codes of v (8 per octave, per-256 "
+                         "maxima, stochastic): ~1.5 B/param",
+                         _gefen_named_v8(("weight",), 8, 64, m_levels=64, second_moment="factored", row_blocks="auto")),
+    "v_all_m6sv6_fused": ("(v) v_all_m6v6_fused with the first moment rounded stochastically: ~1.5 B/param",
+                          _gefen_named_v8(("weight",), 8, 64, m_levels=64, m_stochastic=True, second_moment="factored",
+                                          row_blocks="auto")),
     # (v) the range of half a byte: 16 levels over each 256-block's own (min, max) of v, and a 4-bit first moment (16
     # of the 256 learned codewords, chosen by the same DP): 4 + 4 bits ~ 1.03 B/param, inside the default's 1.1
     "v_all_v4mm_fused": ("(v) as v_all_v4_fused with the 16 levels spread over each 256-block's own log range "
