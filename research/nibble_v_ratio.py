@@ -52,9 +52,8 @@ def decoded_v(st) -> tuple:
     return fac * lv[code], fac.expand(rows, slab), code
 
 
-def snapshot(model, opt, v_adam, step: int, beta2: float) -> dict:
+def snapshot(model, opt, v_adam) -> dict:
     out = {}
-    bc2 = 1 - beta2 ** step
     for name, p in model.named_parameters():
         st = opt.state.get(p, {})
         if "v_row" not in st or name not in v_adam:
@@ -68,7 +67,6 @@ def snapshot(model, opt, v_adam, step: int, beta2: float) -> dict:
                          high=float((code == 15).float().mean()),
                          ratio=[float(x) for x in torch.quantile(r[:2_000_000].float(), torch.tensor(QS))],
                          ratio_fac=[float(x) for x in torch.quantile(rf[:2_000_000].float(), torch.tensor(QS))])
-    del bc2
     return out
 
 
@@ -112,7 +110,7 @@ def main(argv=None) -> int:
                 v.mul_(beta2).add_(g2, alpha=1 - beta2)
         quality._step(opt)
         if (t + 1) % a.every == 0:
-            snap = snapshot(model, opt, v_adam, t + 1, beta2)
+            snap = snapshot(model, opt, v_adam)
             records.append(dict(step=t + 1, loss=float(loss), tensors=snap))
             by = {}
             for s in snap.values():

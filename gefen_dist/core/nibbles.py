@@ -33,7 +33,7 @@ from typing import Tuple
 
 import torch
 
-from .step import _EAGER_CHUNK_ELEMS, apply_, column_ratios, ema_, inv_rms_, row_factors
+from .step import _EAGER_CHUNK_ELEMS, apply_, check_tensor, column_ratios, ema_, inv_rms_, row_factors
 
 NIBBLE_CODEWORDS = 16
 _M32 = 0xFFFFFFFF
@@ -185,12 +185,7 @@ def check_piece(param, grad, code, scale, v_row, v_col, col_mean_sq, *, scale_bl
     for name, t, dtype, numel in want:
         if t.device != param.device:
             raise ValueError(f"{name} is on {t.device}, the parameter on {param.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if dtype is not None and t.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-        if t.numel() != numel:
-            raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
+        check_tensor(name, t, dtype, numel)
     return G
 
 

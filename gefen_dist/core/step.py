@@ -153,6 +153,18 @@ def update_bound(beta1: float, beta2: float, step: int) -> float:
 # cut blocks of DeepSpeed's flat buffers) composes these; the fused kernels implement the same.
 # ---------------------------------------------------------------------------------------------
 
+def check_tensor(name: str, t: torch.Tensor, dtype, numel: int) -> None:
+    """The layout checks every implementation makes of a state or gradient tensor before anything
+    changes (the device is each caller's own check): contiguous, of ``dtype`` (None: any), ``numel``
+    elements; each error names the tensor and what it should be."""
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
+
+
 def ema_(v: torch.Tensor, x: torch.Tensor, beta2: float) -> torch.Tensor:
     """``v <- beta2 * v + (1 - beta2) * x`` in place (a second-moment statistic)."""
     return v.mul_(beta2).add_(x, alpha=1.0 - beta2)

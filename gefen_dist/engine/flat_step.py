@@ -344,7 +344,7 @@ class SegmentStepMixin:
     def _nibble_keys(self, step: Optional[int]):
         """key -> the 32-bit key of that tensor's random numbers at ``step`` (D20): its place in the
         optimizer (:attr:`tensor_index`, set by the owner), as :class:`gefen_dist.Gefen` keys it."""
-        index = getattr(self, "tensor_index", None)
+        index = self.tensor_index
         if step is None or index is None:
             raise RuntimeError(f"{self.where}: second_moment='nibbles' needs the step number and the owner's "
                                "tensor_index (internal error)")

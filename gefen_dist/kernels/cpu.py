@@ -120,7 +120,7 @@ import numpy as np
 import torch
 
 from gefen_dist.core.quant import NUM_CODEWORDS
-from gefen_dist.core.step import column_factors
+from gefen_dist.core.step import check_tensor, column_factors
 from gefen_dist.kernels import native
 from gefen_dist.kernels.cpu_tables import CodebookTable, codebook_table  # the kernel's table (re-exported)
 from gefen_dist.kernels.state_only import factored_state_only_, state_only_
@@ -409,12 +409,7 @@ def nearest_sweep(codebook: torch.Tensor, first: int, last: int) -> Tuple[int, i
 def _check(name: str, t: torch.Tensor, dtype, numel: int) -> None:
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.numel() != numel:
-        raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
+    check_tensor(name, t, dtype, numel)
 
 
 def quantized_step_(

@@ -16,6 +16,8 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from ..core.step import check_tensor
+
 _TILE_ELEMS = 2048       # elements per program and chunk (ROWS * BLOCK_SIZE)
 _MIN_CHUNK = 128         # smallest chunk considered for long blocks
 _MAX_CHUNK = 2048
@@ -148,12 +150,7 @@ def _config(B: int, nrows: int, block_size: Optional[int] = None) -> Tuple[int, 
 def _check(name: str, t: torch.Tensor, device: torch.device, dtype, numel: int) -> None:
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.numel() != numel:
-        raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
+    check_tensor(name, t, dtype, numel)
 
 
 def update_scalars(*, lr, eps, weight_decay, bc1, bc2, bound=None) -> Tuple[float, ...]:
