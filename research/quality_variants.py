@@ -539,6 +539,15 @@ RESEARCH_VARIANTS = {
                            "one-byte log code (as v_all_v8_fused)",
                            _gefen_named_v8(("wte.", "wpe.", "attn.c_attn"), second_moment="factored",
                                            row_blocks="auto")),
+    # (v) which tensors' v needs a one-byte code for `base`'s early plateau to be left on time (v_all_v8_fused is on
+    # time on seeds 3, 6, 10; the default is late on 3 and 9): the attention input projections alone (induction-head
+    # circuits form in them; ~1.19 B/param on GPT-2 small) or the embeddings alone (~1.33 B/param)
+    "v_attn_v8_fused": ("(v) the default (D17), with the attention input projections' per-element v re-coded after each "
+                        "step to a one-byte log code (as v_all_v8_fused): ~1.19 B/param on GPT-2 small",
+                        _gefen_named_v8(("attn.c_attn",), second_moment="factored", row_blocks="auto")),
+    "v_emb_v8_fused": ("(v) the default (D17), with the embeddings' (wte, wpe) per-element v re-coded after each step to "
+                       "a one-byte log code (as v_all_v8_fused): ~1.33 B/param on GPT-2 small",
+                       _gefen_named_v8(("wte.", "wpe."), second_moment="factored", row_blocks="auto")),
     # (v) half a byte: 16 levels, one per octave (a 15-octave range: research/head_vshare.py's dense head needs the
     # range more than the resolution); ~1.52 B/param, inside issue 26's 1.6 for a quality setting
     "v_all_v4_fused": ("(v) as v_all_v8_fused with 4-bit codes, one per octave (16 levels, per-256 references): "
