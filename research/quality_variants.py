@@ -545,6 +545,10 @@ RESEARCH_VARIANTS = {
     "v_attn_v8_fused": ("(v) the default (D17), with the attention input projections' per-element v re-coded after each "
                         "step to a one-byte log code (as v_all_v8_fused): ~1.19 B/param on GPT-2 small",
                         _gefen_named_v8(("attn.c_attn",), second_moment="factored", row_blocks="auto")),
+    "v_attn_v4fac4_fused": ("(v) v_attn_v8_fused with half a byte: the attention input projections' v in 4-bit codes "
+                            "against their factored estimate (as v_all_v4fac4_fused): ~1.10 B/param on GPT-2 small",
+                            _gefen_named_v8(("attn.c_attn",), 4, 16, coder=_code_v_fac, second_moment="factored",
+                                            row_blocks="auto")),
     "v_emb_v8_fused": ("(v) the default (D17), with the embeddings' (wte, wpe) per-element v re-coded after each step to "
                        "a one-byte log code (as v_all_v8_fused): ~1.33 B/param on GPT-2 small",
                        _gefen_named_v8(("wte.", "wpe."), second_moment="factored", row_blocks="auto")),
