@@ -351,7 +351,16 @@ def _rows8_exact(part: str):
     return make
 
 
+def _adamw_fused(groups, lr, betas, seed):
+    """torch AdamW with ``fused=True``: AdamW's math, rounded in another order (parameters differ by ~1 ulp
+    after a few steps): the control for how much of an optimizer's plateau outcome a rounding-level
+    perturbation decides."""
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=True)
+
+
 RESEARCH_VARIANTS = {
+    # (x) AdamW against itself: the same math rounded differently (fused=True), for the noise floor of paired gaps
+    "x_adamw_fused": ("(x) torch AdamW with fused=True (AdamW's math, another rounding order)", _adamw_fused),
     # (a) unquantized first moment
     "a_fp32m_shared": ("(a) fp32 first moment, shared second moment", _variant(first_moment="fp32")),
     "a_fp32m_factored": ("(a) fp32 first moment, factored second moment",
