@@ -46,7 +46,8 @@ FULL = {  # the stored 800-step base runs of each optimizer (seed -> record), ne
 WINDOW = (100, 150)  # steps 101..150 (0-based indices 100..149 of train_loss)
 FULL_STALL_VAL = 1.65  # an 800-step base run ending above this stayed on the plateau (stored runs: <= 1.53 or >= 1.74, except AdamW seed 5 at 1.614, which leaves the plateau late)
 VARIANTS = ("adamw", "gefen_default")  # the study's default pair; --variants may add any registered name
-NAMES = {"adamw": "AdamW", "gefen_default": "Gefen default", "v_nibbles": 'second_moment="nibbles"'}
+NAMES = {"adamw": "AdamW", "gefen_default": "Gefen default", "v_nibbles": 'second_moment="nibbles"',
+         "x_adamw_fused": "AdamW, fused=True"}
 
 
 def window_mean(train_loss):
@@ -152,6 +153,62 @@ def report(threshold: float) -> str:
     return "\n".join(lines)
 
 
+def window_means() -> dict:
+    """(variant, seed) -> the window mean, from the 800-step run where stored, else this study's run."""
+    out = {k: window_mean(r["result"]["train_loss"]) for k, r in full_runs().items()}
+    if OUT.exists():
+        for line in OUT.open():
+            r = json.loads(line)
+            out.setdefault((r["variant"], r["seed"]), r["window_mean"])
+    return out
+
+
+def means_report(variants, threshold: float) -> str:
+    """Each variant's window means beside AdamW's, seed by seed: how many seeds change side of the
+    threshold (``flips``), and the mean paired difference with its 95% t-interval."""
+    from statistics import mean, stdev
+
+    from seed_gaps import t95
+
+    wm = window_means()
+    lines = []
+    for v in variants:
+        seeds = sorted(s for (w, s) in wm if w == v and ("adamw", s) in wm)
+        if not seeds:
+            continue
+        d = [wm[(v, s)] - wm[("adamw", s)] for s in seeds]
+        flips = [s for s in seeds if (wm[(v, s)] > threshold) != (wm[("adamw", s)] > threshold)]
+        half = t95(len(d)) * stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        per = ", ".join(f"{s}: {wm[('adamw', s)]:.3f} -> {wm[(v, s)]:.3f}" for s in seeds)
+        lines.append(f"* {NAMES.get(v, v)} against AdamW on {len(seeds)} seeds: changes side on {len(flips)} "
+                     f"{flips}; window mean {mean(d):+.3f} (+-{half:.3f}); {per}")
+    return "\n".join(lines)
+
+
+def plot(variants, threshold: float, path: str) -> None:
+    """Window mean per seed for each variant (one marker per run), the threshold as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wm = window_means()
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    marks = "os^Dvx*P"
+    for i, v in enumerate(variants):
+        pts = sorted((s, x) for (w, s), x in wm.items() if w == v)
+        if pts:
+            ax.scatter([s + (i - len(variants) / 2) * 0.08 for s, _ in pts], [x for _, x in pts], marker=marks[i % 8],
+                       label=NAMES.get(v, v), s=28, alpha=0.85)
+    ax.axhline(threshold, color="grey", lw=0.8, ls="--")
+    ax.text(ax.get_xlim()[0], threshold + 0.005, f" plateau line {threshold}", fontsize=7, color="grey")
+    ax.set_xlabel("seed (same init and batches for every optimizer)")
+    ax.set_ylabel("mean train loss, steps 101-150")
+    ax.set_title("`base` LM: who leaves the early plateau (research/early_stall.py)", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
 def parse_seeds(text: str):
     out = []
     for part in text.split(","):
@@ -169,6 +226,9 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, one thread each")
     ap.add_argument("--check", action="store_true", help="only check the threshold on the stored 800-step runs")
     ap.add_argument("--report", action="store_true", help="only print the table from the stored runs")
+    ap.add_argument("--means", default=None, help="print window means of these variants (comma-separated) "
+                    "beside AdamW's: flips of side and the paired difference")
+    ap.add_argument("--plot", default=None, help="with --means: also draw them into this PNG")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: "variant:seed" in a child
     a = ap.parse_args(argv)
     if a.steps < WINDOW[1]:
@@ -183,6 +243,12 @@ def main(argv=None):
         return 0 if check(a.threshold) else 1
     if a.report:
         print(report(a.threshold))
+        return 0
+    if a.means:
+        vs = a.means.split(",")
+        print(means_report(vs, a.threshold))
+        if a.plot:
+            plot(["adamw"] + [v for v in vs if v != "adamw"], a.threshold, a.plot)
         return 0
     if not check(a.threshold):
         return 1
