@@ -78,9 +78,21 @@ def cell(finals: dict, variant: str) -> str:
     if tw.get("n", 0) >= 2:
         ci = tw.get("ci95")
         head = f"**{tw['mean']:+.2f}%** mean of {tw['n']}" + (f" [{ci[0]:+.2f}%, {ci[1]:+.2f}%]" if ci else "")
-        return f"{head}; seeds {', '.join(str(r['seed']) for r in res['seeds'])}: {per}"
+        return f"{head}; seeds {', '.join(str(r['seed']) for r in res['seeds'])}: {per}{_split(res)}"
     n = len(res["seeds"])
     return f"seed{'s' if n > 1 else ''} {', '.join(str(r['seed']) for r in res['seeds'])}: {per}"
+
+
+def _split(res: dict) -> str:
+    """Where one of the two stalls alone: the offset on the seeds where both train well, and how the
+    stalls split (a plateau split is a coin at this scale: research/early_stall.py)."""
+    d, bw = res["discordant"], res["both_train_well"]
+    if not d["only_variant"] or bw.get("n", 0) < 2:  # else "both train well" is the headline's seeds
+        return ""
+    ci = bw.get("ci95")
+    return (f"; where both train well {bw['mean']:+.2f}% (mean of {bw['n']}"
+            + (f" [{ci[0]:+.2f}%, {ci[1]:+.2f}%]" if ci else "") + f"); stalls alone: AdamW {len(d['only_base'])}, "
+            f"this {len(d['only_variant'])} (exact McNemar p = {d['p']:.2f})")
 
 
 def table() -> str:

@@ -81,6 +81,16 @@ def summarize(gaps: Sequence[float]) -> dict:
     return out
 
 
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value for ``b`` and ``c`` discordant pairs (seeds where only one of
+    the two optimizers stalls): under "both stall equally often" each discordant seed is a fair coin."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
 def seed_gaps(finals: dict, variant: str, base: str = "adamw", stall_frac: float = 0.02,
               seeds: Optional[Sequence[int]] = None) -> dict:
     """Pair ``variant`` with ``base`` on every seed both have (or ``seeds``) and split the seeds by
@@ -110,7 +120,17 @@ def seed_gaps(finals: dict, variant: str, base: str = "adamw", stall_frac: float
                 all=summarize([r["gap_pct"] for r in rows]), trains_well=summarize(good),
                 both_train_well=summarize(neither),
                 stalled_seeds=[r["seed"] for r in rows if not r["base_trains_well"]],
-                variant_stalled_seeds=[r["seed"] for r in rows if not r["variant_trains_well"]])
+                variant_stalled_seeds=[r["seed"] for r in rows if not r["variant_trains_well"]],
+                discordant=_discordant(rows))
+
+
+def _discordant(rows) -> dict:
+    """The seeds where exactly one of the two stalls, and the exact McNemar p-value of their split: on a
+    workload whose runs split on a plateau (`base`), whether one optimizer stalls more often, apart from the
+    offset on the seeds where both train well."""
+    ob = [r["seed"] for r in rows if not r["base_trains_well"] and r["variant_trains_well"]]
+    ov = [r["seed"] for r in rows if r["base_trains_well"] and not r["variant_trains_well"]]
+    return dict(only_base=ob, only_variant=ov, p=mcnemar_exact(len(ob), len(ov)))
 
 
 def _line(name: str, s: dict) -> str:
@@ -132,6 +152,9 @@ def report(res: dict) -> str:
     lines.append(_line("all seeds", res["all"]))
     lines.append(_line(f"seeds where {res['base']} trains well", res["trains_well"]))
     lines.append(_line(f"seeds where both train well", res["both_train_well"]))
+    d = res["discordant"]
+    lines.append(f"stalls alone: {res['base']} on {d['only_base']}, {res['variant']} on {d['only_variant']} "
+                 f"(exact McNemar p = {d['p']:.2f})")
     return "\n".join(lines)
 
 

@@ -198,6 +198,12 @@ def test_seed_gaps_pairs_by_seed_and_flags_stalled_baselines(tmp_path):
     bw = res["both_train_well"]
     assert bw["n"] == 3 and bw["mean"] == pytest.approx(sum(gaps[s] for s in (0, 1, 2)) / 3)
     assert "adamw stalls" in sg.report(res) and "g stalls" in sg.report(res)
+    # one discordant seed each way: no evidence either stalls more often (exact McNemar p = 1)
+    assert res["discordant"] == dict(only_base=[3], only_variant=[4], p=1.0)
+    # the exact test against scipy's binomial test on the discordant seeds
+    from scipy.stats import binomtest
+    for b_, c_ in ((0, 5), (1, 6), (2, 2), (7, 1)):
+        assert sg.mcnemar_exact(b_, c_) == pytest.approx(binomtest(b_, b_ + c_, 0.5).pvalue)
     with pytest.raises(ValueError, match=r"seeds \[7\] lack"):
         sg.seed_gaps(sg.load_finals([a, b]), "g", seeds=[0, 7])
     with pytest.raises(ValueError, match="no seed has both"):
