@@ -358,9 +358,35 @@ def _adamw_fused(groups, lr, betas, seed):
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=True)
 
 
+def _adamw_jitter(rel: float):
+    """torch AdamW whose every update is scaled per element by ``1 + rel * xi`` (``xi`` = +-1 with equal
+    chance, a seeded generator): an unbiased perturbation of the trajectory of about the size of a
+    quantized optimizer's per-step error, for how far a run's early-plateau outcome is decided by noise
+    that favours neither direction."""
+    def make(groups, lr, betas, seed):
+        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
+        gen = torch.Generator().manual_seed(2_000_003 + seed)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        inner = opt.step
+
+        def step(closure=None):
+            old = [p.detach().clone() for p in params]
+            out = inner(closure)
+            with torch.no_grad():
+                for p, o in zip(params, old):
+                    xi = torch.randint(0, 2, p.shape, generator=gen).to(p.dtype).mul_(2).sub_(1)
+                    p.add_((p - o).mul_(xi.mul_(rel)))
+            return out
+        opt.step = step
+        return opt
+    return make
+
+
 RESEARCH_VARIANTS = {
     # (x) AdamW against itself: the same math rounded differently (fused=True), for the noise floor of paired gaps
     "x_adamw_fused": ("(x) torch AdamW with fused=True (AdamW's math, another rounding order)", _adamw_fused),
+    "x_adamw_jitter1": ("(x) torch AdamW with each update scaled per element by 1 +- 1% (unbiased, seeded)",
+                        _adamw_jitter(0.01)),
     # (a) unquantized first moment
     "a_fp32m_shared": ("(a) fp32 first moment, shared second moment", _variant(first_moment="fp32")),
     "a_fp32m_factored": ("(a) fp32 first moment, factored second moment",
