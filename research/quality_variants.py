@@ -387,6 +387,8 @@ RESEARCH_VARIANTS = {
     "x_adamw_fused": ("(x) torch AdamW with fused=True (AdamW's math, another rounding order)", _adamw_fused),
     "x_adamw_jitter1": ("(x) torch AdamW with each update scaled per element by 1 +- 1% (unbiased, seeded)",
                         _adamw_jitter(0.01)),
+    "x_adamw_jitter10": ("(x) torch AdamW with each update scaled per element by 1 +- 10% (unbiased, seeded)",
+                         _adamw_jitter(0.10)),
     # (a) unquantized first moment
     "a_fp32m_shared": ("(a) fp32 first moment, shared second moment", _variant(first_moment="fp32")),
     "a_fp32m_factored": ("(a) fp32 first moment, factored second moment",
