@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+os.environ.setdefault("GEFEN_DIST_CPU_ISA", "native")  # the timed builds replace the native one (kernels/cpu_build.py)
+
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,6 +7,10 @@ import sys
 # (404 s) that way, 174 CPU-s (98 s) with this (docs/index.md, "Tests"). Read when torch loads
 # OpenMP, so before the import below (and inherited by the xdist workers and every launched rank).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The CPU kernels' -march=native build, with no timing at first use (gefen_dist/kernels/cpu_build.py): the
+# AVX-512 path stays under test on hosts that have it; tests/test_cpu_build.py checks the AVX2 build and
+# the measured choice
+os.environ.setdefault("GEFEN_DIST_CPU_ISA", "native")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -121,7 +121,7 @@ import torch
 
 from gefen_dist.core.quant import NUM_CODEWORDS
 from gefen_dist.core.step import check_tensor, column_factors
-from gefen_dist.kernels import native
+from gefen_dist.kernels import cpu_build, native
 from gefen_dist.kernels.cpu_tables import CodebookTable, codebook_table  # the kernel's table (re-exported)
 from gefen_dist.kernels.state_only import factored_state_only_, state_only_
 
@@ -131,7 +131,7 @@ __all__ = ["available", "simd_compiled", "simd_isa", "quantized_step_", "quantiz
            "apply_factored_", "numerics", "nearest_lut", "nearest_sweep", "CodebookTable", "codebook_table"]
 
 _ABI = 13
-_LIB_NAME = "gefen_step"
+_LIB_NAME = cpu_build.NATIVE  # the -march=native build (cpu_build.py: which build a process uses)
 _SOURCES = ["gefen_step.c"]
 _BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together
 _BUF_MAX_ELEMS = 1 << 20     # per thread
@@ -191,17 +191,24 @@ _lock = threading.Lock()
 _configured: set = set()
 
 
-def _lib() -> Optional[ctypes.CDLL]:
+def _lib(build: Optional[str] = None) -> Optional[ctypes.CDLL]:
     """The native library, configured (None without it, or with ``GEFEN_DIST_NO_NATIVE=1``, which is
-    read at every call so that it switches the kernels off at any time)."""
+    read at every call so that it switches the kernels off at any time): the build
+    :func:`gefen_dist.kernels.cpu_build.build_name` chose for this process, or ``build`` (a name of
+    :mod:`~gefen_dist.kernels.cpu_build`; :data:`_LIB_NAME` is the ``-march=native`` one)."""
     if os.environ.get("GEFEN_DIST_NO_NATIVE", "0") not in ("", "0"):
         return None
+    return _load(build or cpu_build.build_name())
+
+
+def _load(name: str) -> Optional[ctypes.CDLL]:
+    """The build ``name`` (:data:`cpu_build.NATIVE` or :data:`cpu_build.AVX2`), loaded and configured."""
     # the fast path: the cached library once configured (one swapped into the cache, as research's
     # timing builds do, is configured below)
-    lib = native._cache.get(_LIB_NAME)
+    lib = native._cache.get(name)
     if lib is not None and id(lib) in _configured:
         return lib
-    lib = native.load_library(_LIB_NAME, _SOURCES)
+    lib = native.load_library(name, _SOURCES, cpu_build.AVX2_FLAGS if name == cpu_build.AVX2 else ())
     if lib is None:
         return None
     with _lock:
@@ -210,7 +217,7 @@ def _lib() -> Optional[ctypes.CDLL]:
             lib.gefen_step_simd.restype = ctypes.c_int
             lib.gefen_step_args_size.restype = ctypes.c_int
             if lib.gefen_step_abi() != _ABI or lib.gefen_step_args_size() != ctypes.sizeof(_Args):
-                logger.warning("gefen_dist: %s has an unexpected ABI; using the eager path", _LIB_NAME)
+                logger.warning("gefen_dist: %s has an unexpected ABI; using the eager path", name)
                 return None
             vp, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
             lib.gefen_quantized_step.restype = ctypes.c_int
@@ -246,7 +253,7 @@ def _lib() -> Optional[ctypes.CDLL]:
             lib.gefen_nibble_step.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_NibbleArgs)] + [vp] * 5
             lib.gefen_nibble_args_size.restype = ctypes.c_int
             if lib.gefen_nibble_args_size() != ctypes.sizeof(_NibbleArgs):
-                logger.warning("gefen_dist: %s has an unexpected ABI; using the eager path", _LIB_NAME)
+                logger.warning("gefen_dist: %s has an unexpected ABI; using the eager path", name)
                 return None
             lib.gefen_two_level_table.restype = ctypes.c_int
             lib.gefen_two_level_table.argtypes = [vp, i32]

@@ -9,7 +9,7 @@ import types
 import torch
 
 from ..core import nibbles as _nb
-from . import cpu
+from . import cpu, cpu_build
 
 __all__ = ["nibble_step_factored_"]
 
@@ -26,7 +26,7 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
     when the native library is unavailable."""
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
               scale_block=scale_block, key=key, row0=row0, row_block=row_block, bound=bound, update=update)
-    lib = cpu._lib()
+    lib = cpu._lib(cpu_build.NATIVE)  # the faster build for this step where the two differ (cpu_build.py)
     n, S, B = param.numel(), v_col.shape[-1], int(scale_block)
     if lib is None or param.dtype not in (torch.float32, torch.bfloat16):
         _nb.nibble_step_factored_eager_(param, grad, code, scale, v_row, v_col, codebook, col_mean_sq, **kw)

@@ -108,8 +108,10 @@ def _try_compile(cc: str, sources: Sequence[Path], out: Path, flags: Sequence[st
     return None
 
 
-def load_library(name: str, sources: Sequence[str]) -> Optional[ctypes.CDLL]:
-    """Compile (once, cached) and load ``sources`` (file names under ``csrc/``) as ``name``.
+def load_library(name: str, sources: Sequence[str], extra_flags: Sequence[str] = ()) -> Optional[ctypes.CDLL]:
+    """Compile (once, cached) and load ``sources`` (file names under ``csrc/``) as ``name``, with
+    ``extra_flags`` after each set of :func:`flag_variants` (e.g. ``-mno-avx512f`` for the step
+    kernel's AVX2 build on an AVX-512 host, ``kernels/cpu_build.py``).
 
     Returns ``None`` when no working C compiler is found; the reason is logged once.
     Set ``GEFEN_DIST_NO_NATIVE=1`` to force the fallback (used by tests of the eager path).
@@ -119,17 +121,17 @@ def load_library(name: str, sources: Sequence[str]) -> Optional[ctypes.CDLL]:
     with _lock:
         if name in _cache:
             return _cache[name]
-        lib = _build_and_load(name, [CSRC / s for s in sources])
+        lib = _build_and_load(name, [CSRC / s for s in sources], tuple(extra_flags))
         _cache[name] = lib
         return lib
 
 
-def _build_and_load(name: str, paths: Sequence[Path]) -> Optional[ctypes.CDLL]:
+def _build_and_load(name: str, paths: Sequence[Path], extra_flags: Sequence[str] = ()) -> Optional[ctypes.CDLL]:
     cc = _compiler()
     if cc is None:
         logger.warning("gefen_dist: no C compiler found (set CC); %s falls back to eager torch", name)
         return None
-    variants = flag_variants()
+    variants = [v + list(extra_flags) for v in flag_variants()]
     h = hashlib.sha256()
     for p in paths:
         h.update(p.read_bytes())

@@ -25,6 +25,7 @@ import torch
 
 from ..engine.layout import global_shape, local_tensor, piece_of
 from ..engine.state import MODE_EXACT, NIBBLES, SECOND_MOMENT_SETTINGS, quantizes, second_moment_of, tensor_keys
+from ..kernels import cpu_build as _cpu_build
 
 NONFINITE = ("raise", "skip", "ignore")  # Gefen's nonfinite policies (re-exported by gefen_dist.optim.gefen)
 
@@ -288,6 +289,7 @@ def require_fused_kernels(opt, groups=None) -> None:
 def prestep(opt, entries: List[Tuple[dict, torch.Tensor]]) -> None:
     """The checks and fix-ups that come before any state is read or written in ``step()``."""
     refuse_compile()
+    _cpu_build.setting()  # a bad GEFEN_DIST_CPU_ISA raises here, not inside the first kernel call
     names = None
     if not entries:
         _no_entries(opt)
@@ -327,6 +329,7 @@ def prestep_zero(opt, entries: List[Tuple[dict, torch.Tensor]], partitioned_shap
     and gradient, so every rank raises the same error before any collective."""
     if _under_torch_compile():
         raise _compile_refusal()
+    _cpu_build.setting()
     names = None
     if not entries:
         _no_entries(opt)
