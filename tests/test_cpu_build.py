@@ -99,6 +99,18 @@ def test_auto_measures_where_there_is_a_choice(isa):
     assert cpu._lib() is cpu._load(name)
 
 
+def test_a_failed_measurement_falls_back_to_the_native_build(isa, monkeypatch, caplog):
+    if cpu._load(cpu_build.NATIVE).gefen_step_simd() != 1:
+        pytest.skip("no AVX-512 path: nothing is measured")
+
+    def boom(*a, **k):
+        raise MemoryError("no room for the synthetic tensors")
+    monkeypatch.setattr(cpu_build, "_measure", boom)
+    isa("auto")
+    assert cpu_build.build_name() == cpu_build.NATIVE
+    assert "timing the two CPU step builds failed (MemoryError" in caplog.text
+
+
 def test_nibbles_takes_the_native_build(isa, monkeypatch):
     isa("native")
     ref = _train("nibbles", steps=3)
