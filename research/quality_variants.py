@@ -387,6 +387,10 @@ RESEARCH_VARIANTS = {
     "x_adamw_fused": ("(x) torch AdamW with fused=True (AdamW's math, another rounding order)", _adamw_fused),
     "x_adamw_jitter1": ("(x) torch AdamW with each update scaled per element by 1 +- 1% (unbiased, seeded)",
                         _adamw_jitter(0.01)),
+    # (x) AdamW against a small systematic change of itself: the whole schedule's lr x1.1 or x0.9
+    "x_adamw_lr1.1": ("(x) torch AdamW, lr x1.1 (the control for how far a small systematic change moves the plateau "
+                      "outcome)", _adamw),
+    "x_adamw_lr0.9": ("(x) torch AdamW, lr x0.9", _adamw),
     "x_adamw_jitter10": ("(x) torch AdamW with each update scaled per element by 1 +- 10% (unbiased, seeded)",
                          _adamw_jitter(0.10)),
     # (a) unquantized first moment
@@ -701,7 +705,7 @@ RESEARCH_VARIANTS = {
                    "profile, as narrow_rows='rows8' keeps)",
                    _gefen(second_moment="factored", row_blocks=1, narrow_rows="auto")),
 }
-LR_SCALE = {"g_shared_lr1.5": 1.5, "g_shared_lr0.7": 0.7, "g_factored_lr1.5": 1.5, "g_adamw_lr1.5": 1.5,
+LR_SCALE = {"x_adamw_lr1.1": 1.1, "x_adamw_lr0.9": 0.9, "g_shared_lr1.5": 1.5, "g_shared_lr0.7": 0.7, "g_factored_lr1.5": 1.5, "g_adamw_lr1.5": 1.5,
             "g_default_lr1.5": 1.5, "g_default_lr0.75": 0.75, "g_adamw_lr0.75": 0.75}
 
 
