@@ -3,6 +3,8 @@
 
     python research/early_stall.py --seeds 6-13 [--steps 150] [--jobs 2]     # ~9 min per run, 1 thread
     python research/early_stall.py --variants v_nibbles --seeds 2,4-8,10,11  # one more variant
+    python research/early_stall.py --means gefen_default,x_adamw_jitter10,x_adamw_lr1.1,x_adamw_lr0.9,v_all_v8_fused \
+        --plot docs/img/early_plateau.png                                      # window means beside AdamW's
 
 On the quality benchmark's `base` byte-level GPT (4.84M parameters; `benchmarks/quality.py`'s
 recipe: batch 32 x 128, lr 2e-3, 50 warm-up steps then a cosine over 800 steps to 10%, betas
@@ -47,7 +49,9 @@ WINDOW = (100, 150)  # steps 101..150 (0-based indices 100..149 of train_loss)
 FULL_STALL_VAL = 1.65  # an 800-step base run ending above this stayed on the plateau (stored runs: <= 1.53 or >= 1.74, except AdamW seed 5 at 1.614, which leaves the plateau late)
 VARIANTS = ("adamw", "gefen_default")  # the study's default pair; --variants may add any registered name
 NAMES = {"adamw": "AdamW", "gefen_default": "Gefen default", "v_nibbles": 'second_moment="nibbles"',
-         "x_adamw_fused": "AdamW, fused=True"}
+         "x_adamw_fused": "AdamW, fused=True", "x_adamw_jitter1": "AdamW, updates x(1 +- 1%)",
+         "x_adamw_jitter10": "AdamW, updates x(1 +- 10%)", "x_adamw_lr1.1": "AdamW, lr x1.1", "x_adamw_lr0.9": "AdamW, lr x0.9",
+         "v_all_v8_fused": "8-bit m, one-byte v per element"}
 
 
 def window_mean(train_loss):
