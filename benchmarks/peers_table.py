@@ -85,7 +85,8 @@ def cell(finals: dict, variant: str) -> str:
 
 def _split(res: dict) -> str:
     """Where one of the two stalls alone: the offset on the seeds where both train well, and how the
-    stalls split (a plateau split is a coin at this scale: research/early_stall.py)."""
+    stalls split (which seeds stall moves with any systematic change of the optimizer, AdamW's lr x1.1
+    included: research/early_stall.py, docs/quality.md)."""
     d, bw = res["discordant"], res["both_train_well"]
     if not d["only_variant"] or bw.get("n", 0) < 2:  # else "both train well" is the headline's seeds
         return ""

@@ -82,7 +82,9 @@ built with ``-march=native``, and two intrinsics paths replace them where the CP
   iterations, and the factored row sum of ``g^2`` is taken from the first sweep's loads.
 
 All paths execute the same float operations in the same order and are tested to be bitwise
-equal (the step functions' ``simd=`` argument chooses between them).
+equal (the step functions' ``simd=`` argument chooses between them). On an AVX-512 CPU the AVX2 path
+is compiled into a second build of the file, which steps instead where it measures faster
+(:mod:`gefen_dist.kernels.cpu_build`).
 
 Nearest codeword
 ----------------
