@@ -14,6 +14,7 @@ Research imports benchmarks, never the reverse.
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -358,6 +359,34 @@ def _adamw_fused(groups, lr, betas, seed):
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=True)
 
 
+def _adamw_arnoise(sigma: float, phi: float):
+    """torch AdamW whose every update is scaled per element by ``exp(sigma a_t)``, ``a_t`` a stationary AR(1)
+    process per element (``a_t = phi a_{t-1} + sqrt(1 - phi^2) xi_t``, ``xi`` standard normal, a seeded
+    generator): the step-size noise of a coarsely coded second moment, whose rounding error the EMA carries
+    over ~1 / (1 - beta2) steps (``phi`` = beta2), with the log-normal spread measured for ``"nibbles"`` at
+    step 150 of ``base`` (research/nibble_v_ratio.py: a 90% band of ~0.77-1.39, ``sigma`` ~0.18); ``phi = 0``:
+    the same spread drawn afresh every step. Median factor 1: noise without a bias of the step size."""
+    def make(groups, lr, betas, seed):
+        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
+        gen = torch.Generator().manual_seed(3_000_017 + seed)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        state = [torch.randn(p.shape, generator=gen) for p in params]
+        inner = opt.step
+        keep = math.sqrt(1.0 - phi * phi)
+
+        def step(closure=None):
+            old = [p.detach().clone() for p in params]
+            out = inner(closure)
+            with torch.no_grad():
+                for p, o, a in zip(params, old, state):
+                    a.mul_(phi).add_(torch.randn(p.shape, generator=gen), alpha=keep)
+                    p.copy_(o.add_((p - o).mul_(torch.exp(a * sigma).to(p.dtype))))
+            return out
+        opt.step = step
+        return opt
+    return make
+
+
 def _adamw_jitter(rel: float):
     """torch AdamW whose every update is scaled per element by ``1 + rel * xi`` (``xi`` = +-1 with equal
     chance, a seeded generator): an unbiased perturbation of the trajectory of about the size of a
@@ -391,6 +420,11 @@ RESEARCH_VARIANTS = {
     "x_adamw_lr1.1": ("(x) torch AdamW, lr x1.1 (the control for how far a small systematic change moves the plateau "
                       "outcome)", _adamw),
     "x_adamw_lr0.9": ("(x) torch AdamW, lr x0.9", _adamw),
+    # (x) AdamW with the step-size noise a coarsely coded v carries (log-normal, sigma 0.18), correlated over ~20
+    # steps as beta2's EMA carries it, or drawn afresh each step: is the wandering v what delays "nibbles"' escape?
+    "x_adamw_arnoise": ("(x) torch AdamW with each update scaled per element by exp(0.18 a), a an AR(1) process with "
+                        "coefficient 0.95 (beta2): a coded v's correlated step-size noise", _adamw_arnoise(0.18, 0.95)),
+    "x_adamw_iidnoise": ("(x) x_adamw_arnoise drawn afresh every step (coefficient 0)", _adamw_arnoise(0.18, 0.0)),
     "x_adamw_jitter10": ("(x) torch AdamW with each update scaled per element by 1 +- 10% (unbiased, seeded)",
                          _adamw_jitter(0.10)),
     # (a) unquantized first moment
