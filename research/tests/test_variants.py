@@ -647,3 +647,38 @@ def test_range_coded_v_and_the_4bit_first_moment_emulation():
     assert reps >= set(lo.long().tolist()) | set(hi.long().tolist())
     assert torch.allclose(cb[lo.long()] * (1 - p) + cb[hi.long()] * p, cb, atol=1e-6)
     assert bool((cb[lo.long()] <= cb).all() and (cb <= cb[hi.long()]).all())
+
+
+def test_adamw_noise_controls_scale_adamws_update_by_the_stated_process():
+    """x_adamw_arnoise / x_adamw_iidnoise: each element's update is AdamW's (the same parameters, gradients
+    and state) times exp(sigma a_t), with a_t of unit variance, lag-1 correlation phi, median factor 1."""
+    _variants()
+    import quality_variants as qv
+
+    def factors(phi, steps=60):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(32, 64))
+        twin = nn.Parameter(w.detach().clone())
+        noisy = qv._adamw_arnoise(0.18, phi)([w], 1e-2, (0.9, 0.95), 0)
+        plain = torch.optim.AdamW([twin], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+        out = []
+        for _ in range(steps):
+            g = 1.0 + 0.3 * torch.randn(32, 64)  # AdamW's step near lr: resolved in float32
+            w.grad, twin.grad = g.clone(), g.clone()
+            old = w.detach().clone()
+            twin.data.copy_(old)  # AdamW's update from the same point; its state follows the same gradients
+            noisy.step()
+            plain.step()
+            ref = twin.detach() - old
+            # elements whose update float32 resolves (m and the decay nearly cancelling: noise); the rest NaN
+            out.append(torch.where(ref.abs() > 2e-3, ((w.detach() - old) / ref).log() / 0.18, float("nan")))
+        return torch.stack(out)
+
+    for phi in (0.95, 0.0):
+        a = factors(phi)
+        live = a[~a.isnan()]
+        assert live.numel() > 0.9 * a.numel()
+        assert abs(float(live.std()) - 1.0) < 0.1 and abs(float(live.median())) < 0.1
+        both = ~(a[1:].isnan() | a[:-1].isnan())
+        lag1 = float((a[1:] * a[:-1])[both].mean() / (a * a)[~a.isnan()].mean())
+        assert abs(lag1 - phi) < 0.1, (phi, lag1)
