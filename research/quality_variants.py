@@ -119,6 +119,11 @@ def _code_v_fac(v: torch.Tensor, gen: torch.Generator, steps: float = 2, levels:
     return torch.where(fac > 0, fac * torch.exp2((k - levels // 2) / steps), torch.zeros_like(v))
 
 
+def _keep_v(v: torch.Tensor, gen, steps: float = 0, levels: int = 0) -> torch.Tensor:
+    """No coding: ``v`` as it is (a variant that re-codes only its first moment)."""
+    return v
+
+
 def _code_v_mm(v: torch.Tensor, gen: torch.Generator, steps: float = 0, levels: int = 16) -> torch.Tensor:
     """``v`` as ``levels`` log codes spread over each 256-block's own range: ``c = (log2 R_b - log2 v) / s_b``,
     ``s_b = (log2 R_b - log2 r_b) / (levels - 1)`` (``R_b``, ``r_b`` the block's largest and smallest nonzero
@@ -649,6 +654,12 @@ RESEARCH_VARIANTS = {
                           "moment rounded stochastically (16 codewords): ~1.5 B/param",
                           _gefen_named_v8(("weight",), m_levels=16, m_stochastic=True, second_moment="factored",
                                           row_blocks="auto")),
+    # (v) the 4-bit stochastic first moment alone, beside an fp32 per-element v (no coding of v): the first moment's
+    # share of the one-byte layout's late escapes on base, without v's rounding noise
+    "v_all_m4s_fused": ("(v) a 4-bit first moment rounded stochastically (16 codewords) with an fp32 per-element v "
+                        "(~5 B/param: an emulation, not a layout)",
+                        _gefen_named_v8(("weight",), coder=_keep_v, m_levels=16, m_stochastic=True,
+                                        second_moment="factored", row_blocks="auto")),
     # (v) 12 bits per element split evenly (~1.5 B/param, inside issue 26's 1.6 for a quality setting): a 6-bit first
     # moment (64 of the learned codewords) and 6-bit codes of v, 8 per octave over 8 octaves below each 256-block's maximum
     "v_all_m6v6_fused": ("(v) a 6-bit first moment (64 codewords, nearest) and 6-bit codes of v (8 per octave, per-256 "
