@@ -51,6 +51,22 @@ def tensors(seed=0, name="block0"):
     return ps, gs
 
 
+class _PerTensor:
+    """An optimizer whose steps skip the multi-tensor CPU batch (gefen_dist.engine.cuda_batch's switch)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def step(self):
+        from gefen_dist.engine import cuda_batch
+
+        cuda_batch._NATIVE_CPU = False
+        try:
+            self.opt.step()
+        finally:
+            cuda_batch._NATIVE_CPU = True
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -66,6 +82,8 @@ def main(argv=None):
         "torch_adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
         "gefen_default": lambda ps: Gefen(ps, lr=1e-3),
         "gefen_nibbles": lambda ps: Gefen(ps, lr=1e-3, second_moment="nibbles"),
+        # the same kernel called tensor by tensor (the CPU's path before the multi-tensor batch took "nibbles")
+        "gefen_nibbles_per_tensor": lambda ps: _PerTensor(Gefen(ps, lr=1e-3, second_moment="nibbles")),
     }
     if not args.no_eager:
         makers["gefen_nibbles_eager"] = lambda ps: Gefen(ps, lr=1e-3, second_moment="nibbles", fused=False)

@@ -60,22 +60,25 @@ def _same(a, b, oa, ob):
                 assert torch.equal(v, ob.state[q][k]), (name, k)
 
 
-@pytest.mark.parametrize("second_moment", ["factored", "shared", "elementwise"])
+@pytest.mark.parametrize("second_moment", ["factored", "shared", "elementwise", "nibbles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_batch_equals_the_per_tensor_path(monkeypatch, second_moment, dtype):
     a, b, oa, ob = _pair(monkeypatch, dtype, lr=1e-3, weight_decay=0.1, second_moment=second_moment)
     batches, _ = _steps(a, b, oa, ob, 5)
     assert batches[0] is None and batches[1] is not None and batches[4] is batches[1]  # built once, reused
-    assert batches[1].native_cpu and type(batches[1].groups[0]["multi"]).__module__.endswith("cpu_multi")
+    launcher = batches[1].groups[0]["nibs"]["step"] if second_moment == "nibbles" else batches[1].groups[0]["multi"]
+    assert batches[1].native_cpu and type(launcher).__module__.endswith("cpu_multi")
     assert all(int(oa.state[p]["step"]) == int(ob.state[q]["step"]) == 5 for p, q in zip(a.parameters(), b.parameters()))
     _same(a, b, oa, ob)
 
 
-def test_cpu_batch_edges(monkeypatch, caplog):
-    """A tensor that missed a step (its own launch group, its own bias corrections), a non-contiguous
-    parameter stepped beside the batch (one DEBUG line), then a NaN (raises naming the tensor, nothing
-    changed) and with nonfinite="skip" a skipped step: all as the per-tensor path."""
-    a, b, oa, ob = _pair(monkeypatch, lr=1e-3, weight_decay=0.1)
+@pytest.mark.parametrize("second_moment", ["factored", "nibbles"])
+def test_cpu_batch_edges(monkeypatch, caplog, second_moment):
+    """A tensor that missed a step (its own launch group, its own bias corrections and, with "nibbles",
+    the random numbers of its own step count), a non-contiguous parameter stepped beside the batch (one
+    DEBUG line), then a NaN (raises naming the tensor, nothing changed) and with nonfinite="skip" a
+    skipped step: all as the per-tensor path."""
+    a, b, oa, ob = _pair(monkeypatch, lr=1e-3, weight_decay=0.1, second_moment=second_moment)
     # the last layer's weight misses step 2: its step count falls behind the others'
     _steps(a, b, oa, ob, 4, drop={2: lambda m: setattr(m[6].weight, "grad", None)})
     assert len(ob._cuda_batch.groups) >= 2

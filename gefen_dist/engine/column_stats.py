@@ -3,7 +3,7 @@ sums of ``g^2`` per tensor, one SUM all-reduce when any tensor is sharded, colum
 block. Replicas that do not contribute add zeros, so the sums equal a single process's."""
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,14 +55,21 @@ class ColumnTable:
     :mod:`~gefen_dist.kernels.cpu_multi`); ``tensors[i] = (v_col, spec, rows, contributes)``:
     ``spec`` the gradient's ``(local rows, S, first row, row block, G, dtype)`` for ``ColumnSums``,
     ``rows`` the global rows per row block, ``contributes`` False for a replica whose sums count as
-    zeros."""
+    zeros. ``factored[i]`` False: tensor ``i`` needs no column factors (``second_moment="nibbles"``
+    reads the column ratios around the EMA instead); :attr:`factor_views` holds None for it, and
+    :attr:`factors` launches over the others only (None when no tensor needs them)."""
 
-    def __init__(self, kernels, tensors: Sequence[tuple], device: torch.device):
+    def __init__(self, kernels, tensors: Sequence[tuple], device: torch.device,
+                 factored: Optional[Sequence[bool]] = None):
         if not tensors:
             raise ValueError("ColumnTable needs at least one factored tensor")
         self.vcols = [t[0] for t in tensors]
         self.sums = kernels.ColumnSums([t[1] for t in tensors], device)
-        self.factors = kernels.ColumnFactors(self.vcols, device)
+        need = [True] * len(self.vcols) if factored is None else [bool(f) for f in factored]
+        wanted = [v for v, f in zip(self.vcols, need) if f]
+        self.factors = kernels.ColumnFactors(wanted, device) if wanted else None
+        it = iter(self.factors.views if self.factors is not None else [])
+        self.factor_views = [next(it) if f else None for f in need]
         self.slices, o = [], 0  # (offset, numel, v_col's shape) of each tensor in the flat buffers
         for v in self.vcols:
             self.slices.append((o, v.numel(), v.shape))

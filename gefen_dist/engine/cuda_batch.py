@@ -45,6 +45,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..core.nibbles import step_key
 from ..core.step import adamw_foreach_, adamw_hyperparameters, ema_foreach_, hyperparameters, row_block_args
 from .column_stats import ColumnTable
 from .device_step import DeviceStep
@@ -176,24 +177,30 @@ class CudaBatch:
                                      pc.local.dtype), rows // G, pc.contributes or not self.sharded))
                 fpos[e] = (len(self.fact), rkw)
                 self.fact.append(e)
-        # the column sums and the column factors sqrt(v_col / mean(v_col)) of every factored tensor
-        self.cols = ColumnTable(_tri, cols, device) if cols else None
+        # the column sums and the column factors sqrt(v_col / mean(v_col)) of every factored tensor (none for
+        # "nibbles", D20, whose step reads the column ratios around the EMA: _nibble_groups)
+        self.nibbles = nibbles_in(opt.param_groups)
+        self.cols = ColumnTable(_tri, cols, device, factored=[not self.nibbles] * len(cols)) if cols else None
         for e, (group, p) in enumerate(entries):
             st = opt.state[p]
             gi = groups.setdefault((id(group), step_of(st)), dict(group=group, items=[], item_entries=[], exact=[],
-                                                                  vcols=[], vcol_parts=[]))
+                                                                  vcols=[], vcol_parts=[], nib=[]))
             mode = opt._mode(p)
             if mode == MODE_EXACT:
                 gi["exact"].append(e)
                 continue
             pc = pieces[e]
             param = pc.local
+            if mode == MODE_FACTORED and self.nibbles:
+                gi["nib"].append((e, pc, fpos[e][0]))
+                gi["item_entries"].append(e)
+                continue
             if mode == MODE_FACTORED:
                 k, rkw = fpos[e]
                 v_col = st["v_col"]
                 item = _tri.StepItem(param.view(-1), local_tensor(st["idx"]).view(-1),
                                      local_tensor(st["scale"]).view(-1), local_tensor(st["v_row"]).view(-1),
-                                     self.cols.factors.views[k], v_col.shape[-1], int(st["scale_block"]), 2,
+                                     self.cols.factor_views[k], v_col.shape[-1], int(st["scale_block"]), 2,
                                      rkw.get("row0", 0), rkw.get("row_block", 1))
                 gi["vcols"].append(v_col)
                 gi["vcol_parts"].append(self.cols.views[k])
@@ -207,6 +214,7 @@ class CudaBatch:
         self.groups = list(groups.values())
         for gi in self.groups:
             gi["multi"] = _tri.MultiStep(gi["items"], device) if gi["items"] else None
+            gi["nibs"] = self._nibble_group(opt, gi, _tri, device) if gi["nib"] else None
         self.others = [e for e in range(len(entries)) if e not in fpos]
         self._step_tables(opt, entries)
         # capturable=True: a step without host synchronisation (engine/device_step.py); CUDA batches only
@@ -215,6 +223,28 @@ class CudaBatch:
         logger.debug("gefen_dist: CUDA batch for %d tensors: %d quantized launches, %d factored%s", len(entries),
                      sum(gi["multi"].launches for gi in self.groups if gi["multi"]), len(self.fact),
                      ", sharded" if self.sharded else "")
+
+    def _nibble_group(self, opt, gi, kernels, device):
+        """A launch group's ``second_moment="nibbles"`` tensors (D20): their column ratios around the
+        ``v_col`` EMAs and one multi-tensor step, with the per-tensor path's arguments
+        (:meth:`~gefen_dist.engine.tensor_step.TensorStep._step_nibbles`): each piece's first global row,
+        rows per row block, its place in the optimizer (the random numbers' key)."""
+        vcols = [opt.state[self.entries[e][1]]["v_col"] for e, _, _ in gi["nib"]]
+        ratios = kernels.ColumnRatios(vcols, device)
+        items = []
+        for j, (e, pc, k) in enumerate(gi["nib"]):
+            p = self.entries[e][1]
+            st = opt.state[p]
+            S, G = vcols[j].shape[-1], vcols[j].shape[0] if vcols[j].dim() > 1 else 1
+            row0, n = pc.start // S, pc.local.numel()
+            rb = global_shape(p)[0] // G if G > 1 else row0 + n // S + 1  # one block: every row in block 0
+            items.append(kernels.NibbleItem(pc.local.view(-1), local_tensor(st["idx"]).view(-1),
+                                            local_tensor(st["scale"]).view(-1), local_tensor(st["v_row"]).view(-1),
+                                            ratios.old[j], ratios.new[j], S, int(st["scale_block"]), row0, rb,
+                                            opt._tensor_index(p)))
+        return dict(ratios=ratios, step=kernels.NibbleStep(items, device),
+                    means=[self.cols.views[k] for _, _, k in gi["nib"]],
+                    index=[it.index for it in items], entries=[e for e, _, _ in gi["nib"]])
 
     def _step_tables(self, opt, entries) -> None:
         """What a step reads after the flags, built once so that the host work there stays a fixed
@@ -305,11 +335,13 @@ class CudaBatch:
         a step does not re-examine every tensor), or None when the per-tensor path must take the step."""
         if opt.fused is False or not entries or any(g.get("fused") is False for g in opt.param_groups):
             return None
-        if nibbles_in(opt.param_groups):  # D20's step has no multi-tensor kernel yet: said once where it costs
+        if nibbles_in(opt.param_groups) and (not _native_cpu() or any(
+                p.device.type != "cpu" for g in opt.param_groups for p in g["params"])):
+            # D20's step has a multi-tensor kernel on CPU only (kernels/cpu_multi.py): said once where it costs
             if any(p.device.type in _DEVICE_TYPES for g in opt.param_groups for p in g["params"]) \
                     and _once(opt, "_cuda_beside", "nibbles"):
-                logger.info("Gefen: second_moment='nibbles' (D20) has no multi-tensor kernel yet: each tensor is "
-                            "stepped on its own, a few kernel launches per tensor on a GPU (the same results); "
+                logger.info("Gefen: second_moment='nibbles' (D20) has no multi-tensor CUDA kernel yet: each tensor "
+                            "is stepped on its own, a few kernel launches per tensor on a GPU (the same results); "
                             "logged once.")
             return None
         key = _key(opt, entries)
@@ -407,7 +439,7 @@ class CudaBatch:
                 ema_foreach_(gi["vcols"], gi["vcol_parts"], gi["group"]["betas"][1])
         if ds is not None:
             ds.restore_vcols_if_skipped()
-        if self.cols is not None:
+        if self.cols is not None and self.cols.factors is not None:
             self.cols.factors.run()  # the update kernels read the factors of the new v_col
         for gi in self.groups:
             group = gi["group"]
@@ -416,6 +448,12 @@ class CudaBatch:
                 hp = hyperparameters(group, step, opt.bound_updates) if ds is None else ds.scalars(gi, opt)
                 cb = local_tensor(self.codebook_state["codebook"])
                 gi["multi"].run([grads[e] for e in gi["item_entries"]], cb, **hp)
+            if gi["nibs"] is not None:  # D20: v_col's EMA between the ratios, then the step
+                nb = gi["nibs"]
+                nb["ratios"].run(nb["means"], group["betas"][1])
+                nb["step"].run([grads[e] for e in nb["entries"]], local_tensor(self.codebook_state["codebook"]),
+                               [step_key(0, step, i) for i in nb["index"]],
+                               **hyperparameters(group, step, opt.bound_updates))
             if gi["exact"] and ds is not None:
                 ds.exact(gi, [grads[e] for e in gi["exact"]])
             elif gi["exact"]:  # as the per-tensor path's _update_exact_batched

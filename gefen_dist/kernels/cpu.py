@@ -132,7 +132,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["available", "simd_compiled", "simd_isa", "quantized_step_", "quantized_step_factored_", "apply_compressed_",
            "apply_factored_", "numerics", "nearest_lut", "nearest_sweep", "CodebookTable", "codebook_table"]
 
-_ABI = 13
+_ABI = 14
 _LIB_NAME = cpu_build.NATIVE  # the -march=native build (cpu_build.py: which build a process uses)
 _SOURCES = ["gefen_step.c"]
 _BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together
@@ -254,6 +254,9 @@ def _load(name: str) -> Optional[ctypes.CDLL]:
             lib.gefen_nibble_step.restype = ctypes.c_int  # second_moment="nibbles" (D20)
             lib.gefen_nibble_step.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_NibbleArgs)] + [vp] * 5
             lib.gefen_nibble_args_size.restype = ctypes.c_int
+            lib.gefen_multi_nibble_step.restype = i64  # many "nibbles" tensors per call (kernels/cpu_multi.py)
+            lib.gefen_multi_nibble_step.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_NibbleArgs), vp, i64]
+            lib.gefen_nibble_item_size.restype = ctypes.c_int
             if lib.gefen_nibble_args_size() != ctypes.sizeof(_NibbleArgs):
                 logger.warning("gefen_dist: %s has an unexpected ABI; using the eager path", name)
                 return None

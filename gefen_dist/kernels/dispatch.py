@@ -260,7 +260,8 @@ def native_cpu_usable(t: torch.Tensor) -> bool:
 def select_nibbles(t: torch.Tensor, fused: Optional[bool] = None) -> StepImpl:
     """The implementation that steps tensor ``t`` under ``second_moment="nibbles"`` (D20): as
     :func:`select` (the native CPU kernel, the Triton kernel, else the eager reference), one tensor per
-    call (no multi-tensor batch for it yet)."""
+    call; on CPU the optimizer's multi-tensor batch steps its tensors with the same kernel
+    (:class:`gefen_dist.kernels.cpu_multi.NibbleStep`), on CUDA there is no multi-tensor kernel for it yet."""
     return select(t, fused)
 
 

@@ -66,7 +66,7 @@
 #define GEFEN_SPAN_AVX2 1 /* the span update's 8-lane loops: AVX2 builds and AVX-512 VBMI builds alike */
 #endif
 
-#define GEFEN_STEP_ABI 13
+#define GEFEN_STEP_ABI 14
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -2554,5 +2554,47 @@ int gefen_nibble_step(const gefen_step_args *a, const gefen_nibble_args *nb, voi
         }
     }
     free(scratch);
+    return 0;
+}
+
+/* Many tensors of "nibbles" per call (the optimizer's multi-tensor batch on CPU, kernels/cpu_multi.py):
+ * gefen_nibble_step per item in a loop, so each tensor's result is its own call's, bitwise. */
+typedef struct {
+    void *param;
+    const void *grad;
+    uint8_t *code;
+    float *scale, *vrow;
+    const float *ratio_old, *ratio_new; /* [G][period]: the column ratios before / after this step's EMA */
+    int64_t n, period, block, row0, rb;
+    int32_t dtype;
+    uint32_t key;
+} gefen_nibble_item;
+
+int gefen_nibble_item_size(void) { return (int)sizeof(gefen_nibble_item); }
+
+/* One step of every item with the scalars of *tmpl and *ntmpl (their sizes, dtype, ratios, rows and key
+ * replaced by the item's); returns 0, or (item index + 1) * 100 + the error code of the first failing
+ * item, which stops the loop (items before it have stepped; the code is checked before anything of its
+ * item is written). */
+int64_t gefen_multi_nibble_step(const gefen_step_args *tmpl, const gefen_nibble_args *ntmpl,
+                                const gefen_nibble_item *items, int64_t count)
+{
+    for (int64_t i = 0; i < count; ++i) {
+        const gefen_nibble_item *it = items + i;
+        if (it->n == 0) continue;
+        gefen_step_args a = *tmpl;
+        a.n = it->n;
+        a.period = it->period;
+        a.block = it->block;
+        a.dtype = it->dtype;
+        gefen_nibble_args nb = *ntmpl;
+        nb.ratio_old = it->ratio_old;
+        nb.ratio_new = it->ratio_new;
+        nb.row0 = it->row0;
+        nb.rb = it->rb;
+        nb.key = it->key;
+        const int r = gefen_nibble_step(&a, &nb, it->param, it->grad, it->code, it->scale, it->vrow);
+        if (r != 0) return (i + 1) * 100 + r;
+    }
     return 0;
 }
