@@ -222,6 +222,36 @@ def test_column_factors_by_shape_equal_the_per_tensor_operations(threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_column_ratios_by_shape_equal_the_per_tensor_operations(threads):
+    """ColumnRatios (second_moment="nibbles"): the ratios before and after each v_col's EMA, the v_col of
+    one shape taken together, bitwise core.nibbles.ratios_around_ema_ of each, whatever the thread count,
+    with a one-profile v_col too long to reduce serially, a zero profile and a NaN one."""
+    from gefen_dist.core import nibbles as _nb
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(4)
+        shapes = [(768,), (768,), (3, 256), (3, 256), (50257,), (50257,), (2, 40000), (7,), (7,)]
+        v_cols = [torch.rand(s, generator=gen).pow_(3) * 10.0 ** float(torch.randint(-9, 2, (1,), generator=gen))
+                  for s in shapes]
+        v_cols[3][1].zero_()
+        v_cols[8][0] = float("nan")
+        refs = [v.clone() for v in v_cols]
+        cr = cpu_multi.ColumnRatios(v_cols, torch.device("cpu"))
+        assert len(cr._groups) < len(shapes)
+        for step in range(2):  # the views are rewritten in place
+            means = [torch.rand(v.shape, generator=gen) * 1e-3 for v in v_cols]
+            cr.run(means, 0.95)
+            for i, (v, r) in enumerate(zip(v_cols, refs)):
+                want_old, want_new = _nb.ratios_around_ema_(r, means[i], 0.95)
+                for got, want in ((cr.old[i], want_old), (cr.new[i], want_new), (v, r)):
+                    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{i} {shapes[i]}")
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_cpu_batch_of_repeated_layers_equals_the_per_tensor_path(monkeypatch):
     """A model whose layers repeat their shapes (column factors taken per shape, the multi step's
     tables built once per call) steps bitwise as the per-tensor path."""
