@@ -12,6 +12,7 @@ from torch import nn
 
 from gefen_dist import Gefen
 from gefen_dist.engine import cuda_batch
+from gefen_dist.engine.column_stats import ColumnRatios
 from gefen_dist.kernels import cpu_multi
 
 pytestmark = pytest.mark.skipif(not cpu_multi.available(), reason="needs the native CPU library")
@@ -224,7 +225,7 @@ def test_column_factors_by_shape_equal_the_per_tensor_operations(threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_column_ratios_by_shape_equal_the_per_tensor_operations(threads):
-    """ColumnRatios (second_moment="nibbles"): the ratios before and after each v_col's EMA, the v_col of
+    """engine.column_stats.ColumnRatios (second_moment="nibbles"): the ratios before and after each v_col's EMA, the v_col of
     one shape taken together, bitwise core.nibbles.ratios_around_ema_ of each, whatever the thread count,
     with a one-profile v_col too long to reduce serially, a zero profile and a NaN one."""
     from gefen_dist.core import nibbles as _nb
@@ -239,7 +240,7 @@ def test_column_ratios_by_shape_equal_the_per_tensor_operations(threads):
         v_cols[3][1].zero_()
         v_cols[8][0] = float("nan")
         refs = [v.clone() for v in v_cols]
-        cr = cpu_multi.ColumnRatios(v_cols, torch.device("cpu"))
+        cr = ColumnRatios(v_cols, torch.device("cpu"))
         assert len(cr._groups) < len(shapes)
         for step in range(2):  # the views are rewritten in place
             means = [torch.rand(v.shape, generator=gen) * 1e-3 for v in v_cols]

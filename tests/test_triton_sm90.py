@@ -96,12 +96,16 @@ def test_apply_many_compiles_without_spills():
 
 
 def test_nibbles_kernel_compiles_without_spills():
-    """second_moment="nibbles" (D20, kernels/triton_nibbles.py): every tile its launcher picks (chunks of 32 to
-    256 columns, 128 or 256 elements a program) compiles for sm_90 in float32 and bfloat16 without spills."""
+    """second_moment="nibbles" (D20, kernels/triton_nibbles.py): every tile its launchers pick (chunks of 32 to
+    256 columns, 128 or 256 elements a program) compiles for sm_90 in float32 and bfloat16 without spills, the
+    per-tensor kernel and the multi-tensor one."""
     from gefen_dist.kernels.triton_nibbles import nibble_config
 
     for bs in (32, 64, 128, 256):
         rows, block, warps = nibble_config(bs)
         for bf16 in (False, True):
             r = sm90.compile_nibbles(bf16, rows, block, warps, disasm=False)
+            assert r["stack"] == 0 and r["registers"] <= 128, r
+            # the multi-tensor kernel (NibbleStep) under its launch's register ceiling
+            r = sm90.compile_nibbles_multi(bf16, rows, block, warps, disasm=False)
             assert r["stack"] == 0 and r["registers"] <= 128, r

@@ -912,7 +912,17 @@ def _per_tensor_and_batch(monkeypatch, **hp):
     from gefen_dist.kernels import dispatch
 
     monkeypatch.setattr(cuda_path, "_DEVICE_TYPES", ("cuda", "cpu"))
-    base = _three_kinds_model()
+    if hp.get("second_moment") == "nibbles":  # its per-tensor path asks dispatch.select_nibbles
+        monkeypatch.setattr(dispatch, "native_cpu_usable", lambda t: False)
+        monkeypatch.setattr(dispatch, "triton_usable", lambda t: t.dtype in (torch.float32, torch.bfloat16))
+    if hp.get("second_moment") == "nibbles":  # smaller (the interpreter runs each program of its kernel slowly)
+        from torch import nn
+
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16), nn.GELU(), nn.Linear(16, 8))
+        hp = dict(hp, small_threshold=0)  # every 2-D weight quantized (64 x 32: two row blocks)
+    else:
+        base = _three_kinds_model()
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     oa, ob = Gefen(a.named_parameters(), **hp), Gefen(b.named_parameters(), **hp)
     for o in (oa, ob):
@@ -968,13 +978,15 @@ def _nan_raises_unchanged(b, ob, batch, where, name, extra=()):
 
 
 @interp
-@pytest.mark.parametrize("second_moment", ["factored", "shared", "elementwise"])
+@pytest.mark.parametrize("second_moment", ["factored", "shared", "elementwise", "nibbles"])
 def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
     """The multi-tensor CUDA step (gefen_dist.engine.cuda_batch), run on CPU tensors through the
     interpreter, against the per-tensor Triton path on the same gradients: bitwise equal (on CPU the
     foreach operations are the per-tensor ones and the float64 column sums round to the same
-    float32). The plan is built at the second step, reused, and rebuilt after load_state_dict; a
-    non-finite gradient goes to the per-tensor path, which raises naming the tensor."""
+    float32; "nibbles": its column ratios by shape are the per-tensor ones on CPU, its multi-tensor
+    kernel runs each row as the per-tensor launch). The plan is built at the second step, reused, and
+    rebuilt after load_state_dict; a non-finite gradient goes to the per-tensor path, which raises
+    naming the tensor."""
     a, b, oa, ob = _per_tensor_and_batch(monkeypatch, lr=1e-3, weight_decay=0.1, second_moment=second_moment)
 
     def reload(step, when):
@@ -987,6 +999,10 @@ def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
     assert oa.codebook is not None and torch.equal(oa.codebook, ob.codebook)
     assert all(oa.state[p]["step"] == ob.state[q]["step"] == 5 for p, q in zip(a.parameters(), b.parameters()))
     _assert_same_state(a, b, oa, ob)
+    if second_moment == "nibbles":
+        from gefen_dist.kernels.triton_nibbles import NibbleStep
+
+        assert isinstance(plans[4].groups[0]["nibs"]["step"], NibbleStep) and plans[4].groups[0]["multi"] is None
     # a NaN gradient: the plan hands the step back; the per-tensor path raises with the name
     _nan_raises_unchanged(b, ob, batch, b[2].weight, "2.weight")
 

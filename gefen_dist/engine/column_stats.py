@@ -7,10 +7,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.step import block_column_sumsq
+from ..core.step import block_column_sumsq, column_ratios, ema_foreach_
 from .layout import Piece
 
-__all__ = ["piece_column_sums", "column_means", "ColumnTable"]
+__all__ = ["piece_column_sums", "column_means", "ColumnTable", "ColumnRatios"]
 
 
 def piece_column_sums(pc: Piece, v_col: torch.Tensor, global_rows: int, sumsq: Callable, skip: bool) -> torch.Tensor:
@@ -101,3 +101,65 @@ class ColumnTable:
         """The float32 column means from the (reduced) sums: float64 quotients rounded once, into
         :attr:`means` (whose :attr:`views` the EMAs read)."""
         return torch.div(buf, self.rows, out=self.means)
+
+
+class ColumnRatios:
+    """The column ratios ``v_col / mean(v_col)`` (:func:`gefen_dist.core.step.column_ratios`) of a launch
+    group's ``second_moment="nibbles"`` tensors before and after this step's ``v_col`` EMA
+    (:func:`gefen_dist.core.nibbles.ratios_around_ema_` of each), into ``old[i]`` / ``new[i]``: views of two
+    flat buffers that every :meth:`run` rewrites, so the update kernels' tables keep their pointers.
+
+    ``v_col`` tensors of one shape are taken together (one ``stack``, ``mean`` and ``div`` per shape, two
+    foreach operations for the EMAs) instead of about six operations per tensor. Each stacked mean reduces
+    each output in the order the mean of that ``v_col`` alone does on CPU (bitwise the per-tensor path,
+    ``tests/test_cpu_batch.py``) as long as that mean runs serially: a profile of ``_GRAIN`` columns or more
+    is reduced on its own (as :class:`gefen_dist.kernels.cpu_multi.ColumnFactors` does). On CUDA torch may
+    order a reduction of many outputs differently from one of a few, so the ratios can differ from the
+    per-tensor path's in a last bit (not run on a GPU yet)."""
+
+    _GRAIN = 32768  # at::internal::GRAIN_SIZE: below it torch reduces serially on CPU
+
+    def __init__(self, v_cols, device: torch.device):
+        self.device = torch.device(device)
+        self.v_cols = list(v_cols)
+        for i, v in enumerate(self.v_cols):
+            if v.dtype != torch.float32 or not v.is_contiguous() or v.device != self.device:
+                raise ValueError(f"v_col {i}: need a contiguous float32 tensor on {self.device}, got {v.dtype} on "
+                                 f"{v.device}{'' if v.is_contiguous() else ', non-contiguous'}")
+        by_shape: dict = {}
+        for i, v in enumerate(self.v_cols):
+            key = tuple(v.shape) if v.numel() < self._GRAIN else ("alone", i)
+            by_shape.setdefault(key, []).append(i)
+        total = sum(v.numel() for v in self.v_cols)
+        bufs = [torch.empty(total, dtype=torch.float32, device=self.device) for _ in range(2)]
+        self.old, self.new = [None] * len(self.v_cols), [None] * len(self.v_cols)
+        self._groups, o = [], 0  # (v_cols, their old and new ratios as [K, *shape] blocks) per shape
+        for members in by_shape.values():
+            shape, k = tuple(self.v_cols[members[0]].shape), len(members)
+            n = self.v_cols[members[0]].numel()
+            blocks = [b[o:o + k * n].view(k, *shape) for b in bufs]
+            for j, i in enumerate(members):
+                self.old[i], self.new[i] = blocks[0][j], blocks[1][j]
+            self._groups.append(([self.v_cols[i] for i in members], blocks))
+            o += k * n
+
+    @staticmethod
+    def _ratios(vs, block: torch.Tensor) -> None:
+        if len(vs) == 1:
+            block[0].copy_(column_ratios(vs[0]))
+            return
+        st = torch.stack(vs)
+        mean_c = st.mean(dim=-1, keepdim=True)
+        if st.device.type == "cpu" and float(mean_c.min()) > 0:  # (no host read on a GPU; False for NaN)
+            torch.div(st, mean_c, out=block)  # what column_ratios' where selects where every mean is positive
+        else:
+            torch.where(mean_c > 0, st / mean_c, torch.zeros((), dtype=st.dtype, device=st.device), out=block)
+
+    def run(self, col_means: Sequence[torch.Tensor], beta2: float) -> None:
+        """The ratios before, each ``v_col``'s EMA by ``col_means[i]`` (in place, as
+        :func:`gefen_dist.core.step.ema_foreach_`), the ratios after."""
+        for vs, blocks in self._groups:
+            self._ratios(vs, blocks[0])
+        ema_foreach_(self.v_cols, [c.view_as(v) for c, v in zip(col_means, self.v_cols)], beta2)
+        for vs, blocks in self._groups:
+            self._ratios(vs, blocks[1])

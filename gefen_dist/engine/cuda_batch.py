@@ -15,7 +15,11 @@ same tensors with the same arithmetic in
   (:class:`~gefen_dist.kernels.triton_step.ColumnFactors`), one launch per (param group, mode,
   dtype, chunk configuration) for the quantized tensors
   (:class:`~gefen_dist.kernels.triton_step.MultiStep`), and
-  :func:`~gefen_dist.core.step.adamw_foreach_` for the exact ones.
+  :func:`~gefen_dist.core.step.adamw_foreach_` for the exact ones;
+* for ``second_moment="nibbles"`` (D20) instead of the column factors and ``MultiStep``: its column
+  ratios before and after the ``v_col`` EMAs, taken by shape (:class:`~gefen_dist.engine.column_stats.ColumnRatios`),
+  and one launch per (param group, dtype, tile) of its kernel (:class:`~gefen_dist.kernels.triton_nibbles.NibbleStep`;
+  on CPU :class:`~gefen_dist.kernels.cpu_multi.NibbleStep`, one native call).
 
 On CPU (one process or several ranks) the same batch steps the tensors that the per-tensor path would give
 the native kernel, with that kernel's multi-tensor entry points (:mod:`gefen_dist.kernels.cpu_multi`:
@@ -45,9 +49,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..core.nibbles import step_key
 from ..core.step import adamw_foreach_, adamw_hyperparameters, ema_foreach_, hyperparameters, row_block_args
-from .column_stats import ColumnTable
+from .column_stats import ColumnRatios, ColumnTable
 from .device_step import DeviceStep
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from .nonfinite import any_overflow, device_flags
@@ -230,7 +233,7 @@ class CudaBatch:
         (:meth:`~gefen_dist.engine.tensor_step.TensorStep._step_nibbles`): each piece's first global row,
         rows per row block, its place in the optimizer (the random numbers' key)."""
         vcols = [opt.state[self.entries[e][1]]["v_col"] for e, _, _ in gi["nib"]]
-        ratios = kernels.ColumnRatios(vcols, device)
+        ratios = ColumnRatios(vcols, device)
         items = []
         for j, (e, pc, k) in enumerate(gi["nib"]):
             p = self.entries[e][1]
@@ -243,8 +246,7 @@ class CudaBatch:
                                             ratios.old[j], ratios.new[j], S, int(st["scale_block"]), row0, rb,
                                             opt._tensor_index(p)))
         return dict(ratios=ratios, step=kernels.NibbleStep(items, device),
-                    means=[self.cols.views[k] for _, _, k in gi["nib"]],
-                    index=[it.index for it in items], entries=[e for e, _, _ in gi["nib"]])
+                    means=[self.cols.views[k] for _, _, k in gi["nib"]], entries=[e for e, _, _ in gi["nib"]])
 
     def _step_tables(self, opt, entries) -> None:
         """What a step reads after the flags, built once so that the host work there stays a fixed
@@ -334,15 +336,6 @@ class CudaBatch:
         device's batch, reused while the tensors, their storage and their state dicts stay the same, so
         a step does not re-examine every tensor), or None when the per-tensor path must take the step."""
         if opt.fused is False or not entries or any(g.get("fused") is False for g in opt.param_groups):
-            return None
-        if nibbles_in(opt.param_groups) and (not _native_cpu() or any(
-                p.device.type != "cpu" for g in opt.param_groups for p in g["params"])):
-            # D20's step has a multi-tensor kernel on CPU only (kernels/cpu_multi.py): said once where it costs
-            if any(p.device.type in _DEVICE_TYPES for g in opt.param_groups for p in g["params"]) \
-                    and _once(opt, "_cuda_beside", "nibbles"):
-                logger.info("Gefen: second_moment='nibbles' (D20) has no multi-tensor CUDA kernel yet: each tensor "
-                            "is stepped on its own, a few kernel launches per tensor on a GPU (the same results); "
-                            "logged once.")
             return None
         key = _key(opt, entries)
         last = opt.__dict__.get("_cuda_plan")
@@ -451,8 +444,7 @@ class CudaBatch:
             if gi["nibs"] is not None:  # D20: v_col's EMA between the ratios, then the step
                 nb = gi["nibs"]
                 nb["ratios"].run(nb["means"], group["betas"][1])
-                nb["step"].run([grads[e] for e in nb["entries"]], local_tensor(self.codebook_state["codebook"]),
-                               [step_key(0, step, i) for i in nb["index"]],
+                nb["step"].run([grads[e] for e in nb["entries"]], local_tensor(self.codebook_state["codebook"]), step,
                                **hyperparameters(group, step, opt.bound_updates))
             if gi["exact"] and ds is not None:
                 ds.exact(gi, [grads[e] for e in gi["exact"]])

@@ -12,27 +12,25 @@ is its own per-tensor call's, bitwise: the same kernel on the same arguments, th
 block of rows in the same order, the column factors by the per-tensor path's own operations
 (:func:`gefen_dist.kernels.cpu._column_factors_cpu`), taken over all ``v_col`` of one shape at once.
 ``second_moment="nibbles"`` (D20) tensors likewise: one native call for a launch group's tensors
-(``gefen_multi_nibble_step``, :class:`NibbleStep`) and their column ratios around the ``v_col`` EMAs by
-shape (:class:`ColumnRatios`), each tensor's result its own per-tensor call's
+(``gefen_multi_nibble_step``, :class:`NibbleStep`; the column ratios around the ``v_col`` EMAs by shape,
+:class:`gefen_dist.engine.column_stats.ColumnRatios`), each tensor's result its own per-tensor call's
 (:func:`gefen_dist.kernels.cpu_nibbles.nibble_step_factored_`), bitwise.
 """
 from __future__ import annotations
 
 import ctypes
 import math
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from ..core.step import column_ratios, ema_foreach_
+from ..core.nibbles import step_key
 from . import cpu as _cpu
 from . import cpu_build
 from .cpu_nibbles import _NO_TABLE
-from .triton_multi import StepItem
+from .triton_multi import NibbleItem, StepItem
 
-__all__ = ["StepItem", "MultiStep", "ColumnSums", "ColumnFactors", "NibbleItem", "NibbleStep", "ColumnRatios",
-           "available"]
+__all__ = ["StepItem", "MultiStep", "ColumnSums", "ColumnFactors", "NibbleItem", "NibbleStep", "available"]
 
 
 class _Item(ctypes.Structure):
@@ -243,35 +241,6 @@ class ColumnFactors:
         return self.views
 
 
-@dataclass(frozen=True)
-class NibbleItem:
-    """One contiguous ``second_moment="nibbles"`` tensor (or local piece of whole rows) for
-    :class:`NibbleStep`: its flat parameter, codes, scales and ``v_row``, the views of its column ratios
-    before and after this step's ``v_col`` EMA (:class:`ColumnRatios`, rewritten in place each step),
-    ``S`` columns, scale blocks of ``B``, its first global row ``row0`` and rows per row block ``rb``
-    (one block: ``row0`` + its rows + 1, as the per-tensor call passes), and ``index``, its place in the
-    optimizer (the random numbers' key, :func:`gefen_dist.core.nibbles.step_key`)."""
-
-    param: torch.Tensor
-    code: torch.Tensor
-    scale: torch.Tensor
-    v_row: torch.Tensor
-    ratio_old: torch.Tensor
-    ratio_new: torch.Tensor
-    S: int
-    B: int
-    row0: int
-    rb: int
-    index: int
-
-    def check(self, i: int) -> None:
-        n = self.param.numel()
-        if self.param.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"param dtype {self.param.dtype} not supported (float32, bfloat16)")
-        if n and (self.S < 1 or self.B < 1 or self.S % self.B or n % self.S or self.rb < 1):
-            raise ValueError(f"bad item {i}: S={self.S}, B={self.B}, rb={self.rb}, numel={n}")
-
-
 class NibbleStep:
     """The ``second_moment="nibbles"`` update (D20) of many CPU tensors in one native call
     (``gefen_multi_nibble_step``: :func:`gefen_dist.kernels.cpu_nibbles.nibble_step_factored_`'s kernel
@@ -296,19 +265,19 @@ class NibbleStep:
     def launches(self) -> int:
         return 1 if self.items else 0
 
-    def run(self, grads, codebook: torch.Tensor, keys: Sequence[int], *, lr: float, beta1: float, beta2: float,
+    def run(self, grads, codebook: torch.Tensor, step: int, *, lr: float, beta1: float, beta2: float,
             eps: float, weight_decay: float, bc1: float, bc2: float, bound: Optional[float] = None,
             update: str = "fp32") -> None:
-        """One step of every item: ``grads[i]`` (contiguous, the item's dtype and size) and ``keys[i]``
-        for item ``i``; ``codebook`` the 16 first-moment codewords."""
+        """Step ``step`` of every item: ``grads[i]`` (contiguous, the item's dtype and size) for item ``i``,
+        its draws keyed by ``step_key(0, step, index)``; ``codebook`` the 16 first-moment codewords."""
         if not self.items:
             return
         lib = _nibble_lib()
         if lib is None:
             raise RuntimeError("gefen_dist: the native CPU library is not available; the multi-tensor CPU step of "
                                "second_moment='nibbles' cannot run")
-        for f, g, k in zip(self._table, grads, keys):
-            f.grad, f.key = g.data_ptr(), int(k) & 0xFFFFFFFF
+        for f, g, it in zip(self._table, grads, self.items):
+            f.grad, f.key = g.data_ptr(), step_key(0, step, it.index)
         first = self.items[0]
         a = _cpu._make_args(first.param, first.param.numel(), first.S, first.B, _NO_TABLE, lr=lr,
                             beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
@@ -323,58 +292,3 @@ class NibbleStep:
             raise RuntimeError(f"gefen_multi_nibble_step failed: item {i}, code {code}"
                                + (" (out of memory)" if code == 2 else ""))
         torch.autograd.graph.increment_version(self._touched)
-
-
-class ColumnRatios:
-    """The column ratios ``v_col / mean(v_col)`` (:func:`gefen_dist.core.step.column_ratios`) of many
-    ``second_moment="nibbles"`` CPU tensors before and after this step's ``v_col`` EMA:
-    :func:`gefen_dist.core.nibbles.ratios_around_ema_` of each, bitwise, with the ratios into
-    ``old[i]`` / ``new[i]`` (views of two flat buffers that every :meth:`run` rewrites). ``v_col``
-    tensors of one shape are computed together as :class:`ColumnFactors` computes their factors (one
-    ``stack``, ``mean`` and ``div`` per shape; one profile of ``_GRAIN`` columns or more on its own)."""
-
-    def __init__(self, v_cols, device: torch.device):
-        self.device = torch.device(device)
-        self.v_cols = list(v_cols)
-        for i, v in enumerate(self.v_cols):
-            if v.dtype != torch.float32 or not v.is_contiguous() or v.device.type != "cpu":
-                raise ValueError(f"v_col {i}: need a contiguous float32 CPU tensor, got {v.dtype} on {v.device}"
-                                 f"{'' if v.is_contiguous() else ', non-contiguous'}")
-        by_shape: dict = {}
-        for i, v in enumerate(self.v_cols):
-            key = tuple(v.shape) if v.numel() < ColumnFactors._GRAIN else ("alone", i)
-            by_shape.setdefault(key, []).append(i)
-        total = sum(v.numel() for v in self.v_cols)
-        self._bufs = (torch.empty(total, dtype=torch.float32), torch.empty(total, dtype=torch.float32))
-        self.old, self.new = [None] * len(self.v_cols), [None] * len(self.v_cols)
-        self._groups, o = [], 0  # (v_cols, their old and new ratios as [K, *shape] blocks) per shape
-        for members in by_shape.values():
-            shape, k = tuple(self.v_cols[members[0]].shape), len(members)
-            n = self.v_cols[members[0]].numel()
-            blocks = [b[o:o + k * n].view(k, *shape) for b in self._bufs]
-            for j, i in enumerate(members):
-                self.old[i], self.new[i] = blocks[0][j], blocks[1][j]
-            self._groups.append(([self.v_cols[i] for i in members], blocks))
-            o += k * n
-
-    @staticmethod
-    def _ratios(vs, block: torch.Tensor) -> None:
-        if len(vs) == 1:
-            block[0].copy_(column_ratios(vs[0]))
-            return
-        st = torch.stack(vs)
-        mean_c = st.mean(dim=-1, keepdim=True)
-        if float(mean_c.min()) > 0:  # (False for a NaN mean) column_ratios' where selects the quotient
-            torch.div(st, mean_c, out=block)
-        else:
-            for v, out in zip(vs, block):
-                out.copy_(column_ratios(v))
-
-    def run(self, col_means, beta2: float) -> None:
-        """The ratios before, each ``v_col``'s EMA by ``col_means[i]`` (in place, as
-        :func:`gefen_dist.core.step.ema_foreach_`), the ratios after."""
-        for vs, blocks in self._groups:
-            self._ratios(vs, blocks[0])
-        ema_foreach_(self.v_cols, [c.view_as(v) for c, v in zip(col_means, self.v_cols)], beta2)
-        for vs, blocks in self._groups:
-            self._ratios(vs, blocks[1])

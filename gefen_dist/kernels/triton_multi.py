@@ -13,7 +13,7 @@ import torch
 from .triton_kernels import _kernel
 from .triton_tables import _GradTable, _config, _device_table, _pinned_to, _step_scalars
 
-__all__ = ["StepItem", "MultiStep", "ColumnSums", "ColumnFactors", "multi_launch_options"]
+__all__ = ["StepItem", "NibbleItem", "MultiStep", "ColumnSums", "ColumnFactors", "multi_launch_options"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,37 @@ class StepItem:
         the piece in block 0)."""
         one_block = self.v_col is None or self.v_col.numel() == self.S
         return self.row0 + self.param.numel() // self.S + 1 if one_block else self.row_block
+
+
+@dataclass(frozen=True)
+class NibbleItem:
+    """One contiguous ``second_moment="nibbles"`` tensor (or local piece of whole rows) for a
+    ``NibbleStep`` (:mod:`~gefen_dist.kernels.cpu_multi`, :mod:`~gefen_dist.kernels.triton_nibbles`): its
+    flat parameter, codes, scales and ``v_row``, the views of its column ratios before and after this
+    step's ``v_col`` EMA (:class:`~gefen_dist.engine.column_stats.ColumnRatios`, rewritten in place each
+    step), ``S`` columns, scale blocks of ``B``, its first global row ``row0`` and rows per row block ``rb``
+    (one block: ``row0`` + its rows + 1, as the per-tensor call passes), and ``index``, its place in the
+    optimizer (the random numbers' key: :func:`gefen_dist.core.nibbles.step_key`)."""
+
+    param: torch.Tensor
+    code: torch.Tensor
+    scale: torch.Tensor
+    v_row: torch.Tensor
+    ratio_old: torch.Tensor
+    ratio_new: torch.Tensor
+    S: int
+    B: int
+    row0: int
+    rb: int
+    index: int
+
+    def check(self, i: int) -> None:
+        """Refuse an item the multi-tensor step cannot take (``i``: its index, for the message)."""
+        n = self.param.numel()
+        if self.param.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"param dtype {self.param.dtype} not supported (float32, bfloat16)")
+        if n and (self.S < 1 or self.B < 1 or self.S % self.B or n % self.S or self.rb < 1):
+            raise ValueError(f"bad item {i}: S={self.S}, B={self.B}, rb={self.rb}, numel={n}")
 
 
 # ptxas's own choice for the multi kernel spilled a few registers to local memory in its prologue in

@@ -26,7 +26,7 @@ from . import triton_kernels as _tk
 from .triton_kernels import _HAVE_TRITON, _interpret, tl, triton
 from .triton_tables import _check, _fma_flags, update_scalars
 
-__all__ = ["nibble_step_factored_"]
+__all__ = ["nibble_step_factored_", "NibbleStep", "nibble_config"]
 
 
 def _hash32(x):
@@ -67,7 +67,58 @@ def _nibble_kernel(
     LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr,
     IS_BF16: tl.constexpr, DECODED: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    """One tensor per launch: program ``pid`` steps rows ``pid * ROWS ..`` (:func:`_nibble_rows`)."""
+    _nibble_rows_jit(p_ptr, g_ptr, code_ptr, scale_ptr, vrow_ptr, ro_ptr, rn_ptr, cb_ptr, lv_ptr,
+                     tl.program_id(0) * ROWS, nrows, S, B, NBLK, S_f, row0, row_block, key,
+                     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
+                     LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, IS_BF16, DECODED, ROWS, BLOCK_SIZE)
+
+
+_META = tl.constexpr(12) if _HAVE_TRITON else 12  # int64 fields per tensor of the multi-tensor table (NibbleStep)
+
+
+def _nibble_multi_kernel(
+    meta_ptr, gptr_ptr, prog_ptr, cb_ptr, lv_ptr, step_key_part,
+    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
+    LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr,
+    IS_BF16: tl.constexpr, DECODED: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """Many tensors per launch: program ``pid`` steps rows ``prog[pid, 1] ..`` of tensor ``prog[pid, 0]``,
+    whose pointers and sizes are row ``t`` of ``meta`` (:class:`NibbleStep`: parameter, codes, scales,
+    ``v_row``, the column ratios before / after the EMA, rows, ``S``, ``B``, first global row, rows per row
+    block, the tensor's part of the key) and whose gradient's address is ``gptr[t]``; the key of its draws
+    is ``step_key_part + meta[t, 11]`` modulo 2^32 (:func:`gefen_dist.core.nibbles.step_key`)."""
+    pid = tl.program_id(0)
+    t = tl.load(prog_ptr + 2 * pid)
+    r_first = tl.load(prog_ptr + 2 * pid + 1).to(tl.int32)
+    mb = meta_ptr + t * _META
+    if IS_BF16:
+        p_ptr = tl.load(mb + 0).to(tl.pointer_type(tl.int16))
+        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.int16))
+    else:
+        p_ptr = tl.load(mb + 0).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.float32))
+    S = tl.load(mb + 7).to(tl.int32)
+    B = tl.load(mb + 8).to(tl.int32)
+    key = (tl.load(mb + 11) + step_key_part) & 0xFFFFFFFF
+    _nibble_rows_jit(p_ptr, g_ptr, tl.load(mb + 1).to(tl.pointer_type(tl.uint8)),
+                     tl.load(mb + 2).to(tl.pointer_type(tl.float32)), tl.load(mb + 3).to(tl.pointer_type(tl.float32)),
+                     tl.load(mb + 4).to(tl.pointer_type(tl.float32)), tl.load(mb + 5).to(tl.pointer_type(tl.float32)),
+                     cb_ptr, lv_ptr, r_first, tl.load(mb + 6).to(tl.int32), S, B, S // B, S.to(tl.float32),
+                     tl.load(mb + 9).to(tl.int32), tl.load(mb + 10).to(tl.int32), key,
+                     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
+                     LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, IS_BF16, DECODED, ROWS, BLOCK_SIZE)
+
+
+def _nibble_rows(
+    p_ptr, g_ptr, code_ptr, scale_ptr, vrow_ptr, ro_ptr, rn_ptr, cb_ptr, lv_ptr,
+    r_first, nrows, S, B, NBLK, S_f, row0, row_block, key,
+    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
+    LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr,
+    IS_BF16: tl.constexpr, DECODED: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """Rows ``r_first .. r_first + ROWS - 1`` of one tensor (the module docstring's three sweeps)."""
+    rows = r_first + tl.arange(0, ROWS)
     rmask = rows < nrows
     rbase = rows.to(tl.int64) * S
     grow = (rows + row0).to(tl.int64)  # global rows: the random numbers' index and the row block
@@ -160,22 +211,24 @@ def nibble_config(B: int, block_size: Optional[int] = None):
 
 _lock = threading.Lock()
 _cache = {}
-_hash32_jit = _round16_jit = _m_of_jit = None
+_hash32_jit = _round16_jit = _m_of_jit = _nibble_rows_jit = None
 
 
-def _kernel():
-    """The jit-wrapped kernel (compiled, or interpreted under TRITON_INTERPRET=1), with the helpers it
-    calls bound to their module-level names (triton_kernels' own helpers bound there first)."""
+def _kernel(name: str = "step"):
+    """The jit-wrapped kernel ``name`` (``"step"``: one tensor per launch, ``"multi"``: many) compiled, or
+    interpreted under TRITON_INTERPRET=1, with the helpers it calls bound to their module-level names
+    (triton_kernels' own helpers bound there first)."""
     interp = _interpret()
     _tk._kernel("step")  # binds _load_f32_jit / _update_param_jit in triton_kernels for this mode
     with _lock:
         hit = _cache.get(interp)
         if hit is None:
             hit = _cache[interp] = (triton.jit(_hash32), triton.jit(_round16), triton.jit(_m_of),
-                                    triton.jit(_nibble_kernel))
+                                    triton.jit(_nibble_rows),
+                                    {"step": triton.jit(_nibble_kernel), "multi": triton.jit(_nibble_multi_kernel)})
         g = globals()
-        g["_hash32_jit"], g["_round16_jit"], g["_m_of_jit"] = hit[:3]
-        return hit[3]
+        g["_hash32_jit"], g["_round16_jit"], g["_m_of_jit"], g["_nibble_rows_jit"] = hit[:4]
+        return hit[4][name]
 
 
 def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_mean_sq, *, lr, beta1, beta2, eps,
@@ -201,16 +254,8 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
     ratio_old, ratio_new = _nb.ratios_around_ema_(v_col, col_mean_sq, beta2)
     if n == 0:
         return
-    w = 1.0 - beta1
-    small = abs(w) < 0.5
-    import numpy as np
-
-    wf = np.float32(w)
-    fused_lerp, fused_axpy = _fma_flags(device, small)
-    sqrt_bc2, eps32, inv_bc1, lr32, decay, ubound = update_scalars(lr=lr, eps=eps, weight_decay=weight_decay,
-                                                                   bc1=bc1, bc2=bc2, bound=bound)
-    cb = codebook.to(device=device, dtype=torch.float32).contiguous()
-    lv = torch.tensor(_nb.V_LEVELS, dtype=torch.float32, device=device)
+    scalars, consts = _launch_scalars(device, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                      bc1=bc1, bc2=bc2, bound=bound, update=update)
     nrows = n // S
     rows, bs, warps = nibble_config(B, block_size)
     rb = int(row_block) if G > 1 else int(row0) + nrows + 1
@@ -219,13 +264,109 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
     ctx = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
     with ctx:
         _kernel()[(triton.cdiv(nrows, rows),)](
-            pk, gk, code, scale, v_row, ratio_old, ratio_new, cb, lv,
-            nrows, S, B, S // B, float(S), int(row0), rb, int(key) & 0xFFFFFFFF,
-            float(wf) if small else float(wf - np.float32(1.0)), float(np.float32(beta2)),
-            float(np.float32(1.0 - beta2)), sqrt_bc2, eps32, inv_bc1, lr32, decay, ubound,
-            LERP_SMALL=small, FUSED_LERP=fused_lerp, FUSED_AXPY=fused_axpy, HAS_WD=(weight_decay != 0.0),
-            IS_BF16=bf16, DECODED=(update == "decoded"), ROWS=rows, BLOCK_SIZE=bs, num_warps=warps,
-            enable_fp_fusion=False,
+            pk, gk, code, scale, v_row, ratio_old, ratio_new, _codebook(codebook, device), _levels(device),
+            nrows, S, B, S // B, float(S), int(row0), rb, int(key) & 0xFFFFFFFF, *scalars,
+            IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=bs, num_warps=warps, enable_fp_fusion=False, **consts,
         )
     for t in (param, code, scale, v_row):
         torch.autograd.graph.increment_version(t)
+
+
+def _launch_scalars(device, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2, bound, update):
+    """The float scalars of a launch (lerp_c .. ubound, as torch rounds them) and its step constexprs
+    (the fused forms of this device's lerp / add(alpha), weight decay, the update rule)."""
+    import numpy as np
+
+    w = 1.0 - beta1
+    small = abs(w) < 0.5
+    wf = np.float32(w)
+    fused_lerp, fused_axpy = _fma_flags(device, small)
+    sqrt_bc2, eps32, inv_bc1, lr32, decay, ubound = update_scalars(lr=lr, eps=eps, weight_decay=weight_decay,
+                                                                   bc1=bc1, bc2=bc2, bound=bound)
+    scalars = (float(wf) if small else float(wf - np.float32(1.0)), float(np.float32(beta2)),
+               float(np.float32(1.0 - beta2)), sqrt_bc2, eps32, inv_bc1, lr32, decay, ubound)
+    consts = dict(LERP_SMALL=small, FUSED_LERP=fused_lerp, FUSED_AXPY=fused_axpy, HAS_WD=(weight_decay != 0.0),
+                  DECODED=(update == "decoded"))
+    return scalars, consts
+
+
+def _codebook(codebook: torch.Tensor, device) -> torch.Tensor:
+    return codebook.to(device=device, dtype=torch.float32).contiguous()
+
+
+_levels_cache = {}
+
+
+def _levels(device) -> torch.Tensor:
+    """``core.nibbles.V_LEVELS`` on ``device`` (made once per device: no copy per launch)."""
+    from ..core import nibbles as _nb
+
+    key = str(torch.device(device))
+    t = _levels_cache.get(key)
+    if t is None:
+        t = _levels_cache[key] = torch.tensor(_nb.V_LEVELS, dtype=torch.float32, device=device)
+    return t
+
+
+# ptxas's own choice for the multi-tensor kernel spilled one register (an 8-byte stack frame) in the tiles of 128 and
+# 256 columns; a register ceiling stated explicitly gives 56-88 registers and no spill in every tile nibble_config
+# picks (benchmarks/triton_sm90.py compile_nibbles_multi, sm_90; tests/test_triton_sm90.py).
+_MULTI_MAXNREG = 128
+
+
+class NibbleStep:
+    """The ``second_moment="nibbles"`` update (D20) of many tensors with one launch per (dtype, tile
+    configuration) of :func:`_nibble_multi_kernel`: each row's work as in :func:`nibble_step_factored_`'s
+    launch (the same tile, :func:`nibble_config`), so each tensor's result is bitwise its own launch's
+    given the same column ratios. Built once for a fixed set of :class:`~gefen_dist.kernels.triton_multi.NibbleItem`
+    (their state tensors must stay in place); :meth:`run` takes this step's gradients and step number (the
+    keys are computed on the device: no table copied per step)."""
+
+    def __init__(self, items, device: torch.device):
+        from .triton_tables import _GradTable, _pinned_to
+
+        self.device = torch.device(device)
+        self.items = list(items)
+        buckets = {}
+        for i, it in enumerate(self.items):
+            it.check(i)
+            if it.param.numel():
+                buckets.setdefault((it.param.dtype == torch.bfloat16,) + nibble_config(it.B), []).append(i)
+        self._touched = [t for it in self.items for t in (it.param, it.code, it.scale, it.v_row)]
+        self._launches = []
+        for (bf16, rows, bs, warps), members in buckets.items():
+            meta, prog = [], []
+            for t, i in enumerate(members):
+                it = self.items[i]
+                nrows = it.param.numel() // it.S
+                meta.append([it.param.data_ptr(), it.code.data_ptr(), it.scale.data_ptr(), it.v_row.data_ptr(),
+                             it.ratio_old.data_ptr(), it.ratio_new.data_ptr(), nrows, it.S, it.B, it.row0, it.rb,
+                             (int(it.index) * 0xC2B2AE3D) & 0xFFFFFFFF])  # the tensor's part of step_key
+                prog += [[t, r] for r in range(0, nrows, rows)]
+            self._launches.append(dict(bf16=bf16, rows=rows, bs=bs, warps=warps, members=members,
+                                       meta=_pinned_to(meta, self.device), prog=_pinned_to(prog, self.device),
+                                       nprog=len(prog), grads=_GradTable(self.device)))
+
+    @property
+    def launches(self) -> int:
+        return len(self._launches)
+
+    def run(self, grads, codebook: torch.Tensor, step: int, *, lr: float, beta1: float, beta2: float, eps: float,
+            weight_decay: float, bc1: float, bc2: float, bound: Optional[float] = None, update: str = "fp32") -> None:
+        """Step ``step`` of every item: ``grads[i]`` (contiguous, the item's dtype and size) for item ``i``,
+        its draws keyed by ``step_key(0, step, index)``; ``codebook`` the 16 first-moment codewords."""
+        if not self._launches:
+            return
+        scalars, consts = _launch_scalars(self.device, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                          weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound, update=update)
+        cb, lv = _codebook(codebook, self.device), _levels(self.device)
+        step_part = (int(step) * 0x85EBCA77) & 0xFFFFFFFF  # step_key(0, step, 0)
+        kern = _kernel("multi")
+        ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext()
+        with ctx:
+            for L in self._launches:
+                gs = [grads[i] for i in L["members"]]
+                kern[(L["nprog"],)](L["meta"], L["grads"](gs), L["prog"], cb, lv, step_part, *scalars,
+                                    IS_BF16=L["bf16"], ROWS=L["rows"], BLOCK_SIZE=L["bs"], num_warps=L["warps"],
+                                    enable_fp_fusion=False, maxnreg=_MULTI_MAXNREG, **consts)
+        torch.autograd.graph.increment_version(self._touched)

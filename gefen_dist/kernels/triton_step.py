@@ -20,11 +20,12 @@ from typing import Optional
 import torch
 
 from .triton_kernels import _HAVE_TRITON, _interpret, _kernel, triton
-from .triton_multi import ColumnFactors, ColumnSums, MultiStep, StepItem, multi_launch_options
+from .triton_multi import ColumnFactors, ColumnSums, MultiStep, NibbleItem, StepItem, multi_launch_options
+from .triton_nibbles import NibbleStep
 from .triton_tables import _check, _config, _device_table, _step_scalars
 
 __all__ = ["available", "quantized_step_", "quantized_step_factored_", "StepItem", "MultiStep", "ColumnSums",
-           "ColumnFactors", "multi_launch_options"]
+           "ColumnFactors", "multi_launch_options", "NibbleItem", "NibbleStep"]
 
 
 def available(device: Optional[torch.device] = None) -> bool:
