@@ -430,6 +430,8 @@ RESEARCH_VARIANTS = {
     "x_adamw_arnoise": ("(x) torch AdamW with each update scaled per element by exp(0.18 a), a an AR(1) process with "
                         "coefficient 0.95 (beta2): a coded v's correlated step-size noise", _adamw_arnoise(0.18, 0.95)),
     "x_adamw_iidnoise": ("(x) x_adamw_arnoise drawn afresh every step (coefficient 0)", _adamw_arnoise(0.18, 0.0)),
+    "x_adamw_iidnoise_half": ("(x) x_adamw_iidnoise with half the spread (sigma 0.09): how much step-size noise the "
+                              "plateau escape tolerates", _adamw_arnoise(0.09, 0.0)),
     "x_adamw_jitter10": ("(x) torch AdamW with each update scaled per element by 1 +- 10% (unbiased, seeded)",
                          _adamw_jitter(0.10)),
     # (a) unquantized first moment
