@@ -1,6 +1,6 @@
 """Step time of Gefen on a DeepSpeed-style flat buffer (``gefen_dist.engine.flat.FlatSegments``), CPU.
 
-    python benchmarks/flat_step.py [--threads 1] [--rounds 5] [--second-moment factored]
+    python benchmarks/flat_step.py [--threads 1] [--rounds 5] [--second-moment factored|shared|nibbles]
                                    [--device cpu|cuda] [--no-eager] [--out docs/results/flat_step.json]
 
 DeepSpeed ZeRO hands the optimizer one flat fp32 buffer of many tensors' pieces; Gefen steps it
@@ -43,6 +43,7 @@ from gefen_dist.core.step import hyperparameters  # noqa: E402
 from gefen_dist.kernels import dispatch  # noqa: E402
 from gefen_dist.engine import flat_step as _flat_step  # noqa: E402
 from gefen_dist.engine.flat import FlatSegments, Segment, counts_to_codebook  # noqa: E402
+from gefen_dist.engine.learning import learn_codebook  # noqa: E402
 
 HP = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
@@ -65,9 +66,13 @@ def build(second_moment: str, seed: int = 0, device: str = "cpu"):
             torch.randn(rows, s.numel // rows, generator=gen) * 1e-3 * scale).reshape(-1)
     flat, grad = flat.to(device), grad.to(device)
     fs = FlatSegments(segs, LocalComm(), 4096, "benchmark buffer")
-    st = fs.new_state(flat, torch.zeros(256, device=device), factored=second_moment == "factored")
+    nib = second_moment == "nibbles"  # D20: 16 codewords, draws keyed by each tensor's place
+    if nib:
+        fs.second_moment, fs.tensor_index = "nibbles", {s.key: i for i, s in enumerate(segs)}
+    st = fs.new_state(flat, torch.zeros(16 if nib else 256, device=device), factored=second_moment != "shared")
     counts = fs.learn(st, grad, codebook_needed=True, second_moment=second_moment)
-    st["codebook"] = counts_to_codebook(counts).codebook.float().to(device)
+    cb = learn_codebook(counts, True, 16) if nib else counts_to_codebook(counts)
+    st["codebook"] = cb.codebook.float().to(device)
     return fs, flat, grad, st
 
 
@@ -75,7 +80,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--second-moment", default="factored", choices=("factored", "shared"))
+    ap.add_argument("--second-moment", default="factored", choices=("factored", "shared", "nibbles"))
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--no-eager", action="store_true", help="leave out the eager step (tens of seconds a round on CPU)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "flat_step.json"))
@@ -105,12 +110,12 @@ def main() -> int:
     def fused():
         st["step"] += 1
         fs.step(flat, grad, st, impl=dispatch.select(flat), second_moment=args.second_moment,
-                hp=hyperparameters(group, int(st["step"]), bounded=False))
+                hp=hyperparameters(group, int(st["step"]), bounded=False), step=int(st["step"]))
 
     def eager():
         st2["step"] += 1
         fs2.step(flat2, grad2, st2, second_moment=args.second_moment,
-                 hp=hyperparameters(group, int(st2["step"]), bounded=False))
+                 hp=hyperparameters(group, int(st2["step"]), bounded=False), step=int(st2["step"]))
 
     kernels_of = _flat_step.batch_kernels
 
@@ -119,7 +124,7 @@ def main() -> int:
         try:
             st3["step"] += 1
             fs3.step(flat3, grad3, st3, impl=dispatch.select(flat3), second_moment=args.second_moment,
-                     hp=hyperparameters(group, int(st3["step"]), bounded=False))
+                     hp=hyperparameters(group, int(st3["step"]), bounded=False), step=int(st3["step"]))
         finally:
             _flat_step.batch_kernels = kernels_of
 

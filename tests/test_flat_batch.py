@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gefen_dist.core.step import hyperparameters
-from gefen_dist.engine import flat_step
+from gefen_dist.engine import flat_step, learning
 from gefen_dist.engine.comm import LocalComm
 from gefen_dist.engine.flat import FlatSegments, Segment, counts_to_codebook
 from gefen_dist.kernels import cpu as _cpu
@@ -58,17 +58,21 @@ def flat_run(impl, second_moment: str, batched: bool, steps: int = 4, dtype=torc
     if cut:  # the cut blocks' one all-gather (torch.distributed), this rank's values
         fs._exchange = lambda sums, maxes: (sums, maxes)
     fs.narrow_rows = "auto"
-    st = fs.new_state(flat, torch.zeros(256, device=device), factored=second_moment == "factored")
+    nib = second_moment == "nibbles"  # D20: 16 codewords, draws keyed by the tensors' places
+    if nib:
+        fs.second_moment, fs.tensor_index = "nibbles", {s.key: i for i, s in enumerate(segs)}
+    st = fs.new_state(flat, torch.zeros(16 if nib else 256, device=device), factored=second_moment != "shared")
     g0 = torch.Generator().manual_seed(1)
     group = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     for step in range(1, steps + 1):
         grad = (torch.randn(off, generator=g0) * torch.rand(off, generator=g0) * 1e-2).to(dtype=dtype, device=device)
         if step == 1:
-            st["codebook"] = counts_to_codebook(fs.learn(st, grad, codebook_needed=True,
-                                                         second_moment=second_moment)).codebook.float().to(device)
+            counts = fs.learn(st, grad, codebook_needed=True, second_moment=second_moment)
+            cb = learning.learn_codebook(counts, True, 16) if nib else counts_to_codebook(counts)
+            st["codebook"] = cb.codebook.float().to(device)
         st["step"] = step
         fs.step(flat, grad, st, second_moment=second_moment, impl=impl,
-                hp=hyperparameters(group, step, bounded=True))
+                hp=hyperparameters(group, step, bounded=True), step=step)
     if not batched:
         monkeypatch.undo()
     return flat, st, fs
@@ -83,7 +87,7 @@ def assert_same(a, b):
 
 
 @pytest.mark.skipif(not _cpu.available(), reason="needs the native CPU kernel")
-@pytest.mark.parametrize("second_moment", ["factored", "shared"])
+@pytest.mark.parametrize("second_moment", ["factored", "shared", "nibbles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flat_batch_equals_the_per_segment_step(monkeypatch, second_moment, dtype):
     impl = dispatch._native_cpu()
@@ -91,19 +95,23 @@ def test_flat_batch_equals_the_per_segment_step(monkeypatch, second_moment, dtyp
     fs = batched[2]
     batch = fs.__dict__.get("_flat_batch")
     assert batch is not None  # the batch took the step
-    if second_moment == "factored":
+    if second_moment != "shared":
         assert batch.fmulti is not None and batch.exact is not None
+        assert (batch.ratios is not None) == (second_moment == "nibbles")
     else:
         assert batch.smulti is not None and batch.shared_keys
     assert_same(batched, flat_run(impl, second_moment, False, dtype=dtype, monkeypatch=monkeypatch))
 
 
 @pytest.mark.skipif(not _cpu.available(), reason="needs the native CPU kernel")
-def test_flat_batch_with_rows_and_blocks_cut_by_partition_edges(monkeypatch):
+@pytest.mark.parametrize("second_moment", ["factored", "nibbles"])
+def test_flat_batch_with_rows_and_blocks_cut_by_partition_edges(monkeypatch, second_moment):
+    """Cut rows finished by the reference's phase functions after the batch (for "nibbles" against the
+    batch's column ratios before and after the EMA)."""
     impl = dispatch._native_cpu()
-    batched = flat_run(impl, "factored", True, segments=CUT)
+    batched = flat_run(impl, second_moment, True, segments=CUT)
     assert batched[2].__dict__["_flat_batch"].fmulti is not None
-    assert_same(batched, flat_run(impl, "factored", False, segments=CUT, monkeypatch=monkeypatch))
+    assert_same(batched, flat_run(impl, second_moment, False, segments=CUT, monkeypatch=monkeypatch))
 
 
 @pytest.mark.skipif(not _cpu.available(), reason="needs the native CPU kernel")

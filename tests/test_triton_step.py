@@ -1374,11 +1374,11 @@ def test_flat_segments_with_triton_kernels(second_moment, device):
     pytest.param("cuda", marks=pytest.mark.skipif(
         _CHILD or not torch.cuda.is_available() or not triton_step.available("cuda"), reason="needs CUDA")),
 ])
-@pytest.mark.parametrize("second_moment", ["factored", "shared"])
+@pytest.mark.parametrize("second_moment", ["factored", "shared", "nibbles"])
 def test_flat_batch_equals_the_per_segment_step_triton(monkeypatch, second_moment, device):
     """DeepSpeed's flat-buffer step batched (engine/flat_batch.py: a fixed number of launches) equals
     its per-segment step bitwise on the Triton kernels (tests/test_flat_batch.py: the native ones);
-    factored with rows and scale blocks cut by partition edges and row blocks. On a GPU the two
+    factored and "nibbles" with rows and scale blocks cut by partition edges and row blocks. On a GPU the two
     paths' float64 column sums (a Triton reduction, torch's) may differ in their last bits, so the
     comparison allows what test_flat_segments_with_triton_kernels allows."""
     from test_flat_batch import assert_same, flat_run
@@ -1387,7 +1387,8 @@ def test_flat_batch_equals_the_per_segment_step_triton(monkeypatch, second_momen
 
     segs = ([("a", (32, 64), 37, 32 * 64 - 37), ("qkv", (96, 64), 0, 96 * 64), ("few", (2, 2048), 0, 4096),
              ("bias", (64,), 0, 64)] if second_moment == "factored" else
-            [("a", (64, 64), 0, 64 * 64), ("c", (32, 200), 0, 6400), ("bias", (64,), 0, 64)])
+            [("a", (64, 64), 0, 64 * 64), ("c", (32, 200), 0, 6400), ("bias", (64,), 0, 64)] if second_moment == "shared"
+            else [("a", (32, 64), 37, 32 * 64 - 37), ("qkv", (96, 64), 0, 96 * 64), ("bias", (64,), 0, 64)])
     impl = dispatch._triton()
     batched = flat_run(impl, second_moment, True, steps=3, segments=segs, device=device)
     assert batched[2].__dict__["_flat_batch"] is not None

@@ -14,6 +14,10 @@ of every segment that are whole:
   by a partition edge add their partial sums afterwards, as before;
 * the column means in one division, the ``v_col`` EMAs in two foreach operations, the column factors
   in one ``ColumnFactors`` run, and every whole row in one ``MultiStep`` run;
+* ``second_moment="nibbles"`` (D20) instead of the column factors and ``MultiStep``: the column ratios
+  around the ``v_col`` EMAs taken by shape (:class:`~gefen_dist.engine.column_stats.ColumnRatios`, whose
+  ratios the cut rows are then finished with) and every whole row in one ``NibbleStep`` run (keyed by the
+  owner's tensor indices, as the per-segment calls);
 * the whole blocks of the shared second moment's segments (period 1 or the scale block) in one
   ``MultiStep`` run;
 * the exact segments in one :func:`~gefen_dist.core.step.adamw_foreach_` (bitwise the per-segment
@@ -33,7 +37,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..core.step import ADAMW_KEYS, adamw_foreach_, ema_foreach_
-from .column_stats import ColumnTable
+from .column_stats import ColumnRatios, ColumnTable
 from .flat_layout import _split
 from .layout import Ranges
 
@@ -71,22 +75,26 @@ def _log_once(why: str) -> None:
                     "contiguous gradient of the buffer's dtype and device); logged once per reason.", why)
 
 
-def batch_key(impl, flat: torch.Tensor, st: Dict[str, Any], factored: bool, rbr) -> tuple:
+def batch_key(impl, flat: torch.Tensor, st: Dict[str, Any], factored: bool, rbr, nib: bool = False) -> tuple:
     """What a :class:`FlatBatch` is built for: the implementation, the buffer's and the state's
     storage, the periods and which segments have learned (here, and in the whole catalog, whose
     learned factored tensors place the column statistics)."""
     ptrs = tuple(t.data_ptr() for k in ("idx", "scale", "v", "v_row", "v_col", "exact_m", "exact_v")
                  for t in (st.get(k),) if isinstance(t, torch.Tensor))
     return (impl.name, flat.data_ptr(), flat.numel(), ptrs, tuple(st["periods"]), tuple(st["learned"]),
-            tuple(st.get("global_learned", ())), factored, rbr)
+            tuple(st.get("global_learned", ())), factored, rbr, nib)
 
 
 class FlatBatch:
     """The batched phases of one flat buffer's step (module docstring). ``layout``: the buffer's
-    slots (``_slots``); ``ctx``: the step's factored catalog (None for a shared buffer)."""
+    slots (``_slots``); ``ctx``: the step's factored catalog (None for a shared buffer); ``tensor_index``
+    (``second_moment="nibbles"``): segment key -> the tensor's place in the optimizer (its draws' key)."""
 
-    def __init__(self, key: tuple, kernels, st: Dict[str, Any], layout, ctx, flat: torch.Tensor):
+    def __init__(self, key: tuple, kernels, st: Dict[str, Any], layout, ctx, flat: torch.Tensor,
+                 tensor_index: Optional[Dict[Any, int]] = None):
         self.key = key
+        self.nib = tensor_index is not None
+        self.fpos: Dict[Any, int] = {}  # a factored segment's key -> its place in the column table
         dev = flat.device
         fv = flat.detach().reshape(-1)
         self.exact = self._exact(layout, st, fv)
@@ -115,8 +123,9 @@ class FlatBatch:
                 franges.append((s.flat_offset + lo - a, s.flat_offset + hi - a))
                 so, ro, nrow = lo // B - a // B, lo // S - a // S, (hi - lo) // S
                 vr = st["v_row"][sp.v_off:sp.v_off + sp.v_n]
+                self.fpos[s.key] = len(tensors) - 1
                 fitems.append((fv[franges[-1][0]:franges[-1][1]], ix[lo - a:hi - a], sc[so:so + nrow * (S // B)],
-                               vr[ro:ro + nrow], len(tensors) - 1, S, B, lo // S, rb))
+                               vr[ro:ro + nrow], len(tensors) - 1, S, B, lo // S, rb, G, s.key))
             elif sp.period in (1, sp.block):
                 P, B = sp.period, sp.block
                 lo, hi, cut = _split(a, e, B)
@@ -131,13 +140,21 @@ class FlatBatch:
                                                B, B, 1 if P == 1 else 0))
                 sranges.append((s.flat_offset + lo - a, s.flat_offset + hi - a))
                 self.shared_keys.add(s.key)
-        # the column sums, means and factors of the factored segments (the CUDA batch's table)
-        self.table = ColumnTable(kernels, tensors, dev) if tensors else None
-        self.fmulti = None
-        if tensors:
+        # the column sums, means and factors (or, "nibbles", ratios) of the factored segments (the CUDA batch's table)
+        self.table = ColumnTable(kernels, tensors, dev, factored=[not self.nib] * len(tensors)) if tensors else None
+        self.fmulti = self.ratios = None
+        if tensors and self.nib:
+            self.col_index = torch.cat(col_index).to(dev)
+            self.ratios = ColumnRatios(self.table.vcols, dev)
+            # (one row block: rb as the per-segment call passes it to the kernel, its rows + 1)
+            items = [kernels.NibbleItem(p, ix, sc, vr, self.ratios.old[k], self.ratios.new[k], S, B, row0,
+                                        rb if G > 1 else row0 + p.numel() // S + 1, tensor_index[key])
+                     for p, ix, sc, vr, k, S, B, row0, rb, G, key in fitems]
+            self.fmulti = kernels.NibbleStep(items, dev) if any(it.param.numel() for it in items) else None
+        elif tensors:
             self.col_index = torch.cat(col_index).to(dev)  # where each segment's sums sit in the catalog's
-            items = [kernels.StepItem(p, ix, sc, vr, self.table.factors.views[k], S, B, 2, row0, rb)
-                     for p, ix, sc, vr, k, S, B, row0, rb in fitems]
+            items = [kernels.StepItem(p, ix, sc, vr, self.table.factor_views[k], S, B, 2, row0, rb)
+                     for p, ix, sc, vr, k, S, B, row0, rb, _, _ in fitems]
             self.fmulti = kernels.MultiStep(items, dev) if any(it.param.numel() for it in items) else None
         self.franges = Ranges(franges, fv.numel())
         self.smulti = kernels.MultiStep(sitems, dev) if sitems else None
@@ -183,6 +200,18 @@ class FlatBatch:
         self.table.factors.run()
         if self.fmulti is not None:
             self.fmulti.run(self.franges.of(gv), codebook, **hp)
+
+    def step_nibbles(self, cols: torch.Tensor, gv: torch.Tensor, codebook: torch.Tensor, hp: Dict[str, Any],
+                     step: int) -> None:
+        """``second_moment="nibbles"``: every factored segment's ``v_col`` between its column ratios (kept
+        in :attr:`ratios` for the cut rows), then its whole rows (the per-segment path's
+        ``nibble_step_factored_`` calls)."""
+        if self.table is None:
+            return
+        self.table.column_means(cols[self.col_index.to(cols.device)].to(self.table.means.device))
+        self.ratios.run(self.table.views, hp["beta2"])
+        if self.fmulti is not None:
+            self.fmulti.run(self.franges.of(gv), codebook, step, **hp)
 
     def step_shared(self, gv: torch.Tensor, codebook: torch.Tensor, hp: Dict[str, Any]) -> None:
         """The whole blocks of every shared segment of period 1 or its scale block."""

@@ -39,15 +39,15 @@ class SegmentStepMixin:
         First the statistics that the factored and span tensors reduce over the ranks (they write
         nothing): with ``check_overflow``, a squared gradient that overflows float32 raises there, on
         every rank (the sums are reduced), before anything of the buffer changes. ``second_moment="nibbles"``
-        (D20): the factored layout's statistics and reconciliation, the one-byte codes' step (no batch);
-        ``step`` (the step taken, as ``hp``'s) keys its random numbers with :attr:`tensor_index`."""
+        (D20): the factored layout's statistics and reconciliation, the one-byte codes' step; ``step`` (the
+        step taken, as ``hp``'s) keys its random numbers with :attr:`tensor_index`."""
         impl = impl or _dispatch.select(flat, fused=False)
         nib = second_moment == NIBBLES
         factored = second_moment == MODE_FACTORED or nib
         rbr = st.get("row_blocks", 1) if factored else 1
         layout, ctx = self._step_layout(st, factored, rbr)
         fv, gv = flat.detach().reshape(-1), grad.detach().reshape(-1)
-        batch = None if nib else self._batch(impl, flat, gv, st, layout, ctx, factored, rbr)
+        batch = self._batch(impl, flat, gv, st, layout, ctx, factored, rbr, nib)
         # (the segments a batch steps whole need nothing of the per-segment phases)
         learned = _learned_segments(layout, st, fv, gv, batch.whole if batch is not None else ())
         fact = self._factored_stats(st, hp, [w for w in learned if w[0].factored], ctx, flat.device,
@@ -57,7 +57,9 @@ class SegmentStepMixin:
             _refuse_overflow(self.where, fact[1] if fact else None, span["sums"] if span else None)
         _step_exact_and_decay(layout, st, fv, gv, hp, batch)
         if fact is not None and nib:
-            self._nibbles_finish(*fact, st["codebook"], hp, impl, self._nibble_keys(step))
+            if batch is not None:
+                batch.step_nibbles(fact[1], gv, st["codebook"], hp, step)
+            self._nibbles_finish(*fact, st["codebook"], hp, impl, self._nibble_keys(step), batch)
         elif fact is not None:
             if batch is not None:
                 batch.step_factored(fact[1], gv, st["codebook"], hp)
@@ -88,17 +90,19 @@ class SegmentStepMixin:
         self._layout_memo = (key, out)
         return out
 
-    def _batch(self, impl, flat, gv, st, layout, ctx, factored, rbr) -> Optional[FlatBatch]:
+    def _batch(self, impl, flat, gv, st, layout, ctx, factored, rbr, nib=False) -> Optional[FlatBatch]:
         """The buffer's :class:`~gefen_dist.engine.flat_batch.FlatBatch` (built once and kept while its
         key holds), or None where the per-segment path steps it (the eager reference, a gradient the
         kernels cannot read)."""
         kernels = batch_kernels(impl, flat, gv)
         if kernels is None:
             return None
-        key = batch_key(impl, flat, st, factored, rbr)
+        key = batch_key(impl, flat, st, factored, rbr, nib)
         last = self.__dict__.get("_flat_batch")
         if last is None or last.key != key:
-            last = self._flat_batch = FlatBatch(key, kernels, st, layout, ctx, flat)
+            if nib and self.tensor_index is None:
+                raise RuntimeError(f"{self.where}: second_moment='nibbles' needs the owner's tensor_index (internal error)")
+            last = self._flat_batch = FlatBatch(key, kernels, st, layout, ctx, flat, self.tensor_index if nib else None)
         return last
 
     def _refuse_overflow_before_learning(self, st, g, live, held, spans, second_moment) -> None:
@@ -351,12 +355,19 @@ class SegmentStepMixin:
         return lambda key: _nb.step_key(0, step, index[key])
 
     @staticmethod
-    def _nibbles_finish(work, cols, rsum, bmax, ctx: "_FactoredCatalog", cb, hp, impl, key_of) -> None:
+    def _nibbles_finish(work, cols, rsum, bmax, ctx: "_FactoredCatalog", cb, hp, impl, key_of, batch=None) -> None:
         """Phase 2 of the one-byte layout (D20): per segment, the whole rows and ``v_col`` through the
         implementation's :func:`~gefen_dist.core.nibbles.nibble_step_factored_eager_` (keyed by the
-        tensor, its first global row), then the cut rows with the reconciled statistics."""
+        tensor, its first global row; ``batch``: a :class:`FlatBatch` did both, its column ratios are the
+        cut rows'), then the cut rows with the reconciled statistics."""
         for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb in work:
             vcb = vc.view(G, S) if G > 1 else vc
+            if batch is not None:
+                if pend:
+                    k = batch.fpos[sp.seg.key]
+                    _finish_cut_rows_nibbles(sp, p, ix, sc, vr, vcb, batch.ratios.old[k], S, a, pend, G, rb, rsum,
+                                             bmax, ctx, cb, hp, key_of(sp.seg.key), batch.ratios.new[k])
+                continue
             col_mean_sq = (cols[co:co + G * S] / rb).to(torch.float32).to(vc.device)
             ratio_old = column_ratios(vcb).clone() if pend else None  # what the cut rows' codes are against
             so, ro = lo // B - a // B, lo // S - a // S
@@ -371,12 +382,13 @@ class SegmentStepMixin:
 
 
 def _finish_cut_rows_nibbles(sp, p, ix, sc, vr, vcb, ratio_old, S, a, pend, G, rb, rsum, bmax, ctx, cb, hp,
-                             key) -> None:
+                             key, ratio_new=None) -> None:
     """:func:`_finish_cut_rows` of the one-byte layout (D20): each cut row's ``v`` decoded against the
     estimate before this step (``ratio_old``: the column ratios before ``v_col``'s EMA), advanced,
-    coded against the new one with the row's reconciled ``v_row`` and the blocks' reconciled scales,
-    its random numbers those of the same global elements (:func:`gefen_dist.core.nibbles.uniforms`)."""
-    ratio_new = column_ratios(vcb)
+    coded against the new one (``ratio_new``, the ratios after it: computed here when not given) with the
+    row's reconciled ``v_row`` and the blocks' reconciled scales, its random numbers those of the same
+    global elements (:func:`gefen_dist.core.nibbles.uniforms`)."""
+    ratio_new = column_ratios(vcb) if ratio_new is None else ratio_new
     sqrt_bc2 = math.sqrt(hp["bc2"])
     for r, r0, r1, gp, m, bl, am, first, nblk, cut in pend:
         ps, n = a + r0, r1 - r0
