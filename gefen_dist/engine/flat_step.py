@@ -59,7 +59,7 @@ class SegmentStepMixin:
         if fact is not None and nib:
             if batch is not None:
                 batch.step_nibbles(fact[1], gv, st["codebook"], hp, step)
-            self._nibbles_finish(*fact, st["codebook"], hp, impl, self._nibble_keys(step), batch)
+            _nibbles_finish(*fact, st["codebook"], hp, impl, self._nibble_keys(step), batch)
         elif fact is not None:
             if batch is not None:
                 batch.step_factored(fact[1], gv, st["codebook"], hp)
@@ -354,31 +354,31 @@ class SegmentStepMixin:
                                "tensor_index (internal error)")
         return lambda key: _nb.step_key(0, step, index[key])
 
-    @staticmethod
-    def _nibbles_finish(work, cols, rsum, bmax, ctx: "_FactoredCatalog", cb, hp, impl, key_of, batch=None) -> None:
-        """Phase 2 of the one-byte layout (D20): per segment, the whole rows and ``v_col`` through the
-        implementation's :func:`~gefen_dist.core.nibbles.nibble_step_factored_eager_` (keyed by the
-        tensor, its first global row; ``batch``: a :class:`FlatBatch` did both, its column ratios are the
-        cut rows'), then the cut rows with the reconciled statistics."""
-        for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb in work:
-            vcb = vc.view(G, S) if G > 1 else vc
-            if batch is not None:
-                if pend:
-                    k = batch.fpos[sp.seg.key]
-                    _finish_cut_rows_nibbles(sp, p, ix, sc, vr, vcb, batch.ratios.old[k], S, a, pend, G, rb, rsum,
-                                             bmax, ctx, cb, hp, key_of(sp.seg.key), batch.ratios.new[k])
-                continue
-            col_mean_sq = (cols[co:co + G * S] / rb).to(torch.float32).to(vc.device)
-            ratio_old = column_ratios(vcb).clone() if pend else None  # what the cut rows' codes are against
-            so, ro = lo // B - a // B, lo // S - a // S
-            nrow = (hi - lo) // S
-            key = key_of(sp.seg.key)
-            impl.nibble_step_factored_(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a],
-                                       sc[so:so + nrow * (S // B)], vr[ro:ro + nrow], vcb, cb, col_mean_sq,
-                                       scale_block=B, key=key, row0=lo // S, row_block=rb, **hp)
+
+def _nibbles_finish(work, cols, rsum, bmax, ctx: "_FactoredCatalog", cb, hp, impl, key_of, batch=None) -> None:
+    """Phase 2 of the one-byte layout (D20): per segment, the whole rows and ``v_col`` through the
+    implementation's :func:`~gefen_dist.core.nibbles.nibble_step_factored_eager_` (keyed by the
+    tensor, its first global row; ``batch``: a :class:`FlatBatch` did both, its column ratios are the
+    cut rows'), then the cut rows with the reconciled statistics."""
+    for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb in work:
+        vcb = vc.view(G, S) if G > 1 else vc
+        if batch is not None:
             if pend:
-                _finish_cut_rows_nibbles(sp, p, ix, sc, vr, vcb, ratio_old, S, a, pend, G, rb, rsum, bmax, ctx, cb,
-                                         hp, key)
+                k = batch.fpos[sp.seg.key]
+                _finish_cut_rows_nibbles(sp, p, ix, sc, vr, vcb, batch.ratios.old[k], S, a, pend, G, rb, rsum,
+                                         bmax, ctx, cb, hp, key_of(sp.seg.key), batch.ratios.new[k])
+            continue
+        col_mean_sq = (cols[co:co + G * S] / rb).to(torch.float32).to(vc.device)
+        ratio_old = column_ratios(vcb).clone() if pend else None  # what the cut rows' codes are against
+        so, ro = lo // B - a // B, lo // S - a // S
+        nrow = (hi - lo) // S
+        key = key_of(sp.seg.key)
+        impl.nibble_step_factored_(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a],
+                                   sc[so:so + nrow * (S // B)], vr[ro:ro + nrow], vcb, cb, col_mean_sq,
+                                   scale_block=B, key=key, row0=lo // S, row_block=rb, **hp)
+        if pend:
+            _finish_cut_rows_nibbles(sp, p, ix, sc, vr, vcb, ratio_old, S, a, pend, G, rb, rsum, bmax, ctx, cb,
+                                     hp, key)
 
 
 def _finish_cut_rows_nibbles(sp, p, ix, sc, vr, vcb, ratio_old, S, a, pend, G, rb, rsum, bmax, ctx, cb, hp,
