@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_quality.py [--steps 1000] [--seeds 0,1] [--out docs/results/gpu_quality.json]
     python benchmarks/gpu_quality.py --smoke          # CPU, a tiny model, a few steps: checks the script
+    python benchmarks/gpu_quality.py --gefen-second-moment nibbles --out docs/results/gpu_quality_nibbles.json
 
 The byte-level GPT of the training job (``launch/gpt.py``; vocab 256, tied LM head) at the GPT-2
 shape with 16 layers (113M parameters), context 512, on the Python standard library corpus
@@ -45,7 +46,7 @@ def lr_mult(t: int, steps: int, warmup: int, min_frac: float = 0.1) -> float:
     return min_frac + (1.0 - min_frac) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
 
 
-def make_optimizer(name: str, model: torch.nn.Module, lr: float, fused: bool):
+def make_optimizer(name: str, model: torch.nn.Module, lr: float, fused: bool, second_moment: str = "factored"):
     import gefen_dist
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -53,7 +54,7 @@ def make_optimizer(name: str, model: torch.nn.Module, lr: float, fused: bool):
     groups = [dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)]
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused)
-    return gefen_dist.Gefen(groups, lr=lr, betas=(0.9, 0.95))
+    return gefen_dist.Gefen(groups, lr=lr, betas=(0.9, 0.95), second_moment=second_moment)
 
 
 def state_bytes(opt) -> int:
@@ -72,7 +73,7 @@ def run(name: str, seed: int, cfg: dict, data, device: torch.device, deadline: f
     batches = Batches(train, cfg["batch"], cfg["context"], seed=seed)
     vb = [(x.to(device), y.to(device)) for x, y in val_batches(cfg["val_batches"], cfg["batch"], cfg["context"],
                                                                   data=val)]
-    opt = make_optimizer(name, model, cfg["lr"], fused=device.type == "cuda")
+    opt = make_optimizer(name, model, cfg["lr"], fused=device.type == "cuda", second_moment=cfg["gefen_second_moment"])
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["bf16"])
 
     def evaluate() -> float:
@@ -126,19 +127,22 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-minutes", type=float, default=10.0, help="wall-clock budget for all runs")
     ap.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny model, 12 steps")
+    ap.add_argument("--gefen-second-moment", default="factored", choices=("factored", "shared", "nibbles"),
+                    help="Gefen's second_moment (the default: factored; nibbles: D20, both moments in one byte)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "gpu_quality.json"))
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     if args.smoke:
         device = torch.device("cpu")
         cfg = dict(preset="tiny", n_layer=2, context=32, batch=4, steps=12, warmup=3, eval_every=6, val_batches=2,
-                   lr=2e-3, bf16=False)
+                   lr=2e-3, bf16=False, gefen_second_moment=args.gefen_second_moment)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("benchmarks/gpu_quality.py measures on a CUDA GPU (use --smoke to check the script on CPU)")
         device = torch.device("cuda")
         cfg = dict(preset="gpt2", n_layer=args.n_layer, context=args.context, batch=args.batch, steps=args.steps,
-                   warmup=100, eval_every=100, val_batches=20, lr=6e-4, bf16=True)
+                   warmup=100, eval_every=100, val_batches=20, lr=6e-4, bf16=True,
+                   gefen_second_moment=args.gefen_second_moment)
     train, val, info = load_corpus()
     seeds = [int(s) for s in args.seeds.split(",")]
     deadline = t_start + 60 * args.max_minutes

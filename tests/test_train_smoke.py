@@ -204,16 +204,19 @@ def test_peer_needs_single_or_ddp(tmp_path):
                            "--out", str(tmp_path)])
 
 
-def test_gpu_quality_script_smoke(tmp_path):
+@pytest.mark.parametrize("second_moment", ["factored", "nibbles"])
+def test_gpu_quality_script_smoke(tmp_path, second_moment):
     """benchmarks/gpu_quality.py (the prepared GPU quality run of issue 26) on CPU with a tiny model:
-    both optimizers per seed from the same init and batches, the gaps and curves in its JSON."""
+    both optimizers per seed from the same init and batches, the gaps and curves in its JSON; Gefen with
+    the layout asked for."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu_quality
 
     out = tmp_path / "gq.json"
-    assert gpu_quality.main(["--smoke", "--seeds", "0", "--out", str(out)]) == 0
+    assert gpu_quality.main(["--smoke", "--seeds", "0", "--out", str(out), "--gefen-second-moment", second_moment]) == 0
     d = json.loads(out.read_text())
     assert d["smoke"] and set(d["gaps_pct"]) == {"0"} and math.isfinite(d["gaps_pct"]["0"])
     runs = {r["optimizer"]: r for r in d["runs"]}
     assert runs["adamw"]["bytes_per_param"] == 8.0 and runs["gefen"]["bytes_per_param"] < 2.0
     assert [s for s, _ in runs["gefen"]["val_curve"]] == [6, 12] and runs["gefen"]["truncated"] is None
+    assert d["config"]["gefen_second_moment"] == second_moment
