@@ -169,20 +169,22 @@ def compile_nibbles(bf16: bool, rows: int, block: int, warps: int = 4, disasm: b
 
 
 @_memo
-def compile_nibbles_multi(bf16: bool, rows: int, block: int, warps: int = 4,
-                          disasm: bool = True) -> Dict[str, object]:
+def compile_nibbles_multi(bf16: bool, rows: int, block: int, warps: int = 4, disasm: bool = True,
+                          device_hp: bool = False) -> Dict[str, object]:
     """Compile one configuration of the multi-tensor ``second_moment="nibbles"`` kernel
-    (``_nibble_multi_kernel``, :class:`~gefen_dist.kernels.triton_nibbles.NibbleStep`) for sm_90."""
+    (``_nibble_multi_kernel``, :class:`~gefen_dist.kernels.triton_nibbles.NibbleStep`) for sm_90;
+    ``device_hp``: the ``capturable=True`` variant (the step's scalars and step count read on the device)."""
     from gefen_dist.kernels import triton_nibbles as tn
 
-    ptr = {"meta_ptr": "*i64", "gptr_ptr": "*i64", "prog_ptr": "*i64", "cb_ptr": "*fp32", "lv_ptr": "*fp32"}
+    ptr = {"meta_ptr": "*i64", "gptr_ptr": "*i64", "prog_ptr": "*i64", "cb_ptr": "*fp32", "lv_ptr": "*fp32",
+           "hp_ptr": "*fp32", "step_ptr": "*fp32"}
     consts = dict(LERP_SMALL=True, FUSED_LERP=True, FUSED_AXPY=True, HAS_WD=True, IS_BF16=bf16, DECODED=False,
-                  ROWS=rows, BLOCK_SIZE=block)
+                  ROWS=rows, BLOCK_SIZE=block, DEVICE_HP=device_hp)
     out = _compile("nibbles_multi", tn._nibble_multi_kernel, {**ptr, "step_key_part": "i64"}, (), consts,
                    dict(num_warps=warps, enable_fp_fusion=False, maxnreg=tn._MULTI_MAXNREG), disasm,
                    kern=tn._kernel("multi"))
     return dict(kernel="nibbles_multi", dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps,
-                **out)
+                device_hp=device_hp, **out)
 
 
 SPAN_SLABS = (1, 4, 16, 64, 79)  # row lengths of tensors kept per block of rows (D16: below 80)

@@ -106,6 +106,7 @@ def test_nibbles_kernel_compiles_without_spills():
         for bf16 in (False, True):
             r = sm90.compile_nibbles(bf16, rows, block, warps, disasm=False)
             assert r["stack"] == 0 and r["registers"] <= 128, r
-            # the multi-tensor kernel (NibbleStep) under its launch's register ceiling
-            r = sm90.compile_nibbles_multi(bf16, rows, block, warps, disasm=False)
-            assert r["stack"] == 0 and r["registers"] <= 128, r
+            # the multi-tensor kernel (NibbleStep) under its launch's register ceiling, host or device scalars
+            for device_hp in (False, True):
+                r = sm90.compile_nibbles_multi(bf16, rows, block, warps, disasm=False, device_hp=device_hp)
+                assert r["stack"] == 0 and r["registers"] <= 128, r

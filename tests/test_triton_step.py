@@ -1077,7 +1077,7 @@ class _HostReads:
 
 
 @interp
-@pytest.mark.parametrize("second_moment", ["factored", "shared"])
+@pytest.mark.parametrize("second_moment", ["factored", "shared", "nibbles"])
 def test_capturable_step_reads_nothing_on_the_host(monkeypatch, second_moment):
     """capturable=True (engine/device_step.py): through the interpreter, the multi-tensor step against
     the per-tensor Triton path on the same gradients, a non-finite gradient of a quantized tensor at
@@ -1089,10 +1089,13 @@ def test_capturable_step_reads_nothing_on_the_host(monkeypatch, second_moment):
                                          second_moment=second_moment, nonfinite="skip", capturable=True)
     host = _HostReads(monkeypatch)
 
+    # (2.weight quantized; 6.weight exact; in the smaller "nibbles" model every weight is quantized: 4.bias exact)
+    exact_w = a[4].bias if second_moment == "nibbles" else a[6].weight
+
     def poison(step, when):
         if when == "grads" and step in (3, 5):
-            w = a[2].weight if step == 3 else a[6].weight  # (2.weight quantized; 6.weight exact)
-            w.grad[0, 1] = float("inf") if step == 5 else float("nan")
+            w = a[2].weight if step == 3 else exact_w
+            w.grad.view(-1)[1] = float("inf") if step == 5 else float("nan")
 
     plans, batch = _train_both(a, b, oa, ob, 7, 2, poison)
     assert plans[0] is None and all(p is plans[1] and p.dstep is not None for p in plans[1:])

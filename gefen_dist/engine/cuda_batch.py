@@ -430,6 +430,8 @@ class CudaBatch:
         for gi in self.groups:
             if gi["vcols"]:
                 ema_foreach_(gi["vcols"], gi["vcol_parts"], gi["group"]["betas"][1])
+            if gi["nibs"] is not None:  # D20: v_col's EMA between its column ratios (before and after)
+                gi["nibs"]["ratios"].run(gi["nibs"]["means"], gi["group"]["betas"][1])
         if ds is not None:
             ds.restore_vcols_if_skipped()
         if self.cols is not None and self.cols.factors is not None:
@@ -441,11 +443,11 @@ class CudaBatch:
                 hp = hyperparameters(group, step, opt.bound_updates) if ds is None else ds.scalars(gi, opt)
                 cb = local_tensor(self.codebook_state["codebook"])
                 gi["multi"].run([grads[e] for e in gi["item_entries"]], cb, **hp)
-            if gi["nibs"] is not None:  # D20: v_col's EMA between the ratios, then the step
+            if gi["nibs"] is not None:  # D20 (its ratios and v_col's EMA above)
                 nb = gi["nibs"]
-                nb["ratios"].run(nb["means"], group["betas"][1])
-                nb["step"].run([grads[e] for e in nb["entries"]], local_tensor(self.codebook_state["codebook"]), step,
-                               **hyperparameters(group, step, opt.bound_updates))
+                hp = hyperparameters(group, step, opt.bound_updates) if ds is None else ds.scalars(gi, opt)
+                nb["step"].run([grads[e] for e in nb["entries"]], local_tensor(self.codebook_state["codebook"]),
+                               step if ds is None else gi["steps"][0], **hp)
             if gi["exact"] and ds is not None:
                 ds.exact(gi, [grads[e] for e in gi["exact"]])
             elif gi["exact"]:  # as the per-tensor path's _update_exact_batched

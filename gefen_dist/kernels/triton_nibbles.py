@@ -78,16 +78,23 @@ _META = tl.constexpr(12) if _HAVE_TRITON else 12  # int64 fields per tensor of t
 
 
 def _nibble_multi_kernel(
-    meta_ptr, gptr_ptr, prog_ptr, cb_ptr, lv_ptr, step_key_part,
+    meta_ptr, gptr_ptr, prog_ptr, cb_ptr, lv_ptr, hp_ptr, step_ptr, step_key_part,
     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
     LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr,
     IS_BF16: tl.constexpr, DECODED: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    DEVICE_HP: tl.constexpr = False,
 ):
     """Many tensors per launch: program ``pid`` steps rows ``prog[pid, 1] ..`` of tensor ``prog[pid, 0]``,
     whose pointers and sizes are row ``t`` of ``meta`` (:class:`NibbleStep`: parameter, codes, scales,
     ``v_row``, the column ratios before / after the EMA, rows, ``S``, ``B``, first global row, rows per row
     block, the tensor's part of the key) and whose gradient's address is ``gptr[t]``; the key of its draws
-    is ``step_key_part + meta[t, 11]`` modulo 2^32 (:func:`gefen_dist.core.nibbles.step_key`)."""
+    is ``step_key_part + meta[t, 11]`` modulo 2^32 (:func:`gefen_dist.core.nibbles.step_key`).
+
+    ``DEVICE_HP`` (``capturable=True``): the scalars that change from step to step are read from the
+    device, ``hp_ptr`` = (skip, sqrt(bc2), 1 / bc1, lr, 1 - lr wd, bound) in float32 (as the default's
+    multi-tensor kernel reads them), and the step number from ``step_ptr`` (the launch group's float32
+    step count, after this step's increment), whose part of the key replaces ``step_key_part``; a
+    non-zero ``skip`` masks every row, so the launch changes nothing. Otherwise neither is read."""
     pid = tl.program_id(0)
     t = tl.load(prog_ptr + 2 * pid)
     r_first = tl.load(prog_ptr + 2 * pid + 1).to(tl.int32)
@@ -100,11 +107,21 @@ def _nibble_multi_kernel(
         g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.float32))
     S = tl.load(mb + 7).to(tl.int32)
     B = tl.load(mb + 8).to(tl.int32)
-    key = (tl.load(mb + 11) + step_key_part) & 0xFFFFFFFF
+    nrows = tl.load(mb + 6).to(tl.int32)
+    if DEVICE_HP:
+        nrows = tl.where(tl.load(hp_ptr) != 0.0, 0, nrows)  # skipped: no row of this program is stepped
+        sqrt_bc2 = tl.load(hp_ptr + 1)
+        inv_bc1 = tl.load(hp_ptr + 2)
+        lr = tl.load(hp_ptr + 3)
+        decay = tl.load(hp_ptr + 4)
+        ubound = tl.load(hp_ptr + 5)
+        key = (tl.load(mb + 11) + ((tl.load(step_ptr).to(tl.int64) * 0x85EBCA77) & 0xFFFFFFFF)) & 0xFFFFFFFF
+    else:
+        key = (tl.load(mb + 11) + step_key_part) & 0xFFFFFFFF
     _nibble_rows_jit(p_ptr, g_ptr, tl.load(mb + 1).to(tl.pointer_type(tl.uint8)),
                      tl.load(mb + 2).to(tl.pointer_type(tl.float32)), tl.load(mb + 3).to(tl.pointer_type(tl.float32)),
                      tl.load(mb + 4).to(tl.pointer_type(tl.float32)), tl.load(mb + 5).to(tl.pointer_type(tl.float32)),
-                     cb_ptr, lv_ptr, r_first, tl.load(mb + 6).to(tl.int32), S, B, S // B, S.to(tl.float32),
+                     cb_ptr, lv_ptr, r_first, nrows, S, B, S // B, S.to(tl.float32),
                      tl.load(mb + 9).to(tl.int32), tl.load(mb + 10).to(tl.int32), key,
                      lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
                      LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, IS_BF16, DECODED, ROWS, BLOCK_SIZE)
@@ -351,22 +368,31 @@ class NibbleStep:
     def launches(self) -> int:
         return len(self._launches)
 
-    def run(self, grads, codebook: torch.Tensor, step: int, *, lr: float, beta1: float, beta2: float, eps: float,
-            weight_decay: float, bc1: float, bc2: float, bound: Optional[float] = None, update: str = "fp32") -> None:
+    def run(self, grads, codebook: torch.Tensor, step, *, lr, beta1: float, beta2: float, eps: float,
+            weight_decay: float, bc1, bc2, bound=None, update: str = "fp32", hp: Optional[torch.Tensor] = None) -> None:
         """Step ``step`` of every item: ``grads[i]`` (contiguous, the item's dtype and size) for item ``i``,
-        its draws keyed by ``step_key(0, step, index)``; ``codebook`` the 16 first-moment codewords."""
+        its draws keyed by ``step_key(0, step, index)``; ``codebook`` the 16 first-moment codewords. With
+        ``hp`` (``capturable=True``: float32 on the device, filled by
+        :func:`~gefen_dist.kernels.triton_tables.device_step_scalars`) ``step`` is the launch group's step
+        count on the device, and the kernel reads it, lr, the bias corrections, the bound and the skip
+        flag there (``lr``, ``bc1``, ``bc2`` and ``bound``, tensors then, are not read on the host)."""
         if not self._launches:
             return
+        if hp is not None:  # placeholders for the scalars the kernel reads from hp
+            lr, bc1, bc2, bound = 0.0, 1.0, 1.0, None
         scalars, consts = _launch_scalars(self.device, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                           weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound, update=update)
         cb, lv = _codebook(codebook, self.device), _levels(self.device)
-        step_part = (int(step) * 0x85EBCA77) & 0xFFFFFFFF  # step_key(0, step, 0)
+        step_part = 0 if hp is not None else (int(step) * 0x85EBCA77) & 0xFFFFFFFF  # step_key(0, step, 0)
+        hp_t = cb if hp is None else hp  # (not read without DEVICE_HP)
+        step_t = cb if hp is None else step
         kern = _kernel("multi")
         ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext()
         with ctx:
             for L in self._launches:
                 gs = [grads[i] for i in L["members"]]
-                kern[(L["nprog"],)](L["meta"], L["grads"](gs), L["prog"], cb, lv, step_part, *scalars,
+                kern[(L["nprog"],)](L["meta"], L["grads"](gs), L["prog"], cb, lv, hp_t, step_t, step_part, *scalars,
                                     IS_BF16=L["bf16"], ROWS=L["rows"], BLOCK_SIZE=L["bs"], num_warps=L["warps"],
-                                    enable_fp_fusion=False, maxnreg=_MULTI_MAXNREG, **consts)
+                                    enable_fp_fusion=False, maxnreg=_MULTI_MAXNREG, DEVICE_HP=hp is not None,
+                                    **consts)
         torch.autograd.graph.increment_version(self._touched)

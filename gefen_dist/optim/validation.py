@@ -122,9 +122,6 @@ def validate_options(*, second_moment, small_threshold, nonfinite, fused, symmet
     ``ValueError`` naming the value and what is expected."""
     if second_moment not in SECOND_MOMENT_SETTINGS:
         raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENT_SETTINGS})")
-    if second_moment == NIBBLES and capturable:
-        raise ValueError("Gefen(second_moment='nibbles') has no device-side (capturable) step yet: pass "
-                         "capturable=False, or second_moment='factored' for a CUDA-graph-capturable step")
     if isinstance(small_threshold, bool) or not isinstance(small_threshold, int) or small_threshold < 0:
         raise ValueError(f"Invalid small_threshold: {small_threshold!r} (must be an int >= 0)")
     if nonfinite not in NONFINITE:
@@ -170,8 +167,8 @@ def validate_narrow_rows(nr, where: str = "") -> None:
 def validate_nibbles(opt, merged: Dict[str, Any], where: str) -> None:
     """``second_moment="nibbles"`` (D20) in a param group (``merged`` with the optimizer's defaults and the
     group's parameters): :class:`gefen_dist.Gefen`, ``ZeroGefen`` and the DeepSpeed optimizer step it
-    (``opt._nibbles_ok``), without a device-side (capturable) step, and the
-    optimizer's one codebook has 16 codewords for it and 256 otherwise, so all its groups use it or none."""
+    (``opt._nibbles_ok``), and the optimizer's one codebook has 16 codewords for it and 256 otherwise, so
+    all its groups use it or none."""
     nib = merged["second_moment"] == NIBBLES
     if nib and not getattr(opt, "_nibbles_ok", False):
         raise ValueError(f"{type(opt).__module__}.{type(opt).__name__} does not step second_moment='nibbles'{where} "
@@ -182,9 +179,6 @@ def validate_nibbles(opt, merged: Dict[str, Any], where: str) -> None:
         raise ValueError(f"narrow_rows={merged['narrow_rows']!r}{where} is a layout of second_moment='factored'; "
                          "'nibbles' keeps every quantized row's scale and v_row per row: leave narrow_rows at its "
                          "default ('auto') or pass second_moment='factored'")
-    if nib and getattr(opt, "capturable", False):
-        raise ValueError(f"second_moment='nibbles'{where} has no device-side (capturable) step yet; pass "
-                         "capturable=False")
     th = opt.__dict__.get("small_threshold", 0)
     others = {second_moment_of(g) == NIBBLES for g in opt.param_groups if quantizes(g, th)}
     if others and others != {nib} and quantizes(merged, th):
