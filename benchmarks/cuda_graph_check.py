@@ -2,6 +2,7 @@
 eager step, synchronises nothing, and what the graph saves in time (issue 27).
 
     python benchmarks/cuda_graph_check.py [--size small|xl] [--steps 8] [--iters 50] [--out graph.json]
+                                          [--second-moment factored|shared|nibbles]
 
 On GPT-2's tensors (``benchmarks/_gpt2.py``; small by default), float32 and bfloat16:
 
@@ -63,13 +64,13 @@ def _state_tensors(opt, params):
             if isinstance(v, torch.Tensor)]
 
 
-def agreement(size: str, dtype, dev, steps: int) -> dict:
+def agreement(size: str, dtype, dev, steps: int, second_moment: str = "factored") -> dict:
     from gefen_dist import Gefen
 
     pa, pb = _params(size, dtype, dev), _params(size, dtype, dev)
     lr = torch.tensor(HP["lr"], device=dev)  # a device lr: read at every replay
-    oa = Gefen(pa, **dict(HP, lr=lr), capturable=True, nonfinite="skip")
-    ob = Gefen(pb, **dict(HP, lr=lr.clone()), capturable=True, nonfinite="skip")
+    oa = Gefen(pa, **dict(HP, lr=lr), capturable=True, nonfinite="skip", second_moment=second_moment)
+    ob = Gefen(pb, **dict(HP, lr=lr.clone()), capturable=True, nonfinite="skip", second_moment=second_moment)
     graph, mismatches = None, []
     for step in range(steps):
         poison = step == 4
@@ -98,9 +99,10 @@ def agreement(size: str, dtype, dev, steps: int) -> dict:
                 skipped_a=float(oa.device_skipped_steps), skipped_b=float(ob.device_skipped_steps))
 
 
-def timings(size: str, dtype, dev, iters: int) -> dict:
+def timings(size: str, dtype, dev, iters: int, second_moment: str = "factored") -> dict:
     from gefen_dist import Gefen
 
+    sm = dict(second_moment=second_moment)
     out = {}
     for name in ("torch_adamw_fused", "gefen_default", "gefen_capturable", "gefen_capturable_graph"):
         ps = _params(size, dtype, dev, seed=1)
@@ -108,9 +110,9 @@ def timings(size: str, dtype, dev, iters: int) -> dict:
         if name == "torch_adamw_fused":
             opt = torch.optim.AdamW(ps, fused=True, **HP)
         elif name == "gefen_default":
-            opt = Gefen(ps, **HP)
+            opt = Gefen(ps, **HP, **sm)
         else:
-            opt = Gefen(ps, **dict(HP, lr=torch.tensor(HP["lr"], device=dev)), capturable=True, nonfinite="skip")
+            opt = Gefen(ps, **dict(HP, lr=torch.tensor(HP["lr"], device=dev)), capturable=True, nonfinite="skip", **sm)
         for _ in range(2):
             opt.step()
         fn = opt.step
@@ -138,18 +140,20 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default="")
+    ap.add_argument("--second-moment", default="factored", choices=("factored", "shared", "nibbles"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("cuda_graph_check: needs a CUDA GPU")
         return 2
     dev = torch.device("cuda")
-    res = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__, size=args.size)
+    res = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__, size=args.size,
+               second_moment=args.second_moment)
     ok = True
     for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         print(f"== GPT-2 {args.size}, {key} ==")
         res[key] = {}
         try:  # a failure is reported with its traceback and the run goes on (one GPU session, many answers)
-            a = agreement(args.size, dtype, dev, args.steps)
+            a = agreement(args.size, dtype, dev, args.steps, args.second_moment)
             print(f"  graph replay vs eager capturable: {a['n_mismatches']} mismatching tensors over {a['steps']} "
                   f"steps; skipped on the device: {a['skipped_a']} / {a['skipped_b']}")
             ok &= a["n_mismatches"] == 0 and a["skipped_a"] == a["skipped_b"] == 1.0
@@ -159,7 +163,7 @@ def main(argv=None) -> int:
             res[key]["agreement_error"] = traceback.format_exc()
             print(res[key]["agreement_error"])
         try:
-            res[key]["timings"] = timings(args.size, dtype, dev, args.iters)
+            res[key]["timings"] = timings(args.size, dtype, dev, args.iters, args.second_moment)
         except Exception:
             ok = False
             res[key]["timings_error"] = traceback.format_exc()

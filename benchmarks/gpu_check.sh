@@ -4,12 +4,14 @@
 #      second_moment="nibbles") against the eager path, and Gefen on a CUDA model against the eager path on CPU;
 #   2. benchmarks/cuda_graph_check.py: Gefen(capturable=True) captured in a CUDA graph replays bitwise the
 #      eager step (exit 1 otherwise), with no host synchronisation, and its time against fused AdamW;
+#      with NIBBLES_GRAPH=1 also for second_moment="nibbles", last (graph_nibbles.log / .json; the
+#      default timeouts add up to 600 s without it);
 #   3. benchmarks/gpu_step.py: Gefen(...).step() against torch's fused AdamW on GPT-2 small and XL,
 #      then the kernel-level timings and the chunk-size sweep;
 #   4. benchmarks/flat_step.py --device cuda: DeepSpeed's flat-buffer step (GPT-2 small in one buffer),
 #      its segments batched and one by one, against fused AdamW.
 # Everything lands under $OUT (default /tmp/gpu_check): gpu.txt, pytest.log, graph.log, graph.json,
-# gpu_step.log, gpu_step.json, flat_step.log, flat_step.json.
+# graph_nibbles.log, graph_nibbles.json, gpu_step.log, gpu_step.json, flat_step.log, flat_step.json.
 #   usage: bash benchmarks/gpu_check.sh [extra gpu_step.py arguments]
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -30,3 +32,8 @@ echo "gpu_step rc ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_step.log"
 timeout "${FLAT_TIMEOUT:-50}" $PY benchmarks/flat_step.py --device cuda --no-eager --rounds 10 \
   --out "$OUT/flat_step.json" 2>&1 | tee "$OUT/flat_step.log"
 echo "flat_step rc ${PIPESTATUS[0]}" | tee -a "$OUT/flat_step.log"
+if [ -n "${NIBBLES_GRAPH:-}" ]; then
+  timeout "${GRAPH_TIMEOUT:-90}" $PY benchmarks/cuda_graph_check.py --second-moment nibbles --out "$OUT/graph_nibbles.json" \
+    2>&1 | tee "$OUT/graph_nibbles.log"
+  echo "cuda_graph_check nibbles rc ${PIPESTATUS[0]}" | tee -a "$OUT/graph_nibbles.log"
+fi

@@ -12,7 +12,7 @@ Needs a CUDA GPU and triton (exits with a message otherwise).
 defaults (factored second moment with row blocks, the multi-tensor CUDA plan of
 ``gefen_dist/engine/cuda_batch.py``), the default with ``nonfinite="ignore"`` (no non-finite check:
 the batch's host synchronisation for the check's verdict is not taken), ``second_moment="shared"``,
-``second_moment="nibbles"`` (D20) with and without the plan (``gefen_nibbles``, ``gefen_nibbles_per_tensor``),
+``second_moment="nibbles"`` (D20, ``gefen_nibbles``, its multi-tensor kernel),
 the default with the plan disabled
 (``gefen_default_per_tensor``: one Triton launch per tensor), the eager path (``fused=False``),
 and ``torch.optim.AdamW(fused=True)``, over every tensor of GPT-2 small (124,439,808
@@ -318,9 +318,8 @@ OPTIMIZERS = (
     # capturable=True: the verdict, the step counts and the scalars on the device (0 syncs expected)
     ("gefen_default_capturable", dict(capturable=True, nonfinite="skip"), None),
     ("gefen_shared", dict(second_moment="shared"), None),
-    # second_moment="nibbles" (D20): its multi-tensor kernel, and tensor by tensor (its path before 2026-12-07)
+    # second_moment="nibbles" (D20): its multi-tensor kernel
     ("gefen_nibbles", dict(second_moment="nibbles"), None),
-    ("gefen_nibbles_per_tensor", dict(second_moment="nibbles"), None),
     ("gefen_default_per_tensor", {}, None),
     # ZeroGefen (ZeRO-1) in one process: owners' state-only steps per tensor, the appliers in one launch
     ("zerogefen_one_rank", dict(_zero=True), None),
