@@ -112,29 +112,25 @@ class ColumnRatios:
     ``v_col`` tensors of one shape are taken together (one ``stack``, ``mean`` and ``div`` per shape, two
     foreach operations for the EMAs) instead of about six operations per tensor. Each stacked mean reduces
     each output in the order the mean of that ``v_col`` alone does on CPU (bitwise the per-tensor path,
-    ``tests/test_cpu_batch.py``) as long as that mean runs serially: a profile of ``_GRAIN`` columns or more
-    is reduced on its own (as :class:`gefen_dist.kernels.cpu_multi.ColumnFactors` does). On CUDA torch may
+    ``tests/test_cpu_batch.py``) as long as that mean runs serially: a profile of ``GRAIN`` columns or more
+    is reduced on its own (:func:`gefen_dist.kernels.cpu_multi.shape_groups`, as its ``ColumnFactors``). On CUDA torch may
     order a reduction of many outputs differently from one of a few, so the ratios can differ from the
     per-tensor path's in a last bit (not run on a GPU yet)."""
 
-    _GRAIN = 32768  # at::internal::GRAIN_SIZE: below it torch reduces serially on CPU
-
     def __init__(self, v_cols, device: torch.device):
+        from ..kernels.cpu_multi import shape_groups
+
         self.device = torch.device(device)
         self.v_cols = list(v_cols)
         for i, v in enumerate(self.v_cols):
             if v.dtype != torch.float32 or not v.is_contiguous() or v.device != self.device:
                 raise ValueError(f"v_col {i}: need a contiguous float32 tensor on {self.device}, got {v.dtype} on "
                                  f"{v.device}{'' if v.is_contiguous() else ', non-contiguous'}")
-        by_shape: dict = {}
-        for i, v in enumerate(self.v_cols):
-            key = tuple(v.shape) if v.numel() < self._GRAIN else ("alone", i)
-            by_shape.setdefault(key, []).append(i)
         total = sum(v.numel() for v in self.v_cols)
         bufs = [torch.empty(total, dtype=torch.float32, device=self.device) for _ in range(2)]
         self.old, self.new = [None] * len(self.v_cols), [None] * len(self.v_cols)
         self._groups, o = [], 0  # (v_cols, their old and new ratios as [K, *shape] blocks) per shape
-        for members in by_shape.values():
+        for members in shape_groups(self.v_cols):
             shape, k = tuple(self.v_cols[members[0]].shape), len(members)
             n = self.v_cols[members[0]].numel()
             blocks = [b[o:o + k * n].view(k, *shape) for b in bufs]

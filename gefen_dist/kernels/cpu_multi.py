@@ -187,6 +187,20 @@ class ColumnSums:
         return out
 
 
+GRAIN = 32768  # at::internal::GRAIN_SIZE: below it torch reduces serially
+
+
+def shape_groups(tensors) -> list:
+    """Indices of ``tensors`` grouped by shape (first appearance order), each tensor of ``GRAIN`` elements
+    or more in a group of its own: the groups whose ``stack(...).mean(-1)`` reduces each row in the order
+    that row's own mean does on CPU (torch reduces a tensor of one output and at least ``GRAIN`` elements in
+    parallel, in another order)."""
+    by_shape: dict = {}
+    for i, v in enumerate(tensors):
+        by_shape.setdefault(tuple(v.shape) if v.numel() < GRAIN else ("alone", i), []).append(i)
+    return list(by_shape.values())
+
+
 class ColumnFactors:
     """The column factors ``sqrt(v_col / mean(v_col))`` of many factored CPU tensors: ``v_cols[i]``
     (``[S]`` or ``[G, S]``, float32, contiguous) gets ``views[i]``, a tensor of its shape in one flat
@@ -197,10 +211,8 @@ class ColumnFactors:
     and one ``sqrt_`` per shape instead of four operations per tensor (a model's layers repeat a few
     shapes). Each output of the stacked mean reduces its own row in the order a mean of that
     ``v_col`` alone does, as long as the per-tensor mean runs in one thread: torch reduces a tensor of
-    one output and at least ``_GRAIN`` elements in parallel, in another order, so such ``v_col``
+    one output and at least ``GRAIN`` elements in parallel, in another order, so such ``v_col``
     (one profile of 32,768 columns or more) stay on their own (``tests/test_cpu_batch.py``)."""
-
-    _GRAIN = 32768  # at::internal::GRAIN_SIZE: below it torch reduces serially
 
     def __init__(self, v_cols, device: torch.device):
         self.device = torch.device(device)
@@ -209,14 +221,10 @@ class ColumnFactors:
             if v.dtype != torch.float32 or not v.is_contiguous() or v.device.type != "cpu":
                 raise ValueError(f"v_col {i}: need a contiguous float32 CPU tensor, got {v.dtype} on {v.device}"
                                  f"{'' if v.is_contiguous() else ', non-contiguous'}")
-        by_shape: dict = {}
-        for i, v in enumerate(self.v_cols):
-            key = tuple(v.shape) if v.numel() < self._GRAIN else ("alone", i)
-            by_shape.setdefault(key, []).append(i)
         self.out = torch.empty(sum(v.numel() for v in self.v_cols), dtype=torch.float32)
         self.views = [None] * len(self.v_cols)
         self._groups, o = [], 0  # (v_cols, their outputs as one [K, *shape] block) per shape
-        for members in by_shape.values():
+        for members in shape_groups(self.v_cols):
             shape, k = tuple(self.v_cols[members[0]].shape), len(members)
             n = self.v_cols[members[0]].numel()
             block = self.out[o:o + k * n].view(k, *shape)

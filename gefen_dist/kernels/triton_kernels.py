@@ -313,6 +313,26 @@ def _gefen_step_kernel(
     )
 
 
+def _table_ptrs(meta_row, gptr_ptr, t, IS_BF16: tl.constexpr):
+    """A multi-tensor table's parameter pointer (``meta_row[0]``) and gradient pointer (``gptr[t]``) of
+    tensor ``t``, typed for its dtype (bf16 as int16 bits)."""
+    if IS_BF16:
+        p_ptr = tl.load(meta_row + 0).to(tl.pointer_type(tl.int16))
+        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.int16))
+    else:
+        p_ptr = tl.load(meta_row + 0).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.float32))
+    return p_ptr, g_ptr
+
+
+def _device_scalars(hp_ptr, nrows):
+    """``capturable=True``: the step's scalars read on the device (``hp_ptr`` = skip, sqrt(bc2), 1 / bc1, lr,
+    1 - lr wd, bound; :data:`~gefen_dist.kernels.triton_tables.DEVICE_HP_FIELDS`) and ``nrows``, zero
+    when the step is skipped (no row of the program is stepped)."""
+    return (tl.where(tl.load(hp_ptr) != 0.0, 0, nrows), tl.load(hp_ptr + 1), tl.load(hp_ptr + 2),
+            tl.load(hp_ptr + 3), tl.load(hp_ptr + 4), tl.load(hp_ptr + 5))
+
+
 def _gefen_multi_kernel(
     meta_ptr, gptr_ptr, prog_ptr, cb_ptr, tab_ptr, scan_steps, hp_ptr,
     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
@@ -339,12 +359,7 @@ def _gefen_multi_kernel(
     t = tl.load(prog_ptr + 2 * pid)
     r_first = tl.load(prog_ptr + 2 * pid + 1).to(tl.int32)
     mb = meta_ptr + t * _META
-    if IS_BF16:
-        p_ptr = tl.load(mb + 0).to(tl.pointer_type(tl.int16))
-        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.int16))
-    else:
-        p_ptr = tl.load(mb + 0).to(tl.pointer_type(tl.float32))
-        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.float32))
+    p_ptr, g_ptr = _table_ptrs_jit(mb, gptr_ptr, t, IS_BF16)
     idx_ptr = tl.load(mb + 1).to(tl.pointer_type(tl.uint8))
     scale_ptr = tl.load(mb + 2).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(mb + 3).to(tl.pointer_type(tl.float32))
@@ -353,12 +368,7 @@ def _gefen_multi_kernel(
     S = tl.load(mb + 6).to(tl.int32)
     B = tl.load(mb + 7).to(tl.int32)
     if DEVICE_HP:
-        nrows = tl.where(tl.load(hp_ptr) != 0.0, 0, nrows)  # skipped: no row of this program is stepped
-        sqrt_bc2 = tl.load(hp_ptr + 1)
-        inv_bc1 = tl.load(hp_ptr + 2)
-        lr = tl.load(hp_ptr + 3)
-        decay = tl.load(hp_ptr + 4)
-        ubound = tl.load(hp_ptr + 5)
+        nrows, sqrt_bc2, inv_bc1, lr, decay, ubound = _device_scalars_jit(hp_ptr, nrows)
     if ALIGNED:
         p_ptr = tl.multiple_of(p_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)
@@ -675,8 +685,9 @@ _kernels_lock = threading.Lock()
 # the helpers the kernels call, by these module-level names (jit-wrapped on first use)
 _HELPERS = {"_step_rows_jit": _step_rows, "_load_f32_jit": _load_f32, "_ema_m_jit": _ema_m,
             "_nearest_jit": _nearest, "_update_param_jit": _update_param, "_span_rows_jit": _span_rows,
-            "_span_tile_jit": _span_tile}
+            "_span_tile_jit": _span_tile, "_table_ptrs_jit": _table_ptrs, "_device_scalars_jit": _device_scalars}
 _step_rows_jit = _load_f32_jit = _ema_m_jit = _nearest_jit = _update_param_jit = _span_rows_jit = _span_tile_jit = None
+_table_ptrs_jit = _device_scalars_jit = None
 
 
 def _kernel(name: str = "step"):

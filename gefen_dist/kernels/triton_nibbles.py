@@ -99,22 +99,12 @@ def _nibble_multi_kernel(
     t = tl.load(prog_ptr + 2 * pid)
     r_first = tl.load(prog_ptr + 2 * pid + 1).to(tl.int32)
     mb = meta_ptr + t * _META
-    if IS_BF16:
-        p_ptr = tl.load(mb + 0).to(tl.pointer_type(tl.int16))
-        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.int16))
-    else:
-        p_ptr = tl.load(mb + 0).to(tl.pointer_type(tl.float32))
-        g_ptr = tl.load(gptr_ptr + t).to(tl.pointer_type(tl.float32))
+    p_ptr, g_ptr = _tk._table_ptrs_jit(mb, gptr_ptr, t, IS_BF16)
     S = tl.load(mb + 7).to(tl.int32)
     B = tl.load(mb + 8).to(tl.int32)
     nrows = tl.load(mb + 6).to(tl.int32)
     if DEVICE_HP:
-        nrows = tl.where(tl.load(hp_ptr) != 0.0, 0, nrows)  # skipped: no row of this program is stepped
-        sqrt_bc2 = tl.load(hp_ptr + 1)
-        inv_bc1 = tl.load(hp_ptr + 2)
-        lr = tl.load(hp_ptr + 3)
-        decay = tl.load(hp_ptr + 4)
-        ubound = tl.load(hp_ptr + 5)
+        nrows, sqrt_bc2, inv_bc1, lr, decay, ubound = _tk._device_scalars_jit(hp_ptr, nrows)
         key = (tl.load(mb + 11) + ((tl.load(step_ptr).to(tl.int64) * 0x85EBCA77) & 0xFFFFFFFF)) & 0xFFFFFFFF
     else:
         key = (tl.load(mb + 11) + step_key_part) & 0xFFFFFFFF
