@@ -51,7 +51,9 @@ VARIANTS = ("adamw", "gefen_default")  # the study's default pair; --variants ma
 NAMES = {"adamw": "AdamW", "gefen_default": "Gefen default", "v_nibbles": 'second_moment="nibbles"',
          "x_adamw_fused": "AdamW, fused=True", "x_adamw_jitter1": "AdamW, updates x(1 +- 1%)",
          "x_adamw_jitter10": "AdamW, updates x(1 +- 10%)", "x_adamw_lr1.1": "AdamW, lr x1.1", "x_adamw_lr0.9": "AdamW, lr x0.9",
-         "v_all_v8_fused": "8-bit m, one-byte v per element"}
+         "v_all_v8_fused": "8-bit m, one-byte v per element",
+         "x_adamw_arnoise": "AdamW, updates x exp(0.18 a), a AR(0.95)", "x_adamw_iidnoise": "AdamW, updates x exp(0.18 z)",
+         "x_adamw_iidnoise_half": "AdamW, updates x exp(0.09 z)", "v_all_m4s_fused": "4-bit stochastic m, fp32 v per element"}
 
 
 def window_mean(train_loss):
