@@ -73,7 +73,8 @@ def run(name: str, seed: int, cfg: dict, data, device: torch.device, deadline: f
     batches = Batches(train, cfg["batch"], cfg["context"], seed=seed)
     vb = [(x.to(device), y.to(device)) for x, y in val_batches(cfg["val_batches"], cfg["batch"], cfg["context"],
                                                                   data=val)]
-    opt = make_optimizer(name, model, cfg["lr"], fused=device.type == "cuda", second_moment=cfg["gefen_second_moment"])
+    opt = make_optimizer(name, model, cfg["lr"], fused=device.type == "cuda",
+                         second_moment=cfg["gefen_second_moment"])
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["bf16"])
 
     def evaluate() -> float:

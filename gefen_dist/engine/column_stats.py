@@ -113,9 +113,9 @@ class ColumnRatios:
     foreach operations for the EMAs) instead of about six operations per tensor. Each stacked mean reduces
     each output in the order the mean of that ``v_col`` alone does on CPU (bitwise the per-tensor path,
     ``tests/test_cpu_batch.py``) as long as that mean runs serially: a profile of ``GRAIN`` columns or more
-    is reduced on its own (:func:`gefen_dist.kernels.cpu_multi.shape_groups`, as its ``ColumnFactors``). On CUDA torch may
-    order a reduction of many outputs differently from one of a few, so the ratios can differ from the
-    per-tensor path's in a last bit (not run on a GPU yet)."""
+    is reduced on its own (:func:`gefen_dist.kernels.cpu_multi.shape_groups`, as its ``ColumnFactors``).
+    On CUDA torch may order a reduction of many outputs differently from one of a few, so the ratios can
+    differ from the per-tensor path's in a last bit (not run on a GPU yet)."""
 
     def __init__(self, v_cols, device: torch.device):
         from ..kernels.cpu_multi import shape_groups

@@ -181,7 +181,7 @@ class CudaBatch:
                 fpos[e] = (len(self.fact), rkw)
                 self.fact.append(e)
         # the column sums and the column factors sqrt(v_col / mean(v_col)) of every factored tensor (none for
-        # "nibbles", D20, whose step reads the column ratios around the EMA: _nibble_groups)
+        # "nibbles", D20, whose step reads the column ratios around the EMA: _nibble_group)
         self.nibbles = nibbles_in(opt.param_groups)
         self.cols = ColumnTable(_tri, cols, device, factored=[not self.nibbles] * len(cols)) if cols else None
         for e, (group, p) in enumerate(entries):

@@ -140,11 +140,13 @@ class FlatBatch:
                                                B, B, 1 if P == 1 else 0))
                 sranges.append((s.flat_offset + lo - a, s.flat_offset + hi - a))
                 self.shared_keys.add(s.key)
-        # the column sums, means and factors (or, "nibbles", ratios) of the factored segments (the CUDA batch's table)
+        # the column sums, means and factors (or, "nibbles", ratios) of the factored segments (the CUDA
+        # batch's table)
         self.table = ColumnTable(kernels, tensors, dev, factored=[not self.nib] * len(tensors)) if tensors else None
         self.fmulti = self.ratios = None
+        if tensors:
+            self.col_index = torch.cat(col_index).to(dev)  # where each segment's sums sit in the catalog's
         if tensors and self.nib:
-            self.col_index = torch.cat(col_index).to(dev)
             self.ratios = ColumnRatios(self.table.vcols, dev)
             # (one row block: rb as the per-segment call passes it to the kernel, its rows + 1)
             items = [kernels.NibbleItem(p, ix, sc, vr, self.ratios.old[k], self.ratios.new[k], S, B, row0,
@@ -152,7 +154,6 @@ class FlatBatch:
                      for p, ix, sc, vr, k, S, B, row0, rb, G, key in fitems]
             self.fmulti = kernels.NibbleStep(items, dev) if any(it.param.numel() for it in items) else None
         elif tensors:
-            self.col_index = torch.cat(col_index).to(dev)  # where each segment's sums sit in the catalog's
             items = [kernels.StepItem(p, ix, sc, vr, self.table.factor_views[k], S, B, 2, row0, rb)
                      for p, ix, sc, vr, k, S, B, row0, rb, _, _ in fitems]
             self.fmulti = kernels.MultiStep(items, dev) if any(it.param.numel() for it in items) else None

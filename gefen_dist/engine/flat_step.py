@@ -101,8 +101,10 @@ class SegmentStepMixin:
         last = self.__dict__.get("_flat_batch")
         if last is None or last.key != key:
             if nib and self.tensor_index is None:
-                raise RuntimeError(f"{self.where}: second_moment='nibbles' needs the owner's tensor_index (internal error)")
-            last = self._flat_batch = FlatBatch(key, kernels, st, layout, ctx, flat, self.tensor_index if nib else None)
+                raise RuntimeError(f"{self.where}: second_moment='nibbles' needs the owner's tensor_index "
+                                   "(internal error)")
+            last = self._flat_batch = FlatBatch(key, kernels, st, layout, ctx, flat,
+                                                self.tensor_index if nib else None)
         return last
 
     def _refuse_overflow_before_learning(self, st, g, live, held, spans, second_moment) -> None:
