@@ -1,6 +1,8 @@
 """The GPU step of ``second_moment="nibbles"`` (D20; Triton): the math of
-:func:`gefen_dist.core.nibbles.nibble_step_factored_eager_` in one launch per tensor, ``ROWS`` rows per
-program, each row swept in power-of-two column chunks (any row length and scale block):
+:func:`gefen_dist.core.nibbles.nibble_step_factored_eager_`, one launch per tensor
+(:func:`nibble_step_factored_`) or per (dtype, tile) for many tensors (:class:`NibbleStep`, the optimizer's
+multi-tensor batch), ``ROWS`` rows per program (:func:`_nibble_rows`, the code both run), each row swept in
+power-of-two column chunks (any row length and scale block):
 
 * sweep 0: the row's mean of ``g^2`` -> ``v_row`` (the old value kept for decoding);
 * per scale block, sweep 1: ``m = lerp(C[code >> 4] M, g, 1 - beta1)``, its absmax (NaN-propagating);
