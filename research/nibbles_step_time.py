@@ -106,7 +106,7 @@ def main(argv=None):
     base = statistics.median(times["torch_adamw_fused"])
     ts = tensors(name=args.set)[0]
     n = sum(p.numel() for p in ts)
-    what = "GPT-2 small block 0" if args.set == "block0" else f"the `{args.set}` LM"
+    what = {"block0": "GPT-2 small block 0", "gpt2": "GPT-2 small"}.get(args.set, f"the `{args.set}` LM")
     print(f"{what} ({n:,} parameters in {len(ts)} tensors), {args.threads} thread(s), {args.rounds} interleaved rounds of "
           f"{args.steps} steps, process CPU time, torch {torch.__version__}, {time.time() - t_start:.0f} s")
     for name, ts in times.items():
