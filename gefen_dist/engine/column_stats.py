@@ -119,13 +119,11 @@ class ColumnRatios:
 
     def __init__(self, v_cols, device: torch.device):
         from ..kernels.cpu_multi import shape_groups
+        from ..kernels.triton_multi import check_vcols
 
         self.device = torch.device(device)
         self.v_cols = list(v_cols)
-        for i, v in enumerate(self.v_cols):
-            if v.dtype != torch.float32 or not v.is_contiguous() or v.device != self.device:
-                raise ValueError(f"v_col {i}: need a contiguous float32 tensor on {self.device}, got {v.dtype} on "
-                                 f"{v.device}{'' if v.is_contiguous() else ', non-contiguous'}")
+        check_vcols(self.v_cols, self.device)
         total = sum(v.numel() for v in self.v_cols)
         bufs = [torch.empty(total, dtype=torch.float32, device=self.device) for _ in range(2)]
         self.old, self.new = [None] * len(self.v_cols), [None] * len(self.v_cols)

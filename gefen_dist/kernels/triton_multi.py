@@ -254,6 +254,15 @@ class ColumnSums:
 _CF_CHUNK = 1024  # profile values per iteration of the column-factor kernel
 
 
+def check_vcols(v_cols, device: torch.device) -> None:
+    """Refuse a ``v_col`` a column-statistics table cannot keep a view of: not float32, not contiguous or
+    not on ``device`` (naming its index and what it is)."""
+    for i, v in enumerate(v_cols):
+        if v.dtype != torch.float32 or not v.is_contiguous() or v.device != device:
+            raise ValueError(f"v_col {i}: need a contiguous float32 tensor on {device}, got "
+                             f"{v.dtype} on {v.device}{'' if v.is_contiguous() else ', non-contiguous'}")
+
+
 class ColumnFactors:
     """The column factors ``sqrt(v_col / mean(v_col))`` of many factored tensors in one launch:
     ``v_cols[i]`` (``[S]`` or ``[G, S]``, float32, contiguous) gets ``views[i]``, a tensor of its
@@ -263,10 +272,7 @@ class ColumnFactors:
     def __init__(self, v_cols, device: torch.device):
         self.device = torch.device(device)
         self.v_cols = list(v_cols)
-        for i, v in enumerate(self.v_cols):
-            if v.dtype != torch.float32 or not v.is_contiguous() or v.device != self.device:
-                raise ValueError(f"v_col {i}: need a contiguous float32 tensor on {self.device}, got "
-                                 f"{v.dtype} on {v.device}{'' if v.is_contiguous() else ', non-contiguous'}")
+        check_vcols(self.v_cols, self.device)
         self.out = torch.empty(sum(v.numel() for v in self.v_cols), dtype=torch.float32, device=self.device)
         self.views, tab, o = [], [], 0
         for v in self.v_cols:
