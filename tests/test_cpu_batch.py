@@ -342,3 +342,21 @@ def test_nonfinite_and_overflow_flags(monkeypatch):
         with pytest.raises(RuntimeError, match=match):
             ob.step()
         assert all(torch.equal(u, w) for u, w in zip(before, list(b.parameters()) + [ob.state[b[2].weight]["v_col"]]))
+
+
+def test_nibble_items_the_batch_cannot_take_are_refused_by_index():
+    """cpu_multi.NibbleStep (and the Triton one, the same NibbleItem.check) refuses an item whose sizes the
+    kernel cannot step, or a float16 parameter, naming the item, before any table is built."""
+    from gefen_dist.kernels.triton_multi import NibbleItem
+
+    def item(n=64, S=16, B=16, dtype=torch.float32, rb=5):
+        p = torch.zeros(n, dtype=dtype)
+        r = torch.ones(S)
+        return NibbleItem(p, torch.zeros(n, dtype=torch.uint8), torch.zeros(n // B), torch.zeros(n // S), r, r,
+                          S, B, 0, rb, 0)
+
+    cpu_multi.NibbleStep([item()], torch.device("cpu"))  # a good one
+    for bad, match in ((item(S=16, B=5), r"bad item 1: S=16, B=5"), (item(n=60), r"bad item 1: .*numel=60"),
+                       (item(rb=0), r"bad item 1: .*rb=0"), (item(dtype=torch.float16), "not supported")):
+        with pytest.raises(ValueError, match=match):
+            cpu_multi.NibbleStep([item(), bad], torch.device("cpu"))
