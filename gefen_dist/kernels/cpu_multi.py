@@ -253,7 +253,7 @@ class NibbleStep:
     """The ``second_moment="nibbles"`` update (D20) of many CPU tensors in one native call
     (``gefen_multi_nibble_step``: :func:`gefen_dist.kernels.cpu_nibbles.nibble_step_factored_`'s kernel
     call per item, the same arguments). Built once for a fixed set of tensors; :meth:`run` takes this
-    step's gradients and keys."""
+    step's gradients and step number (the items' keys follow from it)."""
 
     def __init__(self, items: Sequence[NibbleItem], device: torch.device):
         self.device = torch.device(device)

@@ -303,18 +303,12 @@ def _codebook(codebook: torch.Tensor, device) -> torch.Tensor:
     return codebook.to(device=device, dtype=torch.float32).contiguous()
 
 
-_levels_cache = {}
-
-
 def _levels(device) -> torch.Tensor:
-    """``core.nibbles.V_LEVELS`` on ``device`` (made once per device: no copy per launch)."""
+    """``core.nibbles.V_LEVELS`` on ``device`` (the per-tensor launch makes them per call, as before;
+    :class:`NibbleStep` once, at construction)."""
     from ..core import nibbles as _nb
 
-    key = str(torch.device(device))
-    t = _levels_cache.get(key)
-    if t is None:
-        t = _levels_cache[key] = torch.tensor(_nb.V_LEVELS, dtype=torch.float32, device=device)
-    return t
+    return torch.tensor(_nb.V_LEVELS, dtype=torch.float32, device=device)
 
 
 # ptxas's own choice for the multi-tensor kernel spilled one register (an 8-byte stack frame) in the tiles of 128 and
@@ -342,6 +336,7 @@ class NibbleStep:
             if it.param.numel():
                 buckets.setdefault((it.param.dtype == torch.bfloat16,) + nibble_config(it.B), []).append(i)
         self._touched = [t for it in self.items for t in (it.param, it.code, it.scale, it.v_row)]
+        self._lv = _levels(self.device)
         self._launches = []
         for (bf16, rows, bs, warps), members in buckets.items():
             meta, prog = [], []
@@ -374,7 +369,7 @@ class NibbleStep:
             lr, bc1, bc2, bound = 0.0, 1.0, 1.0, None
         scalars, consts = _launch_scalars(self.device, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                           weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound, update=update)
-        cb, lv = _codebook(codebook, self.device), _levels(self.device)
+        cb, lv = _codebook(codebook, self.device), self._lv
         step_part = 0 if hp is not None else (int(step) * 0x85EBCA77) & 0xFFFFFFFF  # step_key(0, step, 0)
         hp_t = cb if hp is None else hp  # (not read without DEVICE_HP)
         step_t = cb if hp is None else step
