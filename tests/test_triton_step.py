@@ -603,6 +603,62 @@ def test_zerogefen_batch_checks_and_fallback(monkeypatch, caplog):
 
 
 @interp
+def test_zerogefen_nibbles_batch_equals_its_per_tensor_path(monkeypatch):
+    """ZeroGefen with ``second_moment="nibbles"`` (D20) on the Triton path: the batch (zero/batch.py) takes
+    the column statistics, every rank's ``v_col`` EMAs between the column ratios (``ColumnRatios``) and the
+    owners' dense steps in one ``NibbleStep`` per (group, step count); bitwise ZeroGefen's per-tensor path
+    (its owners' ``nibble_step_factored_`` on the Triton kernel) after 5 steps, a weight of two row blocks
+    and a group of another lr among them; a NaN gradient raises naming it with nothing changed."""
+    import copy
+
+    from torch import nn
+
+    from gefen_dist import ZeroGefen
+    from gefen_dist.kernels import dispatch
+    from gefen_dist.zero import batch as zbatch
+
+    monkeypatch.setattr(dispatch, "native_cpu_usable", lambda t: False)  # the owners' per-tensor nibble kernel:
+    monkeypatch.setattr(dispatch, "triton_usable", lambda t: t.dtype in (torch.float32, torch.bfloat16))  # Triton
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16), nn.GELU(), nn.Linear(16, 8))
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+
+    def groups(m):
+        return [{"params": [m[0].weight, m[0].bias, m[4].weight]}, {"params": [m[2].weight, m[2].bias], "lr": 3e-3}]
+
+    oa, ob = (ZeroGefen(groups(m), lr=1e-2, weight_decay=0.1, second_moment="nibbles", small_threshold=0)
+              for m in (a, b))
+    for o in (oa, ob):
+        monkeypatch.setattr(o, "_impl", lambda t, p=None, group=None: dispatch._triton())
+    monkeypatch.setattr(zbatch.ZeroBatch, "prepare", lambda self, opt, _p=zbatch.ZeroBatch.prepare: (
+        None if opt is oa else _p(self, opt)))
+    gen = torch.Generator().manual_seed(3)
+    for step in range(5):
+        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+    zb = ob._zero_batch
+    assert zb is not None and zb.nibbles and sum(1 for nb in zb._nibs if "step" in nb) == 2  # two lrs: two steps
+    assert oa.__dict__.get("_zero_batch") is not None  # (built, its prepare refused every step)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+        for k, v in oa.state[p].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, ob.state[q][k]), (name, k)
+    ob.zero_grad()
+    ((b(x) - y) ** 2).mean().backward()
+    b[2].weight.grad[3, 5] = float("nan")
+    before = [t.clone() for q in b.parameters() for t in [q] + [v for v in ob.state[q].values()
+                                                                 if isinstance(v, torch.Tensor)]]
+    with pytest.raises(RuntimeError, match=r"group1\.param0"):
+        ob.step()
+    after = [t for q in b.parameters() for t in [q] + [v for v in ob.state[q].values() if isinstance(v, torch.Tensor)]]
+    assert all(torch.equal(u, w) for u, w in zip(before, after))
+
+
+@interp
 def test_zerogefen_batch_not_taken_is_logged_once_with_the_fix(monkeypatch, caplog):
     """No silent cliff (issue 27): a quantized parameter the batch cannot take (here one that is not
     contiguous) sends ZeroGefen's steps to the per-tensor path with one WARNING naming the tensor and

@@ -17,7 +17,13 @@ phases, from the second step on (state learned), with
 * the column means in one division, the ``v_col`` EMAs in two foreach operations per ``beta2``, the
   column factors in one launch (:class:`~gefen_dist.kernels.triton_multi.ColumnFactors`);
 * the owners' factored and compressed state updates in one launch per (mode, dtype, tile) and launch
-  group (:class:`~gefen_dist.kernels.triton_state.StateMany`: bitwise the per-range state functions).
+  group (:class:`~gefen_dist.kernels.triton_state.StateMany`: bitwise the per-range state functions);
+* with ``second_moment="nibbles"`` (D20), instead of the column factors: the column ratios around every
+  rank's ``v_col`` EMAs by shape (:class:`~gefen_dist.engine.column_stats.ColumnRatios`), and the owners'
+  dense steps of their rows in one launch per (dtype, tile) and launch group
+  (:class:`~gefen_dist.kernels.triton_nibbles.NibbleStep`, in place; the new values travel dense as
+  before; bitwise the per-tensor owners' kernel through the interpreter, ``tests/test_triton_step.py``, and
+  at 2 ranks with rows cut by the ranges, ``tests/dist/batch_check.py``).
 
 The wire modes, the exchange, the appliers (``ApplyMany``), the exact tensors and the span tensors
 (D16) are :mod:`gefen_dist.zero.step`'s, unchanged. A batch is built for a fixed set of tensors and
@@ -82,19 +88,54 @@ class ZeroBatch:
             S, G, R = v_col.shape[-1], max(1, v_col.numel() // v_col.shape[-1]), global_shape(p)[0]
             rb = row_block_args(v_col, R, 0).get("row_block", 1)
             cols.append((v_col, (p.numel() // S, S, 0, rb, G, p.dtype), R // G, True))
-        self.cols = ColumnTable(tri, cols, device) if cols else None
+        # second_moment="nibbles" (D20; then every factored tensor of the optimizer is one): no column
+        # factors, its owners' dense steps read the column ratios around the v_col EMA (_nibble_groups)
+        self.nibbles = nibbles_in(opt.param_groups)
+        self.cols = ColumnTable(tri, cols, device, factored=[not self.nibbles] * len(cols)) if cols else None
         by_beta2: Dict[float, tuple] = {}
         for e, cms in zip(self.fact, self.cols.views if cols else []):
-            b = by_beta2.setdefault(entries[e][0]["betas"][1], ([], []))
+            b = by_beta2.setdefault(entries[e][0]["betas"][1], ([], [], []))
             b[0].append(state[entries[e][1]]["v_col"])
             b[1].append(cms)
-        self._emas = list(by_beta2.items())
+            b[2].append(e)
+        self._emas = [(beta2, (v, c)) for beta2, (v, c, _) in by_beta2.items()] if not self.nibbles else []
+        self._nibs = self._nibble_groups(opt, entries, by_beta2, device) if self.nibbles else []
         self._states = self._state_groups(opt, entries, impl)
         self.codebook_state = next((state[entries[e][1]] for e in self.fact), None) or next(
             (state[p] for _, p in entries if "codebook" in state[p]), None)
         self._prep = None
         logger.debug("gefen_dist: ZeroGefen batch for %d tensors: %d factored, %d state launches", len(entries),
                      len(self.fact), sum(sm.launches for _, sm in self._states))
+
+    @staticmethod
+    def _nibble_groups(opt, entries, by_beta2, device) -> List[dict]:
+        """``second_moment="nibbles"`` (D20): per ``beta2`` the column ratios around its ``v_col`` EMAs
+        (every rank: ``v_col`` is replicated), then per (param group, step count) one multi-tensor step
+        (:class:`~gefen_dist.kernels.triton_nibbles.NibbleStep`) of this rank's rows, in place (the batch
+        takes contiguous parameters only; the new values travel dense and every rank, this one included,
+        copies them there), with the per-tensor owner's arguments (``_owner_nibbles``)."""
+        from ..engine.column_stats import ColumnRatios
+        from ..kernels import triton_multi, triton_nibbles
+
+        out, steps = [], {}
+        for beta2, (vcols, means, es) in by_beta2.items():
+            ratios = ColumnRatios(vcols, device)
+            out.append(dict(beta2=beta2, ratios=ratios, means=means))
+            for j, e in enumerate(es):
+                group, p = entries[e]
+                st = opt.state[p]
+                s, end = opt._mine(p)
+                if end == s:
+                    continue
+                S, G = vcols[j].shape[-1], vcols[j].shape[0] if vcols[j].dim() > 1 else 1
+                item = triton_multi.NibbleItem(opt._param_range(p, s, end), st["idx"].view(-1), st["scale"].view(-1), st["v_row"].view(-1),
+                                               ratios.old[j], ratios.new[j], S, int(st["scale_block"]), s // S,
+                                               global_shape(p)[0] // G, opt._tensor_index(p))
+                steps.setdefault((id(group), step_of(st)), []).append((p, item))
+        for members in steps.values():  # (after every ratios entry: owner_states runs them first)
+            out.append(dict(params=[p for p, _ in members], ranges=[it.param for _, it in members],
+                            step=triton_nibbles.NibbleStep([it for _, it in members], device)))
+        return out
 
     @staticmethod
     def _state_groups(opt, entries, impl) -> List[tuple]:
@@ -126,8 +167,8 @@ class ZeroBatch:
         without ``state_many`` (the native CPU kernel, the eager reference: in O(1)), or
         (:meth:`_survey`, one WARNING per reason) a DTensor, a quantized parameter that is not
         contiguous float32/bfloat16, another implementation, or parameters on several devices."""
-        if opt.fused is False or not entries or opt._partition is None or nibbles_in(opt.param_groups):
-            return None  # (second_moment="nibbles", D20: its owners' dense steps, per tensor)
+        if opt.fused is False or not entries or opt._partition is None:
+            return None
         # (the common CPU case first, in O(1): the native kernel has no state_many; on CUDA a tensor
         # without the Triton kernels is named by _survey below)
         q = next((p for _, p in entries if opt.state.get(p) and opt._mode(p) not in (MODE_EXACT,) + SPAN_MODES), None)
@@ -255,13 +296,21 @@ class ZeroBatch:
                             **{k: hp[k] for k in _STATE_HP})
             for p, r, third in zip(members, sm.ranges, thirds):
                 out[id(p)] = [r[1], r[2], third]
+        for nb in self._nibs:  # D20: every rank's v_col EMAs between their ratios, then the owners' rows
+            if "ratios" in nb:
+                nb["ratios"].run(nb["means"], nb["beta2"])
+                continue
+            ps = nb["params"]
+            hp = hps[id(ps[0])]
+            nb["step"].run([_flat_range(grads[id(p)], *opt._mine(p)) for p in ps], cb, step_of(opt.state[ps[0]]), **hp)
+            out.update((id(p), [r]) for p, r in zip(ps, nb["ranges"]))  # (updated in place: the values sent)
         return out
 
     def column_factors(self) -> Dict[int, torch.Tensor]:
         """Every rank: the ``v_col`` EMAs, then the column factors ``sqrt(v_col / mean(v_col))`` in one
         launch, by parameter id (after the owners' state updates, which do not read them)."""
-        for beta2, (vcols, cms) in self._emas:
+        for beta2, (vcols, cms) in self._emas:  # ("nibbles": its EMAs ran in owner_states; no factors)
             ema_foreach_(vcols, cms, beta2)
-        views = self.cols.factors.run() if self.cols is not None else []
+        views = self.cols.factors.run() if self.cols is not None and self.cols.factors is not None else []
         return {id(self.entries[e][1]): v for e, v in zip(self.fact, views)}
 

@@ -16,7 +16,9 @@ against Gefen on the per-tensor path (both on the Triton kernels, the same colle
   quantized tensors bitwise the per-tensor path, exact ones (torch's fused AdamW) within rounding;
   a NaN on rank 1 only is skipped on every rank (one MAX all-reduce of the flag), nothing changes;
 * ``zero``: ZeroGefen on the Triton path (owners' state-only updates, appliers) against a one-rank
-  Gefen on the same path: bitwise, replicas identical.
+  Gefen on the same path: bitwise, replicas identical;
+* ``zeronib``: ZeroGefen with ``second_moment="nibbles"``, its batch against its per-tensor path (the
+  ranks' ranges cut rows): bitwise, replicas identical.
 
 Prints ``OK <case>`` per case and ``ALL OK batch_check ws=N``.
 """
@@ -205,6 +207,31 @@ def main():
     say(f"OK zero rank {rank}: ZeroGefen on the Triton path bitwise Gefen's (per tensor and batched), replicas "
         f"identical (owned {cut}); {len(taken)} ranges of {ws} ranks applied in {many.launches} launch(es), "
         f"owners' states in {sum(sm.launches for _, sm in zb._states)}")
+    # ZeroGefen with second_moment="nibbles" (D20): its batch (the ratios around every rank's v_col EMA,
+    # the owners' rows in one NibbleStep) against its per-tensor path (the owners' Triton nibble kernel),
+    # the ranks' ranges cutting rows of the weights: bitwise, replicas identical
+    from gefen_dist.zero import batch as zbatch
+
+    usable = dispatch.native_cpu_usable, dispatch.triton_usable
+    dispatch.native_cpu_usable = lambda t: False  # the owners' per-tensor nibble kernel: the Triton one
+    dispatch.triton_usable = lambda t: t.dtype in (torch.float32, torch.bfloat16)
+    a = model("plain")
+    b = copy.deepcopy(a)
+    oa, ob = (ZeroGefen(m.named_parameters(), lr=1e-3, weight_decay=0.1, second_moment="nibbles") for m in (a, b))
+    for o in (oa, ob):
+        o._impl = lambda t, p=None, group=None: dispatch._triton()
+    prepare = zbatch.ZeroBatch.prepare
+    zbatch.ZeroBatch.prepare = lambda self, opt: None if opt is oa else prepare(self, opt)
+    train_both(a, b, oa, ob, steps=3)
+    zbatch.ZeroBatch.prepare = prepare
+    dispatch.native_cpu_usable, dispatch.triton_usable = usable
+    assert digest(a, oa) == digest(b, ob), f"zeronib: rank {rank}"
+    nb = [x for x in ob._zero_batch._nibs if "step" in x]
+    params = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in b.parameters())).hexdigest()
+    assert len(nb) == 1 and same_everywhere(params), f"zeronib: replicas {rank}"
+    cut = [ob.owned_range(p) for p in b.parameters()]
+    say(f"OK zeronib rank {rank}: ZeroGefen nibbles' batch bitwise its per-tensor path, replicas identical "
+        f"(owned {cut}; {len(nb[0]['params'])} owned tensors in {nb[0]['step'].launches} launch(es))")
     dist.barrier()
     if rank == 0:
         say(f"ALL OK batch_check ws={ws}")
