@@ -114,6 +114,37 @@ def test_an_unusable_cache_falls_back_with_the_fix(tmp_path):
         assert str(blocker / "cache") in r.stderr and "GEFEN_DIST_CACHE" in r.stderr, r.stderr
 
 
+def test_user_flags_are_appended_and_keyed(tmp_path):
+    """``GEFEN_DIST_CFLAGS`` is appended to every flag set and is part of the cache key: a build with it sits
+    beside the default one (two libraries in the cache), and a flag the compiler refuses falls back to the
+    eager path (None) with the compiler's message naming it; a value with an open quote is refused."""
+    if not _have_cc():
+        pytest.skip("no C compiler")
+    code = ("import importlib.util, logging, sys\n"
+            "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+            "spec = importlib.util.spec_from_file_location('gefen_native_alone', sys.argv[1])\n"
+            "native = importlib.util.module_from_spec(spec); spec.loader.exec_module(native)\n"
+            "print('LIB', native.load_library('gefen_dp', ['dp.c']) is not None)\n")
+    cache = tmp_path / "cache"
+
+    def load(flags):
+        env = {**os.environ, "GEFEN_DIST_CACHE": str(cache)}
+        env.pop("GEFEN_DIST_NO_NATIVE", None)
+        env.pop("GEFEN_DIST_CFLAGS", None)
+        if flags is not None:
+            env["GEFEN_DIST_CFLAGS"] = flags
+        return subprocess.run([sys.executable, "-c", code, str(NATIVE)], env=env, capture_output=True, text=True,
+                              timeout=240)
+
+    r0, r1 = load(None), load("-DGEFEN_DIST_PROBE=1 -g")
+    assert "LIB True" in r0.stdout and "LIB True" in r1.stdout, (r0.stderr, r1.stderr)
+    assert len([f for f in cache.iterdir() if f.suffix == ".so"]) == 2, sorted(os.listdir(cache))
+    bad = load("-fno-such-gefen-flag")
+    assert "LIB False" in bad.stdout and "-fno-such-gefen-flag" in bad.stderr, bad.stderr
+    r = load("-DX='open")
+    assert r.returncode != 0 and "GEFEN_DIST_CFLAGS" in r.stderr and "quote it" in r.stderr, r.stderr
+
+
 def test_build_kernels_command(capsys, monkeypatch):
     """``gefen-dist build-kernels`` builds (or finds) the three libraries in the cache this run uses and
     names them; with the native path switched off it says what runs instead and exits 1."""

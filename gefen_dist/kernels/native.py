@@ -16,6 +16,10 @@ is identical).
 
 If no compiler is available the loader returns ``None`` and callers fall back to the eager
 torch path (a warning is logged once per library).
+
+``GEFEN_DIST_CFLAGS`` (split like a shell's words) is appended to every set of flags and is part of the
+cache key, e.g. ``-fsanitize=address -g`` for a sanitizer build (``scripts/asan_tests.sh`` runs the test
+suite so) or ``-O2`` to compare builds; the libraries then built are cached apart from the default ones.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -64,6 +69,17 @@ def flag_variants() -> list:
     if platform.machine().lower() in ("x86_64", "amd64"):
         variants.insert(0, _BASE_FLAGS + native + _X86_STORE_FLAGS)
     return variants
+
+
+def user_flags() -> list:
+    """``GEFEN_DIST_CFLAGS`` as a list (module docstring); a value the shell rules cannot split
+    (an open quote) is refused with the value and the fix."""
+    raw = os.environ.get("GEFEN_DIST_CFLAGS", "")
+    try:
+        return shlex.split(raw)
+    except ValueError as e:
+        raise ValueError(f"GEFEN_DIST_CFLAGS={raw!r} cannot be split into compiler flags ({e}); quote it as a shell "
+                         "would, e.g. GEFEN_DIST_CFLAGS='-fsanitize=address -g'") from None
 
 
 def _cpu_signature() -> str:
@@ -131,7 +147,7 @@ def _build_and_load(name: str, paths: Sequence[Path], extra_flags: Sequence[str]
     if cc is None:
         logger.warning("gefen_dist: no C compiler found (set CC); %s falls back to eager torch", name)
         return None
-    variants = [v + list(extra_flags) for v in flag_variants()]
+    variants = [v + list(extra_flags) + user_flags() for v in flag_variants()]
     h = hashlib.sha256()
     for p in paths:
         h.update(p.read_bytes())
