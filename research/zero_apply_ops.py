@@ -1,6 +1,7 @@
 """Host work of ZeroGefen's appliers on the Triton path (CUDA's), measured on CPU without a GPU.
 
     python research/zero_apply_ops.py [--size small|xl] [--d 64] [--steps 30] [--phases]  # --phases: per phase
+    python research/zero_apply_ops.py --second-moment nibbles [--no-batch]  # D20; --no-batch: per tensor
 
 Every rank applies every rank's range of every tensor (``zero/step.py``, ``_apply_all``). Before
 2026-12-05 each range of a factored or compressed tensor took a dozen torch operations (on a GPU,
@@ -56,7 +57,7 @@ class _CountCompute(_Count):
             self.device += any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves)
         return out
 from gefen_dist import ZeroGefen  # noqa: E402
-from gefen_dist.kernels import dispatch, triton_kernels, triton_multi, triton_state, triton_step  # noqa: E402
+from gefen_dist.kernels import dispatch, triton_kernels, triton_multi, triton_nibbles, triton_state, triton_step  # noqa: E402
 from gefen_dist.zero import step as zero_step  # noqa: E402
 
 
@@ -151,15 +152,25 @@ def main(argv=None) -> None:
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--phases", action="store_true", help="also each phase's host time and torch operations per step")
+    ap.add_argument("--second-moment", default="factored", choices=["factored", "nibbles"])
+    ap.add_argument("--no-batch", action="store_true",
+                    help="ZeroGefen's batched phases off (zero/batch.py): every tensor stepped on its own")
     args = ap.parse_args(argv)
     params, groups = setup(args.size, args.d)
-    opt = ZeroGefen(groups, lr=1e-3, betas=(0.9, 0.95), small_threshold=0)
+    opt = ZeroGefen(groups, lr=1e-3, betas=(0.9, 0.95), small_threshold=0, second_moment=args.second_moment)
     opt.step()  # learns the codebook (native kernels), then the Triton implementation is forced
     opt._impl = lambda t, p=None, group=None: dispatch._triton()
-    for mod in (triton_kernels, triton_multi, triton_step, triton_state):  # every module that bound the launcher
+    if args.second_moment == "nibbles":  # its owners' per-tensor kernel is chosen by select_nibbles
+        dispatch.native_cpu_usable = lambda t: False
+        dispatch.triton_usable = lambda t: t.dtype in (torch.float32, torch.bfloat16)
+    if args.no_batch:
+        from gefen_dist.zero import batch as zbatch
+        zbatch.ZeroBatch.plan = classmethod(lambda cls, opt, entries: None)
+    for mod in (triton_kernels, triton_multi, triton_step, triton_state, triton_nibbles):  # every launcher binding
         mod._kernel = lambda name="step": _NoLaunch(name)
     quantized = sum(1 for p in params if "idx" in opt.state[p])
-    print(f"ZeroGefen, GPT-2 {args.size} structure at width {args.d}: {len(params)} tensors, {quantized} quantized; "
+    print(f"ZeroGefen (second_moment={args.second_moment!r}{', batch off' if args.no_batch else ''}), GPT-2 "
+          f"{args.size} structure at width {args.d}: {len(params)} tensors, {quantized} quantized; "
           f"one process (W = 1); per step of _apply_all (medians of {args.steps} steps; ops of 3):")
     for name, per_range in (("one launch (ApplyMany)", False), ("per range (before)", True)):
         r = measure(opt, args.steps, per_range)
