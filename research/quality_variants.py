@@ -90,6 +90,23 @@ def _gefen_named(mode: str, substrings, **kw):
     return quality._gefen_group(select, mode, **kw)
 
 
+def _gefen_rows_per_block(rows: int, **kw):
+    """gefen_dist Gefen (the library, native CPU step), the default but with one column profile of the factored
+    ``v`` per block of ``rows`` rows (the library's ``row_blocks=R // rows`` per tensor, in param groups by
+    row count) for every tensor of ``R >= 2 rows`` rows that ``rows`` divides; the other tensors ``"auto"``."""
+    def make(groups, lr, betas, seed):
+        from gefen_dist import Gefen
+        out = []
+        for g in groups:
+            by: dict = {}
+            for p in g["params"]:
+                R = p.shape[0] if p.dim() >= 2 else 0
+                by.setdefault(R // rows if R >= 2 * rows and R % rows == 0 else "auto", []).append(p)
+            out += [{**g, "params": ps, "row_blocks": rb} for rb, ps in by.items()]
+        return Gefen(out, lr=lr, betas=betas, eps=1e-8, **dict(dict(fused=None, second_moment="factored"), **kw))
+    return make
+
+
 def _code_v8(v: torch.Tensor, gen: torch.Generator, steps: float = 16, levels: int = 256) -> torch.Tensor:
     """``v`` as stored in one byte per element: ``R_b 2^(-c / steps)``, ``c`` in 0..254 (``levels - 2`` with
     fewer levels: 4 bits are ``levels=16``), ``R_b`` the largest
@@ -718,6 +735,12 @@ RESEARCH_VARIANTS = {
     # the library's function of that layout (gefen_dist.core.nibbles, the prototype's ref="core"): the library's
     # scale blocks and D12 row blocks, v rounded unbiased in its value (not its code), one hash for both draws
     # the library's Gefen(second_moment="nibbles") (D20): what v_nib_core steps, through the engine
+    # (y) finer row blocks of the factored v (D12's column profile per block of rows, down to blocks of 64 or 32
+    # rows): 4 / rows B/param more on the tensors they divide (GPT-2 small: ~1.06 / ~1.10 B/param in all)
+    "y_rb64_fused": ("(y) gefen_dist Gefen, the default with one column profile per block of 64 rows (row_blocks = "
+                     "R // 64 where 64 divides the R >= 128 rows; else 'auto'), native CPU step",
+                     _gefen_rows_per_block(64)),
+    "y_rb32_fused": ("(y) as y_rb64_fused with blocks of 32 rows", _gefen_rows_per_block(32)),
     "v_nibbles": ("(v) gefen_dist Gefen(second_moment='nibbles'): one byte per element for both moments (D20), "
                   "~1.02 B/param", _gefen(second_moment="nibbles", row_blocks="auto", fused=None)),
     "v_nib_core": ("(v) gefen_dist.core.nibbles through research/byte_moments.py (ref='core'): one byte per element, "

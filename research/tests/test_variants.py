@@ -682,3 +682,27 @@ def test_adamw_noise_controls_scale_adamws_update_by_the_stated_process():
         both = ~(a[1:].isnan() | a[:-1].isnan())
         lag1 = float((a[1:] * a[:-1])[both].mean() / (a * a)[~a.isnan()].mean())
         assert abs(lag1 - phi) < 0.1, (phi, lag1)
+
+
+def test_rows_per_block_variants_keep_one_column_profile_per_block_of_rows():
+    """y_rb64_fused / y_rb32_fused: every tensor whose rows 64 (32) divides, with at least two blocks, keeps
+    R / 64 (R / 32) column profiles of its factored v; the others the default's ('auto'); the param groups'
+    weight decay is kept."""
+    _variants()
+    import quality
+
+    model = nn.ModuleDict(dict(a=nn.Linear(96, 256), b=nn.Linear(256, 96), c=nn.Linear(96, 100)))
+    decay = [model.a.weight, model.b.weight, model.c.weight]
+    groups = [{"params": decay, "weight_decay": 0.1},
+              {"params": [model.a.bias, model.b.bias, model.c.bias], "weight_decay": 0.0}]
+    for name, rows in (("y_rb64_fused", 64), ("y_rb32_fused", 32)):
+        opt = quality.VARIANTS[name][1](groups, 1e-3, (0.9, 0.95), 0)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        opt.step()
+        vc = {n: tuple(opt.state[p]["v_col"].shape) for n, p in (("a", model.a.weight), ("b", model.b.weight),
+                                                                   ("c", model.c.weight))}
+        assert vc["a"] == (256 // rows, 96) and vc["c"] == (96,), (name, vc)
+        assert vc["b"] == ((96 // rows, 256) if rows == 32 else (256,)), (name, vc)  # 96 rows: 3 blocks of 32
+        assert {g["weight_decay"] for g in opt.param_groups if any(q is model.a.weight for q in g["params"])} == {0.1}
