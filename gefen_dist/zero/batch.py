@@ -128,9 +128,10 @@ class ZeroBatch:
                 if end == s:
                     continue
                 S, G = vcols[j].shape[-1], vcols[j].shape[0] if vcols[j].dim() > 1 else 1
-                item = triton_multi.NibbleItem(opt._param_range(p, s, end), st["idx"].view(-1), st["scale"].view(-1), st["v_row"].view(-1),
-                                               ratios.old[j], ratios.new[j], S, int(st["scale_block"]), s // S,
-                                               global_shape(p)[0] // G, opt._tensor_index(p))
+                item = triton_multi.NibbleItem(opt._param_range(p, s, end), st["idx"].view(-1), st["scale"].view(-1),
+                                               st["v_row"].view(-1), ratios.old[j], ratios.new[j], S,
+                                               int(st["scale_block"]), s // S, global_shape(p)[0] // G,
+                                               opt._tensor_index(p))
                 steps.setdefault((id(group), step_of(st)), []).append((p, item))
         for members in steps.values():  # (after every ratios entry: owner_states runs them first)
             out.append(dict(params=[p for p, _ in members], ranges=[it.param for _, it in members],
@@ -284,7 +285,8 @@ class ZeroBatch:
 
     def owner_states(self, opt, items) -> Dict[int, List[torch.Tensor]]:
         """This rank's state updates of its compressed-travelling ranges, by parameter id: the parts
-        it sends (``idx``, ``scale``, ``sqrt(v_row)`` or ``sigma``)."""
+        it sends (``idx``, ``scale``, ``sqrt(v_row)`` or ``sigma``); with ``second_moment="nibbles"`` every
+        rank's ``v_col`` EMAs and this rank's new values of its rows (its one part, dense)."""
         hps = {id(p): hp for p, st, hp, mode in items}
         grads = {id(p): g for (_, p), g in zip(self.entries, self._prep)}
         self._prep = None  # (the batch must not keep the step's gradients alive after it)
