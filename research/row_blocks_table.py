@@ -1,0 +1,92 @@
+"""Finer row blocks of the factored second moment (D12's column profile per block of rows, down to blocks of
+64 or 32 rows: research/quality_variants.py's ``y_rb64_fused``, ``y_rb32_fused``) on the `small` LM: every
+stored run, paired by seed with the stored AdamW runs and with the shipped default on the native step
+(``v_default_fused``, research/results/d17_small), and the state each layout holds on this model and on
+GPT-2 small (``gefen_dist.plan`` with the blocks the variant asks for).
+
+    python research/row_blocks_table.py [--md]      # reads research/results/rb_small/*.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "research")]
+from peers_table import finals as peer_finals  # noqa: E402
+from seed_gaps import load_finals, summarize  # noqa: E402
+
+R = ROOT / "research" / "results"
+VARIANTS = {"y_rb64_fused": 64, "y_rb32_fused": 32}
+
+
+def runs(variant: str) -> dict:
+    files = sorted(Path(p) for p in glob.glob(str(R / "rb_small" / "runs_*.jsonl")))
+    return {s: r["val"] for (v, s), r in load_finals(files).items() if v == variant}
+
+
+def default_runs() -> dict:
+    files = sorted(Path(p) for p in glob.glob(str(R / "d17_small" / "runs_v_default_fused*.jsonl")))
+    return {s: r["val"] for (v, s), r in load_finals(files).items() if v == "v_default_fused"}
+
+
+def adamw_runs() -> dict:
+    return {s: r["val"] for (v, s), r in peer_finals("small", "gefen_default", "default").items() if v == "adamw"}
+
+
+def state_bytes(shapes, rows) -> float:
+    """Bytes per parameter of the default with blocks of ``rows`` rows where they divide (None: the default)."""
+    from gefen_dist.core.periods import factored_row_blocks, row_slab
+    from gefen_dist.plan import tensor_state
+
+    total = n_all = 0
+    for _, shape in shapes:
+        n = math.prod(shape)
+        n_all += n
+        st = tensor_state(shape)
+        b = st["gefen_bytes"]
+        if rows and st["kind"] != "exact" and len(shape) >= 2:
+            R, S = shape[0], row_slab(shape)
+            if R >= 2 * rows and R % rows == 0:
+                b += 4 * S * (R // rows - factored_row_blocks(shape, "auto"))
+        total += b
+    return total / n_all
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--md", action="store_true")
+    a = ap.parse_args(argv)
+    from launch.gpt import GPT, PRESETS
+    from _gpt2 import gpt2_shapes
+
+    small = [(n, tuple(p.shape)) for n, p in GPT(PRESETS["small"]).named_parameters()]
+    gpt2 = list(gpt2_shapes("small"))
+    ad, dflt = adamw_runs(), default_runs()
+    head = "| variant | B/param, `small` / GPT-2 small | seeds | vs AdamW per seed | mean [95%] | the default on those seeds | paired with the default [95%], better on |"
+    print(head if a.md else head.replace("|", " ").strip())
+    if a.md:
+        print("|---|---|---|---|---|---|---|")
+    rows_out = [("the default (`v_default_fused`)", None, dflt)] + [(k, v, runs(k)) for k, v in VARIANTS.items()]
+    for name, rows, got in rows_out:
+        seeds = sorted(s for s in got if s in ad and s in dflt)
+        if not seeds:
+            continue
+        gaps = [100 * (got[s] / ad[s] - 1) for s in seeds]
+        dg = [100 * (dflt[s] / ad[s] - 1) for s in seeds]
+        sg, sp = summarize(gaps), summarize([x - y for x, y in zip(gaps, dg)])
+        ci = lambda s: (" [%+.2f, %+.2f]" % tuple(s["ci95"])) if len(seeds) > 1 else ""  # noqa: E731
+        cells = [f"`{name}`" if rows else name, "%.3f / %.3f" % (state_bytes(small, rows), state_bytes(gpt2, rows)),
+                 ", ".join(map(str, seeds)), ", ".join("%+.2f%%" % g for g in gaps),
+                 "%+.2f%%%s" % (sg["mean"], ci(sg)), "%+.2f%%" % statistics.fmean(dg),
+                 ("%+.2f%s, %d of %d" % (sp["mean"], ci(sp), sum(x < y for x, y in zip(gaps, dg)), len(seeds)))
+                 if rows else ""]
+        print(("| " + " | ".join(cells) + " |") if a.md else "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
