@@ -107,6 +107,37 @@ def _gefen_rows_per_block(rows: int, **kw):
     return make
 
 
+class Conv1DLike(nn.Module):
+    """Hugging Face GPT-2's ``Conv1D`` layout of a linear layer: the weight stored ``(in, out)``, ``y = x W + b``
+    (``torch.addmm``), so that the fused q, k, v projection's sections and the MLP's hidden units are blocks of
+    columns, not rows. Built from an ``nn.Linear`` with its weight transposed (the same function)."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.weight = nn.Parameter(lin.weight.detach().t().contiguous())
+        self.bias = nn.Parameter(lin.bias.detach().clone()) if lin.bias is not None else None
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.addmm(self.bias, flat, self.weight) if self.bias is not None else flat @ self.weight
+        return y.view(*x.shape[:-1], self.weight.shape[1])
+
+
+def _conv1d_layout(inner):
+    """``inner(groups, lr, betas, seed)`` on the model with every linear layer of its blocks (attention input and
+    output projections, MLP) in :class:`Conv1DLike`'s layout, the model changed in place before the first step
+    (the same function at init; the param groups rebuilt by the harness's weight-decay rule)."""
+    def make(groups, lr, betas, seed, *, model, **_):
+        for blk in model.blocks:
+            for mod, name in ((blk.attn, "c_attn"), (blk.attn, "c_proj"), (blk.mlp, "c_fc"), (blk.mlp, "c_proj")):
+                lin = getattr(mod, name)
+                assert isinstance(lin, nn.Linear), (name, type(lin))
+                setattr(mod, name, Conv1DLike(lin))
+        return inner(quality.param_groups(model, groups[0]["weight_decay"]), lr, betas, seed)
+    make.needs_model = True
+    return make
+
+
 def _code_v8(v: torch.Tensor, gen: torch.Generator, steps: float = 16, levels: int = 256) -> torch.Tensor:
     """``v`` as stored in one byte per element: ``R_b 2^(-c / steps)``, ``c`` in 0..254 (``levels - 2`` with
     fewer levels: 4 bits are ``levels=16``), ``R_b`` the largest
@@ -741,6 +772,13 @@ RESEARCH_VARIANTS = {
                      "R // 64 where 64 divides the R >= 128 rows; else 'auto'), native CPU step",
                      _gefen_rows_per_block(64)),
     "y_rb32_fused": ("(y) as y_rb64_fused with blocks of 32 rows", _gefen_rows_per_block(32)),
+    # (z) Hugging Face GPT-2's Conv1D layout ((in, out) weights): D12's row blocks do not apply to it (the q, k, v
+    # sections and the hidden units are blocks of columns), so its default is Adafactor's single profile there
+    "z_conv1d_adamw": ("(z) torch AdamW on the model with its blocks' linear layers in the Conv1D layout",
+                       _conv1d_layout(_adamw)),
+    "z_conv1d_default_fused": ("(z) gefen_dist Gefen, defaults (native step), on the model with its blocks' linear "
+                               "layers in the Conv1D layout", _conv1d_layout(_gefen(second_moment="factored",
+                                                                                     row_blocks="auto", fused=None))),
     "v_nibbles": ("(v) gefen_dist Gefen(second_moment='nibbles'): one byte per element for both moments (D20), "
                   "~1.02 B/param", _gefen(second_moment="nibbles", row_blocks="auto", fused=None)),
     "v_nib_core": ("(v) gefen_dist.core.nibbles through research/byte_moments.py (ref='core'): one byte per element, "

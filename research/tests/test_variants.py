@@ -706,3 +706,27 @@ def test_rows_per_block_variants_keep_one_column_profile_per_block_of_rows():
         assert vc["a"] == (256 // rows, 96) and vc["c"] == (96,), (name, vc)
         assert vc["b"] == ((96 // rows, 256) if rows == 32 else (256,)), (name, vc)  # 96 rows: 3 blocks of 32
         assert {g["weight_decay"] for g in opt.param_groups if any(q is model.a.weight for q in g["params"])} == {0.1}
+
+
+def test_conv1d_layout_variant_is_the_same_function_with_transposed_weights():
+    """z_conv1d_*: the blocks' linear layers become Conv1D-like modules with (in, out) weights computing the same
+    function at init; Gefen's default then keeps one column profile for the fused q, k, v projection (its
+    sections are blocks of columns, which D12's row blocks do not cover)."""
+    _variants()
+    import quality
+    from launch.gpt import GPT, PRESETS
+
+    torch.manual_seed(0)
+    model = GPT(PRESETS["tiny"])
+    x = torch.randint(0, 256, (2, 16))
+    before = model(x)[0] if isinstance(model(x), tuple) else model(x)
+    opt = quality.make_optimizer("z_conv1d_default_fused", model, 0.1, 1e-3, (0.9, 0.95), 0)
+    after = model(x)[0] if isinstance(model(x), tuple) else model(x)
+    assert torch.allclose(before, after, atol=1e-5, rtol=1e-5)
+    w = model.blocks[0].attn.c_attn.weight
+    assert tuple(w.shape) == (64, 192) and any(q is w for g in opt.param_groups for q in g["params"])
+    loss = (after.float() ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.step()
+    assert tuple(opt.state[w]["v_col"].shape) == (192,)  # one column profile; the Linear layout keeps (3, 64)
