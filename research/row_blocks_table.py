@@ -1,10 +1,12 @@
-"""Finer row blocks of the factored second moment (D12's column profile per block of rows, down to blocks of
-64 or 32 rows: research/quality_variants.py's ``y_rb64_fused``, ``y_rb32_fused``) on the `small` LM: every
-stored run, paired by seed with the stored AdamW runs and with the shipped default on the native step
-(``v_default_fused``, research/results/d17_small), and the state each layout holds on this model and on
+"""The row blocks of the factored second moment on the `small` LM: finer blocks (D12's column profile per
+block of rows, down to blocks of 64 or 32 rows: research/quality_variants.py's ``y_rb64_fused``,
+``y_rb32_fused``), and the default on the model with its blocks' linear layers in Hugging Face GPT-2's Conv1D
+layout, where the row blocks do not apply (``z_conv1d_default_fused``, paired with AdamW on the same model,
+``z_conv1d_adamw``). Every stored run, paired by seed with AdamW and with the shipped default on the native
+step (``v_default_fused``, research/results/d17_small), and the state each layout holds on this model and on
 GPT-2 small (``gefen_dist.plan`` with the blocks the variant asks for).
 
-    python research/row_blocks_table.py [--md]      # reads research/results/rb_small/*.jsonl
+    python research/row_blocks_table.py [--md]      # reads research/results/{rb_small,conv1d_small}/*.jsonl
 """
 from __future__ import annotations
 
@@ -21,11 +23,12 @@ from peers_table import finals as peer_finals  # noqa: E402
 from seed_gaps import load_finals, summarize  # noqa: E402
 
 R = ROOT / "research" / "results"
-VARIANTS = {"y_rb64_fused": 64, "y_rb32_fused": 32}
+VARIANTS = {"y_rb64_fused": 64, "y_rb32_fused": 32, "z_conv1d_default_fused": None}  # rows per block (None: auto)
+PAIRED_ADAMW = {"z_conv1d_default_fused": "z_conv1d_adamw"}  # AdamW on the same (Conv1D-layout) model
 
 
 def runs(variant: str) -> dict:
-    files = sorted(Path(p) for p in glob.glob(str(R / "rb_small" / "runs_*.jsonl")))
+    files = sorted(Path(p) for d in ("rb_small", "conv1d_small") for p in glob.glob(str(R / d / "runs_*.jsonl")))
     return {s: r["val"] for (v, s), r in load_finals(files).items() if v == variant}
 
 
@@ -71,20 +74,25 @@ def main(argv=None) -> None:
     print(head if a.md else head.replace("|", " ").strip())
     if a.md:
         print("|---|---|---|---|---|---|---|")
-    rows_out = [("the default (`v_default_fused`)", None, dflt)] + [(k, v, runs(k)) for k, v in VARIANTS.items()]
+    rows_out = [("the default (`v_default_fused`), every stored seed", None, dflt)] + [
+        (k, v, runs(k)) for k, v in VARIANTS.items()]
     for name, rows, got in rows_out:
-        seeds = sorted(s for s in got if s in ad and s in dflt)
+        base = runs(PAIRED_ADAMW[name]) if name in PAIRED_ADAMW else ad
+        seeds = sorted(s for s in got if s in base and s in dflt and s in ad)
         if not seeds:
             continue
-        gaps = [100 * (got[s] / ad[s] - 1) for s in seeds]
+        gaps = [100 * (got[s] / base[s] - 1) for s in seeds]
         dg = [100 * (dflt[s] / ad[s] - 1) for s in seeds]
         sg, sp = summarize(gaps), summarize([x - y for x, y in zip(gaps, dg)])
         ci = lambda s: (" [%+.2f, %+.2f]" % tuple(s["ci95"])) if len(seeds) > 1 else ""  # noqa: E731
-        cells = [f"`{name}`" if rows else name, "%.3f / %.3f" % (state_bytes(small, rows), state_bytes(gpt2, rows)),
+        mine = name in VARIANTS  # (the (in, out) weights of the Conv1D layout: the blocks' 2-D shapes reversed)
+        conv1d = [[(n, s[::-1] if len(s) == 2 and ".c_" in n else s) for n, s in shapes] for shapes in (small, gpt2)]
+        sizes = "%.3f / %.3f" % tuple(state_bytes(sh, rows) for sh in (conv1d if name in PAIRED_ADAMW else (small, gpt2)))
+        cells = [f"`{name}`" if mine else name, sizes,
                  ", ".join(map(str, seeds)), ", ".join("%+.2f%%" % g for g in gaps),
                  "%+.2f%%%s" % (sg["mean"], ci(sg)), "%+.2f%%" % statistics.fmean(dg),
                  ("%+.2f%s, %d of %d" % (sp["mean"], ci(sp), sum(x < y for x, y in zip(gaps, dg)), len(seeds)))
-                 if rows else ""]
+                 if mine else ""]
         print(("| " + " | ".join(cells) + " |") if a.md else "  ".join(cells))
 
 
