@@ -694,3 +694,77 @@ class LagColGefen(Gefen):
             if prev is not None:
                 col_mean_sq = prev
         return super()._update(group, p, col_mean_sq)
+
+
+class ColBlockGefen(Gefen):
+    """The library's Gefen (every option as passed), but each 2-D factored tensor of ``R`` rows of
+    ``k x R`` elements (``2 <= k <= 8``: Hugging Face GPT-2's ``Conv1D`` ``c_attn`` ``(d, 3d)`` and ``c_fc``
+    ``(d, 4d)``) keeps D12's estimator transposed: one row EMA per block of ``R`` columns,
+    ``v_ij = v_row[i, b(j)] * v_col_j / mean_{j' in b(j)} v_col_j'`` with ``b(j) = j // R`` (the column
+    EMA stays one profile, normalised per column block; the same bytes as D12's row blocks). Those
+    tensors are stepped eagerly here with the library's first-moment and update functions
+    (``core.step.requantize_``, ``apply_`` with the D13 bound), every other tensor by the library's
+    per-tensor path (the multi-tensor batch is off: it would step them all natively). Research
+    only: it measures whether column blocks recover, in the ``Conv1D`` layout, what D12's row blocks
+    gain in the ``nn.Linear`` one, before any kernel is changed."""
+
+    @staticmethod
+    def column_blocks(shape) -> int:
+        if len(shape) != 2:
+            return 0
+        R, S = shape
+        k = S // R if R > 0 and S % R == 0 else 0
+        return k if 2 <= k <= 8 else 0
+
+    def _batched_step(self, entries) -> bool:
+        return False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """The library's step; a column-blocked tensor's first (learning) step, which advances the library's
+        ``v_row`` and ``v_col`` EMAs by that gradient, starts its per-block row EMAs from the same gradient."""
+        from gefen_dist.core.step import ema_
+
+        first = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                K = self.column_blocks(tuple(p.shape))
+                if K and p.grad is not None and not (self.state.get(p) or {}).get("learned"):
+                    g = local_tensor(p.grad).float().reshape(p.shape[0], K, -1)
+                    first.append((p, group["betas"][1], (g * g).mean(dim=-1)))
+        loss = super().step(closure)
+        for p, b2, means in first:
+            st = self.state.get(p) or {}
+            if st.get("learned") and "v_col" in st and st["v_col"].dim() == 1 and "v_rowk" not in st:
+                st["v_rowk"] = ema_(torch.zeros_like(means), means, b2)
+        return loss
+
+    def _update(self, group, p, col_mean_sq=None):
+        from gefen_dist.core.step import apply_, ema_, hyperparameters, inv_rms_, requantize_
+        from gefen_dist.engine.state import MODE_FACTORED, step_of
+
+        st = self.state[p]
+        K = self.column_blocks(tuple(p.shape))
+        if (not K or self._mode(p) != MODE_FACTORED or not st.get("learned") or col_mean_sq is None
+                or st["v_col"].dim() != 1 or self._comm.world_size > 1):
+            return super()._update(group, p, col_mean_sq)
+        st["step"] += 1
+        hp = hyperparameters(group, step_of(st), self.bound_updates)
+        param, grad = local_tensor(p), local_tensor(p.grad)
+        R, S = param.shape
+        C, B = S // K, st["scale_block"]
+        v_col = st["v_col"]
+        ema_(v_col, col_mean_sq.view_as(v_col), hp["beta2"])
+        if "v_rowk" not in st:
+            st["v_rowk"] = torch.zeros(R, K, dtype=torch.float32, device=param.device)
+        g = grad.float().reshape(R, S)
+        ema_(st["v_rowk"], (g * g).view(R, K, C).mean(dim=-1), hp["beta2"])
+        vc = v_col.view(K, C)
+        mean = vc.mean(dim=-1, keepdim=True)
+        col_f = torch.where(mean > 0, vc / mean, torch.zeros_like(vc)).sqrt_().view(1, S)
+        rms = st["v_rowk"].sqrt().repeat_interleave(C, dim=1) * col_f
+        sigma = inv_rms_(rms, hp["eps"], hp["bc1"], math.sqrt(hp["bc2"]))
+        cb = st["codebook"]
+        new, a = requantize_(local_tensor(st["idx"]).view(-1, B), local_tensor(st["scale"]).view(-1, 1),
+                             g.reshape(-1, B), cb, hp["beta1"])
+        apply_(param.view(R, S), (cb[new.long()] * a).view(R, S), sigma, hp["lr"], hp["weight_decay"], hp["bound"])

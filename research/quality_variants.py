@@ -44,6 +44,14 @@ def _lagcol(**kw):
     return make
 
 
+def _colblocks(**kw):
+    def make(groups, lr, betas, seed):
+        from _variants import ColBlockGefen
+        return ColBlockGefen(groups, lr=lr, betas=betas, eps=1e-8,
+                             **dict(dict(fused=None, second_moment="factored", row_blocks="auto"), **kw))
+    return make
+
+
 def _variant(**kw):
     def make(groups, lr, betas, seed):
         from _variants import GefenVariant
@@ -779,6 +787,9 @@ RESEARCH_VARIANTS = {
     "z_conv1d_default_fused": ("(z) gefen_dist Gefen, defaults (native step), on the model with its blocks' linear "
                                "layers in the Conv1D layout", _conv1d_layout(_gefen(second_moment="factored",
                                                                                      row_blocks="auto", fused=None))),
+    "z_conv1d_colblocks": ("(z) as z_conv1d_default_fused, but every (R, k x R) weight (2 <= k <= 8: c_attn, c_fc in this "
+                           "layout) keeps one row EMA per block of R columns (D12 transposed; research/_variants.py's "
+                           "ColBlockGefen, those tensors stepped eagerly)", _conv1d_layout(_colblocks())),
     "v_nibbles": ("(v) gefen_dist Gefen(second_moment='nibbles'): one byte per element for both moments (D20), "
                   "~1.02 B/param", _gefen(second_moment="nibbles", row_blocks="auto", fused=None)),
     "v_nib_core": ("(v) gefen_dist.core.nibbles through research/byte_moments.py (ref='core'): one byte per element, "

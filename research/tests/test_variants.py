@@ -730,3 +730,53 @@ def test_conv1d_layout_variant_is_the_same_function_with_transposed_weights():
     opt.step()
     opt.step()
     assert tuple(opt.state[w]["v_col"].shape) == (192,)  # one column profile; the Linear layout keeps (3, 64)
+
+
+def test_column_block_variant_is_d12_transposed():
+    """ColBlockGefen (z_conv1d_colblocks): with one column block it steps as the library's eager factored path,
+    bit for bit; with k blocks its v is exact on a gradient whose g^2 is rank-1 within each block of columns
+    (a_{i, b(j)} c_j), where the library's single profile is not."""
+    V = _variants()
+    from gefen_dist import Gefen
+
+    class OneBlock(V.ColBlockGefen):
+        @staticmethod
+        def column_blocks(shape) -> int:
+            return 1 if len(shape) == 2 else 0
+
+    torch.manual_seed(0)
+    R, K = 64, 3  # 12,288 elements: above small_threshold (quantized)
+    w0 = torch.randn(R, K * R)
+    grads = [torch.randn(R, K * R) for _ in range(4)]
+    ws = []
+    for cls in (OneBlock, Gefen):
+        w = nn.Parameter(w0.clone())
+        opt = cls([w], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=False)
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        assert "v_col" in opt.state[w] and int(opt.state[w]["step"]) == 4
+        ws.append(w.detach().clone())
+    assert torch.equal(ws[0], ws[1]) and not torch.equal(ws[0], w0)
+
+    a = torch.rand(R, K) + 0.05
+    c = torch.rand(K * R) + 0.05
+    g2 = a.repeat_interleave(R, dim=1) * c
+    g = g2.sqrt() * torch.where(torch.rand(R, K * R) < 0.5, -1.0, 1.0)
+    b2, t = 0.95, 3
+    errs = {}
+    for name, cls in (("colblocks", V.ColBlockGefen), ("library", Gefen)):
+        w = nn.Parameter(w0.clone())
+        opt = cls([w], lr=1e-3, betas=(0.9, b2), eps=1e-8, fused=False)
+        for _ in range(t):  # the first step learns the state and advances the EMAs, as every later one
+            w.grad = g.clone()
+            opt.step()
+        st = opt.state[w]
+        vc = st["v_col"]
+        if name == "colblocks":
+            vcb = vc.view(K, R)
+            v = st["v_rowk"].repeat_interleave(R, dim=1) * (vcb / vcb.mean(dim=-1, keepdim=True)).view(1, -1)
+        else:
+            v = st["v_row"].view(R, 1) * (vc / vc.mean()).view(1, -1)
+        errs[name] = float(((v / (g2 * (1 - b2 ** t))) - 1).abs().max())
+    assert errs["colblocks"] < 1e-5 and errs["library"] > 0.1, errs
