@@ -790,6 +790,9 @@ RESEARCH_VARIANTS = {
     "z_conv1d_colblocks": ("(z) as z_conv1d_default_fused, but every (R, k x R) weight (2 <= k <= 8: c_attn, c_fc in this "
                            "layout) keeps one row EMA per block of R columns (D12 transposed; research/_variants.py's "
                            "ColBlockGefen, those tensors stepped eagerly)", _conv1d_layout(_colblocks())),
+    "y_colblocks": ("(y) the default (nn.Linear layout) plus D12 transposed on every (R, k x R) weight (2 <= k <= 8: "
+                    "the MLP's down-projection, (d, 4d) here): one row EMA per block of R columns (research/_variants.py's "
+                    "ColBlockGefen, those tensors stepped eagerly)", _colblocks()),
     "v_nibbles": ("(v) gefen_dist Gefen(second_moment='nibbles'): one byte per element for both moments (D20), "
                   "~1.02 B/param", _gefen(second_moment="nibbles", row_blocks="auto", fused=None)),
     "v_nib_core": ("(v) gefen_dist.core.nibbles through research/byte_moments.py (ref='core'): one byte per element, "

@@ -23,12 +23,15 @@ from peers_table import finals as peer_finals  # noqa: E402
 from seed_gaps import load_finals, summarize  # noqa: E402
 
 R = ROOT / "research" / "results"
-VARIANTS = {"y_rb64_fused": 64, "y_rb32_fused": 32, "z_conv1d_default_fused": None}  # rows per block (None: auto)
-PAIRED_ADAMW = {"z_conv1d_default_fused": "z_conv1d_adamw"}  # AdamW on the same (Conv1D-layout) model
+VARIANTS = {"y_rb64_fused": 64, "y_rb32_fused": 32, "z_conv1d_default_fused": None,  # rows per block (None: auto)
+            "z_conv1d_colblocks": None, "y_colblocks": None}
+PAIRED_ADAMW = {"z_conv1d_default_fused": "z_conv1d_adamw",  # AdamW on the same (Conv1D-layout) model
+                "z_conv1d_colblocks": "z_conv1d_adamw"}
+COLBLOCKS = {"z_conv1d_colblocks", "y_colblocks"}  # D12 transposed on (R, k x R) weights (research/_variants.py's ColBlockGefen)
 
 
 def runs(variant: str) -> dict:
-    files = sorted(Path(p) for d in ("rb_small", "conv1d_small") for p in glob.glob(str(R / d / "runs_*.jsonl")))
+    files = sorted(Path(p) for d in ("rb_small", "conv1d_small", "colblocks_small") for p in glob.glob(str(R / d / "runs_*.jsonl")))
     return {s: r["val"] for (v, s), r in load_finals(files).items() if v == variant}
 
 
@@ -41,8 +44,9 @@ def adamw_runs() -> dict:
     return {s: r["val"] for (v, s), r in peer_finals("small", "gefen_default", "default").items() if v == "adamw"}
 
 
-def state_bytes(shapes, rows) -> float:
-    """Bytes per parameter of the default with blocks of ``rows`` rows where they divide (None: the default)."""
+def state_bytes(shapes, rows, colblocks: bool = False) -> float:
+    """Bytes per parameter of the default with blocks of ``rows`` rows where they divide (None: the default);
+    ``colblocks``: and a row EMA per block of R columns on every (R, k x R) tensor, 2 <= k <= 8."""
     from gefen_dist.core.periods import factored_row_blocks, row_slab
     from gefen_dist.plan import tensor_state
 
@@ -56,6 +60,9 @@ def state_bytes(shapes, rows) -> float:
             R, S = shape[0], row_slab(shape)
             if R >= 2 * rows and R % rows == 0:
                 b += 4 * S * (R // rows - factored_row_blocks(shape, "auto"))
+        if colblocks and st["kind"] != "exact" and len(shape) == 2 and shape[1] % shape[0] == 0 \
+                and 2 <= shape[1] // shape[0] <= 8:
+            b += 4 * shape[0] * (shape[1] // shape[0] - 1)
         total += b
     return total / n_all
 
@@ -87,13 +94,23 @@ def main(argv=None) -> None:
         ci = lambda s: (" [%+.2f, %+.2f]" % tuple(s["ci95"])) if len(seeds) > 1 else ""  # noqa: E731
         mine = name in VARIANTS  # (the (in, out) weights of the Conv1D layout: the blocks' 2-D shapes reversed)
         conv1d = [[(n, s[::-1] if len(s) == 2 and ".c_" in n else s) for n, s in shapes] for shapes in (small, gpt2)]
-        sizes = "%.3f / %.3f" % tuple(state_bytes(sh, rows) for sh in (conv1d if name in PAIRED_ADAMW else (small, gpt2)))
+        sizes = "%.3f / %.3f" % tuple(state_bytes(sh, rows, name in COLBLOCKS)
+                                      for sh in (conv1d if name in PAIRED_ADAMW else (small, gpt2)))
         cells = [f"`{name}`" if mine else name, sizes,
                  ", ".join(map(str, seeds)), ", ".join("%+.2f%%" % g for g in gaps),
                  "%+.2f%%%s" % (sg["mean"], ci(sg)), "%+.2f%%" % statistics.fmean(dg),
                  ("%+.2f%s, %d of %d" % (sp["mean"], ci(sp), sum(x < y for x, y in zip(gaps, dg)), len(seeds)))
                  if mine else ""]
         print(("| " + " | ".join(cells) + " |") if a.md else "  ".join(cells))
+    conv, cb = runs("z_conv1d_default_fused"), runs("z_conv1d_colblocks")
+    seeds = sorted(s for s in cb if s in conv)
+    if seeds:  # column blocks against the Conv1D layout's default, paired by seed (the same AdamW divides both)
+        d = [100 * (cb[s] / conv[s] - 1) for s in seeds]
+        sd = summarize(d)
+        ci = (" [%+.2f, %+.2f]" % tuple(sd["ci95"])) if len(seeds) > 1 else ""
+        print("\n`z_conv1d_colblocks` against `z_conv1d_default_fused` (final validation loss, paired by seed): "
+              + ", ".join("%+.2f%%" % x for x in d) + f" on seeds {', '.join(map(str, seeds))}; mean "
+              + "%+.2f%%%s, lower on %d of %d" % (sd["mean"], ci, sum(x < 0 for x in d), len(seeds)))
 
 
 if __name__ == "__main__":
