@@ -708,6 +708,8 @@ class ColBlockGefen(Gefen):
     only: it measures whether column blocks recover, in the ``Conv1D`` layout, what D12's row blocks
     gain in the ``nn.Linear`` one, before any kernel is changed."""
 
+    scale_in_blocks = False  # ColBlockScaleGefen: absmax-scale blocks that never straddle two column blocks
+
     @staticmethod
     def column_blocks(shape) -> int:
         if len(shape) != 2:
@@ -752,7 +754,10 @@ class ColBlockGefen(Gefen):
         hp = hyperparameters(group, step_of(st), self.bound_updates)
         param, grad = local_tensor(p), local_tensor(p.grad)
         R, S = param.shape
-        C, B = S // K, st["scale_block"]
+        C = S // K
+        if self.scale_in_blocks and C % st["scale_block"]:
+            self._rescale_blocks(st, _periods.shape_period((R, C)))
+        B = st["scale_block"]
         v_col = st["v_col"]
         ema_(v_col, col_mean_sq.view_as(v_col), hp["beta2"])
         if "v_rowk" not in st:
@@ -768,3 +773,25 @@ class ColBlockGefen(Gefen):
         new, a = requantize_(local_tensor(st["idx"]).view(-1, B), local_tensor(st["scale"]).view(-1, 1),
                              g.reshape(-1, B), cb, hp["beta1"])
         apply_(param.view(R, S), (cb[new.long()] * a).view(R, S), sigma, hp["lr"], hp["weight_decay"], hp["bound"])
+
+    @staticmethod
+    def _rescale_blocks(st, B: int) -> None:
+        """Re-encode the first moment on absmax-scale blocks of ``B`` elements (once, before the tensor's second
+        update): the stored ``C[idx] * M`` dequantised on the old blocks, quantised on the new ones."""
+        from gefen_dist.core.step import quantize
+
+        cb, B0 = st["codebook"], st["scale_block"]
+        idx, sc = local_tensor(st["idx"]), local_tensor(st["scale"])
+        m = (cb[idx.view(-1, B0).long()] * sc.view(-1, 1)).view(-1, B)
+        a = m.abs().amax(dim=1, keepdim=True)
+        idx.view(-1, B).copy_(quantize(m, a, cb))
+        st["scale"] = a.view(-1).clone()
+        st["scale_block"] = B
+
+
+class ColBlockScaleGefen(ColBlockGefen):
+    """:class:`ColBlockGefen` with the column-blocked tensors' absmax-scale blocks inside their column blocks (the
+    factored mode's period rule applied to a block of ``R`` columns instead of the row: ``R`` itself up to 1024
+    elements), so that one row EMA serves each scale block whole: the layout a kernel would step."""
+
+    scale_in_blocks = True

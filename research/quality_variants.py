@@ -44,10 +44,10 @@ def _lagcol(**kw):
     return make
 
 
-def _colblocks(**kw):
+def _colblocks(scale_in_blocks: bool = False, **kw):
     def make(groups, lr, betas, seed):
-        from _variants import ColBlockGefen
-        return ColBlockGefen(groups, lr=lr, betas=betas, eps=1e-8,
+        from _variants import ColBlockGefen, ColBlockScaleGefen
+        return (ColBlockScaleGefen if scale_in_blocks else ColBlockGefen)(groups, lr=lr, betas=betas, eps=1e-8,
                              **dict(dict(fused=None, second_moment="factored", row_blocks="auto"), **kw))
     return make
 
@@ -790,6 +790,9 @@ RESEARCH_VARIANTS = {
     "z_conv1d_colblocks": ("(z) as z_conv1d_default_fused, but every (R, k x R) weight (2 <= k <= 8: c_attn, c_fc in this "
                            "layout) keeps one row EMA per block of R columns (D12 transposed; research/_variants.py's "
                            "ColBlockGefen, those tensors stepped eagerly)", _conv1d_layout(_colblocks())),
+    "z_conv1d_colblocks_sb": ("(z) as z_conv1d_colblocks with the column-blocked tensors' absmax-scale blocks inside their "
+                              "column blocks (R elements here: 192, against the row's 576 and 768)",
+                              _conv1d_layout(_colblocks(scale_in_blocks=True))),
     "y_colblocks": ("(y) the default (nn.Linear layout) plus D12 transposed on every (R, k x R) weight (2 <= k <= 8: "
                     "the MLP's down-projection, (d, 4d) here): one row EMA per block of R columns (research/_variants.py's "
                     "ColBlockGefen, those tensors stepped eagerly)", _colblocks()),

@@ -24,10 +24,10 @@ from seed_gaps import load_finals, summarize  # noqa: E402
 
 R = ROOT / "research" / "results"
 VARIANTS = {"y_rb64_fused": 64, "y_rb32_fused": 32, "z_conv1d_default_fused": None,  # rows per block (None: auto)
-            "z_conv1d_colblocks": None, "y_colblocks": None}
+            "z_conv1d_colblocks": None, "z_conv1d_colblocks_sb": None, "y_colblocks": None}
 PAIRED_ADAMW = {"z_conv1d_default_fused": "z_conv1d_adamw",  # AdamW on the same (Conv1D-layout) model
-                "z_conv1d_colblocks": "z_conv1d_adamw"}
-COLBLOCKS = {"z_conv1d_colblocks", "y_colblocks"}  # D12 transposed on (R, k x R) weights (research/_variants.py's ColBlockGefen)
+                "z_conv1d_colblocks": "z_conv1d_adamw", "z_conv1d_colblocks_sb": "z_conv1d_adamw"}
+COLBLOCKS = {"z_conv1d_colblocks", "z_conv1d_colblocks_sb", "y_colblocks"}  # D12 transposed on (R, k x R) weights (research/_variants.py's ColBlockGefen)
 
 
 def runs(variant: str) -> dict:
@@ -44,10 +44,10 @@ def adamw_runs() -> dict:
     return {s: r["val"] for (v, s), r in peer_finals("small", "gefen_default", "default").items() if v == "adamw"}
 
 
-def state_bytes(shapes, rows, colblocks: bool = False) -> float:
+def state_bytes(shapes, rows, colblocks: bool = False, scale_in_blocks: bool = False) -> float:
     """Bytes per parameter of the default with blocks of ``rows`` rows where they divide (None: the default);
     ``colblocks``: and a row EMA per block of R columns on every (R, k x R) tensor, 2 <= k <= 8."""
-    from gefen_dist.core.periods import factored_row_blocks, row_slab
+    from gefen_dist.core.periods import factored_row_blocks, row_slab, shape_period
     from gefen_dist.plan import tensor_state
 
     total = n_all = 0
@@ -63,6 +63,8 @@ def state_bytes(shapes, rows, colblocks: bool = False) -> float:
         if colblocks and st["kind"] != "exact" and len(shape) == 2 and shape[1] % shape[0] == 0 \
                 and 2 <= shape[1] // shape[0] <= 8:
             b += 4 * shape[0] * (shape[1] // shape[0] - 1)
+            if scale_in_blocks:  # absmax scales per block of the column block (the period rule on R columns)
+                b += 4 * n // shape_period((shape[0], shape[0])) - 4 * n // st["scale_block"]
         total += b
     return total / n_all
 
@@ -94,7 +96,7 @@ def main(argv=None) -> None:
         ci = lambda s: (" [%+.2f, %+.2f]" % tuple(s["ci95"])) if len(seeds) > 1 else ""  # noqa: E731
         mine = name in VARIANTS  # (the (in, out) weights of the Conv1D layout: the blocks' 2-D shapes reversed)
         conv1d = [[(n, s[::-1] if len(s) == 2 and ".c_" in n else s) for n, s in shapes] for shapes in (small, gpt2)]
-        sizes = "%.3f / %.3f" % tuple(state_bytes(sh, rows, name in COLBLOCKS)
+        sizes = "%.3f / %.3f" % tuple(state_bytes(sh, rows, name in COLBLOCKS, name.endswith("_sb"))
                                       for sh in (conv1d if name in PAIRED_ADAMW else (small, gpt2)))
         cells = [f"`{name}`" if mine else name, sizes,
                  ", ".join(map(str, seeds)), ", ".join("%+.2f%%" % g for g in gaps),

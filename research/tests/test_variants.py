@@ -765,7 +765,7 @@ def test_column_block_variant_is_d12_transposed():
     g = g2.sqrt() * torch.where(torch.rand(R, K * R) < 0.5, -1.0, 1.0)
     b2, t = 0.95, 3
     errs = {}
-    for name, cls in (("colblocks", V.ColBlockGefen), ("library", Gefen)):
+    for name, cls in (("colblocks", V.ColBlockGefen), ("colblocks_sb", V.ColBlockScaleGefen), ("library", Gefen)):
         w = nn.Parameter(w0.clone())
         opt = cls([w], lr=1e-3, betas=(0.9, b2), eps=1e-8, fused=False)
         for _ in range(t):  # the first step learns the state and advances the EMAs, as every later one
@@ -773,10 +773,23 @@ def test_column_block_variant_is_d12_transposed():
             opt.step()
         st = opt.state[w]
         vc = st["v_col"]
-        if name == "colblocks":
+        if name == "colblocks_sb":  # absmax-scale blocks of R elements, inside the column blocks
+            assert st["scale_block"] == R and st["scale"].numel() == K * R, (st["scale_block"], st["scale"].shape)
+        if name != "library":
             vcb = vc.view(K, R)
             v = st["v_rowk"].repeat_interleave(R, dim=1) * (vcb / vcb.mean(dim=-1, keepdim=True)).view(1, -1)
         else:
             v = st["v_row"].view(R, 1) * (vc / vc.mean()).view(1, -1)
         errs[name] = float(((v / (g2 * (1 - b2 ** t))) - 1).abs().max())
-    assert errs["colblocks"] < 1e-5 and errs["library"] > 0.1, errs
+    assert errs["colblocks"] < 1e-5 and errs["colblocks_sb"] < 1e-5 and errs["library"] > 0.1, errs
+
+    # the re-encoding onto the finer scale blocks keeps the first moment to its codebook's resolution
+    st = {"codebook": opt.state[w]["codebook"], "scale_block": K * R}
+    m = torch.randn(R, K * R)
+    a = m.abs().amax(dim=1, keepdim=True)
+    from gefen_dist.core.step import quantize
+    st["idx"], st["scale"] = quantize(m, a, st["codebook"]).view(-1), a.view(-1).clone()
+    old = st["codebook"][st["idx"].long()].view(R, K * R) * a
+    V.ColBlockGefen._rescale_blocks(st, R)
+    new = (st["codebook"][st["idx"].long()].view(-1, R) * st["scale"].view(-1, 1)).view(R, K * R)
+    assert st["scale"].numel() == K * R and float((new - old).abs().max()) <= 0.05 * float(a.max())
