@@ -213,7 +213,7 @@ def _hparams(sd) -> List[Dict[str, Any]]:
     out = []
     for g in sd.get("param_groups", []):
         h = {}
-        for k in ("lr", "betas", "eps", "weight_decay", "second_moment", "row_blocks", "narrow_rows"):
+        for k in ("lr", "betas", "eps", "weight_decay", "second_moment", "row_blocks", "col_blocks", "narrow_rows"):
             if k in g:
                 v = g[k]
                 if isinstance(v, torch.Tensor):

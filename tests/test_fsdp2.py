@@ -21,7 +21,7 @@ from _launch import run_torchrun  # noqa: E402
 @pytest.mark.parametrize("nproc,configs", [
     (2, [["--same-grads", "--refusals"],
          ["--same-grads", "--second-moment", "elementwise"]]),
-    (3, [["--same-grads", "--second-moment", "factored", "--nonfinite"],
+    (3, [["--same-grads", "--second-moment", "factored", "--nonfinite", "--col-blocks"],
          # narrow_rows="span" (D16): blocks of 1024 / 342 / 32 rows cut by the shards, replicated block state
          ["--same-grads", "--second-moment", "factored", "--nonfinite", "--narrow-span", "--adamw-import"],
          # narrow_rows="rows8" (D19): b.weight's row codes replicated, its reference blocks cut by the shards
@@ -34,6 +34,10 @@ from _launch import run_torchrun  # noqa: E402
          # capturable=True on DTensor shards: the sharded batch with its verdict on the device
          ["--same-grads", "--second-moment", "factored", "--cuda-batch", "--capturable", "--steps", "4"]]),
     (4, [["--same-grads", "--hsdp", "--second-moment", "factored", "--adamw-import"],
+         # the per-tensor path at 4 ranks, where tiny's shard on rank 3 is empty: its replicated v_col still
+         # advances there; then column blocks (D21) on it
+         ["--same-grads", "--second-moment", "factored", "--per-tensor", "--steps", "4"],
+         ["--same-grads", "--second-moment", "factored", "--col-blocks", "--steps", "4"],
          ["--hsdp"],
          ["--same-grads", "--hsdp", "--second-moment", "factored", "--narrow-span"],
          ["--same-grads", "--hsdp", "--second-moment", "factored", "--narrow-rows8", "--steps", "4"],
@@ -65,6 +69,8 @@ def _check_config(args, out):
         assert "OK capturable ws=" in out
     if "--adamw-import" in args:
         assert "OK adamw import ws=" in out
+    if "--col-blocks" in args:
+        assert "OK col blocks: v_row (3, 4)" in out and " col_blocks same_grads=" in out
     if "--same-grads" in args and "--capturable" in args:  # exact tensors by torch's fused AdamW (see the script)
         assert "; quantized tensors bitwise" in out
     elif "--same-grads" in args:

@@ -269,6 +269,13 @@ def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], size_
             return (f"checkpoint entry {saved['v_col']!r} (shape {got}) keeps {blocks} column profile(s) for parameter "
                     f"{fqn!r}, this optimizer {spec.row_blocks} (row_blocks). Build Gefen (or its param group {gi}) "
                     f"with row_blocks={blocks}, or the row_blocks the checkpoint was saved with")
+    if mode == "factored" and saved.get("v_row") is not None:
+        got = size_of(saved["v_row"])
+        blocks = got[1] if len(got) == 2 else 1
+        if blocks != spec.col_blocks:
+            return (f"checkpoint entry {saved['v_row']!r} (shape {got}) keeps {blocks} column block(s) for parameter "
+                    f"{fqn!r}, this optimizer {spec.col_blocks} (col_blocks, D21). Build Gefen (or its param group "
+                    f"{gi}) with col_blocks={blocks}, or the col_blocks the checkpoint was saved with")
     return None
 
 
@@ -276,8 +283,8 @@ def check_compatible(model: torch.nn.Module, optimizer: torch.optim.Optimizer, c
                      *, key_prefix: Optional[str] = OPTIM_KEY) -> None:
     """Raise :class:`CheckpointMismatchError` (a ``ValueError``) when the Gefen state in DCP
     checkpoint ``checkpoint_id`` cannot load into ``optimizer``: a tensor saved with another
-    ``second_moment``, ``small_threshold`` or ``row_blocks``, or missing from the checkpoint. The
-    message names the checkpoint key, the option and the fix. Reads only the metadata; no
+    ``second_moment``, ``small_threshold``, ``row_blocks`` or ``col_blocks``, or missing from the checkpoint.
+    The message names the checkpoint key, the option and the fix. Reads only the metadata; no
     collectives; changes nothing. :func:`prepare_for_load` and :func:`load` call it; call it (or
     :func:`prepare_for_load`) before a hand-written ``dcp.load``, which otherwise reports such a
     mismatch as DCP's ``CheckpointException`` (a ``BaseException``: ``except Exception`` misses it)."""

@@ -74,7 +74,8 @@ class MomentsLayout:
     """Where a piece of whole rows sits and how its tensor is kept: ``mode`` (``"shared"``,
     ``"elementwise"``, ``"factored"`` or ``"span"``), the global ``shape``, the piece's first row
     ``row0`` and number of rows ``nrows``, the ``period`` and ``scale_block`` and (factored) the
-    number of ``row_blocks`` with their own column profile."""
+    number of ``row_blocks`` with their own column profile and of ``col_blocks`` with their own row
+    statistic (D21)."""
 
     mode: str
     shape: Tuple[int, ...]
@@ -83,6 +84,7 @@ class MomentsLayout:
     period: int
     scale_block: int
     row_blocks: int = 1
+    col_blocks: int = 1
 
     @property
     def slab(self) -> int:
@@ -125,7 +127,7 @@ def state_from_moments(m: torch.Tensor, v: torch.Tensor, lay: MomentsLayout, cod
     """The state tensors of a piece of whole rows (``m``, ``v``: its AdamW moments, any float dtype)
     from ``sums`` and ``maxima``, :func:`moments_partials` reduced over every piece of the tensor:
     ``idx`` (uint8, the piece's shape) and ``scale``, and by ``lay.mode`` ``v`` (``[rows, slab /
-    period]``), ``v_row`` (``[rows, 1]``) and ``v_col`` (``[row_blocks, slab]``, or ``[slab]``), or
+    period]``), ``v_row`` (``[rows, col_blocks]``) and ``v_col`` (``[row_blocks, slab]``, or ``[slab]``), or
     ``v_blk`` (``[blocks]``, the whole tensor's) and ``v_col`` (``[slab]``) with a whole-tensor
     ``scale``; float32 and uint8, on ``m``'s device. ``nearest``: the nearest-codeword function
     (default the reference's)."""
@@ -153,7 +155,8 @@ def state_from_moments(m: torch.Tensor, v: torch.Tensor, lay: MomentsLayout, cod
     out = {"idx": quantize(blocks, scale.unsqueeze(2), codebook, nearest).view(local_shape), "scale": scale}
     if lay.mode == "factored":
         G = int(lay.row_blocks)
-        out["v_row"] = v.detach().reshape(rows, slab).double().mean(dim=1, keepdim=True).float()
+        K = int(lay.col_blocks)
+        out["v_row"] = v.detach().reshape(rows, K, slab // K).double().mean(dim=2).float()
         col = (sums.view(G, slab) / (int(lay.shape[0]) // G)).float()
         out["v_col"] = col if G > 1 else col.view(slab)
     elif lay.mode in ("shared", "elementwise"):

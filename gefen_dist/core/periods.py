@@ -260,17 +260,45 @@ def factored_row_blocks(shape: Sequence[int], rule="auto") -> int:
     return int(rule)
 
 
+AUTO_COL_BLOCKS_MAX = 8  # col_blocks="auto": at most this many blocks
+
+
+def factored_col_blocks(shape: Sequence[int], rule=1) -> int:
+    """How many contiguous blocks of columns of a factored tensor keep their own row statistic (D21,
+    D12 transposed): ``v_ij = v_row[i, b(j)] * v_col_j / mean_{j' in b(j)} v_col_j'``.
+
+    ``rule="auto"``: a tensor of ``R`` rows of ``k * R`` elements (an integer ``2 <= k <= 8``) gets
+    ``k`` blocks of ``R`` columns, every other tensor one. Hugging Face GPT-2's ``Conv1D`` weights are
+    stored ``(in, out)``, so its fused q, k, v projection ``[d, 3d]`` gets one block each for q, k and
+    v (the sections D12's row blocks give an ``nn.Linear`` ``[3d, d]``), its MLP up-projection
+    ``[d, 4d]`` one per block of ``d`` hidden units; in the ``nn.Linear`` layout the rule takes the MLP
+    down-projection ``[d, 4d]``. An int ``K`` asks for ``K`` blocks (it must divide the row); ``1`` (or
+    ``None``) is one row statistic per row. A tensor has row blocks or column blocks, not both."""
+    if len(shape) < 2 or rule is None:
+        return 1
+    rows, slab = int(shape[0]), row_slab(shape)
+    if rule == "auto":
+        return slab // rows if rows > 0 and 2 * rows <= slab <= AUTO_COL_BLOCKS_MAX * rows and slab % rows == 0 else 1
+    if isinstance(rule, bool) or not isinstance(rule, int) or rule < 1:
+        raise ValueError(f"col_blocks must be 'auto', None or a positive int, got {rule!r}")
+    if slab % rule:
+        raise ValueError(f"col_blocks={rule} does not divide the rows of {slab} elements of a tensor of shape "
+                         f"{tuple(shape)}; use a divisor of {slab}, 'auto' or 1")
+    return int(rule)
+
+
 def resolve_period(p_paper: int, slab: int) -> int:
     """D1: share the second moment within a row only: ``gcd(P_paper, slab)``."""
     return math.gcd(int(p_paper), int(slab))
 
 
-def shape_period(shape: Sequence[int]) -> int:
+def shape_period(shape: Sequence[int], col_blocks: int = 1) -> int:
     """The period of a tensor from its shape alone: the row length ``prod(shape[1:])``, capped as
     the paper caps a detected period (a period above 1024 becomes its smallest divisor above
     1024). The factored second moment's period (it sets only the absmax-scale block there, D14),
-    and the estimate of ``gefen-dist plan``."""
-    row = row_slab(shape)
+    and the estimate of ``gefen-dist plan``. With ``col_blocks`` (D21) the rule applies to one
+    block of columns, so that no absmax-scale block straddles two of them."""
+    row = row_slab(shape) // int(col_blocks)
     if row <= PERIOD_CAP:
         return row
     return next(d for d in divisors(row) if d > PERIOD_CAP)

@@ -468,9 +468,19 @@ def column_ratios(v_col: torch.Tensor) -> torch.Tensor:
     return torch.where(mean_c > 0, v_col / mean_c, torch.zeros((), dtype=v_col.dtype, device=v_col.device))
 
 
-def column_factors(v_col: torch.Tensor) -> torch.Tensor:
-    """``sqrt(v_col / mean(v_col))``, per block of rows for a ``[G, slab]`` ``v_col`` (D12)."""
+def column_factors(v_col: torch.Tensor, col_blocks: int = 1) -> torch.Tensor:
+    """``sqrt(v_col / mean(v_col))``, per block of rows for a ``[G, slab]`` ``v_col`` (D12), or with
+    ``col_blocks`` ``K > 1`` (D21; ``v_col`` ``[slab]``) each block of ``slab / K`` columns over its own
+    mean (``[slab]``)."""
+    if col_blocks > 1:
+        return column_ratios(v_col.view(int(col_blocks), -1)).sqrt_().view(v_col.shape)
     return column_ratios(v_col).sqrt_()
+
+
+def col_blocks_of(v_row: torch.Tensor) -> int:
+    """The column blocks (D21) of a factored state: the columns of its ``v_row`` (``[rows, K]``; 1 for
+    ``[rows, 1]`` or ``[rows]``)."""
+    return int(v_row.shape[-1]) if v_row.dim() == 2 else 1
 
 
 def row_block_args(v_col: torch.Tensor, global_rows: int, start: int) -> dict:
@@ -524,7 +534,9 @@ def quantized_step_factored_eager_(
 
     Row blocks (D12): a ``[G, slab]`` ``v_col`` (and ``col_mean_sq``, the column means over each
     block's ``row_block`` global rows) gives every block of rows its own column profile; this
-    piece's first row is global row ``row0``. ``bound``: as for :func:`quantized_step_eager_`.
+    piece's first row is global row ``row0``. Column blocks (D21): a ``[rows, K]`` ``v_row`` keeps
+    each row's mean of ``g^2`` per block of ``slab / K`` columns, and the column factors are
+    normalised per block (:func:`column_factors`). ``bound``: as for :func:`quantized_step_eager_`.
     """
     slab = v_col.shape[-1]
     ema_(v_col, col_mean_sq.view_as(v_col), beta2)
@@ -532,28 +544,38 @@ def quantized_step_factored_eager_(
         return
     if v_col.dim() > 1 and row_block < 1:
         raise ValueError(f"a v_col of shape {tuple(v_col.shape)} (row blocks) needs row_block >= 1")
-    col_f = column_factors(v_col)
+    K = col_blocks_of(v_row)
+    if K > 1 and v_col.dim() > 1:
+        raise ValueError(f"a factored state has row blocks (v_col {tuple(v_col.shape)}) or column blocks "
+                         f"(v_row {tuple(v_row.shape)}), not both")
+    col_f = column_factors(v_col, K)
     sqrt_bc2 = math.sqrt(bc2)
     p_all = param.view(-1, slab)
     for r0, r1, rsq, new, a in _factored_chunks(grad, idx, scale, v_row, codebook, slab=slab, beta1=beta1,
                                                 beta2=beta2, scale_block=scale_block):
-        sigma = inv_rms_(rsq.unsqueeze(1) * row_factors(col_f, row0, r0, r1, row_block), eps, bc1, sqrt_bc2)
+        rms = (rsq.repeat_interleave(slab // K, dim=1) * col_f if K > 1
+               else rsq.unsqueeze(1) * row_factors(col_f, row0, r0, r1, row_block))
+        sigma = inv_rms_(rms, eps, bc1, sqrt_bc2)
         apply_(p_all[r0:r1], (codebook[new.long()] * a).view(r1 - r0, slab), sigma, lr, weight_decay, bound)
 
 
 def _factored_chunks(grad, idx, scale, v_row, codebook, *, slab, beta1, beta2, scale_block):
     """The row-local state update of a factored piece (``v_row``, ``m``, ``idx``, ``scale``), chunk by
-    chunk of whole rows: yields ``(r0, r1, sqrt(v_row) [r1 - r0], new idx [., B], absmax [., 1])``."""
+    chunk of whole rows: yields ``(r0, r1, sqrt(v_row) [r1 - r0] (column blocks, D21: [r1 - r0, K]),
+    new idx [., B], absmax [., 1])``."""
     B = scale_block
+    K = col_blocks_of(v_row)
     rows_per = max(1, _EAGER_CHUNK_ELEMS // slab)
     g_all = grad.reshape(-1, slab)
     i_all = idx.view(-1, slab)
     s_all = scale.view(-1, slab // B)
-    vr_all = v_row.view(-1)
+    vr_all = v_row.view(-1, K) if K > 1 else v_row.view(-1)
     for r0 in range(0, g_all.shape[0], rows_per):
         r1 = min(g_all.shape[0], r0 + rows_per)
         g = g_all[r0:r1].float()
-        rsq = ema_(vr_all[r0:r1], (g * g).mean(dim=1), beta2).sqrt()
+        g2 = g * g
+        rsq = ema_(vr_all[r0:r1], g2.view(r1 - r0, K, slab // K).mean(dim=2) if K > 1 else g2.mean(dim=1),
+                   beta2).sqrt()
         new, a = requantize_(i_all[r0:r1].reshape(-1, B), s_all[r0:r1].reshape(-1, 1), g.reshape(-1, B),
                              codebook, beta1)
         yield r0, r1, rsq, new, a
@@ -565,6 +587,9 @@ def factored_state_eager_(grad, idx, scale, v_row, codebook, *, slab, beta1, bet
     and the parameter update (ZeRO-1's owners): updates ``v_row``, ``scale``, ``idx`` in place and
     returns ``sqrt(v_row)`` per row (``eps``, ``bc1``, ``bc2`` are accepted for the signature of the
     kernels' state functions and unused: the state never depends on them)."""
+    if col_blocks_of(v_row) > 1:
+        raise ValueError("factored_state_eager_: column blocks (D21) have no state-only step (ZeRO-1's owners "
+                         "do not take them)")
     rsq = torch.empty(idx.numel() // slab, dtype=torch.float32, device=idx.device)
     for r0, r1, r, _, _ in _factored_chunks(grad, idx, scale, v_row, codebook, slab=slab, beta1=beta1,
                                             beta2=beta2, scale_block=scale_block):

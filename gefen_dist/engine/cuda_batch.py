@@ -49,7 +49,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..core.step import adamw_foreach_, adamw_hyperparameters, ema_foreach_, hyperparameters, row_block_args
+from ..core.step import (adamw_foreach_, adamw_hyperparameters, col_blocks_of, ema_foreach_, hyperparameters,
+                         row_block_args)
 from .column_stats import ColumnRatios, ColumnTable
 from .device_step import DeviceStep
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
@@ -270,8 +271,8 @@ class CudaBatch:
         where that is the expected path: state still to learn, no CUDA tensor; else it names the
         tensor and the fix).
 
-        Beside the batches: tensors kept per block of rows (D16), and in a single process the
-        quantized tensors the batch cannot take (a parameter that is not contiguous, not float32 or
+        Beside the batches: tensors kept per block of rows (D16) or with column blocks (D21), and in a
+        single process the quantized tensors the batch cannot take (a parameter that is not contiguous, not float32 or
         bfloat16, on a device of another type, or shared with a period other than 1 or its scale
         block), each logged once (INFO) with the reason; a single process with CUDA parameters on
         several devices gets one batch per device. Exact (AdamW) tensors are stepped by foreach
@@ -301,6 +302,9 @@ class CudaBatch:
             st = opt.state.get(p)
             if not st or st.get("learned", 1) == 0:
                 return None, [], ""
+            if mode == MODE_FACTORED and col_blocks_of(local_tensor(st["v_row"])) > 1:
+                beside.append((group, p))  # column blocks (D21): the eager reference, on every rank alike
+                continue
             loc = local_tensor(p)
             why = _cannot_take(opt, group, p, loc, mode, st, types, name)
             if not why and mode != MODE_EXACT:

@@ -239,17 +239,18 @@ def tensor_keys(mode: str) -> Tuple[str, ...]:
     return ("idx", "scale", "v_row", "v_col") if mode == MODE_FACTORED else ("idx", "scale", "v")
 
 
-def fixed_period(shape: Sequence[int], second_moment: str) -> Optional[int]:
+def fixed_period(shape: Sequence[int], second_moment: str, col_blocks: int = 1) -> Optional[int]:
     """The period of a quantized tensor when its mode fixes it, None when it is detected from the
     first nonzero gradient (``"shared"``, the paper's scheme). ``"elementwise"``: 1. ``"factored"``:
     the period from the shape (:func:`gefen_dist.core.periods.shape_period`, D14): there the period
     sets only the absmax-scale block, and fixing it makes every state shape a function of the
     parameter's global shape, so a fresh optimizer's state has the shapes of a trained one's (the
-    generic ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict`` resume works)."""
+    generic ``get_state_dict`` -> ``dcp.load`` -> ``set_state_dict`` resume works). With
+    ``col_blocks`` (D21, factored) the rule applies to one block of columns."""
     if second_moment == MODE_ELEMENTWISE:
         return 1
     if second_moment == MODE_FACTORED:
-        return _periods.shape_period(shape)
+        return _periods.shape_period(shape, col_blocks)
     if second_moment == NIBBLES:  # blocks of at most 256 for the four-bit first moment (D20)
         return _periods.nibble_period(shape)
     return None
@@ -259,19 +260,23 @@ def fixed_period(shape: Sequence[int], second_moment: str) -> Optional[int]:
 class StateSpec:
     """The state of one global tensor: ``mode`` (one of exact/shared/factored/elementwise), its
     block ``geometry`` and, for the factored mode, the number of row blocks with their own column
-    profile (``row_blocks``)."""
+    profile (``row_blocks``, D12) and of column blocks with their own row statistic (``col_blocks``,
+    D21: ``v_row`` ``[rows, col_blocks]``)."""
 
     mode: str
     geometry: Geometry
     row_blocks: int = 1
+    col_blocks: int = 1
 
     @classmethod
     def of(cls, shape: Sequence[int], *, second_moment: str, small_threshold: int,
-           period: Optional[int] = None, row_blocks="auto", narrow_rows: str = DEFAULT_NARROW_ROWS) -> "StateSpec":
-        """The spec of a tensor of global ``shape`` in a group with ``second_moment``, ``row_blocks``
-        and ``narrow_rows``; ``period`` None is the placeholder of a tensor that has not learned its
-        period yet (:func:`fixed_period`, else the row). A span tensor's (D16) period and scale block
-        are its block of ``k`` rows, ``k * slab`` elements (the last block may be shorter)."""
+           period: Optional[int] = None, row_blocks="auto", narrow_rows: str = DEFAULT_NARROW_ROWS,
+           col_blocks=1) -> "StateSpec":
+        """The spec of a tensor of global ``shape`` in a group with ``second_moment``, ``row_blocks``,
+        ``narrow_rows`` and ``col_blocks``; ``period`` None is the placeholder of a tensor that has not
+        learned its period yet (:func:`fixed_period`, else the row). A span tensor's (D16) period and
+        scale block are its block of ``k`` rows, ``k * slab`` elements (the last block may be
+        shorter). Column blocks apply to ``second_moment="factored"`` only (not ``"nibbles"``)."""
         shape = tuple(int(s) for s in shape)
         narrow = narrow_layout(shape, second_moment, narrow_rows, small_threshold)
         if narrow is not None:
@@ -281,12 +286,18 @@ class StateSpec:
             return cls(MODE_EXACT, Geometry.exact(shape))
         if second_moment not in SECOND_MOMENT_SETTINGS:
             raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENT_SETTINGS})")
-        if period is None:  # placeholder: the fixed period, or the row until one is detected
-            period = fixed_period(shape, second_moment) or _periods.row_slab(shape)
-        per = int(period)
         mode = quantized_mode(shape, second_moment)
         G = _periods.factored_row_blocks(shape, row_blocks) if mode == MODE_FACTORED else 1
-        return cls(mode, Geometry.quantized(shape, per), G)
+        K = (_periods.factored_col_blocks(shape, col_blocks) if mode == MODE_FACTORED and second_moment == MODE_FACTORED
+             else 1)
+        if G > 1 and K > 1:
+            raise ValueError(f"a tensor of shape {shape} gets {G} row blocks (row_blocks={row_blocks!r}) and {K} "
+                             f"column blocks (col_blocks={col_blocks!r}); a tensor takes one or the other: set "
+                             "row_blocks=1 or col_blocks=1 for it (a param group of its own)")
+        if period is None:  # placeholder: the fixed period, or the row until one is detected
+            period = fixed_period(shape, second_moment, K) or _periods.row_slab(shape)
+        per = int(period)
+        return cls(mode, Geometry.quantized(shape, per), G, K)
 
     @property
     def exact(self) -> bool:
@@ -325,7 +336,7 @@ class StateSpec:
         out = {"idx": (loc["idx"], glo["idx"], torch.uint8, True),
                "scale": (loc["scale"], glo["scale"], torch.float32, True)}
         if self.mode == MODE_FACTORED:
-            out["v_row"] = ((rows, 1), (gshape[0], 1), torch.float32, True)
+            out["v_row"] = ((rows, self.col_blocks), (gshape[0], self.col_blocks), torch.float32, True)
             vc = ((self.row_blocks,) if self.row_blocks > 1 else ()) + (geo.slab,)
             out["v_col"] = (vc, vc, torch.float32, False)
         else:
@@ -357,6 +368,9 @@ class StateSpec:
         geo = self.geometry
         out = {"idx": ((n,), torch.uint8, True), "scale": ((touched(geo.scale_block),), torch.float32, True)}
         if self.mode == MODE_FACTORED:
+            if self.col_blocks > 1:
+                raise ValueError("column blocks (col_blocks, D21) are stepped by gefen_dist.Gefen (single process, "
+                                 "DDP, FSDP2) only, not on ZeroGefen's or DeepSpeed's flat ranges: use col_blocks=1")
             out["v_row"] = ((touched(geo.slab),), torch.float32, True)
             out["v_col"] = (((self.row_blocks,) if self.row_blocks > 1 else ()) + (geo.slab,), torch.float32, False)
         else:

@@ -11,7 +11,8 @@ from ..core import rows8 as _rows8
 from ..core import span as _span
 from .column_stats import column_means, piece_column_sums
 from .cuda_batch import CudaBatch
-from ..core.step import adamw_foreach_, adamw_hyperparameters, adamw_step_, decay_only_, hyperparameters, row_block_args
+from ..core.step import (adamw_foreach_, adamw_hyperparameters, adamw_step_, col_blocks_of, decay_only_, ema_,
+                         hyperparameters, row_block_args)
 from .layout import global_shape, is_dtensor, local_tensor, piece_of
 from ..core.nibbles import step_key
 from ..kernels import dispatch as _dispatch
@@ -230,13 +231,18 @@ class GefenStepMixin:
             adamw_step_(param, grad, local_tensor(st["exp_avg"]), local_tensor(st["exp_avg_sq"]), **hp)
             return
         if param.numel() == 0:
+            if mode == MODE_FACTORED and st["learned"] and col_mean_sq is not None:
+                # an empty piece (an FSDP2 shard of no rows) still advances the replicated column EMA,
+                # as every other rank does: v_col means the same on every rank
+                ema_(st["v_col"], col_mean_sq.view_as(st["v_col"]), hp["beta2"])
             return
         if not st["learned"]:
             decay_only_(param, lr, hp["weight_decay"])
             return
         contiguous = param.is_contiguous()
         work = param if contiguous else param.contiguous()
-        impl = self._impl(work, p, group)
+        colblocked = mode == MODE_FACTORED and col_blocks_of(local_tensor(st["v_row"])) > 1
+        impl = self._eager_col_blocks(work) if colblocked else self._impl(work, p, group)
         g = impl.grad_for(grad.contiguous(), work)
         cb = st["codebook"].to(work.device)
         if mode == MODE_FACTORED and group.get("second_moment") == NIBBLES:
@@ -254,6 +260,15 @@ class GefenStepMixin:
                                  cb, period=st["period"], scale_block=st["scale_block"], **hp)
         if not contiguous:
             param.copy_(work)
+
+    def _eager_col_blocks(self, work: torch.Tensor):
+        """The implementation of a tensor with column blocks (D21): the eager reference (the native and
+        Triton kernels do not take them yet), announced once per optimizer."""
+        if not self.__dict__.get("_col_blocks_noted"):
+            self._col_blocks_noted = True
+            logger.info("Gefen: tensors with column blocks (col_blocks, D21) are stepped by the eager reference "
+                        "(torch operations, one tensor at a time: slower than the fused kernels, the same math)")
+        return _dispatch.select(work, False)
 
     def _step_nibbles(self, group: dict, p: torch.Tensor, work: torch.Tensor, grad: torch.Tensor,
                       col_mean_sq: torch.Tensor, hp: dict) -> None:

@@ -69,6 +69,7 @@ class Gefen(_opt_mod.Gefen):
     _group_rejected = GROUP_REJECTED_SHARDED  # flat buffers cut across groups: one implementation
     _complex_ok = False  # flat buffers
     _nibbles_ok = True  # second_moment="nibbles" (D20): the factored layout's reconciliation, one-byte codes
+    _col_blocks_ok = False  # column blocks (D21): the flat-buffer step does not take them yet
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)

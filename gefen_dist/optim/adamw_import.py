@@ -168,7 +168,7 @@ def _layout(spec, pc) -> MomentsLayout:
     geo = spec.geometry
     slab = row_slab(pc.shape)
     return MomentsLayout(spec.mode, tuple(pc.shape), pc.start // slab, pc.local.numel() // slab, geo.period,
-                         geo.scale_block, spec.row_blocks)
+                         geo.scale_block, spec.row_blocks, spec.col_blocks)
 
 
 def _reduce(comm, order, parts, contributes) -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:

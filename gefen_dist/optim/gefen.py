@@ -26,8 +26,8 @@ from ..kernels import dispatch as _dispatch
 from ..engine.layout import Piece, check_supported, global_shape, like_param, local_tensor, piece_of
 from ..engine.nonfinite import NonfiniteChecks
 from ..engine.report import Report
-from ..engine.state import (MODE_EXACT, SPAN_MODES, StateSpec, codebook_size_of, fixed_period, mode_of, narrow_rows_of,
-                            second_moment_of, threshold_of)
+from ..engine.state import (MODE_EXACT, MODE_FACTORED, SPAN_MODES, StateSpec, codebook_size_of, fixed_period, mode_of,
+                            narrow_rows_of, second_moment_of, threshold_of)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,11 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         row_blocks: factored tensors of ``k x C`` rows of ``C`` elements keep one column profile per
             block of ``C`` rows (``"auto"``, default; D12); an int asks for that many blocks, ``1`` is
             Adafactor's single profile. Also per param group.
+        col_blocks: D12 transposed (D21): factored tensors of ``R`` rows of ``k x R`` elements (Hugging
+            Face GPT-2's ``Conv1D`` ``(in, out)`` weights) keep one row statistic per block of ``R``
+            columns with ``"auto"``; an int asks for that many blocks; ``1`` (default) is one per row.
+            Also per param group. Such tensors are stepped by the eager reference (no kernel yet:
+            slower), on ``gefen_dist.Gefen`` only (not ZeroGefen or DeepSpeed).
         narrow_rows: where a factored tensor whose rows hold few elements keeps its scales and second
             moment (also per param group): ``"auto"`` (default; per block of rows, ~1.01 B/param, for
             rows of fewer than 22 elements, ``(N, 1)`` included; per row, ``1 + 8 / S`` B/param, for
@@ -117,6 +122,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         small_threshold: int = 4096,
         second_moment: str = "factored",
         row_blocks: Any = "auto",
+        col_blocks: Any = 1,
         narrow_rows: str = "auto",
         nonfinite: str = "raise",
         bound_updates=DEFAULT_BOUND_UPDATES,
@@ -128,9 +134,10 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         _validation.validate_hparams(lr, betas, eps, weight_decay)
         _validation.validate_options(second_moment=second_moment, small_threshold=small_threshold,
                                      nonfinite=nonfinite, fused=fused, symmetric_codebook=symmetric_codebook,
-                                     capturable=capturable, row_blocks=row_blocks, narrow_rows=narrow_rows)
+                                     capturable=capturable, row_blocks=row_blocks, narrow_rows=narrow_rows,
+                                     col_blocks=col_blocks)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment,
-                        row_blocks=row_blocks, narrow_rows=narrow_rows)
+                        row_blocks=row_blocks, narrow_rows=narrow_rows, col_blocks=col_blocks)
         self.small_threshold = small_threshold
         bound_factor(bound_updates)  # True, False or a factor >= 1 on AdamW's bound; else a ValueError
         self.bound_updates = bound_updates
@@ -201,7 +208,7 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
             return StateSpec.of(global_shape(p), second_moment=g["second_moment"],
                                 small_threshold=threshold_of(g, self.small_threshold),
                                 period=period, row_blocks=g.get("row_blocks", "auto"),
-                                narrow_rows=narrow_rows_of(g))
+                                narrow_rows=narrow_rows_of(g), col_blocks=g.get("col_blocks", 1))
         except ValueError as e:
             raise ValueError(f"Gefen: parameter {self._names().get(id(p), '?')!r}: {e}") from None
 
@@ -291,8 +298,8 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
 
     def _learn_periods(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> List[int]:
         return learning.learn_periods(self._comm, [pc for _, pc in live],
-                                      [self._spec(p).geometry.period if self._mode(p) in SPAN_MODES else
-                                       fixed_period(pc.shape, second_moment_of(self._group_of(p))) for p, pc in live])
+                                      [self._spec(p).geometry.period if self._mode(p) in SPAN_MODES + (MODE_FACTORED,)
+                                       else fixed_period(pc.shape, second_moment_of(self._group_of(p))) for p, pc in live])
 
     def _global_histogram(self, live: Sequence[Tuple[torch.Tensor, Piece]]) -> torch.Tensor:
         return learning.global_histogram(self._comm, [(pc, self.state[p]["scale_block"],

@@ -50,7 +50,7 @@ __all__ = ["load", "validate_entry", "getstate", "setstate", "deepcopy"]
 
 _INT_KEYS = ("period", "scale_block", "learned")
 # keys whose absence in an older checkpoint's param group is filled from this optimizer's group
-NEWER_GROUP_KEYS = ("second_moment", "row_blocks")
+NEWER_GROUP_KEYS = ("second_moment", "row_blocks", "col_blocks")
 
 
 def _narrow_rows_matter(opt, group: dict, saved: str) -> bool:
@@ -64,7 +64,7 @@ def _spec(opt, p: torch.Tensor, group: dict, period=None) -> StateSpec:
     return StateSpec.of(global_shape(p), second_moment=group["second_moment"],
                         small_threshold=threshold_of(group, opt.small_threshold),
                         period=period, row_blocks=group.get("row_blocks", "auto"),
-                        narrow_rows=narrow_rows_of(group))
+                        narrow_rows=narrow_rows_of(group), col_blocks=group.get("col_blocks", 1))
 
 
 _FIX = ("load a checkpoint saved by Gefen for the same model with the same small_threshold and "
@@ -169,6 +169,13 @@ def validate_entry(opt, p: torch.Tensor, st: dict, name: str, group: dict | None
         if tuple(st[k].shape) != want[k] or st[k].dtype != torch.uint8:
             raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape {tuple(st[k].shape)} and dtype "
                              f"{st[k].dtype}, expected {want[k]} torch.uint8 (D19); {_FIX}")
+    vr = tuple(st["v_row"].shape) if factored else ()
+    if factored and vr != want["v_row"] and len(vr) == 2 and vr[0] == want["v_row"][0]:
+        raise ValueError(f"checkpoint state 'v_row' of parameter {name!r} has shape {vr}: {vr[1]} column block(s) "
+                         f"(D21), where this optimizer's param group gives it {want['v_row'][1]} (col_blocks="
+                         f"{group.get('col_blocks', 1)!r}). Build Gefen (or its param group) with col_blocks="
+                         f"{vr[1] if vr[1] > 1 else 1}, the setting the checkpoint was saved with, or start the "
+                         "optimizer fresh")
     for k in ("scale", "v_row", "v_col") if factored else ("scale", "v_blk", "v_col") if kind in SPAN_MODES else ("scale", "v"):
         if tuple(st[k].shape) != want[k]:
             raise ValueError(f"checkpoint state {k!r} of parameter {name!r} has shape "

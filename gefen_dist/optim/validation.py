@@ -31,7 +31,7 @@ NONFINITE = ("raise", "skip", "ignore")  # Gefen's nonfinite policies (re-export
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["validate_hparams", "validate_group_keys", "validate_param_group", "validate_row_blocks", "validate_narrow_rows", "prestep", "prestep_zero", "refuse_compile", "require_fused_kernels",
+__all__ = ["validate_hparams", "validate_group_keys", "validate_param_group", "validate_row_blocks", "validate_col_blocks", "validate_narrow_rows", "prestep", "prestep_zero", "refuse_compile", "require_fused_kernels",
            "GROUP_REJECTED", "GROUP_REJECTED_SHARDED"]
 
 # Constructor options that apply to the whole optimizer; a param group that sets them is refused.
@@ -111,13 +111,14 @@ def validate_group_keys(param_group: Dict[str, Any], index: int, rejected: Tuple
         raise ValueError(
             f"Invalid option {k!r} in param group {index}: {param_group[k]!r}. Gefen applies {k!r} to all "
             f"param groups; pass it to the constructor instead (Gefen(params, {k}=...)) and remove it from the "
-            "group. Per-group options are lr, betas, eps, weight_decay, second_moment, row_blocks, narrow_rows"
+            "group. Per-group options are lr, betas, eps, weight_decay, second_moment, row_blocks, col_blocks, "
+            "narrow_rows"
             + (" and fused, small_threshold." if "fused" not in rejected else ".")
         )
 
 
 def validate_options(*, second_moment, small_threshold, nonfinite, fused, symmetric_codebook, capturable,
-                     row_blocks, narrow_rows) -> None:
+                     row_blocks, narrow_rows, col_blocks=1) -> None:
     """Gefen's constructor options other than the AdamW hyperparameters: each refused with a
     ``ValueError`` naming the value and what is expected."""
     if second_moment not in SECOND_MOMENT_SETTINGS:
@@ -132,6 +133,7 @@ def validate_options(*, second_moment, small_threshold, nonfinite, fused, symmet
         raise ValueError(f"Invalid symmetric_codebook: {symmetric_codebook!r} (expected True or False)")
     validate_capturable(capturable, nonfinite, fused)
     validate_row_blocks(row_blocks)
+    validate_col_blocks(col_blocks)
     validate_narrow_rows(narrow_rows)
 
 
@@ -154,6 +156,13 @@ def validate_row_blocks(rb, where: str = "") -> None:
     if not (rb is None or rb == "auto" or (isinstance(rb, int) and not isinstance(rb, bool) and rb >= 1)):
         raise ValueError(f"Invalid row_blocks{where}: {rb!r} (expected 'auto', None or an int >= 1; 1 is one "
                          "column profile per tensor, as Adafactor)")
+
+
+def validate_col_blocks(cb, where: str = "") -> None:
+    """``col_blocks`` is ``"auto"``, None or an int >= 1 (D21)."""
+    if not (cb is None or cb == "auto" or (isinstance(cb, int) and not isinstance(cb, bool) and cb >= 1)):
+        raise ValueError(f"Invalid col_blocks{where}: {cb!r} (expected 'auto', None or an int >= 1; 1 is one row "
+                         "statistic per row)")
 
 
 def validate_narrow_rows(nr, where: str = "") -> None:
@@ -207,6 +216,11 @@ def validate_param_group(opt, param_group) -> None:
                                                    if isinstance(p[1] if isinstance(p, tuple) else p, torch.Tensor)]},
                          where)
         validate_row_blocks(merged.get("row_blocks", "auto"), where)
+        validate_col_blocks(merged.get("col_blocks", 1), where)
+        if merged.get("col_blocks", 1) not in (1, None) and not getattr(opt, "_col_blocks_ok", True):
+            raise ValueError(f"col_blocks={merged['col_blocks']!r}{where}: column blocks (D21) are stepped by "
+                             "gefen_dist.Gefen only (single process, DDP, FSDP2/HSDP), not yet by "
+                             f"{type(opt).__module__}.{type(opt).__name__}: pass col_blocks=1, or use gefen_dist.Gefen")
         validate_narrow_rows(merged.get("narrow_rows", "auto"), where)
         st = merged.get("small_threshold", 0)
         if isinstance(st, bool) or not isinstance(st, int) or st < 0:

@@ -117,6 +117,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
 
     _group_rejected = GROUP_REJECTED_SHARDED  # one implementation steps the partition of all groups
     _complex_ok = False  # flat partitions (second_moment="nibbles", D20: its new values travel dense)
+    _col_blocks_ok = False  # column blocks (D21): the owners' state updates and appliers do not take them yet
 
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),

@@ -104,10 +104,23 @@ def parse(argv):
     ap.add_argument("--adamw-import", action="store_true",
                     help="also load AdamW state (DTensor entries of an AdamW over the sharded model, and a full one) "
                          "into a sharded Gefen and compare with the single-process warm start")
+    ap.add_argument("--col-blocks", action="store_true",
+                    help="tiny (3 rows of 2048 elements: a row per shard at 3 ranks, an empty shard at 4) in a param "
+                         "group of its own with col_blocks=4 (D21: a row statistic per block of 512 columns, v_row "
+                         "[3, 4])")
+    ap.add_argument("--per-tensor", action="store_true",
+                    help="both optimizers on the per-tensor path (the native multi-tensor CPU batch off)")
     ap.add_argument("--same-grads", action="store_true",
                     help="feed the FSDP optimizer the single-process gradient (sharded): isolates the "
                          "optimizer's rank invariance, which must then be bitwise")
     return ap.parse_args(argv)
+
+
+def _groups(m, args):
+    """The model's parameters; with ``--col-blocks`` ``tiny`` in a group of its own with ``col_blocks=4``."""
+    if not args.col_blocks:
+        return m.parameters()
+    return [{"params": [m.tiny], "col_blocks": 4}, {"params": [p for p in m.parameters() if p is not m.tiny]}]
 
 
 def _narrow_kw(args):
@@ -134,16 +147,17 @@ def check(args):
     kw = _narrow_kw(args)
     if args.capturable:
         kw.update(capturable=True, nonfinite="skip")
-    ref_opt = Gefen(ref.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment, **kw)
+    ref_opt = Gefen(_groups(ref, args), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment, **kw)
     ref_opt._comm = __import__("gefen_dist.engine.comm", fromlist=["LocalComm"]).LocalComm()  # single-process oracle
     m = model(narrow)
     for mod in (m.a, m.b, m.c):
         fully_shard(mod, mesh=mesh)
     fully_shard(m, mesh=mesh)
-    opt = Gefen(m.parameters(), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment, **kw)
+    opt = Gefen(_groups(m, args), lr=3e-3, weight_decay=0.1, second_moment=args.second_moment, **kw)
     from gefen_dist.engine import cuda_batch as cuda_path
 
     cuda_path._DEVICE_TYPES = ("cuda", "cpu") if args.cuda_batch else ("cuda",)
+    cuda_path._NATIVE_CPU = not args.per_tensor
     if args.cuda_batch:
         for o in (opt, ref_opt):
             o._impl = lambda t, p=None, group=None: __import__("gefen_dist.kernels.dispatch", fromlist=["_triton"])._triton()
@@ -176,6 +190,11 @@ def check(args):
             print(f"OK cuda batch: sharded={opt._cuda_batch.sharded}", flush=True)
     if args.second_moment == "factored" and not narrow:  # b's four row blocks (D12), on every rank as in the oracle
         assert tuple(opt.state[m.b.weight]["v_col"].shape) == (4, 33), opt.state[m.b.weight]["v_col"].shape
+    if args.col_blocks:  # tiny's four column blocks (D21): v_row [3, 4] sharded with the rows, scale blocks of 512
+        st = opt.state[m.tiny]
+        assert tuple(st["v_row"].shape) == (3, 4) and st["scale_block"] == 512, (st["v_row"].shape, st["scale_block"])
+        if rank == 0:
+            print("OK col blocks: v_row (3, 4)", flush=True)
     if args.same_grads:
         assert torch.equal(opt.codebook, ref_opt.codebook), "codebook differs from single process"
     else:
@@ -224,7 +243,8 @@ def check(args):
             # (a single codeword flip moves an element by lr*sigma*gap: ~1e-4 of the max)
             assert rel <= 1e-3, (name, rel)
     if rank == 0:
-        print(f"OK fsdp{'/hsdp' if args.hsdp else ''} {args.second_moment}{_narrow_tag(args)} same_grads={args.same_grads} ws={ws}: max relative param diff {worst:.3e}"
+        print(f"OK fsdp{'/hsdp' if args.hsdp else ''} {args.second_moment}{_narrow_tag(args)}"
+              f"{' col_blocks' if args.col_blocks else ''} same_grads={args.same_grads} ws={ws}: max relative param diff {worst:.3e}"
               + ("; quantized tensors bitwise" if args.capturable else ""), flush=True)
     if args.refusals:
         check_refusals(mesh, rank)
