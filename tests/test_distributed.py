@@ -104,7 +104,8 @@ def _digest(out):
 
 @pytest.fixture(scope="module")
 def ddp_single():
-    return run_torchrun("ddp_check.py", 2, "--mismatch", "--adamw-import", "--nibbles", timeout=TIMEOUT).stdout
+    return run_torchrun("ddp_check.py", 2, "--mismatch", "--adamw-import", "--nibbles", "--col-blocks",
+                        timeout=TIMEOUT).stdout
 
 
 @pytest.mark.dist
@@ -116,6 +117,7 @@ def test_ddp_replicas_identical_and_mismatch_errors(ddp_single):
             assert f"OK mismatch ({case}) rank {rank}: RuntimeError" in out, f"{case} rank {rank}:\n{out[-4000:]}"
     assert any(ln.startswith("OK adamw import ws=2:") for ln in _ok_lines(out)), out[-4000:]
     assert any(ln.startswith("OK nibbles ddp ws=2:") for ln in _ok_lines(out)), out[-4000:]
+    assert any(ln.startswith("OK col_blocks ddp ws=2:") for ln in _ok_lines(out)), out[-4000:]
     assert "ALL OK ddp_check ws=2" in out
     _digest(out)
 

@@ -283,13 +283,16 @@ def _factored_state(rows, S, B, G, dtype, seed, device="cpu"):
 
 
 def _run_both_factored(rows, S, B, dtype, *, G=1, row0=0, row_block=0, steps=3, seed=0, device="cpu",
-                       block_size=None, grad_hook=None):
+                       block_size=None, grad_hook=None, col_blocks=1):
     """A piece of ``rows`` rows (global rows ``row0 ..``) of a factored tensor stepped by the eager
-    path and the kernel; col_mean_sq is a made-up column statistic (the kernel takes it as given)."""
+    path and the kernel; col_mean_sq is a made-up column statistic (the kernel takes it as given).
+    ``col_blocks``: a ``v_row`` of that many columns (D21)."""
     from gefen_dist.core.step import quantized_step_factored_eager_
 
     cb = random_codebook().to(device)
     st, gen = _factored_state(rows, S, B, G, dtype, seed, device)
+    if col_blocks > 1:
+        st[3] = (torch.rand(rows, col_blocks, generator=gen) * 1e-4).to(device)
     ref = [t.clone() for t in st]
     out = [t.clone() for t in st]
     for s in range(1, steps + 1):
@@ -366,6 +369,20 @@ def test_factored_matches_eager(case, dtype):
 
 
 @interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,S,B,K,bs", [(24, 192, 64, 3, None), (9, 300, 50, 3, 32), (6, 192, 24, 8, 16)],
+                         ids=["k3", "k3_tails", "k8_chunks"])
+def test_factored_column_blocks_match_eager(rows, S, B, K, bs, dtype):
+    """Column blocks (D21): ``v_row`` per block of ``S / K`` columns from each block's mean of ``g^2``, each
+    scale block with its block's, the column factors per block; chunks that do not divide a block."""
+    ref, out = _run_both_factored(rows, S, B, dtype, col_blocks=K, block_size=bs, seed=4)
+    assert tuple(out[3].shape) == (rows, K)
+    _assert_agree_factored(ref, out)
+    with pytest.raises(ValueError, match="column blocks"):  # a scale block across two column blocks
+        _run_both_factored(6, 192, 96, torch.float32, col_blocks=4, steps=1)
+
+
+@interp
 def test_factored_small_chunks_nan_and_zero():
     """Several chunks per scale block, a NaN gradient (its row and block) and a zero row."""
     def hook(g, s):
@@ -419,6 +436,37 @@ def test_optimizer_cuda_path_through_interpreter(monkeypatch, second_moment):
             torch.testing.assert_close(sb["scale"], sa["scale"], rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-6, atol=1e-6 * p.abs().max().item())
     assert kinds == {True, False}  # both exact and quantized tensors took part
+
+
+@interp
+def test_optimizer_column_blocks_through_interpreter(monkeypatch, caplog):
+    """Gefen(col_blocks="auto") with the Triton kernels (the per-tensor path, beside nothing) against the eager
+    path: a (64, 192) weight in three column blocks (D21) keeps v_row [64, 3] on both, no eager fallback is
+    logged, and the parameters agree within the kernel's tolerance after 5 steps."""
+    import logging
+
+    from torch import nn
+
+    from gefen_dist import Gefen
+    from gefen_dist.kernels import dispatch
+
+    torch.manual_seed(2)
+    a = nn.Parameter(torch.randn(64, 192) * 0.1)
+    b = nn.Parameter(a.detach().clone())
+    oa = Gefen([a], lr=1e-3, col_blocks="auto", fused=False)
+    ob = Gefen([b], lr=1e-3, col_blocks="auto")
+    monkeypatch.setattr(ob, "_impl", lambda t, p=None, group=None: dispatch._triton())
+    gen = torch.Generator().manual_seed(3)
+    with caplog.at_level(logging.INFO, logger="gefen_dist.engine.tensor_step"):
+        for _ in range(5):
+            g = torch.randn(64, 192, generator=gen) * (1 + torch.arange(192) // 64).float()
+            a.grad, b.grad = g.clone(), g.clone()
+            oa.step()
+            ob.step()
+    assert not any("column blocks" in r.getMessage() for r in caplog.records)
+    assert tuple(ob.state[b]["v_row"].shape) == (64, 3) and torch.equal(oa.codebook, ob.codebook)
+    torch.testing.assert_close(ob.state[b]["v_row"], oa.state[a]["v_row"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-6, atol=1e-6 * a.abs().max().item())
 
 
 @interp

@@ -241,8 +241,9 @@ class GefenStepMixin:
             return
         contiguous = param.is_contiguous()
         work = param if contiguous else param.contiguous()
-        colblocked = mode == MODE_FACTORED and col_blocks_of(local_tensor(st["v_row"])) > 1
-        impl = self._eager_col_blocks(work) if colblocked else self._impl(work, p, group)
+        impl = self._impl(work, p, group)
+        if not impl.col_blocks and mode == MODE_FACTORED and col_blocks_of(local_tensor(st["v_row"])) > 1:
+            impl = self._eager_col_blocks(work, impl)
         g = impl.grad_for(grad.contiguous(), work)
         cb = st["codebook"].to(work.device)
         if mode == MODE_FACTORED and group.get("second_moment") == NIBBLES:
@@ -261,13 +262,14 @@ class GefenStepMixin:
         if not contiguous:
             param.copy_(work)
 
-    def _eager_col_blocks(self, work: torch.Tensor):
-        """The implementation of a tensor with column blocks (D21): the eager reference (the native and
-        Triton kernels do not take them yet), announced once per optimizer."""
+    def _eager_col_blocks(self, work: torch.Tensor, impl):
+        """The implementation of a tensor with column blocks (D21) where ``impl`` (the Triton kernels) does
+        not take them: the eager reference, announced once per optimizer."""
         if not self.__dict__.get("_col_blocks_noted"):
             self._col_blocks_noted = True
-            logger.info("Gefen: tensors with column blocks (col_blocks, D21) are stepped by the eager reference "
-                        "(torch operations, one tensor at a time: slower than the fused kernels, the same math)")
+            logger.info("Gefen: tensors with column blocks (col_blocks, D21) on %s are stepped by the eager reference "
+                        "(the %s kernels do not take them yet: torch operations, slower, the same math)",
+                        work.device.type, impl.name)
         return _dispatch.select(work, False)
 
     def _step_nibbles(self, group: dict, p: torch.Tensor, work: torch.Tensor, grad: torch.Tensor,

@@ -122,7 +122,7 @@ import numpy as np
 import torch
 
 from gefen_dist.core.quant import NUM_CODEWORDS
-from gefen_dist.core.step import check_tensor, column_factors
+from gefen_dist.core.step import check_tensor, col_blocks_of, column_factors
 from gefen_dist.kernels import cpu_build, native
 from gefen_dist.kernels.cpu_tables import CodebookTable, codebook_table  # the kernel's table (re-exported)
 from gefen_dist.kernels.state_only import factored_state_only_, state_only_
@@ -132,7 +132,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["available", "simd_compiled", "simd_isa", "quantized_step_", "quantized_step_factored_", "apply_compressed_",
            "apply_factored_", "numerics", "nearest_lut", "nearest_sweep", "CodebookTable", "codebook_table"]
 
-_ABI = 14
+_ABI = 15
 _LIB_NAME = cpu_build.NATIVE  # the -march=native build (cpu_build.py: which build a process uses)
 _SOURCES = ["gefen_step.c"]
 _BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together
@@ -226,6 +226,8 @@ def _load(name: str) -> Optional[ctypes.CDLL]:
             lib.gefen_quantized_step.argtypes = [ctypes.POINTER(_Args)] + [vp] * 7
             lib.gefen_quantized_step_factored.restype = ctypes.c_int
             lib.gefen_quantized_step_factored.argtypes = [ctypes.POINTER(_Args)] + [vp] * 8 + [i64, i64]
+            lib.gefen_quantized_step_factored_k.restype = ctypes.c_int
+            lib.gefen_quantized_step_factored_k.argtypes = [ctypes.POINTER(_Args)] + [vp] * 8 + [i64, i64, i64]
             lib.gefen_apply_compressed.restype = ctypes.c_int
             lib.gefen_apply_compressed.argtypes = [ctypes.POINTER(_Args)] + [vp] * 5
             lib.gefen_apply_factored.restype = ctypes.c_int
@@ -569,29 +571,33 @@ def quantized_step_factored_(
     if param.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"param dtype {param.dtype} not supported (float32, bfloat16)")
     G = v_col.numel() // S if S else 1
+    K = col_blocks_of(v_row)  # column blocks (D21)
     _check("v_col", v_col, torch.float32, G * S)
     _check("col_mean_sq", col_mean_sq, torch.float32, G * S)
     if G > 1 and (row_block < 1 or row0 < 0 or row0 + n // S > G * row_block):
         raise ValueError(f"v_col has {G} row blocks: need row_block >= 1 and rows [{row0}, {row0 + n // S}) "
                          f"inside {G} x {row_block} rows")
+    if K > 1 and (G > 1 or S % K or (S // K) % B):
+        raise ValueError(f"v_row has {K} column blocks: need one column profile (v_col {tuple(v_col.shape)}) and "
+                         f"the scale block {B} dividing the {S // K if S % K == 0 else S / K} columns of a block")
     if n:
         _check("param", param, None, n)
         _check("grad", grad, param.dtype, n)
         _check("idx", idx, torch.uint8, n)
         _check("scale", scale, torch.float32, n // B)
-        _check("v_row", v_row, torch.float32, n // S)
+        _check("v_row", v_row, torch.float32, n // S * K)
     v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
     if n == 0:
         return
-    col_f = _column_factors_cpu(v_col)
+    col_f = _column_factors_cpu(v_col.view(K, S // K)).view(S) if K > 1 else _column_factors_cpu(v_col)
     rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
     tab = codebook_table(codebook)
     a = _make_args(param, n, S, B, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                    weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound, simd=simd)
-    rc = lib.gefen_quantized_step_factored(ctypes.byref(a), param.data_ptr(), grad.data_ptr(),
-                                           idx.data_ptr(), scale.data_ptr(), v_row.data_ptr(),
-                                           col_f.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr(),
-                                           int(row0), rb)
+    rc = lib.gefen_quantized_step_factored_k(ctypes.byref(a), param.data_ptr(), grad.data_ptr(),
+                                             idx.data_ptr(), scale.data_ptr(), v_row.data_ptr(),
+                                             col_f.data_ptr(), tab.cb.data_ptr(), tab.lut.data_ptr(),
+                                             int(row0), rb, K)
     if rc != 0:
         raise RuntimeError(f"gefen_quantized_step_factored failed with code {rc}")
     for t in (param, idx, scale, v_row):

@@ -178,6 +178,7 @@ class StepImpl:
     # second_moment="nibbles" (D20): the contract of gefen_dist.core.nibbles.nibble_step_factored_eager_
     nibble_step_factored_: Optional[Callable] = None
     span_apply_: Callable = _span.span_apply_  # span_update_'s per-element part from the updated state (D16, D19)
+    col_blocks: bool = False  # quantized_step_factored_ takes column blocks (D21: a [rows, K] v_row)
 
     def grad_for(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """The gradient as this implementation reads it next to ``param``."""
@@ -192,7 +193,7 @@ def _eager() -> StepImpl:
 
     return StepImpl("eager", s.quantized_step_eager_, s.quantized_step_factored_eager_, s.column_sumsq,
                     s.quantized_state_eager_, s.factored_state_eager_, ap.apply_compressed, ap.apply_factored,
-                    grad_in_param_dtype=False, nibble_step_factored_=nb.nibble_step_factored_eager_)
+                    grad_in_param_dtype=False, nibble_step_factored_=nb.nibble_step_factored_eager_, col_blocks=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,7 +203,8 @@ def _native_cpu() -> StepImpl:
     return StepImpl("cpu", cpu.quantized_step_, cpu.quantized_step_factored_, cpu.column_sumsq,
                     cpu.quantized_state_, cpu.factored_state_, cpu.apply_compressed_, cpu.apply_factored_,
                     cpu_span.span_statistics, cpu_span.span_update_, cpu_span.span_apply_indices_,
-                    span_apply_=cpu_span.span_apply_, nibble_step_factored_=cpu_nibbles.nibble_step_factored_)
+                    span_apply_=cpu_span.span_apply_, nibble_step_factored_=cpu_nibbles.nibble_step_factored_,
+                    col_blocks=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,7 +222,7 @@ def _triton() -> StepImpl:
                     span_apply_indices_=span.span_apply_indices_, span_apply_=span.span_apply_,
                     column_factors=zs.column_factors,
                     apply_many=zs.ApplyMany, state_many=zs.StateMany,
-                    nibble_step_factored_=nib.nibble_step_factored_)
+                    nibble_step_factored_=nib.nibble_step_factored_, col_blocks=True)
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -182,10 +182,10 @@ def _update_param(p_ptr, offs, mask, u, decay, HAS_WD: tl.constexpr, IS_BF16: tl
 def _step_rows(
     p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, tab_ptr,
     r_first, nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
-    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
+    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound, K, C, C_f,
     MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
     FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
-    IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, COLB: tl.constexpr,
 ):
     """Rows ``r_first .. r_first + ROWS`` of one tensor (the body of both kernels).
 
@@ -193,14 +193,34 @@ def _step_rows(
     2: factored, rows of S == NBLK * B elements, v_row per row, and ``vc_ptr`` the column factors
     ``sqrt(v_col / mean(v_col))`` of this step, ``[G, S]``
     (:class:`~gefen_dist.kernels.triton_multi.ColumnFactors`, from the updated v_col); each row takes those of its block of rows (global row ``row0 + r``, blocks of
-    ``row_block`` rows)."""
+    ``row_block`` rows). ``COLB`` (MODE 2, D21): ``K`` column blocks of ``C`` columns (``C_f`` as a float), the
+    scale block dividing ``C``: ``v_row`` ``[rows, K]`` from each block's mean of ``g^2``, each scale block with
+    its column block's ``sqrt(v_row)``, the column factors one block of rows normalised per column block."""
     rows = r_first + tl.arange(0, ROWS)
     rmask = rows < nrows
     isb = tl.div_rn(1.0, sqrt_bc2)  # 1 / sqrt(bc2): per-element step sizes multiply by it, as the C kernel
     rbase = rows.to(tl.int64) * S
     cols0 = tl.arange(0, BLOCK_SIZE)
 
-    if MODE == 2:
+    if MODE == 2 and COLB:
+        # ---- sweep 0, column blocks (D21): each block's mean of g^2 -> v_row[r, c] ---------
+        for c in range(0, K):
+            ss = tl.zeros([ROWS, BLOCK_SIZE], dtype=tl.float32)
+            for c0 in range(0, C, BLOCK_SIZE):
+                cols = c * C + c0 + cols0
+                mask = rmask[:, None] & (cols < (c + 1) * C)[None, :]
+                offs = rbase[:, None] + cols[None, :]
+                g = _load_f32_jit(g_ptr, offs, mask, IS_BF16)
+                ss += g * g
+            r = tl.div_rn(tl.sum(ss, axis=1), C_f)
+            vt = tl.load(v_ptr + rows * K + c, mask=rmask, other=0.0) * beta2
+            if FUSED_AXPY:
+                vr = tl.fma(r, alpha2, vt)
+            else:
+                vr = vt + r * alpha2
+            tl.store(v_ptr + rows * K + c, vr, mask=rmask)
+        cfbase = tl.zeros([ROWS], dtype=tl.int64)  # one block of rows
+    elif MODE == 2:
         # ---- sweep 0: the row's mean of g^2 -> v_row, sqrt(v_row) -------------------
         ss = tl.zeros([ROWS, BLOCK_SIZE], dtype=tl.float32)
         for c0 in range(0, S, BLOCK_SIZE):
@@ -223,6 +243,9 @@ def _step_rows(
     for kb in range(0, NBLK):
         bbase = rbase + kb * B
         srow = rows.to(tl.int64) * NBLK + kb
+        if MODE == 2 and COLB:  # this scale block's column block (D21): its sqrt(v_row) / sqrt(bc2)
+            vrb = tl.load(v_ptr + rows * K + (kb * B) // C, mask=rmask, other=0.0)
+            xr = (tl.sqrt_rn(vrb) * isb)[:, None]
         M = tl.load(scale_ptr + srow, mask=rmask, other=0.0)
         Mb = M[:, None]
 
@@ -299,17 +322,17 @@ def _step_rows(
 def _gefen_step_kernel(
     p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, tab_ptr,
     nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
-    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
+    lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound, K, C, C_f,
     MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
     FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
-    IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, COLB: tl.constexpr,
 ):
-    """One tensor; program ``pid`` steps rows ``pid * ROWS ..``."""
+    """One tensor; program ``pid`` steps rows ``pid * ROWS ..`` (``COLB``: column blocks, D21)."""
     _step_rows_jit(
         p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, tab_ptr,
         tl.program_id(0) * ROWS, nrows, S, B, NBLK, B_f, S_f, scan_steps, row0, row_block,
-        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
-        MODE, LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, LUT_FAST, IS_BF16, ROWS, BLOCK_SIZE,
+        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound, K, C, C_f,
+        MODE, LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, LUT_FAST, IS_BF16, ROWS, BLOCK_SIZE, COLB,
     )
 
 
@@ -380,8 +403,8 @@ def _gefen_multi_kernel(
         p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, tab_ptr,
         r_first, nrows, S, B, S // B, B.to(tl.float32), S.to(tl.float32), scan_steps,
         tl.load(mb + 8).to(tl.int32), tl.load(mb + 9).to(tl.int32),
-        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound,
-        MODE, LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, LUT_FAST, IS_BF16, ROWS, BLOCK_SIZE,
+        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound, 1, S, S.to(tl.float32),
+        MODE, LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, LUT_FAST, IS_BF16, ROWS, BLOCK_SIZE, False,
     )
 
 

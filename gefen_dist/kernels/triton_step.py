@@ -23,6 +23,7 @@ from .triton_kernels import _HAVE_TRITON, _interpret, _kernel, triton
 from .triton_multi import ColumnFactors, ColumnSums, MultiStep, NibbleItem, StepItem, multi_launch_options
 from .triton_nibbles import NibbleStep
 from .triton_tables import _check, _config, _device_table, _step_scalars
+from ..core.step import col_blocks_of
 
 __all__ = ["available", "quantized_step_", "quantized_step_factored_", "StepItem", "MultiStep", "ColumnSums",
            "ColumnFactors", "multi_launch_options", "NibbleItem", "NibbleStep"]
@@ -111,16 +112,21 @@ def quantized_step_factored_(
     if G > 1 and (row_block < 1 or row0 < 0 or row0 + n // S > G * row_block):
         raise ValueError(f"v_col has {G} row blocks: need row_block >= 1 and rows [{row0}, {row0 + n // S}) "
                          f"inside {G} x {row_block} rows")
+    K = col_blocks_of(v_row)  # column blocks (D21)
+    if K > 1 and (G > 1 or S % K or (S // K) % B):
+        raise ValueError(f"v_row has {K} column blocks: need one column profile (v_col {tuple(v_col.shape)}) and "
+                         f"the scale block {B} dividing the {S // K if S % K == 0 else S / K} columns of a block")
     if n:
-        _check("v_row", v_row, device, torch.float32, n // S)
+        _check("v_row", v_row, device, torch.float32, n // S * K)
     v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
     if n == 0:
         return
     rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
-    cf = ColumnFactors([v_col], device).run()[0]
+    cf = (ColumnFactors([v_col.view(K, S // K)], device).run()[0].view(S) if K > 1
+          else ColumnFactors([v_col], device).run()[0])
     _run(param, grad, idx, scale, v_row, cf, codebook, S=S, B=B, mode=2, row0=int(row0), row_block=rb,
          lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
-         block_size=block_size, bound=bound)
+         block_size=block_size, bound=bound, col_blocks=K)
 
 
 def _launch(param, grad, idx, scale, v, codebook, *, lr, beta1, beta2, eps, weight_decay, bc1,
@@ -139,7 +145,7 @@ def _launch(param, grad, idx, scale, v, codebook, *, lr, beta1, beta2, eps, weig
 
 
 def _run(param, grad, idx, scale, v, v_col, codebook, *, S, B, mode, row0, row_block, lr, beta1, beta2,
-         eps, weight_decay, bc1, bc2, block_size, bound=None) -> None:
+         eps, weight_decay, bc1, bc2, block_size, bound=None, col_blocks: int = 1) -> None:
     """Check the common arguments and launch the kernel over ``numel / S`` rows of ``S``."""
     n = param.numel()
     if n == 0:
@@ -171,7 +177,9 @@ def _run(param, grad, idx, scale, v, v_col, codebook, *, S, B, mode, row0, row_b
         kern[grid](
             pk, gk, idx, scale, v, v_col, tab.cb, tab.kernel_table(mode),
             nrows, S, B, S // B, float(B), float(S), tab.scan_steps, row0, row_block, *scalars,
-            MODE=mode, IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=bs, num_warps=warps, enable_fp_fusion=False, **consts,
+            int(col_blocks), S // int(col_blocks), float(S // int(col_blocks)),
+            MODE=mode, IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=bs, COLB=col_blocks > 1, num_warps=warps,
+            enable_fp_fusion=False, **consts,
         )
     for t in (param, idx, scale, v):
         torch.autograd.graph.increment_version(t)

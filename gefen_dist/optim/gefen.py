@@ -77,8 +77,9 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         col_blocks: D12 transposed (D21): factored tensors of ``R`` rows of ``k x R`` elements (Hugging
             Face GPT-2's ``Conv1D`` ``(in, out)`` weights) keep one row statistic per block of ``R``
             columns with ``"auto"``; an int asks for that many blocks; ``1`` (default) is one per row.
-            Also per param group. Such tensors are stepped by the eager reference (no kernel yet:
-            slower), on ``gefen_dist.Gefen`` only (not ZeroGefen or DeepSpeed).
+            Also per param group. Such tensors are stepped one by one beside the multi-tensor
+            batch (the native CPU and Triton kernels take them), on ``gefen_dist.Gefen`` only (not
+            ZeroGefen or DeepSpeed).
         narrow_rows: where a factored tensor whose rows hold few elements keeps its scales and second
             moment (also per param group): ``"auto"`` (default; per block of rows, ~1.01 B/param, for
             rows of fewer than 22 elements, ``(N, 1)`` included; per row, ``1 + 8 / S`` B/param, for

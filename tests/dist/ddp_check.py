@@ -1,6 +1,6 @@
 """torchrun worker: Gefen under DistributedDataParallel (plain tensors, 2 ranks).
 
-    torchrun --nproc_per_node 2 tests/dist/ddp_check.py [--mismatch] [--adamw-import]
+    torchrun --nproc_per_node 2 tests/dist/ddp_check.py [--mismatch] [--adamw-import] [--nibbles] [--col-blocks]
     torchrun --nnodes 2 --node_rank K --nproc_per_node 1 --master_addr 127.0.0.1 --master_port P \
         tests/dist/ddp_check.py                                  (K = 0, 1: two "nodes")
 
@@ -14,6 +14,8 @@ nodes with 1 rank each must print the same digest.
 (b) with one parameter of a different shape; each must raise a clear RuntimeError on every rank
 within the process group's 30 s timeout.
 ``--adamw-import``: an AdamW trained under DDP warm-starts Gefen on every rank (identical replicas).
+``--nibbles`` / ``--col-blocks``: second_moment="nibbles" (D20) / column blocks (D21) under DDP, bitwise a
+single process stepped with the same gradients.
 """
 import argparse
 import hashlib
@@ -159,17 +161,24 @@ def run_adamw_import(rank, ws):
         "after 2 more steps")
 
 
-def run_nibbles(rank, ws):
+def _col_block_groups(m):
+    """``tiny`` (3 rows of 2048) in a group of its own with ``col_blocks=4`` (D21), the rest as they are."""
+    return [{"params": [m.tiny], "col_blocks": 4}, {"params": [p for p in m.parameters() if p is not m.tiny]}]
+
+
+def run_nibbles(rank, ws, col_blocks=False):
     """second_moment="nibbles" (D20) under DDP: a single-process Gefen stepped with DDP's (all-reduced)
     gradients ends bitwise where every replica ends (parameters, codes, scales, statistics), the
-    codebook has 16 codewords, and the replicas' digests agree."""
+    codebook has 16 codewords, and the replicas' digests agree. ``col_blocks``: the same for the default
+    with ``tiny`` in column blocks (D21), stepped beside the multi-tensor batch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from gefen_dist.engine.comm import LocalComm
 
     model, ref = DDP(net()), net()
-    opt = Gefen(model.parameters(), lr=LR, weight_decay=WD, second_moment="nibbles")
-    ropt = Gefen(ref.parameters(), lr=LR, weight_decay=WD, second_moment="nibbles")
+    tag, kw = ("col_blocks", {}) if col_blocks else ("nibbles", dict(second_moment="nibbles"))
+    opt = Gefen(_col_block_groups(model.module) if col_blocks else model.parameters(), lr=LR, weight_decay=WD, **kw)
+    ropt = Gefen(_col_block_groups(ref) if col_blocks else ref.parameters(), lr=LR, weight_decay=WD, **kw)
     ropt._comm = LocalComm()
     for s in range(4):
         x, y = local_batch(s, rank, ws)
@@ -181,15 +190,17 @@ def run_nibbles(rank, ws):
         ropt.step()
     quantized = 0
     for (name, p), q in zip(model.module.named_parameters(), ref.parameters()):
-        assert torch.equal(p.detach(), q.detach()), f"nibbles ddp: {name} differs from single process"
+        assert torch.equal(p.detach(), q.detach()), f"{tag} ddp: {name} differs from single process"
         for k, v in ropt.state[q].items():
             assert torch.equal(opt.state[p][k], v) if isinstance(v, torch.Tensor) else opt.state[p][k] == v, (name, k)
         quantized += "idx" in opt.state[p]
-    assert quantized and opt.codebook.numel() == 16 and torch.equal(opt.codebook, ropt.codebook)
+    assert quantized and opt.codebook.numel() == (256 if col_blocks else 16) and torch.equal(opt.codebook, ropt.codebook)
+    if col_blocks:
+        assert tuple(opt.state[model.module.tiny]["v_row"].shape) == (3, 4)
     ds = [None] * ws
     dist.all_gather_object(ds, digest(model.module, opt))
-    assert len(set(ds)) == 1, f"nibbles: ddp replicas differ: {ds}"
-    log(f"OK nibbles ddp ws={ws}: 4 steps, {quantized} quantized tensors, replicas and single process bitwise")
+    assert len(set(ds)) == 1, f"{tag}: ddp replicas differ: {ds}"
+    log(f"OK {tag} ddp ws={ws}: 4 steps, {quantized} quantized tensors, replicas and single process bitwise")
 
 
 def main():
@@ -197,6 +208,7 @@ def main():
     ap.add_argument("--mismatch", action="store_true")
     ap.add_argument("--adamw-import", action="store_true")
     ap.add_argument("--nibbles", action="store_true")
+    ap.add_argument("--col-blocks", action="store_true")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     torch.set_num_threads(1)
@@ -206,6 +218,8 @@ def main():
         run_adamw_import(rank, ws)
     if args.nibbles:
         run_nibbles(rank, ws)
+    if args.col_blocks:
+        run_nibbles(rank, ws, col_blocks=True)
     if args.mismatch:
         run_mismatch(rank, ws)
     dist.barrier()

@@ -66,7 +66,7 @@
 #define GEFEN_SPAN_AVX2 1 /* the span update's 8-lane loops: AVX2 builds and AVX-512 VBMI builds alike */
 #endif
 
-#define GEFEN_STEP_ABI 14
+#define GEFEN_STEP_ABI 15
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -1413,12 +1413,14 @@ ALWAYS_INLINE int fused_row(const gefen_step_args *restrict a, void *restrict pa
  * v_row from the row's mean of g^2 (same cascade sum), then its scale blocks with the
  * per-column factors of its block of rows (cf: [blocks][slab], col_f = sqrt(v_col / mean(v_col))
  * per block, computed by the caller; local row r is global row row0 + r, in block
- * (row0 + r) / rb). */
+ * (row0 + r) / rb). Column blocks (D21, K > 1: one block of rows, cf normalised per block of
+ * slab / K columns, the scale block dividing slab / K): v_row[r * K + c] from the mean of g^2 over
+ * the row's block of columns c, and each scale block with its column block's sqrt(v_row). */
 #define DEFINE_RUNF(DT, LM, FL)                                                             \
     static void runf_##DT##LM##FL(const gefen_step_args *a, void *param, const void *grad,  \
                                   uint8_t *idx, float *scale, float *vrow, const float *cf,  \
                                   const float *cb, const int32_t *lut, const void *planes,   \
-                                  int64_t row0, int64_t rb)                                  \
+                                  int64_t row0, int64_t rb, int64_t K)                       \
     {                                                                                       \
         const int64_t S = a->period, B = a->block;                                          \
         const int64_t rows = a->n / S, per = S / B;                                         \
@@ -1436,6 +1438,20 @@ ALWAYS_INLINE int fused_row(const gefen_step_args *restrict a, void *restrict pa
             float *buf = use_buf ? (float *)malloc((size_t)B * GEFEN_BUF_PER_EL) : NULL;    \
             _Pragma("omp for schedule(dynamic, chunk)")                                     \
             for (int64_t r = 0; r < rows; ++r) {                                            \
+                if (K > 1) {                                                                \
+                    const int64_t C = S / K, qc = C / B;                                    \
+                    for (int64_t c = 0; c < K; ++c) {                                       \
+                        float s = sumsq(grad, r * S + c * C, C, a->sum_lanes, DT, a->simd); \
+                        float vr = vupd(vrow[r * K + c], s / (float)C, a->beta2, a->alpha2, \
+                                        a->fused_axpy);                                     \
+                        vrow[r * K + c] = vr;                                               \
+                        const float srs = sqrtf(vr) * isb;                                  \
+                        for (int64_t q = c * qc; q < (c + 1) * qc; ++q)                     \
+                            do_block(a, param, grad, idx, scale, NULL, cb, lut, r * per + q, \
+                                     buf, planes, cf, srs, DT, 2, LM, FL);                  \
+                    }                                                                       \
+                    continue;                                                               \
+                }                                                                           \
                 if (fused_row(a, param, grad, idx, scale, vrow, cf + ((row0 + r) / rb) * S, cb, \
                               lut, planes, buf, per, r, isb, DT, LM, FL))                   \
                     continue;                                                               \
@@ -1459,7 +1475,7 @@ DEFINE_RUNF_FL(1, 1)
 
 typedef void (*runf_fn)(const gefen_step_args *, void *, const void *, uint8_t *, float *,
                         float *, const float *, const float *, const int32_t *, const void *,
-                        int64_t, int64_t);
+                        int64_t, int64_t, int64_t);
 static const runf_fn RUNSF[8] = {runf_000, runf_001, runf_010, runf_011,
                                  runf_100, runf_101, runf_110, runf_111};
 
@@ -1624,14 +1640,15 @@ static int factored_args_error(const gefen_step_args *a, int64_t row0, int64_t r
 /* gefen_quantized_step_factored with its call's tables already prepared (call_tables_init). */
 static int factored_step_with(const gefen_step_args *a, void *param, const void *grad, uint8_t *idx,
                               float *scale, float *v_row, const float *cf, const float *cb, const int32_t *lut,
-                              int64_t row0, int64_t rb, const void *planes)
+                              int64_t row0, int64_t rb, const void *planes, int64_t K)
 {
     if (a->n == 0) return 0;
     const int err = factored_args_error(a, row0, rb);
     if (err) return err;
     if (a->lut_n < 2) return -5;
+    if (K < 1 || a->period % K != 0 || (a->period / K) % a->block != 0) return -7;
     const int k = (a->dtype << 2) | ((a->lut_mode != 0) << 1) | (a->fused_lerp != 0);
-    RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes, row0, rb);
+    RUNSF[k](a, param, grad, idx, scale, v_row, cf, cb, lut, planes, row0, rb, K);
     return 0;
 }
 
@@ -1639,17 +1656,31 @@ static int factored_step_with(const gefen_step_args *a, void *param, const void 
  * slab); v_row[n / slab] is updated here, cf = sqrt(v_col / mean(v_col)) per block of rb global
  * rows ([blocks][slab]) is read; the first local row is global row row0 (rb > row0 + rows: one
  * block). */
+int gefen_quantized_step_factored_k(const gefen_step_args *a, void *param, const void *grad,
+                                    uint8_t *idx, float *scale, float *v_row, const float *cf,
+                                    const float *cb, const int32_t *lut, int64_t row0, int64_t rb, int64_t K);
+
 int gefen_quantized_step_factored(const gefen_step_args *a, void *param, const void *grad,
                                   uint8_t *idx, float *scale, float *v_row, const float *cf,
                                   const float *cb, const int32_t *lut, int64_t row0, int64_t rb)
+{
+    return gefen_quantized_step_factored_k(a, param, grad, idx, scale, v_row, cf, cb, lut, row0, rb, 1);
+}
+
+/* As gefen_quantized_step_factored with K column blocks (D21): v_row[n / slab * K], cf one block of
+ * rows normalised per block of slab / K columns; the scale block divides slab / K. */
+int gefen_quantized_step_factored_k(const gefen_step_args *a, void *param, const void *grad,
+                                    uint8_t *idx, float *scale, float *v_row, const float *cf,
+                                    const float *cb, const int32_t *lut, int64_t row0, int64_t rb, int64_t K)
 {
     if (a->n == 0) return 0;
     const int err = factored_args_error(a, row0, rb);
     if (err) return err;
     if (a->lut_n < 2) return -5;
+    if (K < 1 || a->period % K != 0 || (a->period / K) % a->block != 0) return -7;
     call_tables ct;
     const void *planes = call_tables_init(&ct, a, cb, lut);
-    factored_step_with(a, param, grad, idx, scale, v_row, cf, cb, lut, row0, rb, planes);
+    factored_step_with(a, param, grad, idx, scale, v_row, cf, cb, lut, row0, rb, planes, K);
     free(ct.to_free);
     return 0;
 }
@@ -1918,7 +1949,7 @@ int64_t gefen_multi_step(const gefen_step_args *tmpl, const gefen_multi_item *it
         }
         const int r = it->factored
                           ? factored_step_with(&a, it->param, it->grad, it->idx, it->scale, it->v, it->colf, cb,
-                                               lut, it->row0, it->rb, planes)
+                                               lut, it->row0, it->rb, planes, 1)
                           : quantized_step_with(&a, it->param, it->grad, it->idx, it->scale, it->v, cb, lut, planes);
         if (r != 0) rc = (i + 1) * 100 - r;
     }
