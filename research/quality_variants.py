@@ -793,6 +793,13 @@ RESEARCH_VARIANTS = {
     "z_conv1d_colblocks_sb": ("(z) as z_conv1d_colblocks with the column-blocked tensors' absmax-scale blocks inside their "
                               "column blocks (R elements here: 192, against the row's 576 and 768)",
                               _conv1d_layout(_colblocks(scale_in_blocks=True))),
+    "z_conv1d_colblocks_lib": ("(z) gefen_dist Gefen(col_blocks='auto') (D21, native step) on the model with its blocks' "
+                               "linear layers in the Conv1D layout: the library's column blocks (scale blocks inside them)",
+                               _conv1d_layout(_gefen(second_moment="factored", row_blocks="auto", col_blocks="auto",
+                                                     fused=None))),
+    "y_colblocks_lib": ("(y) gefen_dist Gefen(col_blocks='auto') (D21, native step), nn.Linear layout: the default plus "
+                        "column blocks on the MLP down-projection (d, 4d)",
+                        _gefen(second_moment="factored", row_blocks="auto", col_blocks="auto", fused=None)),
     "y_colblocks": ("(y) the default (nn.Linear layout) plus D12 transposed on every (R, k x R) weight (2 <= k <= 8: "
                     "the MLP's down-projection, (d, 4d) here): one row EMA per block of R columns (research/_variants.py's "
                     "ColBlockGefen, those tensors stepped eagerly)", _colblocks()),

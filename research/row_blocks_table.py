@@ -24,10 +24,14 @@ from seed_gaps import load_finals, summarize  # noqa: E402
 
 R = ROOT / "research" / "results"
 VARIANTS = {"y_rb64_fused": 64, "y_rb32_fused": 32, "z_conv1d_default_fused": None,  # rows per block (None: auto)
-            "z_conv1d_colblocks": None, "z_conv1d_colblocks_sb": None, "y_colblocks": None}
+            "z_conv1d_colblocks": None, "z_conv1d_colblocks_sb": None, "z_conv1d_colblocks_lib": None,
+            "y_colblocks": None, "y_colblocks_lib": None}
 PAIRED_ADAMW = {"z_conv1d_default_fused": "z_conv1d_adamw",  # AdamW on the same (Conv1D-layout) model
-                "z_conv1d_colblocks": "z_conv1d_adamw", "z_conv1d_colblocks_sb": "z_conv1d_adamw"}
-COLBLOCKS = {"z_conv1d_colblocks", "z_conv1d_colblocks_sb", "y_colblocks"}  # D12 transposed on (R, k x R) weights (research/_variants.py's ColBlockGefen)
+                "z_conv1d_colblocks": "z_conv1d_adamw", "z_conv1d_colblocks_sb": "z_conv1d_adamw",
+                "z_conv1d_colblocks_lib": "z_conv1d_adamw"}
+# column blocks (D21: D12 transposed on (R, k x R) weights): research/_variants.py's ColBlockGefen, or the library's
+COLBLOCKS = {"z_conv1d_colblocks", "z_conv1d_colblocks_sb", "z_conv1d_colblocks_lib", "y_colblocks", "y_colblocks_lib"}
+SCALE_IN_BLOCKS = {"z_conv1d_colblocks_sb", "z_conv1d_colblocks_lib", "y_colblocks_lib"}  # scale blocks inside them
 
 
 def runs(variant: str) -> dict:
@@ -96,7 +100,7 @@ def main(argv=None) -> None:
         ci = lambda s: (" [%+.2f, %+.2f]" % tuple(s["ci95"])) if len(seeds) > 1 else ""  # noqa: E731
         mine = name in VARIANTS  # (the (in, out) weights of the Conv1D layout: the blocks' 2-D shapes reversed)
         conv1d = [[(n, s[::-1] if len(s) == 2 and ".c_" in n else s) for n, s in shapes] for shapes in (small, gpt2)]
-        sizes = "%.3f / %.3f" % tuple(state_bytes(sh, rows, name in COLBLOCKS, name.endswith("_sb"))
+        sizes = "%.3f / %.3f" % tuple(state_bytes(sh, rows, name in COLBLOCKS, name in SCALE_IN_BLOCKS)
                                       for sh in (conv1d if name in PAIRED_ADAMW else (small, gpt2)))
         cells = [f"`{name}`" if mine else name, sizes,
                  ", ".join(map(str, seeds)), ", ".join("%+.2f%%" % g for g in gaps),
