@@ -186,9 +186,13 @@ def test_adamw_state_imports_per_column_block():
     w2 = nn.Parameter(w.detach().clone())
     opt = Gefen([w2], lr=1e-3, col_blocks="auto")
     opt.load_state_dict(sd)
-    vr = opt.state[w2]["v_row"]
+    st = opt.state[w2]
     want = sd["state"][0]["exp_avg_sq"].double().view(64, 3, 64).mean(dim=2).float()
-    assert tuple(vr.shape) == (64, 3) and torch.allclose(vr, want, rtol=1e-6, atol=0)
+    assert tuple(st["v_row"].shape) == (64, 3) and torch.allclose(st["v_row"], want, rtol=1e-6, atol=0)
+    assert st["period"] == st["scale_block"] == 64  # the scale blocks inside the column blocks
+    w2.grad = torch.randn_like(w2)
+    opt.step()  # and it steps on from there
+    assert int(st["step"]) == 4
 
 
 def test_dcp_round_trip_and_mismatch(tmp_path):

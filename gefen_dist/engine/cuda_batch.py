@@ -303,7 +303,7 @@ class CudaBatch:
             if not st or st.get("learned", 1) == 0:
                 return None, [], ""
             if mode == MODE_FACTORED and col_blocks_of(local_tensor(st["v_row"])) > 1:
-                beside.append((group, p))  # column blocks (D21): the eager reference, on every rank alike
+                beside.append((group, p))  # column blocks (D21): the per-tensor kernels, on every rank alike
                 continue
             loc = local_tensor(p)
             why = _cannot_take(opt, group, p, loc, mode, st, types, name)

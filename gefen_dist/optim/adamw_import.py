@@ -37,7 +37,7 @@ from ..core.periods import row_slab
 from ..engine import learning
 from ..engine.comm import LocalComm
 from ..engine.layout import global_shape, is_dtensor, like_param, local_tensor, piece_of
-from ..engine.state import MODE_EXACT, SPAN_MODES, fixed_period, mode_of_saved, nibbles_in
+from ..engine.state import MODE_EXACT, MODE_FACTORED, SPAN_MODES, fixed_period, mode_of_saved, nibbles_in
 from ..kernels import dispatch as _dispatch
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def import_adamw(opt, items: List[Tuple[torch.Tensor, dict, dict, str]], spec_of
     live = learning.live_pieces(comm, [t[6] for t in todo])
     detect = [(i, t) for i, t in enumerate(todo) if live[i]]
     periods = learning.learn_periods(comm, [t[6] for _, t in detect],
-                                     [t[7].geometry.period if t[7].mode in SPAN_MODES
+                                     [t[7].geometry.period if t[7].mode in SPAN_MODES + (MODE_FACTORED,)
                                       else fixed_period(t[6].shape, t[2]["second_moment"]) for _, t in detect])
     specs = {i: spec_of(t[0], t[2], per) for (i, t), per in zip(detect, periods)}
     counts = learning.global_histogram(comm, [(replace(t[6], grad=t[4]), specs[i].geometry.scale_block,
