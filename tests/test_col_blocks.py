@@ -101,13 +101,22 @@ def test_rule_options_and_refusals():
     sq.grad = torch.randn_like(sq)
     with pytest.raises(ValueError, match="row blocks .* column blocks"):
         opt.step()
-    # ZeroGefen and DeepSpeed's Gefen do not take them yet
+    # ZeroGefen and DeepSpeed's Gefen do not take them yet, neither built with them nor loading a state saved with
+    # them (nothing loaded)
     from gefen_dist.integrations.deepspeed import Gefen as DeepSpeedGefen
+    src = nn.Parameter(torch.randn(64, 192))
+    saved = Gefen([src], col_blocks="auto")
+    src.grad = torch.randn_like(src)
+    saved.step()
     for cls in (ZeroGefen, DeepSpeedGefen):
         with pytest.raises(ValueError, match="column blocks .* gefen_dist.Gefen only"):
             cls([w], col_blocks="auto")
         with pytest.raises(ValueError, match="column blocks .* gefen_dist.Gefen only"):
             cls([{"params": [w], "col_blocks": 3}])
+        other = cls([nn.Parameter(src.detach().clone())])
+        with pytest.raises(ValueError, match=r"col_blocks='auto' \(D21\), which .* does not step yet"):
+            other.load_state_dict(copy.deepcopy(saved.state_dict()))
+        assert not other.state and other.param_groups[0]["col_blocks"] == 1
     # "nibbles" keeps one row statistic per row
     nib = nn.Parameter(torch.randn(64, 192))
     opt = Gefen([nib], second_moment="nibbles", col_blocks="auto")

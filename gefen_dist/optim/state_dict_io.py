@@ -271,6 +271,10 @@ def _groups(opt, saved_groups, from_adamw: bool = False) -> list:
             )
         where = f" in loaded param group {i}"
         validate_hparams(ng["lr"], ng["betas"], ng["eps"], ng["weight_decay"], where)
+        if ng.get("col_blocks", 1) not in (1, None) and not getattr(opt, "_col_blocks_ok", True):
+            raise ValueError(f"loaded state dict's param group {i} was saved with col_blocks={ng['col_blocks']!r} "
+                             f"(D21), which {type(opt).__name__} does not step yet: load it into gefen_dist.Gefen "
+                             "(single process, DDP, FSDP2)")
         rejected = {k: ng[k] for k in ("nonfinite", "process_group") if k in ng}
         if rejected:
             validate_group_keys(rejected, i)
