@@ -262,20 +262,16 @@ def _mismatch(fqn: str, gi: int, p, spec, thr: int, saved: Dict[str, str], size_
         return (f"checkpoint entry {key!r} holds a {was} second moment for parameter {fqn!r}, but param group {gi} "
                 f"of this optimizer has second_moment={spec.mode!r}. Build Gefen (or that param group) with "
                 f"second_moment={was!r}, the setting the checkpoint was saved with")
-    if mode == "factored" and saved.get("v_col") is not None:
-        got = size_of(saved["v_col"])
-        blocks = got[0] if len(got) == 2 else 1
-        if blocks != spec.row_blocks:
-            return (f"checkpoint entry {saved['v_col']!r} (shape {got}) keeps {blocks} column profile(s) for parameter "
-                    f"{fqn!r}, this optimizer {spec.row_blocks} (row_blocks). Build Gefen (or its param group {gi}) "
-                    f"with row_blocks={blocks}, or the row_blocks the checkpoint was saved with")
-    if mode == "factored" and saved.get("v_row") is not None:
-        got = size_of(saved["v_row"])
-        blocks = got[1] if len(got) == 2 else 1
-        if blocks != spec.col_blocks:
-            return (f"checkpoint entry {saved['v_row']!r} (shape {got}) keeps {blocks} column block(s) for parameter "
-                    f"{fqn!r}, this optimizer {spec.col_blocks} (col_blocks, D21). Build Gefen (or its param group "
-                    f"{gi}) with col_blocks={blocks}, or the col_blocks the checkpoint was saved with")
+    # (row blocks, D12: v_col [G, slab]; column blocks, D21: v_row [rows, K])
+    for key, dim, have, option, what in (("v_col", 0, spec.row_blocks, "row_blocks", "column profile(s)"),
+                                         ("v_row", 1, spec.col_blocks, "col_blocks", "column block(s)")):
+        if mode == "factored" and saved.get(key) is not None:
+            got = size_of(saved[key])
+            blocks = got[dim] if len(got) == 2 else 1
+            if blocks != have:
+                return (f"checkpoint entry {saved[key]!r} (shape {got}) keeps {blocks} {what} for parameter {fqn!r}, "
+                        f"this optimizer {have} ({option}). Build Gefen (or its param group {gi}) with "
+                        f"{option}={blocks}, or the {option} the checkpoint was saved with")
     return None
 
 

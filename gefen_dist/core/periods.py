@@ -234,6 +234,7 @@ def row_slab(shape: Sequence[int]) -> int:
 
 
 AUTO_ROW_BLOCKS_MAX = 8  # row_blocks="auto": at most this many blocks
+AUTO_COL_BLOCKS_MAX = 8  # col_blocks="auto" (D21): at most this many blocks
 
 
 def factored_row_blocks(shape: Sequence[int], rule="auto") -> int:
@@ -245,22 +246,26 @@ def factored_row_blocks(shape: Sequence[int], rule="auto") -> int:
     ``[3d, d]`` thus gets one column profile each for q, k and v, an MLP up-projection ``[4d, d]``
     one per block of ``d`` hidden units. An int ``G`` asks for ``G`` blocks (it must divide the
     rows); ``1`` (or ``None``) is Adafactor's single column profile."""
-    if len(shape) < 2:
+    return _factored_blocks(shape, rule, cols=False)
+
+
+def _factored_blocks(shape: Sequence[int], rule, cols: bool) -> int:
+    """:func:`factored_row_blocks` (``cols`` False: blocks of rows, as many as the rows hold rows' lengths)
+    or :func:`factored_col_blocks` (True: blocks of columns, as many as a row holds the row count)."""
+    if len(shape) < 2 or rule is None:
         return 1
     rows, slab = int(shape[0]), row_slab(shape)
-    if rule is None:
-        return 1
+    name, total, unit = ("col_blocks", slab, rows) if cols else ("row_blocks", rows, slab)
     if rule == "auto":
-        return rows // slab if slab > 0 and 2 * slab <= rows <= AUTO_ROW_BLOCKS_MAX * slab and rows % slab == 0 else 1
+        cap = AUTO_COL_BLOCKS_MAX if cols else AUTO_ROW_BLOCKS_MAX
+        return total // unit if unit > 0 and 2 * unit <= total <= cap * unit and total % unit == 0 else 1
     if isinstance(rule, bool) or not isinstance(rule, int) or rule < 1:
-        raise ValueError(f"row_blocks must be 'auto', None or a positive int, got {rule!r}")
-    if rows % rule:
-        raise ValueError(f"row_blocks={rule} does not divide the {rows} rows of a tensor of shape "
-                         f"{tuple(shape)}; use a divisor of {rows}, 'auto' or 1")
+        raise ValueError(f"{name} must be 'auto', None or a positive int, got {rule!r}")
+    if total % rule:
+        what = f"the rows of {slab} elements" if cols else f"the {rows} rows"
+        raise ValueError(f"{name}={rule} does not divide {what} of a tensor of shape {tuple(shape)}; use a divisor "
+                         f"of {total}, 'auto' or 1")
     return int(rule)
-
-
-AUTO_COL_BLOCKS_MAX = 8  # col_blocks="auto": at most this many blocks
 
 
 def factored_col_blocks(shape: Sequence[int], rule=1) -> int:
@@ -274,17 +279,7 @@ def factored_col_blocks(shape: Sequence[int], rule=1) -> int:
     ``[d, 4d]`` one per block of ``d`` hidden units; in the ``nn.Linear`` layout the rule takes the MLP
     down-projection ``[d, 4d]``. An int ``K`` asks for ``K`` blocks (it must divide the row); ``1`` (or
     ``None``) is one row statistic per row. A tensor has row blocks or column blocks, not both."""
-    if len(shape) < 2 or rule is None:
-        return 1
-    rows, slab = int(shape[0]), row_slab(shape)
-    if rule == "auto":
-        return slab // rows if rows > 0 and 2 * rows <= slab <= AUTO_COL_BLOCKS_MAX * rows and slab % rows == 0 else 1
-    if isinstance(rule, bool) or not isinstance(rule, int) or rule < 1:
-        raise ValueError(f"col_blocks must be 'auto', None or a positive int, got {rule!r}")
-    if slab % rule:
-        raise ValueError(f"col_blocks={rule} does not divide the rows of {slab} elements of a tensor of shape "
-                         f"{tuple(shape)}; use a divisor of {slab}, 'auto' or 1")
-    return int(rule)
+    return _factored_blocks(shape, rule, cols=True)
 
 
 def resolve_period(p_paper: int, slab: int) -> int:

@@ -74,12 +74,8 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
         row_blocks: factored tensors of ``k x C`` rows of ``C`` elements keep one column profile per
             block of ``C`` rows (``"auto"``, default; D12); an int asks for that many blocks, ``1`` is
             Adafactor's single profile. Also per param group.
-        col_blocks: D12 transposed (D21): factored tensors of ``R`` rows of ``k x R`` elements (Hugging
-            Face GPT-2's ``Conv1D`` ``(in, out)`` weights) keep one row statistic per block of ``R``
-            columns with ``"auto"``; an int asks for that many blocks; ``1`` (default) is one per row.
-            Also per param group. Such tensors are stepped one by one beside the multi-tensor
-            batch (the native CPU and Triton kernels take them), on ``gefen_dist.Gefen`` only (not
-            ZeroGefen or DeepSpeed).
+        col_blocks: D12 transposed (D21; also per param group): ``"auto"`` gives factored tensors of ``R``
+            rows of ``k x R`` elements (``Conv1D`` weights) a row statistic per block of ``R`` columns.
         narrow_rows: where a factored tensor whose rows hold few elements keeps its scales and second
             moment (also per param group): ``"auto"`` (default; per block of rows, ~1.01 B/param, for
             rows of fewer than 22 elements, ``(N, 1)`` included; per row, ``1 + 8 / S`` B/param, for
@@ -139,19 +135,14 @@ class Gefen(GefenStepMixin, SpanStepMixin, NonfiniteChecks, Introspection, Optim
                                      col_blocks=col_blocks)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, second_moment=second_moment,
                         row_blocks=row_blocks, narrow_rows=narrow_rows, col_blocks=col_blocks)
-        self.small_threshold = small_threshold
         bound_factor(bound_updates)  # True, False or a factor >= 1 on AdamW's bound; else a ValueError
-        self.bound_updates = bound_updates
-        self.symmetric_codebook = bool(symmetric_codebook)
-        self.nonfinite = nonfinite
-        self.skipped_steps = 0
-        self.capturable = capturable
+        self.small_threshold, self.bound_updates, self.nonfinite = small_threshold, bound_updates, nonfinite
+        self.symmetric_codebook, self.capturable, self.fused = bool(symmetric_codebook), capturable, fused
+        self.skipped_steps, self._agreement_checked = 0, False
         self.device_skipped_steps: Optional[torch.Tensor] = None  # capturable: a 0-dim tensor on the device
-        self.fused = fused
         self._comm: LocalComm = comm_for(process_group)
         self.codebook: Optional[torch.Tensor] = None
         self.codebook_info: Dict[str, Any] = {}
-        self._agreement_checked = False
         super().__init__(params, defaults)
         _validation.warn_meta(self)
         if fused is True:
