@@ -108,13 +108,17 @@ def main(argv=None) -> None:
                  ("%+.2f%s, %d of %d" % (sp["mean"], ci(sp), sum(x < y for x, y in zip(gaps, dg)), len(seeds)))
                  if mine else ""]
         print(("| " + " | ".join(cells) + " |") if a.md else "  ".join(cells))
-    conv, cb = runs("z_conv1d_default_fused"), runs("z_conv1d_colblocks")
-    seeds = sorted(s for s in cb if s in conv)
-    if seeds:  # column blocks against the Conv1D layout's default, paired by seed (the same AdamW divides both)
+    conv = runs("z_conv1d_default_fused")
+    for name in ("z_conv1d_colblocks", "z_conv1d_colblocks_lib"):
+        cb = runs(name)
+        seeds = sorted(s for s in cb if s in conv)
+        if not seeds:
+            continue
+        # column blocks against the Conv1D layout's default, paired by seed (the same AdamW divides both)
         d = [100 * (cb[s] / conv[s] - 1) for s in seeds]
         sd = summarize(d)
         ci = (" [%+.2f, %+.2f]" % tuple(sd["ci95"])) if len(seeds) > 1 else ""
-        print("\n`z_conv1d_colblocks` against `z_conv1d_default_fused` (final validation loss, paired by seed): "
+        print(f"\n`{name}` against `z_conv1d_default_fused` (final validation loss, paired by seed): "
               + ", ".join("%+.2f%%" % x for x in d) + f" on seeds {', '.join(map(str, seeds))}; mean "
               + "%+.2f%%%s, lower on %d of %d" % (sd["mean"], ci, sum(x < 0 for x in d), len(seeds)))
 
