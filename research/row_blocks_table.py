@@ -4,9 +4,11 @@ block of rows, down to blocks of 64 or 32 rows: research/quality_variants.py's `
 layout, where the row blocks do not apply (``z_conv1d_default_fused``, paired with AdamW on the same model,
 ``z_conv1d_adamw``). Every stored run, paired by seed with AdamW and with the shipped default on the native
 step (``v_default_fused``, research/results/d17_small), and the state each layout holds on this model and on
-GPT-2 small (``gefen_dist.plan`` with the blocks the variant asks for).
+GPT-2 small (``gefen_dist.plan`` with the blocks the variant asks for). Column blocks (D21): the research emulation
+``z_conv1d_colblocks`` (``ColBlockGefen``), the library's ``col_blocks="auto"`` in the Conv1D layout
+(``z_conv1d_colblocks_lib``, also paired with the Conv1D default) and in the nn.Linear layout (``y_colblocks_lib``).
 
-    python research/row_blocks_table.py [--md]      # reads research/results/{rb_small,conv1d_small}/*.jsonl
+    python research/row_blocks_table.py [--md]      # reads research/results/{rb,conv1d,colblocks}_small/*.jsonl
 """
 from __future__ import annotations
 
