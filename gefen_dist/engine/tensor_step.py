@@ -263,8 +263,8 @@ class GefenStepMixin:
             param.copy_(work)
 
     def _eager_col_blocks(self, work: torch.Tensor, impl):
-        """The implementation of a tensor with column blocks (D21) where ``impl`` (the Triton kernels) does
-        not take them: the eager reference, announced once per optimizer."""
+        """The implementation of a tensor with column blocks (D21) where ``impl`` does not take them (every
+        shipped implementation does; ``StepImpl.col_blocks``): the eager reference, announced once."""
         if not self.__dict__.get("_col_blocks_noted"):
             self._col_blocks_noted = True
             logger.info("Gefen: tensors with column blocks (col_blocks, D21) on %s are stepped by the eager reference "
