@@ -483,6 +483,16 @@ def col_blocks_of(v_row: torch.Tensor) -> int:
     return int(v_row.shape[-1]) if v_row.dim() == 2 else 1
 
 
+def check_col_blocks(v_row: torch.Tensor, v_col: torch.Tensor, scale_block: int) -> int:
+    """The column blocks ``K`` of a factored call (D21: ``v_row`` ``[rows, K]``), checked for a kernel: one
+    column profile, and the scale block dividing each block of ``slab / K`` columns (a ``ValueError`` else)."""
+    K, S, B = col_blocks_of(v_row), v_col.shape[-1], int(scale_block)
+    if K > 1 and (v_col.dim() > 1 or S % K or (S // K) % B):
+        raise ValueError(f"v_row has {K} column blocks: need one column profile (v_col {tuple(v_col.shape)}) and "
+                         f"the scale block {B} dividing the {S // K if S % K == 0 else S / K} columns of a block")
+    return K
+
+
 def row_block_args(v_col: torch.Tensor, global_rows: int, start: int) -> dict:
     """``row0`` / ``row_block`` for a factored step over whole rows starting at flat element ``start``
     of a tensor of ``global_rows`` rows when its ``v_col`` has row blocks (D12), else nothing."""

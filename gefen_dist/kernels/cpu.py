@@ -122,7 +122,7 @@ import numpy as np
 import torch
 
 from gefen_dist.core.quant import NUM_CODEWORDS
-from gefen_dist.core.step import check_tensor, col_blocks_of, column_factors
+from gefen_dist.core.step import check_col_blocks, check_tensor, column_factors
 from gefen_dist.kernels import cpu_build, native
 from gefen_dist.kernels.cpu_tables import CodebookTable, codebook_table  # the kernel's table (re-exported)
 from gefen_dist.kernels.state_only import factored_state_only_, state_only_
@@ -571,15 +571,12 @@ def quantized_step_factored_(
     if param.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"param dtype {param.dtype} not supported (float32, bfloat16)")
     G = v_col.numel() // S if S else 1
-    K = col_blocks_of(v_row)  # column blocks (D21)
+    K = check_col_blocks(v_row, v_col, B)  # column blocks (D21)
     _check("v_col", v_col, torch.float32, G * S)
     _check("col_mean_sq", col_mean_sq, torch.float32, G * S)
     if G > 1 and (row_block < 1 or row0 < 0 or row0 + n // S > G * row_block):
         raise ValueError(f"v_col has {G} row blocks: need row_block >= 1 and rows [{row0}, {row0 + n // S}) "
                          f"inside {G} x {row_block} rows")
-    if K > 1 and (G > 1 or S % K or (S // K) % B):
-        raise ValueError(f"v_row has {K} column blocks: need one column profile (v_col {tuple(v_col.shape)}) and "
-                         f"the scale block {B} dividing the {S // K if S % K == 0 else S / K} columns of a block")
     if n:
         _check("param", param, None, n)
         _check("grad", grad, param.dtype, n)

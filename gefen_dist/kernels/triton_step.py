@@ -23,7 +23,7 @@ from .triton_kernels import _HAVE_TRITON, _interpret, _kernel, triton
 from .triton_multi import ColumnFactors, ColumnSums, MultiStep, NibbleItem, StepItem, multi_launch_options
 from .triton_nibbles import NibbleStep
 from .triton_tables import _check, _config, _device_table, _step_scalars
-from ..core.step import col_blocks_of
+from ..core.step import check_col_blocks
 
 __all__ = ["available", "quantized_step_", "quantized_step_factored_", "StepItem", "MultiStep", "ColumnSums",
            "ColumnFactors", "multi_launch_options", "NibbleItem", "NibbleStep"]
@@ -112,10 +112,7 @@ def quantized_step_factored_(
     if G > 1 and (row_block < 1 or row0 < 0 or row0 + n // S > G * row_block):
         raise ValueError(f"v_col has {G} row blocks: need row_block >= 1 and rows [{row0}, {row0 + n // S}) "
                          f"inside {G} x {row_block} rows")
-    K = col_blocks_of(v_row)  # column blocks (D21)
-    if K > 1 and (G > 1 or S % K or (S // K) % B):
-        raise ValueError(f"v_row has {K} column blocks: need one column profile (v_col {tuple(v_col.shape)}) and "
-                         f"the scale block {B} dividing the {S // K if S % K == 0 else S / K} columns of a block")
+    K = check_col_blocks(v_row, v_col, B)  # column blocks (D21)
     if n:
         _check("v_row", v_row, device, torch.float32, n // S * K)
     v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)

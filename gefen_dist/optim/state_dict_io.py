@@ -235,8 +235,9 @@ def _groups(opt, saved_groups, from_adamw: bool = False) -> list:
     """The param groups to install: the saved hyperparameters (deep-copied) with this optimizer's
     parameters; validated; newer keys filled in (``from_adamw``: a ``torch.optim.AdamW`` state dict,
     whose groups take this optimizer's Gefen settings). Raises before anything changes."""
-    from .validation import validate_group_keys, validate_hparams
+    from .validation import refuse_loaded_col_blocks, validate_group_keys, validate_hparams
 
+    refuse_loaded_col_blocks(opt, saved_groups)
     out = []
     filled = {}
     for i, (sg, g) in enumerate(zip(saved_groups, opt.param_groups)):
@@ -271,10 +272,6 @@ def _groups(opt, saved_groups, from_adamw: bool = False) -> list:
             )
         where = f" in loaded param group {i}"
         validate_hparams(ng["lr"], ng["betas"], ng["eps"], ng["weight_decay"], where)
-        if ng.get("col_blocks", 1) not in (1, None) and not getattr(opt, "_col_blocks_ok", True):
-            raise ValueError(f"loaded state dict's param group {i} was saved with col_blocks={ng['col_blocks']!r} "
-                             f"(D21), which {type(opt).__name__} does not step yet: load it into gefen_dist.Gefen "
-                             "(single process, DDP, FSDP2)")
         rejected = {k: ng[k] for k in ("nonfinite", "process_group") if k in ng}
         if rejected:
             validate_group_keys(rejected, i)

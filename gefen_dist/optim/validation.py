@@ -31,7 +31,7 @@ NONFINITE = ("raise", "skip", "ignore")  # Gefen's nonfinite policies (re-export
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["validate_hparams", "validate_group_keys", "validate_param_group", "validate_row_blocks", "validate_col_blocks", "validate_narrow_rows", "prestep", "prestep_zero", "refuse_compile", "require_fused_kernels",
+__all__ = ["validate_hparams", "validate_group_keys", "validate_param_group", "validate_row_blocks", "validate_col_blocks", "refuse_loaded_col_blocks", "validate_narrow_rows", "prestep", "prestep_zero", "refuse_compile", "require_fused_kernels",
            "GROUP_REJECTED", "GROUP_REJECTED_SHARDED"]
 
 # Constructor options that apply to the whole optimizer; a param group that sets them is refused.
@@ -152,17 +152,31 @@ def validate_capturable(capturable, nonfinite: str, fused) -> None:
                          "per-tensor path, which synchronises. Pass fused=None (default) or True")
 
 
+def _validate_blocks(name: str, v, one: str, where: str) -> None:
+    """``row_blocks`` / ``col_blocks`` is ``"auto"``, None or an int >= 1 (D12, D21); ``one``: what 1 means."""
+    if not (v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)):
+        raise ValueError(f"Invalid {name}{where}: {v!r} (expected 'auto', None or an int >= 1; 1 is {one})")
+
+
 def validate_row_blocks(rb, where: str = "") -> None:
-    if not (rb is None or rb == "auto" or (isinstance(rb, int) and not isinstance(rb, bool) and rb >= 1)):
-        raise ValueError(f"Invalid row_blocks{where}: {rb!r} (expected 'auto', None or an int >= 1; 1 is one "
-                         "column profile per tensor, as Adafactor)")
+    _validate_blocks("row_blocks", rb, "one column profile per tensor, as Adafactor", where)
 
 
 def validate_col_blocks(cb, where: str = "") -> None:
-    """``col_blocks`` is ``"auto"``, None or an int >= 1 (D21)."""
-    if not (cb is None or cb == "auto" or (isinstance(cb, int) and not isinstance(cb, bool) and cb >= 1)):
-        raise ValueError(f"Invalid col_blocks{where}: {cb!r} (expected 'auto', None or an int >= 1; 1 is one row "
-                         "statistic per row)")
+    _validate_blocks("col_blocks", cb, "one row statistic per row", where)
+
+
+def refuse_loaded_col_blocks(opt, groups) -> None:
+    """A state dict whose param groups were saved with column blocks (D21), loaded into an optimizer that
+    does not step them (``_col_blocks_ok`` False: ZeroGefen, DeepSpeed's): a ``ValueError`` before anything
+    changes."""
+    if getattr(opt, "_col_blocks_ok", True):
+        return
+    for i, sg in enumerate(groups):
+        if isinstance(sg, dict) and sg.get("col_blocks", 1) not in (1, None):
+            raise ValueError(f"loaded state dict's param group {i} was saved with col_blocks={sg['col_blocks']!r} "
+                             f"(D21), which {type(opt).__name__} does not step yet: load it into gefen_dist.Gefen "
+                             "(single process, DDP, FSDP2)")
 
 
 def validate_narrow_rows(nr, where: str = "") -> None:

@@ -19,6 +19,7 @@ from ..engine.state import MODE_EXACT, SPAN_MODES, new_step
 from ..optim.gefen import saved_param_map
 from ..optim.adamw_import import import_adamw, is_adamw_entry, is_adamw_state
 from ..optim.state_dict_io import continue_few_rows
+from ..optim.validation import refuse_loaded_col_blocks
 
 _GEFEN_GROUP_KEYS = ("second_moment", "row_blocks", "narrow_rows")  # an AdamW dict's groups take this optimizer's
 
@@ -120,11 +121,7 @@ class ZeroCheckpointMixin:
         id_map = saved_param_map(self, state_dict)
         saved_state = state_dict["state"]
         groups = state_dict["param_groups"]
-        for i, sg in enumerate(groups):
-            if isinstance(sg, dict) and sg.get("col_blocks", 1) not in (1, None):
-                raise ValueError(f"loaded state dict's param group {i} was saved with col_blocks={sg['col_blocks']!r} "
-                                 f"(D21), which {type(self).__name__} does not step yet: load it into gefen_dist.Gefen "
-                                 "(single process, DDP, FSDP2)")
+        refuse_loaded_col_blocks(self, groups)
         if is_adamw_state(saved_state):  # a torch.optim.AdamW state dict: a warm start (Gefen.load_state_dict's)
             unsupported = sorted({k for sg in groups for k in ("maximize", "amsgrad") if sg.get(k)})
             if unsupported:
