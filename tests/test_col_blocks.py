@@ -101,28 +101,54 @@ def test_rule_options_and_refusals():
     sq.grad = torch.randn_like(sq)
     with pytest.raises(ValueError, match="row blocks .* column blocks"):
         opt.step()
-    # ZeroGefen and DeepSpeed's Gefen do not take them yet, neither built with them nor loading a state saved with
-    # them (nothing loaded)
-    from gefen_dist.integrations.deepspeed import Gefen as DeepSpeedGefen
-    src = nn.Parameter(torch.randn(64, 192))
-    saved = Gefen([src], col_blocks="auto")
-    src.grad = torch.randn_like(src)
-    saved.step()
-    for cls in (ZeroGefen, DeepSpeedGefen):
-        with pytest.raises(ValueError, match="column blocks .* gefen_dist.Gefen only"):
-            cls([w], col_blocks="auto")
-        with pytest.raises(ValueError, match="column blocks .* gefen_dist.Gefen only"):
-            cls([{"params": [w], "col_blocks": 3}])
-        other = cls([nn.Parameter(src.detach().clone())])
-        with pytest.raises(ValueError, match=r"col_blocks='auto' \(D21\), which .* does not step yet"):
-            other.load_state_dict(copy.deepcopy(saved.state_dict()))
-        assert not other.state and other.param_groups[0]["col_blocks"] == 1
     # "nibbles" keeps one row statistic per row
     nib = nn.Parameter(torch.randn(64, 192))
     opt = Gefen([nib], second_moment="nibbles", col_blocks="auto")
     nib.grad = torch.randn_like(nib)
     opt.step()
     assert tuple(opt.state[nib]["v_row"].shape) == (64, 1)
+
+
+@pytest.mark.parametrize("fused", [False, None])
+def test_zerogefen_one_rank_is_gefen(fused):
+    """ZeroGefen with ``col_blocks="auto"`` (one rank; ``tests/dist/zero_check.py`` at 2 and 3 ranks): bitwise
+    Gefen, its column-blocked tensor's update travels dense (the plain factored one's compressed), the same
+    state dict, and each loads the other's and continues bitwise."""
+    from gefen_dist.zero.partition import MODE_DENSE, MODE_FACTORED
+
+    torch.manual_seed(0)
+    shapes = ((64, 192), (96, 96), (40,))
+    a = [nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    oa, ob = (cls(ps, lr=1e-2, weight_decay=0.1, col_blocks="auto", fused=fused, small_threshold=1024)
+              for cls, ps in ((Gefen, a), (ZeroGefen, b)))
+
+    def train(pairs, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(n):
+            grads = [torch.randn(s, generator=g) for s in shapes]
+            for ps, o in pairs:
+                for p, gr in zip(ps, grads):
+                    p.grad = gr.clone()
+                o.step()
+
+    train([(a, oa), (b, ob)], 3, 1)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert tuple(ob.state[b[0]]["v_row"].shape) == (64, 3) and tuple(ob.state[b[1]]["v_row"].shape) == (96,)
+    assert [ob._wire_mode(p, ob.state[p]) for p in b[:2]] == [MODE_DENSE, MODE_FACTORED]
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for k, st in sa["state"].items():
+        for kk, v in st.items():
+            w = sb["state"][k][kk]
+            assert (torch.equal(v, w) and v.shape == w.shape if isinstance(v, torch.Tensor) else v == w), (k, kk)
+    c, d = ([nn.Parameter(p.detach().clone()) for p in a] for _ in range(2))
+    oc, od = (cls(ps, lr=1e-2, weight_decay=0.1, col_blocks="auto", fused=fused, small_threshold=1024)
+              for cls, ps in ((Gefen, c), (ZeroGefen, d)))
+    oc.load_state_dict(copy.deepcopy(sb))
+    od.load_state_dict(copy.deepcopy(sa))
+    train([(a, oa), (b, ob), (c, oc), (d, od)], 2, 2)
+    assert all(torch.equal(p, q) and torch.equal(p, r) and torch.equal(p, t) for p, q, r, t in zip(a, b, c, d))
 
 
 def test_an_implementation_without_column_blocks_falls_back_to_the_eager_reference(caplog):

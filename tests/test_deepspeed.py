@@ -37,12 +37,12 @@ deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("z1,z2,z2clip,z2off,z2client,z3,z2f,z3f,ck2,ck3,ck3f,bf16,bf16opt,refuse,fp16,"
          "z1f,z2offf,bf16optf,z2e,z2span,z3span,ck2span,z2rows8,z3rows8,ck2rows8,plainclient,ucsave:ucz2,ucsave:ucz3f,ucsave:ucz2span,ucsave:ucz2rows8,adamsave,"
-         "nanz3,nanbf16,ovz3,ovz3span,z1nib,z2nib,z3nib,ck2nib,ucsave:ucz2nib")
+         "nanz3,nanbf16,ovz3,ovz3span,z1nib,z2nib,z3nib,ck2nib,ucsave:ucz2nib,z2cb,z3cb,ck2cb,ucsave:ucz2cb")
 CASES_WS1 = ("ucload:ucz2,ucload:ucz3f,ucload:ucz2span,ucload:ucz2rows8,ucx,wserr,adamwarm:shared,adamwarm:factored,"
-             "ucload:ucz2nib")
+             "ucload:ucz2nib,ucload:ucz2cb")
 # z2rows8 at 3 ranks: a partition edge cuts one of b's rows (D19: both ranks keep its codes, one adds its old v)
 CASES_WS3 = ("ucload:ucz2,ucload:ucz3f,ucload:ucz2span,ucload:ucz2rows8,wserr,adamwarm:factored,adamwarm:rows8,z2rows8,"
-             "z2nib,ucload:ucz2nib")
+             "z2nib,ucload:ucz2nib,ucload:ucz2cb")
 
 
 def _launch(ranks, cases, ckpt, keep):

@@ -84,12 +84,12 @@ def test_cuda_batch_with_two_ranks_through_the_interpreter():
     path (one WARNING), since the ranks' collectives must match; a NaN on rank 1 only makes every
     rank raise with nothing changed; with capturable=True a NaN on rank 1 only is skipped on every rank
     on the device; ZeroGefen on the Triton path (cut ranges, its owners' state-only
-    updates and appliers) is bitwise a one-rank Gefen on that path, and with second_moment="nibbles" its
-    batch is bitwise its per-tensor path."""
+    updates and appliers) is bitwise a one-rank Gefen on that path, and with second_moment="nibbles" or
+    col_blocks="auto" its batch is bitwise its per-tensor path."""
     pytest.importorskip("triton", reason="triton is not installed")
     out = run_torchrun("batch_check.py", 2, timeout=TIMEOUT).stdout
     ok = _ok_lines(out)
-    for case in ("plain", "nan", "span", "noncontig", "capturable", "zero", "zeronib"):
+    for case in ("plain", "nan", "span", "noncontig", "capturable", "zero", "zeronib", "zerocb"):
         for rank in (0, 1):
             assert any(ln.startswith(f"OK {case} rank {rank}:") for ln in ok), f"{case} rank {rank}:\n{out[-4000:]}"
     assert "ALL OK batch_check ws=2" in out

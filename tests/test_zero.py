@@ -333,6 +333,8 @@ def test_zero_distributed(tmp_path):
     out3 = _run_torchrun(CHECK, 3, "--phase", 3, "--ckpt", tmp_path, timeout=150)
     assert "ZERO_CHECK_OK phase=3" in out3, out3[-4000:]
     assert "ws=3: nibbles ZeroGefen bitwise equal to a single process" in out3, out3[-4000:]
+    for out, ws in ((out2, 2), (out3, 3)):
+        assert f"ws={ws}: col_blocks ZeroGefen bitwise equal to a single process" in out, out[-4000:]
 
 
 

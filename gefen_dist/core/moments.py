@@ -41,13 +41,15 @@ def block_means(v: torch.Tensor, P: int) -> torch.Tensor:
     return v.detach().reshape(-1, int(P)).double().mean(dim=1).float()
 
 
-def factored_means(v: torch.Tensor, slab: int, G: int = 1) -> tuple:
+def factored_means(v: torch.Tensor, slab: int, G: int = 1, K: int = 1) -> tuple:
     """``(v_row, v_col)`` of whole rows of ``slab`` elements of ``v`` (float32 from float64 means):
-    the row means ``[rows]`` and the column means ``[slab]``, or ``[G, slab]`` per block of ``rows /
+    the row means ``[rows]`` (with ``K`` column blocks, D21: ``[rows * K]``, each row's mean over each
+    block of ``slab / K`` columns) and the column means ``[slab]``, or ``[G, slab]`` per block of ``rows /
     G`` consecutive rows (D12)."""
     v64 = v.detach().reshape(-1, int(slab)).double()
     cols = v64.mean(dim=0) if G == 1 else v64.view(int(G), -1, int(slab)).mean(dim=1)
-    return v64.mean(dim=1).float(), cols.float()
+    rows = v64.mean(dim=1) if K == 1 else v64.view(v64.shape[0], int(K), -1).mean(dim=2).reshape(-1)
+    return rows.float(), cols.float()
 
 
 def _span_sums(v: torch.Tensor, sp: "_span.SpanPiece") -> torch.Tensor:

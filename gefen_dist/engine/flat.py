@@ -176,16 +176,20 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
 
     # ------------------------------------------------------------------ state
     def new_state(self, flat: torch.Tensor, codebook: torch.Tensor, factored: bool = False,
-                  row_blocks="auto") -> Dict[str, Any]:
-        # placeholders: the period the mode fixes (factored; "nibbles", D20: the owner's second_moment),
-        # else the row until one is detected
+                  row_blocks="auto", col_blocks=1) -> Dict[str, Any]:
+        # placeholders: the period the mode fixes (factored, per block of columns with col_blocks, D21;
+        # "nibbles", D20: the owner's second_moment, no column blocks), else the row until one is detected
         spanf = self._span_fn(factored)
-        fixed = _periods.nibble_period if self.second_moment == NIBBLES else _periods.shape_period
+        nib = self.second_moment == NIBBLES
+        col_blocks = 1 if nib else col_blocks
         periods = [_span.span_period(s.shape) if spanf and spanf(s.shape) else
                    0 if is_exact(s.shape, self.small_threshold) else
-                   (fixed(s.shape) if factored else _periods.row_slab(s.shape))
+                   (_periods.nibble_period(s.shape) if nib else
+                    _periods.shape_period(s.shape, _periods.factored_col_blocks(s.shape, col_blocks)))
+                   if factored else _periods.row_slab(s.shape)
                    for s in self.segments]
-        slots, ns, nv, ne = _slots(self.segments, periods, self.small_threshold, factored, row_blocks, span=spanf)
+        slots, ns, nv, ne = _slots(self.segments, periods, self.small_threshold, factored, row_blocks, span=spanf,
+                                   col_blocks=col_blocks)
         dev = flat.device
         qkeys = self.quantized_keys()
         st = {
@@ -197,6 +201,7 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
             st["v_row"] = torch.zeros(nv, dtype=torch.float32, device=dev)
             st["v_col"] = torch.zeros(sum(sp.vcol_n for sp in slots), dtype=torch.float32, device=dev)
             st["row_blocks"] = row_blocks
+            st["col_blocks"] = col_blocks  # column blocks (D21; absent: saved before D21, one per row)
             st["few_rows"] = 0  # no tensor of few rows keeps a shared v (64 in the states of D15's versions)
         else:
             st["v"] = torch.zeros(nv, dtype=torch.float32, device=dev)
@@ -245,8 +250,9 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
         rb = st.get("row_blocks", 1) if factored else 1
         vkey = "v_row" if factored else "v"
         spanf = self._span_fn(factored)
-        old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, factored, rb, span=spanf)
-        new, ns, nv, _ = _slots(self.segments, new_periods, self.small_threshold, factored, rb, span=spanf)
+        cb = st.get("col_blocks", 1) if factored else 1
+        old, _, _, _ = _slots(self.segments, st["periods"], self.small_threshold, factored, rb, span=spanf, col_blocks=cb)
+        new, ns, nv, _ = _slots(self.segments, new_periods, self.small_threshold, factored, rb, span=spanf, col_blocks=cb)
         scale = torch.zeros(ns, dtype=torch.float32, device=st["scale"].device)
         v = torch.zeros(nv, dtype=torch.float32, device=st[vkey].device)
         for o, n, learned in zip(old, new, st["learned"]):
@@ -329,7 +335,10 @@ class FlatSegments(SegmentStepMixin, FlatSpanMixin):
         self._note_dense_span(g, [k for k in held if k in spans])
         new_period = learning.learn_periods_by_key(
             self.comm, {key: (cat[key]["shape"], _span.span_period(cat[key]["shape"])
-                              if key in spans else fixed_period(cat[key]["shape"], second_moment)) for key in live},
+                              if key in spans else fixed_period(cat[key]["shape"], second_moment,
+                                                                 _periods.factored_col_blocks(cat[key]["shape"],
+                                                                                              st.get("col_blocks", 1))))
+                   for key in live},
             {key: Piece(local=None, grad=g[s.flat_offset:s.flat_offset + s.numel], start=s.param_offset,
                         shape=tuple(cat[key]["shape"])) for key, s in held.items()})
         periods = list(st["periods"])

@@ -23,7 +23,8 @@ of every segment that are whole:
 * the exact segments in one :func:`~gefen_dist.core.step.adamw_foreach_` (bitwise the per-segment
   :func:`~gefen_dist.core.step.adamw_step_`).
 
-Rows and blocks cut by partition edges stay with the reference's phase functions (D7). Each
+Rows and blocks cut by partition edges stay with the reference's phase functions (D7); segments with
+column blocks (D21) are stepped segment by segment. Each
 segment's result is what its own calls give: the multi-tensor kernels run the per-tensor kernels'
 arithmetic on the same arguments (``tests/test_flat_batch.py`` compares the two paths bitwise). A
 batch is built for a fixed layout (periods, learned segments) and fixed state and buffer storage,
@@ -105,8 +106,8 @@ class FlatBatch:
         v_all = st.get("v_row") if ctx is not None else st.get("v")
         for sp, learned in zip(layout, st["learned"]):
             s = sp.seg
-            if not s.numel or sp.exact or sp.span or not learned:
-                continue
+            if not s.numel or sp.exact or sp.span or not learned or sp.colb > 1:
+                continue  # (column blocks, D21: stepped segment by segment, as gefen_dist.Gefen steps them)
             a, e = s.param_offset, s.param_offset + s.numel
             ix = st["idx"][s.flat_offset:s.flat_offset + s.numel]
             sc = st["scale"][sp.scale_off:sp.scale_off + sp.scale_n]

@@ -9,9 +9,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core import periods as _periods
 from .layout import Geometry, is_exact
-from .state import MODE_FACTORED, MODE_SHARED, StateSpec, quantized_mode
+from .state import MODE_FACTORED, MODE_SHARED, StateSpec, factored_blocks, quantized_mode
 
 
 @dataclass(frozen=True)
@@ -85,17 +84,20 @@ class _SegSlots:
     vcol_off: int = 0  # factored: this segment's full v_col ([slab]) in st["v_col"]
     vcol_n: int = 0
     factored: bool = False  # its second moment is v_row x v_col (else one v per v-block, D15)
+    colb: int = 1  # factored: its column blocks (D21), ``v_row`` holding that many entries per row
     span: bool = False  # narrow rows kept per block of rows (D16): its state is the buffer's span_* arrays
 
 
 def _slots(segments: Sequence[Segment], periods: Sequence[int], small_threshold: Optional[int],
           factored: bool = False, row_blocks=1, few_rows_shared: bool = False,
-          span=None) -> Tuple[List[_SegSlots], int, int, int]:
+          span=None, col_blocks=1) -> Tuple[List[_SegSlots], int, int, int]:
     """Offsets of every segment's state. Shared second moment: ``v`` per touched v-block (period).
     Factored (``factored=True``): ``v`` is ``v_row``, one entry per touched row (independent of the
     period), and ``vcol_off``/``vcol_n`` place a full ``v_col`` per non-empty quantized segment:
     ``G x slab`` floats with ``G = factored_row_blocks(shape, row_blocks)`` row blocks (D12; the
-    state records its rule as ``st["row_blocks"]``, 1 for states saved before D12).
+    state records its rule as ``st["row_blocks"]``, 1 for states saved before D12), and ``K`` entries of
+    ``v_row`` per touched row with ``K = factored_col_blocks(shape, col_blocks)`` column blocks (D21,
+    ``st["col_blocks"]``; 1 for the one-byte layout and states saved before D21).
     ``few_rows_shared``: the layout of the versions of D15 (withdrawn), in which a tensor of few rows
     kept the shared second moment in a factored buffer (``factored`` False on its slots, its ``v`` per
     touched v-block in ``st["v_row"]``, no ``v_col``); only for reading their saved state.
@@ -114,14 +116,14 @@ def _slots(segments: Sequence[Segment], periods: Sequence[int], small_threshold:
             continue
         # the segment's state as the one state spec lays out a flat range of its tensor
         fac = factored and quantized_mode(seg.shape, MODE_FACTORED, few_rows_shared) == MODE_FACTORED
-        spec = StateSpec(MODE_FACTORED if fac else MODE_SHARED, Geometry.quantized(seg.shape, int(per)),
-                         _periods.factored_row_blocks(seg.shape, row_blocks) if fac else 1)
+        G, K = factored_blocks(seg.shape, row_blocks, col_blocks) if fac else (1, 1)
+        spec = StateSpec(MODE_FACTORED if fac else MODE_SHARED, Geometry.quantized(seg.shape, int(per)), G, K)
         t = spec.range_tensors(seg.param_offset, seg.param_offset + seg.numel)
         sn = math.prod(t["scale"][0])
         vn = math.prod(t["v_row" if fac else "v"][0])
         cn = math.prod(t["v_col"][0]) if (fac and seg.numel) else 0
         out.append(_SegSlots(seg, False, per, spec.geometry.scale_block, so, sn, vo, vn, vcol_off=co, vcol_n=cn,
-                             factored=fac))
+                             factored=fac, colb=K))
         so += sn
         vo += vn
         co += cn

@@ -63,7 +63,8 @@ class SegmentStepMixin:
         elif fact is not None:
             if batch is not None:
                 batch.step_factored(fact[1], gv, st["codebook"], hp)
-            self._factored_finish(*fact, st["codebook"], hp, impl.quantized_step_factored_, batch is not None)
+            self._factored_finish(*fact, st["codebook"], hp, impl.quantized_step_factored_,
+                                  batch.fpos if batch is not None else ())
         # the shared second moment: every segment of a shared / elementwise buffer, the few-row
         # tensors of a factored one (D15, their v in st["v_row"])
         if batch is not None:
@@ -79,12 +80,14 @@ class SegmentStepMixin:
         kept while what they are made of stays the same (the periods, which tensors have learned
         here and in the catalog, the span tensors); neither changes after the first steps."""
         gp = st.get("global_periods")
-        key = (tuple(st["periods"]), self.small_threshold, factored, rbr, self.narrow_rows,
+        cbk = st.get("col_blocks", 1) if factored else 1  # column blocks (D21)
+        key = (tuple(st["periods"]), self.small_threshold, factored, rbr, cbk, self.narrow_rows,
                tuple(st.get("global_learned", ())), None if gp is None else tuple(gp), tuple(st.get("span_keys", ())))
         hit = self.__dict__.get("_layout_memo")
         if hit is not None and hit[0] == key and gp is not None:
             return hit[1]
-        layout = _slots(self.segments, st["periods"], self.small_threshold, factored, rbr, span=self._span_fn(factored))[0]
+        layout = _slots(self.segments, st["periods"], self.small_threshold, factored, rbr, span=self._span_fn(factored),
+                        col_blocks=cbk)[0]
         # (without "global_periods", an old state's, the catalog rebuilds it with a collective: not kept)
         out = (layout, self._factored_catalog(st, rbr) if factored else None)
         self._layout_memo = (key, out)
@@ -233,7 +236,7 @@ class SegmentStepMixin:
         slots = torch.zeros(ctx.nr + ctx.nb, dtype=torch.float64)
         if batch is not None:
             batch.column_sums_into(cols, gv)
-        work = self._factored_local(items, st, ctx, hp, None if batch is not None else sumsq, cols, slots, nib)
+        work = self._factored_local(items, st, ctx, hp, sumsq, cols, slots, nib, batch.fpos if batch is not None else ())
         if not work and ctx.nc == 0:
             return None
         cols, rsum, bmax = self._reconcile_factored(cols, slots, ctx, dev)
@@ -250,34 +253,39 @@ class SegmentStepMixin:
                   if lrn and k not in spans and quantized_mode(cat[k]["shape"], MODE_FACTORED) == MODE_FACTORED):
             ctx.slab_of[k] = _periods.row_slab(cat[k]["shape"])
             ctx.nblk_of[k] = _periods.factored_row_blocks(cat[k]["shape"], rbr)  # row blocks (D12)
+            ctx.colb_of[k] = _periods.factored_col_blocks(cat[k]["shape"], st.get("col_blocks", 1))  # (D21)
             ctx.col_off[k] = ctx.nc
             ctx.nc += ctx.slab_of[k] * ctx.nblk_of[k]
         cut_rows = self.cut_blocks(dict(ctx.slab_of))
         cut_blks = self.cut_blocks({k: B for k, B in self._global_blocks(st).items() if k in ctx.slab_of})
-        ctx.row_pos = {c: j for j, c in enumerate(cut_rows)}
+        for c in cut_rows:  # a cut row's partial sums of g^2: one slot per column block (D21)
+            ctx.row_pos[c] = ctx.nr
+            ctx.nr += ctx.colb_of[c[0]]
         ctx.blk_pos = {c: j for j, c in enumerate(cut_blks)}
-        ctx.nr, ctx.nb = len(cut_rows), len(cut_blks)
+        ctx.nb = len(cut_blks)
         return ctx
 
 
-    def _factored_local(self, items, st, ctx: "_FactoredCatalog", hp, sumsq, cols, slots, nib=False) -> list:
+    def _factored_local(self, items, st, ctx: "_FactoredCatalog", hp, sumsq, cols, slots, nib=False,
+                        batched=()) -> list:
         """Phase 1: this rank's statistics of the learned factored segments ``items`` (column sums into
-        ``cols``, the whole rows' with ``sumsq`` unless None: a batch added them; cut rows' partial sums
-        of ``g^2`` and cut blocks' partial max |m| into ``slots``). Returns their work items for phase 2."""
+        ``cols``, the whole rows' with ``sumsq`` but for the segments in ``batched``: a batch added theirs;
+        cut rows' partial sums of ``g^2`` and cut blocks' partial max |m| into ``slots``). Returns their
+        work items for phase 2."""
         work = []
         for sp, s, p, g in items:
-            S, B, G = ctx.slab_of[s.key], sp.block, ctx.nblk_of[s.key]
+            S, B, G, K = ctx.slab_of[s.key], sp.block, ctx.nblk_of[s.key], ctx.colb_of[s.key]
             a, e = s.param_offset, s.param_offset + s.numel
             ix = st["idx"][s.flat_offset:s.flat_offset + s.numel]
             sc = st["scale"][sp.scale_off:sp.scale_off + sp.scale_n]
             co, rb = ctx.col_off[s.key], ctx.cat[s.key]["shape"][0] // G
             lo, hi, rparts = _split(a, e, S)
-            if hi > lo and sumsq is not None:
+            if hi > lo and s.key not in batched:
                 cols[co:co + G * S] += block_column_sumsq(g[lo - a:hi - a], S, lo // S, rb, G, sumsq).to(cols.device)
             pend = [self._cut_row_partials(s.key, r, ps, pe, a, S, B, rb, g, ix, sc, st["codebook"], hp["beta1"],
                                            ctx, cols[co:co + G * S], slots, nib) for r, ps, pe in rparts]
             work.append((sp, p, g, ix, sc, st["v_row"][sp.v_off:sp.v_off + sp.v_n],
-                         st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n], co, S, B, a, lo, hi, pend, G, rb))
+                         st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n], co, S, B, a, lo, hi, pend, G, rb, K))
         return work
 
 
@@ -291,7 +299,12 @@ class SegmentStepMixin:
         g2 = gp.double() ** 2
         c0 = ps - r * S + (r // rb) * S  # in the row's block of column sums
         tcols[c0:c0 + (pe - ps)] += (gp * gp).double()  # as column_sumsq
-        slots[ctx.row_pos[(key, r)]] += float(g2.sum())
+        K, j = ctx.colb_of[key], ctx.row_pos[(key, r)]
+        if K == 1:
+            slots[j] += float(g2.sum())
+        else:  # per block of S / K columns (D21)
+            blk = torch.div(torch.arange(c0, c0 + (pe - ps)), S // K, rounding_mode="floor")
+            slots[j:j + K] += torch.zeros(K, dtype=torch.float64).index_add_(0, blk, g2.cpu())
         # first moment of the row piece, block by block (scale slots of the segment)
         first = ps // B - a // B
         nblk = (pe - 1) // B - ps // B + 1
@@ -327,13 +340,13 @@ class SegmentStepMixin:
 
 
     @staticmethod
-    def _factored_finish(work, cols, rsum, bmax, ctx: "_FactoredCatalog", cb, hp, whole_rows, batched=False) -> None:
-        """Phase 2: ``v_col``, the whole rows through the implementation (``batched``: a batch did both),
-        then the cut rows with the reconciled statistics (the reference's phase functions)."""
+    def _factored_finish(work, cols, rsum, bmax, ctx: "_FactoredCatalog", cb, hp, whole_rows, batched=()) -> None:
+        """Phase 2: ``v_col``, the whole rows through the implementation (segments in ``batched``: a batch
+        did both), then the cut rows with the reconciled statistics (the reference's phase functions)."""
         sqrt_bc2 = math.sqrt(hp["bc2"])
-        for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb in work:
+        for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb, K in work:
             vcb = vc.view(G, S) if G > 1 else vc
-            if batched:
+            if sp.seg.key in batched:
                 if pend:
                     _finish_cut_rows(sp, p, ix, sc, vr, vcb, S, B, a, pend, G, rb, rsum, bmax, ctx, cb, hp, sqrt_bc2)
                 continue
@@ -341,8 +354,9 @@ class SegmentStepMixin:
             so, ro = lo // B - a // B, lo // S - a // S
             nrow = (hi - lo) // S
             # updates v_col (always) and steps the whole rows [lo, hi) (possibly none)
+            vrw = vr[ro * K:(ro + nrow) * K].view(nrow, K) if K > 1 else vr[ro:ro + nrow]  # (D21: [rows, K])
             whole_rows(p[lo - a:hi - a], g[lo - a:hi - a], ix[lo - a:hi - a], sc[so:so + nrow * (S // B)],
-                       vr[ro:ro + nrow], vcb, cb, col_mean_sq, scale_block=B, row0=lo // S, row_block=rb, **hp)
+                       vrw, vcb, cb, col_mean_sq, scale_block=B, row0=lo // S, row_block=rb, **hp)
             if pend:
                 _finish_cut_rows(sp, p, ix, sc, vr, vcb, S, B, a, pend, G, rb, rsum, bmax, ctx, cb, hp, sqrt_bc2)
 
@@ -362,7 +376,7 @@ def _nibbles_finish(work, cols, rsum, bmax, ctx: "_FactoredCatalog", cb, hp, imp
     implementation's :func:`~gefen_dist.core.nibbles.nibble_step_factored_eager_` (keyed by the
     tensor, its first global row; ``batch``: a :class:`FlatBatch` did both, its column ratios are the
     cut rows'), then the cut rows with the reconciled statistics."""
-    for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb in work:
+    for sp, p, g, ix, sc, vr, vc, co, S, B, a, lo, hi, pend, G, rb, _ in work:  # (no column blocks: K == 1)
         vcb = vc.view(G, S) if G > 1 else vc
         if batch is not None:
             if pend:
@@ -413,16 +427,21 @@ def _finish_cut_rows_nibbles(sp, p, ix, sc, vr, vcb, ratio_old, S, a, pend, G, r
 
 def _finish_cut_rows(sp, p, ix, sc, vr, vcb, S, B, a, pend, G, rb, rsum, bmax, ctx, cb, hp, sqrt_bc2) -> None:
     """The rows of a factored segment cut by partition edges, with the reconciled statistics and the
-    segment's updated ``v_col`` (the reference's phase functions)."""
-    col_fb = column_factors(vcb)
+    segment's updated ``v_col`` (the reference's phase functions; column blocks, D21: a row's ``v_row``
+    and reconciled sums per block of ``S / K`` columns)."""
+    K = ctx.colb_of[sp.seg.key]
+    col_fb = column_factors(vcb, K)
     for r, r0, r1, gp, m, bl, am, first, nblk, cut in pend:
         col_f = col_fb[r // rb] if G > 1 else col_fb
         ps = a + r0
-        tot = torch.tensor([float(rsum[ctx.row_pos[(sp.seg.key, r)]])], dtype=torch.float64).float() / S
-        v1 = vr[r - a // S:r - a // S + 1]
+        j = ctx.row_pos[(sp.seg.key, r)]
+        tot = torch.tensor(rsum[j:j + K].tolist(), dtype=torch.float64).float() / (S // K)
+        v1 = vr[(r - a // S) * K:(r - a // S + 1) * K]
         c0 = ps - r * S
-        sigma = inv_rms_(ema_(v1, tot.to(v1.device), hp["beta2"]).sqrt() * col_f[c0:c0 + (r1 - r0)],
-                         hp["eps"], hp["bc1"], sqrt_bc2)
+        rsq = ema_(v1, tot.to(v1.device), hp["beta2"]).sqrt()
+        if K > 1:  # each column its block's row statistic, as quantized_step_factored_eager_
+            rsq = rsq[torch.div(torch.arange(c0, c0 + (r1 - r0), device=rsq.device), S // K, rounding_mode="floor")]
+        sigma = inv_rms_(rsq * col_f[c0:c0 + (r1 - r0)], hp["eps"], hp["bc1"], sqrt_bc2)
         for b in cut:
             am[b - ps // B] = float(bmax[ctx.blk_pos[(sp.seg.key, b)]])
         sc[first:first + nblk].copy_(am)
@@ -478,6 +497,7 @@ class _FactoredCatalog:
     cat: Dict[str, Dict[str, Any]]
     slab_of: Dict[str, int] = field(default_factory=dict)
     nblk_of: Dict[str, int] = field(default_factory=dict)
+    colb_of: Dict[str, int] = field(default_factory=dict)  # column blocks (D21)
     col_off: Dict[str, int] = field(default_factory=dict)
     nc: int = 0
     row_pos: Dict[Tuple[str, int], int] = field(default_factory=dict)

@@ -56,7 +56,7 @@ DEFAULT_SECOND_MOMENT = MODE_FACTORED  # Gefen's, ZeroGefen's and the DeepSpeed 
 __all__ = ["StateSpec", "SECOND_MOMENTS", "NIBBLES", "SECOND_MOMENT_SETTINGS", "codebook_size", "codebook_size_of", "nibbles_in", "quantizes", "DEFAULT_SECOND_MOMENT", "MODE_EXACT", "MODE_SHARED", "MODE_FACTORED",
            "MODE_ELEMENTWISE", "MODE_SPAN", "MODE_ROWS8", "SPAN_MODES", "NARROW_ROWS", "rows8_mode", "DEFAULT_NARROW_ROWS", "span_mode", "narrow_rows_of",
            "narrow_layouts_differ", "narrow_layout", "second_moment_of", "mode_of", "mode_of_saved", "tensor_keys", "fixed_period", "new_step", "step_of",
-           "quantized_mode", "few_rows_shared_in"]
+           "quantized_mode", "few_rows_shared_in", "factored_blocks"]
 
 
 def new_step(value=0) -> torch.Tensor:
@@ -256,6 +256,20 @@ def fixed_period(shape: Sequence[int], second_moment: str, col_blocks: int = 1) 
     return None
 
 
+def factored_blocks(shape: Sequence[int], row_blocks, col_blocks, second_moment: str = MODE_FACTORED) -> Tuple[int, int]:
+    """``(G, K)``: the row blocks (D12) and column blocks (D21) of a factored tensor of global ``shape`` in a
+    group with these settings (column blocks for ``second_moment="factored"`` only, not ``"nibbles"``); a
+    ``ValueError`` naming the fix where a tensor would get both."""
+    shape = tuple(int(s) for s in shape)
+    G = _periods.factored_row_blocks(shape, row_blocks)
+    K = _periods.factored_col_blocks(shape, col_blocks) if second_moment == MODE_FACTORED else 1
+    if G > 1 and K > 1:
+        raise ValueError(f"a tensor of shape {shape} gets {G} row blocks (row_blocks={row_blocks!r}) and {K} "
+                         f"column blocks (col_blocks={col_blocks!r}); a tensor takes one or the other: set "
+                         "row_blocks=1 or col_blocks=1 for it (a param group of its own)")
+    return G, K
+
+
 @dataclass(frozen=True)
 class StateSpec:
     """The state of one global tensor: ``mode`` (one of exact/shared/factored/elementwise), its
@@ -287,13 +301,7 @@ class StateSpec:
         if second_moment not in SECOND_MOMENT_SETTINGS:
             raise ValueError(f"Invalid second_moment: {second_moment!r} (expected one of {SECOND_MOMENT_SETTINGS})")
         mode = quantized_mode(shape, second_moment)
-        G = _periods.factored_row_blocks(shape, row_blocks) if mode == MODE_FACTORED else 1
-        K = (_periods.factored_col_blocks(shape, col_blocks) if mode == MODE_FACTORED and second_moment == MODE_FACTORED
-             else 1)
-        if G > 1 and K > 1:
-            raise ValueError(f"a tensor of shape {shape} gets {G} row blocks (row_blocks={row_blocks!r}) and {K} "
-                             f"column blocks (col_blocks={col_blocks!r}); a tensor takes one or the other: set "
-                             "row_blocks=1 or col_blocks=1 for it (a param group of its own)")
+        G, K = factored_blocks(shape, row_blocks, col_blocks, second_moment) if mode == MODE_FACTORED else (1, 1)
         if period is None:  # placeholder: the fixed period, or the row until one is detected
             period = fixed_period(shape, second_moment, K) or _periods.row_slab(shape)
         per = int(period)
@@ -368,10 +376,9 @@ class StateSpec:
         geo = self.geometry
         out = {"idx": ((n,), torch.uint8, True), "scale": ((touched(geo.scale_block),), torch.float32, True)}
         if self.mode == MODE_FACTORED:
-            if self.col_blocks > 1:
-                raise ValueError("column blocks (col_blocks, D21) are stepped by gefen_dist.Gefen (single process, "
-                                 "DDP, FSDP2) only, not on ZeroGefen's or DeepSpeed's flat ranges: use col_blocks=1")
-            out["v_row"] = ((touched(geo.slab),), torch.float32, True)
+            # (column blocks, D21: one entry per block of the rows touched; ZeroGefen cuts them at rows)
+            K = self.col_blocks
+            out["v_row"] = ((touched(geo.slab),) + ((K,) if K > 1 else ()), torch.float32, True)
             out["v_col"] = (((self.row_blocks,) if self.row_blocks > 1 else ()) + (geo.slab,), torch.float32, False)
         else:
             out["v"] = ((touched(geo.period),), torch.float32, True)

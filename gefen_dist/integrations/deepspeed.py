@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..core import periods as _periods
 from ..engine import learning
 from ..optim import gefen as _opt_mod
 from ..optim.introspect import referrers_with_optimizer as _referrers_with_optimizer
@@ -40,6 +41,7 @@ from ..engine.comm import LocalComm, ProcessGroupComm
 from ..core.step import hyperparameters
 from ..engine.flat import FlatSegments, LayoutError, Segment, verify_segments
 from ..engine.state import MODE_FACTORED, MODE_SHARED, NIBBLES, mode_of_saved, narrow_rows_of, second_moment_of
+from ..engine.layout import is_exact
 from ..engine.report import Report
 
 logger = logging.getLogger(__name__)
@@ -69,7 +71,6 @@ class Gefen(_opt_mod.Gefen):
     _group_rejected = GROUP_REJECTED_SHARDED  # flat buffers cut across groups: one implementation
     _complex_ok = False  # flat buffers
     _nibbles_ok = True  # second_moment="nibbles" (D20): the factored layout's reconciliation, one-byte codes
-    _col_blocks_ok = False  # column blocks (D21): the flat-buffer step does not take them yet
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
@@ -80,6 +81,9 @@ class Gefen(_opt_mod.Gefen):
             for pi, p in enumerate(g["params"]):
                 self._ds_names[id(p)] = pn[pi] if pn is not None else f"param{len(self._ds_orig)}"
                 self._ds_orig.append(p)
+        # each tensor's column blocks (D21) by its group's setting (ZeRO-3 empties the groups between steps)
+        self._ds_col_blocks = {id(p): g.get("col_blocks", 1) if second_moment_of(g) == MODE_FACTORED else 1
+                               for g in self.param_groups for p in g["params"]}
         self._ds_orig_ids = {id(p) for p in self._ds_orig}
         self._ds_index = {f"p{i}": i for i in range(len(self._ds_orig))}  # _key_of's keys -> place (D20)
         self._ds_flats: Dict[int, FlatSegments] = {}
@@ -87,6 +91,10 @@ class Gefen(_opt_mod.Gefen):
         self._ds_wrapper = None
         _install_engine_hook()
         self._ds_stage = None
+
+    def _ds_key_names(self) -> Dict[str, str]:
+        """The layout's tensor keys (``p<i>``, :meth:`_key_of`) -> parameter names, for messages."""
+        return {f"p{i}": self._ds_names[id(p)] for i, p in enumerate(self._ds_orig)}
 
     # ------------------------------------------------------------------ layout discovery
     def attach_deepspeed(self, wrapper: Any, module: Optional[torch.nn.Module] = None) -> None:
@@ -213,7 +221,8 @@ class Gefen(_opt_mod.Gefen):
             cb = self._codebook_for(flat.device) if self.codebook is not None else torch.zeros(
                 k, dtype=torch.float32, device=flat.device)  # (zeros: the placeholder until learned)
             st = self.state[flat] = fs.new_state(flat, cb, factored=factored,
-                                                 row_blocks=group.get("row_blocks", "auto"))
+                                                 row_blocks=group.get("row_blocks", "auto"),
+                                                 col_blocks=group.get("col_blocks", 1))
         elif (saved == MODE_FACTORED) != factored or st["codebook"].numel() != k:
             held = NIBBLES if saved == MODE_FACTORED and st["codebook"].numel() == 16 else saved
             raise ValueError(
@@ -222,6 +231,7 @@ class Gefen(_opt_mod.Gefen):
                 f"second_moment={second_moment!r}; resume with the setting the checkpoint was saved with")
         else:
             _check_narrow_rows(fs, st, factored)
+            _check_col_blocks(fs, st, group, second_moment, self._ds_key_names)
             fs.continue_few_rows(st)  # a factored state saved before D15 or by its versions
         grad = flat.grad
         if grad.dtype != torch.float32:
@@ -327,6 +337,29 @@ def _check_narrow_rows(fs, st: Dict[str, Any], factored: bool) -> None:
             f"narrow_rows={fs.narrow_rows!r}, which keeps {differ[:4]} differently (D16, D18: per block of rows "
             "or per row, different state); resume with the setting the checkpoint was saved with")
     st["narrow_rows"] = fs.narrow_rows
+
+
+def _check_col_blocks(fs, st: Dict[str, Any], group: dict, second_moment: str, names) -> None:
+    """A factored buffer's state saved under another ``col_blocks`` (D21) resumes when both give every
+    tensor of the buffer the same column blocks (the state then records the group's); otherwise a
+    ValueError before anything changes, naming the setting it was saved with. Decided on the buffer's
+    global catalog (the same on every rank: every rank raises, or none); ``names()``: key -> tensor name."""
+    if second_moment != MODE_FACTORED:
+        return
+    saved, now = st.get("col_blocks", 1), group.get("col_blocks", 1)  # (absent: saved before D21, one per row)
+    if saved == now:
+        return
+    spans = set(st.get("span_keys", []))
+    differ = [k for k, ent in fs.global_catalog().items()  # (the quantized factored tensors: the rule's own)
+              if k not in spans and not is_exact(ent["shape"], fs.small_threshold)
+              and _periods.factored_col_blocks(ent["shape"], saved) != _periods.factored_col_blocks(ent["shape"], now)]
+    if differ:
+        raise ValueError(
+            f"{fs.where}: the optimizer state was saved with col_blocks={saved!r} but the param group asks for "
+            f"col_blocks={now!r}, which keeps {[names().get(k, k) for k in differ[:4]]} with other column blocks "
+            f"(D21: another v_row); resume "
+            f"with col_blocks={saved!r}")
+    st["col_blocks"] = now
 
 
 # ---------------------------------------------------------------------------- layout extraction

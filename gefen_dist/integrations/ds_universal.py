@@ -123,10 +123,11 @@ def _optim_files(tag_dir: str) -> List[Tuple[int, str]]:
 class _Tensor:
     """Full-tensor view of one parameter's Gefen state, assembled from all ranks' pieces."""
 
-    def __init__(self, name: str, shape: Tuple[int, ...], period: int, factored: bool, col_blocks: int = 1,
-                 span: bool = False, rows8: bool = False):
+    def __init__(self, name: str, shape: Tuple[int, ...], period: int, factored: bool, row_blocks: int = 1,
+                 span: bool = False, rows8: bool = False, col_blocks: int = 1):
         self.name, self.shape, self.factored, self.span, self.rows8 = name, shape, factored, span, rows8
-        self.col_blocks = int(col_blocks)  # row blocks of the factored v_col (D12)
+        self.row_blocks = int(row_blocks)  # row blocks of the factored v_col (D12)
+        self.col_blocks = int(col_blocks)  # column blocks of the factored v_row (D21)
         self.numel = int(math.prod(shape))
         self.exact = period == 0
         self.period = int(period)
@@ -153,8 +154,8 @@ class _Tensor:
             return
         self.scale = torch.zeros(self.numel // self.block, dtype=torch.float32)
         if factored:
-            self.v_row = torch.zeros(self.numel // self.slab, dtype=torch.float32)
-            self.v_col = torch.zeros(self.col_blocks * self.slab, dtype=torch.float32)
+            self.v_row = torch.zeros(self.numel // self.slab * self.col_blocks, dtype=torch.float32)
+            self.v_col = torch.zeros(self.row_blocks * self.slab, dtype=torch.float32)
         else:
             self.v = torch.zeros(self.numel // self.period, dtype=torch.float32)
 
@@ -178,8 +179,12 @@ class _Tensor:
         nib = codebook.numel() == _nb.NIBBLE_CODEWORDS  # both moments in one byte (D20)
         m = (codebook[self.idx.long() >> 4 if nib else self.idx.long()].view(-1, self.block)
              * self.scale.view(-1, 1)).reshape(-1)
-        if self.factored:
-            G = self.col_blocks
+        if self.factored and self.col_blocks > 1:  # per block of columns (D21): its row statistic, its ratios
+            K = self.col_blocks
+            col = column_ratios(self.v_col.view(K, -1)).view(1, K, -1)
+            v = (self.v_row.view(-1, K, 1) * col).reshape(-1)  # (not with "nibbles": no column blocks there)
+        elif self.factored:
+            G = self.row_blocks
             col = column_ratios(self.v_col.view(G, self.slab))  # per row block (D12)
             rows = self.v_row.numel()
             v = (self.v_row.view(G, rows // G, 1) * col.view(G, 1, -1)).reshape(-1)
@@ -233,17 +238,18 @@ def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict
           and _rows8.rows8_eligible(s.shape)}  # D19: what FlatSegments.is_rows8 decides under that setting
     slots, _, _, _ = _slots(segs, st["periods"], None, factored, st.get("row_blocks", 1),
                             few_rows_shared=few_rows_shared_in(st),  # D15's versions (withdrawn) kept them shared
-                            span=(lambda shape: tuple(shape) in span_shapes) if span_shapes else None)
+                            span=(lambda shape: tuple(shape) in span_shapes) if span_shapes else None,
+                            col_blocks=st.get("col_blocks", 1) if factored else 1)
     for sp, learned in zip(slots, st["learned"]):
         s = sp.seg
         t = tensors.get(s.name)
         if t is None:
             G = sp.vcol_n // _periods.row_slab(s.shape) if (sp.factored and sp.vcol_n) else 1
             t = tensors[s.name] = _Tensor(s.name, s.shape, 0 if sp.exact else sp.period, sp.factored or sp.span,
-                                          col_blocks=G, span=sp.span, rows8=s.key in r8)
+                                          row_blocks=G, span=sp.span, rows8=s.key in r8, col_blocks=sp.colb)
             order.append(s.name)
         elif (t.shape != s.shape or t.exact != sp.exact or t.span != sp.span or t.rows8 != (s.key in r8)
-              or (not sp.exact and t.period != sp.period)):
+              or (not sp.exact and t.period != sp.period) or t.col_blocks != sp.colb):
             raise UniversalCheckpointError(f"{f!r}: ranks disagree on tensor {s.name!r} (shape/period)")
         t.step = int(st["step"])
         if not s.numel:
@@ -265,7 +271,8 @@ def _add_partition(f: str, st: Dict[str, Any], flat: torch.Tensor, tensors: Dict
         t.scale[a // B:a // B + sp.scale_n] = st["scale"][sp.scale_off:sp.scale_off + sp.scale_n].float()
         if sp.factored:
             S = t.slab
-            t.v_row[a // S:a // S + sp.v_n] = st["v_row"][sp.v_off:sp.v_off + sp.v_n].float()
+            K = t.col_blocks  # (D21: K entries per row)
+            t.v_row[a // S * K:a // S * K + sp.v_n] = st["v_row"][sp.v_off:sp.v_off + sp.v_n].float()
             t.v_col.copy_(st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n].float())
         else:  # shared; in a factored buffer a few-row tensor's v lives in v_row (D15)
             P = sp.period
@@ -369,7 +376,7 @@ def _record(t: "_Tensor") -> Dict[str, Any]:
     elif not t.exact and t.span:  # D16: scale is the block absmax of exp_avg; v per block and column
         rec.update(span=True, v_blk=t.v_blk.clone(), v_col=t.v_col.clone())
     elif not t.exact and t.factored:
-        rec.update(v_row=t.v_row.clone(), v_col=t.v_col.clone())
+        rec.update(v_row=t.v_row.clone(), v_col=t.v_col.clone(), col_blocks=t.col_blocks)
     return rec
 
 

@@ -4,6 +4,7 @@ the universal form (its module docstring describes the format and what a load re
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -110,6 +111,9 @@ def load_into_engine(engine, folder: str, load_optimizer_states: bool = True) ->
     params = []
     for i, p in enumerate(opt._ds_orig):
         params.append((opt._ds_names[id(p)], f"p{i}", tuple(int(s) for s in getattr(p, "ds_shape", p.shape))))
+    colb = {opt._ds_names[id(p)]: _periods.factored_col_blocks(shape, opt._ds_col_blocks.get(id(p), 1))
+            for p, (_, _, shape) in zip(opt._ds_orig, params)
+            if not is_exact(shape, opt.small_threshold)}  # column blocks (D21) per quantized tensor
     names = [n for n, _, _ in params]
     missing = [n for n in names if not os.path.isfile(os.path.join(zero, n, "fp32.pt"))]
     if missing:
@@ -118,7 +122,7 @@ def load_into_engine(engine, folder: str, load_optimizer_states: bool = True) ->
                                        "the checkpoint was saved from another model or with other parameter names")
     entries = _flat_entries(opt, wrapper)
     if load_optimizer_states:
-        _load_state(opt, entries, params, zero, meta, optim_sd)
+        _load_state(opt, entries, params, zero, meta, optim_sd, colb)
     # fp32 master weights into this rank's flat partitions (the layout Gefen verified)
     for flat, fs, _ in entries:
         for s in fs.segments:
@@ -139,10 +143,12 @@ def load_into_engine(engine, folder: str, load_optimizer_states: bool = True) ->
                 fs.comm.world_size if entries else 1)
 
 
-def _load_state(opt, entries, params, zero: str, meta: Optional[Dict[str, Any]], optim_sd: Dict[str, Any]) -> None:
+def _load_state(opt, entries, params, zero: str, meta: Optional[Dict[str, Any]], optim_sd: Dict[str, Any],
+                colb: Dict[str, int]) -> None:
     names = [n for n, _, _ in params]
     step = int(meta["step"]) if meta is not None else _read_step(zero, names, optim_sd)
-    info = _learned_info(opt, params, zero, meta)
+    _check_col_blocks(meta, colb)
+    info = _learned_info(opt, params, zero, meta, colb)
     key_name = {k: n for n, k, _ in params}
     opt.state.clear()
     for flat, fs, group in entries:
@@ -152,10 +158,26 @@ def _load_state(opt, entries, params, zero: str, meta: Optional[Dict[str, Any]],
     _set_hparams(opt, optim_sd, meta is not None)
 
 
-def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]]) -> Dict[str, "_Learned"]:
+def _check_col_blocks(meta: Optional[Dict[str, Any]], colb: Dict[str, int]) -> None:
+    """A factored tensor saved with other column blocks (D21) than its param group gives it now: an error
+    on every rank (the metadata and the groups are the same on every rank) before anything changes."""
+    if meta is None or meta.get("second_moment") != MODE_FACTORED:
+        return
+    bad = [(n, rec.get("col_blocks", 1), colb.get(n, 1)) for n, rec in meta.get("tensors", {}).items()
+           if rec.get("kind") == "quantized" and rec.get("v_row") is not None and rec.get("col_blocks", 1) != colb.get(n, 1)]
+    if bad:
+        n, was, now = bad[0]
+        raise UniversalCheckpointError(
+            f"the universal checkpoint keeps {n!r} with {was} column block(s) (D21) and this engine's param group gives "
+            f"it {now} (col_blocks); {len(bad)} tensor(s) differ: load it with the col_blocks it was saved with")
+
+
+def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]],
+                  colb: Dict[str, int]) -> Dict[str, "_Learned"]:
     """Period and learned flag of every quantized tensor (all of them: the cut catalog needs them),
     from Gefen's metadata, or warm-started from AdamW state (periods from ``exp_avg_sq``, the
-    codebook from ``exp_avg``); sets ``opt.codebook`` (and its info)."""
+    codebook from ``exp_avg``; ``colb``: each tensor's column blocks, D21); sets ``opt.codebook``
+    (and its info)."""
     mt = meta.get("tensors", {}) if meta is not None else {}
     info: Dict[str, _Learned] = {}
     generic = []
@@ -179,7 +201,7 @@ def _learned_info(opt, params, zero: str, meta: Optional[Dict[str, Any]]) -> Dic
     for name, shape in generic:  # warm start (AdamW)
         v = _read_param(zero, name, "exp_avg_sq")
         m = _read_param(zero, name, "exp_avg")
-        fixed = fixed_period(shape, mode) if mode else None
+        fixed = fixed_period(shape, mode, colb.get(name, 1)) if mode else None
         if not bool((v != 0).any()) and not bool((m != 0).any()):
             info[name] = _Learned(fixed or _periods.row_slab(shape), False)
             continue
@@ -225,7 +247,8 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta, step: int
     factored = second_moment_of(group) in (MODE_FACTORED, NIBBLES)
     fs.second_moment = second_moment_of(group)  # the buffer's group's, as the step sets them
     fs.narrow_rows = narrow_rows_of(group)  # D16, D18
-    st = fs.new_state(flat, opt._codebook_for(flat.device), factored=factored, row_blocks=group.get("row_blocks", "auto"))
+    st = fs.new_state(flat, opt._codebook_for(flat.device), factored=factored, row_blocks=group.get("row_blocks", "auto"),
+                      col_blocks=group.get("col_blocks", 1))
     spanf = fs._span_fn(factored)  # D16: these segments' period is their blocks of rows, as new_state's
     periods, learned = [], []
     for s in fs.segments:
@@ -245,7 +268,8 @@ def _flat_state(opt, flat, fs, group, info, key_name, zero: str, meta, step: int
         st["global_learned"][j] = int(li.learned)
         per = _span.span_period(fs.global_catalog()[key]["shape"]) if key in spans else li.period
         st["global_periods"][j] = per if li.learned else 0
-    slots, _, _, _ = _slots(fs.segments, st["periods"], small, factored, st.get("row_blocks", 1), span=spanf)
+    slots, _, _, _ = _slots(fs.segments, st["periods"], small, factored, st.get("row_blocks", 1), span=spanf,
+                            col_blocks=st.get("col_blocks", 1))
     if spans:
         _fill_span(st, fs, info, key_name, zero, opt.codebook)
         _fill_rows8(st, fs, info, key_name, zero, opt.codebook, step)
@@ -356,15 +380,15 @@ def _fill_quantized(st, sp, zero: str, li: _Learned, codebook: torch.Tensor, fac
     rec = li.meta
     if sp.factored:
         r0, r1 = a // S, (e - 1) // S + 1
-        G = sp.vcol_n // S  # row blocks (D12)
+        G, K = sp.vcol_n // S, sp.colb  # row blocks (D12), column blocks (D21)
         # the metadata of a factored checkpoint holds each quantized tensor's v_row / v_col
         if (rec is not None and meta.get("second_moment") in (MODE_FACTORED, NIBBLES) and rec.get("v_row") is not None
-                and rec["v_col"].numel() == sp.vcol_n):
-            vr, vc = rec["v_row"].float(), rec["v_col"].float().reshape(-1)
-        else:  # from the element-wise second moment: row and per-block column means (float64)
-            vr, vc = factored_means(_read_param(zero, s.name, "exp_avg_sq"), S, G)
+                and rec["v_col"].numel() == sp.vcol_n and rec["v_row"].numel() == math.prod(s.shape) // S * K):
+            vr, vc = rec["v_row"].float().reshape(-1), rec["v_col"].float().reshape(-1)
+        else:  # from the element-wise second moment: row (per column block) and per-block column means (float64)
+            vr, vc = factored_means(_read_param(zero, s.name, "exp_avg_sq"), S, G, K)
             vc = vc.reshape(-1)
-        st["v_row"][sp.v_off:sp.v_off + sp.v_n] = vr[r0:r1].to(dev)
+        st["v_row"][sp.v_off:sp.v_off + sp.v_n] = vr[r0 * K:r1 * K].to(dev)
         st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n] = vc.to(dev)
         if nib:  # the low nibble: v's level against the estimate from those statistics, as the writer's
             fac = (vr.view(G, -1, 1) * column_ratios(vc.view(G, S)).view(G, 1, S)).reshape(-1)[a:e]

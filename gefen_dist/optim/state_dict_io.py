@@ -235,9 +235,8 @@ def _groups(opt, saved_groups, from_adamw: bool = False) -> list:
     """The param groups to install: the saved hyperparameters (deep-copied) with this optimizer's
     parameters; validated; newer keys filled in (``from_adamw``: a ``torch.optim.AdamW`` state dict,
     whose groups take this optimizer's Gefen settings). Raises before anything changes."""
-    from .validation import refuse_loaded_col_blocks, validate_group_keys, validate_hparams
+    from .validation import validate_group_keys, validate_hparams
 
-    refuse_loaded_col_blocks(opt, saved_groups)
     out = []
     filled = {}
     for i, (sg, g) in enumerate(zip(saved_groups, opt.param_groups)):

@@ -31,7 +31,7 @@ NONFINITE = ("raise", "skip", "ignore")  # Gefen's nonfinite policies (re-export
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["validate_hparams", "validate_group_keys", "validate_param_group", "validate_row_blocks", "validate_col_blocks", "refuse_loaded_col_blocks", "validate_narrow_rows", "prestep", "prestep_zero", "refuse_compile", "require_fused_kernels",
+__all__ = ["validate_hparams", "validate_group_keys", "validate_param_group", "validate_row_blocks", "validate_col_blocks", "validate_narrow_rows", "prestep", "prestep_zero", "refuse_compile", "require_fused_kernels",
            "GROUP_REJECTED", "GROUP_REJECTED_SHARDED"]
 
 # Constructor options that apply to the whole optimizer; a param group that sets them is refused.
@@ -166,19 +166,6 @@ def validate_col_blocks(cb, where: str = "") -> None:
     _validate_blocks("col_blocks", cb, "one row statistic per row", where)
 
 
-def refuse_loaded_col_blocks(opt, groups) -> None:
-    """A state dict whose param groups were saved with column blocks (D21), loaded into an optimizer that
-    does not step them (``_col_blocks_ok`` False: ZeroGefen, DeepSpeed's): a ``ValueError`` before anything
-    changes."""
-    if getattr(opt, "_col_blocks_ok", True):
-        return
-    for i, sg in enumerate(groups):
-        if isinstance(sg, dict) and sg.get("col_blocks", 1) not in (1, None):
-            raise ValueError(f"loaded state dict's param group {i} was saved with col_blocks={sg['col_blocks']!r} "
-                             f"(D21), which {type(opt).__name__} does not step yet: load it into gefen_dist.Gefen "
-                             "(single process, DDP, FSDP2)")
-
-
 def validate_narrow_rows(nr, where: str = "") -> None:
     """``narrow_rows`` is ``"auto"``, ``"rows"``, ``"span"`` or ``"rows8"`` (D16, D18, D19)."""
     from ..engine.state import NARROW_ROWS
@@ -231,10 +218,6 @@ def validate_param_group(opt, param_group) -> None:
                          where)
         validate_row_blocks(merged.get("row_blocks", "auto"), where)
         validate_col_blocks(merged.get("col_blocks", 1), where)
-        if merged.get("col_blocks", 1) not in (1, None) and not getattr(opt, "_col_blocks_ok", True):
-            raise ValueError(f"col_blocks={merged['col_blocks']!r}{where}: column blocks (D21) are stepped by "
-                             "gefen_dist.Gefen only (single process, DDP, FSDP2/HSDP), not yet by "
-                             f"{type(opt).__module__}.{type(opt).__name__}: pass col_blocks=1, or use gefen_dist.Gefen")
         validate_narrow_rows(merged.get("narrow_rows", "auto"), where)
         st = merged.get("small_threshold", 0)
         if isinstance(st, bool) or not isinstance(st, int) or st < 0:

@@ -14,12 +14,12 @@ from typing import Any, Dict
 import torch
 from torch.optim import Optimizer
 
+from ..core.step import col_blocks_of
 from ..engine.layout import Geometry, global_shape
 from ..engine.state import MODE_EXACT, SPAN_MODES, new_step
 from ..optim.gefen import saved_param_map
 from ..optim.adamw_import import import_adamw, is_adamw_entry, is_adamw_state
 from ..optim.state_dict_io import continue_few_rows
-from ..optim.validation import refuse_loaded_col_blocks
 
 _GEFEN_GROUP_KEYS = ("second_moment", "row_blocks", "narrow_rows")  # an AdamW dict's groups take this optimizer's
 
@@ -75,7 +75,7 @@ class ZeroCheckpointMixin:
                 out[index[id(p)]] = {
                     "step": st["step"], "period": st["period"], "scale_block": st["scale_block"],
                     "learned": st["learned"], "idx": f["idx"].view(shp["idx"]), "scale": f["scale"].view(shp["scale"]),
-                    "v_row": f["v_row"].view(shape[0], 1), "v_col": st["v_col"].detach().clone(),
+                    "v_row": f["v_row"].view(shape[0], col_blocks_of(st["v_row"])), "v_col": st["v_col"].detach().clone(),
                     "codebook": cb if cb is not None else torch.zeros(256, dtype=torch.float32),
                 }
                 continue
@@ -121,7 +121,6 @@ class ZeroCheckpointMixin:
         id_map = saved_param_map(self, state_dict)
         saved_state = state_dict["state"]
         groups = state_dict["param_groups"]
-        refuse_loaded_col_blocks(self, groups)
         if is_adamw_state(saved_state):  # a torch.optim.AdamW state dict: a warm start (Gefen.load_state_dict's)
             unsupported = sorted({k for sg in groups for k in ("maximize", "amsgrad") if sg.get(k)})
             if unsupported:

@@ -78,6 +78,7 @@ import torch
 from ..engine.comm import exchange_bytes, take_bytes
 from ..core import periods as _periods
 from ..engine.layout import Geometry, Piece, global_shape, is_dtensor, is_exact
+from ..core.step import col_blocks_of
 from ..engine import state as _state
 from ..optim.gefen import Gefen, Report
 from ..optim.validation import GROUP_REJECTED_SHARDED, prestep_zero
@@ -117,7 +118,6 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
 
     _group_rejected = GROUP_REJECTED_SHARDED  # one implementation steps the partition of all groups
     _complex_ok = False  # flat partitions (second_moment="nibbles", D20: its new values travel dense)
-    _col_blocks_ok = False  # column blocks (D21): the owners' state updates and appliers do not take them yet
 
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
@@ -264,8 +264,9 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         if mode in _state.SPAN_MODES:  # scale, v_blk, v_col: replicated; D19's codes: one byte each per row
             slab = _periods.row_slab(global_shape(p))
             return {"idx": 1, **({"scale_code": slab, "v_code": slab} if mode == _state.MODE_ROWS8 else {})}
-        if mode == _state.MODE_FACTORED:
-            return {"idx": 1, "scale": int(st["scale_block"]), "v_row": int(st["v_col"].shape[-1])}
+        if mode == _state.MODE_FACTORED:  # (D21: v_row holds K entries per row, one per block of columns)
+            return {"idx": 1, "scale": int(st["scale_block"]),
+                    "v_row": int(st["v_col"].shape[-1]) // col_blocks_of(st["v_row"])}
         if mode != _state.MODE_EXACT:
             return {"idx": 1, "scale": int(st["scale_block"]), "v": int(st["period"])}
         return {"exp_avg": 1, "exp_avg_sq": 1}
@@ -274,8 +275,11 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         """Replace ``p``'s state tensors by this rank's slices of the global (flat) ones."""
         st = self.state[p]
         s, e = self._mine(p)
+        K = col_blocks_of(st["v_row"]) if "v_row" in st else 1
         for k, d in self._divisors(p).items():
             st[k] = full[k].reshape(-1)[s // d:e // d].to(device=p.device).clone()
+            if k == "v_row" and K > 1:
+                st[k] = st[k].view(-1, K)
 
     def _gather_state(self, params: Sequence[torch.Tensor], part: Partition, to: Optional[int]) -> Dict[int, Dict[str, torch.Tensor]]:
         """Global flat state tensors of ``params`` (compressed form), on every rank (``to=None``)

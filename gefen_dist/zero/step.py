@@ -8,7 +8,7 @@ import torch
 
 from ..engine.comm import pad_bytes, take_bytes
 from ..core.apply import update_v_col
-from ..core.step import ADAMW_KEYS, adamw_foreach_, decay_only_, hyperparameters, row_block_args
+from ..core.step import ADAMW_KEYS, adamw_foreach_, col_blocks_of, decay_only_, hyperparameters, row_block_args
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import Ranges, global_shape
 from ..core.span import SpanPiece
@@ -191,9 +191,11 @@ class ZeroStepMixin:
             return MODE_DENSE
         if not st["learned"]:
             return MODE_LOCAL
-        if self._is_factored(p):  # D20 ("nibbles"): dense, its update is of float32 moments only the owner holds
+        if self._is_factored(p):  # D20 ("nibbles"): dense, its update is of float32 moments only the owner holds;
+            # D21 (column blocks): dense, the appliers take one column factor per row
             return (MODE_FACTORED if factored_wire_compressed(st["scale_block"], st["v_col"].shape[-1], p.element_size())
-                    and self._group_of(p).get("second_moment") != NIBBLES else MODE_DENSE)
+                    and self._group_of(p).get("second_moment") != NIBBLES and col_blocks_of(st["v_row"]) == 1
+                    else MODE_DENSE)
         return MODE_COMPRESSED if st["period"] > 1 else MODE_DENSE
 
 

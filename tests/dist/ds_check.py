@@ -58,10 +58,28 @@ class Net(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))) + self.e(torch.tanh(self.d(0.7 * x)))
 
 
+# column blocks (D21): a case's "colb" override builds NetCB, whose quantized weights all have rows divisible by
+# 5 (d (47, 95), a (65, 95), b (134, 65)), and gives the weights' group col_blocks=5 (for the engine and the
+# reference alike: one group, so DeepSpeed learns the codebook from every quantized tensor, as the reference)
+_COLB = [None]
+
+
+class NetCB(Net):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(95, 65)
+        self.b = nn.Linear(65, 134)
+
+
+def net():
+    return NetCB() if _COLB[0] is not None else Net()
+
+
 def groups(m):
     w = [p for n, p in m.named_parameters() if n.endswith("weight")]
     b = [p for n, p in m.named_parameters() if n.endswith("bias")]
-    return [{"params": w, "weight_decay": 0.1}, {"params": b, "weight_decay": 0.0}]
+    colb = {} if _COLB[0] is None else {"col_blocks": _COLB[0]}
+    return [{"params": w, "weight_decay": 0.1, **colb}, {"params": b, "weight_decay": 0.0}]
 
 
 def log(*a):
@@ -70,6 +88,7 @@ def log(*a):
 
 
 def load_cfg(name, **over):
+    _COLB[0] = over.pop("colb", None)
     with open(os.path.join(CFG_DIR, name)) as f:
         cfg = json.load(f)
     cfg["train_micro_batch_size_per_gpu"] = MB
@@ -120,7 +139,7 @@ def train(engine, steps, ga, start=0, dtype=torch.float32):
 
 def reference(steps, ga, lrs, clip, per_micro=False, second_moment="shared", narrow_rows=DEFAULT_NARROW_ROWS):
     torch.manual_seed(0)
-    m = Net()
+    m = net()
     kw = dict(second_moment=second_moment, fused=False) if second_moment in ("factored", "nibbles") else \
         dict(second_moment=second_moment)
     kw["narrow_rows"] = narrow_rows
@@ -173,9 +192,9 @@ def make_engine(cfg, zinit=False, client=False):
     if zinit:
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             torch.manual_seed(0)
-            m = Net()
+            m = net()
     else:
-        m = Net()
+        m = net()
     if client:
         opt = gds.Gefen(groups(m), lr=1e-3, weight_decay=0.1,
                         second_moment=cfg["optimizer"]["params"]["second_moment"])
@@ -282,11 +301,11 @@ def check_factored_state(case, opt, ref_opt, tol=1e-6):
         for p in g["params"]:
             if "v_col" in ref_opt.state[p] or "v" in ref_opt.state[p]:
                 ref_by_shape[tuple(p.shape)] = ref_opt.state[p]
-    rows, n_cut, vdiff, cdiff, shapes = {}, 0, 0.0, 0.0, set()
+    rows, n_cut, vdiff, cdiff, shapes, colb_cut = {}, 0, 0.0, 0.0, set(), 0
     for k, st in opt.state.items():
         fs = opt._ds_flats[id(k)]
         plan, *_ = _slots(fs.segments, st["periods"], fs.small_threshold, True, st.get("row_blocks", 1),
-                          span=fs._span_fn(True))
+                          span=fs._span_fn(True), col_blocks=st.get("col_blocks", 1))
         for sp, lrn in zip(plan, st["learned"]):
             if sp.exact or sp.span or not sp.seg.numel or not lrn:
                 continue
@@ -303,12 +322,15 @@ def check_factored_state(case, opt, ref_opt, tol=1e-6):
                 mine = st["idx"][sp.seg.flat_offset:sp.seg.flat_offset + sp.seg.numel].cpu()
                 codes_diff += int((mine != rst["idx"].reshape(-1)[a:e]).sum())
                 codes_n += mine.numel()
+            K = sp.colb  # column blocks (D21): K entries of v_row per row
+            assert rst["v_row"].shape[-1] == K, (case, sp.seg.shape, K, tuple(rst["v_row"].shape))
             for j in range(sp.v_n):
-                r = a // S + j
+                r, b = a // S + j // K, j % K
                 val = st["v_row"][sp.v_off + j].cpu()
-                vdiff = max(vdiff, float((val - rst["v_row"][r, 0]).abs() / rst["v_row"].abs().max()))
+                vdiff = max(vdiff, float((val - rst["v_row"][r, b]).abs() / rst["v_row"].abs().max()))
                 if r * S < a or (r + 1) * S > e:  # partial row here
-                    rows[(sp.seg.key, r)] = float(val)
+                    rows[(sp.seg.key, r, b)] = float(val)
+                    colb_cut += K > 1
     held = [None] * dist.get_world_size()
     dist.all_gather_object(held, sorted(shapes))
     assert any((47, 95) in h for h in held), (case, "the few-row d.weight (47, 95) is in no buffer", held)
@@ -319,6 +341,10 @@ def check_factored_state(case, opt, ref_opt, tol=1e-6):
         assert len(set(vals)) == 1, (case, key, vals)
         n_cut += len(vals) > 1
     assert n_cut >= 1, (case, "no row was cut by a partition edge")
+    if _COLB[0] is not None:  # a row of a column-blocked tensor cut by a partition edge, on some rank
+        cuts = [None] * dist.get_world_size()
+        dist.all_gather_object(cuts, colb_cut)
+        assert sum(cuts) >= 1, (case, "no row of a column-blocked tensor was cut by a partition edge")
     assert vdiff <= tol and cdiff <= tol, (case, vdiff, cdiff, tol)
     if nib:
         assert codes_n and codes_diff <= codes_n // 200, (case, "one-byte codes differ", codes_diff, codes_n)
@@ -467,6 +493,45 @@ def case_ckpt(case, cfg_name, stage, ckdir, zinit=False, **over):
     log(f"OK {case}: resume bit-identical ({len(l2)} steps), zero_to_fp32 works")
 
 
+def case_col_blocks_refusal(d):
+    """A checkpoint saved with col_blocks=5 on d and a (D21) against an engine whose group gives them one block:
+    converted to the universal form it is refused on every rank before anything changes, naming the setting;
+    loaded rigidly (its param groups are the checkpoint's) and then set to col_blocks=1, the first step raises
+    on every rank naming the setting it was saved with, and changes no parameter."""
+    from gefen_dist.integrations.ds_universal import UniversalCheckpointError, convert
+
+    univ = d + "_u"
+    if dist.get_rank() == 0:
+        shutil.rmtree(univ, ignore_errors=True)
+        convert(d, univ, tag="t3")
+    dist.barrier()
+    engine, *_ = make_engine(load_cfg("gefen_zero2.json", colb=1, **FACTORED))
+    before = full_params(engine, 2)
+    try:
+        gds.load_universal(engine, univ)
+    except UniversalCheckpointError as e:
+        assert "with 5 column block(s) (D21)" in str(e) and "gives it 1" in str(e), str(e)
+        said = str(e)
+    else:
+        raise AssertionError("a universal checkpoint with column blocks loaded into an engine without them")
+    assert not engine.basic_optimizer.state and all(torch.equal(before[n], p) for n, p in full_params(engine, 2).items())
+    engine.load_checkpoint(d, tag="t3")
+    opt = engine.basic_optimizer
+    assert [g.get("col_blocks", 1) for g in opt.param_groups] == [5, 1], [g.get("col_blocks") for g in opt.param_groups]
+    opt.param_groups[0]["col_blocks"] = 1
+    before = full_params(engine, 2)
+    try:
+        train(engine, 1, 1, start=3)
+    except ValueError as e:
+        assert "saved with col_blocks=5" in str(e) and "resume with col_blocks=5" in str(e), str(e)
+    else:
+        raise AssertionError("a checkpoint with column blocks stepped under col_blocks=1")
+    after = full_params(engine, 2)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    dist.barrier()
+    log(f"   the col_blocks=5 checkpoint into col_blocks=1: universal load and rigid resume refused: {said[:100]}...")
+
+
 def case_nibbles_refusals(d):
     """A second_moment="nibbles" DeepSpeed checkpoint (D20): converted to the universal form, it does not
     load into a factored engine (one codebook of 16 or 256 codewords): an error on every rank, naming both
@@ -613,6 +678,7 @@ UC = {  # case -> (config, stage, zero.Init, overrides)
     "ucz2span": ("gefen_zero2.json", 2, False, dict(SPAN)),  # D16 blocks of rows, cut by the partition edges
     "ucz2rows8": ("gefen_zero2.json", 2, False, dict(ROWS8)),  # D19 row codes; at 3 ranks an edge cuts a row
     "ucz2nib": ("gefen_zero2.json", 2, False, dict(NIBBLES)),  # D20 one-byte codes; rows cut at 2 and 3 ranks
+    "ucz2cb": ("gefen_zero2.json", 2, False, dict(FACTORED, colb=5)),  # D21 column blocks; rows cut
 }
 
 
@@ -1010,6 +1076,14 @@ def main():
         elif c == "ck2nib":  # resumes bit-identically; refused by a factored engine, naming the way
             case_ckpt("ckpt-zero2 nibbles", "gefen_zero2.json", 2, args.ckpt, **NIBBLES)
             case_nibbles_refusals(os.path.join(args.ckpt, "ckpt-zero2 nibbles"))
+        elif c == "z2cb":  # column blocks (D21) on d.weight and a.weight: their rows cut by the partition edge
+            case_exact("zero2 col_blocks", "gefen_zero2.json", 2, gradient_clipping=0.0, colb=5, **FACTORED)
+        elif c == "z3cb":
+            case_exact("zero3 col_blocks+zero.Init+sub_group_size", "gefen_zero3.json", 3, zinit=True,
+                       **{"zero_optimization.sub_group_size": 7000}, colb=5, **FACTORED)
+        elif c == "ck2cb":  # resumes bit-identically; refused by an engine with other column blocks
+            case_ckpt("ckpt-zero2 col_blocks", "gefen_zero2.json", 2, args.ckpt, colb=5, **FACTORED)
+            case_col_blocks_refusal(os.path.join(args.ckpt, "ckpt-zero2 col_blocks"))
         elif c == "z2e":  # per-element second moment (period 1 in the shared layout)
             case_exact("zero2 elementwise", "gefen_zero2.json", 2, gradient_clipping=0.0, **ELEMENTWISE)
         elif c == "z3f":
