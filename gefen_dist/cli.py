@@ -31,10 +31,24 @@ class CheckpointError(ValueError):
 
 
 # ============================================================================ plan
+def _col_blocks_arg(text: str):
+    """``--col-blocks``: ``"auto"`` or a positive int (D21)."""
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ValueError(f"--col-blocks {text!r}: give 'auto' or a positive int (1: one row statistic per row)")
+    return k
+
+
 def _cmd_plan(args) -> int:
     kwargs = json.loads(args.model_kwargs) if args.model_kwargs else None
     est = _plan.load_model_estimate(params=args.params, config=args.config, model=args.model, model_kwargs=kwargs,
-                                    small_threshold=args.small_threshold, second_moment=args.second_moment)
+                                    small_threshold=args.small_threshold, second_moment=args.second_moment,
+                                    col_blocks=_col_blocks_arg(args.col_blocks))
     dev = _plan.parse_bytes(args.device_memory) if args.device_memory else None
     act = _plan.parse_bytes(args.activation_bytes_per_sample) if args.activation_bytes_per_sample else None
     if act and dev is None:
@@ -542,6 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small-threshold", type=int, default=4096, help="Gefen's small_threshold (default 4096)")
     p.add_argument("--second-moment", choices=("factored", "shared", "elementwise", "nibbles"), default="factored",
                    help="Gefen's second_moment (default factored)")
+    p.add_argument("--col-blocks", default="1", help="Gefen's col_blocks (D21): 1 (default), auto, or an int")
     p.add_argument("--per-tensor", action="store_true", help="also list every tensor")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=_cmd_plan)

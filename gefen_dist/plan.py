@@ -24,10 +24,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .core.periods import factored_row_blocks, row_slab, shape_period
+from .core.periods import row_slab, shape_period
 from .core.span import span_blocks, span_period
 from .engine.layout import KIND_EXACT, KIND_QUANTIZED, Geometry, is_exact
-from .engine.state import DEFAULT_NARROW_ROWS, MODE_FACTORED, MODE_ROWS8, fixed_period, narrow_layout, quantized_mode
+from .engine.state import (DEFAULT_NARROW_ROWS, MODE_FACTORED, MODE_ROWS8, factored_blocks, fixed_period, narrow_layout,
+                           quantized_mode)
 
 __all__ = [
     "TensorSpec", "ModelEstimate", "STRATEGIES", "PRECISIONS", "GPT2_SMALL_GEFEN_BYTES_PER_PARAM",
@@ -76,7 +77,7 @@ def estimated_period(shape: Sequence[int]) -> int:
 
 
 def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
-                 second_moment: str = "factored", narrow_rows: str = DEFAULT_NARROW_ROWS) -> Dict[str, Any]:
+                 second_moment: str = "factored", narrow_rows: str = DEFAULT_NARROW_ROWS, col_blocks=1) -> Dict[str, Any]:
     """Kind, period, scale block and exact state bytes of one tensor (Gefen) and AdamW's bytes.
     ``second_moment``: ``"factored"`` (default: fp32 per row and per column), ``"shared"``
     (fp32 per period of each row), ``"elementwise"`` (fp32 per element) or ``"nibbles"`` (the factored
@@ -84,7 +85,8 @@ def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
     few rows pays ``4 / rows`` B/param for its ``v_col`` (5.0 B/param in all for ``(1, N)``).
     ``narrow_rows``: a factored tensor of narrow rows kept per block of rows (D16, D18) holds a
     scale and a ``v`` per block and a ``v_col`` per column; under ``"rows8"`` (D19) rows of 22-79
-    elements add two one-byte codes per row."""
+    elements add two one-byte codes per row. ``col_blocks`` (D21; ``"auto"``, an int or 1): a factored tensor's
+    column blocks, each with its own ``v_row`` entry per row and its scale blocks inside it."""
     shape = tuple(int(s) for s in shape)
     n = int(math.prod(shape))
     adamw = ADAMW_BYTES_PER_PARAM * n
@@ -96,13 +98,15 @@ def tensor_state(shape: Sequence[int], small_threshold: int = 4096,
                     gefen_bytes=n + codes + 8 * span_blocks(shape) + 4 * row_slab(shape), adamw_bytes=adamw)
     if is_exact(shape, small_threshold):
         return dict(kind=KIND_EXACT, period=0, scale_block=0, gefen_bytes=8 * n, adamw_bytes=adamw)
-    per = 1 if second_moment == "elementwise" else (fixed_period(shape, second_moment) or estimated_period(shape))
+    fac = quantized_mode(shape, second_moment) == MODE_FACTORED
+    G, K = factored_blocks(shape, "auto", col_blocks, second_moment) if fac else (1, 1)
+    per = 1 if second_moment == "elementwise" else (fixed_period(shape, second_moment, K) or estimated_period(shape))
     geo = Geometry.quantized(shape, per)
     rows = shape[0]
     s = geo.state_shapes(rows)
-    if quantized_mode(shape, second_moment) == MODE_FACTORED:
-        # v_col: one profile per row block (D12, row_blocks="auto")
-        nbytes = n + 4 * math.prod(s["scale"]) + 4 * rows + 4 * geo.slab * factored_row_blocks(shape)
+    if fac:
+        # v_row: K per row (D21); v_col: one profile per row block (D12, row_blocks="auto")
+        nbytes = n + 4 * math.prod(s["scale"]) + 4 * rows * K + 4 * geo.slab * G
     else:
         nbytes = n + 4 * math.prod(s["scale"]) + 4 * math.prod(s["v"])
     return dict(kind=KIND_QUANTIZED, period=geo.period, scale_block=geo.scale_block, gefen_bytes=int(nbytes),
@@ -136,12 +140,14 @@ class ModelEstimate:
 
 
 def estimate_from_shapes(specs: Sequence[TensorSpec], source: str = "shapes", small_threshold: int = 4096,
-                         adamw_step_tensors: bool = True, second_moment: str = "factored") -> ModelEstimate:
+                         adamw_step_tensors: bool = True, second_moment: str = "factored",
+                         col_blocks=1) -> ModelEstimate:
     """Whole-model state bytes from tensor shapes. AdamW counts torch's float32 ``step`` tensor
     per parameter tensor (as ``torch.optim.AdamW`` allocates) unless ``adamw_step_tensors=False``."""
     rows = []
     for sp in specs:
-        rec = dict(name=sp.name, shape=tuple(sp.shape), numel=sp.numel, **tensor_state(sp.shape, small_threshold, second_moment))
+        rec = dict(name=sp.name, shape=tuple(sp.shape), numel=sp.numel,
+                   **tensor_state(sp.shape, small_threshold, second_moment, col_blocks=col_blocks))
         if adamw_step_tensors:
             rec["adamw_bytes"] += ADAMW_STEP_BYTES
         rows.append(rec)
@@ -376,7 +382,7 @@ def format_bytes(n: float) -> str:
 # ----------------------------------------------------------------------------- the plan
 def load_model_estimate(*, params: Optional[float] = None, config: Optional[str] = None, model: Optional[str] = None,
                         model_kwargs: Optional[Dict[str, Any]] = None, small_threshold: int = 4096,
-                        second_moment: str = "factored") -> ModelEstimate:
+                        second_moment: str = "factored", col_blocks=1) -> ModelEstimate:
     given = [x is not None for x in (params, config, model)]
     if sum(given) != 1:
         raise ValueError("give exactly one of --params, --config, --model")
@@ -390,9 +396,10 @@ def load_model_estimate(*, params: Optional[float] = None, config: Optional[str]
             raise ValueError(f"cannot read config.json {config!r}: {e}") from None
         specs = shapes_from_hf_config(cfg)
         return estimate_from_shapes(specs, f"{cfg.get('model_type', 'model')} from {config}", small_threshold,
-                                    second_moment=second_moment)
+                                    second_moment=second_moment, col_blocks=col_blocks)
     specs = shapes_from_factory(model, model_kwargs)
-    return estimate_from_shapes(specs, f"{model} (meta device)", small_threshold, second_moment=second_moment)
+    return estimate_from_shapes(specs, f"{model} (meta device)", small_threshold, second_moment=second_moment,
+                                col_blocks=col_blocks)
 
 
 def plan(est: ModelEstimate, strategy: str, world_size: int, precision: str = "fp32",

@@ -79,7 +79,7 @@ def test_estimate_equals_measured_state_bytes_where_periods_are_rows():
     assert est.adamw_state_bytes == measured
 
 
-def test_estimated_period_cap_rule():
+def test_estimated_period_cap_rule(capsys):
     assert P.estimated_period((10, 768)) == 768
     assert P.estimated_period((768, 3072)) == 1536
     assert P.estimated_period((4, 1024)) == 1024
@@ -92,6 +92,21 @@ def test_estimated_period_cap_rule():
     assert st["kind"] == "quantized" and st["gefen_bytes"] == 4096 + 4 * 64 + 4 * 64
     st = P.tensor_state((64, 64))  # factored (default): scale per row-period, v_row, v_col
     assert st["kind"] == "quantized" and st["gefen_bytes"] == 4096 + 4 * 64 + 4 * 64 + 4 * 64
+    # column blocks (D21): K v_row entries per row, scale blocks inside the blocks; the estimate is the optimizer's
+    assert P.tensor_state((256, 768))["period"] == 768
+    st = P.tensor_state((256, 768), col_blocks="auto")  # k = 3 blocks of 256 columns
+    assert st["period"] == 256 and st["gefen_bytes"] == 256 * 768 + 4 * 256 * 3 + 4 * 256 * 3 + 4 * 768
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in ((256, 768), (96, 96), (64, 512))]
+    opt = Gefen(ps, col_blocks="auto")
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    est = P.estimate_from_shapes([P.TensorSpec(f"p{i}", tuple(p.shape)) for i, p in enumerate(ps)], col_blocks="auto")
+    assert est.gefen_state_bytes == opt.state_bytes()
+    from gefen_dist.cli import main as cli_main
+
+    assert cli_main(["plan", "--params", "1e9", "--col-blocks", "x"]) == 2
+    assert "--col-blocks 'x': give 'auto' or a positive int" in capsys.readouterr().err
 
 
 def test_gpt2_small_shapes_reproduce_measured_bytes_and_paper_figure():
