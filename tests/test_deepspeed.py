@@ -12,7 +12,9 @@ the per-element second moment (``second_moment="elementwise"``: period 1 everywh
 bit-identical resume and ``zero_to_fp32`` for ZeRO-2 and ZeRO-3 (and ZeRO-3 factored); the one-byte layout
 (``second_moment="nibbles"``, D20) under ZeRO-1, ZeRO-2 (2 and 3 ranks) and ZeRO-3 against single-process
 ``Gefen(second_moment="nibbles")`` (codes, ``v_row``, ``v_col``, parameters), its bit-identical resume, its
-universal checkpoint (state bitwise at 1, 2 and 3 ranks) and its refusal by a factored engine; bf16 through
+universal checkpoint (state bitwise at 1, 2 and 3 ranks) and its refusal by a factored engine; column blocks
+(``col_blocks``, D21) under ZeRO-2 and ZeRO-3 (rows cut by partition edges), their bit-identical resume, their
+universal checkpoint (bitwise at 1, 2 and 3 ranks) and the refusal of another ``col_blocks``; bf16 through
 ZeRO-2 and the BF16_Optimizer (shared and factored); the refusals. fp16 loss-scale skips are tested
 in tests/test_deepspeed_fp16.py (the CPU accelerator's fp16 capability check patched in the worker).
 

@@ -493,11 +493,12 @@ def case_ckpt(case, cfg_name, stage, ckdir, zinit=False, **over):
     log(f"OK {case}: resume bit-identical ({len(l2)} steps), zero_to_fp32 works")
 
 
-def case_col_blocks_refusal(d):
-    """A checkpoint saved with col_blocks=5 on d and a (D21) against an engine whose group gives them one block:
-    converted to the universal form it is refused on every rank before anything changes, naming the setting;
-    loaded rigidly (its param groups are the checkpoint's) and then set to col_blocks=1, the first step raises
-    on every rank naming the setting it was saved with, and changes no parameter."""
+def _refused_both_ways(d, over, retune, uc_says, step_says, what):
+    """Checkpoint ``d`` against an engine of ``load_cfg("gefen_zero2.json", **over)``: converted to the universal
+    form it is refused on every rank (a ``UniversalCheckpointError`` saying each of ``uc_says``) before anything
+    of the engine changes; loaded rigidly (its param groups are the checkpoint's) and then ``retune(opt)``-ed,
+    the first step raises on every rank (a ``ValueError`` saying each of ``step_says``) and changes no
+    parameter. Returns the universal load's message."""
     from gefen_dist.integrations.ds_universal import UniversalCheckpointError, convert
 
     univ = d + "_u"
@@ -505,30 +506,40 @@ def case_col_blocks_refusal(d):
         shutil.rmtree(univ, ignore_errors=True)
         convert(d, univ, tag="t3")
     dist.barrier()
-    engine, *_ = make_engine(load_cfg("gefen_zero2.json", colb=1, **FACTORED))
+    engine, *_ = make_engine(load_cfg("gefen_zero2.json", **over))
     before = full_params(engine, 2)
     try:
         gds.load_universal(engine, univ)
     except UniversalCheckpointError as e:
-        assert "with 5 column block(s) (D21)" in str(e) and "gives it 1" in str(e), str(e)
+        assert all(x in str(e) for x in uc_says), str(e)
         said = str(e)
     else:
-        raise AssertionError("a universal checkpoint with column blocks loaded into an engine without them")
+        raise AssertionError(f"{what}: the universal checkpoint loaded")
     assert not engine.basic_optimizer.state and all(torch.equal(before[n], p) for n, p in full_params(engine, 2).items())
     engine.load_checkpoint(d, tag="t3")
-    opt = engine.basic_optimizer
-    assert [g.get("col_blocks", 1) for g in opt.param_groups] == [5, 1], [g.get("col_blocks") for g in opt.param_groups]
-    opt.param_groups[0]["col_blocks"] = 1
+    retune(engine.basic_optimizer)
     before = full_params(engine, 2)
     try:
         train(engine, 1, 1, start=3)
     except ValueError as e:
-        assert "saved with col_blocks=5" in str(e) and "resume with col_blocks=5" in str(e), str(e)
+        assert all(x in str(e) for x in step_says), str(e)
     else:
-        raise AssertionError("a checkpoint with column blocks stepped under col_blocks=1")
+        raise AssertionError(f"{what}: the rigid checkpoint stepped")
     after = full_params(engine, 2)
     assert all(torch.equal(before[n], after[n]) for n in before)
     dist.barrier()
+    return said
+
+
+def case_col_blocks_refusal(d):
+    """A checkpoint saved with col_blocks=5 (D21) against an engine whose group gives its weights one block: the
+    universal load and the rigid resume (its groups then set to col_blocks=1) refused, naming the setting."""
+    def retune(opt):
+        assert [g.get("col_blocks", 1) for g in opt.param_groups] == [5, 1], [g.get("col_blocks") for g in opt.param_groups]
+        opt.param_groups[0]["col_blocks"] = 1
+
+    said = _refused_both_ways(d, dict(colb=1, **FACTORED), retune, ("with 5 column block(s) (D21)", "gives it 1"),
+                              ("saved with col_blocks=5", "resume with col_blocks=5"), "col_blocks")
     log(f"   the col_blocks=5 checkpoint into col_blocks=1: universal load and rigid resume refused: {said[:100]}...")
 
 
@@ -538,37 +549,13 @@ def case_nibbles_refusals(d):
     settings, before anything of the engine changes. Loaded rigidly, its param groups say "nibbles" (the
     checkpoint's, as torch's load_state_dict restores them); set to "factored" after the load, the first
     step raises on every rank, naming both settings, and changes no parameter."""
-    from gefen_dist.integrations.ds_universal import UniversalCheckpointError, convert
+    def retune(opt):
+        assert {g["second_moment"] for g in opt.param_groups} == {"nibbles"}, [g["second_moment"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["second_moment"] = "factored"
 
-    univ = d + "_u"
-    if dist.get_rank() == 0:
-        shutil.rmtree(univ, ignore_errors=True)
-        convert(d, univ, tag="t3")
-    dist.barrier()
-    engine, *_ = make_engine(load_cfg("gefen_zero2.json", **FACTORED))
-    before = full_params(engine, 2)
-    try:
-        gds.load_universal(engine, univ)
-    except UniversalCheckpointError as e:
-        assert "holds second_moment='nibbles'" in str(e) and "'factored'" in str(e), str(e)
-    else:
-        raise AssertionError("a nibbles universal checkpoint loaded into a factored engine")
-    assert not engine.basic_optimizer.state and all(torch.equal(before[n], p) for n, p in full_params(engine, 2).items())
-    engine.load_checkpoint(d, tag="t3")
-    opt = engine.basic_optimizer
-    assert {g["second_moment"] for g in opt.param_groups} == {"nibbles"}, [g["second_moment"] for g in opt.param_groups]
-    for g in opt.param_groups:
-        g["second_moment"] = "factored"
-    before = full_params(engine, 2)
-    try:
-        train(engine, 1, 1, start=3)
-    except ValueError as e:
-        assert "holds a nibbles second moment" in str(e) and "'factored'" in str(e), str(e)
-    else:
-        raise AssertionError("a nibbles checkpoint stepped under second_moment='factored'")
-    after = full_params(engine, 2)
-    assert all(torch.equal(before[n], after[n]) for n in before)
-    dist.barrier()
+    _refused_both_ways(d, dict(FACTORED), retune, ("holds second_moment='nibbles'", "'factored'"),
+                       ("holds a nibbles second moment", "'factored'"), "nibbles")
     log("   the nibbles checkpoint into a factored engine: universal load and rigid resume refused, naming the fix")
 
 
