@@ -114,10 +114,11 @@ def _memo(fn):
 
 @_memo
 def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, warps: int = 4,
-                  lut_fast: bool = True, maxnreg=None, device_hp: bool = False) -> Dict[str, object]:
+                  lut_fast: bool = True, maxnreg=None, device_hp: bool = False, colb: bool = False) -> Dict[str, object]:
     """Compile one configuration of the multi-tensor kernel for sm_90, with the launch options
     :class:`MultiStep` uses (``maxnreg``: default, the library's); its resource figures.
-    ``device_hp``: the ``capturable=True`` variant, which reads the step's scalars from the device."""
+    ``device_hp``: the ``capturable=True`` variant, which reads the step's scalars from the device;
+    ``colb``: the column-block variant (factored, D21)."""
     from gefen_dist.kernels import triton_kernels as tk, triton_multi as tm
 
     # tab_ptr: the per-bucket float32 entries in the two-candidate mode of modes 1 and 2, else the int32 table
@@ -125,13 +126,13 @@ def compile_multi(mode: int, bf16: bool, rows: int, block: int, aligned: bool, w
            "tab_ptr": "*fp32" if lut_fast and mode != 0 else "*i32",  # TritonTables.kernel_table
            "hp_ptr": "*fp32"}
     consts = dict(MODE=mode, LERP_SMALL=True, FUSED_LERP=True, FUSED_AXPY=True, HAS_WD=True, LUT_FAST=lut_fast,
-                  IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=block, ALIGNED=aligned, DEVICE_HP=device_hp)
+                  IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=block, ALIGNED=aligned, DEVICE_HP=device_hp, COLB=colb)
     opts = dict(num_warps=warps, enable_fp_fusion=False, **tm.multi_launch_options())
     if maxnreg is not None:
         opts["maxnreg"] = maxnreg
     out = _compile("multi", tk._gefen_multi_kernel, ptr, ("scan_steps",), consts, opts)
     return dict(mode=MODES[mode], dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps,
-                aligned=aligned, device_hp=device_hp, maxnreg=opts.get("maxnreg"), lut_fast=lut_fast, **out)
+                aligned=aligned, device_hp=device_hp, colb=colb, maxnreg=opts.get("maxnreg"), lut_fast=lut_fast, **out)
 
 
 @_memo

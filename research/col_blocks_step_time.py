@@ -2,8 +2,8 @@
 layout (the weights ``(in, out)``: ``c_attn`` ``(768, 2304)``, ``c_proj`` ``(768, 768)``, ``c_fc``
 ``(768, 3072)``, ``mlp.c_proj`` ``(3072, 768)``; 7,087,872 parameters), synthetic gradients: the default
 (``col_blocks=1``, every tensor in the native multi-tensor batch) against ``col_blocks="auto"`` (D21: ``c_attn`` and
-``c_fc``, 58% of the block's parameters, stepped one by one by the native kernel beside the batch), and torch's fused
-AdamW, in interleaved rounds; medians and ratios to AdamW of the same rounds.
+``c_fc``, 58% of the block's parameters, in column blocks: members of the same batch since 2026-12-07, stepped one by
+one beside it before), and torch's fused AdamW, in interleaved rounds; medians and ratios to AdamW of the same rounds.
 
     python research/col_blocks_step_time.py [--rounds 5] [--threads 1]
 

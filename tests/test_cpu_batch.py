@@ -25,9 +25,10 @@ def _model(dtype=torch.float32):
                          nn.GELU(), nn.Linear(200, 8)).to(dtype)
 
 
-def _pair(monkeypatch, dtype=torch.float32, **hp):
-    """Two copies with Gefen(**hp): ``oa`` always per tensor, ``ob`` through the CPU batch."""
-    base = _model(dtype)
+def _pair(monkeypatch, dtype=torch.float32, base=None, **hp):
+    """Two copies of ``base`` (default :func:`_model`) with Gefen(**hp): ``oa`` always per tensor, ``ob``
+    through the CPU batch."""
+    base = _model(dtype) if base is None else base.to(dtype)
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     oa, ob = Gefen(a.named_parameters(), **hp), Gefen(b.named_parameters(), **hp)
     monkeypatch.setattr(cuda_batch.CudaBatch, "plan", classmethod(
@@ -70,6 +71,20 @@ def test_cpu_batch_equals_the_per_tensor_path(monkeypatch, second_moment, dtype)
     launcher = batches[1].groups[0]["nibs"]["step"] if second_moment == "nibbles" else batches[1].groups[0]["multi"]
     assert batches[1].native_cpu and type(launcher).__module__.endswith("cpu_multi")
     assert all(int(oa.state[p]["step"]) == int(ob.state[q]["step"]) == 5 for p, q in zip(a.parameters(), b.parameters()))
+    _same(a, b, oa, ob)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_batch_with_column_blocks_equals_the_per_tensor_path(monkeypatch, dtype):
+    """col_blocks="auto" (D21): the (48, 192) weight's four column blocks are a member of the native batch
+    (its item's ``K``; the factors normalised per block of columns), bitwise the per-tensor path."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 192), nn.GELU(), nn.Linear(192, 48), nn.GELU(), nn.Linear(48, 8))
+    a, b, oa, ob = _pair(monkeypatch, dtype, base=base, lr=1e-3, weight_decay=0.1, col_blocks="auto")
+    batches, _ = _steps(a, b, oa, ob, 4)
+    items = batches[-1].groups[0]["multi"].items
+    assert batches[1] is not None and sorted(it.K for it in items) == [1, 4]
+    assert tuple(ob.state[b[2].weight]["v_row"].shape) == (48, 4)
     _same(a, b, oa, ob)
 
 

@@ -26,6 +26,11 @@ CUT = [("a", (96, 64), 37, 96 * 64 - 37), ("qkv", (192, 64), 0, 192 * 64), ("c",
        ("bias", (64,), 0, 64)]
 
 
+# column blocks (D21, col_blocks="auto"): w (48, 192) in four blocks, whole and cut inside a row and a block
+COLB = [("w", (48, 192), 0, 48 * 192), ("c", (64, 200), 0, 64 * 200), ("bias", (64,), 0, 64)]
+COLB_CUT = [("w", (48, 192), 37, 48 * 192 - 37), ("c", (64, 200), 0, 64 * 200 - 77), ("bias", (64,), 0, 64)]
+
+
 class _FirstOfTwo(LocalComm):
     """Rank 0 of two, whose partner holds the rest of every cut tensor: the catalog sees both ranks'
     pieces; the sums stay this rank's (both paths enter the same collectives, so they compare)."""
@@ -42,9 +47,9 @@ class _FirstOfTwo(LocalComm):
 
 
 def flat_run(impl, second_moment: str, batched: bool, steps: int = 4, dtype=torch.float32, segments=WHOLE,
-             monkeypatch=None, device="cpu"):
-    """Steps a flat buffer of ``segments`` with ``impl`` (per segment unless ``batched``); returns
-    the buffer and its state."""
+             monkeypatch=None, device="cpu", col_blocks=1):
+    """Steps a flat buffer of ``segments`` with ``impl`` (per segment unless ``batched``; ``col_blocks``: the
+    buffer's group's, D21); returns the buffer and its state."""
     if not batched:
         monkeypatch.setattr(flat_step, "batch_kernels", lambda *a: None)
     segs, off = [], 0
@@ -61,7 +66,8 @@ def flat_run(impl, second_moment: str, batched: bool, steps: int = 4, dtype=torc
     nib = second_moment == "nibbles"  # D20: 16 codewords, draws keyed by the tensors' places
     if nib:
         fs.second_moment, fs.tensor_index = "nibbles", {s.key: i for i, s in enumerate(segs)}
-    st = fs.new_state(flat, torch.zeros(16 if nib else 256, device=device), factored=second_moment != "shared")
+    st = fs.new_state(flat, torch.zeros(16 if nib else 256, device=device), factored=second_moment != "shared",
+                      col_blocks=col_blocks)
     g0 = torch.Generator().manual_seed(1)
     group = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     for step in range(1, steps + 1):
@@ -112,6 +118,19 @@ def test_flat_batch_with_rows_and_blocks_cut_by_partition_edges(monkeypatch, sec
     batched = flat_run(impl, second_moment, True, segments=CUT)
     assert batched[2].__dict__["_flat_batch"].fmulti is not None
     assert_same(batched, flat_run(impl, second_moment, False, segments=CUT, monkeypatch=monkeypatch))
+
+
+@pytest.mark.skipif(not _cpu.available(), reason="needs the native CPU kernel")
+@pytest.mark.parametrize("segments", [COLB, COLB_CUT], ids=["whole", "cut"])
+def test_flat_batch_with_column_blocks(monkeypatch, segments):
+    """col_blocks="auto" (D21): w's four column blocks in the batch (``K`` entries of ``v_row`` per row; a row cut
+    by a partition edge finished per block of columns), bitwise the per-segment step."""
+    impl = dispatch._native_cpu()
+    batched = flat_run(impl, "factored", True, segments=segments, col_blocks="auto")
+    items = batched[2].__dict__["_flat_batch"].fmulti.items
+    assert sorted(it.K for it in items) == [1, 4] and batched[1]["col_blocks"] == "auto"
+    assert_same(batched, flat_run(impl, "factored", False, segments=segments, monkeypatch=monkeypatch,
+                                  col_blocks="auto"))
 
 
 @pytest.mark.skipif(not _cpu.available(), reason="needs the native CPU kernel")

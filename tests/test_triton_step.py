@@ -879,38 +879,39 @@ def test_column_sums_launch_only_tiles_with_columns_on_a_1d_grid():
 @interp
 def test_multi_step_bitwise_equals_one_launch_per_tensor():
     """MultiStep (one launch per mode/dtype/config) gives each tensor exactly the bits of its own
-    single-tensor launch: shared, per-element and factored (row blocks, a cut piece) items."""
+    single-tensor launch: shared, per-element and factored (row blocks, a cut piece, column blocks) items."""
     cb = random_codebook()
     gen = torch.Generator().manual_seed(2)
-    specs = [  # (rows, S, B, mode, G, row0, row_block, dtype)
-        (24, 96, 96, 0, 1, 0, 1, torch.float32), (10, 64, 64, 0, 1, 0, 1, torch.bfloat16),
-        (12, 256, 256, 1, 1, 0, 1, torch.float32), (40, 64, 32, 2, 4, 0, 10, torch.float32),
-        (23, 96, 48, 2, 3, 7, 12, torch.bfloat16), (9, 1031, 1031, 2, 1, 0, 1, torch.float32),
-        (16, 96, 96, 0, 1, 0, 1, torch.float32),
+    specs = [  # (rows, S, B, mode, G, row0, row_block, dtype, column blocks K)
+        (24, 96, 96, 0, 1, 0, 1, torch.float32, 1), (10, 64, 64, 0, 1, 0, 1, torch.bfloat16, 1),
+        (12, 256, 256, 1, 1, 0, 1, torch.float32, 1), (40, 64, 32, 2, 4, 0, 10, torch.float32, 1),
+        (23, 96, 48, 2, 3, 7, 12, torch.bfloat16, 1), (9, 1031, 1031, 2, 1, 0, 1, torch.float32, 1),
+        (16, 96, 96, 0, 1, 0, 1, torch.float32, 1), (24, 192, 64, 2, 1, 0, 1, torch.float32, 3),
+        (6, 192, 24, 2, 1, 5, 1, torch.bfloat16, 8),
     ]
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     mine, ref, grads = [], [], []
-    for rows, S, B, mode, G, row0, rb, dt in specs:
+    for rows, S, B, mode, G, row0, rb, dt, K in specs:
         n = rows * S
-        nv = rows if mode == 2 else (n if mode == 1 else n // B)
+        nv = rows * K if mode == 2 else (n if mode == 1 else n // B)
         st = [torch.randn(n, generator=gen).to(dt), torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
               torch.rand(n // B, generator=gen) * 1e-2, torch.rand(nv, generator=gen) * 1e-4,
               torch.rand(G, S, generator=gen) * 1e-4]
         mine.append([t.clone() for t in st])
         ref.append([t.clone() for t in st])
         grads.append(_grad(n, dt, gen))
-    items = [triton_step.StepItem(m[0], m[1], m[2], m[3], m[4] if sp[3] == 2 else None, sp[1], sp[2], sp[3],
-                                  sp[5], sp[6]) for m, sp in zip(mine, specs)]
+    items = [triton_step.StepItem(m[0], m[1], m[2], m[3], m[4].view(-1) if sp[3] == 2 else None, sp[1], sp[2],
+                                  sp[3], sp[5], sp[6], sp[8]) for m, sp in zip(mine, specs)]
     ms = triton_step.MultiStep(items, torch.device("cpu"))
-    assert ms.launches == 6  # seven tensors: the two (mode 0, fp32, B 96) ones share a launch
+    assert ms.launches == 8  # nine tensors: the two (mode 0, fp32, B 96) ones share a launch
     for step in (1, 2):
         bc1, bc2 = bias_corrections(step, 0.9, 0.95)
         ms.run(grads, cb, bc1=bc1, bc2=bc2, **hp)
-        for r, g, (rows, S, B, mode, G, row0, rb, dt) in zip(ref, grads, specs):
+        for r, g, (rows, S, B, mode, G, row0, rb, dt, K) in zip(ref, grads, specs):
             kw = dict(hp, bc1=bc1, bc2=bc2, scale_block=B)
             if mode == 2:
                 triton_step._run(r[0], g, r[1], r[2], r[3], r[4], cb, S=S, B=B, mode=2, row0=row0,
-                                 row_block=rb if G > 1 else row0 + rows + 1, block_size=None,
+                                 row_block=rb if G > 1 else row0 + rows + 1, block_size=None, col_blocks=K,
                                  **{k: v for k, v in kw.items() if k != "scale_block"})
             else:
                 triton_step.quantized_step_(r[0], g, r[1], r[2], r[3], cb, period=1 if mode == 1 else B, **kw)
@@ -1025,6 +1026,11 @@ def _per_tensor_and_batch(monkeypatch, **hp):
         torch.manual_seed(0)
         base = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16), nn.GELU(), nn.Linear(16, 8))
         hp = dict(hp, small_threshold=0)  # every 2-D weight quantized (64 x 32: two row blocks)
+    elif hp.get("col_blocks") == "auto":  # (192, 32): six row blocks; (48, 192): four column blocks (D21)
+        from torch import nn
+
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(32, 192), nn.GELU(), nn.Linear(192, 48), nn.GELU(), nn.Linear(48, 8))
     else:
         base = _three_kinds_model()
     a, b = copy.deepcopy(base), copy.deepcopy(base)
@@ -1109,6 +1115,35 @@ def test_cuda_batch_through_interpreter(monkeypatch, second_moment):
         assert isinstance(plans[4].groups[0]["nibs"]["step"], NibbleStep) and plans[4].groups[0]["multi"] is None
     # a NaN gradient: the plan hands the step back; the per-tensor path raises with the name
     _nan_raises_unchanged(b, ob, batch, b[2].weight, "2.weight")
+
+
+@interp
+@pytest.mark.parametrize("capturable", [False, True])
+def test_cuda_batch_with_column_blocks_through_interpreter(monkeypatch, capturable):
+    """Gefen(col_blocks="auto") through the multi-tensor CUDA batch (interpreter): the (48, 192) weight's four
+    column blocks (D21) are a member of the batch (its own launch group: the multi kernel's COLB path), bitwise
+    the per-tensor path; with capturable=True too (the quantized tensors bitwise, the exact ones, torch's fused
+    AdamW there, within rounding)."""
+    hp = dict(lr=1e-3, weight_decay=0.1, col_blocks="auto")
+    if capturable:
+        hp.update(capturable=True, nonfinite="skip")
+    a, b, oa, ob = _per_tensor_and_batch(monkeypatch, **hp)
+    plans, _ = _train_both(a, b, oa, ob, 4, 1)
+    batch = plans[-1]
+    assert batch is not None and plans[2] is batch
+    items = [it for gi in batch.groups if gi["multi"] is not None for it in gi["multi"].items]
+    assert sorted(it.K for it in items) == [1, 4] and tuple(ob.state[b[2].weight]["v_row"].shape) == (48, 4)
+    assert any(L["colb"] for gi in batch.groups if gi["multi"] is not None for L in gi["multi"]._launches)
+    assert (batch.dstep is not None) == capturable
+    if not capturable:
+        _assert_same_state(a, b, oa, ob)
+        return
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):  # exact tensors: torch's fused AdamW there
+        if "idx" in oa.state[p]:
+            assert torch.equal(p, q) and all(torch.equal(v, ob.state[q][k]) for k, v in oa.state[p].items()
+                                             if isinstance(v, torch.Tensor) and k != "step"), name
+        else:
+            torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999), (0.0, 0.99), (0.5, 0.0), (0.8, 0.64)])
@@ -1481,7 +1516,7 @@ def test_flat_segments_with_triton_kernels(second_moment, device):
     pytest.param("cuda", marks=pytest.mark.skipif(
         _CHILD or not torch.cuda.is_available() or not triton_step.available("cuda"), reason="needs CUDA")),
 ])
-@pytest.mark.parametrize("second_moment", ["factored", "shared", "nibbles"])
+@pytest.mark.parametrize("second_moment", ["factored", "shared", "nibbles", "colblocks"])
 def test_flat_batch_equals_the_per_segment_step_triton(monkeypatch, second_moment, device):
     """DeepSpeed's flat-buffer step batched (engine/flat_batch.py: a fixed number of launches) equals
     its per-segment step bitwise on the Triton kernels (tests/test_flat_batch.py: the native ones);
@@ -1492,14 +1527,21 @@ def test_flat_batch_equals_the_per_segment_step_triton(monkeypatch, second_momen
 
     from gefen_dist.kernels import dispatch
 
-    segs = ([("a", (32, 64), 37, 32 * 64 - 37), ("qkv", (96, 64), 0, 96 * 64), ("few", (2, 2048), 0, 4096),
+    colb = second_moment == "colblocks"  # factored, with a (32, 128) tensor in four column blocks (D21), cut
+    second_moment = "factored" if colb else second_moment
+    segs = ([("w", (32, 128), 41, 32 * 128 - 41), ("c", (64, 200), 0, 64 * 200), ("bias", (64,), 0, 64)] if colb else
+            [("a", (32, 64), 37, 32 * 64 - 37), ("qkv", (96, 64), 0, 96 * 64), ("few", (2, 2048), 0, 4096),
              ("bias", (64,), 0, 64)] if second_moment == "factored" else
             [("a", (64, 64), 0, 64 * 64), ("c", (32, 200), 0, 6400), ("bias", (64,), 0, 64)] if second_moment == "shared"
             else [("a", (32, 64), 37, 32 * 64 - 37), ("qkv", (96, 64), 0, 96 * 64), ("bias", (64,), 0, 64)])
     impl = dispatch._triton()
-    batched = flat_run(impl, second_moment, True, steps=3, segments=segs, device=device)
+    cb = "auto" if colb else 1
+    batched = flat_run(impl, second_moment, True, steps=3, segments=segs, device=device, col_blocks=cb)
     assert batched[2].__dict__["_flat_batch"] is not None
-    other = flat_run(impl, second_moment, False, steps=3, segments=segs, monkeypatch=monkeypatch, device=device)
+    if colb:
+        assert sorted(it.K for it in batched[2].__dict__["_flat_batch"].fmulti.items) == [1, 4]
+    other = flat_run(impl, second_moment, False, steps=3, segments=segs, monkeypatch=monkeypatch, device=device,
+                     col_blocks=cb)
     if device == "cpu":
         assert_same(batched, other)
     else:

@@ -57,19 +57,22 @@ class ColumnTable:
     ``rows`` the global rows per row block, ``contributes`` False for a replica whose sums count as
     zeros. ``factored[i]`` False: tensor ``i`` needs no column factors (``second_moment="nibbles"``
     reads the column ratios around the EMA instead); :attr:`factor_views` holds None for it, and
-    :attr:`factors` launches over the others only (None when no tensor needs them)."""
+    :attr:`factors` launches over the others only (None when no tensor needs them). ``col_blocks[i]``
+    ``K`` > 1 (D21): tensor ``i``'s factors are normalised per block of ``S / K`` columns (its ``v_col``
+    read as ``[K, S / K]``, as the per-tensor kernels' wrappers compute them); its factor view is ``[S]``."""
 
     def __init__(self, kernels, tensors: Sequence[tuple], device: torch.device,
-                 factored: Optional[Sequence[bool]] = None):
+                 factored: Optional[Sequence[bool]] = None, col_blocks: Optional[Sequence[int]] = None):
         if not tensors:
             raise ValueError("ColumnTable needs at least one factored tensor")
         self.vcols = [t[0] for t in tensors]
         self.sums = kernels.ColumnSums([t[1] for t in tensors], device)
         need = [True] * len(self.vcols) if factored is None else [bool(f) for f in factored]
-        wanted = [v for v, f in zip(self.vcols, need) if f]
+        K = [1] * len(self.vcols) if col_blocks is None else [int(k) for k in col_blocks]
+        wanted = [v.view(k, -1) if k > 1 else v for v, f, k in zip(self.vcols, need, K) if f]
         self.factors = kernels.ColumnFactors(wanted, device) if wanted else None
         it = iter(self.factors.views if self.factors is not None else [])
-        self.factor_views = [next(it) if f else None for f in need]
+        self.factor_views = [(next(it).view(-1) if k > 1 else next(it)) if f else None for f, k in zip(need, K)]
         self.slices, o = [], 0  # (offset, numel, v_col's shape) of each tensor in the flat buffers
         for v in self.vcols:
             self.slices.append((o, v.numel(), v.shape))

@@ -169,7 +169,7 @@ class CudaBatch:
         self.fact = []  # entry index of each factored tensor, in the column table's order
         pieces = {e: piece_of(p, comm.rank, comm.world_size > 1) for e, (_, p) in enumerate(entries)
                   if opt._mode(p) != MODE_EXACT}
-        cols, fpos = [], {}  # fpos: a factored entry's (position in the table, row-block arguments)
+        cols, colb, fpos = [], [], {}  # fpos: a factored entry's (position in the table, row-block arguments)
         for e, pc in pieces.items():
             p = entries[e][1]
             if opt._mode(p) == MODE_FACTORED:
@@ -179,12 +179,14 @@ class CudaBatch:
                 # replicas that must not add to global sums a second time (HSDP) contribute zeros
                 cols.append((v_col, (pc.local.numel() // S, S, pc.start // S, rkw.get("row_block", 1), G,
                                      pc.local.dtype), rows // G, pc.contributes or not self.sharded))
+                colb.append(col_blocks_of(local_tensor(opt.state[p]["v_row"])))  # column blocks (D21)
                 fpos[e] = (len(self.fact), rkw)
                 self.fact.append(e)
         # the column sums and the column factors sqrt(v_col / mean(v_col)) of every factored tensor (none for
         # "nibbles", D20, whose step reads the column ratios around the EMA: _nibble_group)
         self.nibbles = nibbles_in(opt.param_groups)
-        self.cols = ColumnTable(_tri, cols, device, factored=[not self.nibbles] * len(cols)) if cols else None
+        self.cols = ColumnTable(_tri, cols, device, factored=[not self.nibbles] * len(cols),
+                                col_blocks=colb) if cols else None
         for e, (group, p) in enumerate(entries):
             st = opt.state[p]
             gi = groups.setdefault((id(group), step_of(st)), dict(group=group, items=[], item_entries=[], exact=[],
@@ -205,7 +207,7 @@ class CudaBatch:
                 item = _tri.StepItem(param.view(-1), local_tensor(st["idx"]).view(-1),
                                      local_tensor(st["scale"]).view(-1), local_tensor(st["v_row"]).view(-1),
                                      self.cols.factor_views[k], v_col.shape[-1], int(st["scale_block"]), 2,
-                                     rkw.get("row0", 0), rkw.get("row_block", 1))
+                                     rkw.get("row0", 0), rkw.get("row_block", 1), colb[k])
                 gi["vcols"].append(v_col)
                 gi["vcol_parts"].append(self.cols.views[k])
             else:
@@ -271,7 +273,7 @@ class CudaBatch:
         where that is the expected path: state still to learn, no CUDA tensor; else it names the
         tensor and the fix).
 
-        Beside the batches: tensors kept per block of rows (D16) or with column blocks (D21), and in a
+        Beside the batches: tensors kept per block of rows (D16), and in a
         single process the quantized tensors the batch cannot take (a parameter that is not contiguous, not float32 or
         bfloat16, on a device of another type, or shared with a period other than 1 or its scale
         block), each logged once (INFO) with the reason; a single process with CUDA parameters on
@@ -302,9 +304,6 @@ class CudaBatch:
             st = opt.state.get(p)
             if not st or st.get("learned", 1) == 0:
                 return None, [], ""
-            if mode == MODE_FACTORED and col_blocks_of(local_tensor(st["v_row"])) > 1:
-                beside.append((group, p))  # column blocks (D21): the per-tensor kernels, on every rank alike
-                continue
             loc = local_tensor(p)
             why = _cannot_take(opt, group, p, loc, mode, st, types, name)
             if not why and mode != MODE_EXACT:

@@ -23,8 +23,8 @@ of every segment that are whole:
 * the exact segments in one :func:`~gefen_dist.core.step.adamw_foreach_` (bitwise the per-segment
   :func:`~gefen_dist.core.step.adamw_step_`).
 
-Rows and blocks cut by partition edges stay with the reference's phase functions (D7); segments with
-column blocks (D21) are stepped segment by segment. Each
+Rows and blocks cut by partition edges stay with the reference's phase functions (D7). A segment with
+column blocks (D21) has its factors normalised per block of columns and ``K`` entries of ``v_row`` per row. Each
 segment's result is what its own calls give: the multi-tensor kernels run the per-tensor kernels'
 arithmetic on the same arguments (``tests/test_flat_batch.py`` compares the two paths bitwise). A
 batch is built for a fixed layout (periods, learned segments) and fixed state and buffer storage,
@@ -99,15 +99,15 @@ class FlatBatch:
         dev = flat.device
         fv = flat.detach().reshape(-1)
         self.exact = self._exact(layout, st, fv)
-        tensors, col_index, fitems, franges = [], [], [], []
+        tensors, col_index, fitems, franges, colb = [], [], [], [], []
         sitems, sranges = [], []
         self.shared_keys = set()  # the shared segments whose whole blocks the batch steps
         self.whole = set()  # the segments it steps whole (no row or block cut by a partition edge)
         v_all = st.get("v_row") if ctx is not None else st.get("v")
         for sp, learned in zip(layout, st["learned"]):
             s = sp.seg
-            if not s.numel or sp.exact or sp.span or not learned or sp.colb > 1:
-                continue  # (column blocks, D21: stepped segment by segment, as gefen_dist.Gefen steps them)
+            if not s.numel or sp.exact or sp.span or not learned:
+                continue
             a, e = s.param_offset, s.param_offset + s.numel
             ix = st["idx"][s.flat_offset:s.flat_offset + s.numel]
             sc = st["scale"][sp.scale_off:sp.scale_off + sp.scale_n]
@@ -120,13 +120,14 @@ class FlatBatch:
                 vc = st["v_col"][sp.vcol_off:sp.vcol_off + sp.vcol_n]
                 # (v_col, the whole rows' column-sum spec, rows per row block, contributes)
                 tensors.append((vc.view(G, S) if G > 1 else vc, ((hi - lo) // S, S, lo // S, rb, G, flat.dtype), rb, True))
+                colb.append(sp.colb)  # column blocks (D21): K entries of v_row per row
                 col_index.append(torch.arange(ctx.col_off[s.key], ctx.col_off[s.key] + G * S))
                 franges.append((s.flat_offset + lo - a, s.flat_offset + hi - a))
                 so, ro, nrow = lo // B - a // B, lo // S - a // S, (hi - lo) // S
                 vr = st["v_row"][sp.v_off:sp.v_off + sp.v_n]
                 self.fpos[s.key] = len(tensors) - 1
                 fitems.append((fv[franges[-1][0]:franges[-1][1]], ix[lo - a:hi - a], sc[so:so + nrow * (S // B)],
-                               vr[ro:ro + nrow], len(tensors) - 1, S, B, lo // S, rb, G, s.key))
+                               vr[ro * sp.colb:(ro + nrow) * sp.colb], len(tensors) - 1, S, B, lo // S, rb, G, s.key))
             elif sp.period in (1, sp.block):
                 P, B = sp.period, sp.block
                 lo, hi, cut = _split(a, e, B)
@@ -143,7 +144,8 @@ class FlatBatch:
                 self.shared_keys.add(s.key)
         # the column sums, means and factors (or, "nibbles", ratios) of the factored segments (the CUDA
         # batch's table)
-        self.table = ColumnTable(kernels, tensors, dev, factored=[not self.nib] * len(tensors)) if tensors else None
+        self.table = ColumnTable(kernels, tensors, dev, factored=[not self.nib] * len(tensors),
+                                 col_blocks=colb) if tensors else None
         self.fmulti = self.ratios = None
         if tensors:
             self.col_index = torch.cat(col_index).to(dev)  # where each segment's sums sit in the catalog's
@@ -155,7 +157,7 @@ class FlatBatch:
                      for p, ix, sc, vr, k, S, B, row0, rb, G, key in fitems]
             self.fmulti = kernels.NibbleStep(items, dev) if any(it.param.numel() for it in items) else None
         elif tensors:
-            items = [kernels.StepItem(p, ix, sc, vr, self.table.factor_views[k], S, B, 2, row0, rb)
+            items = [kernels.StepItem(p, ix, sc, vr, self.table.factor_views[k], S, B, 2, row0, rb, colb[k])
                      for p, ix, sc, vr, k, S, B, row0, rb, _, _ in fitems]
             self.fmulti = kernels.MultiStep(items, dev) if any(it.param.numel() for it in items) else None
         self.franges = Ranges(franges, fv.numel())

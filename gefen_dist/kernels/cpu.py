@@ -132,7 +132,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["available", "simd_compiled", "simd_isa", "quantized_step_", "quantized_step_factored_", "apply_compressed_",
            "apply_factored_", "numerics", "nearest_lut", "nearest_sweep", "CodebookTable", "codebook_table"]
 
-_ABI = 15
+_ABI = 16
 _LIB_NAME = cpu_build.NATIVE  # the -march=native build (cpu_build.py: which build a process uses)
 _SOURCES = ["gefen_step.c"]
 _BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together

@@ -114,7 +114,8 @@ class MultiStep:
                                             it.v.data_ptr())
             f.n, f.block, f.dtype = n, it.B, 0 if it.param.dtype == torch.float32 else 1
             if it.mode == 2:
-                f.colf, f.period, f.factored, f.row0, f.rb = it.v_col.data_ptr(), it.S, 1, it.row0, it.block_rows
+                # (factored: its column blocks K >= 1, D21)
+                f.colf, f.period, f.factored, f.row0, f.rb = it.v_col.data_ptr(), it.S, it.K, it.row0, it.block_rows
             else:
                 f.colf, f.period, f.factored, f.row0, f.rb = None, 1 if it.mode == 1 else it.B, 0, 0, 1
         self._touched = [t for it in self.items for t in (it.param, it.idx, it.scale, it.v)]  # version counters

@@ -362,7 +362,7 @@ def _gefen_multi_kernel(
     MODE: tl.constexpr, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr,
     FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr, LUT_FAST: tl.constexpr,
     IS_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ALIGNED: tl.constexpr = False,
-    DEVICE_HP: tl.constexpr = False,
+    DEVICE_HP: tl.constexpr = False, COLB: tl.constexpr = False,
 ):
     """Many tensors in one launch: program ``pid`` steps rows ``prog[pid, 1] ..`` of tensor
     ``prog[pid, 0]``, whose pointers and sizes are row ``t`` of ``meta`` (see :class:`MultiStep`)
@@ -377,7 +377,10 @@ def _gefen_multi_kernel(
     from the device, ``hp_ptr`` = (skip, sqrt(bc2), 1 / bc1, lr, 1 - lr wd, bound) in float32
     (:func:`~gefen_dist.kernels.triton_tables.device_step_scalars`), replacing the arguments of those
     names; a non-zero ``skip`` (a non-finite gradient under ``nonfinite="skip"``) makes every row
-    masked, so the launch changes nothing. Otherwise ``hp_ptr`` is not read."""
+    masked, so the launch changes nothing. Otherwise ``hp_ptr`` is not read.
+
+    ``COLB`` (MODE 2, D21): every member has column blocks, ``K = meta[t, 10]`` of them (the per-tensor
+    kernel's ``COLB`` path: the same arithmetic on the same arguments)."""
     pid = tl.program_id(0)
     t = tl.load(prog_ptr + 2 * pid)
     r_first = tl.load(prog_ptr + 2 * pid + 1).to(tl.int32)
@@ -399,12 +402,17 @@ def _gefen_multi_kernel(
         vc_ptr = tl.multiple_of(vc_ptr, 16)
         S = tl.multiple_of(S, 16)
         B = tl.multiple_of(B, 16)
+    if COLB:
+        K = tl.load(mb + 10).to(tl.int32)
+    else:
+        K = 1
+    C = S // K
     _step_rows_jit(
         p_ptr, g_ptr, idx_ptr, scale_ptr, v_ptr, vc_ptr, cb_ptr, tab_ptr,
         r_first, nrows, S, B, S // B, B.to(tl.float32), S.to(tl.float32), scan_steps,
         tl.load(mb + 8).to(tl.int32), tl.load(mb + 9).to(tl.int32),
-        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound, 1, S, S.to(tl.float32),
-        MODE, LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, LUT_FAST, IS_BF16, ROWS, BLOCK_SIZE, False,
+        lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, lut_h, lut_nbm1, ubound, K, C, C.to(tl.float32),
+        MODE, LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, LUT_FAST, IS_BF16, ROWS, BLOCK_SIZE, COLB,
     )
 
 
@@ -701,7 +709,7 @@ def _apply_multi_kernel(meta_ptr, prog_ptr, hp_ptr, cf_ptr, cb_ptr, base, MODE: 
             _update_param_jit(p_ptr, offs, mask, u, decay, True, IS_BF16)
 
 
-_META = tl.constexpr(10) if _HAVE_TRITON else 10  # int64 fields per tensor in MultiStep's table
+_META = tl.constexpr(11) if _HAVE_TRITON else 11  # int64 fields per tensor in MultiStep's table
 _AMETA = tl.constexpr(10) if _HAVE_TRITON else 10  # int64 fields per range in ApplyMany's table
 _kernels: Dict[Tuple[bool, str], object] = {}
 _kernels_lock = threading.Lock()

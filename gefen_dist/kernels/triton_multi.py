@@ -22,7 +22,8 @@ class StepItem:
     per-element v (``mode`` 0 / 1) or ``v_row`` (``mode`` 2, factored, with ``v_col`` ``[G, S]``
     holding this step's column factors ``sqrt(v_col / mean(v_col))``, :class:`ColumnFactors`'
     view, rewritten in place each step; rows of this piece starting at global row ``row0``,
-    blocks of ``row_block`` rows)."""
+    blocks of ``row_block`` rows; ``K`` > 1: column blocks, D21, ``v`` holding ``K`` entries per row and
+    ``v_col`` ``[S]`` the factors normalised per block of ``S / K`` columns)."""
 
     param: torch.Tensor
     idx: torch.Tensor
@@ -34,6 +35,7 @@ class StepItem:
     mode: int
     row0: int = 0
     row_block: int = 1
+    K: int = 1
 
     def check(self, i: int) -> None:
         """Refuse an item the multi-tensor step cannot take (``i``: its index, for the message)."""
@@ -42,6 +44,10 @@ class StepItem:
             raise ValueError(f"param dtype {self.param.dtype} not supported (float32, bfloat16)")
         if n and (self.S % self.B or n % self.S or (self.mode != 2 and self.S != self.B)):
             raise ValueError(f"bad item {i}: S={self.S}, B={self.B}, mode={self.mode}, numel={n}")
+        if self.K != 1 and (self.mode != 2 or self.K < 1 or self.S % self.K or (self.S // self.K) % self.B
+                            or (self.v_col is not None and self.v_col.numel() != self.S)):
+            raise ValueError(f"bad item {i}: K={self.K} column blocks need mode 2, one column profile and the scale "
+                             f"block {self.B} dividing a block of S / K columns (S={self.S})")
 
     @property
     def block_rows(self) -> int:
@@ -124,21 +130,21 @@ class MultiStep:
                 continue
             it.check(i)
             rows, bs, warps = tuple(config) if config is not None else _config(it.B, n // it.S)
-            buckets.setdefault((it.mode, it.param.dtype == torch.bfloat16, rows, bs, warps, _aligned(it)),
+            buckets.setdefault((it.mode, it.param.dtype == torch.bfloat16, rows, bs, warps, _aligned(it), it.K > 1),
                                []).append(i)
         self._touched = [t for it in self.items for t in (it.param, it.idx, it.scale, it.v)]  # version counters
         self._launches = []
-        for (mode, bf16, rows, bs, warps, aligned), members in buckets.items():
+        for (mode, bf16, rows, bs, warps, aligned, colb), members in buckets.items():
             meta, prog = [], []
             for t, i in enumerate(members):
                 it = self.items[i]
                 nrows = it.param.numel() // it.S
                 vc = it.v_col.data_ptr() if it.v_col is not None else it.v.data_ptr()
                 meta.append([it.param.data_ptr(), it.idx.data_ptr(), it.scale.data_ptr(), it.v.data_ptr(), vc,
-                             nrows, it.S, it.B, it.row0, it.block_rows])
+                             nrows, it.S, it.B, it.row0, it.block_rows, it.K])
                 prog += [[t, r] for r in range(0, nrows, rows)]
             self._launches.append(dict(
-                mode=mode, bf16=bf16, rows=rows, bs=bs, warps=warps, members=members, aligned=aligned,
+                mode=mode, bf16=bf16, rows=rows, bs=bs, warps=warps, members=members, aligned=aligned, colb=colb,
                 meta=_pinned_to(meta, self.device), prog=_pinned_to(prog, self.device), nprog=len(prog),
                 grads=_GradTable(self.device)))
 
@@ -169,7 +175,7 @@ class MultiStep:
                     L["meta"], L["grads"](gs), L["prog"], tab.cb, tab.kernel_table(L["mode"]), tab.scan_steps,
                     tab.cb if hp is None else hp, *scalars,
                     MODE=L["mode"], IS_BF16=L["bf16"], ROWS=L["rows"], BLOCK_SIZE=L["bs"], ALIGNED=aligned,
-                    DEVICE_HP=hp is not None,
+                    DEVICE_HP=hp is not None, COLB=L["colb"],
                     num_warps=L["warps"], enable_fp_fusion=False, **multi_launch_options(), **consts,
                 )
         torch.autograd.graph.increment_version(self._touched)

@@ -275,7 +275,7 @@ class ZeroGefen(ZeroStepMixin, ZeroCheckpointMixin, Gefen):
         """Replace ``p``'s state tensors by this rank's slices of the global (flat) ones."""
         st = self.state[p]
         s, e = self._mine(p)
-        K = col_blocks_of(st["v_row"]) if "v_row" in st else 1
+        K = col_blocks_of(st["v_row"]) if self._is_factored(p) else 1  # (D21: v_row [rows, K])
         for k, d in self._divisors(p).items():
             st[k] = full[k].reshape(-1)[s // d:e // d].to(device=p.device).clone()
             if k == "v_row" and K > 1:

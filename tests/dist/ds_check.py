@@ -972,7 +972,7 @@ def case_adam_warm(ckdir, variant):
             if t.factored:
                 vv = vo.double().view(-1, t.slab)
                 # per row block (D12): b.weight has two blocks of 67 rows
-                cm = vv.mean(dim=0) if t.col_blocks == 1 else vv.view(t.col_blocks, -1, t.slab).mean(dim=1).reshape(-1)
+                cm = vv.mean(dim=0) if t.row_blocks == 1 else vv.view(t.row_blocks, -1, t.slab).mean(dim=1).reshape(-1)
                 assert torch.equal(t.v_row, vv.mean(dim=1).float()) and torch.equal(t.v_col, cm.float()), name
             else:
                 assert torch.equal(t.v, vo.double().view(-1, t.period).mean(dim=1).float()), name

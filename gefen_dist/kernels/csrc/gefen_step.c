@@ -66,7 +66,7 @@
 #define GEFEN_SPAN_AVX2 1 /* the span update's 8-lane loops: AVX2 builds and AVX-512 VBMI builds alike */
 #endif
 
-#define GEFEN_STEP_ABI 15
+#define GEFEN_STEP_ABI 16 /* 16: gefen_multi_item.factored carries the column blocks K (D21) */
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -1918,7 +1918,7 @@ typedef struct {
     float *v;          /* v (shared) or v_row (factored) */
     const float *colf; /* factored: the column factors [blocks][period]; else NULL */
     int64_t n, period, block, row0, rb;
-    int32_t dtype, factored;
+    int32_t dtype, factored; /* factored: the column blocks K >= 1 (D21); 0: shared */
 } gefen_multi_item;
 
 int gefen_multi_item_size(void) { return (int)sizeof(gefen_multi_item); }
@@ -1949,7 +1949,7 @@ int64_t gefen_multi_step(const gefen_step_args *tmpl, const gefen_multi_item *it
         }
         const int r = it->factored
                           ? factored_step_with(&a, it->param, it->grad, it->idx, it->scale, it->v, it->colf, cb,
-                                               lut, it->row0, it->rb, planes, 1)
+                                               lut, it->row0, it->rb, planes, it->factored)
                           : quantized_step_with(&a, it->param, it->grad, it->idx, it->scale, it->v, cb, lut, planes);
         if (r != 0) rc = (i + 1) * 100 - r;
     }
