@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..core.step import ema_foreach_, row_block_args
+from ..core.step import col_blocks_of, ema_foreach_, row_block_args
 from ..engine.column_stats import ColumnTable
 from ..engine.cuda_batch import quantized_layout_problem
 from ..engine.layout import global_shape, is_dtensor
@@ -91,7 +91,9 @@ class ZeroBatch:
         # second_moment="nibbles" (D20; then every factored tensor of the optimizer is one): no column
         # factors, its owners' dense steps read the column ratios around the v_col EMA (_nibble_groups)
         self.nibbles = nibbles_in(opt.param_groups)
-        self.cols = ColumnTable(tri, cols, device, factored=[not self.nibbles] * len(cols)) if cols else None
+        # (a column-blocked tensor, D21, travels dense: its owners' full step computes its own factors)
+        need = [not self.nibbles and col_blocks_of(state[entries[e][1]]["v_row"]) == 1 for e in self.fact]
+        self.cols = ColumnTable(tri, cols, device, factored=need) if cols else None
         by_beta2: Dict[float, tuple] = {}
         for e, cms in zip(self.fact, self.cols.views if cols else []):
             b = by_beta2.setdefault(entries[e][0]["betas"][1], ([], [], []))
@@ -313,6 +315,9 @@ class ZeroBatch:
         launch, by parameter id (after the owners' state updates, which do not read them)."""
         for beta2, (vcols, cms) in self._emas:  # ("nibbles": its EMAs ran in owner_states; no factors)
             ema_foreach_(vcols, cms, beta2)
-        views = self.cols.factors.run() if self.cols is not None and self.cols.factors is not None else []
-        return {id(self.entries[e][1]): v for e, v in zip(self.fact, views)}
+        if self.cols is None:
+            return {}
+        if self.cols.factors is not None:
+            self.cols.factors.run()  # (rewrites factor_views in place; None where none is needed)
+        return {id(self.entries[e][1]): v for e, v in zip(self.fact, self.cols.factor_views) if v is not None}
 
