@@ -104,7 +104,7 @@ def optim_error_inputs_func_gefen(device, dtype):
         err(dict(second_moment="rowwise"), "unknown second_moment", "Invalid second_moment: 'rowwise'"),
         err(dict(small_threshold=-1), "small_threshold >= 0", "Invalid small_threshold: -1"),
         err(dict(narrow_rows="blocks"), "unknown narrow_rows", "Invalid narrow_rows: 'blocks'"),
-        err(dict(col_blocks=0), "col_blocks >= 1", r"Invalid col_blocks: 0 \(expected 'auto', None or an int >= 1"),
+        err(dict(col_blocks=0), "col_blocks >= 1", r"Invalid col_blocks: 0 \(expected 'auto' \(or 'shape', the same rule\), None or an int >= 1"),
         err(dict(nonfinite="warn"), "unknown nonfinite", "Invalid nonfinite: 'warn'"),
         err(dict(fused="yes"), "fused not a bool", "Invalid fused: 'yes'"),
         err({}, "fused in a param group not a bool", r"Invalid fused in param group 0: 'yes'", ValueError,

@@ -82,6 +82,14 @@ def test_rule_options_and_refusals():
     assert [factored_col_blocks(s, "auto") for s in ((64, 192), (64, 64), (64, 576), (64, 100), (192, 64))] == \
         [3, 1, 1, 1, 1]  # k in 2..8; (64, 576) is k = 9
     assert factored_col_blocks((64, 192), 4) == 4 and factored_col_blocks((64, 192), None) == 1
+    # "shape": the same rule as "auto", spelled so that a Hugging Face DeepSpeed JSON keeps it (the Trainer fills in
+    # every "auto" itself and refuses one it does not know); trainer_deepspeed_config writes it so
+    from gefen_dist.integrations.hf import trainer_deepspeed_config
+
+    assert [factored_col_blocks(s, "shape") for s in ((64, 192), (64, 64), (64, 100))] == [3, 1, 1]
+    assert Gefen([nn.Parameter(torch.randn(64, 192))], col_blocks="shape").param_groups[0]["col_blocks"] == "shape"
+    params = trainer_deepspeed_config(2, col_blocks="auto", row_blocks="auto", narrow_rows="auto")["optimizer"]["params"]
+    assert params["col_blocks"] == params["row_blocks"] == "shape" and "narrow_rows" not in params
     w = nn.Parameter(torch.randn(64, 192))
     for bad in ("yes", 0, True, 2.0):
         with pytest.raises(ValueError, match="col_blocks"):

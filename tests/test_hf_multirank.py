@@ -71,7 +71,7 @@ def test_trainer_deepspeed_json_zero2_2ranks(tmp_path, monkeypatch):
     _hf_env(monkeypatch)
     res = run_torchrun("hf_trainer_ds.py", 2, tmp_path, timeout=TIMEOUT)
     ok = _check(res, 3)
-    assert "lazy layout" in ok[0] and "bitwise equal" in ok[2], ok
+    assert "lazy layout" in ok[0] and "column blocks [3, 4]" in ok[0] and "bitwise equal" in ok[2], ok
 
 
 @pytest.mark.dist

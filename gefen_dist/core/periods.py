@@ -234,6 +234,9 @@ def row_slab(shape: Sequence[int]) -> int:
 
 
 AUTO_ROW_BLOCKS_MAX = 8  # row_blocks="auto": at most this many blocks
+# the rule from the shape: "auto", or "shape", its spelling where "auto" means something else (a Hugging Face
+# DeepSpeed JSON: there the Trainer fills in every "auto" value and refuses one it does not know)
+BY_SHAPE = ("auto", "shape")
 AUTO_COL_BLOCKS_MAX = 8  # col_blocks="auto" (D21): at most this many blocks
 
 
@@ -256,7 +259,7 @@ def _factored_blocks(shape: Sequence[int], rule, cols: bool) -> int:
         return 1
     rows, slab = int(shape[0]), row_slab(shape)
     name, total, unit = ("col_blocks", slab, rows) if cols else ("row_blocks", rows, slab)
-    if rule == "auto":
+    if rule in BY_SHAPE:
         cap = AUTO_COL_BLOCKS_MAX if cols else AUTO_ROW_BLOCKS_MAX
         return total // unit if unit > 0 and 2 * unit <= total <= cap * unit and total % unit == 0 else 1
     if isinstance(rule, bool) or not isinstance(rule, int) or rule < 1:

@@ -137,13 +137,22 @@ def trainer_deepspeed_config(stage: int = 2, **gefen_params) -> Dict[str, Any]:
     ``small_threshold=4096``, or a fixed ``lr``). No scheduler section: the Trainer's schedule drives the
     optimizer. Importing :mod:`gefen_dist.integrations.deepspeed` here registers the name ``"Gefen"``
     with DeepSpeed in this process (each rank runs this). The config passes its ``check_config``.
+
+    The Trainer (Accelerate) treats every ``"auto"`` value of the JSON as its own placeholder and refuses one
+    it cannot fill ("``optimizer.params.col_blocks`` not found in kwargs"), so Gefen's own ``"auto"`` rules
+    are written here as ``"shape"`` (``row_blocks``, ``col_blocks``: the same rule) or left out
+    (``narrow_rows="auto"``, the default).
     """
     from . import deepspeed as _gds  # registers torch.optim.Gefen for DeepSpeed's optimizer factory
 
     if int(stage) not in (1, 2, 3):
         raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
     params: Dict[str, Any] = {k: "auto" for k in _AUTO_PARAMS}
-    params.update(gefen_params)
+    for k, v in gefen_params.items():  # (Gefen's "auto" rules, which the Trainer would take for its placeholders)
+        if v == "auto" and k in ("row_blocks", "col_blocks"):
+            v = "shape"
+        if not (v == "auto" and k == "narrow_rows"):
+            params[k] = v
     zero: Dict[str, Any] = {"stage": int(stage), "contiguous_gradients": True, "overlap_comm": False}
     if int(stage) == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True

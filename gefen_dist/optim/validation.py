@@ -153,9 +153,13 @@ def validate_capturable(capturable, nonfinite: str, fused) -> None:
 
 
 def _validate_blocks(name: str, v, one: str, where: str) -> None:
-    """``row_blocks`` / ``col_blocks`` is ``"auto"``, None or an int >= 1 (D12, D21); ``one``: what 1 means."""
-    if not (v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)):
-        raise ValueError(f"Invalid {name}{where}: {v!r} (expected 'auto', None or an int >= 1; 1 is {one})")
+    """``row_blocks`` / ``col_blocks`` is ``"auto"`` (or ``"shape"``, the same rule), None or an int >= 1 (D12,
+    D21); ``one``: what 1 means."""
+    from ..core.periods import BY_SHAPE
+
+    if not (v is None or v in BY_SHAPE or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)):
+        raise ValueError(f"Invalid {name}{where}: {v!r} (expected 'auto' (or 'shape', the same rule), None or an "
+                         f"int >= 1; 1 is {one})")
 
 
 def validate_row_blocks(rb, where: str = "") -> None:

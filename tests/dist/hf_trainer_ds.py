@@ -9,6 +9,8 @@ layout is found lazily at the first ``step()``. Checks, on every rank:
 * the engine's basic optimizer is the DeepSpeed-aware Gefen, its layout was discovered
   (``_ds_flats``), the codebook and periods are learned, every ``idx`` is uint8, the training loss
   goes down, the parameters are identical on both ranks;
+* ``"col_blocks": "shape"`` in the JSON (D21, ``col_blocks="auto"``'s rule: GPT-2's ``Conv1D`` weights ``c_attn`` ``(64, 192)`` and ``c_fc``
+  ``(64, 256)`` in three and four blocks of columns) reaches the flat buffers' state;
 * the Trainer's checkpoint (``checkpoint-2/global_step2``) holds Gefen's compact state
   (``gefen-dist inspect`` reads it);
 * a second Trainer resumed from ``checkpoint-2`` ends with bitwise the same parameters and the same
@@ -37,11 +39,12 @@ STEPS, SAVE = 4, 2
 # What a user writes (trainer_deepspeed_config() returns exactly this dict): Gefen named in the JSON;
 # "auto" takes lr/betas/eps/weight_decay, batch sizes and clipping from the TrainingArguments (the
 # Trainer fills them in); no scheduler section, so the Trainer's own (linear) schedule drives
-# DeepSpeed's optimizer.
+# DeepSpeed's optimizer. "col_blocks": "shape" (D21, the rule "auto" is: the Trainer takes every "auto" for its own
+# placeholder) for GPT-2's Conv1D weights.
 DS_CONFIG = {
     "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False},
     "optimizer": {"type": "Gefen",
-                  "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+                  "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "col_blocks": "shape"}},
     "zero_allow_untested_optimizer": True,
     "train_micro_batch_size_per_gpu": "auto",
     "train_batch_size": "auto",
@@ -61,6 +64,20 @@ def make_trainer(out, ds_json):
     return transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens())
 
 
+def _column_blocks(opt):
+    """Segment name -> its column blocks (D21) as this rank's flat-buffer states lay them out (K > 1 only)."""
+    from gefen_dist.engine.flat_layout import _slots
+
+    out = {}
+    for flat_id, fs in opt._ds_flats.items():
+        st = opt.state[opt._ds_tensors[flat_id]]
+        check(st.get("col_blocks") == "shape", st.get("col_blocks"))
+        plan, *_ = _slots(fs.segments, st["periods"], fs.small_threshold, True, st.get("row_blocks", 1),
+                          span=fs._span_fn(True), col_blocks=st["col_blocks"])
+        out.update((sp.seg.name, sp.colb) for sp in plan if sp.colb > 1)
+    return out
+
+
 def snapshot(trainer):
     eng = trainer.model_wrapped
     opt = eng.optimizer.optimizer if hasattr(eng.optimizer, "optimizer") else eng.optimizer
@@ -73,7 +90,7 @@ def snapshot(trainer):
 def main():
     out = sys.argv[1]
     torch.set_num_threads(1)
-    check(trainer_deepspeed_config(2) == DS_CONFIG, trainer_deepspeed_config(2))
+    check(trainer_deepspeed_config(2, col_blocks="auto") == DS_CONFIG, trainer_deepspeed_config(2, col_blocks="auto"))
     ds_json = os.path.join(out, "gefen_zero2_trainer.json")
     os.makedirs(out, exist_ok=True)
     tmp = f"{ds_json}.{os.environ.get('RANK', '0')}"  # every rank writes the same file atomically (no
@@ -107,6 +124,8 @@ def main():
     check(per and all(v >= 0 for v in per.values()), f"periods not learned: {per}")
     nq = state_dtypes_ok(opt.state.values())
     check(nq >= 1, "no quantized state")
+    colb = _column_blocks(opt)
+    check(colb and max(colb.values()) == 4, colb)
     check(all(st["step"] == STEPS for st in opt.state.values()), [st["step"] for st in opt.state.values()])
     check(res.global_step == STEPS and len(la) == STEPS, (res.global_step, la))
     check(la[-1] < la[0], f"loss did not go down: {la}")
@@ -120,7 +139,7 @@ def main():
     # the same codebook on both ranks
     check_same_on_ranks(pa, opt)
     rank0_print(f"OK trainer+deepspeed zero2: lazy layout ({len(opt._ds_flats)} flat partitions, {len(per)} segments "
-                f"on this rank), loss {la[0]:.3f} -> {la[-1]:.3f}, idx uint8")
+                f"on this rank; column blocks {sorted(set(colb.values()))}), loss {la[0]:.3f} -> {la[-1]:.3f}, idx uint8")
 
     ck = os.path.join(out, "a", f"checkpoint-{SAVE}")
     r, bpp = inspect_on_rank0(ck, "DeepSpeed")
