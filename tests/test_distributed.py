@@ -2,7 +2,7 @@
 single-process parts of gefen_dist.checkpoint and gefen_dist.integrations.fsdp in-process.
 
 Launches (about 8, each a few seconds): dcp_reshard.py save at 2 ranks, then load at 1, 3 and 4
-ranks; ddp_check.py at 2 ranks (with the mismatch checks) and as 2 nodes x 1 rank; batch_check.py
+ranks (its model has row blocks, span and rows8 tensors and a tensor with column blocks, D21); ddp_check.py at 2 ranks (with the mismatch checks) and as 2 nodes x 1 rank; batch_check.py
 (the multi-tensor CUDA step through the Triton interpreter) at 2 ranks.
 """
 import os

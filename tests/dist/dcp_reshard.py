@@ -56,6 +56,9 @@ class Net(nn.Module):
         # rows of 2 elements in its own param group with narrow_rows="span" (D16): 5 blocks of 512
         # rows (the last 452), cut by the shards at 2, 3 and 4 ranks; replicated block state
         self.narrow = nn.Parameter(torch.randn(2500, 2) * 0.05)
+        # 33 rows of 4 x 33: four column blocks (col_blocks="auto", D21: v_row [33, 4]) in a group of its own;
+        # its rows cut unevenly by the shards
+        self.colb = nn.Parameter(torch.randn(33, 132) * 0.05)
         self.register_buffer("proj", torch.randn(128, 5000, generator=torch.Generator().manual_seed(3)) / 120)
 
     def forward(self, x):
@@ -63,21 +66,23 @@ class Net(nn.Module):
         h = torch.relu(self.b(h)) + self.tiny.sum(0)[:512] * 0.1
         q = (x[:, :40] @ self.qkv.t()).view(x.shape[0], 3, 40)
         return self.c(h) + self.small.sum(0).repeat(2) + 0.1 * (q[:, 0] * q[:, 1] + q[:, 2]).mean(-1, keepdim=True) \
-            + (torch.tanh(x @ self.proj.to(x.dtype)) * self.narrow.reshape(1, -1)).sum(1, keepdim=True)
+            + (torch.tanh(x @ self.proj.to(x.dtype)) * self.narrow.reshape(1, -1)).sum(1, keepdim=True) \
+            + 0.1 * torch.tanh(x[:, :33] @ self.colb).mean(-1, keepdim=True)
 
 
 def make_opt(m):
     """gefen_dist.integrations.fsdp.build_optimizer's groups, with ``narrow`` in a third group that
     keeps its state per block of rows (narrow_rows="span") and ``b.weight`` (rows of 33) in a fourth
     with its scale and second moment per row in one-byte codes (narrow_rows="rows8", D19: replicated
-    codes against blocks of 32 rows, cut by the shards)."""
+    codes against blocks of 32 rows, cut by the shards), and ``colb`` in a fifth with ``col_blocks="auto"`` (D21)."""
     opt = build_optimizer(m, lr=LR, weight_decay=WD)
     g0 = opt.param_groups[0]
-    for leaf, setting, mode in (("narrow", "span", "span"), ("b.weight", "rows8", "rows8")):
+    for leaf, setting, mode in (("narrow", {"narrow_rows": "span"}, "span"), ("b.weight", {"narrow_rows": "rows8"}, "rows8"),
+                                ("colb", {"col_blocks": "auto"}, "factored")):
         i = next(j for j, n in enumerate(g0["param_names"]) if n.endswith(leaf))
         p = g0["params"].pop(i)
         name = g0["param_names"].pop(i)
-        opt.add_param_group({"params": [p], "param_names": [name], "weight_decay": WD, "narrow_rows": setting})
+        opt.add_param_group({"params": [p], "param_names": [name], "weight_decay": WD, **setting})
         assert opt._mode(p) == mode, (name, opt._mode(p))
     return opt
 
@@ -217,10 +222,14 @@ def check_loaded(m, opt, saved, what):
                 assert st["idx"].dtype == torch.uint8
                 assert st["codebook"] is cb, f"{what}: {fqn} does not reference the shared codebook"
                 assert st["learned"] == 1 and st["step"] == SAVE_STEPS, (what, fqn, st["learned"], st["step"])
-    assert n_q == 6, f"{what}: expected 6 quantized tensors, found {n_q}"
+    assert n_q == 7, f"{what}: expected 7 quantized tensors, found {n_q}"
     qkv = [p for g in opt.param_groups for p in g["params"] if fqns[id(p)].endswith("qkv")]
     if qkv and "v_col" in opt.state[qkv[0]]:  # its three row blocks (D12) survive the reshard
         assert tuple(opt.state[qkv[0]]["v_col"].shape) == (3, 40), (what, opt.state[qkv[0]]["v_col"].shape)
+    colb = [p for g in opt.param_groups for p in g["params"] if fqns[id(p)].endswith("colb")]
+    if colb:  # its four column blocks (D21) survive the reshard: v_row [33, 4] in all, sharded by rows
+        vr = opt.state[colb[0]]["v_row"]
+        assert tuple(getattr(vr, "shape")) == (33, 4), (what, tuple(vr.shape))
     assert opt.state_bytes() > 0
 
 
