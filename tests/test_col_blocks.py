@@ -1,6 +1,10 @@
 """Column blocks of the factored second moment (D21, ``col_blocks``): D12's row blocks transposed, for
-``(R, k x R)`` weights such as Hugging Face GPT-2's ``Conv1D`` ``(in, out)`` layers. Single process here;
-FSDP2 (rows cut by the shards, an empty shard) in tests/test_fsdp2.py (``--col-blocks``)."""
+``(R, k x R)`` weights such as Hugging Face GPT-2's ``Conv1D`` ``(in, out)`` layers. Single process here
+(ZeroGefen at one rank too); FSDP2 (rows cut by the shards, an empty shard) in tests/test_fsdp2.py
+(``--col-blocks``), DCP resharding in tests/dist/dcp_reshard.py, ZeroGefen at 2 and 3 ranks in
+tests/dist/zero_check.py and tests/dist/batch_check.py, DeepSpeed ZeRO-2/3 and its checkpoints in
+tests/dist/ds_check.py, the Hugging Face Trainer under DeepSpeed in tests/dist/hf_trainer_ds.py, the multi-tensor
+batches in tests/test_cpu_batch.py, tests/test_flat_batch.py and tests/test_triton_step.py."""
 import copy
 import logging
 import warnings
