@@ -9,6 +9,7 @@ GPT-2 small (``gefen_dist.plan`` with the blocks the variant asks for). Column b
 (``z_conv1d_colblocks_lib``, also paired with the Conv1D default) and in the nn.Linear layout (``y_colblocks_lib``).
 
     python research/row_blocks_table.py [--md]      # reads research/results/{rb,conv1d,colblocks}_small/*.jsonl
+    python research/row_blocks_table.py --preset base --md   # the base LM: research/results/colblocks_base, d17_base
 """
 from __future__ import annotations
 
@@ -36,18 +37,18 @@ COLBLOCKS = {"z_conv1d_colblocks", "z_conv1d_colblocks_sb", "z_conv1d_colblocks_
 SCALE_IN_BLOCKS = {"z_conv1d_colblocks_sb", "z_conv1d_colblocks_lib", "y_colblocks_lib"}  # scale blocks inside them
 
 
-def runs(variant: str) -> dict:
-    files = sorted(Path(p) for d in ("rb_small", "conv1d_small", "colblocks_small") for p in glob.glob(str(R / d / "runs_*.jsonl")))
-    return {s: r["val"] for (v, s), r in load_finals(files).items() if v == variant}
+def runs(variant: str, preset: str = "small") -> dict:
+    files = sorted(Path(p) for d in ("rb", "conv1d", "colblocks") for p in glob.glob(str(R / f"{d}_{preset}" / "runs_*.jsonl")))
+    return {s: r["val"] for (v, s), r in load_finals(files, preset=preset).items() if v == variant}
 
 
-def default_runs() -> dict:
-    files = sorted(Path(p) for p in glob.glob(str(R / "d17_small" / "runs_v_default_fused*.jsonl")))
-    return {s: r["val"] for (v, s), r in load_finals(files).items() if v == "v_default_fused"}
+def default_runs(preset: str = "small") -> dict:
+    files = sorted(Path(p) for p in glob.glob(str(R / f"d17_{preset}" / "runs_v_default_fused*.jsonl")))
+    return {s: r["val"] for (v, s), r in load_finals(files, preset=preset).items() if v == "v_default_fused"}
 
 
-def adamw_runs() -> dict:
-    return {s: r["val"] for (v, s), r in peer_finals("small", "gefen_default", "default").items() if v == "adamw"}
+def adamw_runs(preset: str = "small") -> dict:
+    return {s: r["val"] for (v, s), r in peer_finals(preset, "gefen_default", "default").items() if v == "adamw"}
 
 
 def state_bytes(shapes, rows, colblocks: bool = False, scale_in_blocks: bool = False) -> float:
@@ -78,21 +79,23 @@ def state_bytes(shapes, rows, colblocks: bool = False, scale_in_blocks: bool = F
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--md", action="store_true")
+    ap.add_argument("--preset", default="small", choices=("small", "base"), help="the LM preset of the runs")
     a = ap.parse_args(argv)
     from launch.gpt import GPT, PRESETS
     from _gpt2 import gpt2_shapes
 
-    small = [(n, tuple(p.shape)) for n, p in GPT(PRESETS["small"]).named_parameters()]
+    small = [(n, tuple(p.shape)) for n, p in GPT(PRESETS[a.preset]).named_parameters()]
     gpt2 = list(gpt2_shapes("small"))
-    ad, dflt = adamw_runs(), default_runs()
-    head = "| variant | B/param, `small` / GPT-2 small | seeds | vs AdamW per seed | mean [95%] | the default on those seeds | paired with the default [95%], better on |"
+    ad, dflt = adamw_runs(a.preset), default_runs(a.preset)
+    head = (f"| variant | B/param, `{a.preset}` / GPT-2 small | seeds | vs AdamW per seed | mean [95%] | the default on those "
+            "seeds | paired with the default [95%], better on |")
     print(head if a.md else head.replace("|", " ").strip())
     if a.md:
         print("|---|---|---|---|---|---|---|")
     rows_out = [("the default (`v_default_fused`), every stored seed", None, dflt)] + [
-        (k, v, runs(k)) for k, v in VARIANTS.items()]
+        (k, v, runs(k, a.preset)) for k, v in VARIANTS.items()]
     for name, rows, got in rows_out:
-        base = runs(PAIRED_ADAMW[name]) if name in PAIRED_ADAMW else ad
+        base = runs(PAIRED_ADAMW[name], a.preset) if name in PAIRED_ADAMW else ad
         seeds = sorted(s for s in got if s in base and s in dflt and s in ad)
         if not seeds:
             continue
@@ -110,9 +113,9 @@ def main(argv=None) -> None:
                  ("%+.2f%s, %d of %d" % (sp["mean"], ci(sp), sum(x < y for x, y in zip(gaps, dg)), len(seeds)))
                  if mine else ""]
         print(("| " + " | ".join(cells) + " |") if a.md else "  ".join(cells))
-    conv = runs("z_conv1d_default_fused")
+    conv = runs("z_conv1d_default_fused", a.preset)
     for name in ("z_conv1d_colblocks", "z_conv1d_colblocks_lib"):
-        cb = runs(name)
+        cb = runs(name, a.preset)
         seeds = sorted(s for s in cb if s in conv)
         if not seeds:
             continue
