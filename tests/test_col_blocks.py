@@ -124,9 +124,10 @@ def test_rule_options_and_refusals():
 @pytest.mark.parametrize("fused", [False, None])
 def test_zerogefen_one_rank_is_gefen(fused):
     """ZeroGefen with ``col_blocks="auto"`` (one rank; ``tests/dist/zero_check.py`` at 2 and 3 ranks): bitwise
-    Gefen, its column-blocked tensor's update travels dense (the plain factored one's compressed), the same
-    state dict, and each loads the other's and continues bitwise."""
-    from gefen_dist.zero.partition import MODE_DENSE, MODE_FACTORED
+    Gefen, its column-blocked tensor's update travels compressed (idx, M and sqrt(v_row) per row and block of
+    columns; fp32, so the plain factored one's too), the same state dict, and each loads the other's and
+    continues bitwise."""
+    from gefen_dist.zero.partition import MODE_FACTORED
 
     torch.manual_seed(0)
     shapes = ((64, 192), (96, 96), (40,))
@@ -147,7 +148,8 @@ def test_zerogefen_one_rank_is_gefen(fused):
     train([(a, oa), (b, ob)], 3, 1)
     assert all(torch.equal(p, q) for p, q in zip(a, b))
     assert tuple(ob.state[b[0]]["v_row"].shape) == (64, 3) and tuple(ob.state[b[1]]["v_row"].shape) == (96,)
-    assert [ob._wire_mode(p, ob.state[p]) for p in b[:2]] == [MODE_DENSE, MODE_FACTORED]
+    assert [ob._wire_mode(p, ob.state[p]) for p in b[:2]] == [MODE_FACTORED, MODE_FACTORED]
+    assert ob.last_wire["bytes_per_rank"][0] < 4 * sum(p.numel() for p in b[:2])  # (the 40-element one: exact)
     sa, sb = oa.state_dict(), ob.state_dict()
     assert sa["param_groups"] == sb["param_groups"]
     for k, st in sa["state"].items():

@@ -32,11 +32,13 @@ def update_v_col(st: dict, col_mean_sq: torch.Tensor, hp: dict, factors=column_f
 
 def apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: torch.Tensor,
                    col_f: torch.Tensor, cb: torch.Tensor, B: int, slab: int, hp: dict,
-                   row0: int = 0, row_block: int = 0) -> None:
+                   row0: int = 0, row_block: int = 0, col_blocks: int = 1) -> None:
     """``p <- p*(1-lr*wd) - ((C[idx]*M) * sigma)*lr`` with ``sigma_ij = (1/((sqrt(v_row_i) *
     col_f_j)/sqrt(bc2) + eps)) * (1/bc1)``: quantized_step_factored_eager_'s update, same order.
     ``col_f`` is ``[slab]``, or ``[G, slab]`` per block of ``row_block`` rows (D12), this range's
-    first row being global row ``row0``."""
+    first row being global row ``row0``. ``col_blocks`` ``K`` (D21): ``rsq`` holds ``K`` per row, one per
+    block of ``slab / K`` columns, and ``col_f`` is normalised per block."""
+    K = int(col_blocks)
     n = pf.numel()
     lr, wd, eps, bc1 = hp["lr"], hp["weight_decay"], hp["eps"], hp["bc1"]
     sqrt_bc2 = math.sqrt(hp["bc2"])
@@ -49,7 +51,9 @@ def apply_factored(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: to
         q = cb.index_select(0, ib.int()).view(-1, B)
         cf = row_factors(col_f, row0, r0, r1, row_block)
         p = pf[r0 * slab:r1 * slab].view(r1 - r0, slab)
-        sigma = inv_rms_(rsq[r0:r1].unsqueeze(1) * cf, eps, bc1, sqrt_bc2)
+        rms = (rsq[r0 * K:r1 * K].view(r1 - r0, K).repeat_interleave(slab // K, dim=1) * col_f if K > 1
+               else rsq[r0:r1].unsqueeze(1) * cf)
+        sigma = inv_rms_(rms, eps, bc1, sqrt_bc2)
         apply_(p, (q * a).view(r1 - r0, slab), sigma, lr, wd, hp.get("bound"))
 
 

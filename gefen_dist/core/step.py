@@ -595,13 +595,12 @@ def factored_state_eager_(grad, idx, scale, v_row, codebook, *, slab, beta1, bet
                           bc2=None) -> torch.Tensor:
     """The row-local state update of :func:`quantized_step_factored_eager_` without the column factor
     and the parameter update (ZeRO-1's owners): updates ``v_row``, ``scale``, ``idx`` in place and
-    returns ``sqrt(v_row)`` per row (``eps``, ``bc1``, ``bc2`` are accepted for the signature of the
-    kernels' state functions and unused: the state never depends on them)."""
-    if col_blocks_of(v_row) > 1:
-        raise ValueError("factored_state_eager_: column blocks (D21) have no state-only step (ZeRO-1's owners "
-                         "do not take them)")
-    rsq = torch.empty(idx.numel() // slab, dtype=torch.float32, device=idx.device)
+    returns ``sqrt(v_row)`` per row (column blocks, D21: per row and block, flat ``[rows * K]``), the full
+    step's values (``eps``, ``bc1``, ``bc2`` are accepted for the signature of the kernels' state functions
+    and unused: the state never depends on them)."""
+    K = col_blocks_of(v_row)
+    rsq = torch.empty(idx.numel() // slab, K, dtype=torch.float32, device=idx.device)
     for r0, r1, r, _, _ in _factored_chunks(grad, idx, scale, v_row, codebook, slab=slab, beta1=beta1,
                                             beta2=beta2, scale_block=scale_block):
-        rsq[r0:r1] = r
-    return rsq
+        rsq[r0:r1] = r.view(r1 - r0, K)
+    return rsq.view(-1)

@@ -232,6 +232,8 @@ def _load(name: str) -> Optional[ctypes.CDLL]:
             lib.gefen_apply_compressed.argtypes = [ctypes.POINTER(_Args)] + [vp] * 5
             lib.gefen_apply_factored.restype = ctypes.c_int
             lib.gefen_apply_factored.argtypes = [ctypes.POINTER(_Args)] + [vp] * 6 + [i64, i64]
+            lib.gefen_apply_factored_k.restype = ctypes.c_int
+            lib.gefen_apply_factored_k.argtypes = [ctypes.POINTER(_Args)] + [vp] * 6 + [i64, i64, i64]
             lib.gefen_nearest.restype = None
             lib.gefen_nearest.argtypes = [vp, i64, vp, vp, i32, f32, i32, vp]
             lib.gefen_nearest_sweep.restype = i64
@@ -696,20 +698,22 @@ def apply_compressed_(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, sigm
 
 def apply_factored_(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: torch.Tensor,
                     col_f: torch.Tensor, cb: torch.Tensor, B: int, slab: int, hp: dict, row0: int = 0,
-                    row_block: int = 0, simd: int = 1) -> None:
+                    row_block: int = 0, simd: int = 1, col_blocks: int = 1) -> None:
     """The parameter update of :func:`quantized_step_factored_` from its results, in the kernel
     (``gefen_apply_factored``, the code of the step's last sweep): the new ``idx`` and scales ``M``
     (per ``B`` elements), ``rsq = sqrt(v_row)`` per row of ``slab`` elements as
     :func:`factored_state_` returns it, the column factors ``col_f`` (``[slab]``, or ``[G, slab]``
     per block of ``row_block`` rows, this range's first row being global row ``row0``); bitwise the
-    full step's parameter. The contract of :func:`gefen_dist.core.apply.apply_factored`; falls back
+    full step's parameter. ``col_blocks`` ``K`` (D21): ``rsq`` per row and block of ``slab / K`` columns,
+    ``col_f`` normalised per block. The contract of :func:`gefen_dist.core.apply.apply_factored`; falls back
     to it without the native library."""
     lib = _lib()
     if lib is None:
         from gefen_dist.core.apply import apply_factored
 
-        return apply_factored(pf, idx, M, rsq, col_f, cb, B, slab, hp, row0=row0, row_block=row_block)
-    n, B, S = pf.numel(), int(B), int(slab)
+        return apply_factored(pf, idx, M, rsq, col_f, cb, B, slab, hp, row0=row0, row_block=row_block,
+                              col_blocks=col_blocks)
+    n, B, S, K = pf.numel(), int(B), int(slab), int(col_blocks)
     if B < 1 or S < 1 or S % B or n % S:
         raise ValueError(f"need the scale block {B} to divide the row length {S}, and {S} to divide numel {n}")
     if n == 0:
@@ -721,11 +725,14 @@ def apply_factored_(pf: torch.Tensor, idx: torch.Tensor, M: torch.Tensor, rsq: t
         raise ValueError(f"col_f has {G} row blocks: need row_block >= 1 and rows [{row0}, {row0 + n // S}) "
                          f"inside {G} x {row_block} rows")
     rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
-    idx, M, rsq, cb = _apply_inputs(pf, idx, M, rsq, cb, n_blocks=n // B, n_rates=n // S)
+    if K < 1 or S % K or (S // K) % B or (K > 1 and G > 1):
+        raise ValueError(f"col_blocks={K}: need one column profile and the scale block {B} dividing a block of "
+                         f"{S} / {K} columns")
+    idx, M, rsq, cb = _apply_inputs(pf, idx, M, rsq, cb, n_blocks=n // B, n_rates=n // S * K)
     a = _update_args(_Args(), pf, n, S, B, lr=hp["lr"], eps=hp["eps"], weight_decay=hp["weight_decay"],
                      bc1=hp["bc1"], bc2=hp["bc2"], bound=hp.get("bound"), simd=simd)
-    rc = lib.gefen_apply_factored(ctypes.byref(a), pf.data_ptr(), idx.data_ptr(), M.data_ptr(), rsq.data_ptr(),
-                                  cf.data_ptr(), cb.data_ptr(), int(row0), rb)
+    rc = lib.gefen_apply_factored_k(ctypes.byref(a), pf.data_ptr(), idx.data_ptr(), M.data_ptr(), rsq.data_ptr(),
+                                    cf.data_ptr(), cb.data_ptr(), int(row0), rb, K)
     if rc != 0:
         raise RuntimeError(f"gefen_apply_factored failed with code {rc}")
     torch.autograd.graph.increment_version(pf)

@@ -30,13 +30,15 @@ def factored_state_only_(step: Callable, grad, idx, scale, v_row, codebook, *, s
                          hp: dict, max_elems: int) -> None:
     """``step`` (a ``quantized_step_factored_``) over chunks of whole rows of ``slab`` elements (at
     most ``max_elems`` elements, at least one row), against a zero column profile (the row-local
-    state does not read it); ``hp`` as :func:`state_only_`."""
+    state does not read it); ``hp`` as :func:`state_only_`. A ``[rows, K]`` ``v_row`` (column blocks, D21) is
+    cut by rows with the rest."""
     S, n = int(slab), idx.numel()
+    K = int(v_row.shape[-1]) if v_row.dim() == 2 else 1
     rows, nb = n // S, S // int(scale_block)
     per = max(1, max_elems // S)
     zeros = torch.zeros(S, dtype=torch.float32, device=grad.device)
     scratch = torch.zeros(min(rows, per) * S, dtype=grad.dtype, device=grad.device)
-    g, ix, sc, vr = grad.reshape(-1), idx.reshape(-1), scale.reshape(-1), v_row.reshape(-1)
+    g, ix, sc, vr = grad.reshape(-1), idx.reshape(-1), scale.reshape(-1), v_row.reshape(-1, K) if K > 1 else v_row.reshape(-1)
     for r0 in range(0, rows, per):
         r1 = min(rows, r0 + per)
         step(scratch[:(r1 - r0) * S], g[r0 * S:r1 * S], ix[r0 * S:r1 * S], sc[r0 * nb:r1 * nb], vr[r0:r1],

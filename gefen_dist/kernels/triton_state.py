@@ -98,10 +98,12 @@ apply_compressed_ = _apply_compressed_eager
 
 
 def apply_factored_(pf, idx, M, rsq, col_f, cb, B: int, slab: int, hp: dict, row0: int = 0,
-                    row_block: int = 0) -> None:
+                    row_block: int = 0, col_blocks: int = 1) -> None:
     """The parameter update of the Triton factored step from its results (the new ``idx`` and scales
     ``M`` per ``B`` elements, ``rsq = sqrt(v_row)`` per row of ``slab`` elements, the column factors
-    ``col_f`` of :func:`column_factors`), in the kernel's float32 operations and order."""
+    ``col_f`` of :func:`column_factors`), in the kernel's float32 operations and order. ``col_blocks`` ``K``
+    (D21): ``rsq`` per row and block of ``slab / K`` columns, ``col_f`` normalised per block."""
+    K = int(col_blocks)
     n = pf.numel()
     lr, wd = hp["lr"], hp["weight_decay"]
     sqrt_bc2 = _f32(math.sqrt(hp["bc2"]))
@@ -114,7 +116,9 @@ def apply_factored_(pf, idx, M, rsq, col_f, cb, B: int, slab: int, hp: dict, row
         q = cb.index_select(0, idx[r0 * slab:r1 * slab].int()).view(-1, B)
         a = M[r0 * slab // B:r1 * slab // B].view(-1, 1)
         cf = row_factors(col_f, row0, r0, r1, row_block)
-        sigma = _div(inv_bc1, (rsq[r0:r1].unsqueeze(1) * isb) * cf + eps)
+        xr = (rsq[r0 * K:r1 * K].view(r1 - r0, K).repeat_interleave(slab // K, dim=1) if K > 1
+              else rsq[r0:r1].unsqueeze(1)) * isb
+        sigma = _div(inv_bc1, xr * (col_f.view(1, -1) if K > 1 else cf) + eps)
         apply_(pf[r0 * slab:r1 * slab].view(r1 - r0, slab), (q * a).view(r1 - r0, slab), sigma, lr, wd,
                hp.get("bound"))
 

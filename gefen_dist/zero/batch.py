@@ -91,9 +91,9 @@ class ZeroBatch:
         # second_moment="nibbles" (D20; then every factored tensor of the optimizer is one): no column
         # factors, its owners' dense steps read the column ratios around the v_col EMA (_nibble_groups)
         self.nibbles = nibbles_in(opt.param_groups)
-        # (a column-blocked tensor, D21, travels dense: its owners' full step computes its own factors)
-        need = [not self.nibbles and col_blocks_of(state[entries[e][1]]["v_row"]) == 1 for e in self.fact]
-        self.cols = ColumnTable(tri, cols, device, factored=need) if cols else None
+        # (column blocks, D21: their factors normalised per block of columns, as the appliers read them)
+        colb = [col_blocks_of(state[entries[e][1]]["v_row"]) for e in self.fact]
+        self.cols = ColumnTable(tri, cols, device, factored=[not self.nibbles] * len(cols), col_blocks=colb) if cols else None
         by_beta2: Dict[float, tuple] = {}
         for e, cms in zip(self.fact, self.cols.views if cols else []):
             b = by_beta2.setdefault(entries[e][0]["betas"][1], ([], [], []))
@@ -151,7 +151,8 @@ class ZeroBatch:
                 continue
             mode = opt._wire_mode(p, st)
             s, e = opt._mine(p)
-            if mode not in (MODE_FACTORED, MODE_COMPRESSED) or e == s:
+            if mode not in (MODE_FACTORED, MODE_COMPRESSED) or e == s or (
+                    mode == MODE_FACTORED and col_blocks_of(st["v_row"]) > 1):  # (D21: the owner's full step)
                 continue
             fact = mode == MODE_FACTORED
             S = st["v_col"].shape[-1] if fact else int(st["period"])

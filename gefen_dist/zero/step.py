@@ -27,6 +27,18 @@ def _row_blocks_kw(p: torch.Tensor, st: dict, s: int) -> dict:
     return row_block_args(st["v_col"], global_shape(p)[0], s)
 
 
+def _rate_unit(st: dict) -> int:
+    """Elements per ``sqrt(v_row)`` a factored tensor's compressed update carries: its row, or with column
+    blocks (D21) a block of ``S / K`` columns."""
+    return st["v_col"].shape[-1] // col_blocks_of(st["v_row"])
+
+
+def _factors(column_factors, K: int):
+    """An implementation's column factors of a ``v_col`` with ``K`` column blocks (D21): each block normalised
+    on its own, as the implementation's full step computes them."""
+    return column_factors if K == 1 else (lambda v: column_factors(v.view(K, -1)).view(-1))
+
+
 def _owner_nibbles(opt, p, st, hp, s, work, g, col_mean_sq) -> None:
     """A ``second_moment="nibbles"`` (D20) owner's step of its rows of ``p`` (flat elements from ``s``, whole
     rows: the global rows key the random numbers) into ``work``, with a copy of the old ``v_col`` (every
@@ -143,7 +155,8 @@ class ZeroStepMixin:
         col = batch.column_means() if batch is not None else self._column_stats(entries, partials)
         items = self._wire_items(entries)  # a span tensor not learned yet: MODE_LOCAL (decay only)
         items += [(p, self.state[p], span_work[p][0], MODE_SPAN) for _, p in span]
-        wire = [(mode, st["scale_block"], p.element_size(), self._partition.of(p), st["v_col"].shape[-1])
+        # (factored: one sqrt(v_row) per row, or per block of S / K columns with column blocks, D21)
+        wire = [(mode, st["scale_block"], p.element_size(), self._partition.of(p), _rate_unit(st))
                 if mode == MODE_FACTORED else (mode, st.get("period", 1), p.element_size(), self._partition.of(p))
                 for p, st, hp, mode in items]
         sizes = step_wire_bytes(wire, self._world)
@@ -152,8 +165,8 @@ class ZeroStepMixin:
         # every rank: the replicated column factor (v_col <- EMA, then sqrt(v_col / mean(v_col))),
         # after the owners' dense steps, which update a copy of the old v_col themselves
         col_f = batch.column_factors() if batch is not None else {
-            id(p): update_v_col(st, col[p], hp, self._impl(p).column_factors) for p, st, hp, mode in items
-            if self._is_factored(p) and mode != MODE_LOCAL}
+            id(p): update_v_col(st, col[p], hp, _factors(self._impl(p).column_factors, col_blocks_of(st["v_row"])))
+            for p, st, hp, mode in items if self._is_factored(p) and mode != MODE_LOCAL}
         dev = items[0][0].device if items else torch.device("cpu")
         self._apply_all(items, self._exchange(parts, sizes, None, dev), col_f)
         self.__dict__.pop("_rows8_rows", None)
@@ -191,11 +204,9 @@ class ZeroStepMixin:
             return MODE_DENSE
         if not st["learned"]:
             return MODE_LOCAL
-        if self._is_factored(p):  # D20 ("nibbles"): dense, its update is of float32 moments only the owner holds;
-            # D21 (column blocks): dense, the appliers take one column factor per row
-            return (MODE_FACTORED if factored_wire_compressed(st["scale_block"], st["v_col"].shape[-1], p.element_size())
-                    and self._group_of(p).get("second_moment") != NIBBLES and col_blocks_of(st["v_row"]) == 1
-                    else MODE_DENSE)
+        if self._is_factored(p):  # D20 ("nibbles"): dense, its update is of float32 moments only the owner holds
+            return (MODE_FACTORED if factored_wire_compressed(st["scale_block"], _rate_unit(st), p.element_size())
+                    and self._group_of(p).get("second_moment") != NIBBLES else MODE_DENSE)
         return MODE_COMPRESSED if st["period"] > 1 else MODE_DENSE
 
 
@@ -261,7 +272,7 @@ class ZeroStepMixin:
                 if mode == MODE_COMPRESSED:
                     sizes = (n, 4 * (n // st["period"]), 4 * (n // st["period"]))
                 elif mode == MODE_FACTORED:
-                    sizes = (n, 4 * (n // st["scale_block"]), 4 * (n // st["v_col"].shape[-1]))
+                    sizes = (n, 4 * (n // st["scale_block"]), 4 * (n // _rate_unit(st)))
                 else:  # MODE_SPAN: the indices; MODE_DENSE: the values
                     sizes = (n if mode == MODE_SPAN else n * p.element_size(),)
                 offs = []
@@ -299,11 +310,11 @@ class ZeroStepMixin:
                                  zip(offs, (n, n // P, n // P), (torch.uint8, torch.float32, torch.float32)))
                 impl.apply_compressed_(flat[s:e], idx, M, sigma, st["codebook"], P, hp)
             elif mode == MODE_FACTORED:
-                B, slab = st["scale_block"], st["v_col"].shape[-1]
+                B, slab, K = st["scale_block"], st["v_col"].shape[-1], col_blocks_of(st["v_row"])
                 idx, M, rf = (take_bytes(ch, o, c, dt)[0].to(p.device) for o, c, dt in
-                              zip(offs, (n, n // B, n // slab), (torch.uint8, torch.float32, torch.float32)))
+                              zip(offs, (n, n // B, n // slab * K), (torch.uint8, torch.float32, torch.float32)))
                 impl.apply_factored_(flat[s:e], idx, M, rf, col_f[id(p)], st["codebook"], B, slab, hp,
-                                     **_row_blocks_kw(p, st, s))
+                                     **_row_blocks_kw(p, st, s), **({"col_blocks": K} if K > 1 else {}))
             elif mode == MODE_SPAN:
                 if self._span_applied_here(p, r):
                     sp, scale, v = SpanPiece.of(global_shape(p), s, n), st["scale"], st["v_blk"]
@@ -338,6 +349,7 @@ class ZeroStepMixin:
         pick = [k for k, (r, i, s, e, offs) in enumerate(layout)
                 if impl is not None and impl.apply_many is not None and items[i][3] in (MODE_FACTORED, MODE_COMPRESSED)
                 and items[i][0].is_contiguous() and self._impl(items[i][0]) is impl
+                and (items[i][3] != MODE_FACTORED or col_blocks_of(items[i][1]["v_row"]) == 1)  # (D21: per range)
                 and chunks[r].device == items[i][0].device]
         many = None
         if pick and _one_buffer(chunks):
@@ -404,7 +416,8 @@ class ZeroStepMixin:
 
 
     def _owner_factored(self, p, st, hp, s, e) -> List[torch.Tensor]:
-        """Update this rank's rows of ``p`` (v_row, m, idx, scale); return (idx, M, sqrt(v_row)).
+        """Update this rank's rows of ``p`` (v_row, m, idx, scale); return (idx, M, sqrt(v_row)) (column
+        blocks, D21: ``sqrt(v_row)`` per row and block of columns).
 
         The operations of :func:`quantized_step_factored_eager_`, in its order, minus the
         column factor and the parameter update (the appliers do those)."""

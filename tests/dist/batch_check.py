@@ -19,8 +19,8 @@ against Gefen on the per-tensor path (both on the Triton kernels, the same colle
   Gefen on the same path: bitwise, replicas identical;
 * ``zeronib``: ZeroGefen with ``second_moment="nibbles"``, its batch against its per-tensor path (the
   ranks' ranges cut rows): bitwise, replicas identical;
-* ``zerocb``: ZeroGefen with ``col_blocks="auto"`` (D21; the owners step their rows of the column-blocked
-  weight, its new values travel dense), its batch against its per-tensor path and a one-rank Gefen: bitwise.
+* ``zerocb``: ZeroGefen with ``col_blocks="auto"`` (D21; the owners update their rows of the column-blocked
+  weight, its update travels compressed), its batch against its per-tensor path and a one-rank Gefen: bitwise.
 
 Prints ``OK <case>`` per case and ``ALL OK batch_check ws=N``.
 """
@@ -234,9 +234,9 @@ def main():
     cut = [ob.owned_range(p) for p in b.parameters()]
     say(f"OK zeronib rank {rank}: ZeroGefen nibbles' batch bitwise its per-tensor path, replicas identical "
         f"(owned {cut}; {len(nb[0]['params'])} owned tensors in {nb[0]['step'].launches} launch(es))")
-    # ZeroGefen with col_blocks="auto" (D21): the (48, 192) weight's owners take its whole step (rows cut by the
-    # ranges; the Triton per-tensor kernel with column blocks) beside the batch, its new values travel dense;
-    # bitwise the per-tensor path and a one-rank Gefen's batch
+    # ZeroGefen with col_blocks="auto" (D21): the (48, 192) weight's owners update its state (rows cut by the
+    # ranges; the Triton kernel's state-only step with column blocks) beside the batch's state launches, its update
+    # travels compressed and is applied range by range; bitwise the per-tensor path and a one-rank Gefen's batch
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(32, 192), nn.GELU(), nn.Linear(192, 48), nn.GELU(), nn.Linear(48, 8))
     b, c = copy.deepcopy(a), copy.deepcopy(a)
@@ -250,6 +250,9 @@ def main():
     assert digest(a, oa) == digest(b, ob), f"zerocb: rank {rank}"
     assert all(torch.equal(p, q) for p, q in zip(c.parameters(), b.parameters())), f"zerocb against Gefen: {rank}"
     assert tuple(ob.state[b[2].weight]["v_row"].shape)[1:] == (4,) and ob._zero_batch is not None, f"zerocb: {rank}"
+    from gefen_dist.zero.partition import MODE_FACTORED
+
+    assert ob._wire_mode(b[2].weight, ob.state[b[2].weight]) == MODE_FACTORED, f"zerocb: wire {rank}"
     params = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in b.parameters())).hexdigest()
     assert same_everywhere(params), f"zerocb: replicas {rank}"
     cut = [ob.owned_range(p) for p in b.parameters()]

@@ -393,8 +393,9 @@ def nibbles_case():
 
 
 def col_blocks_case():
-    """``col_blocks="auto"`` (D21): each owner steps its rows of the column-blocked tensors (cut at rows; ``v_row``
-    ``[rows, K]``) and their new values travel dense, beside a plain factored tensor that travels compressed;
+    """``col_blocks="auto"`` (D21): each owner updates the state of its rows of the column-blocked tensors (cut at
+    rows; ``v_row`` ``[rows, K]``) and their updates travel compressed (``sqrt(v_row)`` per row and block of
+    columns) as a plain factored tensor's do;
     ZeroGefen ends bitwise where a single-process Gefen does, its consolidated state dict is the single
     process's, and that state dict loaded into ZeroGefen at this world size continues bitwise."""
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -420,6 +421,10 @@ def col_blocks_case():
     for i, (p, r) in enumerate(zip(ps, rs)):
         assert torch.equal(p, r), f"col_blocks: parameter {i} differs from a single process"
     assert [tuple(zo.state[p]["v_row"].shape)[1:] for p in ps[:3]] == [(3,), (4,), ()], "v_row per column block"
+    from gefen_dist.zero.partition import MODE_FACTORED
+
+    # their updates travel compressed: idx, M and sqrt(v_row) per row and block of columns
+    assert all(zo._wire_mode(p, zo.state[p]) == MODE_FACTORED for p in ps[:3]), "col_blocks: wire"
     cut = [None] * ws
     dist.all_gather_object(cut, [zo.owned_range(p) for p in ps[:2]])
     split = [i for i in range(2) if sum(1 for r in range(ws) if cut[r][i][1] > cut[r][i][0]) > 1]

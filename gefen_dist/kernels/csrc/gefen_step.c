@@ -66,7 +66,7 @@
 #define GEFEN_SPAN_AVX2 1 /* the span update's 8-lane loops: AVX2 builds and AVX-512 VBMI builds alike */
 #endif
 
-#define GEFEN_STEP_ABI 16 /* 16: gefen_multi_item.factored carries the column blocks K (D21) */
+#define GEFEN_STEP_ABI 16 /* 16: gefen_multi_item.factored carries the column blocks K, gefen_apply_factored_k (D21) */
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -1747,14 +1747,15 @@ ALWAYS_INLINE void apply_block(const gefen_step_args *restrict a, void *restrict
 
 /* All blocks of an apply-only call (one specialisation per dtype, mode and weight decay, the
  * OpenMP region outlined per specialisation as DEFINE_RUN's). PM 0: s = sigma per block; PM 2:
- * rows of a->period elements, s = sqrt(v_row) per row, cf / row0 / rb as for the factored step. */
+ * rows of a->period elements, s = sqrt(v_row) per row (K column blocks, D21: per row and block of
+ * S / K columns, s[r * K + c]), cf / row0 / rb as for the factored step. */
 #define DEFINE_APPLY(DT, PM, WD)                                                            \
     static void apply_##DT##PM##WD(const gefen_step_args *a, void *param, const uint8_t *idx, \
                                    const float *M, const float *s, const float *cf,          \
                                    const float *cb, int64_t row0, int64_t rb,                \
-                                   const void *planes)                                       \
+                                   const void *planes, int64_t K)                            \
     {                                                                                       \
-        const int64_t B = a->block, S = a->period, nb = a->n / B, per = S / B;              \
+        const int64_t B = a->block, S = a->period, nb = a->n / B, per = S / B, qc = per / K; \
         int64_t chunk;                                                                      \
         const int nt = threads_for(a, nb, &chunk);                                          \
         const float isb = 1.0f / a->sqrt_bc2;                                               \
@@ -1767,7 +1768,7 @@ ALWAYS_INLINE void apply_block(const gefen_step_args *restrict a, void *restrict
             } else {                                                                        \
                 const int64_t r = b / per;                                                  \
                 const float *cfb = cf + ((row0 + r) / rb) * S + o % S;                      \
-                apply_block(a, param, idx + o, cb, cfb, o, M[b], s[r] * isb, planes, DT, 2, WD); \
+                apply_block(a, param, idx + o, cb, cfb, o, M[b], s[r * K + (b % per) / qc] * isb, planes, DT, 2, WD); \
             }                                                                               \
         }                                                                                   \
     }
@@ -1781,13 +1782,13 @@ DEFINE_APPLY(1, 2, 0)
 DEFINE_APPLY(1, 2, 1)
 
 typedef void (*apply_fn)(const gefen_step_args *, void *, const uint8_t *, const float *, const float *,
-                         const float *, const float *, int64_t, int64_t, const void *);
+                         const float *, const float *, int64_t, int64_t, const void *, int64_t);
 static const apply_fn APPLIES[8] = {apply_000, apply_001, apply_020, apply_021,
                                     apply_100, apply_101, apply_120, apply_121};
 
 static int apply_call(const gefen_step_args *a, int factored, void *param, const uint8_t *idx,
                       const float *M, const float *s, const float *cf, const float *cb, int64_t row0,
-                      int64_t rb)
+                      int64_t rb, int64_t K)
 {
     const void *planes = NULL;
 #if defined(GEFEN_VBMI)
@@ -1800,7 +1801,7 @@ static int apply_call(const gefen_step_args *a, int factored, void *param, const
     avx2_tabs tb = {NULL, NULL, 0}; /* the apply only reads the codebook */
     if (a->simd) planes = &tb;
 #endif
-    APPLIES[(a->dtype << 2) | (factored << 1) | (a->has_wd != 0)](a, param, idx, M, s, cf, cb, row0, rb, planes);
+    APPLIES[(a->dtype << 2) | (factored << 1) | (a->has_wd != 0)](a, param, idx, M, s, cf, cb, row0, rb, planes, K);
     return 0;
 }
 
@@ -1816,19 +1817,34 @@ int gefen_apply_compressed(const gefen_step_args *a, void *param, const uint8_t 
     if (a->period != a->block) return -2;
     if (a->n % a->block != 0) return -3;
     if (a->dtype != 0 && a->dtype != 1) return -4;
-    return apply_call(a, 0, param, idx, M, sigma, NULL, cb, 0, 1);
+    return apply_call(a, 0, param, idx, M, sigma, NULL, cb, 0, 1, 1);
 }
 
 /* The parameter update of gefen_quantized_step_factored from its results: the new idx and scale
  * M[n / B], rsq[n / slab] = sqrt(v_row) of the new v_row (correctly rounded, as sqrtf) and cf, row0,
  * rb as there; bitwise the fused step's parameter. Also reads a->sqrt_bc2, eps, inv_bc1. */
+int gefen_apply_factored_k(const gefen_step_args *a, void *param, const uint8_t *idx, const float *M,
+                           const float *rsq, const float *cf, const float *cb, int64_t row0, int64_t rb,
+                           int64_t K);
+
 int gefen_apply_factored(const gefen_step_args *a, void *param, const uint8_t *idx, const float *M,
                          const float *rsq, const float *cf, const float *cb, int64_t row0, int64_t rb)
+{
+    return gefen_apply_factored_k(a, param, idx, M, rsq, cf, cb, row0, rb, 1);
+}
+
+/* As gefen_apply_factored with K column blocks (D21): rsq[n / slab * K], cf one block of rows normalised
+ * per block of slab / K columns (the scale block dividing slab / K); bitwise gefen_quantized_step_factored_k's
+ * parameter. */
+int gefen_apply_factored_k(const gefen_step_args *a, void *param, const uint8_t *idx, const float *M,
+                           const float *rsq, const float *cf, const float *cb, int64_t row0, int64_t rb,
+                           int64_t K)
 {
     if (a->n == 0) return 0;
     const int err = factored_args_error(a, row0, rb);
     if (err) return err;
-    return apply_call(a, 1, param, idx, M, rsq, cf, cb, row0, rb);
+    if (K < 1 || a->period % K != 0 || (a->period / K) % a->block != 0) return -7;
+    return apply_call(a, 1, param, idx, M, rsq, cf, cb, row0, rb, K);
 }
 
 /* ------------------------------------------------------------------------------------ */
