@@ -152,7 +152,7 @@ class ZeroBatch:
             mode = opt._wire_mode(p, st)
             s, e = opt._mine(p)
             if mode not in (MODE_FACTORED, MODE_COMPRESSED) or e == s or (
-                    mode == MODE_FACTORED and col_blocks_of(st["v_row"]) > 1):  # (D21: the owner's full step)
+                    mode == MODE_FACTORED and col_blocks_of(st["v_row"]) > 1):  # (D21: the per-tensor owner update)
                 continue
             fact = mode == MODE_FACTORED
             S = st["v_col"].shape[-1] if fact else int(st["period"])

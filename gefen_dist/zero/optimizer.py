@@ -17,8 +17,8 @@ A step:
    ``sigma_b`` (float32); for exact tensors and ``P == 1`` tensors (whose step size is per element,
    so the compressed form would be larger than the values) the new parameter values, bitwise, in
    the parameter's dtype; for a factored tensor (always cut at rows) the new ``idx`` bytes, per
-   scale block ``M_b`` and per row ``sqrt(v_row_i)`` (float32), or its new values when that is not
-   smaller (:func:`factored_wire_compressed`); for a tensor kept per block of rows (D16,
+   scale block ``M_b`` and per row ``sqrt(v_row_i)`` (float32; with column blocks, D21, one per row and
+   block of columns), or its new values when that is not smaller (:func:`factored_wire_compressed`); for a tensor kept per block of rows (D16,
    ``narrow_rows="span"``, cut at rows, its block state replicated and updated by every rank from
    the owners' statistics, one SUM and one MAX all-reduce) the new ``idx`` bytes only;
 2. one ``all_gather`` of the byte buffers (padded to the largest rank's size; ranks that own

@@ -314,7 +314,7 @@ class ZeroStepMixin:
                 idx, M, rf = (take_bytes(ch, o, c, dt)[0].to(p.device) for o, c, dt in
                               zip(offs, (n, n // B, n // slab * K), (torch.uint8, torch.float32, torch.float32)))
                 impl.apply_factored_(flat[s:e], idx, M, rf, col_f[id(p)], st["codebook"], B, slab, hp,
-                                     **_row_blocks_kw(p, st, s), **({"col_blocks": K} if K > 1 else {}))
+                                     **_row_blocks_kw(p, st, s), col_blocks=K)
             elif mode == MODE_SPAN:
                 if self._span_applied_here(p, r):
                     sp, scale, v = SpanPiece.of(global_shape(p), s, n), st["scale"], st["v_blk"]
