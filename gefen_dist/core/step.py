@@ -477,6 +477,13 @@ def column_factors(v_col: torch.Tensor, col_blocks: int = 1) -> torch.Tensor:
     return column_ratios(v_col).sqrt_()
 
 
+def per_column_block(factors, K: int):
+    """``factors`` (a function of a ``v_col``: an implementation's column factors) applied to each of ``K``
+    blocks of columns on its own (D21: ``v_col`` read as ``[K, slab / K]``, the result flat ``[slab]``);
+    ``factors`` itself for ``K == 1``."""
+    return factors if K == 1 else (lambda v: factors(v.view(K, -1)).view(-1))
+
+
 def col_blocks_of(v_row: torch.Tensor) -> int:
     """The column blocks (D21) of a factored state: the columns of its ``v_row`` (``[rows, K]``; 1 for
     ``[rows, 1]`` or ``[rows]``)."""

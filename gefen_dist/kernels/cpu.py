@@ -122,7 +122,7 @@ import numpy as np
 import torch
 
 from gefen_dist.core.quant import NUM_CODEWORDS
-from gefen_dist.core.step import check_col_blocks, check_tensor, column_factors
+from gefen_dist.core.step import check_col_blocks, check_tensor, column_factors, per_column_block
 from gefen_dist.kernels import cpu_build, native
 from gefen_dist.kernels.cpu_tables import CodebookTable, codebook_table  # the kernel's table (re-exported)
 from gefen_dist.kernels.state_only import factored_state_only_, state_only_
@@ -588,7 +588,7 @@ def quantized_step_factored_(
     v_col.mul_(beta2).add_(col_mean_sq.view_as(v_col), alpha=1.0 - beta2)
     if n == 0:
         return
-    col_f = _column_factors_cpu(v_col.view(K, S // K)).view(S) if K > 1 else _column_factors_cpu(v_col)
+    col_f = per_column_block(_column_factors_cpu, K)(v_col)
     rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
     tab = codebook_table(codebook)
     a = _make_args(param, n, S, B, tab, lr=lr, beta1=beta1, beta2=beta2, eps=eps,

@@ -23,7 +23,7 @@ from .triton_kernels import _HAVE_TRITON, _interpret, _kernel, triton
 from .triton_multi import ColumnFactors, ColumnSums, MultiStep, NibbleItem, StepItem, multi_launch_options
 from .triton_nibbles import NibbleStep
 from .triton_tables import _check, _config, _device_table, _step_scalars
-from ..core.step import check_col_blocks
+from ..core.step import check_col_blocks, per_column_block
 
 __all__ = ["available", "quantized_step_", "quantized_step_factored_", "StepItem", "MultiStep", "ColumnSums",
            "ColumnFactors", "multi_launch_options", "NibbleItem", "NibbleStep"]
@@ -119,8 +119,7 @@ def quantized_step_factored_(
     if n == 0:
         return
     rb = int(row_block) if G > 1 else row0 + n // S + 1  # one block: every row in block 0
-    cf = (ColumnFactors([v_col.view(K, S // K)], device).run()[0].view(S) if K > 1
-          else ColumnFactors([v_col], device).run()[0])
+    cf = per_column_block(lambda v: ColumnFactors([v], device).run()[0], K)(v_col)
     _run(param, grad, idx, scale, v_row, cf, codebook, S=S, B=B, mode=2, row0=int(row0), row_block=rb,
          lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
          block_size=block_size, bound=bound, col_blocks=K)

@@ -8,7 +8,8 @@ import torch
 
 from ..engine.comm import pad_bytes, take_bytes
 from ..core.apply import update_v_col
-from ..core.step import ADAMW_KEYS, adamw_foreach_, col_blocks_of, decay_only_, hyperparameters, row_block_args
+from ..core.step import (ADAMW_KEYS, adamw_foreach_, col_blocks_of, decay_only_, hyperparameters, per_column_block,
+                         row_block_args)
 from ..kernels import dispatch as _dispatch
 from ..engine.layout import Ranges, global_shape
 from ..core.span import SpanPiece
@@ -31,12 +32,6 @@ def _rate_unit(st: dict) -> int:
     """Elements per ``sqrt(v_row)`` a factored tensor's compressed update carries: its row, or with column
     blocks (D21) a block of ``S / K`` columns."""
     return st["v_col"].shape[-1] // col_blocks_of(st["v_row"])
-
-
-def _factors(column_factors, K: int):
-    """An implementation's column factors of a ``v_col`` with ``K`` column blocks (D21): each block normalised
-    on its own, as the implementation's full step computes them."""
-    return column_factors if K == 1 else (lambda v: column_factors(v.view(K, -1)).view(-1))
 
 
 def _owner_nibbles(opt, p, st, hp, s, work, g, col_mean_sq) -> None:
@@ -165,7 +160,7 @@ class ZeroStepMixin:
         # every rank: the replicated column factor (v_col <- EMA, then sqrt(v_col / mean(v_col))),
         # after the owners' dense steps, which update a copy of the old v_col themselves
         col_f = batch.column_factors() if batch is not None else {
-            id(p): update_v_col(st, col[p], hp, _factors(self._impl(p).column_factors, col_blocks_of(st["v_row"])))
+            id(p): update_v_col(st, col[p], hp, per_column_block(self._impl(p).column_factors, col_blocks_of(st["v_row"])))
             for p, st, hp, mode in items if self._is_factored(p) and mode != MODE_LOCAL}
         dev = items[0][0].device if items else torch.device("cpu")
         self._apply_all(items, self._exchange(parts, sizes, None, dev), col_f)
