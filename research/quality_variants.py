@@ -370,6 +370,50 @@ def _rows8_steps(scale_steps: int, v_steps: int):
     return make
 
 
+# rotation steps of the quasi-random draws (16-bit fixed point): frac(sqrt(2)) and frac(golden ratio)
+_QR_STEP_M, _QR_STEP_V = 27146, 40503
+
+
+def quasi_uniforms(start: int, numel: int, key, device=None):
+    """The one-byte layout's draws with a low-discrepancy sequence in time (research only): element ``i`` of
+    tensor ``t`` at step ``s`` draws ``frac(o_i + s * alpha)`` on the 2^-16 grid, ``o_i`` a fixed hash of
+    (``i``, ``t``) (its two 16-bit halves for the two moments), ``alpha`` frac(sqrt 2) for the first moment
+    and the golden ratio's for ``v``. Each element's draws are equidistributed over steps like the library's
+    i.i.d. hash, but a run of roundings up is followed by rounds down (a rotation's partial sums stay
+    bounded), so a code's rounding errors, which the EMA carries for ~1 / (1 - beta2) steps, largely cancel
+    instead of adding up. ``key``: ``(step, tensor)`` (:func:`_quasi_key`)."""
+    import torch
+
+    from gefen_dist.core import nibbles as nb
+
+    step, tensor = key
+    i = torch.arange(start, start + numel, dtype=torch.int64, device=device)
+    h = nb.hash32(i ^ nb.hash32_int(int(tensor) * 0xC2B2AE3D + 0x2545F491))
+    um = ((h >> 16) + int(step) * _QR_STEP_M) & 0xFFFF
+    uv = ((h & 0xFFFF) + int(step) * _QR_STEP_V) & 0xFFFF
+    return um.to(torch.float32) * nb._U16, uv.to(torch.float32) * nb._U16
+
+
+def _quasi_key(seed: int, step: int, tensor: int):
+    return (int(step), int(tensor))
+
+
+def _nibbles_quasi():
+    """``second_moment="nibbles"`` on the eager reference with :func:`quasi_uniforms` in place of the
+    library's i.i.d. draws (both moments). Patches ``gefen_dist.core.nibbles.uniforms`` and
+    ``gefen_dist.engine.tensor_step.step_key`` for the process: run it in a process of its own (the
+    quality scripts do)."""
+    inner = _gefen(second_moment="nibbles", row_blocks="auto", fused=False)
+
+    def make(groups, lr, betas, seed):
+        from gefen_dist.core import nibbles as nb
+        from gefen_dist.engine import tensor_step as ts
+
+        nb.uniforms, ts.step_key = quasi_uniforms, _quasi_key
+        return inner(groups, lr, betas, seed)
+    return make
+
+
 def _rows8_exact(part: str):
     """narrow_rows="rows8" with one of its two per-row quantities kept exact in float32 beside the codes
     (research only, one process): ``"v"`` (the second moment's EMA runs on float32 values, the scale
@@ -805,6 +849,9 @@ RESEARCH_VARIANTS = {
                     "ColBlockGefen, those tensors stepped eagerly)", _colblocks()),
     "v_nibbles": ("(v) gefen_dist Gefen(second_moment='nibbles'): one byte per element for both moments (D20), "
                   "~1.02 B/param", _gefen(second_moment="nibbles", row_blocks="auto", fused=None)),
+    "v_nibbles_qr": ("(v) second_moment='nibbles' (eager reference) with quasi-random draws in time (a rotation by "
+                     "frac(sqrt 2) / frac(golden ratio) per step from a fixed per-element offset) instead of i.i.d. ones",
+                     _nibbles_quasi()),
     "v_nib_core": ("(v) gefen_dist.core.nibbles through research/byte_moments.py (ref='core'): one byte per element, "
                    "the update from the float32 moments: ~1.02 B/param", _byte_moments("core")),
     "v_nib_core_dec": ("(v) v_nib_core with the update from the stored codes", _byte_moments("core", update="decoded")),

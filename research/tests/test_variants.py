@@ -793,3 +793,35 @@ def test_column_block_variant_is_d12_transposed():
     V.ColBlockGefen._rescale_blocks(st, R)
     new = (st["codebook"][st["idx"].long()].view(-1, R) * st["scale"].view(-1, 1)).view(R, K * R)
     assert st["scale"].numel() == K * R and float((new - old).abs().max()) <= 0.05 * float(a.max())
+
+
+def test_quasi_draws_are_equidistributed_and_cancel_rounding_errors():
+    """quality_variants.quasi_uniforms (the v_nibbles_qr variant's draws): uniform over elements at a step
+    and over steps for an element, and an EMA of chi-square draws coded to the one-byte layout's v levels
+    with them keeps a narrower band around the exact EMA than with the library's i.i.d. draws."""
+    _variants()
+    import quality_variants as qv
+
+    from gefen_dist.core import nibbles as nb
+
+    um, uv = qv.quasi_uniforms(0, 65536, (3, 5))
+    assert abs(float(um.mean()) - 0.5) < 0.01 and abs(float(uv.mean()) - 0.5) < 0.01
+    over_time = torch.stack([qv.quasi_uniforms(11, 1, (s, 2))[1] for s in range(2000)]).flatten()
+    hist = torch.histc(over_time, bins=10, min=0.0, max=1.0) / over_time.numel()
+    assert float((hist - 0.1).abs().max()) < 0.01  # a rotation: far flatter than 2000 i.i.d. draws need be
+    gen = torch.Generator().manual_seed(0)
+    n, lv = 20000, torch.tensor(nb.V_LEVELS)
+    scale = torch.exp(torch.randn(n, generator=gen) * 0.7)
+    spread = {}
+    for mode in ("iid", "quasi"):
+        gen.manual_seed(1)
+        v_true, v_code, logs = torch.zeros(n), torch.zeros(n), []
+        for t in range(1, 201):
+            g2 = scale * torch.randn(n, generator=gen) ** 2
+            v_true = 0.95 * v_true + 0.05 * g2
+            u = nb.uniforms(0, n, nb.step_key(0, t, 3))[1] if mode == "iid" else qv.quasi_uniforms(0, n, (t, 3))[1]
+            v_code = lv[nb.round_stochastic(0.95 * v_code + 0.05 * g2, lv, u)]
+            if t > 100:
+                logs.append((v_true / v_code).log())
+        spread[mode] = float(torch.cat(logs).std())
+    assert spread["quasi"] < 0.85 * spread["iid"], spread
