@@ -74,18 +74,19 @@ def rows() -> list:
                 f"({mem['ratio_adamw_over_gefen']:.2f}x less)", "any (counted bytes)", mem.get("torch", NR),
                 mem.get("date", NR), "python benchmarks/memory.py"))
 
-    # the default (benchmarks/quality.py's gefen_default: the library's defaults) paired by seed with
-    # AdamW, from the runs files benchmarks/peers_table.py reads
-    from peers_table import files_of, finals
+    # the shipped default (research/quality_variants.py's v_default_fused: the library's defaults, native step)
+    # paired by seed with AdamW, from the runs files benchmarks/peers_table.py reads
+    from peers_table import STALL_FRAC, files_of, finals
 
+    variant, kind = "v_default_fused", "d17"  # the shipped default's runs (peers_table.py's first row)
     for preset in ("small", "base"):
         try:
-            res = seed_gaps(finals(preset, "gefen_default", "default"), "gefen_default")
+            res = seed_gaps(finals(preset, variant, kind), variant, stall_frac=STALL_FRAC[preset])
         except ValueError:
             continue
-        mine = [json.loads(line) for f in files_of(preset, "default") for line in f.read_text().splitlines()
+        mine = [json.loads(line) for f in files_of(preset, kind) for line in f.read_text().splitlines()
                 if line.strip()]
-        mine = [r for r in mine if r["workload"] == "lm" and r["variant"] == "gefen_default"
+        mine = [r for r in mine if r["workload"] == "lm" and r["variant"] == variant
                 and r["config"].get("preset") == preset and r["config"].get("steps") == 800]
         tw = res["trains_well"]
         behind = sum(r["gap_pct"] > 0 for r in res["seeds"] if r["base_trains_well"])
@@ -97,20 +98,28 @@ def rows() -> list:
             result = ", ".join(f"{_pct(r['gap_pct'])} (seed {r['seed']})" for r in res["seeds"] if r["base_trains_well"])
         if stalled:
             result += "; AdamW stalls on seed " + ", ".join(f"{r['seed']} ({_pct(r['gap_pct'])})" for r in stalled)
+        alone = [r for r in res["seeds"] if r["base_trains_well"] and not r["variant_trains_well"]]
+        bw = res["both_train_well"]
+        if alone and bw.get("n", 0) >= 2:  # the default stays on base's early plateau where AdamW leaves it
+            result += (f"; it stays on the early plateau on seed{'s' if len(alone) > 1 else ''} "
+                        + ", ".join(str(r["seed"]) for r in alone) + f"; where both leave it {_pct(bw['mean'])} "
+                        f"({bw['n']} seeds, {_pct(bw['ci95'][0])} to {_pct(bw['ci95'][1])})")
         hosts = sorted({r.get("host") for r in mine if r.get("host")})
         out.append((f"val loss vs AdamW, `{preset}` LM ({_params(mine, preset)} params, 800 steps), the default",
                     result, "; ".join(hosts) or NR, _torch(mine), _span(_day(r["time"]) for r in mine),
                     "python benchmarks/peers_table.py"))
 
-    tiny = ROOT / "research" / "results" / "default_tiny" / "runs.jsonl"
+    # the shipped default on `tiny` (gefen_auto: the library's defaults named explicitly, after D17)
+    tiny = ROOT / "research" / "results" / "tiny_rows8_ab" / "runs.jsonl"
     if tiny.exists():
         fin = {k: v for k, v in load_finals([RESULTS / "quality_runs.jsonl"], preset="tiny", steps=3000).items()
                if k[0] == "adamw"}
-        fin.update(load_finals([tiny], preset="tiny", steps=3000))
+        fin.update({k: v for k, v in load_finals([tiny], preset="tiny", steps=3000).items() if k[0] == "gefen_auto"})
         try:
-            res = seed_gaps(fin, "gefen_default")
+            res = seed_gaps(fin, "gefen_auto")
             gaps = [r["gap_pct"] for r in res["seeds"]]
-            mine = [json.loads(line) for line in tiny.read_text().splitlines() if line.strip()]
+            mine = [r for r in (json.loads(line) for line in tiny.read_text().splitlines() if line.strip())
+                    if r["variant"] == "gefen_auto"]
             out.append(("val loss vs AdamW, `tiny` LM (120,576 params, 3,000 steps), the default",
                         ", ".join(_pct(g) for g in gaps) + f" (seeds {', '.join(str(r['seed']) for r in res['seeds'])}; "
                         f"mean {_pct(statistics.fmean(gaps))})", "; ".join(sorted({r.get('host') for r in mine})) or NR,
