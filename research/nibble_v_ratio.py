@@ -1,7 +1,7 @@
 """How far `second_moment="nibbles"`'s stored second moment is from AdamW's on the same gradients,
 tensor by tensor, in the first steps of the `base` LM (where some seeds sit on the early plateau).
 
-    python research/nibble_v_ratio.py --seed 3 --steps 150 --every 25 [--json out.json]
+    python research/nibble_v_ratio.py --seed 3 --steps 150 --every 25 [--json out.json] [--variant v_nibbles_qr]
 
 Trains `benchmarks/quality.py`'s `base` run (its recipe and batches) with the library variant
 ``v_nibbles`` and keeps beside it, per quantized tensor, AdamW's per-element second moment of the
@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=25)
     ap.add_argument("--preset", default="base")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variant", default="v_nibbles", help="a research/quality_variants.py variant of the one-byte "
+                    "layout (e.g. v_nibbles_qr: quasi-random draws)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     import quality
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
     model = GPT(mcfg)
     batches = Batches(train, cfg["batch"], cfg["context"], seed=a.seed)
     lr0 = cfg["lr"]
-    opt = quality.make_optimizer("v_nibbles", model, cfg["weight_decay"], lr0, cfg["betas"], a.seed,
+    opt = quality.make_optimizer(a.variant, model, cfg["weight_decay"], lr0, cfg["betas"], a.seed,
                                  dim=mcfg.d_model, n_heads=mcfg.n_head)
     beta2 = cfg["betas"][1]
     v_adam = {}
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
                       f"sqrt(v_adamw/v) q05 {q05:.2f} median {med:.2f} q95 {q95:.2f}   (factored estimate: median {fmed:.2f})",
                       flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps(dict(seed=a.seed, preset=a.preset, records=records), indent=1))
+        Path(a.json).write_text(json.dumps(dict(seed=a.seed, preset=a.preset, variant=a.variant, records=records),
+                                            indent=1))
     return 0
 
 
