@@ -849,6 +849,10 @@ RESEARCH_VARIANTS = {
                     "ColBlockGefen, those tensors stepped eagerly)", _colblocks()),
     "v_nibbles": ("(v) gefen_dist Gefen(second_moment='nibbles'): one byte per element for both moments (D20), "
                   "~1.02 B/param", _gefen(second_moment="nibbles", row_blocks="auto", fused=None)),
+    "v_nibbles_quasi": ("(v) gefen_dist Gefen(second_moment='nibbles') since its draws became quasi-random in time "
+                        "(2026-12-07, D20), native step: the library's own rotation, under its own name so that its "
+                        "150-step runs stay apart from the i.i.d. layout's v_nibbles runs",
+                        _gefen(second_moment="nibbles", row_blocks="auto", fused=None)),
     "v_nibbles_qr": ("(v) second_moment='nibbles' (eager reference) with quasi-random draws in time (a rotation by "
                      "frac(sqrt 2) / frac(golden ratio) per step from a fixed per-element offset) instead of i.i.d. ones",
                      _nibbles_quasi()),
