@@ -34,7 +34,10 @@ RUNS = ([ROOT / "docs/results/quality_runs.jsonl", ROOT / "docs/results/quality_
         + [R / "default_base/runs_adamw.jsonl", R / "d17_base/runs_v_default_fused.jsonl", R / "emb_elementwise_base/runs.jsonl"]
         + sorted(Path(p) for p in glob.glob(str(R / "v8_base/runs_*.jsonl")))
         + sorted(Path(p) for p in glob.glob(str(R / "m4v4_base/runs_*.jsonl")))
-        + sorted(Path(p) for p in glob.glob(str(R / "nibbles_*/runs_*.jsonl"))))
+        + sorted(Path(p) for p in glob.glob(str(R / "nibbles_*/runs_*.jsonl")) if "/nibbles_qr_" not in p))
+# the library's "nibbles" since its draws became quasi-random in time (2026-12-07): its runs record the variant
+# v_nibbles too, so they are read apart and named v_nibbles_quasi here
+QUASI_RUNS = sorted(Path(p) for p in glob.glob(str(R / "nibbles_qr_*/runs_*.jsonl")))
 # variant -> (which weights are coded: name substrings, code bits, "block" | "minmax" | "fac" | None for fp32[,
 # the first moment's bits when not 8])
 LAYOUTS = {
@@ -54,7 +57,8 @@ LAYOUTS = {
     "v_bytes_block_proto": (("weight",), 4, "block", 4),
     "v_bytes_fac_dec_proto": (("weight",), 4, "fac", 4),
     "v_nib_core": (("weight",), 4, "fac", 4),
-    "v_nibbles": ("library", 4, "fac", 4),  # the library's own layout (plan.tensor_state, "nibbles")
+    "v_nibbles": ("library", 4, "fac", 4),  # the library's own layout (plan.tensor_state, "nibbles"), i.i.d. draws
+    "v_nibbles_quasi": ("library", 4, "fac", 4),  # the same with the draws quasi-random in time (QUASI_RUNS)
     "v_nib_core_dec": (("weight",), 4, "fac", 4),
     "v_bytes_m8_nearest_proto": (("weight",), 0, "fac", 8),
     "v_bytes_m8_stoch_proto": (("weight",), 0, "fac", 8),
@@ -67,6 +71,9 @@ LAYOUTS = {
 
 def finals(variant, preset="small"):
     """``{seed: final validation loss}`` of ``variant``'s stored runs (benchmarks/seed_gaps.load_finals)."""
+    if variant == "v_nibbles_quasi":
+        runs = load_finals([f for f in QUASI_RUNS if f.exists()], preset)
+        return {seed: r["val"] for (v, seed), r in runs.items() if v == "v_nibbles"}
     runs = load_finals([f for f in RUNS if f.exists()], preset)
     return {seed: r["val"] for (v, seed), r in runs.items() if v == variant}
 
@@ -205,6 +212,15 @@ def table(preset, args):
                 sd = summarize(d)
                 print(f"* `{r['variant']}`: {sd['mean']:+.2f} [{sd['ci95'][0]:+.2f}, {sd['ci95'][1]:+.2f}], "
                       f"better on {sum(x < 0 for x in d)} of {len(d)}")
+        q, i = finals("v_nibbles_quasi", preset), finals("v_nibbles", preset)
+        both = sorted(s for s in q if s in i)
+        if both:  # the two draw rules of "nibbles" on the same seeds (final validation loss, %)
+            d = [100 * (q[s] / i[s] - 1) for s in both]
+            sd = summarize(d)
+            print(f"\n`v_nibbles_quasi` against `v_nibbles` (i.i.d. draws), final validation loss, seeds "
+                  f"{', '.join(map(str, both))}: " + ", ".join(f"{x:+.2f}%" for x in d)
+                  + (f"; mean {sd['mean']:+.2f}% [{sd['ci95'][0]:+.2f}, {sd['ci95'][1]:+.2f}]" if len(d) > 1 else "")
+                  + f", lower on {sum(x < 0 for x in d)} of {len(d)}")
     if not args.md and preset == "small":
         print(json.dumps({"default_bpp_gpt2": layout_bytes(g2, (), 0, None)}, indent=None))
 
