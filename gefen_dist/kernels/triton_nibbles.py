@@ -24,9 +24,9 @@ from typing import Optional
 
 import torch
 
+from ..core.nibbles import step_key as _nb_step_key
 from . import triton_kernels as _tk
 from .triton_kernels import _HAVE_TRITON, _interpret, tl, triton
-from ..core.nibbles import step_key as _nb_step_key
 from .triton_tables import _check, _fma_flags, update_scalars
 
 __all__ = ["nibble_step_factored_", "NibbleStep", "nibble_config"]
