@@ -86,17 +86,21 @@ def _bytes(preset: str, variant: str, kind: str):
     return None
 
 
+# Gefen layouts the step benchmark did not run: their second_moment, for gefen_dist.plan's count
+GPT2_PLANNED = {"v_nibbles": "nibbles"}
+
+
 def _gpt2_planned(variant: str):
     """The state bytes per parameter on the GPT-2-small tensor set by ``gefen_dist.plan`` (the optimizer's
-    own count: tests/test_cli.py) for a Gefen layout the step benchmark did not run, else None."""
-    if variant != "v_nibbles":
+    own count: tests/test_cli.py) for a layout of ``GPT2_PLANNED``, else None."""
+    if variant not in GPT2_PLANNED:
         return None
     from step_speed import gpt2_shapes
 
     from gefen_dist.plan import TensorSpec, estimate_from_shapes
 
     specs = [TensorSpec(name, tuple(shape)) for name, shape in gpt2_shapes()]
-    return estimate_from_shapes(specs, second_moment="nibbles").gefen_bytes_per_param
+    return estimate_from_shapes(specs, second_moment=GPT2_PLANNED[variant]).gefen_bytes_per_param
 
 
 def cell(finals: dict, variant: str, preset: str) -> str:

@@ -370,18 +370,16 @@ def _rows8_steps(scale_steps: int, v_steps: int):
     return make
 
 
-# rotation steps of the quasi-random draws (16-bit fixed point): frac(sqrt(2)) and frac(golden ratio)
-_QR_STEP_M, _QR_STEP_V = 27146, 40503
-
-
 def quasi_uniforms(start: int, numel: int, key, device=None):
     """The one-byte layout's draws with a low-discrepancy sequence in time (research only): element ``i`` of
     tensor ``t`` at step ``s`` draws ``frac(o_i + s * alpha)`` on the 2^-16 grid, ``o_i`` a fixed hash of
     (``i``, ``t``) (its two 16-bit halves for the two moments), ``alpha`` frac(sqrt 2) for the first moment
-    and the golden ratio's for ``v``. Each element's draws are equidistributed over steps like the library's
-    i.i.d. hash, but a run of roundings up is followed by rounds down (a rotation's partial sums stay
-    bounded), so a code's rounding errors, which the EMA carries for ~1 / (1 - beta2) steps, largely cancel
-    instead of adding up. ``key``: ``(step, tensor)`` (:func:`_quasi_key`)."""
+    and the golden ratio's for ``v`` (the library's rotations, ``core.nibbles.ROTATION_M`` / ``ROTATION_V``).
+    Each element's draws are equidistributed over steps like i.i.d. ones, but a run of roundings up is
+    followed by rounds down (a rotation's partial sums stay bounded), so a code's rounding errors, which the
+    EMA carries for ~1 / (1 - beta2) steps, largely cancel instead of adding up. The emulation that preceded
+    the library's rule (D20 since 2026-12-07); its offsets are another hash than the library's, so its runs
+    are a second realisation of the rule. ``key``: ``(step, tensor)`` (:func:`_quasi_key`)."""
     import torch
 
     from gefen_dist.core import nibbles as nb
@@ -389,8 +387,8 @@ def quasi_uniforms(start: int, numel: int, key, device=None):
     step, tensor = key
     i = torch.arange(start, start + numel, dtype=torch.int64, device=device)
     h = nb.hash32(i ^ nb.hash32_int(int(tensor) * 0xC2B2AE3D + 0x2545F491))
-    um = ((h >> 16) + int(step) * _QR_STEP_M) & 0xFFFF
-    uv = ((h & 0xFFFF) + int(step) * _QR_STEP_V) & 0xFFFF
+    um = ((h >> 16) + int(step) * nb.ROTATION_M) & 0xFFFF
+    uv = ((h & 0xFFFF) + int(step) * nb.ROTATION_V) & 0xFFFF
     return um.to(torch.float32) * nb._U16, uv.to(torch.float32) * nb._U16
 
 
@@ -400,7 +398,7 @@ def _quasi_key(seed: int, step: int, tensor: int):
 
 def _nibbles_quasi():
     """``second_moment="nibbles"`` on the eager reference with :func:`quasi_uniforms` in place of the
-    library's i.i.d. draws (both moments). Patches ``gefen_dist.core.nibbles.uniforms`` and
+    library's draws (both moments; i.i.d. when this variant ran, quasi-random since). Patches ``gefen_dist.core.nibbles.uniforms`` and
     ``gefen_dist.engine.tensor_step.step_key`` for the process: run it in a process of its own (the
     quality scripts do)."""
     inner = _gefen(second_moment="nibbles", row_blocks="auto", fused=False)

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ..core.nibbles import ROTATION_M, ROTATION_V
 from ..core.nibbles import step_key as _nb_step_key
 from . import triton_kernels as _tk
 from .triton_kernels import _HAVE_TRITON, _interpret, tl, triton
@@ -78,6 +79,9 @@ def _nibble_kernel(
 
 
 _META = tl.constexpr(12) if _HAVE_TRITON else 12  # int64 fields per tensor of the multi-tensor table (NibbleStep)
+# the draws' rotations per step (core.nibbles.step_key), for the capturable kernel's key from the device step
+_ROT_M = tl.constexpr(ROTATION_M) if _HAVE_TRITON else ROTATION_M
+_ROT_V = tl.constexpr(ROTATION_V) if _HAVE_TRITON else ROTATION_V
 
 
 def _nibble_multi_kernel(
@@ -109,7 +113,7 @@ def _nibble_multi_kernel(
     if DEVICE_HP:
         nrows, sqrt_bc2, inv_bc1, lr, decay, ubound = _tk._device_scalars_jit(hp_ptr, nrows)
         st = tl.load(step_ptr).to(tl.int64)
-        rot = (((st * 27146) & 0xFFFF) << 16) | ((st * 40503) & 0xFFFF)  # core.nibbles.ROTATION_M, ROTATION_V
+        rot = (((st * _ROT_M) & 0xFFFF) << 16) | ((st * _ROT_V) & 0xFFFF)
     key = tl.load(mb + 11)
     _nibble_rows_jit(p_ptr, g_ptr, tl.load(mb + 1).to(tl.pointer_type(tl.uint8)),
                      tl.load(mb + 2).to(tl.pointer_type(tl.float32)), tl.load(mb + 3).to(tl.pointer_type(tl.float32)),

@@ -819,7 +819,8 @@ def test_quasi_draws_are_equidistributed_and_cancel_rounding_errors():
         for t in range(1, 201):
             g2 = scale * torch.randn(n, generator=gen) ** 2
             v_true = 0.95 * v_true + 0.05 * g2
-            u = nb.uniforms(0, n, nb.step_key(0, t, 3))[1] if mode == "iid" else qv.quasi_uniforms(0, n, (t, 3))[1]
+            # i.i.d.: the hash keyed anew every step, no rotation (the library's rule until 2026-12-07)
+            u = nb.uniforms(0, n, nb.step_key(0, 0, 1000 + t))[1] if mode == "iid" else qv.quasi_uniforms(0, n, (t, 3))[1]
             v_code = lv[nb.round_stochastic(0.95 * v_code + 0.05 * g2, lv, u)]
             if t > 100:
                 logs.append((v_true / v_code).log())
