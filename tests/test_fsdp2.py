@@ -49,7 +49,7 @@ def test_fsdp2_matches_single_process(nproc, configs):
     if importlib.util.find_spec("triton") is None:  # the CUDA plan's kernels run through its interpreter
         configs = [args for args in configs if "--cuda-batch" not in args]
     argv = [a for i, args in enumerate(configs) for a in ((["--then"] if i else []) + args)]
-    out = run_torchrun("fsdp_vs_single.py", nproc, *argv, timeout=180 * len(configs)).stdout
+    out = run_torchrun("fsdp_vs_single.py", nproc, *argv, timeout=180 * len(configs), relaunch_on_crash=True).stdout
     parts = out.split("CONFIG ")[1:]
     assert len(parts) == len(configs), out[-4000:]
     for i, (args, part) in enumerate(zip(configs, parts)):
