@@ -78,13 +78,19 @@ class ByteMoments(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, ref: str = "fac",
                  seed: int = 0, small_threshold: int = 4096, bound: Optional[float] = DEFAULT_BOUND_UPDATES,
-                 m_round: str = "stochastic", update: str = "fp32", only=None):
+                 m_round: str = "stochastic", update: str = "fp32", only=None, draws: str = "iid"):
         if ref not in ("fac", "block", "none", "core"):
             raise ValueError(f"ref must be 'fac', 'block', 'none' or 'core', got {ref!r}")
         if m_round not in ("stochastic", "nearest"):
             raise ValueError(f"m_round must be 'stochastic' or 'nearest', got {m_round!r}")
         if update not in ("fp32", "decoded"):
             raise ValueError(f"update must be 'fp32' or 'decoded', got {update!r}")
+        if draws not in ("iid", "quasi"):
+            raise ValueError(f"draws must be 'iid' or 'quasi', got {draws!r}")
+        # "iid": each step's uniforms hashed anew (keyed by the step); "quasi": the library's rule of D20
+        # since 2026-12-07 (core.nibbles): a per-element offset keyed without the step, advanced by
+        # t * frac(sqrt 2) (first moment) / t * frac(golden ratio) (v) modulo 1
+        self.draws = draws
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         # "fp32": the update from the float32 moments before they are stored; "decoded": from the stored codes
         # (what the library's default does with its first moment, and what a ZeRO-1 rank that receives only
@@ -220,10 +226,17 @@ class ByteMoments(torch.optim.Optimizer):
             v = torch.where(c < 15, ref * torch.exp2(-c), torch.zeros_like(c))
         return m, v
 
+    def _uniforms(self, n, key, stream):
+        seed, t, tensor = key
+        if self.draws == "iid":
+            return uniforms(n, _key(seed, t, tensor, stream))
+        alpha = (2 ** 0.5 - 1, (5 ** 0.5 - 1) / 2)[stream]
+        return torch.frac(uniforms(n, _key(seed, 0, tensor, stream)).double() + (t * alpha) % 1.0).float()
+
     def _encode(self, st, m, v, rows, cols, key):
         n = rows * cols
-        u1 = uniforms(n, _key(*key, 0)).view(rows, cols)
-        u2 = uniforms(n, _key(*key, 1)).view(rows, cols)
+        u1 = self._uniforms(n, key, 0).view(rows, cols)
+        u2 = self._uniforms(n, key, 1).view(rows, cols)
         a = _block_absmax(m)
         st["scale"].copy_(a)
         z = m / _expand(a, cols).clamp_min(1e-38)

@@ -20,7 +20,9 @@ step); every other tensor as the library's default. Configurations:
 * ``proto_fac`` / ``proto_block``: research/byte_moments.py's prototype of that layout on the head, every
   other tensor with AdamW's state (the rows above keep the library's default there: the input weight's
   ``v`` per block of 1,024 rows, D18); ``v``'s codes against the factored estimate, whose ``v_col`` keeps
-  the head at ~5 B/param, or against per-256 maxima, ~1.03 B/param.
+  the head at ~5 B/param, or against per-256 maxima, ~1.03 B/param;
+* ``proto_fac_qr`` / ``proto_block_qr``: the same with the quasi-random draws that D20's library kernels
+  take since 2026-12-07 (``ByteMoments(draws="quasi")``).
 
 Prints each configuration's held-out MSE per seed and the geometric mean of its ratio to AdamW's. Read
 the emulation rows against ``fp32_v`` (the same input layer: the library's, which alone puts the head
@@ -57,11 +59,11 @@ def _library(factory):
     return per_seed
 
 
-def _proto(seed, ref):
+def _proto(seed, ref, draws="iid"):
     """research/byte_moments.py's prototype coding the head only (the other tensors AdamW's state)."""
     from byte_moments import ByteMoments
     return lambda model: ByteMoments(model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0, ref=ref,
-                                     seed=seed, only=[model[2].weight])
+                                     seed=seed, only=[model[2].weight], draws=draws)
 
 
 CONFIGS = {
@@ -73,6 +75,8 @@ CONFIGS = {
     "m4sv4": _library(qv._gefen_named_v8(HEAD, 1, 16, m_levels=16, m_stochastic=True, **DEFAULT)),
     "proto_fac": lambda seed: _proto(seed, "fac"),
     "proto_block": lambda seed: _proto(seed, "block"),
+    "proto_fac_qr": lambda seed: _proto(seed, "fac", "quasi"),
+    "proto_block_qr": lambda seed: _proto(seed, "block", "quasi"),
 }
 
 
@@ -80,6 +84,7 @@ def _head_bytes(name):
     """The head's state bytes per parameter in the layout ``name`` stands for (counted, not measured: the
     emulations hold float32 ``v``)."""
     n, nb = 4096, 16  # (1, 4096): 16 scale blocks of 256
+    name = name.replace("_qr", "")  # (the quasi-random draws: the same layout)
     first = {"m4v4": 0.5, "m4sv4": 0.5, "proto_fac": 0.5, "proto_block": 0.5}.get(name, 1.0) * n + 4 * nb
     v = {"adamw": None, "fp32_v": 4 * n, "v8": n + 4 * nb, "v4": n / 2 + 4 * nb, "m4v4": n / 2 + 4 * nb,
          "m4sv4": n / 2 + 4 * nb, "proto_fac": n / 2 + 4 + 4 * n, "proto_block": n / 2 + 4 * nb}[name]
