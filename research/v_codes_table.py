@@ -121,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true",
                     help="also the `tiny` preset at 3,000 steps (context 64): v_nibbles and the default (gefen_auto) "
                          "against the stored AdamW runs of the same seeds")
+    ap.add_argument("--digits-adamw", default=None, metavar="RUNS_JSONL",
+                    help="AdamW's digits runs from this file instead (e.g. research/results/default_digits/runs.jsonl)")
     ap.add_argument("--digits", default=None, metavar="RUNS_JSONL",
                     help="also the digits runs of this file: each variant's held-out loss against AdamW's in it")
     args = ap.parse_args(argv)
@@ -129,25 +131,29 @@ def main(argv=None):
     if args.tiny:
         tiny3000()
     if args.digits:
-        digits(Path(args.digits))
+        digits(Path(args.digits), Path(args.digits_adamw) if args.digits_adamw else None)
 
 
 TINY_RUNS = ["docs/results/quality_runs.jsonl", "research/results/tiny_rows8_ab/runs_a.jsonl",
              "research/results/tiny_rows8_ab/runs.jsonl", "research/results/nibbles_tiny/runs_v_nibbles_0-3.jsonl"]
 
 
+TINY_QUASI = "research/results/nibbles_qr_tiny/runs_v_nibbles_0-3.jsonl"  # its v_nibbles read as v_nibbles_quasi
+
+
 def tiny3000():
     """`tiny` at 3,000 steps, context 64 (the issue's long tiny run): final validation against AdamW's."""
     runs = {}
-    for f in TINY_RUNS:
+    for f in TINY_RUNS + [TINY_QUASI]:
         for line in (ROOT / f).read_text().splitlines():
             r = json.loads(line)
             c = r.get("config", {})
             if c.get("preset") == "tiny" and c.get("steps") == 3000 and c.get("context") == 64:
-                runs.setdefault(r["variant"], {})[r["seed"]] = r["result"]["val_loss"]
+                v = "v_nibbles_quasi" if f == TINY_QUASI else r["variant"]
+                runs.setdefault(v, {})[r["seed"]] = r["result"]["val_loss"]
     adamw = runs["adamw"]
     print("\n`tiny` preset, 3,000 steps, context 64, against AdamW's final validation:\n")
-    for v in ("v_nibbles", "gefen_auto"):
+    for v in ("v_nibbles", "v_nibbles_quasi", "gefen_auto"):
         seeds = sorted(s for s in runs.get(v, {}) if s in adamw and s in runs["v_nibbles"])
         gaps = [100 * (runs[v][s] / adamw[s] - 1) for s in seeds]
         sg = summarize(gaps)
@@ -156,15 +162,17 @@ def tiny3000():
               + f"; mean {sg['mean']:+.2f}% [{sg['ci95'][0]:+.2f}, {sg['ci95'][1]:+.2f}]")
 
 
-def digits(path):
-    """Each variant's held-out loss on digits against the AdamW run of the same seed in ``path``."""
+def digits(path, adamw_path=None):
+    """Each variant's held-out loss on digits against the AdamW run of the same seed in ``path`` (or in
+    ``adamw_path``, for a file of one variant's runs)."""
     runs = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        if r.get("workload") == "digits":
-            runs.setdefault(r["variant"], {})[r["seed"]] = r["result"]["val_loss"]
+    for f in [path] + ([adamw_path] if adamw_path else []):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("workload") == "digits" and (f == path or r["variant"] == "adamw"):
+                runs.setdefault(r["variant"], {})[r["seed"]] = r["result"]["val_loss"]
     adamw = runs.pop("adamw")
-    print(f"\ndigits ({path.name}), held-out loss against AdamW's in the same file:\n")
+    print(f"\ndigits ({path.name}), held-out loss against AdamW's in {adamw_path or 'the same file'}:\n")
     for v, f in runs.items():
         gaps = [100 * (f[s] / adamw[s] - 1) for s in sorted(f) if s in adamw]
         print(f"* `{v}`: " + ", ".join(f"{g:+.2f}%" for g in gaps) + f" (mean {statistics.fmean(gaps):+.2f}%)")
