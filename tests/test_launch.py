@@ -33,8 +33,8 @@ def test_crash_rule():
 @pytest.mark.dist
 def test_relaunch_once_after_a_crash(tmp_path):
     """One launch: rank 1 dies of SIGSEGV (its Python stack in the output: PYTHONFAULTHANDLER), the
-    relaunch passes and the warning carries the first output; with a crash on every launch, or an
-    abort, the test fails after at most one relaunch."""
+    relaunch passes and the warning carries the first output; with a crash on every launch the test
+    fails after one relaunch (an abort is never relaunched: test_crash_rule)."""
     marker = tmp_path / "once"
     with pytest.warns(UserWarning, match="died of SIGSEGV; relaunching once") as rec:
         res = run_torchrun("crash_once.py", 2, str(marker), "SEGV", timeout=120, relaunch_on_crash=True)
@@ -45,5 +45,3 @@ def test_relaunch_once_after_a_crash(tmp_path):
         with pytest.warns(UserWarning):
             run_torchrun("crash_once.py", 2, str(tmp_path / "always"), "SEGV", "always", timeout=120,
                          relaunch_on_crash=True)
-    with pytest.raises(AssertionError, match=r"x2 .* failed \(rc"):  # an abort: no relaunch
-        run_torchrun("crash_once.py", 2, str(tmp_path / "abort"), "ABRT", timeout=120, relaunch_on_crash=True)

@@ -1,5 +1,5 @@
 """A launch whose rank 1 dies of a signal, for tests/test_launch.py's check of the relaunch rule
-(tests/dist/_launch.py): ``crash_once.py MARKER SIGNAL`` kills rank 1 with SIGNAL (SEGV, BUS, ABRT) on
+(tests/dist/_launch.py): ``crash_once.py MARKER SIGNAL`` kills rank 1 with SIGNAL (SEGV, BUS, ...) on
 the first launch that finds no MARKER file (it writes it first), and on every launch with ``always`` as
 the third argument; the other ranks and later launches meet at a barrier and print OK."""
 import os
