@@ -46,7 +46,7 @@ SPAN_MODES = (MODE_SPAN, MODE_ROWS8)  # the modes stepped in two phases by the s
 SECOND_MOMENTS = (MODE_SHARED, MODE_FACTORED, MODE_ELEMENTWISE)
 # second_moment="nibbles" (D20): a factored group whose state bytes hold both moments, each in four bits
 # (core/nibbles.py). Its state is the factored mode's, tensor for tensor; only the step's math and the
-# codebook's size (16) differ. gefen_dist.Gefen and ZeroGefen step it (the DeepSpeed optimizer refuses it)
+# codebook's size (16) differ. gefen_dist.Gefen, ZeroGefen and the DeepSpeed optimizer (ZeRO-1/2/3) step it
 NIBBLES = "nibbles"
 SECOND_MOMENT_SETTINGS = SECOND_MOMENTS + (NIBBLES,)
 NARROW_ROWS = ("auto", "rows", "span", "rows8")
