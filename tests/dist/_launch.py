@@ -125,7 +125,7 @@ def wait_torchrun(proc: subprocess.Popen, timeout: float, what: str = "torchrun"
 
 
 # torchrun's report of a worker killed by a signal: "exitcode  : -11 (pid: 123)  (SIGSEGV)"
-_SIGNAL_EXIT = re.compile(r"exitcode\s*:\s*-(\d+)\b[^\n]*\((SIG[A-Z]+)\)")
+_SIGNAL_EXIT = re.compile(r"exitcode\s*:\s*-\d+\b[^\n]*\((SIG[A-Z]+)\)")
 _CRASH_SIGNALS = ("SIGSEGV", "SIGBUS")
 
 
@@ -135,7 +135,7 @@ def crashed_worker(res: subprocess.CompletedProcess) -> Optional[str]:
     other workers after one died: those are failures to report, never to relaunch)."""
     if res.returncode == 0:
         return None
-    sigs = {m.group(2) for m in _SIGNAL_EXIT.finditer(res.stdout or "")}
+    sigs = set(_SIGNAL_EXIT.findall(res.stdout or ""))
     return next((s for s in _CRASH_SIGNALS if s in sigs), None)
 
 
