@@ -34,8 +34,8 @@ ADAMW = {"small": [D / "quality_runs.jsonl", D / "quality_runs_r15.jsonl", R / "
          "base": [D / "quality_runs.jsonl", R / "default_base" / "runs_adamw.jsonl"]}
 ROWS = [("v_default_fused", "Gefen, the default (shipped: D17's codebook fit, native step)", "d17"),
         ("gefen_default", "Gefen, the default before D17 (2026-12-04)", "default"),
-        ("v_nibbles", 'Gefen, `second_moment="nibbles"` (D20, quasi-random draws)', "nibbles_qr"),
-        ("v_nibbles", 'Gefen, `second_moment="nibbles"` (D20, i.i.d. draws, before 2026-12-07)', "nibbles"),
+        ("v_nibbles", 'Gefen, `second_moment="nibbles"` (D20, its i.i.d. draws)', "nibbles"),
+        ("v_nibbles", 'Gefen, `second_moment="nibbles"` with quasi-random draws (2026-12-07, withdrawn)', "nibbles_qr"),
         ("bnb_adamw8bit", "bitsandbytes AdamW8bit 0.50.2", "peers"),
         ("ao_adamw8bit", "torchao AdamW8bit 0.18.0", "peers"),
         ("ao_adamw4bit", "torchao AdamW4bit 0.18.0", "peers"),
@@ -53,7 +53,7 @@ GPT2_STATE = (D / "step_speed_peers_avx2.json",
 
 # the runs of a kind other than ``<kind>_<preset>/runs.jsonl``: the shipped default since D17 (the library's
 # defaults on the native step, research/quality_variants.py's v_default_fused) and second_moment="nibbles" (its
-# draws i.i.d. per step until 2026-12-07, then quasi-random in time: nibbles_qr; both runs record v_nibbles)
+# draws i.i.d. per step; from 2026-12-07 to 2026-12-08 quasi-random in time: nibbles_qr; both record v_nibbles)
 GLOBS = {"d17": ("d17_{preset}", "runs_v_default_fused*.jsonl"), "nibbles": ("nibbles_{preset}", "runs_v_nibbles_*.jsonl"),
          "nibbles_qr": ("nibbles_qr_{preset}", "runs_v_nibbles_*.jsonl")}
 
@@ -161,7 +161,7 @@ def table() -> str:
 
 
 # the plot's short names of ROWS, in order
-SHORT = ["default (D17)", "default before D17", "nibbles, quasi draws", "nibbles, i.i.d. draws", "bnb 8-bit",
+SHORT = ["default (D17)", "default before D17", "nibbles (i.i.d. draws)", "nibbles, quasi draws (withdrawn)", "bnb 8-bit",
          "torchao 8-bit", "torchao 4-bit", "Adam-mini"]
 XLIM = (-4.0, 8.0)  # gaps beyond are drawn at the edge, their value written beside them
 

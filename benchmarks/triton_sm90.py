@@ -161,7 +161,7 @@ def compile_nibbles(bf16: bool, rows: int, block: int, warps: int = 4, disasm: b
     g = "*i16" if bf16 else "*fp32"
     ptr = {"p_ptr": g, "g_ptr": g, "code_ptr": "*u8", "scale_ptr": "*fp32", "vrow_ptr": "*fp32", "ro_ptr": "*fp32",
            "rn_ptr": "*fp32", "cb_ptr": "*fp32", "lv_ptr": "*fp32"}
-    ints = ("nrows", "S", "B", "NBLK", "row0", "row_block", "key", "rot")
+    ints = ("nrows", "S", "B", "NBLK", "row0", "row_block", "key")
     consts = dict(LERP_SMALL=True, FUSED_LERP=True, FUSED_AXPY=True, HAS_WD=True, IS_BF16=bf16, DECODED=False,
                   ROWS=rows, BLOCK_SIZE=block)
     out = _compile("nibbles", tn._nibble_kernel, ptr, ints, consts, dict(num_warps=warps, enable_fp_fusion=False),
@@ -181,7 +181,7 @@ def compile_nibbles_multi(bf16: bool, rows: int, block: int, warps: int = 4, dis
            "hp_ptr": "*fp32", "step_ptr": "*fp32"}
     consts = dict(LERP_SMALL=True, FUSED_LERP=True, FUSED_AXPY=True, HAS_WD=True, IS_BF16=bf16, DECODED=False,
                   ROWS=rows, BLOCK_SIZE=block, DEVICE_HP=device_hp)
-    out = _compile("nibbles_multi", tn._nibble_multi_kernel, {**ptr, "rot": "i64"}, (), consts,
+    out = _compile("nibbles_multi", tn._nibble_multi_kernel, {**ptr, "step_key_part": "i64"}, (), consts,
                    dict(num_warps=warps, enable_fp_fusion=False, maxnreg=tn._MULTI_MAXNREG), disasm,
                    kern=tn._kernel("multi"))
     return dict(kernel="nibbles_multi", dtype="bfloat16" if bf16 else "float32", rows=rows, block=block, warps=warps,

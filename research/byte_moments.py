@@ -87,9 +87,9 @@ class ByteMoments(torch.optim.Optimizer):
             raise ValueError(f"update must be 'fp32' or 'decoded', got {update!r}")
         if draws not in ("iid", "quasi"):
             raise ValueError(f"draws must be 'iid' or 'quasi', got {draws!r}")
-        # "iid": each step's uniforms hashed anew (keyed by the step); "quasi": the library's rule of D20
-        # since 2026-12-07 (core.nibbles): a per-element offset keyed without the step, advanced by
-        # t * frac(sqrt 2) (first moment) / t * frac(golden ratio) (v) modulo 1
+        # "iid": each step's uniforms hashed anew (keyed by the step; the library's rule, D20); "quasi": the
+        # rule the library had from 2026-12-07 to 2026-12-08: a per-element offset keyed without the step,
+        # advanced by t * frac(sqrt 2) (first moment) / t * frac(golden ratio) (v) modulo 1
         self.draws = draws
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         # "fp32": the update from the float32 moments before they are stored; "decoded": from the stored codes

@@ -22,7 +22,7 @@ step); every other tensor as the library's default. Configurations:
   ``v`` per block of 1,024 rows, D18); ``v``'s codes against the factored estimate, whose ``v_col`` keeps
   the head at ~5 B/param, or against per-256 maxima, ~1.03 B/param;
 * ``proto_fac_qr`` / ``proto_block_qr``: the same with the quasi-random draws that D20's library kernels
-  take since 2026-12-07 (``ByteMoments(draws="quasi")``).
+  took from 2026-12-07 to 2026-12-08 (``ByteMoments(draws="quasi")``).
 
 Prints each configuration's held-out MSE per seed and the geometric mean of its ratio to AdamW's. Read
 the emulation rows against ``fp32_v`` (the same input layer: the library's, which alone puts the head

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="base")
     ap.add_argument("--json", default=None)
     ap.add_argument("--variant", default="v_nibbles", help="a research/quality_variants.py variant of the one-byte "
-                    "layout (e.g. v_nibbles_qr: quasi-random draws)")
+                    "layout (e.g. v_nibbles_qr: the eager emulation of quasi-random draws)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     import quality

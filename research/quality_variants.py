@@ -370,16 +370,20 @@ def _rows8_steps(scale_steps: int, v_steps: int):
     return make
 
 
+# quasi_uniforms' rotations per step on the 2^-16 grid: frac(sqrt 2) (first moment), frac(golden ratio) (v)
+ROTATION_M, ROTATION_V = 27146, 40503
+
+
 def quasi_uniforms(start: int, numel: int, key, device=None):
     """The one-byte layout's draws with a low-discrepancy sequence in time (research only): element ``i`` of
     tensor ``t`` at step ``s`` draws ``frac(o_i + s * alpha)`` on the 2^-16 grid, ``o_i`` a fixed hash of
     (``i``, ``t``) (its two 16-bit halves for the two moments), ``alpha`` frac(sqrt 2) for the first moment
-    and the golden ratio's for ``v`` (the library's rotations, ``core.nibbles.ROTATION_M`` / ``ROTATION_V``).
+    and the golden ratio's for ``v`` (:data:`ROTATION_M` / :data:`ROTATION_V`, on the 2^-16 grid).
     Each element's draws are equidistributed over steps like i.i.d. ones, but a run of roundings up is
     followed by rounds down (a rotation's partial sums stay bounded), so a code's rounding errors, which the
     EMA carries for ~1 / (1 - beta2) steps, largely cancel instead of adding up. The emulation that preceded
-    the library's rule (D20 since 2026-12-07); its offsets are another hash than the library's, so its runs
-    are a second realisation of the rule. ``key``: ``(step, tensor)`` (:func:`_quasi_key`)."""
+    the library's rule of 2026-12-07 (D20; withdrawn 2026-12-08, the library draws i.i.d. again); its offsets
+    are another hash than that rule's, so its runs are a second realisation of it. ``key``: ``(step, tensor)`` (:func:`_quasi_key`)."""
     import torch
 
     from gefen_dist.core import nibbles as nb
@@ -387,8 +391,8 @@ def quasi_uniforms(start: int, numel: int, key, device=None):
     step, tensor = key
     i = torch.arange(start, start + numel, dtype=torch.int64, device=device)
     h = nb.hash32(i ^ nb.hash32_int(int(tensor) * 0xC2B2AE3D + 0x2545F491))
-    um = ((h >> 16) + int(step) * nb.ROTATION_M) & 0xFFFF
-    uv = ((h & 0xFFFF) + int(step) * nb.ROTATION_V) & 0xFFFF
+    um = ((h >> 16) + int(step) * ROTATION_M) & 0xFFFF
+    uv = ((h & 0xFFFF) + int(step) * ROTATION_V) & 0xFFFF
     return um.to(torch.float32) * nb._U16, uv.to(torch.float32) * nb._U16
 
 
@@ -396,9 +400,16 @@ def _quasi_key(seed: int, step: int, tensor: int):
     return (int(step), int(tensor))
 
 
+def _withdrawn(name: str, why: str):
+    """A variant whose runs came from a library rule this tree no longer has: constructing it raises."""
+    def make(groups, lr, betas, seed):
+        raise RuntimeError(f"variant {name!r}: {why}")
+    return make
+
+
 def _nibbles_quasi():
     """``second_moment="nibbles"`` on the eager reference with :func:`quasi_uniforms` in place of the
-    library's draws (both moments; i.i.d. when this variant ran, quasi-random since). Patches ``gefen_dist.core.nibbles.uniforms`` and
+    library's i.i.d. draws (both moments). Patches ``gefen_dist.core.nibbles.uniforms`` and
     ``gefen_dist.engine.tensor_step.step_key`` for the process: run it in a process of its own (the
     quality scripts do)."""
     inner = _gefen(second_moment="nibbles", row_blocks="auto", fused=False)
@@ -847,10 +858,12 @@ RESEARCH_VARIANTS = {
                     "ColBlockGefen, those tensors stepped eagerly)", _colblocks()),
     "v_nibbles": ("(v) gefen_dist Gefen(second_moment='nibbles'): one byte per element for both moments (D20), "
                   "~1.02 B/param", _gefen(second_moment="nibbles", row_blocks="auto", fused=None)),
-    "v_nibbles_quasi": ("(v) gefen_dist Gefen(second_moment='nibbles') since its draws became quasi-random in time "
-                        "(2026-12-07, D20), native step: the library's own rotation, under its own name so that its "
-                        "150-step runs stay apart from the i.i.d. layout's v_nibbles runs",
-                        _gefen(second_moment="nibbles", row_blocks="auto", fused=None)),
+    "v_nibbles_quasi": ("(v) gefen_dist Gefen(second_moment='nibbles') with its quasi-random draws in time (the "
+                        "library's rule from 2026-12-07 to 2026-12-08, D20; withdrawn): its runs came from commits "
+                        "8732e2c..5612db4; this tree's library draws i.i.d., so the name refuses to run",
+                        _withdrawn("v_nibbles_quasi", "the library's quasi-random draws were withdrawn on 2026-12-08; "
+                                   "run it from a worktree of commit 5612db4, or run v_nibbles_qr (their eager "
+                                   "emulation)")),
     "v_nibbles_qr": ("(v) second_moment='nibbles' (eager reference) with quasi-random draws in time (a rotation by "
                      "frac(sqrt 2) / frac(golden ratio) per step from a fixed per-element offset) instead of i.i.d. ones",
                      _nibbles_quasi()),

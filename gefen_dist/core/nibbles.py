@@ -19,14 +19,9 @@ moments (``update="fp32"``) or of the stored ones (``update="decoded"``), clampe
 
 Reproducible by construction, so that every kernel can match this reference bit for bit:
 
-* the random numbers are quasi-random in time: a 32-bit integer hash (:func:`hash32`, "lowbias32") of the
-  element's index in the *global* tensor, keyed by (seed, tensor), gives each element two fixed 16-bit
-  offsets, and step ``t`` draws ``offset + t * alpha`` modulo 2^16 (``alpha`` = frac(sqrt 2) for the first
-  moment, frac(golden ratio) for ``v``, on the 2^-16 grid: :func:`step_key`). Each element's draws are
-  equidistributed over the steps, as independent ones would be, but a rotation's runs of high and low draws
-  alternate, so the rounding errors the two EMAs carry for ~1 / (1 - beta) steps largely cancel instead of
-  adding up (an EMA of chi-square draws coded to ``v``'s levels: a log spread of the stored ``v`` around the
-  exact EMA 0.14 instead of 0.18; research/quality-log.md). Any sharding draws the same bits;
+* the random numbers are a 32-bit integer hash (:func:`hash32`, "lowbias32") of the element's index in
+  the *global* tensor, keyed by (seed, step, tensor): any sharding draws the same bits; one hash per
+  element gives both uniforms (16 bits each);
 * a code's two candidates come from comparisons, its rounding probability from one subtraction and one
   division, and the draw from one comparison: no ``log2`` or ``exp2`` of data, no fused operations;
 * the update's square root is correctly rounded (torch's float32 ``sqrt`` on CPU is not on every build).
@@ -68,27 +63,21 @@ def hash32_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
-# the rotations of the draws per step, on the 2^-16 grid: frac(sqrt 2) (first moment), frac(golden ratio) (v)
-ROTATION_M, ROTATION_V = 27146, 40503
+# step_key's odd multipliers of the seed, the step and the tensor's index
+KEY_SEED, KEY_STEP, KEY_TENSOR = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
 
 
 def step_key(seed: int, step: int, tensor: int) -> int:
-    """The 64-bit key of one tensor's draws at one step (``tensor``: its index in the optimizer, the same
-    on every rank): the low 32 bits key the element offsets' hash by (seed, tensor) alone, the high 32 bits
-    are this step's rotations, ``(t * ROTATION_M) mod 2^16`` above ``(t * ROTATION_V) mod 2^16``
-    (:func:`uniforms`)."""
-    t = int(step)
-    rot = ((t * ROTATION_M) & 0xFFFF) << 16 | ((t * ROTATION_V) & 0xFFFF)
-    return (int(seed) * 0x9E3779B1 + int(tensor) * 0xC2B2AE3D) & _M32 | rot << 32
+    """The 32-bit key of one tensor's draws at one step (``tensor``: its index in the optimizer,
+    the same on every rank)."""
+    return (int(seed) * KEY_SEED + int(step) * KEY_STEP + int(tensor) * KEY_TENSOR) & _M32
 
 
 def uniforms(start: int, numel: int, key: int, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """float32 uniforms in [0, 1) on the 2^-16 grid for elements ``start .. start + numel - 1`` of the
-    global tensor under ``key`` (:func:`step_key`: ``k`` its low 32 bits, ``r`` its high 32): ``h =
-    hash32(i_lo ^ hash32(k + i_hi * 0x9E3779B1))``, the first moment's number ``(h >> 16) + (r >> 16)``,
-    the second moment's ``h + r``, each modulo 2^16 (``i_lo``, ``i_hi``: the index's low and high 32
-    bits)."""
-    key, rot = int(key) & _M32, (int(key) >> 32) & _M32
+    global tensor under ``key``: ``h = hash32(i_lo ^ hash32(key + i_hi * 0x9E3779B1))``, the first
+    moment's number ``h >> 16``, the second moment's ``h & 0xFFFF`` (``i_lo``, ``i_hi``: the index's
+    low and high 32 bits)."""
     i = torch.arange(start, start + numel, dtype=torch.int64, device=device)
     hi = i >> 32
     if int(start + numel - 1) >> 32 == int(start) >> 32:  # one high word (every tensor under 2^32 elements)
@@ -96,8 +85,7 @@ def uniforms(start: int, numel: int, key: int, device=None) -> Tuple[torch.Tenso
     else:
         k = hash32((key + hi * 0x9E3779B1) & _M32)
     h = hash32(i ^ k)
-    um, uv = ((h >> 16) + (rot >> 16)) & 0xFFFF, (h + rot) & 0xFFFF
-    return (um.to(torch.float32) * _U16, uv.to(torch.float32) * _U16)
+    return ((h >> 16).to(torch.float32) * _U16, (h & 0xFFFF).to(torch.float32) * _U16)
 
 
 def round_stochastic(x: torch.Tensor, levels: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

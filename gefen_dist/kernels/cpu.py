@@ -132,7 +132,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["available", "simd_compiled", "simd_isa", "quantized_step_", "quantized_step_factored_", "apply_compressed_",
            "apply_factored_", "numerics", "nearest_lut", "nearest_sweep", "CodebookTable", "codebook_table"]
 
-_ABI = 17
+_ABI = 18
 _LIB_NAME = cpu_build.NATIVE  # the -march=native build (cpu_build.py: which build a process uses)
 _SOURCES = ["gefen_step.c"]
 _BUF_BYTES_TOTAL = 16 << 20  # per-thread block buffers, all threads together
@@ -184,8 +184,7 @@ class _NibbleArgs(ctypes.Structure):
         ("row0", ctypes.c_int64),
         ("rb", ctypes.c_int64),
         ("bound", ctypes.c_float),
-        ("key", ctypes.c_uint32),  # core.nibbles.step_key's low 32 bits (the tensor's), and
-        ("rot", ctypes.c_uint32),  # its high 32 (this step's rotations of the draws)
+        ("key", ctypes.c_uint32),
         ("decoded", ctypes.c_int32),
     ]
 

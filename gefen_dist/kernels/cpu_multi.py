@@ -46,7 +46,7 @@ class _NibItem(ctypes.Structure):
                 ("scale", ctypes.c_void_p), ("vrow", ctypes.c_void_p), ("ratio_old", ctypes.c_void_p),
                 ("ratio_new", ctypes.c_void_p), ("n", ctypes.c_int64), ("period", ctypes.c_int64),
                 ("block", ctypes.c_int64), ("row0", ctypes.c_int64), ("rb", ctypes.c_int64),
-                ("dtype", ctypes.c_int32), ("key", ctypes.c_uint32), ("rot", ctypes.c_uint32)]
+                ("dtype", ctypes.c_int32), ("key", ctypes.c_uint32)]
 
 
 class _ColItem(ctypes.Structure):
@@ -286,14 +286,13 @@ class NibbleStep:
             raise RuntimeError("gefen_dist: the native CPU library is not available; the multi-tensor CPU step of "
                                "second_moment='nibbles' cannot run")
         for f, g, it in zip(self._table, grads, self.items):
-            key = step_key(0, step, it.index)
-            f.grad, f.key, f.rot = g.data_ptr(), key & 0xFFFFFFFF, key >> 32
+            f.grad, f.key = g.data_ptr(), step_key(0, step, it.index)
         first = self.items[0]
         a = _cpu._make_args(first.param, first.param.numel(), first.S, first.B, _NO_TABLE, lr=lr,
                             beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1, bc2=bc2,
                             bound=bound, simd=1)
         cb = codebook.to(torch.float32).contiguous()
-        na = _cpu._NibbleArgs(None, None, cb.data_ptr(), 0, 1, math.inf if bound is None else bound, 0, 0,
+        na = _cpu._NibbleArgs(None, None, cb.data_ptr(), 0, 1, math.inf if bound is None else bound, 0,
                               int(update == "decoded"))
         rc = lib.gefen_multi_nibble_step(ctypes.byref(a), ctypes.byref(na), ctypes.addressof(self._table),
                                          len(self.items))

@@ -43,7 +43,7 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
     cb = codebook.to(torch.float32).contiguous()
     na = cpu._NibbleArgs(ratio_old.data_ptr(), ratio_new.data_ptr(), cb.data_ptr(), int(row0),
                      int(row_block) if G > 1 else int(row0) + n // S + 1, math.inf if bound is None else bound,
-                     int(key) & 0xFFFFFFFF, (int(key) >> 32) & 0xFFFFFFFF, int(update == "decoded"))
+                     int(key) & 0xFFFFFFFF, int(update == "decoded"))
     rc = lib.gefen_nibble_step(ctypes.byref(a), ctypes.byref(na), param.data_ptr(), grad.data_ptr(),
                                code.data_ptr(), scale.data_ptr(), v_row.data_ptr())
     if rc != 0:  # (the sizes are checked above: 2 is out of memory, before anything was written)

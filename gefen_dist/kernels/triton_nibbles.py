@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..core.nibbles import ROTATION_M, ROTATION_V
+from ..core.nibbles import KEY_STEP
 from ..core.nibbles import step_key as _nb_step_key
 from . import triton_kernels as _tk
 from .triton_kernels import _HAVE_TRITON, _interpret, tl, triton
@@ -66,26 +66,25 @@ def _m_of(g, c, cb_ptr, Mb, lerp_c, LERP_SMALL: tl.constexpr, FUSED_LERP: tl.con
 
 def _nibble_kernel(
     p_ptr, g_ptr, code_ptr, scale_ptr, vrow_ptr, ro_ptr, rn_ptr, cb_ptr, lv_ptr,
-    nrows, S, B, NBLK, S_f, row0, row_block, key, rot,
+    nrows, S, B, NBLK, S_f, row0, row_block, key,
     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
     LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr,
     IS_BF16: tl.constexpr, DECODED: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     """One tensor per launch: program ``pid`` steps rows ``pid * ROWS ..`` (:func:`_nibble_rows`)."""
     _nibble_rows_jit(p_ptr, g_ptr, code_ptr, scale_ptr, vrow_ptr, ro_ptr, rn_ptr, cb_ptr, lv_ptr,
-                     tl.program_id(0) * ROWS, nrows, S, B, NBLK, S_f, row0, row_block, key, rot,
+                     tl.program_id(0) * ROWS, nrows, S, B, NBLK, S_f, row0, row_block, key,
                      lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
                      LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, IS_BF16, DECODED, ROWS, BLOCK_SIZE)
 
 
 _META = tl.constexpr(12) if _HAVE_TRITON else 12  # int64 fields per tensor of the multi-tensor table (NibbleStep)
-# the draws' rotations per step (core.nibbles.step_key), for the capturable kernel's key from the device step
-_ROT_M = tl.constexpr(ROTATION_M) if _HAVE_TRITON else ROTATION_M
-_ROT_V = tl.constexpr(ROTATION_V) if _HAVE_TRITON else ROTATION_V
+# the step's multiplier in core.nibbles.step_key, for the capturable kernel's key from the device step
+_KEY_STEP = tl.constexpr(KEY_STEP) if _HAVE_TRITON else KEY_STEP
 
 
 def _nibble_multi_kernel(
-    meta_ptr, gptr_ptr, prog_ptr, cb_ptr, lv_ptr, hp_ptr, step_ptr, rot,
+    meta_ptr, gptr_ptr, prog_ptr, cb_ptr, lv_ptr, hp_ptr, step_ptr, step_key_part,
     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
     LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr,
     IS_BF16: tl.constexpr, DECODED: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -94,13 +93,13 @@ def _nibble_multi_kernel(
     """Many tensors per launch: program ``pid`` steps rows ``prog[pid, 1] ..`` of tensor ``prog[pid, 0]``,
     whose pointers and sizes are row ``t`` of ``meta`` (:class:`NibbleStep`: parameter, codes, scales,
     ``v_row``, the column ratios before / after the EMA, rows, ``S``, ``B``, first global row, rows per row
-    block, the tensor's key of its draws) and whose gradient's address is ``gptr[t]``; ``rot`` is this step's
-    rotation of the draws (the high 32 bits of :func:`gefen_dist.core.nibbles.step_key`).
+    block, the tensor's part of the key) and whose gradient's address is ``gptr[t]``; the key of its draws
+    is ``step_key_part + meta[t, 11]`` modulo 2^32 (:func:`gefen_dist.core.nibbles.step_key`).
 
     ``DEVICE_HP`` (``capturable=True``): the scalars that change from step to step are read from the
     device, ``hp_ptr`` = (skip, sqrt(bc2), 1 / bc1, lr, 1 - lr wd, bound) in float32 (as the default's
     multi-tensor kernel reads them), and the step number from ``step_ptr`` (the launch group's float32
-    step count, after this step's increment), whose rotations replace ``rot``; a
+    step count, after this step's increment), whose part of the key replaces ``step_key_part``; a
     non-zero ``skip`` masks every row, so the launch changes nothing. Otherwise neither is read."""
     pid = tl.program_id(0)
     t = tl.load(prog_ptr + 2 * pid)
@@ -112,21 +111,21 @@ def _nibble_multi_kernel(
     nrows = tl.load(mb + 6).to(tl.int32)
     if DEVICE_HP:
         nrows, sqrt_bc2, inv_bc1, lr, decay, ubound = _tk._device_scalars_jit(hp_ptr, nrows)
-        st = tl.load(step_ptr).to(tl.int64)
-        rot = (((st * _ROT_M) & 0xFFFF) << 16) | ((st * _ROT_V) & 0xFFFF)
-    key = tl.load(mb + 11)
+        key = (tl.load(mb + 11) + ((tl.load(step_ptr).to(tl.int64) * _KEY_STEP) & 0xFFFFFFFF)) & 0xFFFFFFFF
+    else:
+        key = (tl.load(mb + 11) + step_key_part) & 0xFFFFFFFF
     _nibble_rows_jit(p_ptr, g_ptr, tl.load(mb + 1).to(tl.pointer_type(tl.uint8)),
                      tl.load(mb + 2).to(tl.pointer_type(tl.float32)), tl.load(mb + 3).to(tl.pointer_type(tl.float32)),
                      tl.load(mb + 4).to(tl.pointer_type(tl.float32)), tl.load(mb + 5).to(tl.pointer_type(tl.float32)),
                      cb_ptr, lv_ptr, r_first, nrows, S, B, S // B, S.to(tl.float32),
-                     tl.load(mb + 9).to(tl.int32), tl.load(mb + 10).to(tl.int32), key, rot,
+                     tl.load(mb + 9).to(tl.int32), tl.load(mb + 10).to(tl.int32), key,
                      lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
                      LERP_SMALL, FUSED_LERP, FUSED_AXPY, HAS_WD, IS_BF16, DECODED, ROWS, BLOCK_SIZE)
 
 
 def _nibble_rows(
     p_ptr, g_ptr, code_ptr, scale_ptr, vrow_ptr, ro_ptr, rn_ptr, cb_ptr, lv_ptr,
-    r_first, nrows, S, B, NBLK, S_f, row0, row_block, key, rot,
+    r_first, nrows, S, B, NBLK, S_f, row0, row_block, key,
     lerp_c, beta2, alpha2, sqrt_bc2, eps, inv_bc1, lr, decay, ubound,
     LERP_SMALL: tl.constexpr, FUSED_LERP: tl.constexpr, FUSED_AXPY: tl.constexpr, HAS_WD: tl.constexpr,
     IS_BF16: tl.constexpr, DECODED: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -199,8 +198,8 @@ def _nibble_rows(
             gi = grow[:, None] * S + ccol[None, :]  # the element's global index (int64)
             k = _hash32_jit((key + (gi >> 32) * 0x9E3779B1) & 0xFFFFFFFF)
             h = _hash32_jit((gi & 0xFFFFFFFF) ^ k)
-            um = (((h >> 16) + (rot >> 16)) & 0xFFFF).to(tl.float32) * (1.0 / 65536.0)  # rotated by this step
-            uv = ((h + rot) & 0xFFFF).to(tl.float32) * (1.0 / 65536.0)
+            um = (h >> 16).to(tl.float32) * (1.0 / 65536.0)
+            uv = (h & 0xFFFF).to(tl.float32) * (1.0 / 65536.0)
             mc = _round16_jit(tl.where(pos, tl.div_rn(m, Ad), 0.0), cb_ptr, um)
             fn = vr_new[:, None] * rn
             vc = _round16_jit(tl.where(fn > 0.0, tl.div_rn(v, tl.where(fn > 0.0, fn, 1.0)), 0.0), lv_ptr, uv)
@@ -279,8 +278,7 @@ def nibble_step_factored_(param, grad, code, scale, v_row, v_col, codebook, col_
     with ctx:
         _kernel()[(triton.cdiv(nrows, rows),)](
             pk, gk, code, scale, v_row, ratio_old, ratio_new, _codebook(codebook, device), _levels(device),
-            nrows, S, B, S // B, float(S), int(row0), rb, int(key) & 0xFFFFFFFF, (int(key) >> 32) & 0xFFFFFFFF,
-            *scalars,
+            nrows, S, B, S // B, float(S), int(row0), rb, int(key) & 0xFFFFFFFF, *scalars,
             IS_BF16=bf16, ROWS=rows, BLOCK_SIZE=bs, num_warps=warps, enable_fp_fusion=False, **consts,
         )
     for t in (param, code, scale, v_row):
@@ -351,7 +349,7 @@ class NibbleStep:
                 nrows = it.param.numel() // it.S
                 meta.append([it.param.data_ptr(), it.code.data_ptr(), it.scale.data_ptr(), it.v_row.data_ptr(),
                              it.ratio_old.data_ptr(), it.ratio_new.data_ptr(), nrows, it.S, it.B, it.row0, it.rb,
-                             _nb_step_key(0, 0, it.index) & 0xFFFFFFFF])  # the tensor's key of its draws
+                             _nb_step_key(0, 0, it.index)])  # the tensor's part of step_key
                 prog += [[t, r] for r in range(0, nrows, rows)]
             self._launches.append(dict(bf16=bf16, rows=rows, bs=bs, warps=warps, members=members,
                                        meta=_pinned_to(meta, self.device), prog=_pinned_to(prog, self.device),
@@ -376,7 +374,7 @@ class NibbleStep:
         scalars, consts = _launch_scalars(self.device, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                           weight_decay=weight_decay, bc1=bc1, bc2=bc2, bound=bound, update=update)
         cb, lv = _codebook(codebook, self.device), self._lv
-        rot = 0 if hp is not None else _nb_step_key(0, step, 0) >> 32  # this step's rotations
+        step_part = 0 if hp is not None else _nb_step_key(0, step, 0)  # the step's part of every tensor's key
         hp_t = cb if hp is None else hp  # (not read without DEVICE_HP)
         step_t = cb if hp is None else step
         kern = _kernel("multi")
@@ -384,7 +382,7 @@ class NibbleStep:
         with ctx:
             for L in self._launches:
                 gs = [grads[i] for i in L["members"]]
-                kern[(L["nprog"],)](L["meta"], L["grads"](gs), L["prog"], cb, lv, hp_t, step_t, rot, *scalars,
+                kern[(L["nprog"],)](L["meta"], L["grads"](gs), L["prog"], cb, lv, hp_t, step_t, step_part, *scalars,
                                     IS_BF16=L["bf16"], ROWS=L["rows"], BLOCK_SIZE=L["bs"], num_warps=L["warps"],
                                     enable_fp_fusion=False, maxnreg=_MULTI_MAXNREG, DEVICE_HP=hp is not None,
                                     **consts)

@@ -66,7 +66,7 @@
 #define GEFEN_SPAN_AVX2 1 /* the span update's 8-lane loops: AVX2 builds and AVX-512 VBMI builds alike */
 #endif
 
-#define GEFEN_STEP_ABI 17 /* 17: the one-byte layout's draws rotate per step (gefen_nibble_args.rot, gefen_nibble_item.rot) */
+#define GEFEN_STEP_ABI 18 /* 18: the one-byte layout's draws are i.i.d. again (17's rotations, gefen_nibble_args.rot, withdrawn) */
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -2376,8 +2376,7 @@ void gefen_span_update(const gefen_step_args *a, void *param, const float *m, ui
  * uniform is below its fraction between the two neighbouring levels, and updates the parameter by
  * clamp(m sigma, +-bound) lr with sigma = (1 / (sqrt(v) / sqrt(bc2) + eps)) (1 / bc1) (decoded: of
  * the stored codes instead). The uniforms: h = lowbias32(i_lo ^ lowbias32(key + i_hi 0x9E3779B1)) of
- * the global element index i (key: the tensor's, the same every step), rotated by this step's rot
- * (quasi-random in time: qr_rotate), h >> 16 and h & 0xFFFF over 2^16. v's levels are built from their bits
+ * the global element index i, h >> 16 and h & 0xFFFF over 2^16. v's levels are built from their bits
  * (vlevel, round_v16: the same values and neighbours as the reference's table and comparisons). Rows
  * run in parallel. */
 typedef struct {
@@ -2385,8 +2384,7 @@ typedef struct {
     const float *cb;                    /* [16]: the first moment's codebook */
     int64_t row0, rb;
     float bound;                        /* +inf: unbounded */
-    uint32_t key;                       /* the tensor's key of the element offsets (core.nibbles.step_key) */
-    uint32_t rot;                       /* this step's rotations of the two draws (high, low 16 bits) */
+    uint32_t key;
     int32_t decoded;
 } gefen_nibble_args;
 
@@ -2400,12 +2398,6 @@ ALWAYS_INLINE uint32_t lowbias32(uint32_t x)
     x *= 0x846CA68Bu;
     x ^= x >> 16;
     return x;
-}
-
-/* the element's offsets h (two 16-bit halves) advanced by this step's rotations, each half modulo 2^16 */
-ALWAYS_INLINE uint32_t qr_rotate(uint32_t h, uint32_t rot)
-{
-    return ((h & 0xFFFF0000u) + (rot & 0xFFFF0000u)) | ((h + rot) & 0xFFFFu);
 }
 
 
@@ -2559,13 +2551,13 @@ ALWAYS_INLINE void nibble_row(const gefen_step_args *restrict a, const gefen_nib
 #pragma omp simd
             for (int64_t i = 0; i < B; ++i)
                 nibble_el(a, nb, param, code, ob + i, mb[i], vb[i], vr_new * rn[c0 + i], A, xb[i], jb[i], lob[i],
-                          hib[i], qr_rotate(lowbias32((lo0 + (uint32_t)i) ^ k0), nb->rot), DT, WD, DEC);
+                          hib[i], lowbias32((lo0 + (uint32_t)i) ^ k0), DT, WD, DEC);
         } else { /* a block across a multiple of 2^32 elements */
             for (int64_t i = 0; i < B; ++i) {
                 const uint64_t gi = g_first + (uint64_t)i;
                 const uint32_t k = lowbias32(nb->key + (uint32_t)(gi >> 32) * 0x9E3779B1u);
                 nibble_el(a, nb, param, code, ob + i, mb[i], vb[i], vr_new * rn[c0 + i], A, xb[i], jb[i], lob[i],
-                          hib[i], qr_rotate(lowbias32((uint32_t)gi ^ k), nb->rot), DT, WD, DEC);
+                          hib[i], lowbias32((uint32_t)gi ^ k), DT, WD, DEC);
             }
         }
     }
@@ -2622,7 +2614,7 @@ typedef struct {
     const float *ratio_old, *ratio_new; /* [G][period]: the column ratios before / after this step's EMA */
     int64_t n, period, block, row0, rb;
     int32_t dtype;
-    uint32_t key, rot;
+    uint32_t key;
 } gefen_nibble_item;
 
 int gefen_nibble_item_size(void) { return (int)sizeof(gefen_nibble_item); }
@@ -2648,7 +2640,6 @@ int64_t gefen_multi_nibble_step(const gefen_step_args *tmpl, const gefen_nibble_
         nb.row0 = it->row0;
         nb.rb = it->rb;
         nb.key = it->key;
-        nb.rot = it->rot;
         const int r = gefen_nibble_step(&a, &nb, it->param, it->grad, it->code, it->scale, it->vrow);
         if (r != 0) return (i + 1) * 100 + r;
     }
