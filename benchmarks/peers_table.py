@@ -137,6 +137,8 @@ def _split(res: dict) -> str:
     stalls split (which seeds stall moves with any systematic change of the optimizer, AdamW's lr x1.1
     included: research/early_stall.py, docs/quality.md)."""
     d, bw = res["discordant"], res["both_train_well"]
+    if d["only_base"] and not d["only_variant"]:  # the headline's seeds are those where both train well
+        return f"; stalls alone: AdamW {len(d['only_base'])}, this 0 (exact McNemar p = {d['p']:.2f})"
     if not d["only_variant"] or bw.get("n", 0) < 2:  # else "both train well" is the headline's seeds
         return ""
     ci = bw.get("ci95")
