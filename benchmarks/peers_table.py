@@ -115,21 +115,33 @@ def cell(finals: dict, variant: str, preset: str) -> str:
     if tw.get("n", 0) >= 2:
         ci = tw.get("ci95")
         head = f"**{tw['mean']:+.2f}%** mean of {tw['n']}" + (f" [{ci[0]:+.2f}%, {ci[1]:+.2f}%]" if ci else "")
-        return f"{head}; seeds {', '.join(str(r['seed']) for r in res['seeds'])}: {per}{_split(res)}{_unconditional(res)}"
+        return (f"{head}; seeds {', '.join(str(r['seed']) for r in res['seeds'])}: {per}{_split(res)}"
+                f"{_unconditional(res, _adamw_stalls(finals, preset))}")
     n = len(res["seeds"])
     return f"seed{'s' if n > 1 else ''} {', '.join(str(r['seed']) for r in res['seeds'])}: {per}"
 
 
-def _unconditional(res: dict) -> str:
+def _adamw_stalls(finals: dict, preset: str) -> list:
+    """The seeds of AdamW's stored runs on ``preset`` where it stalls (seed_gaps' rule, over all its seeds)."""
+    vals = {s: r["val"] for (v, s), r in finals.items() if v == "adamw"}
+    med = statistics.median(vals.values())
+    return sorted(s for s, x in vals.items() if x > med * (1 + STALL_FRAC[preset]))
+
+
+def _unconditional(res: dict, stalls: list) -> str:
     """Where the runs include seeds on which AdamW stalls: the mean over every paired seed. The headline
     leaves out AdamW's stalls but keeps the other optimizer's, so on a workload whose runs split on a plateau
-    it counts against any optimizer whose stalls fall on other seeds than AdamW's; this figure does not."""
+    it counts against any optimizer whose stalls fall on other seeds than AdamW's; this figure does not,
+    where the optimizer ran on every seed on which AdamW stalls (``stalls``; else the missing ones are named)."""
     a, tw = res["all"], res["trains_well"]
     if a.get("n", 0) <= tw.get("n", 0) or a.get("n", 0) < 2:
         return ""
     ci = a.get("ci95")
+    missing = sorted(set(stalls) - {r["seed"] for r in res["seeds"]})
     return (f"; over all {a['n']} seeds, AdamW's stalls included, {a['mean']:+.2f}%"
-            + (f" [{ci[0]:+.2f}%, {ci[1]:+.2f}%]" if ci else ""))
+            + (f" [{ci[0]:+.2f}%, {ci[1]:+.2f}%]" if ci else "")
+            + (f" (not run on seed{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}, where AdamW "
+               "stalls too)" if missing else ""))
 
 
 def _split(res: dict) -> str:
