@@ -187,8 +187,8 @@ def table() -> str:
 
 
 # the plot's short names of ROWS, in order
-SHORT = ["default (D17)", "default before D17", "nibbles (i.i.d. draws)", "nibbles, quasi draws (withdrawn)", "bnb 8-bit",
-         "torchao 8-bit", "torchao 4-bit", "Adam-mini"]
+SHORT = ["default (D17)", "default before D17", "nibbles (i.i.d. draws)", "nibbles, quasi draws (withdrawn)",
+         "bnb 8-bit", "torchao 8-bit", "torchao 4-bit", "Adam-mini"]
 XLIM = (-4.0, 8.0)  # gaps beyond are drawn at the edge, their value written beside them
 
 

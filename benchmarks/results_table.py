@@ -106,7 +106,8 @@ def rows() -> list:
                         f"({bw['n']} seeds, {_pct(bw['ci95'][0])} to {_pct(bw['ci95'][1])})")
         al = res["all"]
         if stalled and al["n"] >= 3:  # AdamW's stalls counted too (peers_table._unconditional)
-            result += f"; over all {al['n']} seeds run {_pct(al['mean'])} ({_pct(al['ci95'][0])} to {_pct(al['ci95'][1])})"
+            result += (f"; over all {al['n']} seeds run {_pct(al['mean'])} ({_pct(al['ci95'][0])} to "
+                       f"{_pct(al['ci95'][1])})")
         hosts = sorted({r.get("host") for r in mine if r.get("host")})
         out.append((f"val loss vs AdamW, `{preset}` LM ({_params(mine, preset)} params, 800 steps), the default",
                     result, "; ".join(hosts) or NR, _torch(mine), _span(_day(r["time"]) for r in mine),

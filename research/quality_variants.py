@@ -383,7 +383,8 @@ def quasi_uniforms(start: int, numel: int, key, device=None):
     followed by rounds down (a rotation's partial sums stay bounded), so a code's rounding errors, which the
     EMA carries for ~1 / (1 - beta2) steps, largely cancel instead of adding up. The emulation that preceded
     the library's rule of 2026-12-07 (D20; withdrawn 2026-12-08, the library draws i.i.d. again); its offsets
-    are another hash than that rule's, so its runs are a second realisation of it. ``key``: ``(step, tensor)`` (:func:`_quasi_key`)."""
+    are another hash than that rule's, so its runs are a second realisation of it. ``key``: ``(step, tensor)``
+    (:func:`_quasi_key`)."""
     import torch
 
     from gefen_dist.core import nibbles as nb

@@ -35,8 +35,8 @@ RUNS = ([ROOT / "docs/results/quality_runs.jsonl", ROOT / "docs/results/quality_
         + sorted(Path(p) for p in glob.glob(str(R / "v8_base/runs_*.jsonl")))
         + sorted(Path(p) for p in glob.glob(str(R / "m4v4_base/runs_*.jsonl")))
         + sorted(Path(p) for p in glob.glob(str(R / "nibbles_*/runs_*.jsonl")) if "/nibbles_qr_" not in p))
-# the library's "nibbles" while its draws were quasi-random in time (2026-12-07 to 2026-12-08): its runs record the variant
-# v_nibbles too, so they are read apart and named v_nibbles_quasi here
+# the library's "nibbles" while its draws were quasi-random in time (2026-12-07 to 2026-12-08): its runs record
+# the variant v_nibbles too, so they are read apart and named v_nibbles_quasi here
 QUASI_RUNS = sorted(Path(p) for p in glob.glob(str(R / "nibbles_qr_*/runs_*.jsonl")))
 # variant -> (which weights are coded: name substrings, code bits, "block" | "minmax" | "fac" | None for fp32[,
 # the first moment's bits when not 8])
