@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -123,9 +122,7 @@ def cell(finals: dict, variant: str, preset: str) -> str:
 
 def _adamw_stalls(finals: dict, preset: str) -> list:
     """The seeds of AdamW's stored runs on ``preset`` where it stalls (seed_gaps' rule, over all its seeds)."""
-    vals = {s: r["val"] for (v, s), r in finals.items() if v == "adamw"}
-    med = statistics.median(vals.values())
-    return sorted(s for s, x in vals.items() if x > med * (1 + STALL_FRAC[preset]))
+    return seed_gaps(finals, "adamw", stall_frac=STALL_FRAC[preset])["stalled_seeds"]
 
 
 def _unconditional(res: dict, stalls: list) -> str:
